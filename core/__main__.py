@@ -1,0 +1,7 @@
+"""``python -m draftforge``: the same as the ``draftforge`` command."""
+
+import sys
+
+from draftforge.cli import main
+
+sys.exit(main())

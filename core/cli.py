@@ -1,0 +1,134 @@
+"""The ``draftforge`` command: a table of subcommands dispatched by their words.
+
+Each command is one ``Command`` line: the words that select it, the
+``module:function`` that runs it, and a one-line summary. The function takes
+the remaining arguments (``main(argv) -> int | None``) and parses them itself,
+so commands own their options and their modules are imported only when the
+command runs: ``draftforge --help`` never imports torch.
+
+A :class:`~draftforge.config.RecipeError` from any command is printed without
+a traceback and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from draftforge import __version__
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: the words that select it, its handler and a summary."""
+
+    words: tuple[str, ...]
+    handler: str  # "package.module:function", imported when the command runs
+    summary: str
+    usage: str = ""  # the arguments shown in the overview
+
+    @property
+    def name(self) -> str:
+        return " ".join(self.words)
+
+
+# Later stages add a line each: ("data", ...), ("train",), ("export",), ("eval",), ("bench", ...).
+COMMANDS: tuple[Command, ...] = (
+    Command(
+        ("config", "show"),
+        "draftforge.cli:config_show",
+        "validate a recipe and print it resolved, derived values filled in",
+        "RECIPE [key=value ...]",
+    ),
+    Command(
+        ("bench", "objective"),
+        "draftforge.train.bench_objective:main",
+        "peak memory and time of the objective, chunked vs unchunked, at Ling scale",
+        "[options]",
+    ),
+)
+
+
+def config_show(argv: Sequence[str]) -> int:
+    """``draftforge config show RECIPE [key=value ...]``: print the resolved recipe."""
+    parser = argparse.ArgumentParser(
+        prog="draftforge config show",
+        description="Load RECIPE strictly, apply key.sub=value overrides, print the resolved YAML.",
+    )
+    parser.add_argument("recipe", help="path to a recipe YAML file")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="e.g. draft.block_size=8 train.steps=100"
+    )
+    args = parser.parse_args(list(argv))
+    from draftforge.config import load_recipe
+
+    cfg = load_recipe(args.recipe, args.overrides)
+    sys.stdout.write(cfg.to_yaml())
+    return 0
+
+
+def _overview(commands: Sequence[Command]) -> str:
+    width = max(len(f"{c.name} {c.usage}".strip()) for c in commands)
+    rows = [f"  {f'{c.name} {c.usage}'.strip():<{width}}  {c.summary}" for c in commands]
+    return (
+        "usage: draftforge <command> [args ...]\n\n"
+        "Train DSpark speculative-decoding drafts against a live target LLM.\n\n"
+        "commands:\n" + "\n".join(rows) + "\n\n"
+        "Run 'draftforge <command> --help' for a command's options.\n"
+    )
+
+
+def _load(handler: str):
+    module_name, _, function = handler.partition(":")
+    return getattr(importlib.import_module(module_name), function)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``draftforge`` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        sys.stderr.write(_overview(COMMANDS))
+        return 2
+    if argv[0] in ("-h", "--help", "help"):
+        sys.stdout.write(_overview(COMMANDS))
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"draftforge {__version__}")
+        return 0
+
+    matches = [c for c in COMMANDS if tuple(argv[: len(c.words)]) == c.words]
+    if not matches:
+        prefix = [c for c in COMMANDS if c.words[: len(argv[:1])] == tuple(argv[:1])]
+        if prefix:
+            sys.stderr.write(f"draftforge: '{' '.join(argv)}' needs a subcommand:\n")
+            sys.stderr.write(_overview(prefix).split("commands:\n", 1)[1])
+        else:
+            groups = sorted({c.words[0] for c in COMMANDS})
+            sys.stderr.write(
+                f"draftforge: unknown command {argv[0]!r}; valid commands: {', '.join(groups)}\n"
+                "Run 'draftforge --help' for the list.\n"
+            )
+        return 2
+    command = max(matches, key=lambda c: len(c.words))
+
+    try:
+        status = _load(command.handler)(argv[len(command.words) :])
+    except KeyboardInterrupt:
+        sys.stderr.write("draftforge: interrupted\n")
+        return 130
+    except Exception as exc:
+        # A RecipeError can only come from an already imported draftforge.config;
+        # looking it up here keeps the config stack out of commands that never load one.
+        config = sys.modules.get("draftforge.config")
+        if config is None or not isinstance(exc, config.RecipeError):
+            raise
+        sys.stderr.write(f"draftforge {command.name}: invalid recipe:\n{exc}\n")
+        return 2
+    return int(status or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

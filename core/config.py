@@ -1,0 +1,666 @@
+"""Recipes: YAML files loaded into one strict, typed config tree.
+
+``load_recipe`` reads a recipe, applies ``key.sub=value`` overrides from the
+command line, validates every section against its pydantic model, then runs
+the checks that need more than one section (target shape against the draft,
+the process split) and fills in derived values. Every problem found is
+collected and reported together as a :class:`RecipeError` whose lines name
+where the value came from (``file:line`` or the override), the key path and
+what is wrong::
+
+    recipes/x.yaml:12: draft.markov_head_typ: unknown key (did you mean
+    'markov_head_type'?); valid keys: attention_backend, block_size, ...
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import os
+import re
+import tempfile
+import types
+import typing
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError
+
+from draftforge.data.config import DataConfig
+from draftforge.eval.config import EvalConfig
+from draftforge.section import Section
+from draftforge.splitserve.config import SplitConfig, TargetConfig, TargetShape
+from draftforge.splitserve.registry import resolve_target_shape
+from draftforge.train.config import DraftConfig, ExportConfig, TrainConfig
+
+__all__ = [
+    "RecipeConfig",
+    "RecipeError",
+    "dump_recipe",
+    "load_recipe",
+    "parse_override",
+    "validate_recipe",
+]
+
+KeyPath = tuple[str | int, ...]
+
+
+class RecipeError(ValueError):
+    """A recipe (or an override of it) is invalid.
+
+    ``problems`` holds one line per problem; ``str(error)`` joins them.
+    """
+
+    def __init__(self, problems: Sequence[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+class RecipeConfig(Section):
+    """The whole recipe: one section per component."""
+
+    name: str = Field(default="recipe", description="default: the recipe file's stem")
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    draft: DraftConfig = Field(default_factory=DraftConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    split: SplitConfig = Field(default_factory=SplitConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+
+    def to_yaml(self, header: bool = True) -> str:
+        """The resolved recipe (derived values filled in) as YAML that loads back unchanged."""
+        body = yaml.dump(
+            self.model_dump(mode="json"), Dumper=_RecipeDumper, sort_keys=False, width=100
+        )
+        if not header:
+            return body
+        return f"# draftforge resolved recipe '{self.name}'\n{body}"
+
+
+class _RecipeDumper(yaml.SafeDumper):
+    """Block-style mappings, with lists of plain values on one line (``[0, 1, 2]``)."""
+
+
+def _represent_list(dumper: yaml.SafeDumper, data: list[Any]) -> yaml.Node:
+    flat = all(not isinstance(item, (dict, list)) for item in data)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flat)
+
+
+_RecipeDumper.add_representer(list, _represent_list)
+
+
+SECTION_NAMES = tuple(name for name in RecipeConfig.model_fields if name != "name")
+
+
+# --------------------------------------------------------------------------- YAML
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1e-4`` as a float (YAML 1.1 wants ``1.0e-4``)."""
+
+
+_RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _parse_yaml(text: str, source: str) -> tuple[Any, dict[KeyPath, int], list[str]]:
+    """Parse YAML text: the data, the line of every key path, and structural problems."""
+    loader = _RecipeLoader(text)
+    try:
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{source}:{mark.line + 1}" if mark is not None else source
+        problem = ": ".join(p for p in (exc.context, exc.problem) if p)
+        raise RecipeError([f"{where}: YAML syntax error: {problem}"]) from None
+    except yaml.YAMLError as exc:
+        raise RecipeError([f"{source}: YAML syntax error: {exc}"]) from None
+    finally:
+        loader.dispose()
+    lines: dict[KeyPath, int] = {}
+    problems: list[str] = []
+    if node is not None:
+        _index_lines(node, (), lines, problems, source)
+    return data, lines, problems
+
+
+def _index_lines(
+    node: yaml.Node, path: KeyPath, lines: dict[KeyPath, int], problems: list[str], source: str
+) -> None:
+    """Record the 1-based line of every key path; report duplicate and non-string keys."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            line = key_node.start_mark.line + 1
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag != "tag:yaml.org,2002:str":
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                shown = _dotted(path) or "top level"
+                problems.append(
+                    f"{source}:{line}: {shown}: keys must be plain names, got {key_node.value!r}"
+                )
+                continue
+            key = key_node.value
+            if key in seen:
+                problems.append(
+                    f"{source}:{line}: {_dotted(path + (key,))}: duplicate key "
+                    f"(first given at line {seen[key]})"
+                )
+                continue
+            seen[key] = line
+            lines[path + (key,)] = line
+            _index_lines(value_node, path + (key,), lines, problems, source)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            lines[path + (index,)] = item.start_mark.line + 1
+            _index_lines(item, path + (index,), lines, problems, source)
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
+    """Split ``key.sub=value`` into a key path and a YAML-parsed value."""
+    key, sep, raw = text.partition("=")
+    where = f"command line {text!r}"
+    if not sep:
+        raise RecipeError([f"{where}: expected key.sub=value"])
+    parts = tuple(part.strip() for part in key.split("."))
+    if not all(parts):
+        raise RecipeError([f"{where}: empty key part in {key!r}; expected e.g. draft.block_size=8"])
+    try:
+        value = yaml.load(raw, Loader=_RecipeLoader)  # noqa: S506 - SafeLoader subclass
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise RecipeError([f"{where}: value is not valid YAML: {problem}"]) from None
+    return parts, value
+
+
+def _apply_override(data: dict[str, Any], text: str) -> tuple[str, ...]:
+    """Set one override in the raw tree (before validation); return its key path."""
+    parts, value = parse_override(text)
+    node = data
+    for depth, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            prefix = ".".join(parts[: depth + 1])
+            raise RecipeError(
+                [
+                    f"command line {text!r}: {prefix} is a value, not a section; cannot set {'.'.join(parts)}"
+                ]
+            )
+        node = child
+    node[parts[-1]] = value
+    return parts
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _dotted(path: Iterable[str | int]) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _show(value: Any) -> str:
+    """``str '8'``, ``int 8``, ``null``: a value with its YAML-ish type name."""
+    if value is None:
+        return "null"
+    kind = {dict: "mapping", list: "list", str: "str", bool: "bool", int: "int", float: "float"}
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{kind.get(type(value), type(value).__name__)} {text}"
+
+
+_EXPECTED = {
+    "int_type": "int",
+    "int_parsing": "int",
+    "int_from_float": "int",
+    "float_type": "float",
+    "float_parsing": "float",
+    "bool_type": "bool",
+    "bool_parsing": "bool",
+    "string_type": "str",
+    "list_type": "list",
+    "dict_type": "a mapping",
+    "model_type": "a mapping of keys",
+    "model_attributes_type": "a mapping of keys",
+}
+
+
+def _unwrap(annotation: Any) -> Any:
+    """Strip ``X | None`` down to X."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return _unwrap(args[0])
+    return annotation
+
+
+def _walk(loc: Sequence[str | int]) -> tuple[KeyPath, Any]:
+    """Follow a pydantic error location through the models.
+
+    Returns the key path (union/member tags dropped) and the annotation that the
+    last element refers to (a model class, a Literal, ...), or None.
+    """
+    path: list[str | int] = []
+    current: Any = RecipeConfig
+    for part in loc:
+        current = _unwrap(current)
+        if isinstance(current, type) and issubclass(current, BaseModel):
+            path.append(part)
+            field = current.model_fields.get(part) if isinstance(part, str) else None
+            current = field.annotation if field is not None else None
+        elif typing.get_origin(current) in (list, tuple) and isinstance(part, int):
+            path.append(part)
+            args = typing.get_args(current)
+            current = args[0] if args else None
+        elif isinstance(part, int):
+            path.append(part)
+            current = None
+        # else: a union member tag such as 'int' or 'function-after[...]': skip it
+    return tuple(path), _unwrap(current)
+
+
+def _model_at(path: KeyPath) -> type[BaseModel] | None:
+    _, annotation = _walk(path)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
+def _describe(error: dict[str, Any]) -> tuple[KeyPath, str]:
+    """A pydantic error as (key path, problem text)."""
+    loc = tuple(error["loc"])
+    kind = error["type"]
+    value = error.get("input")
+    if kind == "extra_forbidden":
+        path, _ = _walk(loc)
+        model = _model_at(path[:-1]) if path else None
+        valid = sorted(model.model_fields) if model is not None else []
+        key = str(path[-1]) if path else "?"
+        hint = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+        did_you_mean = f" (did you mean {hint[0]!r}?)" if hint else ""
+        return path, f"unknown key{did_you_mean}; valid keys: {', '.join(valid)}"
+    path, annotation = _walk(loc)
+    if kind == "literal_error":
+        choices = typing.get_args(annotation) if typing.get_origin(annotation) is Literal else ()
+        if choices:
+            listed = ", ".join(repr(c) for c in choices)
+            hint = ""
+            if isinstance(value, str):
+                close = difflib.get_close_matches(value, [str(c) for c in choices], n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+            return path, f"{value!r} is not one of {listed}{hint}"
+        return path, f"{value!r} is not one of {error.get('ctx', {}).get('expected', '?')}"
+    if kind == "missing":
+        return path, "required key missing"
+    if kind in _EXPECTED:
+        return path, f"expected {_EXPECTED[kind]}, got {_show(value)}"
+    message = str(error.get("msg", kind))
+    if message.startswith("Value error, "):
+        return path, message[len("Value error, ") :]
+    message = message.replace("Input should be", "must be")
+    return path, f"{message}, got {_show(value)}"
+
+
+class _Locator:
+    """Says where a key path's value came from: an override or a line of the file."""
+
+    def __init__(self, source: str, lines: dict[KeyPath, int], overrides: dict[KeyPath, str]):
+        self.source = source
+        self.lines = lines
+        self.overrides = overrides
+
+    def where(self, path: KeyPath) -> str:
+        for end in range(len(path), 0, -1):
+            if path[:end] in self.overrides:
+                return f"command line {self.overrides[path[:end]]!r}"
+        if path and path not in self.lines:
+            # a section or key that only an override created (``foo.bar=1``)
+            for override_path, text in self.overrides.items():
+                if override_path[: len(path)] == path:
+                    return f"command line {text!r}"
+        for end in range(len(path), 0, -1):
+            if path[:end] in self.lines:
+                return f"{self.source}:{self.lines[path[:end]]}"
+        return self.source
+
+    def line(self, path: KeyPath, problem: str) -> str:
+        key = _dotted(path)
+        return f"{self.where(path)}: {key}: {problem}" if key else f"{self.where(path)}: {problem}"
+
+
+# --------------------------------------------------------------------------- cross checks
+
+Problem = tuple[KeyPath, str]
+
+
+def _check_target(cfg: RecipeConfig) -> tuple[TargetShape | None, list[Problem]]:
+    """Resolve the target's shape; check a declared shape against the known one."""
+    target = cfg.target
+    problems: list[Problem] = []
+    try:
+        shape = resolve_target_shape(target)
+    except (OSError, ValueError) as exc:
+        return None, [(("target", "model"), f"cannot read the target's config.json: {exc}")]
+    if target.shape is not None and target.model != "random":
+        try:
+            known = resolve_target_shape(target.model_copy(update={"shape": None}))
+        except (OSError, ValueError):
+            known = None
+        if known is not None:
+            for field in sorted(target.shape.model_fields_set):
+                declared, real = getattr(target.shape, field), getattr(known, field)
+                if declared != real:
+                    problems.append(
+                        (
+                            ("target", "shape", field),
+                            f"{declared!r} differs from {target.model}'s {field} {real!r}; "
+                            "remove it or fix it",
+                        )
+                    )
+    if target.model == "random" and shape is not None:
+        if shape.hidden_size % shape.num_attention_heads:
+            problems.append(
+                (
+                    ("target", "shape", "hidden_size"),
+                    f"{shape.hidden_size} is not divisible by num_attention_heads "
+                    f"{shape.num_attention_heads}",
+                )
+            )
+        if shape.num_attention_heads % shape.num_key_value_heads:
+            problems.append(
+                (
+                    ("target", "shape", "num_key_value_heads"),
+                    f"{shape.num_key_value_heads} does not divide num_attention_heads "
+                    f"{shape.num_attention_heads}",
+                )
+            )
+    return shape, problems
+
+
+def _check_draft(cfg: RecipeConfig, shape: TargetShape | None) -> list[Problem]:
+    """Check the draft against itself and the target; derive head_dim, rope and positions."""
+    draft = cfg.draft
+    problems: list[Problem] = []
+    ids_path = ("draft", "target_layer_ids")
+    ids = draft.target_layer_ids
+    if not ids:
+        problems.append((ids_path, "must list at least one target layer"))
+    duplicates = sorted({i for i in ids if ids.count(i) > 1})
+    if duplicates:
+        problems.append((ids_path, f"duplicate layer ids {duplicates}"))
+    for index, layer in enumerate(ids):
+        if layer < 0:
+            problems.append(
+                (ids_path + (index,), f"layer id {layer} is negative; ids are 0-indexed")
+            )
+        elif shape is not None and layer >= shape.num_hidden_layers - 1:
+            last = shape.num_hidden_layers - 1
+            if layer == last:
+                why = (
+                    f"layer id {layer} is the target's final layer, which is not allowed "
+                    f"(its output is the final-hidden stream)"
+                )
+            else:
+                why = f"layer id {layer} is out of range: the target has {shape.num_hidden_layers} layers"
+            problems.append((ids_path + (index,), f"{why}; valid ids are 0..{last - 1}"))
+
+    if shape is not None:
+        if draft.mask_token_id >= shape.vocab_size:
+            problems.append(
+                (
+                    ("draft", "mask_token_id"),
+                    f"{draft.mask_token_id} is outside the target vocabulary "
+                    f"(vocab_size {shape.vocab_size}); pick an existing, unused token id",
+                )
+            )
+        if draft.hidden_size != shape.hidden_size:
+            problems.append(
+                (
+                    ("draft", "hidden_size"),
+                    f"{draft.hidden_size} differs from the target's hidden_size "
+                    f"{shape.hidden_size}; the draft uses the target's embedding and lm_head, "
+                    "so they must match",
+                )
+            )
+        if draft.rope_theta is None:
+            draft.rope_theta = shape.rope_theta
+        if draft.max_position_embeddings is None:
+            draft.max_position_embeddings = shape.max_position_embeddings
+
+    if draft.head_dim is None:
+        if draft.hidden_size % draft.num_attention_heads:
+            problems.append(
+                (
+                    ("draft", "hidden_size"),
+                    f"{draft.hidden_size} is not divisible by num_attention_heads "
+                    f"{draft.num_attention_heads}; change one or set draft.head_dim",
+                )
+            )
+        else:
+            draft.head_dim = draft.hidden_size // draft.num_attention_heads
+    if draft.num_attention_heads % draft.num_key_value_heads:
+        problems.append(
+            (
+                ("draft", "num_key_value_heads"),
+                f"{draft.num_key_value_heads} does not divide num_attention_heads "
+                f"{draft.num_attention_heads}",
+            )
+        )
+    if (
+        draft.markov_rank == 0
+        and draft.enable_confidence_head
+        and draft.confidence_head_with_markov
+    ):
+        problems.append(
+            (
+                ("draft", "markov_rank"),
+                "0 disables the Markov head, but the confidence head is set to read the Markov "
+                "embedding; set draft.confidence_head_with_markov: false, or "
+                "draft.enable_confidence_head: false for the DFlash ablation",
+            )
+        )
+    return problems
+
+
+def _check_split(cfg: RecipeConfig) -> list[Problem]:
+    """Derive trainer_ranks / world_size; check the split covers 0..world_size-1 exactly."""
+    split = cfg.split
+    problems: list[Problem] = []
+    target = split.target_ranks
+    for key, ranks in (("target_ranks", target), ("trainer_ranks", split.trainer_ranks or [])):
+        negative = [r for r in ranks if r < 0]
+        repeated = sorted({r for r in ranks if ranks.count(r) > 1})
+        if negative:
+            problems.append((("split", key), f"ranks must be >= 0, got {negative}"))
+        if repeated:
+            problems.append((("split", key), f"duplicate ranks {repeated}"))
+    if not target:
+        problems.append((("split", "target_ranks"), "the target group needs at least one rank"))
+    if problems:
+        return problems
+
+    if split.trainer_ranks is None:
+        world = split.world_size if split.world_size is not None else len(target) + 1
+        split.trainer_ranks = [r for r in range(world) if r not in target]
+    if split.world_size is None:
+        split.world_size = len(target) + len(split.trainer_ranks)
+    trainer, world = split.trainer_ranks, split.world_size
+
+    if not trainer:
+        problems.append(
+            (
+                ("split", "trainer_ranks"),
+                f"the trainer group is empty (world_size {world}, target_ranks {target}); "
+                "raise split.world_size or list split.trainer_ranks",
+            )
+        )
+    overlap = sorted(set(target) & set(trainer))
+    if overlap:
+        problems.append(
+            (
+                ("split", "trainer_ranks"),
+                f"ranks {overlap} are in both target_ranks and trainer_ranks",
+            )
+        )
+    covered = set(target) | set(trainer)
+    if not overlap and covered != set(range(world)):
+        missing = sorted(set(range(world)) - covered)
+        extra = sorted(covered - set(range(world)))
+        detail = []
+        if missing:
+            detail.append(f"ranks {missing} are in neither group")
+        if extra:
+            detail.append(f"ranks {extra} are >= world_size")
+        problems.append(
+            (
+                ("split", "world_size"),
+                f"{world}: target_ranks and trainer_ranks must together cover 0..{world - 1} "
+                f"exactly ({'; '.join(detail)})",
+            )
+        )
+    if len(target) % split.target_tensor_parallel:
+        problems.append(
+            (
+                ("split", "target_tensor_parallel"),
+                f"{split.target_tensor_parallel} does not divide the target group size {len(target)}",
+            )
+        )
+    for key, ranks in (("target_devices", target), ("trainer_devices", trainer)):
+        devices = getattr(split, key)
+        if devices is not None and len(devices) != len(ranks):
+            group = key.split("_")[0]
+            problems.append(
+                (
+                    ("split", key),
+                    f"lists {len(devices)} device(s) for {len(ranks)} {group} rank(s); give one per rank",
+                )
+            )
+    return problems
+
+
+def _cross_check(cfg: RecipeConfig) -> list[Problem]:
+    shape, problems = _check_target(cfg)
+    problems += _check_draft(cfg, shape)
+    problems += _check_split(cfg)
+    return problems
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def validate_recipe(
+    data: Any,
+    *,
+    source: str = "<recipe>",
+    name: str | None = None,
+    overrides: Sequence[str] = (),
+    lines: dict[KeyPath, int] | None = None,
+) -> RecipeConfig:
+    """Validate a raw recipe tree (as parsed from YAML) and return the resolved config.
+
+    ``overrides`` (``key.sub=value``) are applied before validation. ``source``
+    and ``lines`` only shape the error messages. Raises :class:`RecipeError`.
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(
+            [
+                f"{source}: the top level must be a mapping of sections "
+                f"({', '.join(SECTION_NAMES)}), got {_show(data)}"
+            ]
+        )
+    data = copy.deepcopy(data)
+    # An empty section ("draft:" with nothing under it) means "all defaults".
+    for section in SECTION_NAMES:
+        if section in data and data[section] is None:
+            data[section] = {}
+    override_paths: dict[KeyPath, str] = {}
+    for text in overrides:
+        override_paths[_apply_override(data, text)] = text
+    if name is not None:
+        data.setdefault("name", name)
+    locator = _Locator(source, lines or {}, override_paths)
+
+    try:
+        cfg = RecipeConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = [locator.line(*_describe(error)) for error in exc.errors()]
+        raise RecipeError(problems) from None
+    problems = [locator.line(path, problem) for path, problem in _cross_check(cfg)]
+    if problems:
+        raise RecipeError(problems)
+    return cfg
+
+
+def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> RecipeConfig:
+    """Load, override, validate and resolve the recipe at ``path``.
+
+    Raises :class:`RecipeError` listing every problem, each naming the file and
+    line (or the override) and the key path.
+    """
+    path = Path(path)
+    source = str(path)
+    if not path.exists():
+        raise RecipeError([f"{source}: no such recipe file"])
+    if path.is_dir():
+        raise RecipeError([f"{source}: is a directory, expected a recipe .yaml file"])
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError([f"{source}: cannot read: {exc}"]) from None
+    data, lines, problems = _parse_yaml(text, source)
+    if problems:  # duplicate or odd keys: report them with whatever else is wrong
+        try:
+            validate_recipe(data, source=source, name=path.stem, overrides=overrides, lines=lines)
+        except RecipeError as exc:
+            problems += exc.problems
+        raise RecipeError(problems)
+    if data is None:
+        raise RecipeError(
+            [
+                f"{source}: the recipe is empty; expected a mapping of sections "
+                f"({', '.join(SECTION_NAMES)})"
+            ]
+        )
+    if not isinstance(data, dict):
+        raise RecipeError(
+            [
+                f"{source}:1: the top level must be a mapping of sections "
+                f"({', '.join(SECTION_NAMES)}), got {_show(data)}"
+            ]
+        )
+    return validate_recipe(data, source=source, name=path.stem, overrides=overrides, lines=lines)
+
+
+def dump_recipe(cfg: RecipeConfig, path: str | os.PathLike[str]) -> Path:
+    """Write the resolved recipe to ``path`` atomically (temp file, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(cfg.to_yaml())
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

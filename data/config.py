@@ -1,0 +1,39 @@
+"""Recipe section owned by data/: where prompts come from and how samples are built."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from draftforge.section import Section
+
+
+class DataConfig(Section):
+    """Prompts or conversations, and how they become token / loss-mask samples."""
+
+    train_files: list[str] = Field(
+        default_factory=lambda: ["builtin:train-prompts"],
+        description="local jsonl/json/parquet files, or builtin:train-prompts",
+    )
+    format: Literal["auto", "messages", "sharegpt", "prompt"] = "auto"
+    max_length: int = Field(default=2048, gt=1, description="tokens per sample after truncation")
+    min_loss_tokens: int = Field(
+        default=8, ge=1, description="drop samples with fewer supervised tokens"
+    )
+    skip_invalid: bool = Field(default=False, description="count and skip malformed rows")
+    regenerate: bool = Field(default=True, description="answer prompts with the target itself")
+    regenerated_file: str | None = Field(
+        default=None, description="jsonl written by 'draftforge data regenerate'"
+    )
+    num_samples: int | None = Field(default=None, gt=0, description="use the first N prompts")
+    shuffle_seed: int = 0
+    overlap_check: bool = Field(
+        default=True, description="refuse training prompts that overlap the eval workloads"
+    )
+    overlap_threshold: float = Field(
+        default=0.5,
+        gt=0.0,
+        le=1.0,
+        description="near-duplicate score (character 5-gram Jaccard or containment) refused",
+    )

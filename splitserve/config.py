@@ -1,0 +1,88 @@
+"""Recipe sections owned by splitserve: the target engine and the process split."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from draftforge.section import Section
+
+
+class TargetShape(Section):
+    """The target's shape, declared in the recipe.
+
+    Required for ``model: random`` (it defines the random target) and for dry
+    runs without the target's weights; for a named or local model it is
+    checked against the real config when given.
+    """
+
+    num_hidden_layers: int = Field(gt=0, description="decoder layers of the target")
+    hidden_size: int = Field(gt=0, description="hidden size of the target")
+    vocab_size: int = Field(gt=0, description="vocabulary size (rows of embed_tokens)")
+    num_attention_heads: int = Field(default=4, gt=0)
+    num_key_value_heads: int = Field(default=2, gt=0)
+    intermediate_size: int = Field(default=128, gt=0)
+    max_position_embeddings: int = Field(default=2048, gt=0)
+    rope_theta: float = Field(default=10000.0, gt=0)
+
+
+class GenerationConfig(Section):
+    """Sampling settings used to regenerate responses (distribution-aligned data)."""
+
+    temperature: float = Field(default=0.7, ge=0.0, description="0 means greedy")
+    top_p: float = Field(default=0.8, gt=0.0, le=1.0)
+    top_k: int = Field(default=20, ge=0, description="0 disables top-k")
+    max_new_tokens: int = Field(default=256, gt=0)
+    seed: int = 0
+    enable_thinking: bool = Field(
+        default=False, description="passed to the chat template; must match serving"
+    )
+    chat_template: str | None = Field(
+        default=None, description="a Jinja template replacing the tokenizer's own"
+    )
+    batch_size: int = Field(default=8, gt=0, description="conversations generated together")
+
+
+class TargetConfig(Section):
+    """The target model and the engine that runs it."""
+
+    model: str = Field(
+        default="smollm2-135m-instruct",
+        description="a registered name (smollm2-135m-instruct), 'random' or a local HF folder",
+    )
+    backend: Literal["hf", "sglang"] = "hf"
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    trust_remote_code: bool = False
+    cache_dir: str | None = Field(
+        default=None, description="conversion cache; default ~/.cache/draftforge"
+    )
+    num_threads: int = Field(default=1, gt=0, description="intra-op threads per process on CPU")
+    seed: int = Field(default=0, description="seed of the random target (model: random)")
+    shape: TargetShape | None = None
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+
+    @model_validator(mode="after")
+    def _random_needs_shape(self) -> TargetConfig:
+        if self.model == "random" and self.shape is None:
+            raise ValueError("model 'random' needs a declared 'shape' section")
+        return self
+
+
+class SplitConfig(Section):
+    """Which ranks serve the target and which train the draft."""
+
+    target_ranks: list[int] = Field(default_factory=lambda: [0])
+    trainer_ranks: list[int] | None = Field(
+        default=None, description="default: every rank not in target_ranks"
+    )
+    world_size: int | None = Field(
+        default=None, gt=0, description="default: len(target_ranks) + len(trainer_ranks)"
+    )
+    target_devices: list[int] | None = Field(default=None, description="GPU ids of the target group")
+    trainer_devices: list[int] | None = Field(default=None, description="GPU ids of the trainers")
+    target_tensor_parallel: int = Field(default=1, gt=0)
+    max_in_flight: int = Field(default=4, gt=0, description="samples queued per trainer")
+    token_budget: int = Field(default=4096, gt=0, description="tokens packed into one step")
+    restart_target: bool = False
+    comm_backend: Literal["auto", "gloo", "nccl"] = "auto"

@@ -1,0 +1,41 @@
+"""Targets known by name, and the shapes the recipe checks need before loading."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from draftforge.splitserve.config import TargetConfig, TargetShape
+
+# Shapes of the named targets, read off their config.json files, so recipes can
+# be validated (layer ids, mask token) before the weights are converted.
+KNOWN_TARGETS: dict[str, TargetShape] = {
+    "smollm2-135m-instruct": TargetShape(
+        num_hidden_layers=30,
+        hidden_size=576,
+        vocab_size=49152,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+    ),
+}
+
+
+def resolve_target_shape(target: TargetConfig) -> TargetShape | None:
+    """The target's shape without loading weights, or None when it cannot be known yet."""
+    if target.shape is not None:
+        return target.shape
+    if target.model in KNOWN_TARGETS:
+        return KNOWN_TARGETS[target.model]
+    config_path = Path(target.model) / "config.json"
+    if config_path.is_file():
+        raw = json.loads(config_path.read_text())
+        raw = raw.get("text_config", raw)
+        fields = {k: raw[k] for k in TargetShape.model_fields if k in raw}
+        try:
+            return TargetShape(**fields)
+        except ValueError:
+            return None
+    return None

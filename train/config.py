@@ -1,0 +1,98 @@
+"""Recipe sections owned by train/: the draft's architecture and the training loop."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from draftforge.section import Section
+
+
+class DraftConfig(Section):
+    """The DSpark draft. Names match the exported config.json fields."""
+
+    hidden_size: int = Field(default=576, gt=0)
+    num_hidden_layers: int = Field(default=1, gt=0)
+    num_attention_heads: int = Field(default=8, gt=0)
+    num_key_value_heads: int = Field(default=8, gt=0)
+    head_dim: int | None = Field(default=None, gt=0, description="default: hidden_size / heads")
+    intermediate_size: int = Field(default=1536, gt=0)
+    target_layer_ids: list[int] = Field(default_factory=lambda: [1, 8, 15, 22, 28])
+    block_size: int = Field(default=8, ge=2, description="draft tokens per block (gamma)")
+    mask_token_id: int = Field(default=16, ge=0, description="an existing, unused target token id")
+    markov_rank: int = Field(default=64, ge=0, description="0 disables the Markov head (DFlash)")
+    markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"
+    enable_confidence_head: bool = True
+    confidence_head_with_markov: bool = True
+    rope_theta: float | None = Field(default=None, gt=0, description="default: the target's")
+    rms_norm_eps: float = Field(default=1e-6, gt=0)
+    max_position_embeddings: int | None = Field(default=None, gt=0, description="default: the target's")
+    attention_backend: Literal["sdpa", "flex"] = Field(
+        default="sdpa", description="sdpa: dense mask, CPU and GPU; flex: block mask, GPU"
+    )
+
+
+class LossConfig(Section):
+    """The acceptance-aware objective (contract section 2)."""
+
+    ce_weight: float = Field(default=0.1, ge=0)
+    tv_weight: float = Field(default=0.9, ge=0)
+    bce_weight: float = Field(default=1.0, ge=0)
+    decay: float = Field(default=4.0, gt=0, description="w_k = exp(-k / decay)")
+    position_weighting: Literal["exp", "dpace"] = "exp"
+    chunk_blocks: int = Field(default=64, gt=0, description="blocks per objective chunk")
+
+
+class TrainConfig(Section):
+    """Optimisation, parallelism, checkpoints and logging."""
+
+    strategy: Literal["fsdp2", "deepspeed", "single"] = "fsdp2"
+    zero_stage: Literal[2, 3] = 2
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    num_anchors: int = Field(default=512, gt=0, description="random anchors per sequence")
+    steps: int = Field(default=1000, gt=0)
+    lr: float = Field(default=6e-4, gt=0)
+    warmup_ratio: float = Field(default=0.04, ge=0, lt=1)
+    weight_decay: float = Field(default=0.0, ge=0)
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    grad_accum: int = Field(default=1, gt=0)
+    seed: int = 0
+    num_threads: int = Field(default=1, gt=0)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    output_dir: str = "runs/default"
+    checkpoint_interval: int = Field(default=200, gt=0)
+    keep_last: int = Field(default=2, gt=0)
+    resume: str = Field(default="auto", description="auto, never, or a checkpoint path")
+    log_interval: int = Field(default=10, gt=0)
+    wandb: bool = False
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    tensorboard: bool = False
+    max_bad_steps: int = Field(default=10, ge=0)
+
+
+class ExportConfig(Section):
+    """The Hugging Face folder that SGLang and llama.cpp load as it is."""
+
+    arch: Literal["Qwen3DSparkModel", "LingDSparkModel"] = "Qwen3DSparkModel"
+    with_embeddings: bool = Field(default=False, description="also write embed_tokens / lm_head")
+    max_shard_size_mb: int = Field(default=4096, gt=0, description="shard above this size")
+    out_dir: str | None = Field(default=None, description="default: <output_dir>/export")
+
+
+def build_dspark_config(draft: DraftConfig, target_shape, *, vocab_size: int | None = None):
+    """The model's :class:`~draftforge.train.model.DSparkConfig` from the draft section and the
+    target's shape (a :class:`~draftforge.splitserve.config.TargetShape`)."""
+    from draftforge.train.model import DSparkConfig
+
+    fields = draft.model_dump()
+    fields["rope_theta"] = fields["rope_theta"] or target_shape.rope_theta
+    fields["max_position_embeddings"] = (
+        fields["max_position_embeddings"] or target_shape.max_position_embeddings
+    )
+    return DSparkConfig(
+        vocab_size=vocab_size or target_shape.vocab_size,
+        target_hidden_size=target_shape.hidden_size,
+        num_target_layers=target_shape.num_hidden_layers,
+        **fields,
+    )
