@@ -1,0 +1,131 @@
+"""``draftforge bench objective``: peak memory and time of one objective forward+backward.
+
+Each path runs in a fresh child process so its peak resident memory
+(``ru_maxrss``) is its own. The figure reported is the peak *added* by the
+objective: the child's peak minus its resident memory once the inputs and
+weights exist (lm_head, Markov head, hidden states, target states).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+GIB = 1024**3
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def _child(args: argparse.Namespace) -> dict:
+    import torch
+
+    from draftforge.train.model import DSparkConfig, DSparkDraft
+    from draftforge.train.objective import dspark_objective
+
+    torch.set_num_threads(args.threads)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    cfg = DSparkConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=1,
+        num_attention_heads=args.hidden // 128, num_key_value_heads=args.hidden // 128, head_dim=128,
+        intermediate_size=128, target_hidden_size=args.hidden, num_target_layers=6,
+        target_layer_ids=[1], block_size=args.block, mask_token_id=0, markov_rank=args.markov_rank,
+        enable_confidence_head=True, confidence_head_with_markov=True,
+    )
+    with torch.device("meta"):
+        model = DSparkDraft(cfg)
+    # Materialise in place (no fp32 transient that would pollute the peak).
+    model = model.to_empty(device="cpu").to(dtype)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.02, generator=gen)
+    rows = args.anchors
+    hidden = torch.empty(rows, args.block, args.hidden, dtype=dtype).normal_(generator=gen).requires_grad_()
+    target_hidden = torch.empty(rows, args.block, args.hidden, dtype=dtype).normal_(generator=gen)
+    labels = torch.randint(0, args.vocab, (rows, args.block), generator=gen)
+    prev = torch.randint(0, args.vocab, (rows, args.block), generator=gen)
+    valid = torch.ones(rows, args.block, dtype=torch.bool)
+    baseline = _rss_bytes()
+    start = time.perf_counter()
+    out = dspark_objective(
+        model, hidden, prev, labels, valid, target_hidden,
+        chunked=args.path == "chunked", chunk_blocks=args.chunk_blocks,
+    )
+    out.loss.backward()
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {
+        "path": args.path,
+        "peak_added_gib": (peak - baseline) / GIB,
+        "baseline_gib": baseline / GIB,
+        "seconds": seconds,
+        "loss": out.loss.item(),
+    }
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="draftforge bench objective",
+        description="Peak memory and time of one objective forward+backward, chunked vs unchunked "
+        "(defaults: Ling-3.0-flash scale).",
+    )
+    parser.add_argument("--vocab", type=int, default=157_184)
+    parser.add_argument("--hidden", type=int, default=2560)
+    parser.add_argument("--anchors", type=int, default=512, help="blocks (anchors) in the step")
+    parser.add_argument("--block", type=int, default=8)
+    parser.add_argument("--markov-rank", type=int, default=256)
+    parser.add_argument("--chunk-blocks", type=int, default=16, help="blocks per objective chunk")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--paths", default="chunked,unchunked", help="comma-separated")
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.path:
+        print(json.dumps(_child(args)))
+        return 0
+    base = [a for a in (argv if argv is not None else sys.argv[1:])]
+    print(
+        f"objective forward+backward: V={args.vocab} H={args.hidden} {args.anchors} anchors x "
+        f"{args.block} slots, Markov rank {args.markov_rank}, {args.dtype}, {args.threads} threads",
+        flush=True,
+    )
+    results = {}
+    for path in args.paths.split(","):
+        print(f"  running {path} ...", flush=True)
+        proc = subprocess.run(
+            [sys.executable, "-m", "draftforge.train.bench_objective", *base, "--path", path],
+            capture_output=True, text=True,
+        )
+        if proc.returncode != 0:
+            tail = proc.stderr.strip().splitlines()[-3:]
+            print(f"  {path}: failed (exit {proc.returncode}): {' | '.join(tail)}", flush=True)
+            results[path] = None
+            continue
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        results[path] = result
+        print(
+            f"  {path:10s} peak added {result['peak_added_gib']:7.2f} GiB   time {result['seconds']:7.2f} s"
+            f"   loss {result['loss']:.4f}",
+            flush=True,
+        )
+
+    def fmt(path):
+        return "nan" if not results.get(path) else f"{results[path]['peak_added_gib']:.2f}"
+
+    print(f"objective_peak_gib={fmt('chunked')} unchunked_peak_gib={fmt('unchunked')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
