@@ -49,6 +49,18 @@ COMMANDS: tuple[Command, ...] = (
         "peak memory and time of the objective, chunked vs unchunked, at Ling scale",
         "[options]",
     ),
+    Command(
+        ("bench", "target"),
+        "draftforge.splitserve.bench_target:main",
+        "tokens per second of the target's features and generate, bf16 vs fp32",
+        "[options]",
+    ),
+    Command(
+        ("data", "regenerate"),
+        "draftforge.data.regenerate:main",
+        "answer every prompt with the target (distribution-aligned data), resumable",
+        "RECIPE [key=value ...]",
+    ),
 )
 
 

@@ -1,0 +1,336 @@
+"""The transformers target backend, the embedded default: a local HF causal LM run in-process."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from draftforge.splitserve.target import TargetFeatures, check_layer_ids
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from draftforge.splitserve.config import GenerationConfig, TargetConfig
+
+DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class HFTarget:
+    """A transformers causal LM as a ``TargetEngine``.
+
+    Features are captured with forward hooks on the chosen decoder layers and on
+    the final norm, attached only for the duration of one ``features`` call, so
+    only the selected layers' states are kept (no ``output_hidden_states``).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase | None,
+        layer_ids: Sequence[int],
+        *,
+        name: str,
+        no_tokenizer_reason: str = "this target was built without a tokenizer",
+    ) -> None:
+        self.model = model.eval()
+        self.name = name
+        self._tokenizer = tokenizer
+        self._no_tokenizer_reason = no_tokenizer_reason
+        config = model.config.get_text_config()
+        self.num_hidden_layers = int(config.num_hidden_layers)
+        self.hidden_size = int(config.hidden_size)
+        self.vocab_size = int(config.vocab_size)
+        self.layer_ids = check_layer_ids(layer_ids, self.num_hidden_layers)
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        self._layers, self._final_norm = _decoder_layers_and_norm(model)
+        if len(self._layers) != self.num_hidden_layers:
+            raise ValueError(
+                f"{name}: config says {self.num_hidden_layers} decoder layers but the model has "
+                f"{len(self._layers)}"
+            )
+
+    @classmethod
+    def from_folder(
+        cls,
+        folder: str | os.PathLike[str],
+        layer_ids: Sequence[int],
+        cfg: TargetConfig,
+        *,
+        name: str | None = None,
+        device: str | torch.device = "cpu",
+    ) -> HFTarget:
+        """Load a local Hugging Face causal LM folder (safetensors weights only)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = _checked_model_folder(folder)
+        set_cpu_threads(cfg.num_threads, device)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(path),
+                dtype=DTYPES[cfg.dtype],
+                use_safetensors=True,
+                trust_remote_code=cfg.trust_remote_code,
+            )
+            tokenizer = AutoTokenizer.from_pretrained(
+                str(path), trust_remote_code=cfg.trust_remote_code
+            )
+        except ValueError as err:
+            if "trust_remote_code" in str(err) and not cfg.trust_remote_code:
+                raise ValueError(
+                    f"target.model {str(folder)!r} needs code shipped with the model; set "
+                    f"target.trust_remote_code: true only if you trust that code ({err})"
+                ) from err
+            raise
+        model.to(device)
+        return cls(model, tokenizer, layer_ids, name=name or path.name)
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The target's tokenizer; raises for targets built without one."""
+        if self._tokenizer is None:
+            raise RuntimeError(
+                f"target {self.name!r} has no tokenizer: {self._no_tokenizer_reason}"
+            )
+        return self._tokenizer
+
+    @torch.no_grad()
+    def features(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> TargetFeatures:
+        """Outputs of the auxiliary layers and the final post-norm state for ``input_ids`` [B, S].
+
+        With ``attention_mask`` (right padding), positions outside the mask are zero.
+        Runs under ``no_grad`` (not ``inference_mode``) so the trainer can feed the
+        tensors into autograd.
+        """
+        input_ids = _as_batch(input_ids, "input_ids").to(self.device)
+        if attention_mask is not None:
+            attention_mask = _as_batch(attention_mask, "attention_mask").to(self.device)
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(
+                    f"attention_mask shape {tuple(attention_mask.shape)} differs from input_ids "
+                    f"shape {tuple(input_ids.shape)}"
+                )
+        captured: dict[object, torch.Tensor] = {}
+
+        def keep(key: object):
+            def hook(_module: nn.Module, _args: object, output: object) -> None:
+                state = output[0] if isinstance(output, tuple) else output
+                if key in captured:
+                    raise RuntimeError(f"{self.name}: module for {key!r} ran twice in one forward")
+                captured[key] = state
+
+            return hook
+
+        handles = [self._layers[i].register_forward_hook(keep(i)) for i in self.layer_ids]
+        handles.append(self._final_norm.register_forward_hook(keep("final")))
+        try:
+            # The decoder alone: the lm_head's [B, S, V] logits are not needed here.
+            self.model.get_decoder()(
+                input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+            )
+        finally:
+            for handle in handles:
+                handle.remove()
+        aux = torch.cat([captured[i] for i in self.layer_ids], dim=-1).to(self.dtype)
+        final = captured["final"].to(self.dtype)
+        if attention_mask is not None:
+            keep_mask = attention_mask.bool().unsqueeze(-1)
+            aux = aux.masked_fill(~keep_mask, 0)
+            final = final.masked_fill(~keep_mask, 0)
+        return TargetFeatures(aux=aux, final=final)
+
+    @torch.no_grad()
+    def logits(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Next-token logits [B, S, V] for ``input_ids`` [B, S] (a helper for evaluation)."""
+        input_ids = _as_batch(input_ids, "input_ids").to(self.device)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(self.device)
+        return self.model(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+        ).logits
+
+    def generate(
+        self, conversations: list[list[dict[str, str]]], settings: GenerationConfig
+    ) -> list[str]:
+        """One assistant reply per conversation, with the recipe's sampling settings.
+
+        The chat template (``settings.chat_template`` or the tokenizer's) is applied
+        with ``add_generation_prompt`` and ``enable_thinking``; batches of
+        ``settings.batch_size`` are left-padded and decoded with a KV cache.
+        Sampling is seeded from ``settings.seed`` at the start of every call (the
+        global RNG is left untouched): the same list of conversations with the
+        same settings gives the same replies. Temperature 0 means greedy.
+        Replies are decoded without special tokens.
+        """
+        replies = self.generate_token_ids(conversations, settings)
+        return self.tokenizer.batch_decode(replies, skip_special_tokens=True)
+
+    @torch.no_grad()
+    def generate_token_ids(
+        self, conversations: list[list[dict[str, str]]], settings: GenerationConfig
+    ) -> list[list[int]]:
+        """Like ``generate`` but returns each reply's token ids, up to and including its end-of-turn token."""
+        tokenizer = self.tokenizer
+        prompts = [
+            self._render(conversation, index, settings)
+            for index, conversation in enumerate(conversations)
+        ]
+        generation_config = self._generation_config(settings)
+        eos = set(generation_config.eos_token_id)
+        replies: list[list[int]] = []
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(settings.seed)
+            for start in range(0, len(prompts), settings.batch_size):
+                batch = tokenizer(
+                    prompts[start : start + settings.batch_size],
+                    return_tensors="pt",
+                    padding=True,
+                    padding_side="left",
+                    add_special_tokens=False,
+                ).to(self.device)
+                output = self.model.generate(**batch, generation_config=generation_config)
+                for row in output[:, batch["input_ids"].shape[1] :].tolist():
+                    replies.append(_until_eos(row, eos))
+        return replies
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """The output projection [V, H_t], detached."""
+        return self.model.get_output_embeddings().weight.detach()
+
+    def embed_tokens_weight(self) -> torch.Tensor:
+        """The input embedding [V, H_t], detached."""
+        return self.model.get_input_embeddings().weight.detach()
+
+    def eos_token_ids(self) -> list[int]:
+        """Token ids that end an assistant turn (tokenizer's eos plus the model's generation eos)."""
+        ids: list[int] = []
+        for source in (self.tokenizer.eos_token_id, self.model.generation_config.eos_token_id):
+            for token_id in source if isinstance(source, list) else [source]:
+                if token_id is not None and token_id not in ids:
+                    ids.append(int(token_id))
+        if not ids:
+            raise ValueError(f"target {self.name!r} defines no end-of-sequence token")
+        return ids
+
+    def _render(
+        self, conversation: list[dict[str, str]], index: int, settings: GenerationConfig
+    ) -> str:
+        _check_conversation(conversation, index)
+        return self.tokenizer.apply_chat_template(
+            conversation,
+            tokenize=False,
+            add_generation_prompt=True,
+            enable_thinking=settings.enable_thinking,
+            chat_template=settings.chat_template,
+        )
+
+    def _generation_config(self, settings: GenerationConfig):
+        from transformers import GenerationConfig as HFGenerationConfig
+
+        eos = self.eos_token_ids()
+        pad = self.tokenizer.pad_token_id
+        sampling = (
+            {
+                "do_sample": True,
+                "temperature": settings.temperature,
+                "top_p": settings.top_p,
+                "top_k": settings.top_k,
+            }
+            if settings.temperature > 0
+            else {"do_sample": False}
+        )
+        return HFGenerationConfig(
+            max_new_tokens=settings.max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=eos[0] if pad is None else pad,
+            **sampling,
+        )
+
+
+def set_cpu_threads(num_threads: int, device: str | torch.device) -> None:
+    """One intra-op thread per process by default: processes sharing cores must not oversubscribe."""
+    if torch.device(device).type == "cpu":
+        torch.set_num_threads(num_threads)
+
+
+def _checked_model_folder(folder: str | os.PathLike[str]) -> Path:
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"target.model {str(folder)!r} is neither a registered name (smollm2-135m-instruct, "
+            f"random) nor an existing local folder"
+        )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"target folder {path} has no config.json; is it a Hugging Face model folder?"
+        )
+    if not any(path.glob("*.safetensors")):
+        pickled = sorted(
+            p.name for p in path.iterdir() if p.suffix in {".bin", ".pt", ".pth", ".ckpt"}
+        )
+        hint = (
+            f"it holds only pickled weights ({', '.join(pickled[:3])}); draftforge loads safetensors "
+            f"only. Convert once, e.g. `model.save_pretrained(dir, safe_serialization=True)` in a "
+            f"trusted environment"
+            if pickled
+            else "it holds no weights"
+        )
+        raise ValueError(f"target folder {path} has no *.safetensors file: {hint}")
+    return path
+
+
+def _decoder_layers_and_norm(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    norm = getattr(decoder, "norm", None)
+    if not isinstance(layers, nn.ModuleList) or not isinstance(norm, nn.Module):
+        raise ValueError(
+            f"cannot find decoder layers and the final norm in {type(model).__name__} "
+            f"(expected model.get_decoder().layers and .norm)"
+        )
+    return layers, norm
+
+
+def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    """The tokens up to and including the first end-of-sequence token (the rest is padding)."""
+    for position, token in enumerate(tokens):
+        if token in eos:
+            return tokens[: position + 1]
+    return tokens
+
+
+def _as_batch(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2:
+        raise ValueError(
+            f"{what} must be a 2-D tensor [batch, seq], got {getattr(tensor, 'shape', type(tensor))}"
+        )
+    return tensor
+
+
+def _check_conversation(conversation: object, index: int) -> None:
+    if not isinstance(conversation, list) or not conversation:
+        raise ValueError(f"conversation {index} must be a non-empty list of messages")
+    for turn, message in enumerate(conversation):
+        if (
+            not isinstance(message, dict)
+            or not isinstance(message.get("role"), str)
+            or not isinstance(message.get("content"), str)
+        ):
+            raise ValueError(
+                f"conversation {index}, message {turn}: expected a dict with string 'role' and "
+                f"'content', got {message!r}"
+            )
+    if conversation[-1]["role"] != "user":
+        raise ValueError(
+            f"conversation {index} ends with role {conversation[-1]['role']!r}; generate() answers "
+            f"a conversation that ends with a user turn"
+        )

@@ -1,0 +1,98 @@
+"""``target.model: random``: a seeded, randomly initialised Llama of the recipe's declared shape.
+
+For fast tests and dry runs of the plumbing only: a draft trained against it
+learns nothing about acceptance. ``features`` works on token ids; ``generate``
+needs a tokenizer, which exists only when the declared vocabulary is
+SmolLM2's (then SmolLM2's tokenizer is borrowed, converting SmolLM2 once if needed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from draftforge.splitserve.hf_backend import DTYPES, HFTarget, set_cpu_threads
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from draftforge.splitserve.config import TargetConfig, TargetShape
+
+SMOLLM2_VOCAB_SIZE = 49152
+
+
+def random_llama(shape: TargetShape, *, seed: int, dtype: torch.dtype = torch.float32):
+    """A ``LlamaForCausalLM`` of ``shape`` with weights drawn from ``seed`` (global RNG untouched)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if shape.hidden_size % shape.num_attention_heads:
+        raise ValueError(
+            f"target.shape.hidden_size {shape.hidden_size} is not a multiple of "
+            f"num_attention_heads {shape.num_attention_heads}"
+        )
+    if shape.num_attention_heads % shape.num_key_value_heads:
+        raise ValueError(
+            f"target.shape.num_attention_heads {shape.num_attention_heads} is not a multiple of "
+            f"num_key_value_heads {shape.num_key_value_heads}"
+        )
+    config = LlamaConfig(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        max_position_embeddings=shape.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.to(dtype).eval()
+
+
+class RandomTarget(HFTarget):
+    """A random Llama target; its tokenizer is SmolLM2's when the vocabularies match."""
+
+    def __init__(self, model, layer_ids: Sequence[int], *, cache_dir: str | None) -> None:
+        super().__init__(model, None, layer_ids, name="random")
+        self._cache_dir = cache_dir
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """SmolLM2's tokenizer when the vocabulary size is 49,152; otherwise an error."""
+        if self._tokenizer is None:
+            if self.vocab_size != SMOLLM2_VOCAB_SIZE:
+                raise RuntimeError(
+                    f"target 'random' has vocab_size {self.vocab_size} and no tokenizer: random "
+                    f"targets support features() on token ids only. Declare "
+                    f"target.shape.vocab_size: {SMOLLM2_VOCAB_SIZE} to borrow SmolLM2's tokenizer "
+                    f"(and chat template), or use a real target for generate()"
+                )
+            from transformers import AutoTokenizer
+
+            from draftforge.splitserve.smollm2 import ensure_smollm2
+
+            self._tokenizer = AutoTokenizer.from_pretrained(str(ensure_smollm2(self._cache_dir)))
+        return self._tokenizer
+
+    def eos_token_ids(self) -> list[int]:
+        """The borrowed tokenizer's end-of-sequence token."""
+        return [int(self.tokenizer.eos_token_id)]
+
+
+def build_random_target(
+    cfg: TargetConfig, layer_ids: Sequence[int], *, device: str | torch.device = "cpu"
+) -> RandomTarget:
+    """Build ``target.model: random`` from ``cfg.shape`` and ``cfg.seed``."""
+    if cfg.shape is None:
+        raise ValueError("target.model 'random' needs a declared target.shape section")
+    set_cpu_threads(cfg.num_threads, device)
+    model = random_llama(cfg.shape, seed=cfg.seed, dtype=DTYPES[cfg.dtype]).to(device)
+    return RandomTarget(model, layer_ids, cache_dir=cfg.cache_dir)

@@ -1,0 +1,201 @@
+"""The target interface: everything that needs the target LLM goes through a ``TargetEngine``.
+
+Index convention (used everywhere in draftforge): auxiliary layer id ``i`` is
+the *output* of decoder layer ``i`` (0-indexed), which is transformers'
+``hidden_states[i + 1]`` (``hidden_states[0]`` is the embedding output). The
+final decoder layer cannot be an auxiliary layer: its output is only useful
+after the final norm, which ``TargetFeatures.final`` already holds (and SGLang
+cannot capture it, see ``sglang_layer_ids``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from draftforge.splitserve.config import GenerationConfig, TargetConfig
+
+
+@dataclass
+class TargetFeatures:
+    """What the draft learns from, for a batch of token sequences.
+
+    ``aux``: [B, S, K*H_t], the outputs of decoder layers ``target_layer_ids``
+    concatenated in the given order; ``final``: [B, S, H_t], the final post-norm
+    hidden state. Both in the recipe's dtype; positions outside the attention
+    mask are zero.
+    """
+
+    aux: torch.Tensor
+    final: torch.Tensor
+
+
+@runtime_checkable
+class TargetEngine(Protocol):
+    """A running target model (transformers in-process today; SGLang later)."""
+
+    name: str
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The target's tokenizer (with its chat template)."""
+        ...
+
+    def generate(
+        self, conversations: list[list[dict[str, str]]], settings: GenerationConfig
+    ) -> list[str]:
+        """One assistant reply per conversation (each ends with a user turn), decoded without special tokens."""
+        ...
+
+    def features(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> TargetFeatures:
+        """Auxiliary-layer and final hidden states for ``input_ids`` [B, S] (right-padded when masked)."""
+        ...
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """The target's output projection [V, H_t] (the draft keeps a frozen copy)."""
+        ...
+
+    def embed_tokens_weight(self) -> torch.Tensor:
+        """The target's input embedding [V, H_t] (the draft keeps a frozen copy)."""
+        ...
+
+
+def check_layer_ids(layer_ids: Sequence[int], num_hidden_layers: int) -> list[int]:
+    """Validate auxiliary layer ids against a target with ``num_hidden_layers`` decoder layers.
+
+    Ids must be distinct integers in ``[0, num_hidden_layers - 2]``: the final
+    decoder layer is refused (its use is the post-norm ``final`` state).
+    """
+    ids = list(layer_ids)
+    if not ids:
+        raise ValueError("target_layer_ids is empty: the draft needs at least one auxiliary layer")
+    last = num_hidden_layers - 1
+    for layer_id in ids:
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int):
+            raise ValueError(f"target_layer_ids must be integers, got {layer_id!r}")
+        if layer_id == last:
+            raise ValueError(
+                f"target_layer_ids contains {layer_id}, the target's final decoder layer "
+                f"(it has {num_hidden_layers} layers, 0-indexed): the final layer is used through "
+                f"the post-norm final hidden state, not as an auxiliary layer; pick ids in "
+                f"0..{last - 1}"
+            )
+        if not 0 <= layer_id < last:
+            raise ValueError(
+                f"target_layer_ids contains {layer_id}, outside 0..{last - 1} for a target with "
+                f"{num_hidden_layers} decoder layers (ids are 0-indexed; the final layer is excluded)"
+            )
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"target_layer_ids has repeated ids: {ids}")
+    return ids
+
+
+def sglang_layer_ids(hf_layer_ids: Sequence[int]) -> list[int]:
+    """Translate draftforge (transformers) layer ids into SGLang's ``--return-aux-hidden-state-layer-ids``.
+
+    SGLang captures an auxiliary state *before* running decoder layer ``i + 1``
+    for a requested id ``i`` (its models store ``layers_to_capture = [i + 1]``
+    and record the residual stream on entry to that layer). The input of layer
+    ``i + 1`` is the output of layer ``i``, i.e. transformers'
+    ``hidden_states[i + 1]``, which is exactly draftforge's id ``i``. So the
+    translation is the identity; it lives here so the SGLang backend has one
+    place to change if a release shifts the convention, and its parity test
+    (captured SGLang states == ``HFTarget.features`` on a few tokens) must pass
+    before this is trusted for a new SGLang version. The final decoder layer
+    (id ``L - 1``) has no "before layer L" in SGLang, another reason it is
+    refused by ``check_layer_ids``.
+    """
+    return [int(i) for i in hf_layer_ids]
+
+
+def build_target(
+    cfg: TargetConfig, layer_ids: Sequence[int], *, device: str | torch.device = "cpu"
+) -> TargetEngine:
+    """Build the target engine the recipe's ``target`` section names.
+
+    ``cfg.model``: a registered name (``smollm2-135m-instruct``), ``random`` (a
+    seeded random Llama of ``cfg.shape``, features only unless its vocabulary is
+    SmolLM2's) or a local Hugging Face folder with safetensors weights.
+    """
+    if cfg.backend == "sglang":
+        raise NotImplementedError(
+            "target.backend 'sglang' is not available yet in this build; install it with "
+            "`pip install draftforge[sglang]` once supported, or use target.backend: hf"
+        )
+    if cfg.backend != "hf":
+        raise ValueError(f"unknown target.backend {cfg.backend!r}; valid: 'hf', 'sglang'")
+
+    from draftforge.splitserve import smollm2
+    from draftforge.splitserve.hf_backend import HFTarget
+    from draftforge.splitserve.random_target import build_random_target
+    from draftforge.splitserve.registry import resolve_target_shape
+
+    known = resolve_target_shape(cfg)
+    if known is not None:  # refuse bad layer ids before a slow load or conversion
+        check_layer_ids(layer_ids, known.num_hidden_layers)
+
+    if cfg.model == "random":
+        engine: TargetEngine = build_random_target(cfg, layer_ids, device=device)
+    elif cfg.model == smollm2.NAME:
+        folder = smollm2.ensure_smollm2(cfg.cache_dir)
+        engine = HFTarget.from_folder(folder, layer_ids, cfg, name=smollm2.NAME, device=device)
+    else:
+        engine = HFTarget.from_folder(cfg.model, layer_ids, cfg, device=device)
+    _check_declared_shape(cfg, engine)
+    return engine
+
+
+def load_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerBase:
+    """The target's tokenizer (and chat template) without loading its weights.
+
+    For data preparation (chat templates, loss masks) in processes that never
+    run the target. ``random`` targets have one only with SmolLM2's vocabulary.
+    """
+    from transformers import AutoTokenizer
+
+    from draftforge.splitserve import smollm2
+    from draftforge.splitserve.random_target import SMOLLM2_VOCAB_SIZE
+
+    if cfg.model == "random":
+        vocab_size = cfg.shape.vocab_size if cfg.shape is not None else None
+        if vocab_size != SMOLLM2_VOCAB_SIZE:
+            raise ValueError(
+                f"target 'random' with vocab_size {vocab_size} has no tokenizer (random targets "
+                f"support features on token ids only); declare target.shape.vocab_size: "
+                f"{SMOLLM2_VOCAB_SIZE} to borrow SmolLM2's tokenizer"
+            )
+        folder: str = str(smollm2.ensure_smollm2(cfg.cache_dir))
+    elif cfg.model == smollm2.NAME:
+        folder = str(smollm2.ensure_smollm2(cfg.cache_dir))
+    else:
+        folder = cfg.model
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(
+                f"target.model {folder!r} is neither a registered name ({smollm2.NAME}, random) "
+                f"nor an existing local folder"
+            )
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
+
+
+def _check_declared_shape(cfg: TargetConfig, engine: TargetEngine) -> None:
+    if cfg.shape is None:
+        return
+    for field in ("num_hidden_layers", "hidden_size", "vocab_size"):
+        declared, actual = getattr(cfg.shape, field), getattr(engine, field)
+        if declared != actual:
+            raise ValueError(
+                f"target.shape.{field} is {declared} but the loaded target {engine.name!r} has "
+                f"{actual}; fix or remove target.shape"
+            )
