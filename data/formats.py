@@ -1,0 +1,255 @@
+"""Rows of a data file -> validated conversations.
+
+Three row forms are understood (``format: auto`` picks by key, in this order):
+
+- ``messages``: OpenAI form, ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``;
+- ``conversations``: ShareGPT form, ``[{"from": "system"|"human"|"gpt", "value": str}, ...]``;
+- ``prompt``: a plain prompt, a string or a list of strings (successive user turns whose
+  replies the target writes), with an optional ``system`` string.
+
+A conversation is an optional leading system message, then user and assistant turns
+alternating, starting with a user turn. Every malformed row raises
+:class:`DataFormatError` naming the file, the row (the 1-based line for jsonl) and what is
+wrong. What a row must contain depends on what it is read for (``expect``):
+
+- ``"prompt"``: prompts for regeneration; assistant turns, if any, are dropped (the target
+  writes new ones) and plain prompts are allowed;
+- ``"conversation"``: finished conversations to train on; the last turn must be an
+  assistant reply;
+- ``"request"``: one generation request; the last turn must be a user turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+RowFormat = Literal["auto", "messages", "sharegpt", "prompt"]
+Expect = Literal["prompt", "conversation", "request"]
+
+ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
+_FORMAT_KEYS = {"messages": "messages", "sharegpt": "conversations", "prompt": "prompt"}
+
+
+class DataFormatError(ValueError):
+    """A data file or one of its rows is malformed; the message says where and what."""
+
+
+@dataclass(frozen=True)
+class RowLocation:
+    """Where a row came from: ``path`` and its 1-based line (jsonl) or row (json, parquet)."""
+
+    path: str
+    number: int
+    unit: Literal["line", "row"] = "line"
+
+    def __str__(self) -> str:
+        return f"{self.path}, {self.unit} {self.number}"
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A validated conversation: a stable id, role/content messages and where it came from."""
+
+    id: str
+    messages: list[dict[str, str]]
+    source: str = ""
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def system(self) -> str | None:
+        """The system prompt, if the conversation has one."""
+        if self.messages and self.messages[0]["role"] == "system":
+            return self.messages[0]["content"]
+        return None
+
+    @property
+    def user_turns(self) -> list[str]:
+        """The user messages in order."""
+        return [m["content"] for m in self.messages if m["role"] == "user"]
+
+
+def _fail(where: RowLocation, problem: str) -> DataFormatError:
+    return DataFormatError(f"{where}: {problem}")
+
+
+def detect_format(row: dict[str, Any]) -> str | None:
+    """The row form named by the first of ``messages``, ``conversations``, ``prompt`` present."""
+    for fmt, key in _FORMAT_KEYS.items():
+        if row.get(key) is not None:  # parquet fills absent columns with null
+            return fmt
+    return None
+
+
+def row_id(row: dict[str, Any], where: RowLocation, default: str) -> str:
+    """The row's ``id`` field as a string, or ``default`` when the row has none."""
+    if "id" not in row or row["id"] is None:
+        return default
+    value = row["id"]
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise _fail(where, f"'id' must be a string or an integer, got {type(value).__name__}")
+    text = str(value)
+    if not text.strip():
+        raise _fail(where, "'id' is empty")
+    return text
+
+
+def _messages_from_openai(value: Any, where: RowLocation) -> list[dict[str, str]]:
+    if not isinstance(value, list):
+        raise _fail(where, f"'messages' must be a list of messages, got {type(value).__name__}")
+    out = []
+    for i, message in enumerate(value, start=1):
+        if not isinstance(message, dict):
+            raise _fail(where, f"message {i} must be an object with 'role' and 'content'")
+        if "role" not in message:
+            raise _fail(where, f"message {i} has no 'role'")
+        role = message["role"]
+        if role not in ROLES:
+            raise _fail(
+                where,
+                f"message {i} has role {role!r}; valid roles: {', '.join(ROLES)}",
+            )
+        if "content" not in message:
+            raise _fail(where, f"message {i} ({role}) has no 'content'")
+        content = message["content"]
+        if not isinstance(content, str):
+            raise _fail(
+                where,
+                f"message {i} ({role}) content must be a string, got {type(content).__name__}",
+            )
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _messages_from_sharegpt(value: Any, where: RowLocation) -> list[dict[str, str]]:
+    if not isinstance(value, list):
+        raise _fail(where, f"'conversations' must be a list of turns, got {type(value).__name__}")
+    out = []
+    for i, turn in enumerate(value, start=1):
+        if not isinstance(turn, dict):
+            raise _fail(where, f"turn {i} must be an object with 'from' and 'value'")
+        if "from" not in turn:
+            raise _fail(where, f"turn {i} has no 'from'")
+        speaker = turn["from"]
+        if speaker not in SHAREGPT_ROLES:
+            raise _fail(
+                where,
+                f"turn {i} has 'from' {speaker!r}; valid values: {', '.join(SHAREGPT_ROLES)}",
+            )
+        if "value" not in turn:
+            raise _fail(where, f"turn {i} ({speaker}) has no 'value'")
+        text = turn["value"]
+        if not isinstance(text, str):
+            raise _fail(
+                where, f"turn {i} ({speaker}) value must be a string, got {type(text).__name__}"
+            )
+        out.append({"role": SHAREGPT_ROLES[speaker], "content": text})
+    return out
+
+
+def _messages_from_prompt(row: dict[str, Any], where: RowLocation) -> list[dict[str, str]]:
+    value = row["prompt"]
+    if isinstance(value, str):
+        turns = [value]
+    elif isinstance(value, list) and all(isinstance(t, str) for t in value):
+        turns = list(value)
+    else:
+        raise _fail(
+            where, f"'prompt' must be a string or a list of strings, got {type(value).__name__}"
+        )
+    out = []
+    system = row.get("system")
+    if system is not None:
+        if not isinstance(system, str):
+            raise _fail(where, f"'system' must be a string, got {type(system).__name__}")
+        out.append({"role": "system", "content": system})
+    out.extend({"role": "user", "content": t} for t in turns)
+    return out
+
+
+def check_structure(messages: list[dict[str, str]], where: RowLocation, expect: Expect) -> None:
+    """Check turn order: optional system first, then user/assistant alternating from a user."""
+    if not messages:
+        raise _fail(where, "the conversation is empty")
+    body = messages[1:] if messages[0]["role"] == "system" else messages
+    for i, message in enumerate(messages[1:], start=2):
+        if message["role"] == "system":
+            raise _fail(where, f"message {i} is a system message; only the first may be")
+    if not any(m["role"] == "user" for m in body):
+        raise _fail(where, "the conversation has no user turn")
+    for m in body:
+        if not m["content"].strip() and m["role"] == "user":
+            raise _fail(where, "a user turn is empty")
+    if expect == "prompt":
+        # Assistant turns are replaced by the target; only the user turns' order matters.
+        if body[0]["role"] != "user":
+            raise _fail(where, "the conversation must start with a user turn (after any system)")
+        return
+    offset = len(messages) - len(body) + 1
+    for i, message in enumerate(body):
+        wanted = "user" if i % 2 == 0 else "assistant"
+        if message["role"] != wanted:
+            raise _fail(
+                where,
+                f"message {i + offset} is {message['role']!r} where {wanted!r} is expected: "
+                "turns must alternate user, assistant, user, ... after an optional system message",
+            )
+    last = body[-1]["role"]
+    if expect == "conversation" and last != "assistant":
+        raise _fail(
+            where,
+            "the conversation ends with a user turn that has no assistant reply; "
+            "training conversations must end with an assistant turn "
+            "(or set data.regenerate: true to have the target answer)",
+        )
+    if expect == "request" and last != "user":
+        raise _fail(
+            where,
+            "the conversation ends with an assistant turn; a prompt must end with the user "
+            "turn that the target is to answer",
+        )
+
+
+def parse_row(
+    row: Any,
+    where: RowLocation,
+    *,
+    default_id: str,
+    fmt: RowFormat = "auto",
+    expect: Expect = "prompt",
+) -> Conversation:
+    """Validate one row and return it as a :class:`Conversation`.
+
+    With ``expect="prompt"`` assistant turns are dropped: the result holds the system
+    prompt (if any) and the user turns, ready for regeneration.
+    """
+    if not isinstance(row, dict):
+        raise _fail(where, f"a row must be a JSON object, got {type(row).__name__}")
+    chosen = detect_format(row) if fmt == "auto" else fmt
+    if chosen is None or row.get(_FORMAT_KEYS[chosen]) is None:
+        keys = ", ".join(sorted(map(str, row))) or "none"
+        wanted = (
+            "'messages', 'conversations' or 'prompt'"
+            if fmt == "auto"
+            else f"'{_FORMAT_KEYS[fmt]}' (data.format: {fmt})"
+        )
+        raise _fail(where, f"the row has no {wanted} (its keys: {keys})")
+    if chosen == "prompt" and expect == "conversation":
+        raise _fail(
+            where,
+            "a plain 'prompt' row has no reply to train on; set data.regenerate: true "
+            "to have the target answer it",
+        )
+    if chosen == "messages":
+        messages = _messages_from_openai(row["messages"], where)
+    elif chosen == "sharegpt":
+        messages = _messages_from_sharegpt(row["conversations"], where)
+    else:
+        messages = _messages_from_prompt(row, where)
+    check_structure(messages, where, expect)
+    if expect == "prompt":
+        messages = [m for m in messages if m["role"] != "assistant"]
+    ident = row_id(row, where, default_id)
+    extra = {k: v for k, v in row.items() if k not in ("id", "messages", "conversations", "prompt")}
+    return Conversation(id=ident, messages=messages, source=str(where), extra=extra)

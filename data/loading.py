@@ -1,0 +1,292 @@
+"""Local data files -> validated conversations, offline.
+
+Supported files: ``.jsonl``, ``.jsonl.gz``, ``.json`` (a list of row objects), ``.json.gz``
+and ``.parquet``. JSON files are read with plain readers because every error must name
+the 1-based line of the row (``datasets`` infers one schema for the whole file and hides
+line numbers); parquet files are read through ``datasets`` offline, row ``i`` being the
+i-th row of the table. ``builtin:train-prompts`` names the training prompt set shipped with
+draftforge.
+
+Every row is validated (see :mod:`draftforge.data.formats`); a malformed row raises
+:class:`DataFormatError` unless ``skip_invalid`` is set, in which case it is skipped,
+counted and reported.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from draftforge.data.config import DataConfig
+from draftforge.data.formats import (
+    Conversation,
+    DataFormatError,
+    Expect,
+    RowFormat,
+    RowLocation,
+    parse_row,
+)
+
+BUILTIN_DIR = Path(__file__).resolve().parent / "prompts"
+BUILTINS = {"train-prompts": BUILTIN_DIR / "train-prompts.jsonl.gz"}
+SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
+
+
+@dataclass(frozen=True)
+class SkippedRow:
+    """A malformed row left out because ``skip_invalid`` is set."""
+
+    where: str
+    reason: str
+
+
+@dataclass
+class LoadResult:
+    """Conversations read from data files, and the rows skipped as malformed."""
+
+    conversations: list[Conversation]
+    skipped: list[SkippedRow] = field(default_factory=list)
+
+    def summary(self, max_lines: int = 20) -> str:
+        """One line of counts, then the reason for each skipped row (the first ``max_lines``)."""
+        lines = [
+            f"{len(self.conversations)} rows loaded, {len(self.skipped)} malformed rows skipped"
+        ]
+        lines += [f"  skipped {s.where}: {s.reason}" for s in self.skipped[:max_lines]]
+        if len(self.skipped) > max_lines:
+            lines.append(f"  ... and {len(self.skipped) - max_lines} more")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class RawRow:
+    """One row as read from a file: its location and value, or why it could not be read."""
+
+    where: RowLocation
+    value: Any = None
+    error: str | None = None
+
+
+def resolve_data_path(spec: str) -> Path:
+    """The file named by ``spec``: ``builtin:NAME`` or a local path (checked to exist)."""
+    if spec.startswith("builtin:"):
+        name = spec.removeprefix("builtin:")
+        if name not in BUILTINS:
+            raise DataFormatError(
+                f"unknown builtin data set {spec!r}; valid: "
+                + ", ".join(f"builtin:{n}" for n in BUILTINS)
+            )
+        path = BUILTINS[name]
+        if not path.is_file():
+            raise DataFormatError(
+                f"{spec} is missing from the installation ({path}); "
+                "rebuild it with: python -m draftforge.data.prompts"
+            )
+        return path
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise DataFormatError(f"data file not found: {spec} (check data.train_files)")
+    if not path.is_file():
+        raise DataFormatError(f"data path is not a file: {spec}")
+    return path
+
+
+def data_suffix(path: Path) -> str:
+    """The data extension of ``path`` (``.jsonl.gz`` counts as one), checked to be supported."""
+    name = path.name.lower()
+    for suffix in sorted(SUFFIXES, key=len, reverse=True):
+        if name.endswith(suffix):
+            return suffix
+    raise DataFormatError(
+        f"{path}: unsupported file type {''.join(path.suffixes) or '(no extension)'}; "
+        f"supported: {', '.join(SUFFIXES)}"
+    )
+
+
+def file_stem(path: Path) -> str:
+    """The file name without its data extension: the prefix of default row ids."""
+    return path.name[: len(path.name) - len(data_suffix(path))]
+
+
+def _open_text(path: Path, suffix: str):
+    if suffix.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def _read_jsonl(path: Path, suffix: str) -> Iterator[RawRow]:
+    try:
+        with _open_text(path, suffix) as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                where = RowLocation(str(path), number, "line")
+                try:
+                    yield RawRow(where, json.loads(line))
+                except json.JSONDecodeError as exc:
+                    yield RawRow(where, error=f"invalid JSON: {exc.msg} (column {exc.colno})")
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
+        raise DataFormatError(f"{path}: cannot be read: {exc}") from None
+
+
+def _read_json(path: Path, suffix: str) -> Iterator[RawRow]:
+    try:
+        with _open_text(path, suffix) as handle:
+            data = json.load(handle)
+    except json.JSONDecodeError as exc:
+        raise DataFormatError(
+            f"{path}, line {exc.lineno}: invalid JSON: {exc.msg} (column {exc.colno})"
+        ) from None
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
+        raise DataFormatError(f"{path}: cannot be read: {exc}") from None
+    if not isinstance(data, list):
+        raise DataFormatError(
+            f"{path}: a .json data file must hold a list of row objects, got "
+            f"{type(data).__name__}; use .jsonl for one object per line"
+        )
+    for number, value in enumerate(data, start=1):
+        yield RawRow(RowLocation(str(path), number, "row"), value)
+
+
+def _read_parquet(path: Path) -> Iterator[RawRow]:
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    import datasets
+
+    with tempfile.TemporaryDirectory(prefix="draftforge-parquet-") as cache:
+        try:
+            table = datasets.Dataset.from_parquet(str(path), cache_dir=cache, keep_in_memory=True)
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises many types for bad files
+            raise DataFormatError(
+                f"{path}: not a readable parquet table of rows ({type(exc).__name__}: {exc})"
+            ) from None
+        for number, value in enumerate(table, start=1):
+            yield RawRow(RowLocation(str(path), number, "row"), value)
+
+
+def read_rows(path: Path) -> Iterator[RawRow]:
+    """The rows of one data file in order, each with its 1-based line or row number."""
+    suffix = data_suffix(path)
+    if suffix in (".jsonl", ".jsonl.gz"):
+        yield from _read_jsonl(path, suffix)
+    elif suffix in (".json", ".json.gz"):
+        yield from _read_json(path, suffix)
+    else:
+        yield from _read_parquet(path)
+
+
+def load_conversations(
+    specs: Sequence[str],
+    *,
+    fmt: RowFormat = "auto",
+    expect: Expect = "prompt",
+    skip_invalid: bool = False,
+    limit: int | None = None,
+) -> LoadResult:
+    """Read and validate every row of ``specs`` (files or ``builtin:`` names).
+
+    Ids come from a row's ``id`` field, else ``<file stem>-<line or row number>``; they
+    must be unique across all files. ``limit`` keeps the first valid rows only.
+    """
+    if not specs:
+        raise DataFormatError("no data files given (data.train_files is empty)")
+    paths = [resolve_data_path(spec) for spec in specs]  # all missing files fail up front
+    result = LoadResult(conversations=[])
+    seen: dict[str, str] = {}
+    for path in paths:
+        stem = file_stem(path)
+        for raw in read_rows(path):
+            try:
+                if raw.error is not None:
+                    raise DataFormatError(f"{raw.where}: {raw.error}")
+                conv = parse_row(
+                    raw.value,
+                    raw.where,
+                    default_id=f"{stem}-{raw.where.number}",
+                    fmt=fmt,
+                    expect=expect,
+                )
+                if conv.id in seen:
+                    raise DataFormatError(
+                        f"{raw.where}: id {conv.id!r} is already used at {seen[conv.id]}; "
+                        "ids must be unique across data files"
+                    )
+            except DataFormatError as exc:
+                if not skip_invalid:
+                    raise
+                reason = str(exc).removeprefix(f"{raw.where}: ")
+                result.skipped.append(SkippedRow(str(raw.where), reason))
+                continue
+            seen[conv.id] = conv.source
+            result.conversations.append(conv)
+            if limit is not None and len(result.conversations) >= limit:
+                return result
+    return result
+
+
+def _report(result: LoadResult, what: str) -> None:
+    if result.skipped:
+        print(f"draftforge data: {what}: {result.summary()}", file=sys.stderr)
+
+
+def load_prompts(cfg: DataConfig) -> LoadResult:
+    """The prompts of ``data.train_files`` for regeneration, checked against the eval sets."""
+    result = load_conversations(
+        cfg.train_files,
+        fmt=cfg.format,
+        expect="prompt",
+        skip_invalid=cfg.skip_invalid,
+        limit=cfg.num_samples,
+    )
+    _report(result, "prompts")
+    if cfg.overlap_check:
+        from draftforge.data.overlap import check_no_overlap
+
+        check_no_overlap(result.conversations, threshold=cfg.overlap_threshold)
+    return result
+
+
+def regenerated_path(cfg: DataConfig, output_dir: str | os.PathLike[str]) -> Path:
+    """Where regenerated conversations live: ``data.regenerated_file`` or ``<output_dir>/regenerated.jsonl``."""
+    if cfg.regenerated_file is not None:
+        return Path(cfg.regenerated_file).expanduser()
+    return Path(output_dir) / "regenerated.jsonl"
+
+
+def load_training_conversations(cfg: DataConfig, output_dir: str | os.PathLike[str]) -> LoadResult:
+    """The finished conversations to train on, checked against the eval sets.
+
+    With ``data.regenerate`` these are the target's own answers written by
+    ``draftforge data regenerate``; otherwise the conversations of ``data.train_files``
+    as they are.
+    """
+    if cfg.regenerate:
+        path = regenerated_path(cfg, output_dir)
+        if not path.is_file():
+            raise DataFormatError(
+                f"regenerated data not found: {path}; write it with "
+                "'draftforge data regenerate RECIPE' (or set data.regenerate: false to train "
+                "on the conversations of data.train_files as they are)"
+            )
+        specs, fmt = [str(path)], "messages"
+    else:
+        specs, fmt = list(cfg.train_files), cfg.format
+    result = load_conversations(
+        specs,
+        fmt=fmt,
+        expect="conversation",
+        skip_invalid=cfg.skip_invalid,
+        limit=cfg.num_samples,
+    )
+    _report(result, "training conversations")
+    if cfg.overlap_check:
+        from draftforge.data.overlap import check_no_overlap
+
+        check_no_overlap(result.conversations, threshold=cfg.overlap_threshold)
+    return result

@@ -1,0 +1,159 @@
+"""Refuse training prompts that overlap the evaluation workloads.
+
+Texts are normalised (case-folded, every run of non-alphanumeric characters made one
+space). A training text overlaps an evaluation text when
+
+- their normalised forms are equal (``exact``), or
+- their character 5-gram sets ``T`` (training) and ``E`` (evaluation) score at least the
+  threshold on ``max(|T & E| / |T | E|, |T & E| / |E|)``: Jaccard catches lightly edited
+  copies, containment catches an evaluation prompt pasted inside a longer prompt
+  (``near``).
+
+An inverted index over the rarest 5-grams of each evaluation text keeps this fast
+(prefix filtering): only evaluation texts sharing one of their indexed grams with a
+training text can reach the threshold, and only those are scored. The filter is exact:
+no pair over the threshold is missed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from draftforge.data.formats import Conversation
+
+NGRAM = 5
+_NON_ALNUM = re.compile(r"[\W_]+")
+
+
+def normalize(text: str) -> str:
+    """Case-folded text with every run of non-alphanumeric characters replaced by one space."""
+    return _NON_ALNUM.sub(" ", text.casefold()).strip()
+
+
+def shingles(normalized: str, n: int = NGRAM) -> frozenset[str]:
+    """The set of character n-grams of an already normalised text (the text itself if shorter)."""
+    if len(normalized) <= n:
+        return frozenset([normalized]) if normalized else frozenset()
+    return frozenset(normalized[i : i + n] for i in range(len(normalized) - n + 1))
+
+
+@dataclass(frozen=True)
+class OverlapHit:
+    """A training text that overlaps an evaluation text."""
+
+    train_id: str
+    eval_id: str
+    kind: str  # "exact" or "near"
+    score: float
+    where: str = ""
+
+
+class OverlapError(ValueError):
+    """Training prompts overlap the evaluation sets; ``hits`` lists every offending pair."""
+
+    def __init__(self, hits: Sequence[OverlapHit], max_lines: int = 20):
+        self.hits = list(hits)
+        lines = [
+            f"{len({h.train_id for h in self.hits})} training prompts overlap the evaluation "
+            "workloads (remove them from the training data; data.overlap_check: false turns "
+            "this check off, which makes evaluation results meaningless):"
+        ]
+        for hit in self.hits[:max_lines]:
+            where = f" ({hit.where})" if hit.where else ""
+            lines.append(
+                f"  training {hit.train_id!r}{where} ~ eval {hit.eval_id!r}: "
+                f"{hit.kind}, score {hit.score:.2f}"
+            )
+        if len(self.hits) > max_lines:
+            lines.append(f"  ... and {len(self.hits) - max_lines} more")
+        super().__init__("\n".join(lines))
+
+
+class OverlapIndex:
+    """Evaluation texts indexed for exact and near-duplicate look-ups."""
+
+    def __init__(self, references: Iterable[tuple[str, str]], threshold: float = 0.5):
+        if not 0.0 < threshold <= 1.0:
+            raise ValueError(f"overlap threshold must be in (0, 1], got {threshold}")
+        self.threshold = threshold
+        self.ids: list[str] = []
+        self.grams: list[frozenset[str]] = []
+        self.exact: dict[str, str] = {}
+        for ref_id, text in references:
+            norm = normalize(text)
+            self.ids.append(ref_id)
+            self.grams.append(shingles(norm))
+            self.exact.setdefault(norm, ref_id)
+        # Prefix filter: a pair scoring >= threshold shares at least k = ceil(threshold * |E|)
+        # grams of E, so it shares at least one of E's |E| - k + 1 rarest grams. Only those
+        # are indexed, which keeps the posting lists short and misses no pair.
+        doc_freq = Counter(g for grams in self.grams for g in grams)
+        postings: dict[str, list[int]] = {}
+        for index, grams in enumerate(self.grams):
+            k = max(1, math.ceil(threshold * len(grams) - 1e-9))
+            rarest = sorted(grams, key=lambda g: (doc_freq[g], g))[: len(grams) - k + 1]
+            for gram in rarest:
+                postings.setdefault(gram, []).append(index)
+        self.postings = postings
+
+    def query(self, text: str) -> tuple[str, str, float] | None:
+        """The best overlapping evaluation text as ``(eval_id, kind, score)``, or None."""
+        norm = normalize(text)
+        if norm in self.exact:
+            return self.exact[norm], "exact", 1.0
+        grams = shingles(norm)
+        if not grams:
+            return None
+        candidates = {i for g in grams for i in self.postings.get(g, ())}
+        best: tuple[str, str, float] | None = None
+        for index in candidates:
+            ref = self.grams[index]
+            if not ref:
+                continue
+            shared = len(grams & ref)
+            score = max(shared / (len(grams) + len(ref) - shared), shared / len(ref))
+            if score >= self.threshold and (best is None or score > best[2]):
+                best = (self.ids[index], "near", score)
+        return best
+
+
+@functools.lru_cache(maxsize=4)
+def eval_index(workloads: tuple[str, ...], threshold: float) -> OverlapIndex:
+    """The overlap index of the named evaluation workloads (cached)."""
+    from draftforge.data.workloads import load_workload
+
+    refs = [(p.id, p.text) for name in workloads for p in load_workload(name)]
+    return OverlapIndex(refs, threshold)
+
+
+def find_overlaps(conversations: Iterable[Conversation], index: OverlapIndex) -> list[OverlapHit]:
+    """Every (conversation, evaluation text) pair where a user turn of the conversation overlaps."""
+    hits = []
+    for conv in conversations:
+        for turn in conv.user_turns:
+            found = index.query(turn)
+            if found is not None:
+                hits.append(OverlapHit(conv.id, found[0], found[1], found[2], conv.source))
+                break
+    return hits
+
+
+def check_no_overlap(
+    conversations: Sequence[Conversation],
+    *,
+    threshold: float = 0.5,
+    workloads: Sequence[str] | None = None,
+) -> None:
+    """Raise :class:`OverlapError` naming every training conversation that overlaps an
+    evaluation workload (all of them by default)."""
+    from draftforge.data.workloads import WORKLOAD_NAMES
+
+    names = tuple(workloads) if workloads is not None else WORKLOAD_NAMES
+    hits = find_overlaps(conversations, eval_index(names, threshold))
+    if hits:
+        raise OverlapError(hits)

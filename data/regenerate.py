@@ -1,0 +1,318 @@
+"""Distribution-aligned data: the target answers every training prompt itself.
+
+``draftforge data regenerate RECIPE [key=value ...]`` loads the recipe's prompts
+(``data.train_files``), answers them with the recipe's target and sampling settings
+(``target.generation``) and writes one jsonl row per prompt::
+
+    {"id": ..., "messages": [...], "generation": {settings}, "target": "<name>"}
+
+to ``data.regenerated_file`` (default ``<train.output_dir>/regenerated.jsonl``).
+Multi-turn prompts are answered turn by turn: each user turn is answered given the
+system prompt and the conversation regenerated so far.
+
+Resumable and crash-safe:
+
+- prompts are split into fixed batches of ``generation.batch_size`` in prompt order, and
+  each batch is generated with a seed derived from the recipe seed, the ids in the batch
+  and the turn, so a batch's replies never depend on what ran before it;
+- the finished rows of a batch are appended to ``<out>.partial`` in one write and
+  fsync'ed; a rerun keeps the rows there and generates only the missing batches;
+- a torn last line (a write cut by a crash) is dropped together with the rest of its
+  batch, which is then generated again -- identically;
+- when every prompt is answered the rows are written in prompt order to a temporary
+  file that is renamed to ``<out>``; ``<out>`` is never half-written.
+
+So an interrupted run followed by a rerun writes exactly the same file as an
+uninterrupted run (given a deterministic engine, which the transformers backend is).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from draftforge.data.formats import Conversation, DataFormatError
+
+if TYPE_CHECKING:
+    from draftforge.splitserve.config import GenerationConfig
+
+
+class ReplyEngine(Protocol):
+    """The part of ``splitserve.target.TargetEngine`` that regeneration uses."""
+
+    name: str
+
+    def generate(
+        self, conversations: list[list[dict[str, str]]], settings: GenerationConfig
+    ) -> list[str]: ...
+
+
+class RegenerationError(RuntimeError):
+    """Existing output does not match this run, or the engine misbehaved."""
+
+
+@dataclass
+class RegenerateReport:
+    """What a regeneration run did."""
+
+    path: Path
+    num_prompts: int
+    num_reused: int
+    num_generated: int
+
+    def summary(self) -> str:
+        """One line with the counts and the output file."""
+        return (
+            f"{self.num_prompts} prompts: {self.num_generated} answered now, "
+            f"{self.num_reused} already done -> {self.path}"
+        )
+
+
+def batch_seed(base_seed: int, ids: Sequence[str], turn: int) -> int:
+    """The sampling seed of one generation call: a function of the batch, not of the run."""
+    digest = hashlib.sha256(f"{base_seed}\x1f{turn}\x1f".encode() + "\x1f".join(ids).encode())
+    return int.from_bytes(digest.digest()[:4], "little") & 0x7FFFFFFF
+
+
+def answer_batch(
+    prompts: Sequence[Conversation], engine: ReplyEngine, settings: GenerationConfig
+) -> list[list[dict[str, str]]]:
+    """Regenerated conversations for a batch of prompts, answered turn by turn."""
+    histories = [[m for m in p.messages if m["role"] == "system"] for p in prompts]
+    turns = [p.user_turns for p in prompts]
+    ids = [p.id for p in prompts]
+    for turn in range(max(len(t) for t in turns)):
+        active = [i for i, t in enumerate(turns) if turn < len(t)]
+        for i in active:
+            histories[i].append({"role": "user", "content": turns[i][turn]})
+        call_settings = settings.model_copy(update={"seed": batch_seed(settings.seed, ids, turn)})
+        replies = engine.generate([list(histories[i]) for i in active], call_settings)
+        if len(replies) != len(active) or not all(isinstance(r, str) for r in replies):
+            raise RegenerationError(
+                f"target {engine.name!r} returned {len(replies)} replies for {len(active)} "
+                "conversations (one string per conversation expected)"
+            )
+        for i, reply in zip(active, replies, strict=True):
+            histories[i].append({"role": "assistant", "content": reply})
+    return histories
+
+
+def _row_line(row: dict[str, Any]) -> bytes:
+    return (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def _read_rows(path: Path) -> tuple[list[dict[str, Any]], bool]:
+    """Complete rows of an output file, and whether its last line was torn."""
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    tail = lines.pop()  # bytes after the last newline: empty unless the last write was cut
+    rows = []
+    torn = bool(tail)
+    for number, line in enumerate(lines, start=1):
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("id"), str):
+                raise ValueError("not a row object with a string id")
+        except ValueError as exc:
+            if number == len(lines) and not tail:
+                torn = True  # a cut inside the last line's bytes that happens to end in "\n"
+                break
+            raise RegenerationError(
+                f"{path}, line {number}: not a regenerated row ({exc}); this file was not "
+                "written by 'draftforge data regenerate' -- move it away and rerun"
+            ) from None
+        rows.append(row)
+    return rows, torn
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, payload: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _check_rows(
+    rows: list[dict[str, Any]], path: Path, order: dict[str, int], settings: dict, target: str
+) -> None:
+    for row in rows:
+        if row["id"] not in order:
+            raise RegenerationError(
+                f"{path} holds id {row['id']!r}, which is not among this run's prompts; it was "
+                "written for other data: move it away (or restore data.train_files / "
+                "data.num_samples) and rerun"
+            )
+        if row.get("generation") != settings or row.get("target") != target:
+            raise RegenerationError(
+                f"{path} (id {row['id']!r}) was written with target {row.get('target')!r} and "
+                f"settings {row.get('generation')} but this run uses target {target!r} and "
+                f"{settings}; move it away or restore the settings, then rerun"
+            )
+
+
+def regenerate(
+    prompts: Sequence[Conversation],
+    engine: ReplyEngine,
+    settings: GenerationConfig,
+    out_path: str | os.PathLike[str],
+    *,
+    progress: bool = True,
+) -> RegenerateReport:
+    """Answer every prompt with ``engine`` and write ``out_path`` (see the module docstring)."""
+    out = Path(out_path)
+    partial = out.with_name(out.name + ".partial")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    order = {p.id: i for i, p in enumerate(prompts)}
+    if len(order) != len(prompts):
+        raise DataFormatError("prompt ids are not unique")
+    settings_json = settings.model_dump(mode="json")
+    size = settings.batch_size
+    batches = [list(prompts[i : i + size]) for i in range(0, len(prompts), size)]
+    batch_of = {p.id: b for b, batch in enumerate(batches) for p in batch}
+
+    if out.exists():
+        if partial.exists():
+            raise RegenerationError(
+                f"both {out} and {partial} exist; keep one of them (move the other away) and rerun"
+            )
+        rows, torn = _read_rows(out)
+        if torn:
+            raise RegenerationError(f"{out} ends with an incomplete line; it was not written here")
+        _check_rows(rows, out, order, settings_json, engine.name)
+        if {r["id"] for r in rows} == set(order):
+            print(
+                f"draftforge data regenerate: all {len(order)} prompts already answered in {out}",
+                file=sys.stderr,
+            )
+            return RegenerateReport(out, len(order), len(rows), 0)
+        os.replace(out, partial)  # more prompts than last time: continue from the file
+    rows: list[dict[str, Any]] = []
+    if partial.exists():
+        rows, torn = _read_rows(partial)
+        _check_rows(rows, partial, order, settings_json, engine.name)
+        if torn:
+            # The cut write held the batch of the last complete row (or the next one):
+            # drop that batch's rows; generating it again gives the same rows.
+            if rows:
+                last_batch = batch_of[rows[-1]["id"]]
+                rows = [r for r in rows if batch_of[r["id"]] != last_batch]
+            _write_atomic(partial, b"".join(_row_line(r) for r in rows))
+    done = {r["id"] for r in rows}
+    num_reused = len(done)
+
+    from tqdm import tqdm
+
+    bar = tqdm(
+        total=len(prompts),
+        initial=num_reused,
+        desc="regenerate",
+        unit="prompt",
+        file=sys.stderr,
+        disable=not progress,
+        dynamic_ncols=True,
+    )
+    generated = 0
+    try:
+        with open(partial, "ab") as handle:
+            for batch in batches:
+                todo = [p for p in batch if p.id not in done]
+                if not todo:
+                    continue
+                conversations = answer_batch(todo, engine, settings)
+                payload = b"".join(
+                    _row_line(
+                        {
+                            "id": p.id,
+                            "messages": msgs,
+                            "generation": settings_json,
+                            "target": engine.name,
+                        }
+                    )
+                    for p, msgs in zip(todo, conversations, strict=True)
+                )
+                handle.write(payload)
+                handle.flush()
+                os.fsync(handle.fileno())
+                generated += len(todo)
+                bar.update(len(todo))
+    finally:
+        bar.close()
+
+    rows, _ = _read_rows(partial)
+    rows.sort(key=lambda r: order[r["id"]])
+    if [r["id"] for r in rows] != [p.id for p in prompts]:
+        raise RegenerationError(f"{partial} does not hold exactly one row per prompt")
+    _write_atomic(out, b"".join(_row_line(r) for r in rows))
+    partial.unlink()
+    _fsync_dir(out.parent)
+    report = RegenerateReport(out, len(prompts), num_reused, generated)
+    print(f"draftforge data regenerate: {report.summary()}", file=sys.stderr)
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``draftforge data regenerate RECIPE [key=value ...]``: write the recipe's regenerated data."""
+    parser = argparse.ArgumentParser(
+        prog="draftforge data regenerate",
+        description="Answer every prompt of data.train_files with the recipe's target and write "
+        "data.regenerated_file (default <train.output_dir>/regenerated.jsonl). Rerun to resume.",
+    )
+    parser.add_argument("recipe", help="path to a recipe YAML file")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="e.g. data.num_samples=64"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+
+    from draftforge.config import load_recipe
+    from draftforge.data.loading import load_prompts, regenerated_path
+    from draftforge.data.overlap import OverlapError
+    from draftforge.data.workloads import WorkloadUnavailableError
+
+    cfg = load_recipe(args.recipe, args.overrides)
+    try:
+        prompts = load_prompts(cfg.data).conversations
+        out = regenerated_path(cfg.data, cfg.train.output_dir)
+        print(f"draftforge data regenerate: {len(prompts)} prompts -> {out}", file=sys.stderr)
+
+        from draftforge.splitserve.target import build_target
+
+        engine = build_target(cfg.target, cfg.draft.target_layer_ids)
+        regenerate(prompts, engine, cfg.target.generation, out, progress=not args.no_progress)
+    except (DataFormatError, OverlapError, RegenerationError, WorkloadUnavailableError) as exc:
+        print(f"draftforge data regenerate: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

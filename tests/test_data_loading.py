@@ -1,0 +1,200 @@
+"""Loading local data files: every supported file type, file-level errors, skip_invalid."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from draftforge.data.config import DataConfig
+from draftforge.data.formats import DataFormatError
+from draftforge.data.loading import (
+    load_conversations,
+    load_prompts,
+    load_training_conversations,
+    regenerated_path,
+)
+
+CHATS = [
+    {
+        "id": "c1",
+        "messages": [
+            {"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": "4"},
+        ],
+    },
+    {
+        "conversations": [
+            {"from": "human", "value": "Name a colour."},
+            {"from": "gpt", "value": "Teal."},
+        ]
+    },
+]
+
+
+def jsonl_text(rows):
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet"])
+def test_every_file_type_gives_the_same_conversations(tmp_path, suffix):
+    path = tmp_path / f"chats{suffix}"
+    if suffix == ".jsonl":
+        path.write_text(jsonl_text(CHATS))
+    elif suffix == ".jsonl.gz":
+        with gzip.open(path, "wt") as handle:
+            handle.write(jsonl_text(CHATS))
+    elif suffix == ".json":
+        path.write_text(json.dumps(CHATS))
+    elif suffix == ".json.gz":
+        with gzip.open(path, "wt") as handle:
+            handle.write(json.dumps(CHATS))
+    else:
+        # One parquet table needs one schema: store both rows in OpenAI form.
+        rows = [
+            {"id": "c1", "messages": CHATS[0]["messages"]},
+            {
+                "id": None,
+                "messages": [
+                    {"role": "user", "content": "Name a colour."},
+                    {"role": "assistant", "content": "Teal."},
+                ],
+            },
+        ]
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    result = load_conversations([str(path)], expect="conversation")
+    assert [c.id for c in result.conversations] == ["c1", "chats-2"]
+    assert result.conversations[1].messages == [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Teal."},
+    ]
+    unit = "line" if suffix.startswith(".jsonl") else "row"
+    assert result.conversations[1].source == f"{path}, {unit} 2"
+    assert result.skipped == []
+
+
+def test_parquet_row_errors_name_the_row(tmp_path):
+    path = tmp_path / "p.parquet"
+    rows = [{"prompt": "fine"}, {"prompt": ""}]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(DataFormatError) as err:
+        load_conversations([str(path)])
+    assert str(err.value) == f"{path}, row 2: a user turn is empty"
+
+
+def test_error_unsupported_extension(tmp_path):
+    path = tmp_path / "data.csv"
+    path.write_text("prompt\nhello\n")
+    with pytest.raises(DataFormatError) as err:
+        load_conversations([str(path)])
+    assert str(err.value) == (
+        f"{path}: unsupported file type .csv; supported: .jsonl, .jsonl.gz, .json, .json.gz, .parquet"
+    )
+
+
+def test_error_missing_file(tmp_path):
+    missing = str(tmp_path / "nope.jsonl")
+    with pytest.raises(DataFormatError) as err:
+        load_conversations([missing])
+    assert str(err.value) == f"data file not found: {missing} (check data.train_files)"
+
+
+def test_error_unknown_builtin():
+    with pytest.raises(
+        DataFormatError,
+        match=r"unknown builtin data set 'builtin:nope'; valid: builtin:train-prompts",
+    ):
+        load_conversations(["builtin:nope"])
+
+
+def test_error_json_not_a_list_of_rows(tmp_path):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps({"data": CHATS}))
+    with pytest.raises(DataFormatError) as err:
+        load_conversations([str(path)])
+    assert str(err.value).startswith(
+        f"{path}: a .json data file must hold a list of row objects, got dict"
+    )
+
+
+def test_error_json_syntax_names_line(tmp_path):
+    path = tmp_path / "d.json"
+    path.write_text('[\n {"prompt": "a"},\n {"prompt": }\n]')
+    with pytest.raises(DataFormatError, match=r"d.json, line 3: invalid JSON"):
+        load_conversations([str(path)])
+
+
+def test_error_parquet_not_a_table(tmp_path):
+    path = tmp_path / "d.parquet"
+    path.write_bytes(b"this is not parquet")
+    with pytest.raises(DataFormatError) as err:
+        load_conversations([str(path)])
+    assert str(err.value).startswith(f"{path}: not a readable parquet table of rows")
+
+
+def test_error_duplicate_ids_across_files(tmp_path):
+    a = tmp_path / "a.jsonl"
+    b = tmp_path / "b.jsonl"
+    a.write_text(jsonl_text([{"id": "x", "prompt": "one"}]))
+    b.write_text(jsonl_text([{"prompt": "two"}, {"id": "x", "prompt": "three"}]))
+    with pytest.raises(DataFormatError) as err:
+        load_conversations([str(a), str(b)])
+    assert str(err.value) == (
+        f"{b}, line 2: id 'x' is already used at {a}, line 1; ids must be unique across data files"
+    )
+
+
+def test_skip_invalid_counts_and_reports_every_skipped_row(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    path.write_text(
+        "\n".join(
+            [
+                json.dumps({"prompt": "good one"}),
+                "{not json",
+                json.dumps({"messages": [{"role": "robot", "content": "x"}]}),
+                json.dumps(["list"]),
+                json.dumps({"prompt": "good two"}),
+            ]
+        )
+        + "\n"
+    )
+    result = load_conversations([str(path)], skip_invalid=True)
+    assert [c.id for c in result.conversations] == ["mixed-1", "mixed-5"]
+    assert [s.where for s in result.skipped] == [f"{path}, line {n}" for n in (2, 3, 4)]
+    assert result.skipped[0].reason.startswith("invalid JSON")
+    assert result.skipped[1].reason.startswith("message 1 has role 'robot'")
+    assert result.skipped[2].reason == "a row must be a JSON object, got list"
+    summary = result.summary()
+    assert summary.splitlines()[0] == "2 rows loaded, 3 malformed rows skipped"
+    assert f"skipped {path}, line 3: message 1 has role 'robot'" in summary
+
+
+def test_skip_invalid_does_not_hide_file_level_errors(tmp_path):
+    with pytest.raises(DataFormatError, match="data file not found"):
+        load_conversations([str(tmp_path / "missing.jsonl")], skip_invalid=True)
+
+
+def test_load_prompts_limit_and_builtin_with_overlap_check():
+    result = load_prompts(DataConfig(num_samples=50))
+    assert len(result.conversations) == 50
+    assert result.conversations[0].id == "train-00001"
+
+
+def test_load_training_conversations_requires_regenerated_file(tmp_path):
+    cfg = DataConfig()
+    with pytest.raises(
+        DataFormatError, match=r"regenerated data not found: .*draftforge data regenerate"
+    ):
+        load_training_conversations(cfg, tmp_path)
+    assert regenerated_path(cfg, tmp_path) == tmp_path / "regenerated.jsonl"
+
+
+def test_load_training_conversations_as_is(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    path.write_text(jsonl_text(CHATS))
+    cfg = DataConfig(train_files=[str(path)], regenerate=False)
+    result = load_training_conversations(cfg, tmp_path)
+    assert [c.id for c in result.conversations] == ["c1", "chats-2"]

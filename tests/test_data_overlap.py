@@ -1,0 +1,123 @@
+"""Training prompts must not overlap the evaluation workloads."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import pytest
+
+from draftforge.data.config import DataConfig
+from draftforge.data.formats import Conversation
+from draftforge.data.loading import load_conversations, load_prompts
+from draftforge.data.overlap import (
+    OverlapError,
+    OverlapIndex,
+    check_no_overlap,
+    normalize,
+    shingles,
+)
+from draftforge.data.workloads import load_workload
+
+
+def prompt(cid: str, text: str) -> Conversation:
+    return Conversation(cid, [{"role": "user", "content": text}], source=f"test {cid}")
+
+
+def light_edit(text: str) -> str:
+    """Change two words, the case and the punctuation: still a copy."""
+    words = text.split()
+    words[1] = "someone"
+    words[-3] = "several"
+    return " ".join(words).upper().replace(",", ";")
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return load_conversations(["builtin:train-prompts"]).conversations
+
+
+def test_catches_exact_copy_and_light_edit(shipped):
+    gsm = load_workload("gsm8k")[3]
+    mt = load_workload("mtbench")[10]
+    he = load_workload("humaneval")[20]
+    bad = [
+        prompt("exact", "  " + gsm.text + "  "),  # same after normalisation
+        prompt("edited", light_edit(mt.text)),
+        prompt("embedded", "Please help me with this:\n" + he.text + "\nThanks!"),
+    ]
+    with pytest.raises(OverlapError) as err:
+        check_no_overlap(shipped[:100] + bad)
+    hits = {h.train_id: h for h in err.value.hits}
+    assert set(hits) == {"exact", "edited", "embedded"}
+    assert (hits["exact"].eval_id, hits["exact"].kind) == (gsm.id, "exact")
+    assert (hits["edited"].eval_id, hits["edited"].kind) == (mt.id, "near")
+    assert hits["embedded"].eval_id == he.id
+    message = str(err.value)
+    assert message.startswith("3 training prompts overlap the evaluation workloads")
+    assert f"training 'edited' (test edited) ~ eval '{mt.id}': near, score" in message
+
+
+def test_second_user_turn_is_checked_too():
+    gsm = load_workload("gsm8k")[0]
+    conv = Conversation(
+        "two", [{"role": "user", "content": "Hello"}, {"role": "user", "content": gsm.text}]
+    )
+    with pytest.raises(OverlapError):
+        check_no_overlap([conv])
+
+
+def test_shipped_prompt_set_passes_quickly(shipped):
+    start = time.perf_counter()
+    check_no_overlap(shipped, threshold=0.5)
+    # 2,400 x 344 texts; about a second here. A generous bound for a busy machine.
+    assert time.perf_counter() - start < 15
+
+
+def test_load_time_check_refuses_overlapping_training_file(tmp_path):
+    path = tmp_path / "train.jsonl"
+    rows = [{"prompt": "Tell me a joke."}, {"prompt": load_workload("gsm8k")[5].text}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(OverlapError, match=r"train-2.* ~ eval 'gsm8k-"):
+        load_prompts(DataConfig(train_files=[str(path)]))
+    assert (
+        len(load_prompts(DataConfig(train_files=[str(path)], overlap_check=False)).conversations)
+        == 2
+    )
+
+
+def brute_force(train: list[str], refs: list[str], threshold: float) -> dict[int, float]:
+    best = {}
+    for i, text in enumerate(train):
+        a = shingles(normalize(text))
+        for ref in refs:
+            b = shingles(normalize(ref))
+            shared = len(a & b)
+            score = max(shared / len(a | b), shared / len(b))
+            if score >= threshold:
+                best[i] = max(best.get(i, 0.0), score)
+    return best
+
+
+def test_index_finds_exactly_what_brute_force_finds():
+    rng = random.Random(0)
+    refs = [p.text for p in load_workload("gsm8k")[:40]]
+    vocab = sorted({w for r in refs for w in r.split()})
+    train = []
+    for _ in range(120):
+        words = rng.choice(refs).split()
+        # Replace a random share of the words: from near copies to unrelated text.
+        share = rng.random()
+        train.append(" ".join(rng.choice(vocab) if rng.random() < share else w for w in words))
+    for threshold in (0.3, 0.5, 0.8):
+        index = OverlapIndex([(str(i), r) for i, r in enumerate(refs)], threshold)
+        expected = brute_force(train, refs, threshold)
+        found = {}
+        for i, text in enumerate(train):
+            hit = index.query(text)
+            if hit is not None:
+                found[i] = hit[2]
+        assert found.keys() == expected.keys()
+        assert all(abs(found[i] - expected[i]) < 1e-12 for i in found)
+        assert 0 < len(expected) < len(train)  # both outcomes occur

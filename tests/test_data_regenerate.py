@@ -1,0 +1,273 @@
+"""Regeneration: turn-by-turn answers, resume after interruption, crash safety.
+
+A fake engine answers deterministically from the conversation *and* the call's
+seed, like a real sampler; since the seed comes from the batch, an answer
+changes if a resumed run batched prompts differently from an uninterrupted one,
+so the "same file" tests would catch that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from draftforge.data.formats import Conversation
+from draftforge.data.regenerate import RegenerationError, batch_seed, regenerate
+from draftforge.splitserve.config import GenerationConfig
+
+
+class Interrupted(Exception):
+    pass
+
+
+class FakeEngine:
+    name = "fake-target"
+
+    def __init__(self, fail_on_call: int | None = None):
+        self.calls: list[tuple[list[list[dict[str, str]]], int]] = []
+        self.fail_on_call = fail_on_call
+
+    def generate(self, conversations, settings):
+        if self.fail_on_call is not None and len(self.calls) + 1 == self.fail_on_call:
+            raise Interrupted
+        self.calls.append(([list(c) for c in conversations], settings.seed))
+        replies = []
+        for conv in conversations:
+            assert conv[-1]["role"] == "user"
+            key = json.dumps(conv) + f"|{settings.seed}|{settings.temperature}"
+            replies.append("reply " + hashlib.sha256(key.encode()).hexdigest()[:10])
+        return replies
+
+
+def make_prompts(n: int = 11) -> list[Conversation]:
+    prompts = []
+    for i in range(n):
+        msgs = []
+        if i % 4 == 0:
+            msgs.append({"role": "system", "content": f"system {i}"})
+        msgs.append({"role": "user", "content": f"question {i}"})
+        if i % 3 == 0:
+            msgs.append({"role": "user", "content": f"follow-up {i}"})
+        prompts.append(Conversation(f"p{i:02d}", msgs))
+    return prompts
+
+
+SETTINGS = GenerationConfig(batch_size=3, temperature=0.7, seed=5)
+
+
+def run(tmp_path: Path, name: str, engine=None, prompts=None, settings=SETTINGS):
+    out = tmp_path / name
+    report = regenerate(
+        prompts or make_prompts(), engine or FakeEngine(), settings, out, progress=False
+    )
+    return out, report
+
+
+def test_rows_turn_by_turn_with_system_prompt(tmp_path):
+    engine = FakeEngine()
+    out, report = run(tmp_path, "r.jsonl", engine)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [f"p{i:02d}" for i in range(11)]
+    assert report.num_generated == 11 and report.num_reused == 0
+    row = rows[0]  # system prompt + two user turns
+    assert set(row) == {"id", "messages", "generation", "target"}
+    assert row["target"] == "fake-target"
+    assert row["generation"] == SETTINGS.model_dump(mode="json")
+    assert [m["role"] for m in row["messages"]] == [
+        "system",
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+    ]
+    assert row["messages"][0]["content"] == "system 0"
+    # The second turn was answered given the regenerated first reply.
+    asked = [conv for convs, _ in engine.calls for conv in convs]
+    second_turn = [conv for conv in asked if conv[-1]["content"] == "follow-up 0"]
+    assert second_turn == [row["messages"][:4]]
+    # One call per batch of 3 and turn; the seed depends on the batch ids and turn.
+    assert engine.calls[0][1] == batch_seed(5, ["p00", "p01", "p02"], 0)
+    assert all(len(c) <= 3 for c, _ in engine.calls)
+    assert not (tmp_path / "r.jsonl.partial").exists()
+
+
+def test_interrupted_then_resumed_equals_uninterrupted(tmp_path):
+    reference, _ = run(tmp_path, "ref.jsonl")
+    # Fail on the 4th generate call (batch 2's second turn): batch 1 is on disk.
+    with pytest.raises(Interrupted):
+        run(tmp_path, "out.jsonl", FakeEngine(fail_on_call=4))
+    out = tmp_path / "out.jsonl"
+    partial = tmp_path / "out.jsonl.partial"
+    assert not out.exists() and partial.exists()
+    assert len(partial.read_text().splitlines()) == 3
+    engine = FakeEngine()
+    _, report = run(tmp_path, "out.jsonl", engine)
+    assert report.num_reused == 3 and report.num_generated == 8
+    asked = [conv[-1]["content"] for convs, _ in engine.calls for conv in convs]
+    assert "question 0" not in asked and "question 3" in asked
+    assert out.read_bytes() == reference.read_bytes()
+    assert not partial.exists()
+
+
+def test_torn_last_line_is_repaired_and_result_identical(tmp_path):
+    reference, _ = run(tmp_path, "ref.jsonl")
+    lines = reference.read_bytes().splitlines(keepends=True)
+    # A crash cut the write of batch 2 (rows 4-6) in the middle of row 5.
+    partial = tmp_path / "out.jsonl.partial"
+    partial.write_bytes(b"".join(lines[:4]) + lines[4][:25])
+    engine = FakeEngine()
+    out, report = run(tmp_path, "out.jsonl", engine)
+    assert report.num_reused == 3  # row 4 belonged to the torn batch: regenerated with it
+    assert out.read_bytes() == reference.read_bytes()
+
+
+def test_torn_line_at_batch_start_keeps_previous_batch_result(tmp_path):
+    reference, _ = run(tmp_path, "ref.jsonl")
+    lines = reference.read_bytes().splitlines(keepends=True)
+    partial = tmp_path / "out.jsonl.partial"
+    partial.write_bytes(b"".join(lines[:6]) + lines[6][:10])
+    out, _ = run(tmp_path, "out.jsonl")
+    assert out.read_bytes() == reference.read_bytes()
+
+
+def test_rerun_of_finished_file_generates_nothing(tmp_path):
+    out, _ = run(tmp_path, "r.jsonl")
+    before = out.read_bytes()
+    engine = FakeEngine()
+    _, report = run(tmp_path, "r.jsonl", engine)
+    assert engine.calls == [] and report.num_reused == 11 and report.num_generated == 0
+    assert out.read_bytes() == before
+
+
+def test_more_prompts_later_continue_from_the_finished_file(tmp_path):
+    out, _ = run(tmp_path, "r.jsonl", prompts=make_prompts(6))
+    first = out.read_text().splitlines()
+    _, report = run(tmp_path, "r.jsonl", prompts=make_prompts(11))
+    lines = out.read_text().splitlines()
+    assert report.num_reused == 6 and report.num_generated == 5
+    assert lines[:6] == first and len(lines) == 11
+
+
+def test_changed_settings_refuse_to_mix(tmp_path):
+    run(tmp_path, "r.jsonl", prompts=make_prompts(6))
+    other = GenerationConfig(batch_size=3, temperature=0.0, seed=5)
+    with pytest.raises(
+        RegenerationError, match="was written with target 'fake-target' and settings"
+    ):
+        run(tmp_path, "r.jsonl", prompts=make_prompts(11), settings=other)
+
+
+def test_foreign_ids_refused(tmp_path):
+    run(tmp_path, "r.jsonl", prompts=make_prompts(6))
+    with pytest.raises(
+        RegenerationError, match="holds id 'p04', which is not among this run's prompts"
+    ):
+        run(tmp_path, "r.jsonl", prompts=make_prompts(4))
+
+
+def test_engine_returning_wrong_count_is_an_error(tmp_path):
+    class Bad(FakeEngine):
+        def generate(self, conversations, settings):
+            return super().generate(conversations, settings)[:-1]
+
+    with pytest.raises(RegenerationError, match="returned 2 replies for 3 conversations"):
+        run(tmp_path, "r.jsonl", Bad())
+
+
+def test_cli_main_writes_default_path(tmp_path, monkeypatch):
+    import draftforge.splitserve.target as target_module
+    from draftforge.data import regenerate as regen_module
+
+    built = {}
+
+    def fake_build_target(cfg, layer_ids):
+        built["model"] = cfg.model
+        return FakeEngine()
+
+    monkeypatch.setattr(target_module, "build_target", fake_build_target)
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
+    status = regen_module.main(
+        [str(recipe), f"train.output_dir={tmp_path}", "data.num_samples=7", "--no-progress"]
+    )
+    assert status == 0 and built["model"] == "random"
+    rows = [json.loads(line) for line in (tmp_path / "regenerated.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == [f"train-{i:05d}" for i in range(1, 8)]
+    assert rows[0]["generation"]["max_new_tokens"] == 32  # the recipe's settings
+
+
+def test_cli_main_reports_data_errors(tmp_path, capsys):
+    from draftforge.data import regenerate as regen_module
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
+    missing = tmp_path / "none.jsonl"
+    status = regen_module.main([str(recipe), f"data.train_files=['{missing}']"])
+    assert status == 2
+    assert f"data file not found: {missing}" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_smollm2_interrupted_resume_equals_uninterrupted(tmp_path):
+    from draftforge.splitserve.config import TargetConfig
+    from draftforge.splitserve.target import build_target
+
+    class Interrupting:
+        def __init__(self, engine, fail_on_call):
+            self.engine, self.name, self.fail_on_call, self.num_calls = (
+                engine,
+                engine.name,
+                fail_on_call,
+                0,
+            )
+
+        def generate(self, conversations, settings):
+            self.num_calls += 1
+            if self.num_calls == self.fail_on_call:
+                raise Interrupted
+            return self.engine.generate(conversations, settings)
+
+    engine = build_target(TargetConfig(model="smollm2-135m-instruct", dtype="float32"), [1])
+    settings = GenerationConfig(batch_size=2, max_new_tokens=12, temperature=0.7, seed=1)
+    prompts = [
+        Conversation("a", [{"role": "user", "content": "Name a fruit."}]),
+        Conversation(
+            "b",
+            [
+                {"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": "What is 3 + 4?"},
+                {"role": "user", "content": "And times 2?"},
+            ],
+        ),
+        Conversation("c", [{"role": "user", "content": "Say hello in French."}]),
+    ]
+    reference = tmp_path / "ref.jsonl"
+    regenerate(prompts, engine, settings, reference, progress=False)
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(Interrupted):
+        regenerate(prompts, Interrupting(engine, 3), settings, out, progress=False)
+    regenerate(prompts, engine, settings, out, progress=False)
+    assert out.read_bytes() == reference.read_bytes()
+    rows = [json.loads(line) for line in reference.read_text().splitlines()]
+    assert rows[1]["target"] == "smollm2-135m-instruct"
+    assert [m["role"] for m in rows[1]["messages"]] == [
+        "system",
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+    ]
+    assert all(m["content"].strip() for m in rows[1]["messages"])
+
+
+def test_regenerated_file_loads_as_training_conversations(tmp_path):
+    from draftforge.data.config import DataConfig
+    from draftforge.data.loading import load_training_conversations
+
+    out, _ = run(tmp_path, "regenerated.jsonl")
+    result = load_training_conversations(DataConfig(overlap_check=False), tmp_path)
+    convs = result.conversations
+    assert [c.id for c in convs] == [f"p{i:02d}" for i in range(11)]
+    assert convs[0].messages[-1]["role"] == "assistant"
+    assert convs[0].extra["target"] == "fake-target"

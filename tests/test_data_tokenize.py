@@ -1,0 +1,225 @@
+"""Chat template -> token ids and loss mask, checked token by token.
+
+The fast tests use a small ChatML tokenizer built here (one token per word,
+space, newline and punctuation mark), so the expected tokens and mask can be
+written out by hand. The integration test checks SmolLM2's real tokenizer and
+chat template against expected tokens also written out by hand.
+"""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Regex, Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Split
+from transformers import PreTrainedTokenizerFast
+
+from draftforge.data.formats import Conversation
+from draftforge.data.tokenize import ChatTemplateError, tokenize_conversations, tokenize_messages
+
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+WORDS = [
+    "<unk>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "system",
+    "user",
+    "assistant",
+    "\n",
+    " ",
+    "Be",
+    "brief",
+    ".",
+    "Hi",
+    "Hello",
+    "there",
+    "!",
+    "Bye",
+    "Ok",
+    "a",
+    "b",
+    "c",
+    "d",
+]
+
+
+def chatml_tokenizer() -> PreTrainedTokenizerFast:
+    model = Tokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    model.pre_tokenizer = Split(Regex(r"\s|\w+|[^\w\s]"), behavior="isolated")
+    model.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>", eos_token="<|im_end|>")
+    tok.chat_template = CHATML
+    return tok
+
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello there!"},
+    {"role": "user", "content": "Bye"},
+    {"role": "assistant", "content": "Ok"},
+]
+# (token, supervised) written out by hand from the ChatML layout.
+EXPECTED = [
+    ("<|im_start|>", 0),
+    ("system", 0),
+    ("\n", 0),
+    ("Be", 0),
+    (" ", 0),
+    ("brief", 0),
+    (".", 0),
+    ("<|im_end|>", 0),
+    ("\n", 0),
+    ("<|im_start|>", 0),
+    ("user", 0),
+    ("\n", 0),
+    ("Hi", 0),
+    ("<|im_end|>", 0),
+    ("\n", 0),
+    ("<|im_start|>", 0),
+    ("assistant", 0),
+    ("\n", 0),
+    ("Hello", 1),
+    (" ", 1),
+    ("there", 1),
+    ("!", 1),
+    ("<|im_end|>", 1),
+    ("\n", 0),
+    ("<|im_start|>", 0),
+    ("user", 0),
+    ("\n", 0),
+    ("Bye", 0),
+    ("<|im_end|>", 0),
+    ("\n", 0),
+    ("<|im_start|>", 0),
+    ("assistant", 0),
+    ("\n", 0),
+    ("Ok", 1),
+    ("<|im_end|>", 1),
+    ("\n", 0),
+]
+
+
+def test_mask_token_by_token_hand_built_chatml():
+    tok = chatml_tokenizer()
+    ids, mask = tokenize_messages(tok, CONVERSATION)
+    assert [(tok.convert_ids_to_tokens(i), m) for i, m in zip(ids, mask, strict=True)] == EXPECTED
+
+
+def test_template_override_is_used():
+    tok = chatml_tokenizer()
+    tok.chat_template = None
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        tokenize_messages(tok, CONVERSATION)
+    ids, mask = tokenize_messages(tok, CONVERSATION, chat_template=CHATML)
+    assert [m for _, m in EXPECTED] == mask
+
+
+def test_template_that_rewrites_history_is_refused():
+    tok = chatml_tokenizer()
+    # Drops every assistant turn but the last: earlier turns are not a prefix any more.
+    rewriting = (
+        "{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}"
+        "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    with pytest.raises(ChatTemplateError, match="assistant turn 3"):
+        tokenize_messages(tok, CONVERSATION, chat_template=rewriting)
+
+
+def conv(cid: str, reply: str) -> Conversation:
+    return Conversation(
+        cid, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": reply}]
+    )
+
+
+def test_truncation_and_min_loss_tokens_drop_are_counted():
+    tok = chatml_tokenizer()
+    # Prompt part: <|im_start|> user \n Hi <|im_end|> \n <|im_start|> assistant \n = 9 tokens.
+    convs = [conv("long", "a b c d"), conv("short", "a"), conv("cut", "a b c d a b c d")]
+    samples, stats = tokenize_conversations(convs, tok, max_length=20, min_loss_tokens=3)
+    # long: 9 + 7 reply tokens + <|im_end|> + \n = 18 tokens, 8 supervised.
+    # short: 1 + <|im_end|> = 2 supervised < 3 -> dropped.
+    # cut: 9 + 15 + 2 = 26 tokens -> 20 kept, 11 supervised (no end marker left).
+    assert [s.id for s in samples] == ["long", "cut"]
+    assert [len(s.input_ids) for s in samples] == [18, 20]
+    assert [s.num_loss_tokens for s in samples] == [8, 11]
+    assert samples[1].loss_mask == [0] * 9 + [1] * 11
+    assert (stats.num_conversations, stats.num_kept, stats.num_truncated) == (3, 2, 1)
+    assert stats.num_dropped_short == 1 and stats.dropped_ids == ["short"]
+    assert stats.summary() == "2/3 samples kept, 1 truncated, 1 dropped (too few supervised tokens)"
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from transformers import AutoTokenizer
+
+    from draftforge.splitserve import smollm2
+
+    return AutoTokenizer.from_pretrained(smollm2.ensure_smollm2())
+
+
+@pytest.mark.integration
+def test_mask_token_by_token_smollm2(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    messages = [
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+    ]
+    ids, mask = tokenize_messages(tok, messages)
+    # SmolLM2's template adds its default system prompt when there is none.
+    system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    full = tok.apply_chat_template(messages, tokenize=False)
+    assert full.startswith(f"<|im_start|>system\n{system}<|im_end|>\n")
+    assert ids == tok(full, add_special_tokens=False)["input_ids"]
+    num_system = len(
+        tok(f"<|im_start|>system\n{system}<|im_end|>\n", add_special_tokens=False)["input_ids"]
+    )
+    got = [(tok.convert_ids_to_tokens(i), m) for i, m in zip(ids, mask, strict=True)][num_system:]
+    expected = [
+        ("<|im_start|>", 0),
+        ("user", 0),
+        ("Ċ", 0),
+        ("Hi", 0),
+        ("Ġthere", 0),
+        ("<|im_end|>", 0),
+        ("Ċ", 0),
+        ("<|im_start|>", 0),
+        ("ass", 0),
+        ("istant", 0),
+        ("Ċ", 0),
+        ("Hello", 1),
+        ("!", 1),
+        ("ĠHow", 1),
+        ("Ġcan", 1),
+        ("ĠI", 1),
+        ("Ġhelp", 1),
+        ("?", 1),
+        ("<|im_end|>", 1),
+        ("Ċ", 0),
+        ("<|im_start|>", 0),
+        ("user", 0),
+        ("Ċ", 0),
+        ("2", 0),
+        ("+", 0),
+        ("2", 0),
+        ("?", 0),
+        ("<|im_end|>", 0),
+        ("Ċ", 0),
+        ("<|im_start|>", 0),
+        ("ass", 0),
+        ("istant", 0),
+        ("Ċ", 0),
+        ("4", 1),
+        ("<|im_end|>", 1),
+        ("Ċ", 0),
+    ]
+    assert got == expected
+    assert sum(mask[:num_system]) == 0
+    # The end-of-turn marker that generation stops at is the eos token, and it is supervised.
+    assert tok.eos_token == "<|im_end|>"
