@@ -309,12 +309,25 @@ def sdpa_attend(mask: torch.Tensor | None):
     return attend
 
 
+_COMPILED_FLEX = None
+
+
 def flex_attend(block_mask):
-    """Attention through flex_attention with a BlockMask (GPU training path)."""
+    """Attention through flex_attention with a BlockMask (GPU training path).
+
+    On CUDA the kernel is compiled once per process (uncompiled flex attention
+    materialises the full score matrix); on CPU it runs eager, forward only.
+    """
     from torch.nn.attention.flex_attention import flex_attention
 
     def attend(q, k, v):
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+        global _COMPILED_FLEX
+        kernel = flex_attention
+        if q.is_cuda:
+            if _COMPILED_FLEX is None:
+                _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+            kernel = _COMPILED_FLEX
+        return kernel(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
 
     return attend
 
