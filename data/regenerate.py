@@ -4,7 +4,10 @@
 (``data.train_files``), answers them with the recipe's target and sampling settings
 (``target.generation``) and writes one jsonl row per prompt::
 
-    {"id": ..., "messages": [...], "generation": {settings}, "target": "<name>"}
+    {"id": ..., "messages": [...], "unfinished_turns": [...], "generation": {settings}, "target": "<name>"}
+
+``unfinished_turns`` lists the message indices of replies the target did not end
+itself (cut at ``max_new_tokens``); their end-of-turn marker is not supervised.
 
 to ``data.regenerated_file`` (default ``<train.output_dir>/regenerated.jsonl``).
 Multi-turn prompts are answered turn by turn: each user turn is answered given the
@@ -84,11 +87,17 @@ def batch_seed(base_seed: int, ids: Sequence[str], turn: int) -> int:
 
 def answer_batch(
     prompts: Sequence[Conversation], engine: ReplyEngine, settings: GenerationConfig
-) -> list[list[dict[str, str]]]:
-    """Regenerated conversations for a batch of prompts, answered turn by turn."""
+) -> tuple[list[list[dict[str, str]]], list[list[int]]]:
+    """Regenerated conversations for a batch of prompts, answered turn by turn.
+
+    Also returns, per conversation, the message indices of assistant turns the
+    target did not finish (cut at ``max_new_tokens``; replies without a
+    ``finished`` attribute count as finished).
+    """
     histories = [[m for m in p.messages if m["role"] == "system"] for p in prompts]
     turns = [p.user_turns for p in prompts]
     ids = [p.id for p in prompts]
+    unfinished: list[list[int]] = [[] for _ in prompts]
     for turn in range(max(len(t) for t in turns)):
         active = [i for i, t in enumerate(turns) if turn < len(t)]
         for i in active:
@@ -101,8 +110,10 @@ def answer_batch(
                 "conversations (one string per conversation expected)"
             )
         for i, reply in zip(active, replies, strict=True):
-            histories[i].append({"role": "assistant", "content": reply})
-    return histories
+            if not getattr(reply, "finished", True):
+                unfinished[i].append(len(histories[i]))
+            histories[i].append({"role": "assistant", "content": str(reply)})
+    return histories, unfinished
 
 
 def _row_line(row: dict[str, Any]) -> bytes:
@@ -247,17 +258,18 @@ def regenerate(
                 todo = [p for p in batch if p.id not in done]
                 if not todo:
                     continue
-                conversations = answer_batch(todo, engine, settings)
+                conversations, unfinished = answer_batch(todo, engine, settings)
                 payload = b"".join(
                     _row_line(
                         {
                             "id": p.id,
                             "messages": msgs,
+                            "unfinished_turns": cut,
                             "generation": settings_json,
                             "target": engine.name,
                         }
                     )
-                    for p, msgs in zip(todo, conversations, strict=True)
+                    for p, msgs, cut in zip(todo, conversations, unfinished, strict=True)
                 )
                 handle.write(payload)
                 handle.flush()

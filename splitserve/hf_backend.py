@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from draftforge.splitserve.target import TargetFeatures, check_layer_ids
+from draftforge.splitserve.target import Reply, TargetFeatures, check_layer_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -160,7 +160,7 @@ class HFTarget:
 
     def generate(
         self, conversations: list[list[dict[str, str]]], settings: GenerationConfig
-    ) -> list[str]:
+    ) -> list[Reply]:
         """One assistant reply per conversation, with the recipe's sampling settings.
 
         The chat template (``settings.chat_template`` or the tokenizer's) is applied
@@ -169,10 +169,16 @@ class HFTarget:
         Sampling is seeded from ``settings.seed`` at the start of every call (the
         global RNG is left untouched): the same list of conversations with the
         same settings gives the same replies. Temperature 0 means greedy.
-        Replies are decoded without special tokens.
+        Replies are decoded without special tokens; ``Reply.finished`` is False
+        for a reply cut at ``max_new_tokens``.
         """
         replies = self.generate_token_ids(conversations, settings)
-        return self.tokenizer.batch_decode(replies, skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(replies, skip_special_tokens=True)
+        eos = set(self.eos_token_ids())
+        return [
+            Reply(text, finished=bool(ids) and ids[-1] in eos)
+            for text, ids in zip(texts, replies, strict=True)
+        ]
 
     @torch.no_grad()
     def generate_token_ids(

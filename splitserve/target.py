@@ -37,6 +37,22 @@ class TargetFeatures:
     final: torch.Tensor
 
 
+class Reply(str):
+    """A generated reply: the decoded text, plus whether the target ended it itself.
+
+    ``finished`` is False when generation stopped at ``max_new_tokens``; the data
+    pipeline then leaves the chat template's end-of-turn marker unsupervised
+    instead of teaching the draft to stop mid-sentence.
+    """
+
+    finished: bool
+
+    def __new__(cls, text: str, finished: bool = True) -> Reply:
+        reply = super().__new__(cls, text)
+        reply.finished = finished
+        return reply
+
+
 @runtime_checkable
 class TargetEngine(Protocol):
     """A running target model (transformers in-process today; SGLang later)."""
@@ -53,7 +69,7 @@ class TargetEngine(Protocol):
 
     def generate(
         self, conversations: list[list[dict[str, str]]], settings: GenerationConfig
-    ) -> list[str]:
+    ) -> list[Reply]:
         """One assistant reply per conversation (each ends with a user turn), decoded without special tokens."""
         ...
 

@@ -73,7 +73,8 @@ def test_rows_turn_by_turn_with_system_prompt(tmp_path):
     assert [r["id"] for r in rows] == [f"p{i:02d}" for i in range(11)]
     assert report.num_generated == 11 and report.num_reused == 0
     row = rows[0]  # system prompt + two user turns
-    assert set(row) == {"id", "messages", "generation", "target"}
+    assert set(row) == {"id", "messages", "unfinished_turns", "generation", "target"}
+    assert row["unfinished_turns"] == []  # the fake engine returns plain strings: finished
     assert row["target"] == "fake-target"
     assert row["generation"] == SETTINGS.model_dump(mode="json")
     assert [m["role"] for m in row["messages"]] == [
@@ -271,3 +272,21 @@ def test_regenerated_file_loads_as_training_conversations(tmp_path):
     assert [c.id for c in convs] == [f"p{i:02d}" for i in range(11)]
     assert convs[0].messages[-1]["role"] == "assistant"
     assert convs[0].extra["target"] == "fake-target"
+
+
+def test_replies_cut_at_the_limit_are_recorded(tmp_path):
+    from draftforge.data.regenerate import answer_batch
+    from draftforge.splitserve.target import Reply
+
+    class CuttingEngine(FakeEngine):
+        def generate(self, conversations, settings):
+            texts = super().generate(conversations, settings)
+            # The first conversation's replies never finish.
+            return [Reply(t, finished=i != 0) for i, t in enumerate(texts)]
+
+    prompts = make_prompts(3)
+    histories, unfinished = answer_batch(prompts, CuttingEngine(), GenerationConfig())
+    assert unfinished[1:] == [[], []]
+    assistant_positions = [i for i, m in enumerate(histories[0]) if m["role"] == "assistant"]
+    assert unfinished[0] == assistant_positions and assistant_positions
+    assert all(type(m["content"]) is str for h in histories for m in h)

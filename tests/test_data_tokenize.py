@@ -223,3 +223,26 @@ def test_mask_token_by_token_smollm2(smollm2_tokenizer):
     assert sum(mask[:num_system]) == 0
     # The end-of-turn marker that generation stops at is the eos token, and it is supervised.
     assert tok.eos_token == "<|im_end|>"
+
+
+def test_unfinished_reply_leaves_its_end_marker_unsupervised():
+    """A reply cut at max_new_tokens: its text is supervised, the template's <|im_end|> is not."""
+    tok = chatml_tokenizer()
+    ids, mask = tokenize_messages(tok, CONVERSATION, unfinished_turns=(2,))
+    got = [(tok.convert_ids_to_tokens(i), m) for i, m in zip(ids, mask, strict=True)]
+    expected = list(EXPECTED)
+    first_reply_end = 22  # the <|im_end|> after "Hello there!"
+    assert expected[first_reply_end] == ("<|im_end|>", 1)
+    expected[first_reply_end] = ("<|im_end|>", 0)
+    assert got == expected
+
+
+def test_unfinished_turns_reach_tokenize_conversations_from_rows():
+    from draftforge.data.formats import RowLocation, parse_row
+    from draftforge.data.tokenize import tokenize_conversations
+
+    row = {"id": "a", "messages": CONVERSATION, "unfinished_turns": [4]}
+    conv = parse_row(row, RowLocation("x.jsonl", 1), default_id="x:1", expect="conversation")
+    samples, _ = tokenize_conversations([conv], chatml_tokenizer(), max_length=100, min_loss_tokens=1)
+    # The last reply "Ok" keeps its loss; its <|im_end|> (second to last token) loses it.
+    assert samples[0].loss_mask[-3:] == [1, 0, 0]

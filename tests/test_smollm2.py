@@ -230,3 +230,17 @@ def test_tokenizer_alone_and_random_target_borrowing_it():
         GenerationConfig(temperature=0.0, max_new_tokens=4),
     )
     assert len(replies) == 1 and isinstance(replies[0], str)
+
+
+@pytest.mark.integration
+def test_reply_cut_at_the_limit_is_marked_unfinished(smol):
+    from draftforge.splitserve.config import GenerationConfig
+
+    conversation = [[{"role": "user", "content": "Write a long story about a dragon."}]]
+    cut = smol.generate(conversation, GenerationConfig(temperature=0.0, max_new_tokens=4))[0]
+    whole = smol.generate(
+        [[{"role": "user", "content": "What is the capital of France?"}]],
+        GenerationConfig(temperature=0.0, max_new_tokens=64),
+    )[0]
+    assert cut.finished is False and isinstance(cut, str)
+    assert whole.finished is True
