@@ -1,0 +1,143 @@
+"""Per-position temperature scaling of the confidence head, in SGLang's calibration format.
+
+The confidence logit ``z_k`` of draft position k estimates the probability that
+token k is accepted given that tokens ``0 .. k-1`` were. A verification round
+therefore gives one labelled sample per position it reached: positions
+``k <= accepted`` among the verified ones, label ``k < accepted``. Per position,
+a temperature ``T_k`` minimises the log loss of ``sigmoid(z_k / T_k)`` on
+fitting rounds; the expected calibration error (ECE, equal-width bins) is
+measured before and after on held-out rounds.
+
+SGLang (``--speculative-algorithm DSPARK``, sequential temperature scaling)
+reads ``{"temperatures": [T_0 .. T_{γ-1}], "ece_before": [...], "ece_after":
+[...], "dataset": str, "num_samples": int}``, every temperature > 0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+from draftforge.eval.speculative import Round
+
+MIN_TEMPERATURE = 0.05  # all-rejected positions would otherwise drive T to 0
+MAX_TEMPERATURE = 100.0
+
+
+def round_samples(rounds: Iterable[Round]) -> list[tuple[int, float, float]]:
+    """(position, confidence logit, accepted 0/1) for every position a round reached."""
+    samples = []
+    for r in rounds:
+        if r.confidence_logits is None:
+            continue
+        reached = min(r.num_verified, r.num_accepted + 1)
+        for k in range(reached):
+            samples.append((k, float(r.confidence_logits[k]), 1.0 if k < r.num_accepted else 0.0))
+    return samples
+
+
+def fit_temperature(logits: torch.Tensor, labels: torch.Tensor, *, iterations: int = 100) -> float:
+    """The T minimising the mean log loss of ``sigmoid(logits / T)`` (Newton on a = 1/T, convex),
+    clamped to [MIN_TEMPERATURE, MAX_TEMPERATURE]."""
+    if logits.numel() == 0:
+        return 1.0
+    z, y = logits.double(), labels.double()
+    a = 1.0
+    for _ in range(iterations):
+        s = torch.sigmoid(a * z)
+        grad = float(((s - y) * z).sum())
+        hess = float((s * (1 - s) * z * z).sum())
+        if hess <= 1e-12:
+            break
+        step = grad / hess
+        a_new = max(a - step, 1.0 / MAX_TEMPERATURE)
+        if abs(a_new - a) < 1e-10:
+            a = a_new
+            break
+        a = a_new
+    return float(min(MAX_TEMPERATURE, max(MIN_TEMPERATURE, 1.0 / a)))
+
+
+def expected_calibration_error(probs: torch.Tensor, labels: torch.Tensor, *, num_bins: int = 10) -> float:
+    """ECE with equal-width probability bins: sum over bins of |mean label - mean prob| x bin share."""
+    if probs.numel() == 0:
+        return float("nan")
+    probs, labels = probs.double(), labels.double()
+    bins = torch.clamp((probs * num_bins).long(), max=num_bins - 1)
+    total = 0.0
+    for b in range(num_bins):
+        mask = bins == b
+        if mask.any():
+            total += float(mask.double().mean()) * abs(float(labels[mask].mean() - probs[mask].mean()))
+    return total
+
+
+def calibrate(
+    samples: Sequence[tuple[int, float, float]],
+    block_size: int,
+    *,
+    dataset: str = "",
+    holdout_every: int = 2,
+) -> dict:
+    """Fit one temperature per position on most samples and measure ECE on the held-out rest.
+
+    Every ``holdout_every``-th sample of a position is held out (deterministic).
+    Positions without samples keep T = 1 and are written with ECE 0 (SGLang's
+    fields are plain floats); ``samples_per_position`` in the evaluator's report
+    says which positions had data.
+    """
+    temperatures, ece_before, ece_after = [], [], []
+    for k in range(block_size):
+        rows = [(z, y) for pos, z, y in samples if pos == k]
+        fit_rows = [row for i, row in enumerate(rows) if i % holdout_every != holdout_every - 1]
+        held_rows = [row for i, row in enumerate(rows) if i % holdout_every == holdout_every - 1]
+        if not held_rows:  # too few samples to hold any out: evaluate on the fitting rows
+            held_rows = fit_rows
+        z_fit = torch.tensor([z for z, _ in fit_rows], dtype=torch.float64)
+        y_fit = torch.tensor([y for _, y in fit_rows], dtype=torch.float64)
+        temperature = fit_temperature(z_fit, y_fit)
+        z_held = torch.tensor([z for z, _ in held_rows], dtype=torch.float64)
+        y_held = torch.tensor([y for _, y in held_rows], dtype=torch.float64)
+        temperatures.append(temperature)
+        ece_before.append(expected_calibration_error(torch.sigmoid(z_held), y_held))
+        ece_after.append(expected_calibration_error(torch.sigmoid(z_held / temperature), y_held))
+    return {
+        "temperatures": temperatures,
+        "ece_before": [_finite_or_zero(e) for e in ece_before],
+        "ece_after": [_finite_or_zero(e) for e in ece_after],
+        "dataset": dataset,
+        "num_samples": len(samples),
+    }
+
+
+def pooled_ece(samples: Sequence[tuple[int, float, float]], temperatures: Sequence[float] | None = None) -> float:
+    """ECE over all positions together, raw or with the per-position temperatures applied."""
+    if not samples:
+        return float("nan")
+    z = torch.tensor([s[1] for s in samples], dtype=torch.float64)
+    if temperatures is not None:
+        z = z / torch.tensor([temperatures[s[0]] for s in samples], dtype=torch.float64)
+    y = torch.tensor([s[2] for s in samples], dtype=torch.float64)
+    return expected_calibration_error(torch.sigmoid(z), y)
+
+
+def write_calibration(path: str | os.PathLike[str], calibration: dict) -> Path:
+    """Write SGLang's calibration JSON atomically (temp file, then rename)."""
+    path = Path(path).expanduser()
+    if not calibration["temperatures"] or any(t <= 0 for t in calibration["temperatures"]):
+        raise ValueError(f"calibration temperatures must be non-empty and > 0: {calibration['temperatures']}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(calibration, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _finite_or_zero(value: float) -> float:
+    # SGLang decodes ece_before / ece_after as lists of floats: no null, no NaN.
+    return 0.0 if math.isnan(value) else value

@@ -1,0 +1,228 @@
+"""``draftforge eval DRAFT --target NAME_OR_DIR``: real speculative decoding against the baselines.
+
+DRAFT is an export folder (``config.json`` + safetensors) or a training
+checkpoint (run directory, checkpoint folder, or ``model.safetensors`` beside
+``draft_config.json``): the DFlash ablation (markov_rank 0) cannot be exported
+in the DSpark format and is evaluated from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from draftforge.eval.config import EvalConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = EvalConfig()
+    parser = argparse.ArgumentParser(
+        prog="draftforge eval",
+        description="Speculative decoding with the target: the DSpark draft beside no-draft and "
+        "n-gram baselines, on the same prompts. Greedy runs are checked lossless.",
+    )
+    parser.add_argument("draft", help="export folder, run directory or training checkpoint")
+    parser.add_argument("--target", help="registered target name, 'random' (needs --recipe) or local HF folder")
+    parser.add_argument("--recipe", help="take the target section (and eval defaults) from this recipe")
+    parser.add_argument("--workloads", help="comma-separated: humaneval,mtbench,gsm8k")
+    parser.add_argument("--prompts-file", help="JSONL of {'workload': name, 'input_ids': [...]} instead of --workloads")
+    parser.add_argument("--temperature", type=float, help=f"0 = greedy (default {defaults.temperature})")
+    parser.add_argument("--max-new-tokens", type=int, help=f"default {defaults.max_new_tokens}")
+    parser.add_argument("--num-prompts", type=int, help="per workload; default all")
+    parser.add_argument("--verify", choices=["full", "threshold"], help="verification mode (default full)")
+    parser.add_argument("--threshold", type=float, help="confidence threshold for --verify threshold")
+    parser.add_argument("--baselines", help="comma-separated subset of none,ngram (default both)")
+    parser.add_argument("--calibrate", metavar="OUT.json", help="fit per-position confidence temperatures")
+    parser.add_argument("--out", default="runs/eval", help="report folder (default runs/eval)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"],
+                        help="target dtype (default: float32, or the recipe's with --recipe); the "
+                        "lossless check needs float32 to be exact")  # fmt: skip
+    parser.add_argument("--tie-tolerance", type=float, default=1e-3,
+                        help="greedy divergences where the target's top-2 logit margin is below this "
+                        "are counted as numerical near-ties, not failures (default 1e-3)")  # fmt: skip
+    parser.add_argument("--seed", type=int, help="sampling seed")
+    parser.add_argument("--no-estimate", action="store_true", help="skip the train-time tau estimate")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``draftforge eval``."""
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    import torch
+
+    from draftforge.eval.calibration import calibrate, pooled_ece, write_calibration
+    from draftforge.eval.harness import EvalSettings, macro, run_workload
+    from draftforge.eval.report import write_report
+    from draftforge.eval.speculative import LosslessCheckError
+    from draftforge.splitserve.config import TargetConfig
+    from draftforge.splitserve.target import build_target
+
+    eval_cfg, target_cfg = EvalConfig(), None
+    if args.recipe:
+        from draftforge.config import load_recipe
+
+        recipe = load_recipe(args.recipe)
+        eval_cfg, target_cfg = recipe.eval, recipe.target
+        if args.target:
+            target_cfg = target_cfg.model_copy(update={"model": args.target})
+        if args.dtype:
+            target_cfg = target_cfg.model_copy(update={"dtype": args.dtype})
+    elif args.target:
+        target_cfg = TargetConfig(model=args.target, dtype=args.dtype or "float32")
+    else:
+        raise SystemExit("draftforge eval: give --target NAME_OR_DIR (or --recipe RECIPE)")
+
+    draft_cfg, load_draft = _draft_loader(args.draft)
+    print(f"eval: loading target {target_cfg.model!r} (layers {draft_cfg.target_layer_ids})", flush=True)
+    target = build_target(target_cfg, draft_cfg.target_layer_ids)
+    draft = load_draft(target)
+    print(f"eval: draft {args.draft} (block {draft_cfg.block_size}, markov rank {draft_cfg.markov_rank})")
+
+    settings = EvalSettings(
+        max_new_tokens=args.max_new_tokens or eval_cfg.max_new_tokens,
+        temperature=eval_cfg.temperature if args.temperature is None else args.temperature,
+        verify=args.verify or eval_cfg.verify,
+        threshold=eval_cfg.confidence_threshold if args.threshold is None else args.threshold,
+        seed=eval_cfg.seed if args.seed is None else args.seed,
+        baselines=tuple(args.baselines.split(",")) if args.baselines else tuple(eval_cfg.baselines),
+        estimate=not args.no_estimate,
+        tie_tolerance=args.tie_tolerance,
+    )
+    num_prompts = args.num_prompts or eval_cfg.num_prompts
+    if args.prompts_file:
+        workloads = _prompts_from_file(args.prompts_file, num_prompts)
+    else:
+        names = args.workloads.split(",") if args.workloads else list(eval_cfg.workloads)
+        workloads = {name: _workload_prompts(name, target, target_cfg, num_prompts) for name in names}
+    eos = _eos_ids(target)
+
+    torch.manual_seed(settings.seed)
+    results, started = [], time.perf_counter()
+    for name, prompts in workloads.items():
+        print(f"eval: {name}: {len(prompts)} prompts", flush=True)
+        try:
+            results.append(run_workload(name, prompts, draft, target, settings, eos_token_ids=eos))
+        except LosslessCheckError as err:
+            hint = "" if target_cfg.dtype == "float32" else " (the target runs in bfloat16: rerun with --dtype float32)"
+            print(f"draftforge eval: LOSSLESS CHECK FAILED: {err}{hint}", file=sys.stderr)
+            return 3
+
+    meta = {
+        "command": "draftforge eval " + shlex.join(list(sys.argv[1:] if argv is None else argv)),
+        "draft": str(args.draft),
+        "target": target_cfg.model,
+        "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(settings).items()},
+        "block_size": draft_cfg.block_size,
+        "wall_s": time.perf_counter() - started,
+    }
+    if args.calibrate:
+        samples = [s for r in results for s in r.confidence_samples]
+        if not samples:
+            raise SystemExit("draftforge eval --calibrate: the draft has no confidence head (no samples)")
+        calibration = calibrate(samples, draft_cfg.block_size, dataset=",".join(workloads))
+        write_calibration(args.calibrate, calibration)
+        meta["calibration"] = {
+            **calibration,
+            "path": str(args.calibrate),
+            "pooled_ece_before": pooled_ece(samples),
+            "pooled_ece_after": pooled_ece(samples, calibration["temperatures"]),
+        }
+        print(
+            f"eval: calibration written to {args.calibrate}: temperatures "
+            f"{[round(t, 3) for t in calibration['temperatures']]}, ECE (pooled) "
+            f"{meta['calibration']['pooled_ece_before']:.4f} -> {meta['calibration']['pooled_ece_after']:.4f}"
+        )
+    paths = write_report(results, args.out, meta, block_size=draft_cfg.block_size)
+    print(paths["markdown"].read_text())
+    summary = " ".join(f"al_{m}={macro(results, m):.3f}" for m in ("dspark", "ngram", "none"))
+    print(f"eval: report in {Path(args.out)} ({', '.join(p.name for p in paths.values())})")
+    print(f"eval_dir={Path(args.out)} {summary}")
+    return 0
+
+
+def _draft_loader(path: str):
+    """(DSparkConfig, loader(target) -> DSparkDraft) for an export folder or a training checkpoint."""
+    from draftforge.train.export import CONFIG_FILE, load_training_checkpoint
+    from draftforge.train.hf_load import (
+        config_from_serving,
+        load_exported_draft,
+        read_serving_config,
+    )
+    from draftforge.train.model import DSparkDraft
+
+    folder = Path(path).expanduser()
+    if (folder / CONFIG_FILE).is_file():
+        cfg = config_from_serving(read_serving_config(folder), where=str(folder / CONFIG_FILE))
+        return cfg, lambda target: load_exported_draft(folder, target=target, dtype=_float32())
+    cfg, state = load_training_checkpoint(folder)
+
+    def load(target):
+        model = DSparkDraft(cfg)
+        model.load_target_embeddings(target.embed_tokens_weight(), target.lm_head_weight())
+        full = {**model.state_dict(), **state}
+        model.load_state_dict({k: v.to(model.fc.weight.dtype) for k, v in full.items()}, strict=True)
+        return model.eval()
+
+    return cfg, load
+
+
+def _float32():
+    import torch
+
+    return torch.float32
+
+
+def _workload_prompts(name: str, target, target_cfg, num_prompts: int | None) -> list[list[int]]:
+    """Chat-templated token ids of a workload's prompts, as the target will be served."""
+    from draftforge.data.workloads import load_workload
+
+    prompts = load_workload(name)[: num_prompts or None]
+    tokenizer = target.tokenizer
+    generation = target_cfg.generation
+    ids = []
+    for prompt in prompts:
+        text = tokenizer.apply_chat_template(
+            prompt.messages,
+            tokenize=False,
+            add_generation_prompt=True,
+            enable_thinking=generation.enable_thinking,
+            chat_template=generation.chat_template,
+        )
+        ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return ids
+
+
+def _prompts_from_file(path: str, num_prompts: int | None) -> dict[str, list[list[int]]]:
+    workloads: dict[str, list[list[int]]] = {}
+    for line_no, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            ids = [int(t) for t in row["input_ids"]]
+            name = str(row.get("workload", "prompts"))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+            raise SystemExit(f"{path}:{line_no}: expected {{'workload': str, 'input_ids': [int]}} ({err})") from err
+        if not ids:
+            raise SystemExit(f"{path}:{line_no}: empty input_ids")
+        bucket = workloads.setdefault(name, [])
+        if num_prompts is None or len(bucket) < num_prompts:
+            bucket.append(ids)
+    return workloads
+
+
+def _eos_ids(target) -> list[int]:
+    try:
+        return list(target.eos_token_ids())
+    except (RuntimeError, ValueError, AttributeError) as err:
+        print(f"eval: no end-of-sequence token ({err}); decoding runs to --max-new-tokens")
+        return []
+
+
+if __name__ == "__main__":
+    sys.exit(main())

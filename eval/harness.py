@@ -1,0 +1,150 @@
+"""Run the draft and the baselines on the same prompts and aggregate what users compare.
+
+Per workload and method (``dspark``, ``ngram``, ``none``): mean acceptance
+length over rounds, per-position conditional acceptance (accepted / reached),
+tokens verified per round, wall time and tokens per second. Greedy runs are
+checked lossless against plain decoding, prompt by prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from draftforge.eval.baselines import NgramProposer, NoDraft
+from draftforge.eval.calibration import round_samples
+from draftforge.eval.estimate import train_time_estimate
+from draftforge.eval.speculative import (
+    DecodeResult,
+    DecodeSettings,
+    DraftProposer,
+    TargetSession,
+    check_lossless,
+    speculative_decode,
+)
+
+METHODS = ("dspark", "ngram", "none")
+
+
+@dataclass
+class EvalSettings:
+    """Decoding settings shared by every method of one run."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    verify: str = "full"
+    threshold: float = 0.5
+    seed: int = 0
+    baselines: Sequence[str] = ("none", "ngram")
+    ngram_max: int = 3
+    tie_tolerance: float = 1e-3
+    estimate: bool = True
+    estimate_anchors: int = 64
+
+
+@dataclass
+class WorkloadResult:
+    """Everything measured on one workload."""
+
+    name: str
+    num_prompts: int
+    methods: dict[str, dict] = field(default_factory=dict)
+    estimate: dict | None = None
+    near_ties: int = 0
+    confidence_samples: list[tuple[int, float, float]] = field(default_factory=list)
+
+
+def summarize(results: Sequence[DecodeResult], block_size: int) -> dict:
+    """Aggregate the rounds and timings of one method over a workload's prompts."""
+    rounds = [r for res in results for r in res.rounds]
+    tokens = sum(len(res.tokens) for res in results)
+    wall = sum(res.wall_s for res in results)
+    reached = [0] * block_size
+    accepted = [0] * block_size
+    for r in rounds:
+        for k in range(min(r.num_verified, r.num_accepted + 1, block_size)):
+            reached[k] += 1
+            accepted[k] += int(k < r.num_accepted)
+    return {
+        "acceptance_length": (sum(r.acceptance_length for r in rounds) / len(rounds)) if rounds else float("nan"),
+        "position_acceptance": [a / n if n else None for a, n in zip(accepted, reached, strict=True)],
+        "position_reached": reached,
+        "tokens_verified_per_round": (sum(r.num_verified + 1 for r in rounds) / len(rounds)) if rounds else float("nan"),
+        "drafts_proposed_per_round": (sum(r.num_proposed for r in rounds) / len(rounds)) if rounds else float("nan"),
+        "rounds": len(rounds),
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall if wall > 0 else float("nan"),
+    }
+
+
+def run_workload(
+    name: str,
+    prompts: Sequence[Sequence[int]],
+    draft,
+    target,
+    settings: EvalSettings,
+    *,
+    eos_token_ids: Sequence[int] = (),
+    progress: Callable[[str], None] = print,
+) -> WorkloadResult:
+    """Decode every prompt with the draft and the baselines; greedy outputs are checked lossless."""
+    gamma = draft.config.block_size
+    decode = DecodeSettings(
+        max_new_tokens=settings.max_new_tokens,
+        temperature=settings.temperature,
+        verify=settings.verify,
+        threshold=settings.threshold,
+        eos_token_ids=tuple(eos_token_ids),
+    )
+    with_features = TargetSession(target.model, draft.config.target_layer_ids)
+    plain_session = TargetSession(target.model, None)
+    proposers = {
+        "dspark": (with_features, lambda g: DraftProposer(draft, temperature=settings.temperature, generator=g)),
+        "ngram": (plain_session, lambda g: NgramProposer(gamma, max_ngram=settings.ngram_max)),
+        "none": (plain_session, lambda g: NoDraft()),
+    }
+    # Plain decoding always runs when greedy: it is the lossless reference (and the estimate's data).
+    methods = ["none"] if settings.temperature <= 0 or "none" in settings.baselines else []
+    methods += ["dspark"] + [m for m in ("ngram",) if m in settings.baselines]
+    outputs: dict[str, list[DecodeResult]] = {m: [] for m in methods}
+    result = WorkloadResult(name=name, num_prompts=len(prompts))
+    started = time.perf_counter()
+    for index, prompt in enumerate(prompts):
+        for method in methods:
+            session, make = proposers[method]
+            generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + index)
+            outputs[method].append(
+                speculative_decode(session, prompt, make(generator), decode, generator=generator)
+            )
+        if settings.temperature <= 0:
+            for method in methods:
+                if method != "none":
+                    result.near_ties += check_lossless(
+                        outputs[method][-1], outputs["none"][-1],
+                        tie_tolerance=settings.tie_tolerance, label=f"{name} prompt {index} ({method})",
+                    )  # fmt: skip
+        done = outputs["dspark"][-1]
+        progress(
+            f"  {name} {index + 1}/{len(prompts)}: {len(done.tokens)} tokens, "
+            f"AL {done.mean_acceptance_length:.2f} ({time.perf_counter() - started:.1f}s)"
+        )
+    for method in methods:
+        result.methods[method] = summarize(outputs[method], gamma)
+    result.confidence_samples = round_samples(r for res in outputs["dspark"] for r in res.rounds)
+    if settings.estimate:
+        reference = outputs["none"] if "none" in outputs else outputs["dspark"]
+        result.estimate = train_time_estimate(
+            draft, target, [(p, res.tokens) for p, res in zip(prompts, reference, strict=True)],
+            max_anchors=settings.estimate_anchors, seed=settings.seed,
+        )  # fmt: skip
+    return result
+
+
+def macro(results: Sequence[WorkloadResult], method: str, key: str = "acceptance_length") -> float:
+    """Unweighted mean of one metric over workloads (NaN when a workload lacks the method)."""
+    values = [r.methods[method][key] for r in results if method in r.methods]
+    return sum(values) / len(values) if values and len(values) == len(results) else float("nan")

@@ -1,0 +1,171 @@
+"""The evaluation report: a markdown table, the JSON behind it and PNG plots (matplotlib, Agg)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from draftforge.eval.harness import METHODS, WorkloadResult, macro
+
+ESTIMATE_NOTE = (
+    "tau (train-time estimate) is the training metric 1 + sum_k prod_{i<=k} c*_i computed through the "
+    "training objective, teacher-forced on the target's own outputs for these prompts; c* is the "
+    "acceptance probability of speculative sampling at temperature 1. tau_greedy replaces c* by the "
+    "greedy match indicator. Both average over every response position as an anchor, while decoding "
+    "anchors only where the previous round stopped (often right after a hard token), and c* is not the "
+    "greedy acceptance rule: expect measured AL below tau, and close to tau_greedy under greedy decoding."
+)
+
+
+def _fmt(value, digits: int = 2) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+def markdown_table(results: Sequence[WorkloadResult], *, block_size: int, command: str | None = None) -> str:
+    """Acceptance length, verification width and speed per workload and method, plus positions."""
+    lines = []
+    if command:
+        lines += [f"Command: `{command}`", ""]
+    lines += [
+        "| workload | method | acceptance length | tokens verified / round | tokens/s | speed-up | wall s |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        base = r.methods.get("none", {}).get("tokens_per_s")
+        for method in METHODS:
+            m = r.methods.get(method)
+            if m is None:
+                continue
+            speedup = m["tokens_per_s"] / base if base else None
+            lines.append(
+                f"| {r.name} | {method} | {_fmt(m['acceptance_length'])} | "
+                f"{_fmt(m['tokens_verified_per_round'])} | {_fmt(m['tokens_per_s'], 1)} | "
+                f"{_fmt(speedup)}x | {_fmt(m['wall_s'], 1)} |"
+            )
+    macro_row = " / ".join(f"{m} {_fmt(macro(results, m))}" for m in METHODS if any(m in r.methods for r in results))
+    lines += ["", f"Macro acceptance length: {macro_row}", ""]
+    header = " | ".join(f"k={k}" for k in range(block_size))
+    lines += [
+        "Per-position conditional acceptance (accepted / reached), DSpark draft:",
+        "",
+        f"| workload | {header} |",
+        "| --- |" + " ---: |" * block_size,
+    ]
+    for r in results:
+        m = r.methods.get("dspark")
+        if m:
+            lines.append(f"| {r.name} | " + " | ".join(_fmt(v) for v in m["position_acceptance"]) + " |")
+    lines += ["", "Train-time estimate beside the measured acceptance length (DSpark):", ""]
+    lines += ["| workload | measured AL | tau (c*) | tau_greedy |", "| --- | ---: | ---: | ---: |"]
+    for r in results:
+        est = r.estimate or {}
+        measured = r.methods.get("dspark", {}).get("acceptance_length")
+        lines.append(f"| {r.name} | {_fmt(measured)} | {_fmt(est.get('tau'))} | {_fmt(est.get('tau_greedy'))} |")
+    lines += ["", ESTIMATE_NOTE, ""]
+    return "\n".join(lines)
+
+
+def report_dict(results: Sequence[WorkloadResult], meta: dict) -> dict:
+    """The JSON report: settings, per-workload metrics, macro numbers and calibration if any."""
+    return {
+        **meta,
+        "workloads": {
+            r.name: {
+                "num_prompts": r.num_prompts,
+                "methods": r.methods,
+                "train_time_estimate": r.estimate,
+                "lossless_near_ties": r.near_ties,
+            }
+            for r in results
+        },
+        "macro_acceptance_length": {
+            m: macro(results, m) for m in METHODS if any(m in r.methods for r in results)
+        },
+        "estimate_note": ESTIMATE_NOTE,
+    }
+
+
+def plot(results: Sequence[WorkloadResult], out_dir: Path, *, block_size: int) -> list[Path]:
+    """acceptance_length.png (bars per workload and method) and position_acceptance.png (lines)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    methods = [m for m in METHODS if any(m in r.methods for r in results)]
+    width = 0.8 / max(1, len(methods))
+    for i, method in enumerate(methods):
+        values = [r.methods.get(method, {}).get("acceptance_length", float("nan")) for r in results]
+        ax.bar([x + i * width for x in range(len(results))], values, width, label=method)
+    ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(results))])
+    ax.set_xticklabels([r.name for r in results])
+    ax.set_ylabel("mean acceptance length")
+    ax.axhline(block_size + 1, color="grey", linestyle=":", linewidth=1)
+    ax.legend()
+    fig.tight_layout()
+    paths.append(_save(fig, out_dir / "acceptance_length.png"))
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in results:
+        for method, style in (("dspark", "-"), ("ngram", "--")):
+            m = r.methods.get(method)
+            if m:
+                ys = [float("nan") if v is None else v for v in m["position_acceptance"]]
+                ax.plot(range(block_size), ys, style, marker="o", label=f"{r.name} {method}")
+    ax.set_xticks(range(block_size))
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("P(accept k | 0..k-1 accepted)")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(_save(fig, out_dir / "position_acceptance.png"))
+    plt.close(fig)
+    return paths
+
+
+def write_report(
+    results: Sequence[WorkloadResult], out_dir: str | os.PathLike[str], meta: dict, *, block_size: int
+) -> dict[str, Path]:
+    """Write report.md, report.json and the plots into ``out_dir`` (each file atomically)."""
+    out = Path(out_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown_table(results, block_size=block_size, command=meta.get("command"))
+    paths = {
+        "markdown": _atomic_text(out / "report.md", table),
+        "json": _atomic_text(out / "report.json", json.dumps(_jsonable(report_dict(results, meta)), indent=2) + "\n"),
+    }
+    for path in plot(results, out, block_size=block_size):
+        paths[path.stem] = path
+    return paths
+
+
+def _jsonable(value):
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _atomic_text(path: Path, text: str) -> Path:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
+
+
+def _save(fig, path: Path) -> Path:
+    tmp = path.with_name(f".{path.stem}.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, path)
+    return path

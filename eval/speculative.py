@@ -1,0 +1,370 @@
+"""Real speculative decoding with the target: the loop, its verification rules and the lossless check.
+
+One prompt at a time (batch 1), the target runs with a KV cache:
+
+1. Prefill the prompt; the target's next token (greedy or sampled) is the
+   first output token and the first anchor ``x_p``.
+2. A round: the proposer drafts up to γ tokens after the anchor. The DSpark
+   draft runs the block ``[x_p, MASK, ...]`` at positions ``p .. p+γ-1`` over
+   the context features of positions ``< p`` (a growing buffer of the
+   auxiliary layer outputs the target produced while verifying), then the
+   sequential Markov drafting.
+3. The target verifies ``[x_p, d_0 .. d_{n-1}]`` (width ``n + 1``) in one
+   forward with its cache: greedy accepts the longest prefix with
+   ``d_k == argmax``, sampling uses standard rejection sampling; the target's
+   token after the accepted prefix is the bonus, the next anchor.
+4. The cache is cropped to the accepted length. Acceptance length of the round
+   = accepted drafts + 1 (a round whose accepted drafts contain EOS counts up to
+   the EOS, without the bonus, as DeepSpec does).
+
+Verification modes: ``full`` verifies every draft; ``threshold`` verifies only
+the prefix before the first draft whose confidence ``sigmoid(c_k)`` is below
+the threshold (static confidence scheduling).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from draftforge.splitserve.hf_backend import _decoder_layers_and_norm
+
+
+class LosslessCheckError(AssertionError):
+    """Greedy speculative decoding produced a different output than plain greedy decoding."""
+
+
+@dataclass
+class Proposal:
+    """Drafted tokens after the anchor, with the draft's distributions (sampling) and confidences."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None  # [n, V] fp32, the distributions the tokens were drawn from
+    confidence_logits: list[float] | None = None  # [n]
+
+
+@dataclass
+class Round:
+    """One verification round."""
+
+    num_proposed: int
+    num_verified: int  # drafts sent to the target (the round verifies num_verified + 1 tokens)
+    num_accepted: int
+    acceptance_length: int  # accepted + 1, or up to the EOS
+    confidence_logits: list[float] | None = None
+
+
+@dataclass
+class DecodeResult:
+    """The output of one prompt and how it was produced."""
+
+    prompt_len: int
+    tokens: list[int]
+    rounds: list[Round] = field(default_factory=list)
+    wall_s: float = 0.0
+    top2_margins: list[float] | None = None  # plain decoding only: per output token
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        if not self.rounds:
+            return float("nan")
+        return sum(r.acceptance_length for r in self.rounds) / len(self.rounds)
+
+
+class TargetSession:
+    """The target model with a KV cache, capturing the auxiliary layer outputs of every token it runs.
+
+    ``layer_ids`` follows draftforge's convention (output of decoder layer i =
+    ``hidden_states[i + 1]``), as ``HFTarget.features`` does, so the features
+    the draft sees at serving equal those it was trained on.
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int] | None) -> None:
+        self.model = model.eval()
+        self.layer_ids = list(layer_ids or [])
+        self.device = next(model.parameters()).device
+        self._layers, _ = _decoder_layers_and_norm(model)
+        # transformers >= 5.2x names the KV cache argument `cache`; older releases `past_key_values`.
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.cache = None
+        self.length = 0
+
+    @torch.no_grad()
+    def _run(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        captured: dict[int, torch.Tensor] = {}
+
+        def keep(layer_id: int):
+            def hook(_module, _args, output) -> None:
+                captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
+            return hook
+
+        handles = [self._layers[i].register_forward_hook(keep(i)) for i in self.layer_ids]
+        try:
+            ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
+            out = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: self.cache})
+        finally:
+            for handle in handles:
+                handle.remove()
+        self.cache = getattr(out, self._cache_arg)
+        self.length += len(token_ids)
+        aux = None
+        if self.layer_ids:
+            aux = torch.cat([captured[i][0] for i in self.layer_ids], dim=-1)
+        return out.logits[0].float(), aux
+
+    def prefill(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Start a new sequence: next-token logits [L, V] fp32 and aux features [L, K*H_t]."""
+        self.cache, self.length = None, 0
+        return self._run(token_ids)
+
+    def extend(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append tokens at positions ``length ..``; their logits and aux features."""
+        return self._run(token_ids)
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` positions of the cache."""
+        remove = self.length - length
+        if remove < 0:
+            raise ValueError(f"cannot crop a cache of {self.length} positions to {length}")
+        if remove:
+            self.cache.crop(-remove)
+        self.length = length
+
+
+# ----------------------------------------------------------------------------- verification rules
+
+
+def greedy_accept(drafts: Sequence[int], target_logits: torch.Tensor) -> tuple[int, int]:
+    """Longest prefix with ``d_k == argmax`` of the target at slot k; returns (accepted, bonus token).
+
+    ``target_logits`` [n + 1, V]: row k is the target's distribution for the token after
+    ``[anchor, d_0 .. d_{k-1}]``.
+    """
+    best = target_logits.argmax(dim=-1).tolist()
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == best[accepted]:
+        accepted += 1
+    return accepted, best[accepted]
+
+
+def rejection_accept(
+    drafts: Sequence[int],
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator,
+) -> tuple[int, int]:
+    """Standard speculative sampling: accept ``d_k`` with ``min(1, p_t/p_d)``; on rejection resample
+    from ``norm(max(p_t - p_d, 0))``; after a fully accepted prefix the bonus comes from ``p_t``.
+
+    ``draft_probs`` [n, V] (None: deterministic drafts, p_d is one-hot, as for n-gram lookup);
+    ``target_probs`` [n + 1, V].
+    """
+    for k, token in enumerate(drafts):
+        p_t = target_probs[k]
+        if draft_probs is None:
+            p_d = torch.zeros_like(p_t)
+            p_d[token] = 1.0
+        else:
+            p_d = draft_probs[k]
+        ratio = (p_t[token] / p_d[token]).item() if p_d[token] > 0 else 0.0
+        if torch.rand((), generator=generator).item() < min(1.0, ratio):
+            continue
+        residual = (p_t - p_d).clamp_min(0)
+        if residual.sum() <= 0:  # p_t == p_d up to rounding: rejection had probability ~0
+            residual = p_t
+        return k, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    return len(drafts), int(torch.multinomial(target_probs[len(drafts)], 1, generator=generator))
+
+
+# ----------------------------------------------------------------------------- proposers
+
+
+class Proposer:
+    """Drafts tokens after the anchor (the last token of ``sequence``)."""
+
+    name = "none"
+    needs_features = False
+
+    def propose(self, sequence: list[int], features: torch.Tensor | None) -> Proposal:
+        return Proposal(tokens=[])
+
+
+class DraftProposer(Proposer):
+    """The DSpark draft: block forward over the context features, then sequential Markov drafting."""
+
+    name = "dspark"
+    needs_features = True
+
+    def __init__(self, draft, *, temperature: float, generator: torch.Generator) -> None:
+        self.draft = draft.eval()
+        self.temperature = temperature
+        self.generator = generator
+        self.block_size = draft.config.block_size
+
+    @torch.no_grad()
+    def propose(self, sequence: list[int], features: torch.Tensor | None) -> Proposal:
+        anchor_pos = len(sequence) - 1
+        device = self.draft.fc.weight.device
+        anchor = torch.tensor([sequence[-1]], dtype=torch.long, device=device)
+        aux = features[:anchor_pos].unsqueeze(0).to(device)
+        hidden = self.draft.block_forward(anchor, anchor_pos, aux)
+        if self.temperature > 0:
+
+            def sample(logits, _k):
+                probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+                return torch.multinomial(probs.cpu(), 1, generator=self.generator)[:, 0].to(device)
+
+            tokens, logits, conf = self.draft.draft_block(hidden, anchor, sample=sample)
+            probs = torch.softmax(logits[0].float() / self.temperature, dim=-1).cpu()
+        else:
+            tokens, logits, conf = self.draft.draft_block(hidden, anchor)
+            probs = None
+        return Proposal(
+            tokens=tokens[0].tolist(),
+            probs=probs,
+            confidence_logits=None if conf is None else conf[0].float().tolist(),
+        )
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+@dataclass
+class DecodeSettings:
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    verify: str = "full"  # full | threshold
+    threshold: float = 0.5
+    eos_token_ids: tuple[int, ...] = ()
+
+
+def _choose(logits: torch.Tensor, settings: DecodeSettings, generator: torch.Generator) -> int:
+    if settings.temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits / settings.temperature, dim=-1)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def _verified_prefix(proposal: Proposal, settings: DecodeSettings) -> int:
+    if settings.verify == "full" or not proposal.tokens:
+        return len(proposal.tokens)
+    if settings.verify != "threshold":
+        raise ValueError(f"verify mode {settings.verify!r} is not one of 'full', 'threshold'")
+    if proposal.confidence_logits is None:
+        raise ValueError("verify mode 'threshold' needs a draft with a confidence head")
+    for k, z in enumerate(proposal.confidence_logits):
+        if torch.sigmoid(torch.tensor(z)).item() < settings.threshold:
+            return k
+    return len(proposal.tokens)
+
+
+@torch.no_grad()
+def speculative_decode(
+    session: TargetSession,
+    prompt: Sequence[int],
+    proposer: Proposer,
+    settings: DecodeSettings,
+    *,
+    generator: torch.Generator | None = None,
+    accept_greedy: Callable = None,
+    accept_sampled: Callable = None,
+) -> DecodeResult:
+    """Decode one prompt with ``proposer`` (``Proposer()`` = plain autoregressive decoding)."""
+    accept_greedy = accept_greedy or greedy_accept
+    accept_sampled = accept_sampled or rejection_accept
+    generator = generator or torch.Generator().manual_seed(0)
+    eos = set(settings.eos_token_ids)
+    plain = proposer.name == "none"  # plain decoding: record the lossless reference margins
+    start = time.perf_counter()
+
+    logits, aux = session.prefill(list(prompt))
+    sequence = list(prompt)
+    features = aux if proposer.needs_features else None
+    anchor = _choose(logits[-1], settings, generator)
+    output = [anchor]
+    margins = [_margin(logits[-1])] if plain else None
+    rounds: list[Round] = []
+    while len(output) < settings.max_new_tokens and anchor not in eos:
+        sequence.append(anchor)  # the anchor sits at position len(sequence) - 1
+        proposal = proposer.propose(sequence, features)
+        num_verified = _verified_prefix(proposal, settings)
+        drafts = proposal.tokens[:num_verified]
+        anchor_pos = len(sequence) - 1
+        target_logits, verify_aux = session.extend([anchor] + drafts)
+        if settings.temperature <= 0:
+            accepted, bonus = accept_greedy(drafts, target_logits)
+        else:
+            target_probs = torch.softmax(target_logits / settings.temperature, dim=-1).cpu()
+            probs = None if proposal.probs is None else proposal.probs[:num_verified]
+            accepted, bonus = accept_sampled(drafts, probs, target_probs, generator)
+        session.crop(anchor_pos + 1 + accepted)
+        if features is not None:
+            features = torch.cat([features, verify_aux[: accepted + 1]], dim=0)
+        emitted = drafts[:accepted] + [bonus]
+        for index, token in enumerate(emitted):
+            if token in eos:
+                emitted = emitted[: index + 1]
+                break
+        if plain:
+            margins.append(_margin(target_logits[0]))
+        rounds.append(
+            Round(
+                num_proposed=len(proposal.tokens),
+                num_verified=num_verified,
+                num_accepted=accepted,
+                acceptance_length=len(emitted),
+                confidence_logits=proposal.confidence_logits,
+            )
+        )
+        sequence.extend(drafts[:accepted])
+        output.extend(emitted)
+        anchor = output[-1]
+    output = output[: settings.max_new_tokens]
+    return DecodeResult(
+        prompt_len=len(prompt),
+        tokens=output,
+        rounds=rounds,
+        wall_s=time.perf_counter() - start,
+        top2_margins=margins[: len(output)] if margins is not None else None,
+    )
+
+
+def _margin(logits: torch.Tensor) -> float:
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def check_lossless(
+    speculative: DecodeResult, reference: DecodeResult, *, tie_tolerance: float = 1e-3, label: str = ""
+) -> int:
+    """Raise :class:`LosslessCheckError` when greedy speculative output differs from plain greedy output.
+
+    A divergence where the reference's top-2 logit margin is below
+    ``tie_tolerance`` is a numerical near-tie (batched verification computes the
+    same logits in a different order), not a verification bug: the comparison
+    stops there and 1 is returned (0 when identical).
+    """
+    spec, ref = speculative.tokens, reference.tokens
+    for index in range(max(len(spec), len(ref))):
+        a = spec[index] if index < len(spec) else None
+        b = ref[index] if index < len(ref) else None
+        if a == b:
+            continue
+        margin = None
+        if reference.top2_margins is not None and index < len(reference.top2_margins):
+            margin = reference.top2_margins[index]
+        if margin is not None and margin < tie_tolerance and a is not None and b is not None:
+            return 1
+        raise LosslessCheckError(
+            f"{label}: greedy speculative decoding is not lossless: output token {index} is {a} but "
+            f"plain greedy decoding gives {b} (reference top-2 logit margin there: {margin}); "
+            f"speculative {spec[max(0, index - 3) : index + 4]} vs plain {ref[max(0, index - 3) : index + 4]}"
+        )
+    return 0

@@ -1,0 +1,84 @@
+"""Confidence calibration: per-position temperatures, ECE, SGLang's JSON fields."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from draftforge.eval.calibration import (
+    calibrate,
+    expected_calibration_error,
+    fit_temperature,
+    pooled_ece,
+    round_samples,
+    write_calibration,
+)
+from draftforge.eval.speculative import Round
+
+
+def _miscalibrated(scales, per_position=4000, seed=0):
+    """Samples whose true acceptance probability is sigmoid(z_true); the head reports z_true * scale_k."""
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for k, scale in enumerate(scales):
+        z_true = torch.randn(per_position, generator=gen) * 1.5
+        labels = (torch.rand(per_position, generator=gen) < torch.sigmoid(z_true)).float()
+        samples += [(k, float(z * scale), float(y)) for z, y in zip(z_true, labels, strict=True)]
+    return samples
+
+
+def test_fit_temperature_recovers_the_scale():
+    samples = _miscalibrated([3.0], per_position=20000)
+    z = torch.tensor([s[1] for s in samples])
+    y = torch.tensor([s[2] for s in samples])
+    assert fit_temperature(z, y) == pytest.approx(3.0, rel=0.08)
+
+
+def test_calibration_lowers_ece_and_has_sglang_fields(tmp_path):
+    scales = [3.0, 0.4, 2.0, 1.0]
+    samples = _miscalibrated(scales)
+    calibration = calibrate(samples, block_size=4, dataset="synthetic")
+    assert {"temperatures", "ece_before", "ece_after"} <= set(calibration)
+    assert len(calibration["temperatures"]) == 4 and len(calibration["ece_after"]) == 4
+    assert all(t > 0 for t in calibration["temperatures"])
+    for k, scale in enumerate(scales):
+        assert calibration["temperatures"][k] == pytest.approx(scale, rel=0.2)
+        assert calibration["ece_after"][k] <= calibration["ece_before"][k] + 0.01
+        if scale != 1.0:
+            assert calibration["ece_after"][k] < 0.5 * calibration["ece_before"][k]
+    assert pooled_ece(samples, calibration["temperatures"]) < pooled_ece(samples)
+
+    path = write_calibration(tmp_path / "sts.json", calibration)
+    written = json.loads(path.read_text())
+    assert written["temperatures"] == calibration["temperatures"]
+    assert written["dataset"] == "synthetic" and written["num_samples"] == len(samples)
+    assert all(isinstance(v, float) for v in written["ece_before"] + written["ece_after"])
+
+
+def test_positions_without_samples_keep_temperature_one():
+    calibration = calibrate(_miscalibrated([2.0]), block_size=3)
+    assert calibration["temperatures"][1:] == [1.0, 1.0]
+    assert calibration["ece_before"][1:] == [0.0, 0.0]
+
+
+def test_round_samples_label_the_reached_positions():
+    rounds = [
+        Round(num_proposed=4, num_verified=4, num_accepted=2, acceptance_length=3, confidence_logits=[1.0, 2.0, 3.0, 4.0]),
+        Round(num_proposed=4, num_verified=4, num_accepted=4, acceptance_length=5, confidence_logits=[5.0, 6.0, 7.0, 8.0]),
+        Round(num_proposed=4, num_verified=1, num_accepted=1, acceptance_length=2, confidence_logits=[9.0, 0.0, 0.0, 0.0]),
+        Round(num_proposed=0, num_verified=0, num_accepted=0, acceptance_length=1, confidence_logits=None),
+    ]
+    assert round_samples(rounds) == [
+        (0, 1.0, 1.0), (1, 2.0, 1.0), (2, 3.0, 0.0),
+        (0, 5.0, 1.0), (1, 6.0, 1.0), (2, 7.0, 1.0), (3, 8.0, 1.0),
+        (0, 9.0, 1.0),
+    ]  # fmt: skip
+
+
+def test_ece_by_hand():
+    probs = torch.tensor([0.05, 0.05, 0.95, 0.95])
+    labels = torch.tensor([0.0, 1.0, 1.0, 1.0])
+    # bin 0: mean prob 0.05, mean label 0.5 -> 0.45 * 0.5; bin 9: 0.95 vs 1.0 -> 0.05 * 0.5
+    assert expected_calibration_error(probs, labels) == pytest.approx(0.25)

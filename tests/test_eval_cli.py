@@ -1,0 +1,127 @@
+"""`draftforge eval` end to end on the tiny-debug recipe's random target, and the report files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from eval_helpers import random_prompts, tiny_eval_draft
+
+from draftforge.config import load_recipe
+from draftforge.splitserve.target import build_target
+from draftforge.train.export import export_draft
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
+
+
+def test_eval_cli_with_export_prompts_file_and_calibration(tmp_path, capsys):
+    from draftforge.cli import main
+
+    recipe = load_recipe(RECIPE)
+    target = build_target(recipe.target, recipe.draft.target_layer_ids)
+    draft = tiny_eval_draft(target)
+    assert draft.config.target_layer_ids == recipe.draft.target_layer_ids
+    export_dir = export_draft(draft, tmp_path / "export", progress=lambda _: None)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "\n".join(json.dumps({"workload": w, "input_ids": ids}) for w, ids in
+                  zip(["alpha", "alpha", "beta"], random_prompts(3), strict=True))  # fmt: skip
+    )
+    out = tmp_path / "report"
+    status = main([
+        "eval", str(export_dir), "--recipe", str(RECIPE), "--prompts-file", str(prompts),
+        "--max-new-tokens", "10", "--calibrate", str(tmp_path / "sts.json"), "--out", str(out),
+    ])  # fmt: skip
+    assert status == 0
+    stdout = capsys.readouterr().out
+    assert "al_dspark=" in stdout and "al_ngram=" in stdout and "al_none=1.000" in stdout
+    report = json.loads((out / "report.json").read_text())
+    assert set(report["workloads"]) == {"alpha", "beta"}
+    alpha = report["workloads"]["alpha"]
+    assert alpha["num_prompts"] == 2 and set(alpha["methods"]) == {"dspark", "ngram", "none"}
+    assert alpha["methods"]["none"]["acceptance_length"] == 1.0
+    assert len(alpha["methods"]["dspark"]["position_acceptance"]) == 4
+    assert alpha["train_time_estimate"]["tau"] >= 1.0
+    table = (out / "report.md").read_text()
+    assert "| alpha | dspark |" in table and "tau (c*)" in table
+    for name in ("acceptance_length.png", "position_acceptance.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    calibration = json.loads((tmp_path / "sts.json").read_text())
+    assert len(calibration["temperatures"]) == 4
+    assert {"temperatures", "ece_before", "ece_after"} <= set(calibration)
+
+
+def test_eval_from_training_checkpoint(tmp_path, capsys):
+    """The DFlash ablation has no DSpark export; it is evaluated from its checkpoint folder."""
+    from dataclasses import asdict
+
+    from safetensors.torch import save_file
+
+    from draftforge.eval.cli import main
+
+    recipe = load_recipe(RECIPE)
+    target = build_target(recipe.target, recipe.draft.target_layer_ids)
+    draft = tiny_eval_draft(target, markov_rank=0, enable_confidence_head=False, confidence_head_with_markov=False)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    state = {k: v for k, v in draft.state_dict().items() if k not in ("embed_tokens.weight", "lm_head.weight")}
+    save_file({k: v.contiguous() for k, v in state.items()}, str(ckpt / "model.safetensors"))
+    (ckpt / "draft_config.json").write_text(json.dumps(asdict(draft.config)))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"workload": "w", "input_ids": random_prompts(1)[0]}))
+    assert main([str(ckpt), "--recipe", str(RECIPE), "--prompts-file", str(prompts),
+                 "--max-new-tokens", "8", "--out", str(tmp_path / "r"), "--no-estimate"]) == 0  # fmt: skip
+    assert "al_dspark=" in capsys.readouterr().out
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert report["workloads"]["w"]["methods"]["dspark"]["acceptance_length"] >= 1.0
+
+
+@pytest.mark.integration
+def test_eval_cli_on_smollm2_workloads(tmp_path, capsys):
+    """Real workloads, chat template and EOS through SmolLM2 (float32): greedy stays lossless."""
+    from draftforge.cli import main
+    from draftforge.splitserve import smollm2
+    from draftforge.splitserve.config import TargetConfig
+    from draftforge.train.model import DSparkConfig, DSparkDraft
+
+    layers = [1, 14, 27]
+    target = build_target(TargetConfig(model=smollm2.NAME, dtype="float32"), layers)
+    cfg = DSparkConfig(
+        vocab_size=49152, hidden_size=576, num_hidden_layers=1, num_attention_heads=9,
+        num_key_value_heads=3, intermediate_size=1536, target_hidden_size=576,
+        num_target_layers=30, target_layer_ids=layers, block_size=4, mask_token_id=16,
+        markov_rank=16, enable_confidence_head=True, confidence_head_with_markov=True,
+        rope_theta=100000.0, max_position_embeddings=8192,
+    )  # fmt: skip
+    draft = DSparkDraft(cfg)
+    draft.load_target_embeddings(target.embed_tokens_weight(), target.lm_head_weight())
+    export_dir = export_draft(draft, tmp_path / "export", progress=lambda _: None)
+    status = main([
+        "eval", str(export_dir), "--target", smollm2.NAME, "--workloads", "humaneval,gsm8k",
+        "--num-prompts", "1", "--max-new-tokens", "12", "--out", str(tmp_path / "r"),
+    ])  # fmt: skip
+    assert status == 0
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert set(report["workloads"]) == {"humaneval", "gsm8k"}
+    assert "al_ngram=" in capsys.readouterr().out
+
+
+def test_eval_cli_fails_loudly_when_greedy_is_not_lossless(tmp_path, capsys, monkeypatch):
+    from draftforge.eval import speculative
+    from draftforge.eval.cli import main
+
+    recipe = load_recipe(RECIPE)
+    target = build_target(recipe.target, recipe.draft.target_layer_ids)
+    export_dir = export_draft(tiny_eval_draft(target), tmp_path / "export", progress=lambda _: None)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"workload": "w", "input_ids": random_prompts(1)[0]}))
+    monkeypatch.setattr(
+        speculative, "greedy_accept", lambda drafts, logits: (len(drafts), int(logits[len(drafts)].argmax()))
+    )
+    status = main([str(export_dir), "--recipe", str(RECIPE), "--prompts-file", str(prompts),
+                   "--max-new-tokens", "12", "--out", str(tmp_path / "r"), "--tie-tolerance", "0",
+                   "--baselines", "none"])  # fmt: skip
+    assert status == 3
+    assert "LOSSLESS CHECK FAILED" in capsys.readouterr().err
+    assert not (tmp_path / "r" / "report.json").exists()

@@ -1,0 +1,242 @@
+"""The speculative-decoding evaluator: lossless greedy, rejection sampling, baselines, EOS, threshold mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from eval_helpers import random_prompts, tiny_eval_draft, tiny_target
+
+from draftforge.eval import speculative as spec
+from draftforge.eval.baselines import NgramProposer, NoDraft, ngram_lookup
+from draftforge.eval.harness import EvalSettings, run_workload
+from draftforge.eval.speculative import (
+    DecodeSettings,
+    LosslessCheckError,
+    Proposal,
+    Proposer,
+    TargetSession,
+    check_lossless,
+    rejection_accept,
+    speculative_decode,
+)
+
+QUIET = dict(progress=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return tiny_eval_draft(target)
+
+
+class OracleProposer(Proposer):
+    """Proposes the reference continuation, wrong from draft position ``wrong_from`` on."""
+
+    name = "oracle"
+
+    def __init__(self, prompt_len, reference, gamma, wrong_from=None):
+        self.prompt_len, self.reference, self.gamma, self.wrong_from = prompt_len, reference, gamma, wrong_from
+
+    def propose(self, sequence, features):
+        produced = len(sequence) - self.prompt_len  # the anchor is reference[produced - 1]
+        tokens = list(self.reference[produced : produced + self.gamma])
+        if self.wrong_from is not None:
+            tokens = [t if k < self.wrong_from else (t + 1) % 512 for k, t in enumerate(tokens)]
+        return Proposal(tokens=tokens)
+
+
+def _plain(target, prompt, max_new, eos=()):
+    session = TargetSession(target.model, None)
+    return speculative_decode(session, prompt, NoDraft(), DecodeSettings(max_new_tokens=max_new, eos_token_ids=eos))
+
+
+def test_plain_decoding_equals_transformers_generate(target):
+    prompt = random_prompts(1)[0]
+    ours = _plain(target, prompt, 20)
+    reference = target.model.generate(
+        input_ids=torch.tensor([prompt]), max_new_tokens=20, do_sample=False, pad_token_id=0
+    )[0, len(prompt) :].tolist()
+    assert ours.tokens == reference
+    assert all(r.acceptance_length == 1 for r in ours.rounds) and len(ours.rounds) == 19
+    assert min(ours.top2_margins) > 1e-3  # the sharpened target has no near-ties here
+
+
+def test_greedy_dspark_and_ngram_are_lossless_on_a_random_draft(target, draft):
+    result = run_workload(
+        "random", random_prompts(2), draft, target,
+        EvalSettings(max_new_tokens=16, tie_tolerance=0.0, estimate=False), **QUIET,
+    )  # fmt: skip
+    assert result.near_ties == 0
+    assert set(result.methods) == {"none", "dspark", "ngram"}
+    dspark = result.methods["dspark"]
+    assert 1.0 <= dspark["acceptance_length"] <= 5.0
+    assert dspark["tokens_verified_per_round"] == 5.0  # full verification: anchor + 4 drafts
+    assert result.methods["none"]["acceptance_length"] == 1.0
+    assert result.methods["none"]["tokens"] == dspark["tokens"] == 32
+    assert len(result.confidence_samples) >= dspark["rounds"]
+
+
+def test_a_broken_verifier_is_caught(target, draft, monkeypatch):
+    def accept_everything(drafts, target_logits):
+        return len(drafts), int(target_logits[len(drafts)].argmax())
+
+    monkeypatch.setattr(spec, "greedy_accept", accept_everything)
+    with pytest.raises(LosslessCheckError, match="not lossless"):
+        run_workload(
+            "random", random_prompts(1), draft, target,
+            EvalSettings(max_new_tokens=12, estimate=False, baselines=("none",)), **QUIET,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("wrong_from", [None, 2, 0])
+def test_oracle_drafts_exercise_acceptance_and_cache_cropping(target, wrong_from):
+    """Long accepted prefixes (and rejections mid-block) must still reproduce plain greedy decoding."""
+    prompt, gamma, max_new = random_prompts(1, seed=5)[0], 4, 23
+    reference = _plain(target, prompt, max_new)
+    session = TargetSession(target.model, None)
+    proposer = OracleProposer(len(prompt), reference.tokens, gamma, wrong_from)
+    result = speculative_decode(session, prompt, proposer, DecodeSettings(max_new_tokens=max_new))
+    assert check_lossless(result, reference, tie_tolerance=0.0) == 0
+    full_rounds = [r for r in result.rounds if r.num_proposed == gamma]
+    expected = {None: gamma + 1, 2: 3, 0: 1}[wrong_from]
+    assert full_rounds and all(r.acceptance_length == expected for r in full_rounds)
+
+
+def test_round_accepting_eos_counts_up_to_the_eos(target):
+    prompt = random_prompts(1, seed=5)[0]
+    free = _plain(target, prompt, 30).tokens
+    eos = free[6]
+    first = free.index(eos)
+    reference = _plain(target, prompt, 30, eos=(eos,))
+    assert reference.tokens == free[: first + 1]
+    session = TargetSession(target.model, None)
+    result = speculative_decode(
+        session, prompt, OracleProposer(len(prompt), free, 4),
+        DecodeSettings(max_new_tokens=30, eos_token_ids=(eos,)),
+    )  # fmt: skip
+    assert result.tokens == reference.tokens
+    # Output token 0 comes from the prefill; each round then emits up to 5 tokens.
+    lengths = [r.acceptance_length for r in result.rounds]
+    assert sum(lengths) == first and lengths[-1] <= 5
+    if first % 5:  # the EOS was an accepted draft: no bonus counted after it
+        assert lengths[-1] == first % 5
+
+
+def test_threshold_mode_verifies_only_confident_prefixes(target, draft):
+    prompts = random_prompts(1)
+    for bias, width in ((-50.0, 1.0), (50.0, 5.0)):
+        with torch.no_grad():
+            draft.confidence_head.proj.bias.fill_(bias)
+        result = run_workload(
+            "random", prompts, draft, target,
+            EvalSettings(max_new_tokens=10, verify="threshold", threshold=0.5, estimate=False,
+                         baselines=("none",), tie_tolerance=0.0), **QUIET,
+        )  # fmt: skip
+        assert result.methods["dspark"]["tokens_verified_per_round"] == width
+    with torch.no_grad():
+        draft.confidence_head.proj.bias.zero_()
+
+
+def test_ngram_lookup_finds_the_latest_repeated_span():
+    sequence = [1, 2, 3, 4, 9, 7, 2, 3, 5, 6, 8, 2, 3]
+    assert ngram_lookup(sequence, 3) == [5, 6, 8]  # latest earlier "2 3" is followed by 5 6 8
+    assert ngram_lookup([1, 2, 3, 4, 1, 2], 2, max_ngram=3) == [3, 4]
+    assert ngram_lookup([1, 2, 3], 4) == []
+    assert NgramProposer(2).propose([5, 6, 7, 5, 6]).tokens == [7, 5]
+
+
+def test_ngram_baseline_accepts_a_repeated_span(target):
+    """This prompt sends the random target into a loop (a repeated 4-token span): prompt lookup
+    drafts the span from the earlier occurrence and the target accepts whole blocks."""
+    prompt = random_prompts(1, seed=13)[0]
+    plain = _plain(target, prompt, 30)
+    tail = plain.tokens[-8:]
+    assert tail[:4] == tail[4:]  # the loop this test relies on
+    session = TargetSession(target.model, None)
+    result = speculative_decode(session, prompt, NgramProposer(4), DecodeSettings(max_new_tokens=30))
+    assert check_lossless(result, plain, tie_tolerance=0.0) == 0
+    assert any(r.num_proposed == 4 and r.num_accepted == 4 for r in result.rounds)
+    assert result.mean_acceptance_length > 1.3
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def _first_token_counts(draft_probs, target_probs, num_drafts, samples, accept):
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(target_probs.shape[-1])
+    for _ in range(samples):
+        if draft_probs is None:
+            drafts = [2] * num_drafts  # a deterministic (n-gram) draft
+        else:
+            drafts = [int(torch.multinomial(draft_probs[k], 1, generator=gen)) for k in range(num_drafts)]
+        accepted, bonus = accept(drafts, draft_probs, target_probs, gen)
+        counts[drafts[0] if accepted > 0 else bonus] += 1
+    return counts
+
+
+# chi-square critical value, 5 degrees of freedom, p = 0.001
+CHI2_CRIT_DF5 = 20.52
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_rejection_sampling_preserves_the_target_distribution(deterministic):
+    torch.manual_seed(1)
+    target_probs = torch.softmax(torch.randn(3, 6) * 1.5, dim=-1)
+    draft_probs = None if deterministic else torch.softmax(torch.randn(2, 6) * 1.5, dim=-1)
+    counts = _first_token_counts(draft_probs, target_probs, 2, 12000, rejection_accept)
+    assert _chi_square(counts, target_probs[0]) < CHI2_CRIT_DF5
+
+
+def test_the_statistical_test_catches_a_wrong_resampling_rule():
+    """Resampling from p_t instead of the residual biases the output: the same test must fail."""
+
+    def naive(drafts, draft_probs, target_probs, gen):
+        for k, token in enumerate(drafts):
+            ratio = float(target_probs[k, token] / draft_probs[k, token])
+            if torch.rand((), generator=gen).item() >= min(1.0, ratio):
+                return k, int(torch.multinomial(target_probs[k], 1, generator=gen))
+        return len(drafts), int(torch.multinomial(target_probs[len(drafts)], 1, generator=gen))
+
+    torch.manual_seed(1)
+    target_probs = torch.softmax(torch.randn(3, 6) * 1.5, dim=-1)
+    draft_probs = torch.softmax(torch.randn(2, 6) * 1.5, dim=-1)
+    counts = _first_token_counts(draft_probs, target_probs, 2, 12000, naive)
+    assert _chi_square(counts, target_probs[0]) > CHI2_CRIT_DF5
+
+
+def test_sampled_decoding_runs_and_reports(target, draft):
+    result = run_workload(
+        "random", random_prompts(1), draft, target,
+        EvalSettings(max_new_tokens=12, temperature=1.0, estimate=False), **QUIET,
+    )  # fmt: skip
+    assert result.methods["dspark"]["tokens"] == 12
+    assert 1.0 <= result.methods["dspark"]["acceptance_length"] <= 5.0
+
+
+def test_train_time_estimate_is_in_range(target, draft):
+    from draftforge.eval.estimate import train_time_estimate
+
+    prompt = random_prompts(1)[0]
+    output = _plain(target, prompt, 16).tokens
+    est = train_time_estimate(draft, target, [(prompt, output)], max_anchors=8)
+    assert 1.0 <= est["tau"] <= 5.0 and 1.0 <= est["tau_greedy"] <= 5.0
+    assert est["num_blocks"] == 8 and len(est["slot_c_star"]) == 4
+
+
+def test_check_lossless_reports_the_first_divergence():
+    from draftforge.eval.speculative import DecodeResult
+
+    ref = DecodeResult(prompt_len=3, tokens=[1, 2, 3, 4], top2_margins=[5.0, 5.0, 1e-6, 5.0])
+    with pytest.raises(LosslessCheckError, match="output token 1 is 9"):
+        check_lossless(DecodeResult(prompt_len=3, tokens=[1, 9, 3, 4]), ref)
+    # a divergence at a numerical near-tie is counted, not raised
+    assert check_lossless(DecodeResult(prompt_len=3, tokens=[1, 2, 7, 4]), ref, tie_tolerance=1e-3) == 1
+    with pytest.raises(LosslessCheckError):
+        check_lossless(DecodeResult(prompt_len=3, tokens=[1, 2, 3]), ref)

@@ -1,0 +1,280 @@
+"""Export to the serving format and load back: key table, config fields, sharding, atomicity, round trip."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from dspark_helpers import tiny_draft
+
+from draftforge.train import export as export_mod
+from draftforge.train.export import (
+    ExportError,
+    export_draft,
+    load_training_checkpoint,
+    serving_config,
+    tensor_table,
+)
+from draftforge.train.hf_load import config_from_serving, load_exported_draft
+
+# Contract section 4: every field config.json must carry.
+CONTRACT_FIELDS = {
+    "model_type", "architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling",
+    "rms_norm_eps", "max_position_embeddings", "vocab_size", "tie_word_embeddings", "torch_dtype",
+    "attention_bias", "hidden_act", "block_size", "mask_token_id", "target_layer_ids",
+    "num_target_layers", "markov_rank", "markov_head_type", "enable_confidence_head",
+    "confidence_head_with_markov",
+}  # fmt: skip
+
+
+def _block_outputs(model, seed: int = 7):
+    """draft_block logits and confidences of a few blocks at different anchors (inference path)."""
+    cfg = model.config
+    gen = torch.Generator().manual_seed(seed)
+    aux = torch.randn(2, 20, cfg.num_context_features, generator=gen).to(model.fc.weight.dtype)
+    anchor = torch.randint(0, cfg.vocab_size, (2,), generator=gen)
+    outs = []
+    with torch.no_grad():
+        for pos in (1, 9, 20):
+            hidden = model.block_forward(anchor, pos, aux[:, :pos])
+            tokens, logits, conf = model.draft_block(hidden, anchor)
+            outs += [tokens, logits, conf]
+    return outs
+
+
+@pytest.mark.parametrize(
+    "head_type,with_embeddings,dtype",
+    [
+        ("vanilla", False, torch.float32),
+        ("gated", True, torch.float32),
+        ("rnn", False, torch.float32),
+        ("vanilla", False, torch.bfloat16),
+    ],
+)
+def test_round_trip_logits_bit_identical(tmp_path, head_type, with_embeddings, dtype):
+    model = tiny_draft(markov_head_type=head_type, dtype=dtype).eval()
+    out = export_draft(model, tmp_path / "export", with_embeddings=with_embeddings, progress=lambda _: None)
+    loaded = load_exported_draft(
+        out, embed_tokens=model.embed_tokens.weight, lm_head=model.lm_head.weight
+    )
+    assert loaded.config == model.config
+    assert next(loaded.parameters()).dtype == dtype
+    for original, reloaded in zip(_block_outputs(model), _block_outputs(loaded), strict=True):
+        assert torch.equal(original, reloaded)
+
+
+def test_config_json_has_every_contract_field(tmp_path):
+    model = tiny_draft()
+    out = export_draft(model, tmp_path / "export", arch="LingDSparkModel", progress=lambda _: None)
+    config = json.loads((out / "config.json").read_text())
+    assert CONTRACT_FIELDS <= set(config), CONTRACT_FIELDS - set(config)
+    assert config["model_type"] == "qwen3"
+    assert config["architectures"] == ["LingDSparkModel"]
+    assert config["tie_word_embeddings"] is False and config["rope_scaling"] is None
+    assert config["attention_bias"] is False and config["hidden_act"] == "silu"
+    assert 0 <= config["mask_token_id"] < config["vocab_size"]
+    assert config["markov_rank"] == 8 and config["markov_head_type"] == "vanilla"
+    assert config["block_size"] == 4 and config["target_layer_ids"] == [0, 2, 4]
+    assert config["num_target_layers"] == 6 and config["head_dim"] == 8
+    assert config["torch_dtype"] == "float32"
+    assert "speculators_model_type" not in config  # SGLang refuses it
+    nested = config["dflash_config"]
+    assert {k: config[k] for k in nested} == nested
+    # The mapping inverts exactly.
+    assert config_from_serving(config) == model.config
+
+
+def test_default_export_writes_no_embeddings_and_a_model_card(tmp_path):
+    from safetensors import safe_open
+
+    out = export_draft(tiny_draft(), tmp_path / "export", progress=lambda _: None)
+    with safe_open(str(out / "model.safetensors"), "pt") as handle:
+        names = set(handle.keys())
+    assert "embed_tokens.weight" not in names and "lm_head.weight" not in names
+    assert names == set(tensor_table(tiny_draft().config, with_embeddings=False))
+    card = (out / "README.md").read_text()
+    assert "--speculative-algorithm DSPARK" in card and "--speculative-num-draft-tokens 5" in card
+
+
+def test_export_refuses_a_missing_tensor(tmp_path):
+    model = tiny_draft()
+    state = dict(model.state_dict())
+    del state["layers.1.mlp.up_proj.weight"]
+    with pytest.raises(ExportError, match=r"missing tensors: layers\.1\.mlp\.up_proj\.weight"):
+        export_draft((state, model.config), tmp_path / "export", progress=lambda _: None)
+    assert not (tmp_path / "export").exists()
+
+
+def test_export_refuses_an_unexpected_tensor(tmp_path):
+    model = tiny_draft()
+    state = {**model.state_dict(), "markov_head.extra.weight": torch.zeros(2)}
+    with pytest.raises(ExportError, match=r"unexpected tensors: markov_head\.extra\.weight"):
+        export_draft((state, model.config), tmp_path / "export", progress=lambda _: None)
+    assert not (tmp_path / "export").exists()
+
+
+def test_export_refuses_a_wrong_shape(tmp_path):
+    model = tiny_draft()
+    state = {**model.state_dict(), "fc.weight": torch.zeros(3, 3)}
+    with pytest.raises(ExportError, match=r"wrong shapes: fc\.weight"):
+        export_draft((state, model.config), tmp_path / "export", progress=lambda _: None)
+
+
+def test_loader_refuses_unexpected_tensors_too(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    out = export_draft(tiny_draft(), tmp_path / "export", with_embeddings=True, progress=lambda _: None)
+    state = load_file(str(out / "model.safetensors"))
+    state["stray.weight"] = torch.zeros(1)
+    save_file(state, str(out / "model.safetensors"))
+    with pytest.raises(ExportError, match="unexpected tensors: stray.weight"):
+        load_exported_draft(out)
+
+
+def test_markov_rank_zero_is_refused_with_a_clear_message(tmp_path):
+    model = tiny_draft(markov_rank=0, confidence_head_with_markov=False)
+    with pytest.raises(ExportError, match="markov_rank 0.*training checkpoint"):
+        export_draft(model, tmp_path / "export", progress=lambda _: None)
+    assert not (tmp_path / "export").exists()
+
+
+def test_mask_token_outside_vocab_never_written():
+    cfg = tiny_draft().config
+    cfg.mask_token_id = cfg.vocab_size  # bypassing DSparkConfig's own check
+    with pytest.raises(ExportError, match="mask_token_id 64 is outside"):
+        serving_config(cfg, arch="Qwen3DSparkModel", dtype=torch.float32)
+
+
+def test_sharding_with_index(tmp_path):
+    model = tiny_draft()
+    out = export_draft(model, tmp_path / "export", max_shard_size_mb=0.01, progress=lambda _: None)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 2 and not (out / "model.safetensors").exists()
+    assert set(index["weight_map"].values()) == set(shards)
+    assert set(index["weight_map"]) == set(tensor_table(model.config, with_embeddings=False))
+    state = model.state_dict()
+    expected_size = sum(state[k].numel() * state[k].element_size() for k in index["weight_map"])
+    assert index["metadata"]["total_size"] == expected_size
+    for shard in shards:  # every shard respects the limit unless it holds a single larger tensor
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(out / shard))
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        assert size <= 0.01 * 1024 * 1024 or len(tensors) == 1
+    loaded = load_exported_draft(out, embed_tokens=model.embed_tokens.weight, lm_head=model.lm_head.weight)
+    for a, b in zip(_block_outputs(model), _block_outputs(loaded), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_failed_export_leaves_no_folder_and_keeps_an_older_export(tmp_path, monkeypatch):
+    old = export_draft(tiny_draft(seed=1), tmp_path / "export", progress=lambda _: None)
+    before = {p.name: p.read_bytes() for p in old.iterdir()}
+
+    def broken(state, folder, *, max_shard_size_mb):
+        (folder / "model.safetensors").write_bytes(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(export_mod, "write_safetensors", broken)
+    with pytest.raises(OSError, match="disk full"):
+        export_draft(tiny_draft(seed=2), tmp_path / "export", progress=lambda _: None)
+    assert {p.name: p.read_bytes() for p in old.iterdir()} == before
+    with pytest.raises(OSError, match="disk full"):
+        export_draft(tiny_draft(seed=2), tmp_path / "fresh", progress=lambda _: None)
+    assert not (tmp_path / "fresh").exists()
+    assert sorted(os.listdir(tmp_path)) == ["export"]  # no temporary folders left behind
+
+
+def test_export_replaces_an_older_export(tmp_path):
+    export_draft(tiny_draft(seed=1), tmp_path / "export", progress=lambda _: None)
+    new = tiny_draft(seed=2)
+    out = export_draft(new, tmp_path / "export", progress=lambda _: None)
+    loaded = load_exported_draft(out, embed_tokens=new.embed_tokens.weight, lm_head=new.lm_head.weight)
+    assert torch.equal(loaded.fc.weight, new.fc.weight)
+    assert sorted(os.listdir(tmp_path)) == ["export"]
+
+
+def test_export_refuses_to_replace_a_folder_that_is_not_an_export(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(ExportError, match="not an export"):
+        export_draft(tiny_draft(), tmp_path / "mine", progress=lambda _: None)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_load_without_embeddings_needs_the_target(tmp_path):
+    out = export_draft(tiny_draft(), tmp_path / "export", progress=lambda _: None)
+    with pytest.raises(ValueError, match="pass the target"):
+        load_exported_draft(out)
+
+
+def _write_checkpoint(folder, model):
+    from dataclasses import asdict
+
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
+    (folder / "draft_config.json").write_text(json.dumps(asdict(model.config)))
+
+
+def test_load_training_checkpoint_picks_the_newest_complete_step(tmp_path):
+    done, partial = tiny_draft(seed=1), tiny_draft(seed=2)
+    _write_checkpoint(tmp_path / "run" / "checkpoints" / "step_00000010", done)
+    (tmp_path / "run" / "checkpoints" / "step_00000010" / "COMPLETE").touch()
+    _write_checkpoint(tmp_path / "run" / "checkpoints" / "step_00000020", partial)  # no marker
+    cfg, state = load_training_checkpoint(tmp_path / "run")
+    assert cfg == done.config
+    assert torch.equal(state["fc.weight"], done.fc.weight)
+
+
+def test_export_cli_end_to_end(tmp_path, capsys):
+    from draftforge.cli import main
+
+    model = tiny_draft(seed=4)
+    _write_checkpoint(tmp_path / "ckpt", model)
+    assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]) == 0
+    assert f"export_dir={tmp_path / 'out'}" in capsys.readouterr().out
+    loaded = load_exported_draft(
+        tmp_path / "out", embed_tokens=model.embed_tokens.weight, lm_head=model.lm_head.weight
+    )
+    for a, b in zip(_block_outputs(model), _block_outputs(loaded), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_push_to_hub_offline_fails_clearly(tmp_path, monkeypatch, capsys):
+    from draftforge.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _write_checkpoint(tmp_path / "ckpt", tiny_draft())
+    status = main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--push-to-hub", "me/draft"])
+    assert status == 1
+    err = capsys.readouterr().err
+    assert "HF_HUB_OFFLINE" in err and "export is complete" in err
+    assert (tmp_path / "out" / "config.json").is_file()
+
+
+def test_with_embeddings_needs_them_in_the_state(tmp_path):
+    model = tiny_draft()
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    with pytest.raises(ExportError, match="with_embeddings needs embed_tokens.weight and lm_head.weight"):
+        export_draft((state, model.config), tmp_path / "export", with_embeddings=True, progress=lambda _: None)
+
+
+def test_export_cli_model_card_carries_recipe_and_acceptance_table(tmp_path):
+    from pathlib import Path
+
+    from draftforge.train.export_cli import main
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
+    _write_checkpoint(tmp_path / "ckpt", tiny_draft())
+    table = tmp_path / "report.md"
+    table.write_text("| workload | method | acceptance length |\n| gsm8k | dspark | 3.21 |\n")
+    assert main([str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--recipe", str(recipe),
+                 "--eval-report", str(table)]) == 0  # fmt: skip
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "DSpark draft for random" in card and "| gsm8k | dspark | 3.21 |" in card
+    assert "## Recipe" in card and "markov_rank: 16" in card and "## Training data" in card

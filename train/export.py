@@ -1,0 +1,452 @@
+"""Export a trained draft as the Hugging Face folder SGLang and llama.cpp load as it is.
+
+This module is the only writer of the serving format (contract section 4):
+
+* ``config.json``: a Qwen3 config (``model_type: qwen3``) whose ``architectures``
+  is ``Qwen3DSparkModel`` (or ``LingDSparkModel``), plus the top-level DSpark
+  fields and a nested ``dflash_config`` copy of the four fields SGLang's DFlash
+  parser reads (``block_size``, ``target_layer_ids``, ``num_target_layers``,
+  ``mask_token_id``; ``parse_dflash_draft_config`` in SGLang's
+  ``speculative/dflash_utils.py``). ``speculators_model_type`` is never written:
+  SGLang refuses drafts that carry ``speculators_model_type: dspark``.
+* ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` shards with a
+  ``model.safetensors.index.json`` above ``max_shard_size_mb``), tensor names
+  without prefix, checked against an explicit key table: a missing, an
+  unexpected or a mis-shaped tensor stops the export (SGLang silently skips
+  unknown keys, so nothing downstream would notice).
+* ``README.md``: a generated model card.
+
+DSpark needs the Markov head: SGLang refuses ``markov_rank: 0``, so the DFlash
+ablation (``markov_rank 0``) is not exportable; evaluate it from its training
+checkpoint instead (``draftforge eval RUN_DIR/checkpoints/step_...``).
+
+The export is atomic: everything is written into a temporary folder beside the
+destination, then renamed into place; a failure removes the temporary folder and
+leaves an older export at the destination untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from draftforge.train.model import DSparkConfig, DSparkDraft
+
+ARCHITECTURES = ("Qwen3DSparkModel", "LingDSparkModel")
+EMBEDDING_KEYS = ("embed_tokens.weight", "lm_head.weight")
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+TRAINING_CONFIG_FILE = "draft_config.json"
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class ExportError(ValueError):
+    """The draft cannot be exported as asked (bad tensors, unsupported configuration)."""
+
+
+@dataclass
+class ModelCard:
+    """What the generated README.md says beyond the config: where the draft came from."""
+
+    target: str = "unknown"
+    recipe: str | None = None  # the resolved recipe YAML
+    data: str | None = None  # a line or two on the training data
+    acceptance_table: str | None = None  # markdown from `draftforge eval`
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+def tensor_table(cfg: DSparkConfig, *, with_embeddings: bool) -> dict[str, tuple[int, ...]]:
+    """Every tensor an export of ``cfg`` holds, with its shape: the explicit key table."""
+    hidden, rank, vocab = cfg.hidden_size, cfg.markov_rank, cfg.vocab_size
+    q_dim = cfg.num_attention_heads * cfg.head_dim
+    kv_dim = cfg.num_key_value_heads * cfg.head_dim
+    table: dict[str, tuple[int, ...]] = {
+        "fc.weight": (hidden, cfg.num_context_features),
+        "hidden_norm.weight": (hidden,),
+        "norm.weight": (hidden,),
+    }
+    for i in range(cfg.num_hidden_layers):
+        prefix = f"layers.{i}"
+        table.update(
+            {
+                f"{prefix}.input_layernorm.weight": (hidden,),
+                f"{prefix}.post_attention_layernorm.weight": (hidden,),
+                f"{prefix}.self_attn.q_proj.weight": (q_dim, hidden),
+                f"{prefix}.self_attn.k_proj.weight": (kv_dim, hidden),
+                f"{prefix}.self_attn.v_proj.weight": (kv_dim, hidden),
+                f"{prefix}.self_attn.o_proj.weight": (hidden, q_dim),
+                f"{prefix}.self_attn.q_norm.weight": (cfg.head_dim,),
+                f"{prefix}.self_attn.k_norm.weight": (cfg.head_dim,),
+                f"{prefix}.mlp.gate_proj.weight": (cfg.intermediate_size, hidden),
+                f"{prefix}.mlp.up_proj.weight": (cfg.intermediate_size, hidden),
+                f"{prefix}.mlp.down_proj.weight": (hidden, cfg.intermediate_size),
+            }
+        )
+    if rank > 0:
+        table["markov_head.markov_w1.weight"] = (vocab, rank)
+        table["markov_head.markov_w2.weight"] = (vocab, rank)
+        if cfg.markov_head_type == "gated":
+            table["markov_head.gate_proj.weight"] = (rank, hidden + rank)
+            table["markov_head.gate_proj.bias"] = (rank,)
+        elif cfg.markov_head_type == "rnn":
+            table["markov_head.joint_proj.weight"] = (3 * rank, 2 * rank + hidden)
+            table["markov_head.joint_proj.bias"] = (3 * rank,)
+    if cfg.enable_confidence_head:
+        extra = rank if cfg.confidence_head_with_markov else 0
+        table["confidence_head.proj.weight"] = (1, hidden + extra)
+        table["confidence_head.proj.bias"] = (1,)
+    if with_embeddings:
+        table["embed_tokens.weight"] = (vocab, hidden)
+        table["lm_head.weight"] = (vocab, hidden)
+    return table
+
+
+def check_tensors(
+    state: Mapping[str, torch.Tensor], cfg: DSparkConfig, *, with_embeddings: bool, where: str
+) -> None:
+    """Refuse a missing, an unexpected or a mis-shaped tensor (``where`` names the source)."""
+    table = tensor_table(cfg, with_embeddings=with_embeddings)
+    missing = sorted(set(table) - set(state))
+    unexpected = sorted(set(state) - set(table))
+    wrong = [
+        f"{name}: {tuple(state[name].shape)} (expected {table[name]})"
+        for name in table
+        if name in state and tuple(state[name].shape) != table[name]
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {', '.join(unexpected)}")
+    if wrong:
+        problems.append(f"wrong shapes: {'; '.join(wrong)}")
+    if problems:
+        raise ExportError(
+            f"{where} does not match the DSpark key table for this config "
+            f"(markov_rank={cfg.markov_rank}, markov_head_type={cfg.markov_head_type}, "
+            f"confidence head={cfg.enable_confidence_head}, with_embeddings={with_embeddings}): "
+            + "; ".join(problems)
+        )
+
+
+def serving_config(cfg: DSparkConfig, *, arch: str, dtype: torch.dtype) -> dict:
+    """The exported config.json for ``cfg`` (contract section 4)."""
+    if arch not in ARCHITECTURES:
+        raise ExportError(f"unknown architecture {arch!r}; valid: {', '.join(ARCHITECTURES)}")
+    if cfg.markov_rank <= 0:
+        raise ExportError(
+            "this draft has markov_rank 0 (the DFlash ablation): SGLang's DSPARK loader refuses "
+            "markov_rank 0, so it cannot be exported in the DSpark format. Evaluate it from its "
+            "training checkpoint instead: draftforge eval RUN_DIR/checkpoints/step_XXXXXXXX --target ..."
+        )
+    if not 0 <= cfg.mask_token_id < cfg.vocab_size:
+        raise ExportError(
+            f"mask_token_id {cfg.mask_token_id} is outside the target vocabulary [0, {cfg.vocab_size})"
+        )
+    dtype_name = _DTYPE_NAMES.get(dtype)
+    if dtype_name is None:
+        raise ExportError(f"unsupported export dtype {dtype}; valid: {', '.join(_DTYPE_NAMES.values())}")
+    return {
+        "architectures": [arch],
+        "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "torch_dtype": dtype_name,
+        "dtype": dtype_name,
+        "block_size": cfg.block_size,
+        "mask_token_id": cfg.mask_token_id,
+        "target_layer_ids": list(cfg.target_layer_ids),
+        "num_target_layers": cfg.num_target_layers,
+        "target_hidden_size": cfg.target_hidden_size,
+        "markov_rank": cfg.markov_rank,
+        "markov_head_type": cfg.markov_head_type,
+        "enable_confidence_head": cfg.enable_confidence_head,
+        "confidence_head_with_markov": bool(
+            cfg.enable_confidence_head and cfg.confidence_head_with_markov
+        ),
+        "dflash_config": {
+            "block_size": cfg.block_size,
+            "target_layer_ids": list(cfg.target_layer_ids),
+            "num_target_layers": cfg.num_target_layers,
+            "mask_token_id": cfg.mask_token_id,
+        },
+    }
+
+
+def export_draft(
+    source: DSparkDraft | tuple[Mapping[str, torch.Tensor], DSparkConfig],
+    out_dir: str | os.PathLike[str],
+    *,
+    arch: str = "Qwen3DSparkModel",
+    with_embeddings: bool = False,
+    max_shard_size_mb: float = 4096,
+    card: ModelCard | None = None,
+    progress=print,
+) -> Path:
+    """Write the serving folder for a draft (a module or ``(state_dict, config)``); returns its path.
+
+    Embedding tensors are written only with ``with_embeddings`` (servers attach
+    the target's own); a state dict without them is fine otherwise.
+    """
+    if isinstance(source, DSparkDraft):
+        state, cfg = source.state_dict(), source.config
+    else:
+        state, cfg = source
+    state = {name: tensor for name, tensor in state.items()}
+    if not with_embeddings:
+        for name in EMBEDDING_KEYS:
+            state.pop(name, None)
+    if with_embeddings and not all(name in state for name in EMBEDDING_KEYS):
+        raise ExportError(
+            "with_embeddings needs embed_tokens.weight and lm_head.weight in the draft's state dict, "
+            "and this checkpoint has none; export without --with-embeddings (servers attach the "
+            "target's own) or load the target's into the draft first"
+        )
+    config = serving_config(cfg, arch=arch, dtype=_common_dtype(state))
+    check_tensors(state, cfg, with_embeddings=with_embeddings, where="the draft's state dict")
+
+    out = Path(out_dir).expanduser().resolve()
+    _check_destination(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        _write_json(staging / CONFIG_FILE, config)
+        files = write_safetensors(state, staging, max_shard_size_mb=max_shard_size_mb)
+        (staging / "README.md").write_text(model_card(config, card or ModelCard(), state))
+        _replace_dir(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    total = sum(t.numel() for t in state.values())
+    progress(f"exported {total:,} parameters ({len(state)} tensors, {len(files)} file(s)) to {out}")
+    return out
+
+
+def write_safetensors(
+    state: Mapping[str, torch.Tensor], folder: Path, *, max_shard_size_mb: float
+) -> list[str]:
+    """``model.safetensors``, or shards plus ``model.safetensors.index.json`` when larger than the limit."""
+    from safetensors.torch import save_file
+
+    limit = int(max_shard_size_mb * 1024 * 1024)
+    names = sorted(state)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        nbytes = state[name].numel() * state[name].element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(_contiguous(state, names), str(folder / SINGLE_FILE), metadata=metadata)
+        return [SINGLE_FILE]
+    files, weight_map = [], {}
+    for index, shard in enumerate(shards, start=1):
+        filename = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        save_file(_contiguous(state, shard), str(folder / filename), metadata=metadata)
+        files.append(filename)
+        weight_map.update({name: filename for name in shard})
+    total_size = sum(t.numel() * t.element_size() for t in state.values())
+    _write_json(folder / INDEX_FILE, {"metadata": {"total_size": total_size}, "weight_map": weight_map})
+    return files
+
+
+def model_card(config: dict, card: ModelCard, state: Mapping[str, torch.Tensor]) -> str:
+    """The generated README.md."""
+    params = sum(t.numel() for name, t in state.items() if name not in EMBEDDING_KEYS)
+    gamma = config["block_size"]
+    lines = [
+        "---",
+        "library_name: draftforge",
+        "tags: [speculative-decoding, dspark, draft-model]",
+        "---",
+        "",
+        f"# DSpark draft for {card.target}",
+        "",
+        f"A DSpark speculative-decoding draft ({config['architectures'][0]}) trained with draftforge "
+        f"against `{card.target}`. It needs the target's embedding and lm_head at serving time "
+        "(servers attach them).",
+        "",
+        "| field | value |",
+        "| --- | --- |",
+        f"| parameters (without embeddings) | {params:,} |",
+        f"| block size (gamma) | {gamma} |",
+        f"| draft layers | {config['num_hidden_layers']} |",
+        f"| hidden size | {config['hidden_size']} |",
+        f"| target layers used | {config['target_layer_ids']} of {config['num_target_layers']} |",
+        f"| mask token id | {config['mask_token_id']} |",
+        f"| Markov head | {config['markov_head_type']}, rank {config['markov_rank']} |",
+        f"| confidence head | {config['enable_confidence_head']} "
+        f"(with Markov: {config['confidence_head_with_markov']}) |",
+        f"| dtype | {config['torch_dtype']} |",
+        "",
+        "## Serving",
+        "",
+        "```bash",
+        f"sglang serve --model-path TARGET --speculative-algorithm DSPARK \\\n"
+        f"  --speculative-draft-model-path THIS_DIR --speculative-num-draft-tokens {gamma + 1}",
+        "python convert_hf_to_gguf.py THIS_DIR --target-model-dir TARGET   # llama.cpp",
+        f"llama-server -m TARGET.gguf -md THIS.gguf --spec-type draft-dspark --spec-draft-n-max {gamma}",
+        "```",
+        "",
+        "## Measured acceptance",
+        "",
+        card.acceptance_table
+        or "Not measured at export time; run `draftforge eval THIS_DIR --target TARGET`.",
+        "",
+    ]
+    if card.data:
+        lines += ["## Training data", "", card.data, ""]
+    for title, text in card.extra.items():
+        lines += [f"## {title}", "", text, ""]
+    if card.recipe:
+        lines += ["## Recipe", "", "```yaml", card.recipe.rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+def load_training_checkpoint(path: str | os.PathLike[str]) -> tuple[DSparkConfig, dict[str, torch.Tensor]]:
+    """The draft config and state dict of a training checkpoint (the one place that knows its format).
+
+    ``path`` may be a run directory (its newest ``checkpoints/step_*`` with a
+    ``COMPLETE`` marker is used), a checkpoint folder holding ``model.safetensors``
+    and ``draft_config.json``, or the ``model.safetensors`` file itself. Weights
+    are read with safetensors only.
+    """
+    from safetensors.torch import load_file
+
+    path = Path(path).expanduser()
+    if path.is_file():
+        weights, folder = path, path.parent
+    else:
+        folder = latest_checkpoint(path) if (path / "checkpoints").is_dir() else path
+        weights = folder / SINGLE_FILE
+    config_path = folder / TRAINING_CONFIG_FILE
+    if not weights.is_file():
+        raise FileNotFoundError(
+            f"{path}: no {SINGLE_FILE} found at {weights}; pass a run directory, a checkpoint folder "
+            f"or a {SINGLE_FILE} file"
+        )
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{path}: {config_path} is missing (the draft's DSparkConfig as JSON)")
+    try:
+        fields = json.loads(config_path.read_text())
+        cfg = DSparkConfig(**fields)
+    except (json.JSONDecodeError, TypeError, ValueError) as err:
+        raise ValueError(f"{config_path}: not a valid draft config: {err}") from err
+    state = load_file(str(weights))
+    state = {_strip_wrappers(name): tensor for name, tensor in state.items()}
+    return cfg, state
+
+
+def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path:
+    """The newest ``run_dir/checkpoints/step_*`` folder that has a ``COMPLETE`` marker."""
+    root = Path(run_dir) / "checkpoints"
+    complete = sorted(
+        (p for p in root.glob("step_*") if p.is_dir() and (p / "COMPLETE").exists()),
+        key=lambda p: int(re.sub(r"\D", "", p.name) or 0),
+    )
+    if not complete:
+        raise FileNotFoundError(f"{root}: no complete checkpoint (step_* with a COMPLETE marker)")
+    return complete[-1]
+
+
+def _strip_wrappers(name: str) -> str:
+    for prefix in ("_orig_mod.", "module."):
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+    return name
+
+
+def _common_dtype(state: Mapping[str, torch.Tensor]) -> torch.dtype:
+    dtypes = {t.dtype for t in state.values()}
+    if len(dtypes) != 1:
+        raise ExportError(
+            f"the draft's tensors have mixed dtypes {sorted(map(str, dtypes))}; cast the draft to one dtype first"
+        )
+    return dtypes.pop()
+
+
+def _contiguous(state: Mapping[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+    # clone: safetensors refuses tensors that share storage (views of one buffer).
+    return {name: state[name].detach().to("cpu").contiguous().clone() for name in names}
+
+
+def _check_destination(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"export destination {out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / CONFIG_FILE).is_file():
+        raise ExportError(
+            f"export destination {out} is a non-empty folder that is not an export (no {CONFIG_FILE}); "
+            "refusing to replace it, choose another --out"
+        )
+
+
+def _replace_dir(staging: Path, out: Path) -> None:
+    """Move ``staging`` to ``out``; an existing ``out`` is removed only after the new one is in place."""
+    if not out.exists():
+        os.replace(staging, out)
+        return
+    retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    os.replace(out, retired / out.name)
+    try:
+        os.replace(staging, out)
+    except BaseException:
+        os.replace(retired / out.name, out)
+        shutil.rmtree(retired, ignore_errors=True)
+        raise
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+def _write_json(path: Path, value) -> None:
+    path.write_text(json.dumps(value, indent=2) + "\n")
+
+
+def push_to_hub(folder: str | os.PathLike[str], repo_id: str, *, private: bool = True) -> str:
+    """Upload an export folder to the Hugging Face Hub; a clear error when offline or not logged in."""
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise RuntimeError(
+            f"cannot push to {repo_id}: HF_HUB_OFFLINE=1 is set. The export is complete at {folder}; "
+            "unset HF_HUB_OFFLINE and run `draftforge export ... --push-to-hub` again, or upload with "
+            "`huggingface-cli upload`"
+        )
+    try:
+        from huggingface_hub import HfApi
+    except ImportError as err:
+        raise RuntimeError("pushing needs huggingface_hub: pip install huggingface_hub") from err
+    api = HfApi()
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        api.upload_folder(folder_path=str(folder), repo_id=repo_id, commit_message="draftforge export")
+    except Exception as err:  # network, auth, permission: the hub client raises many kinds
+        raise RuntimeError(
+            f"push to the Hugging Face Hub ({repo_id}) failed: {err.__class__.__name__}: {err}. "
+            f"The export itself is complete at {folder}; check your network and `huggingface-cli login`, "
+            "then retry"
+        ) from err
+    return f"https://huggingface.co/{repo_id}"

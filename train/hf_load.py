@@ -1,0 +1,138 @@
+"""Load an exported DSpark folder back into draftforge's ``DSparkDraft`` (the twin of ``export``).
+
+Safetensors only; single file or sharded with an index. The tensors are checked
+against the same key table the exporter uses. Exports without embeddings (the
+default: servers attach the target's) take ``embed_tokens`` / ``lm_head`` from
+the target, passed as tensors or as a ``TargetEngine``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from draftforge.train.export import (
+    CONFIG_FILE,
+    EMBEDDING_KEYS,
+    INDEX_FILE,
+    SINGLE_FILE,
+    check_tensors,
+)
+from draftforge.train.model import DSparkConfig, DSparkDraft
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def read_serving_config(folder: str | os.PathLike[str]) -> dict:
+    """The exported ``config.json`` as a dict, with a clear error when absent or malformed."""
+    path = Path(folder).expanduser() / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path.parent}: no {CONFIG_FILE}; is it a draftforge export folder?")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from err
+
+
+def config_from_serving(raw: dict, *, where: str = CONFIG_FILE) -> DSparkConfig:
+    """The ``DSparkConfig`` described by an exported config.json."""
+    required = (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "intermediate_size", "num_target_layers", "target_layer_ids",
+        "block_size", "mask_token_id", "markov_rank",
+    )  # fmt: skip
+    missing = [key for key in required if key not in raw]
+    if missing:
+        raise ValueError(f"{where}: missing DSpark fields: {', '.join(missing)}")
+    try:
+        return DSparkConfig(
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=int(raw["hidden_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=int(raw["num_attention_heads"]),
+            num_key_value_heads=int(raw["num_key_value_heads"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            target_hidden_size=int(raw.get("target_hidden_size", raw["hidden_size"])),
+            num_target_layers=int(raw["num_target_layers"]),
+            target_layer_ids=[int(i) for i in raw["target_layer_ids"]],
+            head_dim=raw.get("head_dim"),
+            block_size=int(raw["block_size"]),
+            mask_token_id=int(raw["mask_token_id"]),
+            markov_rank=int(raw["markov_rank"]),
+            markov_head_type=str(raw.get("markov_head_type", "vanilla")),
+            enable_confidence_head=bool(raw.get("enable_confidence_head", False)),
+            confidence_head_with_markov=bool(raw.get("confidence_head_with_markov", False)),
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        )
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: {err}") from err
+
+
+def read_safetensors_folder(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """All tensors of an export: ``model.safetensors`` or the shards its index names."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder).expanduser()
+    single, index = folder / SINGLE_FILE, folder / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        state: dict[str, torch.Tensor] = {}
+        for filename in sorted(set(weight_map.values())):
+            shard = load_file(str(folder / filename))
+            for name, tensor in shard.items():
+                if weight_map.get(name) != filename:
+                    raise ValueError(f"{folder / filename}: tensor {name} is not listed for it in {index.name}")
+                state[name] = tensor
+        missing = sorted(set(weight_map) - set(state))
+        if missing:
+            raise ValueError(f"{index}: tensors listed but absent from their shards: {', '.join(missing)}")
+        return state
+    if single.is_file():
+        return load_file(str(single))
+    pickled = sorted(p.name for p in folder.glob("*") if p.suffix in {".bin", ".pt", ".pth"})
+    hint = f" (found pickled weights {pickled}: draftforge loads safetensors only)" if pickled else ""
+    raise FileNotFoundError(f"{folder}: neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
+
+
+def load_exported_draft(
+    folder: str | os.PathLike[str],
+    *,
+    target=None,
+    embed_tokens: torch.Tensor | None = None,
+    lm_head: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> DSparkDraft:
+    """Build the draft an export folder describes and load its tensors exactly.
+
+    Without embeddings in the folder, ``embed_tokens``/``lm_head`` (or
+    ``target``'s) are required. ``dtype`` defaults to the export's.
+    """
+    folder = Path(folder).expanduser()
+    raw = read_serving_config(folder)
+    cfg = config_from_serving(raw, where=str(folder / CONFIG_FILE))
+    state = read_safetensors_folder(folder)
+    has_embeddings = all(name in state for name in EMBEDDING_KEYS)
+    check_tensors(state, cfg, with_embeddings=has_embeddings, where=str(folder))
+    model = DSparkDraft(cfg)
+    if not has_embeddings:
+        if target is not None:
+            embed_tokens = target.embed_tokens_weight()
+            lm_head = target.lm_head_weight()
+        if embed_tokens is None or lm_head is None:
+            raise ValueError(
+                f"{folder} holds no embed_tokens/lm_head (exported without --with-embeddings); "
+                "pass the target (or its embedding and lm_head) to load it"
+            )
+        model.load_target_embeddings(embed_tokens, lm_head)
+        state = {**state, "embed_tokens.weight": model.embed_tokens.weight.data,
+                 "lm_head.weight": model.lm_head.weight.data}  # fmt: skip
+    load_dtype = dtype or _DTYPES.get(str(raw.get("torch_dtype")), next(iter(state.values())).dtype)
+    model.to(load_dtype)
+    model.load_state_dict({k: v.to(load_dtype) for k, v in state.items()}, strict=True)
+    return model.to(device).eval()
