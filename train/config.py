@@ -54,11 +54,18 @@ class TrainConfig(Section):
     steps: int = Field(default=1000, gt=0)
     lr: float = Field(default=6e-4, gt=0)
     warmup_ratio: float = Field(default=0.04, ge=0, lt=1)
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1, description="cosine floor, as a fraction of lr")
     weight_decay: float = Field(default=0.0, ge=0)
+    adam_beta1: float = Field(default=0.9, ge=0, lt=1)
+    adam_beta2: float = Field(default=0.999, ge=0, lt=1)
+    adam_eps: float = Field(default=1e-8, gt=0)
     max_grad_norm: float = Field(default=1.0, gt=0)
     grad_accum: int = Field(default=1, gt=0)
     seed: int = 0
     num_threads: int = Field(default=1, gt=0)
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="auto: the local CUDA device when there is one, else cpu"
+    )
     loss: LossConfig = Field(default_factory=LossConfig)
     output_dir: str = "runs/default"
     checkpoint_interval: int = Field(default=200, gt=0)

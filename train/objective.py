@@ -95,9 +95,10 @@ class _FusedVocabLoss(torch.autograd.Function):
             lse = torch.logsumexp(probs, dim=-1)
             ce = lse - label_logit
             probs.sub_(lse.unsqueeze(-1)).exp_()
-            diff = torch.softmax((target_hidden[sl].to(dtype) @ lm_head.t()).float(), dim=-1)
+            # softmax upcasts inside the kernel; the L1 norm avoids an |diff| temporary.
+            diff = torch.softmax(target_hidden[sl].to(dtype) @ lm_head.t(), dim=-1, dtype=torch.float32)
             torch.sub(probs, diff, out=diff)
-            tv = diff.abs().sum(-1)
+            tv = torch.linalg.vector_norm(diff, 1, dim=-1)
             c = (1.0 - 0.5 * tv).clamp_(0.0, 1.0) * valid[sl]
             w = dpace_weights(valid[sl], c) if dpace else base_weights[sl]
             c_star[sl], weights[sl] = c, w
@@ -105,7 +106,7 @@ class _FusedVocabLoss(torch.autograd.Function):
             sum_tv += (w * tv).sum()
             # d/dlogits: CE -> w (p - onehot); L1 -> w p (s - <s, p>) with s = sign(p_d - p_t).
             grad = diff.sign_()
-            s_dot_p = torch.linalg.vecdot(grad, probs)
+            s_dot_p = (grad.unsqueeze(-2) @ probs.unsqueeze(-1))[..., 0, 0]  # <s, p> as a batched matmul
             grad.sub_(s_dot_p.unsqueeze(-1)).mul_((tv_weight * w).unsqueeze(-1))
             grad.add_((ce_weight * w).unsqueeze(-1)).mul_(probs)
             del probs

@@ -1,0 +1,261 @@
+"""The trainer in one process: packing, schedule, learning, records, checkpoints, exact resume, NaN steps."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from trainer_helpers import chain_samples, target_embeddings, tiny_model_config, train_config
+
+from draftforge.train import checkpoint as ckpt
+from draftforge.train.sample import Sample, collate, pack
+from draftforge.train.trainer import Trainer, lr_at
+
+
+def _sample(sample_id: str, length: int, features: int = 3) -> Sample:
+    ids = torch.arange(length)
+    return Sample(sample_id, ids, torch.ones(length, dtype=torch.bool),
+                  torch.full((length, features), float(length)), torch.zeros(length, 2))
+
+
+def _trainer(tmp_path, **overrides) -> Trainer:
+    return Trainer(model_config=tiny_model_config(), train=train_config(**overrides),
+                   embeddings=target_embeddings(), run_dir=tmp_path, recipe_yaml="name: test\n")
+
+
+def test_pack_is_greedy_in_order_and_isolates_long_samples():
+    samples = [_sample(f"s{i}", n) for i, n in enumerate([5, 3, 8, 2, 12, 1, 1])]
+    batches = pack(samples, 10)
+    # [5,3] pads to 2*5=10; adding 8 would pad to 24; [8,2] to 16; 12 alone; [1,1].
+    assert [[s.sample_id for s in b] for b in batches] == [["s0", "s1"], ["s2"], ["s3"], ["s4"], ["s5", "s6"]]
+
+
+def test_collate_right_pads_without_loss():
+    batch = collate([_sample("a", 3), _sample("b", 5)])
+    assert batch.sample_ids == ["a", "b"] and batch.lengths == [3, 5] and batch.num_tokens == 8
+    assert batch.input_ids.shape == (2, 5) and batch.aux.shape == (2, 5, 3)
+    assert batch.loss_mask.tolist() == [[True] * 3 + [False] * 2, [True] * 5]
+    assert batch.aux[0, :3].eq(3.0).all() and batch.aux[0, 3:].eq(0).all()
+    with pytest.raises(ValueError, match="positions"):
+        Sample("bad", torch.arange(4), torch.ones(3, dtype=torch.bool), torch.zeros(4, 2), torch.zeros(4, 2))
+
+
+def test_lr_warmup_then_cosine_to_floor():
+    train = train_config(steps=100, lr=1.0, warmup_ratio=0.1, min_lr_ratio=0.1)
+    assert lr_at(0, train=train) == pytest.approx(0.1)
+    assert lr_at(9, train=train) == pytest.approx(1.0)
+    # Halfway through the 90 cosine steps: floor + (1 - floor) / 2.
+    assert lr_at(55, train=train) == pytest.approx(0.55)
+    assert lr_at(100, train=train) == pytest.approx(0.1)
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("single")
+    samples = chain_samples(96)
+    trainer = Trainer(model_config=tiny_model_config(num_hidden_layers=1),
+                      train=train_config(steps=250, lr=5e-3, warmup_ratio=0.05, checkpoint_interval=100,
+                                         dtype="bfloat16"),
+                      embeddings=target_embeddings(), run_dir=run_dir, recipe_yaml="name: test\n")
+    result = trainer.fit(pack(samples, 160) * 20)
+    return trainer, result, run_dir
+
+
+def test_single_fit_lowers_the_loss(single_run):
+    _, result, _ = single_run
+    assert result.steps_run == 250 and result.stopped_reason == "steps_done"
+    first, last = sum(result.losses[:10]) / 10, sum(result.losses[-10:]) / 10
+    assert last < 0.7 * first, (first, last)
+    assert result.summary["tau"] > 1.5, result.summary
+
+
+def test_frozen_embeddings_never_change(single_run):
+    trainer, _, _ = single_run
+    embed, lm_head = target_embeddings()
+    assert torch.equal(trainer.model.embed_tokens.weight.float(), embed.bfloat16().float())
+    assert torch.equal(trainer.model.lm_head.weight.float(), lm_head.bfloat16().float())
+    optimised = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert id(trainer.model.lm_head.weight) not in optimised
+    assert id(trainer.model.embed_tokens.weight) not in optimised
+
+
+def test_run_dir_records_metrics_plot_and_summary(single_run):
+    trainer, result, run_dir = single_run
+    assert (run_dir / "config.yaml").read_text() == "name: test\n"
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["versions"]["torch"] == torch.__version__.split("+")[0] or run["versions"]["torch"]
+    assert run["command"] and "git_revision" in run and run["strategy"] == "single"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 251))
+    for key in ("lr", "loss", "ce", "tv", "bce", "tau", "slot_acceptance", "tokens", "tokens_s",
+                "grad_norm", "skipped_steps", "sample_ids", "wait_s", "compute_s"):
+        assert key in records[0], key
+    assert len(records[0]["slot_acceptance"]) == 4 and 1.0 <= records[-1]["tau"] <= 5.0
+    assert [r["loss"] for r in records] == pytest.approx(result.losses)
+    # Every sample id appears once per pass over the data, in order.
+    ids = [i for r in records for i in r["sample_ids"]]
+    assert ids[:96] == [f"s{i:04d}" for i in range(96)]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["step"] == 250 and summary["tokens"] == sum(r["tokens"] for r in records)
+    png = (run_dir / "slot_acceptance.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 2000
+    assert len(result.wait_s) == len(result.compute_s) == 250
+    # keep_last=2: of the checkpoints at 100, 200 and 250, the last two remain.
+    assert [p.name for p in ckpt.complete_checkpoints(run_dir)] == ["step_00000200", "step_00000250"]
+
+
+class _Crash(RuntimeError):
+    pass
+
+
+def _run(tmp_path, samples, *, steps, crash_at=None, resume="never", **overrides):
+    trainer = _trainer(tmp_path, steps=steps, resume=resume, checkpoint_interval=4, keep_last=5,
+                       **overrides)
+    info = trainer.resume()
+    if info is not None:
+        samples = [s for s in samples if s.sample_id not in info.all_consumed_ids]
+    records = []
+
+    def on_step(record):
+        records.append(record)
+        if record["step"] == crash_at:
+            raise _Crash
+
+    try:
+        trainer.fit(pack(samples, 90), on_step=on_step, extra_state=lambda: {"cursor": len(records)})
+    except _Crash:
+        pass
+    return trainer, info, records
+
+
+def test_resume_repeats_an_uninterrupted_run_exactly(tmp_path):
+    samples = chain_samples(60)
+    _, _, full = _run(tmp_path / "full", samples, steps=10)
+    _, _, first = _run(tmp_path / "cut", samples, steps=10, crash_at=6)  # checkpoint at 4
+    trainer, info, rest = _run(tmp_path / "cut", samples, steps=10, resume="auto")
+    assert info.step == 4 and info.extra == {"cursor": 4}
+    assert info.consumed_ids == [i for r in first[:4] for i in r["sample_ids"]]
+    assert [r["step"] for r in rest] == list(range(5, 11))
+    assert [r["sample_ids"] for r in rest] == [r["sample_ids"] for r in full[4:]]
+    assert [r["loss"] for r in rest] == [r["loss"] for r in full[4:]]  # bit-exact
+    assert [r["grad_norm"] for r in rest] == [r["grad_norm"] for r in full[4:]]
+    # The metrics file of the resumed run has each step once, the redone ones replaced.
+    lines = (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, 11))
+
+
+def test_resume_ignores_incomplete_checkpoints(tmp_path):
+    samples = chain_samples(60)
+    _run(tmp_path, samples, steps=10)  # checkpoints 4, 8, 10
+    (tmp_path / "checkpoints" / "step_00000010" / "COMPLETE").unlink()
+    shutil.copytree(tmp_path / "checkpoints" / "step_00000008", tmp_path / "checkpoints" / "step_00000009.tmp")
+    assert ckpt.find_resume(tmp_path, "auto").name == "step_00000008"
+    trainer = _trainer(tmp_path, steps=10, resume="auto")
+    assert trainer.resume().step == 8
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        _trainer(tmp_path, steps=10, resume=str(tmp_path / "checkpoints" / "step_00000010")).resume()
+    assert _trainer(tmp_path, steps=10, resume="never").resume() is None
+
+
+def test_checkpoint_files_are_safetensors_and_state_matches(tmp_path):
+    trainer, _, _ = _run(tmp_path, chain_samples(30), steps=4)
+    path = tmp_path / "checkpoints" / "step_00000004"
+    saved = load_file(str(path / "model.safetensors"))
+    for name, value in trainer.model.state_dict().items():
+        assert torch.equal(saved[name], value), name
+    state = ckpt.read_state(path)
+    assert state["step"] == 4 and len(state["consumed_ids"]) == 1
+    assert not any(p.suffix in (".pt", ".bin", ".pkl") for p in path.rglob("*"))
+
+
+def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path):
+    samples = chain_samples(40, nan_ids=(6, 12, 20))
+    batches = pack(samples, 90)
+    bad_steps = [i + 1 for i, b in enumerate(batches) if any(s.sample_id in ("s0006", "s0012", "s0020") for s in b)]
+    trainer = _trainer(tmp_path, steps=50, max_bad_steps=1)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    result = trainer.fit(batches)
+    # Tolerates one bad step, stops at the second.
+    assert result.stopped_reason == "max_bad_steps" and result.skipped_steps == 2
+    assert result.step == bad_steps[1]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["skipped"]] == bad_steps[:2]
+    assert all(r["loss"] is None for r in records if r["skipped"])
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+    latest = ckpt.find_resume(tmp_path, "auto")
+    assert latest.name == f"step_{bad_steps[1]:08d}"
+    assert ckpt.read_state(latest)["skipped_steps"] == 2
+
+
+def test_a_skipped_step_leaves_the_weights_untouched(tmp_path):
+    samples = chain_samples(10, nan_ids=tuple(range(10)))
+    trainer = _trainer(tmp_path, steps=3, max_bad_steps=5)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    result = trainer.fit(pack(samples, 90))
+    assert result.skipped_steps == result.steps_run > 0
+    for name, value in trainer.model.state_dict().items():
+        assert torch.equal(before[name], value), name
+    assert all(math.isnan(loss) for loss in result.losses)
+
+
+def test_missing_wandb_or_tensorboard_gives_install_advice(tmp_path, monkeypatch):
+    import sys
+
+    for module, key in (("wandb", "wandb"), ("torch.utils.tensorboard", "tensorboard")):
+        monkeypatch.setitem(sys.modules, module, None)
+        trainer = _trainer(tmp_path / key, steps=1, **{key: True})
+        with pytest.raises(RuntimeError, match="pip install"):
+            trainer.fit(pack(chain_samples(4), 90))
+
+
+def test_parallel_strategies_need_torch_distributed(tmp_path):
+    with pytest.raises(RuntimeError, match="needs torch.distributed"):
+        _trainer(tmp_path, strategy="fsdp2")
+
+
+def test_wandb_offline_and_tensorboard_receive_every_step(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    calls = {"init": [], "log": [], "scalars": [], "closed": 0}
+    fake_wandb = types.ModuleType("wandb")
+
+    class _Run:
+        def log(self, data, step):
+            calls["log"].append((step, data))
+
+        def finish(self):
+            calls["closed"] += 1
+
+    def init(**kwargs):
+        calls["init"].append(kwargs)
+        return _Run()
+
+    fake_wandb.init = init
+    fake_tb = types.ModuleType("torch.utils.tensorboard")
+
+    class SummaryWriter:
+        def __init__(self, log_dir):
+            calls["log_dir"] = log_dir
+
+        def add_scalar(self, tag, value, step):
+            calls["scalars"].append((tag, step))
+
+        def close(self):
+            calls["closed"] += 1
+
+    fake_tb.SummaryWriter = SummaryWriter
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake_tb)
+    trainer = _trainer(tmp_path, steps=3, wandb=True, tensorboard=True)
+    trainer.fit(pack(chain_samples(20), 90))
+    assert calls["init"][0]["mode"] == "offline" and calls["init"][0]["config"] == {"name": "test"}
+    assert [step for step, _ in calls["log"]] == [1, 2, 3]
+    assert {"loss", "tau", "tokens_s", "wait_s"} <= set(calls["log"][0][1])
+    assert ("train/loss", 3) in calls["scalars"] and calls["log_dir"].endswith("tensorboard")
+    assert calls["closed"] == 2

@@ -1,0 +1,50 @@
+"""``draftforge bench train``: the FLOP count it reports and its machine-readable last line."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from trainer_helpers import tiny_model_config
+
+from draftforge.train.bench_train import main, step_flops
+from draftforge.train.model import DSparkDraft
+from draftforge.train.objective import dspark_objective
+
+
+def test_vocabulary_flops_match_what_the_fused_objective_executes():
+    cfg = tiny_model_config(enable_confidence_head=False, confidence_head_with_markov=False)
+    model = DSparkDraft(cfg)
+    anchors = [[3, 9, 20], [5]]
+    num_blocks = 4
+    hidden = torch.randn(num_blocks, cfg.block_size, cfg.hidden_size, requires_grad=True)
+    tokens = torch.randint(0, cfg.vocab_size, (num_blocks, cfg.block_size))
+    valid = torch.ones(num_blocks, cfg.block_size, dtype=torch.bool)
+    target = torch.randn(num_blocks, cfg.block_size, cfg.hidden_size)
+    with FlopCounterMode(display=False) as counter:
+        out = dspark_objective(model, hidden, tokens, tokens, valid, target, chunk_blocks=3)
+        out.loss.backward()
+    # Forward + backward of the objective = 3 x the forward vocabulary count: draft, Markov
+    # and target logits, the hidden and Markov-latent gradients, the W2 gradient (the batched
+    # <sign, p> dot products are elementwise work, not counted).
+    mm_flops = counter.get_flop_counts()["Global"][torch.ops.aten.mm]
+    assert mm_flops == 3 * step_flops(cfg, seq=32, anchors=anchors)["vocab"]
+
+
+def test_backbone_flops_by_hand():
+    cfg = tiny_model_config()  # H 32, 4 heads of 8, 2 kv heads, FFN 48, 2 layers, block 4, 3 aux layers
+    flops = step_flops(cfg, seq=10, anchors=[[2, 5]])
+    queries, context = 8, 10
+    per_layer = (2 * queries * 32 * (32 + 16 + 16) + 2 * context * 32 * 32 + 2 * queries * 32 * 32
+                 + 6 * queries * 32 * 48)
+    assert flops["backbone"] == 2 * context * 96 * 32 + 2 * per_layer
+    visible = (2 + 4) * 4 + (5 + 4) * 4  # keys each query of the two blocks sees
+    assert flops["attention"] == 2 * 4 * 4 * 8 * visible
+    assert flops["step"] == 3 * flops["forward"]
+
+
+def test_bench_train_prints_a_machine_readable_last_line(capsys):
+    assert main(["--seq", "48", "--anchors", "4", "--steps", "1", "--warmup", "1", "--threads", "1"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    fields = dict(item.split("=") for item in last.split())
+    assert set(fields) == {"train_mfu", "step_tokens_s"}
+    assert 0 < float(fields["train_mfu"]) < 1.5 and float(fields["step_tokens_s"]) > 0

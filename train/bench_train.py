@@ -1,0 +1,221 @@
+"""``draftforge bench train [RECIPE] [key=value ...]``: the trainer step alone, on synthetic features.
+
+Runs :meth:`Trainer.train_step` (strategy ``single``: forward, the fused
+objective, backward, clipping, AdamW) on random features at the draft's
+shapes and reports its achieved FLOP/s against the bf16 matmul peak measured
+in the same process, on the same threads.
+
+Shapes come from the recipe (``draft`` section, target shape); without a
+recipe, the peer comparison of issue 4: hidden 576, 2 layers, 9/3 heads, FFN
+1536, vocabulary 49,152, block 8, Markov rank 64, 5 target layers. Sequence
+length and anchors per sequence are options (512 and 64).
+
+FLOP count of one step (multiply-adds count 2), N = anchors x block query
+tokens, S context positions, visible keys of block a = p_a + block:
+
+* backbone matmuls: fc over the context (2 S F H), per layer q/o projections
+  and the MLP on the N block tokens, k/v projections on the block and on the
+  context;
+* attention: QK^T and PV over the keys each query may see (context before its
+  anchor plus its own block), not the masked-out part a dense kernel also computes;
+* vocabulary: the draft's logits, base and Markov (2 N V (H + r)).
+
+Forward + backward = 3 x that forward count. For the backbone: input and
+weight gradients. For the vocabulary, what the fused objective executes is
+exactly 3 x: draft and Markov logits, the target's logits (no backward), the
+hidden-state and Markov-latent gradients and the W2 gradient (tests check it
+against torch's FLOP counter). The last line is
+``train_mfu=<ratio> step_tokens_s=<rate>`` with tokens = anchors x block per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PEER_SHAPES = dict(
+    hidden=576, layers=2, heads=9, kv_heads=3, ffn=1536, vocab=49152, block=8, markov_rank=64,
+    target_layers=30, num_aux_layers=5,
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="draftforge bench train",
+        description="Step time, tokens/s and MFU of one trainer step on synthetic features.",
+    )
+    parser.add_argument("recipe", nargs="?", help="recipe YAML (default: issue 4's peer shapes)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    parser.add_argument("--seq", type=int, default=512, help="sequence length")
+    parser.add_argument("--anchors", type=int, default=64, help="anchors per sequence")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per step")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--chunk-blocks", type=int, default=None, help="objective chunk (default: recipe's)")
+    parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of one step")
+    return parser
+
+
+def _model_config(args):
+    from draftforge.train.model import DSparkConfig
+
+    if args.recipe is None:
+        p = PEER_SHAPES
+        layer_ids = [1, 8, 15, 22, 28][: p["num_aux_layers"]]
+        return DSparkConfig(
+            vocab_size=p["vocab"], hidden_size=p["hidden"], num_hidden_layers=p["layers"],
+            num_attention_heads=p["heads"], num_key_value_heads=p["kv_heads"],
+            intermediate_size=p["ffn"], target_hidden_size=p["hidden"],
+            num_target_layers=p["target_layers"], target_layer_ids=layer_ids, block_size=p["block"],
+            mask_token_id=16, markov_rank=p["markov_rank"], enable_confidence_head=True,
+            confidence_head_with_markov=True, rope_theta=100000.0, max_position_embeddings=8192,
+        ), None
+    from draftforge.config import load_recipe
+    from draftforge.splitserve.registry import resolve_target_shape
+    from draftforge.train.config import build_dspark_config
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    shape = resolve_target_shape(recipe.target)
+    if shape is None:
+        raise SystemExit(f"bench train: the target shape of {args.recipe} is unknown; add target.shape")
+    return build_dspark_config(recipe.draft, shape), recipe
+
+
+def step_flops(cfg, *, seq: int, anchors: list[list[int]]) -> dict[str, float]:
+    """Forward FLOPs of one step by part (see the module docstring); x3 for forward + backward."""
+    hidden, head_dim = cfg.hidden_size, cfg.head_dim
+    q_width, kv_width = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    block = cfg.block_size
+    num_seqs = len(anchors)
+    queries = sum(len(a) for a in anchors) * block
+    context = num_seqs * seq
+    per_layer = (
+        2 * queries * hidden * (q_width + 2 * kv_width)  # q, k, v on the block
+        + 2 * context * hidden * 2 * kv_width  # k, v on the context
+        + 2 * queries * q_width * hidden  # o_proj
+        + 3 * 2 * queries * hidden * cfg.intermediate_size  # SwiGLU
+    )
+    visible = sum((p + block) * block for seq_anchors in anchors for p in seq_anchors)
+    attention = cfg.num_hidden_layers * 2 * 2 * cfg.num_attention_heads * head_dim * visible
+    backbone = 2 * context * cfg.num_context_features * hidden + cfg.num_hidden_layers * per_layer
+    vocab = 2 * queries * cfg.vocab_size * (hidden + cfg.markov_rank)
+    heads = 2 * queries * (hidden + cfg.markov_rank)  # confidence head
+    forward = backbone + attention + vocab + heads
+    return {"backbone": backbone, "attention": attention, "vocab": vocab, "forward": forward,
+            "step": 3 * forward}
+
+
+def matmul_peak(*, dtype, sizes=(2048, 3072), repeats: int = 5) -> float:
+    """FLOP/s of square matmuls in ``dtype`` on this process's threads: the median of
+    ``repeats`` runs per size (robust to a lucky or a disturbed run), the best size."""
+    import torch
+
+    best = 0.0
+    for n in sizes:
+        a = torch.randn(n, n).to(dtype)
+        b = torch.randn(n, n).to(dtype)
+        a @ b
+        rates = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ b
+            rates.append(2 * n**3 / (time.perf_counter() - start))
+        best = max(best, statistics.median(rates))
+    return best
+
+
+def _synthetic_samples(cfg, args, generator):
+    import torch
+
+    from draftforge.train.sample import Sample
+
+    samples = []
+    for index in range(args.batch):
+        ids = torch.randint(0, cfg.vocab_size, (args.seq,), generator=generator)
+        mask = torch.ones(args.seq, dtype=torch.bool)
+        mask[: min(16, args.seq // 8)] = False  # a short unsupervised prompt
+        aux = torch.randn(args.seq, cfg.num_context_features, generator=generator).to(torch.bfloat16)
+        final = torch.randn(args.seq, cfg.target_hidden_size, generator=generator).to(torch.bfloat16)
+        samples.append(Sample(f"bench{index}", ids, mask, aux, final))
+    return samples
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    import torch
+
+    from draftforge.train.blocks import sample_anchors
+    from draftforge.train.config import TrainConfig
+    from draftforge.train.sample import collate
+    from draftforge.train.trainer import Trainer, anchor_seed
+
+    torch.set_num_threads(args.threads)
+    cfg, recipe = _model_config(args)
+    loss = recipe.train.loss.model_dump() if recipe is not None else {}
+    if args.chunk_blocks:
+        loss["chunk_blocks"] = args.chunk_blocks
+    train = TrainConfig(strategy="single", dtype=args.dtype, num_anchors=args.anchors,
+                        steps=args.warmup + args.steps + 1, num_threads=args.threads, device="cpu",
+                        warmup_ratio=0.0, loss=loss, resume="never")
+    generator = torch.Generator().manual_seed(0)
+    embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=generator) * 0.02
+    lm_head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=generator) * 0.02
+    samples = _synthetic_samples(cfg, args, generator)
+    print(
+        f"bench train: H={cfg.hidden_size} layers={cfg.num_hidden_layers} heads={cfg.num_attention_heads}/"
+        f"{cfg.num_key_value_heads} FFN={cfg.intermediate_size} V={cfg.vocab_size} block={cfg.block_size} "
+        f"Markov rank={cfg.markov_rank} aux layers={len(cfg.target_layer_ids)}; batch {args.batch} x "
+        f"seq {args.seq}, {args.anchors} anchors, {args.dtype}, {args.threads} threads",
+        flush=True,
+    )
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    peak_before = matmul_peak(dtype=dtype)
+    with tempfile.TemporaryDirectory(prefix="draftforge-bench-train-") as run_dir:
+        trainer = Trainer(model_config=cfg, train=train, embeddings=(embed, lm_head),
+                          run_dir=Path(run_dir))
+        times = []
+        anchors = []
+        for index in range(args.warmup + args.steps):
+            step = trainer.step
+            batch = collate(samples)
+            gen = torch.Generator().manual_seed(
+                anchor_seed(seed=train.seed, step=step, micro_step=0, rank=0))
+            chosen, valid = sample_anchors(batch.loss_mask, args.anchors, gen)
+            start = time.perf_counter()
+            record = trainer.train_step([samples])
+            seconds = time.perf_counter() - start
+            if index >= args.warmup:
+                times.append(seconds)
+                anchors = [row[v].tolist() for row, v in zip(chosen, valid, strict=True)]
+            print(f"  step {index + 1}: {seconds:.3f} s  loss {record['loss']:.4f}"
+                  f"{'' if index >= args.warmup else '  (warm-up)'}", flush=True)
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                trainer.train_step([samples])
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    step_s = statistics.median(times)
+    flops = step_flops(cfg, seq=args.seq, anchors=anchors)
+    # The peak before and after the steps; the higher one (a conservative MFU) counts.
+    peak = max(peak_before, matmul_peak(dtype=dtype))
+    achieved = flops["step"] / step_s
+    tokens = sum(len(a) for a in anchors) * cfg.block_size
+    tokens_s = tokens / step_s
+    print(f"step {step_s:.3f} s (median of {len(times)}), {tokens} block tokens -> {tokens_s:.0f} tokens/s")
+    print(f"FLOPs per step {flops['step'] / 1e9:.1f} G (forward: backbone {flops['backbone'] / 1e9:.2f} G, "
+          f"attention {flops['attention'] / 1e9:.2f} G, vocabulary {flops['vocab'] / 1e9:.2f} G; x3)")
+    print(f"achieved {achieved / 1e9:.1f} GFLOP/s, {args.dtype} matmul peak {peak / 1e9:.1f} GFLOP/s "
+          f"({args.threads} threads)")
+    print(f"train_mfu={achieved / peak:.3f} step_tokens_s={tokens_s:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

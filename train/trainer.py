@@ -1,0 +1,527 @@
+"""The training loop: a draft, AdamW with warmup + cosine, a parallel strategy, exact resume.
+
+The trainer sees an iterator of micro-batches (lists of :class:`Sample`) and
+never knows where they came from. Each optimizer step consumes
+``train.grad_accum`` items. All collectives run on the trainer group, which
+may be a subgroup of the world.
+
+Determinism: the anchors of micro-step ``m`` of step ``s`` on trainer rank
+``r`` come from a fresh generator seeded by ``(train.seed, s, m, r)``, the
+learning rate is a pure function of the step, and a checkpoint restores
+weights, AdamW moments and RNG, so a resumed run repeats an uninterrupted
+one step for step (given the same batches).
+
+Non-finite steps: when the loss or the gradient norm is not finite on any
+rank, the step is skipped (no update, its samples count as consumed) and
+counted; more than ``train.max_bad_steps`` skipped steps stop the run with a
+checkpoint of the last good weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from draftforge.train import checkpoint as ckpt
+from draftforge.train import distributed as D
+from draftforge.train.blocks import sample_anchors
+from draftforge.train.config import TrainConfig
+from draftforge.train.metrics import (
+    MetricsLog,
+    Progress,
+    format_summary,
+    write_run_records,
+    write_summary,
+)
+from draftforge.train.model import DSparkConfig, DSparkDraft, count_parameters
+from draftforge.train.sample import Sample, collate
+
+
+@dataclass
+class ResumeInfo:
+    """Where a resumed run continues: the step and the data already consumed."""
+
+    step: int
+    consumed_ids: list[str]  # this trainer rank's
+    all_consumed_ids: set[str]  # every trainer rank's
+    extra: dict
+    path: Path
+
+
+@dataclass
+class FitResult:
+    """What :meth:`Trainer.fit` did; the per-step lists cover this call's steps, this rank's timings."""
+
+    step: int
+    steps_run: int
+    skipped_steps: int
+    stopped_reason: str  # "steps_done", "data_exhausted" or "max_bad_steps"
+    checkpoint: Path | None
+    losses: list[float] = field(default_factory=list)
+    sample_ids: list[list[str]] = field(default_factory=list)  # per step, every rank's, rank order
+    wait_s: list[float] = field(default_factory=list)  # waiting for the next batch (iterator next)
+    compute_s: list[float] = field(default_factory=list)  # forward, backward, optimizer, metrics
+    summary: dict = field(default_factory=dict)
+
+
+def lr_at(step: int, *, train: TrainConfig) -> float:
+    """Learning rate of update ``step`` (0-based): linear warmup, then cosine to ``min_lr_ratio * lr``."""
+    warmup = math.ceil(train.warmup_ratio * train.steps)
+    if step < warmup:
+        return train.lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, train.steps - warmup))
+    floor = train.min_lr_ratio
+    return train.lr * (floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def anchor_seed(*, seed: int, step: int, micro_step: int, rank: int) -> int:
+    """A generator seed unique to (seed, step, micro-step, trainer rank)."""
+    digest = hashlib.sha256(f"{seed}:{step}:{micro_step}:{rank}".encode()).digest()
+    return int.from_bytes(digest[:7], "little")
+
+
+def _pick_device(setting: str) -> torch.device:
+    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("train.device is 'cuda' but no CUDA device is available; use train.device=cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+class Trainer:
+    """Builds the draft for one trainer rank and trains it; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        model_config: DSparkConfig,
+        train: TrainConfig,
+        embeddings: tuple[torch.Tensor, torch.Tensor],
+        run_dir: Path,
+        group: dist.ProcessGroup | None = None,
+        recipe_yaml: str | None = None,
+    ) -> None:
+        self.train = train
+        self.run_dir = Path(run_dir)
+        if group is None and train.strategy != "single" and dist.is_initialized():
+            group = dist.group.WORLD
+        if train.strategy != "single" and group is None:
+            raise RuntimeError(
+                f"train.strategy={train.strategy!r} needs torch.distributed: start with torchrun "
+                "(or draftforge train), or set train.strategy=single"
+            )
+        if train.strategy == "single" and D.group_size(group=group) > 1:
+            raise ValueError(
+                f"train.strategy=single runs one trainer process, the trainer group has "
+                f"{D.group_size(group=group)}; use fsdp2 or deepspeed"
+            )
+        self.group = group
+        self.rank = D.group_rank(group=group)
+        self.world = D.group_size(group=group)
+        self.is_main = self.rank == 0
+        self.device = _pick_device(train.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(train.num_threads)
+        self.bf16 = train.dtype == "bfloat16"
+        self.model_config = model_config
+        self.recipe_yaml = recipe_yaml
+
+        self.model, self.optimizer, self.engine = self._build(model_config, embeddings)
+        self.parameters = [p for p in self.model.parameters() if p.requires_grad]
+        self.reduce_sum = D.reduce_sum_fn(group=group)
+        self.objective = train.loss.model_dump()
+        self.step = 0
+        self.skipped_steps = 0
+        self.consumed_ids: list[str] = []
+        self.resumed: ResumeInfo | None = None
+        if self.is_main:
+            write_run_records(self.run_dir, recipe_yaml=recipe_yaml, details={
+                "strategy": train.strategy, "trainer_ranks": self.world, "device": str(self.device),
+                "dtype": train.dtype, "trainable_parameters": self.num_trainable,
+                "model_config": model_config.to_dict(),
+            })
+
+    def _build(self, model_config: DSparkConfig, embeddings):
+        """The draft (same initial weights on every rank), placed and wrapped for the
+        strategy, and AdamW over its trainable parameters only (never the frozen
+        embedding and lm_head)."""
+        train, group = self.train, self.group
+        model = DSparkDraft(model_config)
+        model.init_weights(seed=train.seed)
+        model.load_target_embeddings(*embeddings)
+        self.num_trainable = count_parameters(model, with_embeddings=False)  # before sharding
+        model.to(self.device)
+        if self.bf16 and train.strategy in ("single", "deepspeed"):
+            # Frozen, so no fp32 master copy is needed: bf16 avoids casting the
+            # vocabulary-sized matrices on every autocast matmul.
+            model.embed_tokens.to(torch.bfloat16)
+            model.lm_head.to(torch.bfloat16)
+        if train.strategy == "fsdp2":
+            mesh = D.device_mesh(group=group, device_type=self.device.type)
+            D.shard_fsdp2(model=model, mesh=mesh,
+                          param_dtype=torch.bfloat16 if self.bf16 else torch.float32)
+        optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=lr_at(0, train=train),
+            betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps,
+            weight_decay=train.weight_decay,
+            # One fused kernel per step on plain tensors; FSDP2/DeepSpeed keep their default.
+            fused=True if train.strategy == "single" else None,
+        )
+        engine = None
+        if train.strategy == "deepspeed":
+            config = D.deepspeed_config(zero_stage=train.zero_stage, bf16=self.bf16,
+                                        max_grad_norm=train.max_grad_norm)
+            engine, optimizer = D.init_deepspeed(model=model, optimizer=optimizer, group=group,
+                                                 config=config)
+        return model, optimizer, engine
+
+    # -- resume ------------------------------------------------------------------------
+
+    def resume(self) -> ResumeInfo | None:
+        """Load the checkpoint ``train.resume`` selects (``auto``: newest complete one), if any."""
+        message = ""
+        if self.is_main:
+            try:
+                found = ckpt.find_resume(self.run_dir, self.train.resume)
+                message = "" if found is None else f"path:{found}"
+            except (OSError, ValueError) as exc:
+                message = f"error:{exc}"
+        # Rank 0 decides and tells the others (an error too, so that no rank waits forever).
+        message = D.broadcast_string(message, group=self.group, device=self._comm_device())
+        if message.startswith("error:"):
+            raise ValueError(message[len("error:"):])
+        if not message:
+            return None
+        path = message[len("path:"):]
+        state = ckpt.load_checkpoint(path=Path(path), strategy=self.train.strategy, model=self.model,
+                                     optimizer=self.optimizer, engine=self.engine, group=self.group)
+        self.step = int(state["step"])
+        self.skipped_steps = int(state["skipped_steps"])
+        per_rank = state["consumed_ids"]
+        self.consumed_ids = list(per_rank[self.rank])
+        extra = state.get("extra_per_rank", [{}] * self.world)[self.rank]
+        self.resumed = ResumeInfo(
+            step=self.step, consumed_ids=list(self.consumed_ids),
+            all_consumed_ids={i for ids in per_rank for i in ids}, extra=extra, path=Path(path),
+        )
+        return self.resumed
+
+    # -- one optimizer step ------------------------------------------------------------
+
+    def _comm_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    def _autocast(self):
+        if self.train.strategy == "single" and self.bf16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def _micro_step(self, samples: list[Sample], micro: int, sums: torch.Tensor) -> bool:
+        """Forward + backward of one micro-batch; adds its metrics to ``sums``; False if non-finite."""
+        train = self.train
+        batch = collate(samples)
+        generator = torch.Generator().manual_seed(
+            anchor_seed(seed=train.seed, step=self.step, micro_step=micro, rank=self.rank))
+        anchors, anchor_valid = sample_anchors(batch.loss_mask, train.num_anchors, generator)
+        batch = batch.to(self.device)
+        model = self.engine if self.engine is not None else self.model
+        with self._autocast():
+            out = model(batch.input_ids, batch.loss_mask, batch.aux, batch.final,
+                        anchors.to(self.device), anchor_valid.to(self.device),
+                        objective=self.objective, reduce_sum=self.reduce_sum)
+        out = D.as_objective_output(out)
+        loss = out.loss.float() / train.grad_accum
+        finite = bool(torch.isfinite(loss))
+        scaled = loss * D.loss_scale(group=self.group)
+        if self.engine is None:
+            # Backward even when non-finite: every rank must join the gradient
+            # collectives; the optimizer step then discards the gradients.
+            scaled.backward()
+        elif self._deepspeed_backward(scaled, finite, micro):
+            finite = False
+        valid = out.valid.float()
+        gamma = valid.shape[1]
+        blocks = out.valid[:, 0]
+        tau_sum = (1.0 + torch.cumprod(out.c_star[blocks], dim=-1).sum(-1)).sum()
+        parts = torch.cat([
+            torch.stack([loss.detach(), out.ce / train.grad_accum, out.tv / train.grad_accum,
+                         out.bce / train.grad_accum, tau_sum.float(), blocks.sum().float(),
+                         torch.tensor(float(batch.num_tokens), device=loss.device), valid.sum(),
+                         torch.tensor(0.0 if finite else 1.0, device=loss.device)]).float(),
+            (out.c_star * valid).sum(0).float(), valid.sum(0),
+        ]).to(sums.device)
+        sums[: 9 + 2 * gamma] += parts.detach()
+        return finite
+
+    def _deepspeed_backward(self, scaled: torch.Tensor, finite: bool, micro: int) -> bool:
+        """DeepSpeed backward; returns True when some rank's loss is not finite (no backward then).
+
+        DeepSpeed reduces gradients inside backward and cannot discard them
+        afterwards, so the ranks agree on finiteness first. A non-finite
+        micro-batch is skipped cleanly only without accumulation.
+        """
+        bad = torch.tensor([0.0 if finite else 1.0], device=self._comm_device())
+        D.all_reduce(bad, group=self.group, op=dist.ReduceOp.MAX)
+        if bad.item() > 0:
+            if self.train.grad_accum > 1:
+                raise RuntimeError(
+                    f"non-finite loss at step {self.step + 1} under train.strategy=deepspeed with "
+                    "train.grad_accum > 1, which cannot skip a step; resume from the last checkpoint "
+                    "with a lower train.lr, or use fsdp2"
+                )
+            return True
+        self.engine.set_gradient_accumulation_boundary(micro == self.train.grad_accum - 1)
+        self.engine.backward(scaled, scale_wrt_gas=False)
+        return False
+
+    def _zero_grad(self) -> None:
+        if self.engine is not None:
+            self.engine.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _optimizer_step(self, sums: torch.Tensor) -> tuple[float, bool]:
+        """Clip and step unless a rank saw a non-finite loss or the norm is not finite."""
+        if sums[8].item() > 0:
+            self._zero_grad()
+            return float("nan"), False
+        if self.engine is not None:
+            self.engine.step()
+            norm = self.engine.get_global_grad_norm()
+            return float(norm) if norm is not None else float("nan"), True
+        norm = D.clip_grad_norm(parameters=self.parameters, max_norm=self.train.max_grad_norm).item()
+        if not math.isfinite(norm):
+            self._zero_grad()
+            return norm, False
+        self.optimizer.step()
+        self._zero_grad()
+        return norm, True
+
+    def train_step(self, micro_batches: list[list[Sample]], *, wait_s: float = 0.0) -> dict:
+        """One optimizer step over ``grad_accum`` micro-batches (collective); returns its record."""
+        gamma = self.model_config.block_size
+        comm = self._comm_device()
+        compute_start = time.perf_counter()
+        self._set_lr(lr_at(self.step, train=self.train))
+        sums = torch.zeros(9 + 2 * gamma, dtype=torch.float32, device=comm)
+        for micro, samples in enumerate(micro_batches):
+            self._micro_step(samples, micro, sums)
+        D.all_reduce(sums, group=self.group)
+        norm, applied = self._optimizer_step(sums)
+        step_ids = [s.sample_id for samples in micro_batches for s in samples]
+        gathered = D.all_gather_strings(step_ids, group=self.group, device=comm)
+        self.consumed_ids.extend(step_ids)
+        if not applied:
+            self.skipped_steps += 1
+        self.step += 1
+        compute_s = time.perf_counter() - compute_start
+        return self._record(sums, gamma, norm, applied, gathered, wait_s, compute_s)
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def fit(
+        self,
+        batches: Iterable[list[Sample]],
+        *,
+        extra_state: Callable[[], dict] | None = None,
+        on_step: Callable[[dict], None] | None = None,
+    ) -> FitResult:
+        """Train until ``train.steps`` optimizer steps or the end of ``batches``.
+
+        ``extra_state()`` (JSON-serialisable, per rank) is stored in every
+        checkpoint and comes back as :attr:`ResumeInfo.extra`. ``on_step(record)``
+        runs on every rank after each step with that rank's record (the accounting hook).
+        Call :meth:`resume` first to continue a run.
+        """
+        train = self.train
+        comm = self._comm_device()
+        result = FitResult(step=self.step, steps_run=0, skipped_steps=self.skipped_steps,
+                           stopped_reason="steps_done", checkpoint=None)
+        log = progress = None
+        if self.is_main:
+            log = MetricsLog(self.run_dir, train=train, recipe_yaml=self.recipe_yaml,
+                             resume_step=self.step)
+            progress = Progress(total=train.steps, initial=self.step)
+        iterator = iter(batches)
+        window: list[dict] = []
+        first_slots: list[float] | None = None
+        started = time.perf_counter()
+        total_tokens = 0
+        self.model.train()
+        try:
+            while self.step < train.steps:
+                wait_start = time.perf_counter()
+                micro_batches = []
+                for _ in range(train.grad_accum):
+                    try:
+                        micro_batches.append(next(iterator))
+                    except StopIteration:
+                        break
+                wait_s = time.perf_counter() - wait_start
+                # Every rank must have a full step, or none runs it (no collective mismatch).
+                have = torch.tensor([1.0 if len(micro_batches) == train.grad_accum else 0.0], device=comm)
+                D.all_reduce(have, group=self.group, op=dist.ReduceOp.MIN)
+                if have.item() < 1:
+                    result.stopped_reason = "data_exhausted"
+                    break
+                record = self.train_step(micro_batches, wait_s=wait_s)
+                compute_s = record["compute_s"]
+                applied = not record["skipped"]
+                total_tokens += record["tokens"]
+                result.losses.append(record["loss"])
+                result.sample_ids.append(record["sample_ids"])
+                result.wait_s.append(wait_s)
+                result.compute_s.append(compute_s)
+                result.steps_run += 1
+                if first_slots is None and applied:
+                    first_slots = record["slot_acceptance"]
+                if applied:
+                    window = (window + [record])[-train.log_interval:]
+                if self.is_main:
+                    log.log(record)
+                    progress.update(loss=record["loss"], tau=record["tau"], tokens_s=record["tokens_s"])
+                    if self.step % train.log_interval == 0 or not applied:
+                        progress.write(self._log_line(record))
+                if on_step is not None:
+                    on_step(record)
+                stop = self.skipped_steps > train.max_bad_steps
+                if stop:
+                    result.stopped_reason = "max_bad_steps"
+                    if self.is_main:
+                        progress.write(
+                            f"stopping: {self.skipped_steps} steps had a non-finite loss or gradient "
+                            f"(train.max_bad_steps={train.max_bad_steps}); the checkpoint holds the "
+                            "last good weights. Check the data and lower train.lr."
+                        )
+                    break
+                if self.step % train.checkpoint_interval == 0 and self.step < train.steps:
+                    result.checkpoint = self.save(extra_state=extra_state)
+            done = ckpt.checkpoint_path(self.run_dir, self.step)
+            if result.steps_run == 0 and ckpt.is_complete(done):
+                result.checkpoint = done  # nothing new since that checkpoint
+            else:
+                result.checkpoint = self.save(extra_state=extra_state)
+        finally:
+            if progress is not None:
+                progress.close()
+            if log is not None:
+                log.close()
+        result.step = self.step
+        result.skipped_steps = self.skipped_steps
+        elapsed = time.perf_counter() - started
+        result.summary = self._summary(result, window, first_slots, total_tokens, elapsed)
+        return result
+
+    def _record(self, sums, gamma, norm, applied, gathered, wait_s, compute_s) -> dict:
+        values = sums.tolist()
+        slot_num, slot_den = values[9:9 + gamma], values[9 + gamma:9 + 2 * gamma]
+        tokens = int(values[6])
+        return {
+            "step": self.step,
+            "lr": lr_at(self.step - 1, train=self.train),
+            "loss": values[0], "ce": values[1], "tv": values[2], "bce": values[3],
+            "tau": values[4] / values[5] if values[5] else float("nan"),
+            "slot_acceptance": [n / d if d else float("nan") for n, d in zip(slot_num, slot_den, strict=True)],
+            "tokens": tokens,
+            "block_tokens": int(values[7]),
+            "tokens_s": tokens / max(compute_s + wait_s, 1e-9),
+            "grad_norm": norm,
+            "skipped": not applied,
+            "skipped_steps": self.skipped_steps,
+            "wait_s": wait_s,
+            "compute_s": compute_s,
+            "sample_ids": [i for ids in gathered for i in ids],
+        }
+
+    @staticmethod
+    def _log_line(record: dict) -> str:
+        flag = "  SKIPPED (non-finite)" if record["skipped"] else ""
+        return (f"step {record['step']:>6}  loss {record['loss']:.4f}  ce {record['ce']:.4f}  "
+                f"tv {record['tv']:.4f}  bce {record['bce']:.4f}  tau {record['tau']:.3f}  "
+                f"lr {record['lr']:.2e}  |g| {record['grad_norm']:.3f}  "
+                f"{record['tokens_s']:.0f} tok/s  wait {record['wait_s']:.2f}s{flag}")
+
+    # -- checkpoints and the end of the run --------------------------------------------
+
+    def save(self, *, extra_state: Callable[[], dict] | None = None) -> Path:
+        """Write a checkpoint of the current step (collective over the trainer group)."""
+        import json
+
+        comm = self._comm_device()
+        per_rank = D.all_gather_strings(self.consumed_ids, group=self.group, device=comm)
+        extra = extra_state() if extra_state is not None else {}
+        extras = D.all_gather_strings([json.dumps(extra)], group=self.group, device=comm)
+        state = {
+            "step": self.step,
+            "skipped_steps": self.skipped_steps,
+            "strategy": self.train.strategy,
+            "schedule": {"next_step": self.step, "lr": lr_at(self.step, train=self.train)},
+            "consumed_ids": per_rank,
+            "extra_per_rank": [json.loads(e[0]) for e in extras],
+            "seed": self.train.seed,
+        }
+        return ckpt.save_checkpoint(
+            run_dir=self.run_dir, step=self.step, strategy=self.train.strategy, model=self.model,
+            optimizer=self.optimizer, engine=self.engine, state=state, group=self.group,
+            keep_last=self.train.keep_last,
+        )
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full (unsharded) model state on CPU, fp32 master weights (collective; every rank gets it)."""
+        if self.train.strategy == "fsdp2":
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
+
+            # cpu_offload would keep the result on global rank 0 only, which may not train.
+            options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+            state = get_model_state_dict(self.model, options=options)
+            return {k: v.detach().cpu() for k, v in state.items()}
+        if self.engine is not None and self.train.zero_stage == 3:
+            import deepspeed
+
+            params = list(self.model.parameters())
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def _summary(self, result: FitResult, window: list[dict], first_slots, tokens: int, elapsed: float) -> dict:
+        def mean(key):
+            values = [r[key] for r in window if r[key] == r[key]]
+            return sum(values) / len(values) if values else float("nan")
+
+        gamma = self.model_config.block_size
+        slots = []
+        for k in range(gamma):
+            values = [r["slot_acceptance"][k] for r in window if r["slot_acceptance"][k] == r["slot_acceptance"][k]]
+            slots.append(sum(values) / len(values) if values else float("nan"))
+        summary = {
+            "step": self.step, "total_steps": self.train.steps, "steps_this_run": result.steps_run,
+            "skipped_steps": self.skipped_steps, "stopped_reason": result.stopped_reason,
+            "loss": mean("loss"), "tau": mean("tau"), "slot_acceptance": slots,
+            "tokens": tokens, "elapsed_s": elapsed, "tokens_s": tokens / max(elapsed, 1e-9),
+            "wait_s": sum(result.wait_s), "compute_s": sum(result.compute_s),
+            "checkpoint": str(result.checkpoint) if result.checkpoint else None,
+            "trainer_ranks": self.world, "strategy": self.train.strategy,
+        }
+        if self.is_main:
+            write_summary(self.run_dir, summary)
+            if window:
+                from draftforge.train.plots import plot_slot_acceptance
+
+                plot_slot_acceptance(self.run_dir / "slot_acceptance.png", final=slots, first=first_slots)
+            print(format_summary(summary), flush=True)
+        return summary
