@@ -50,10 +50,28 @@ COMMANDS: tuple[Command, ...] = (
         "[options]",
     ),
     Command(
+        ("bench", "train"),
+        "draftforge.train.bench_train:main",
+        "one trainer step on synthetic features: step time, tokens/s, MFU against the bf16 peak",
+        "[RECIPE] [key=value ...] [options]",
+    ),
+    Command(
         ("bench", "target"),
         "draftforge.splitserve.bench_target:main",
         "tokens per second of the target's features and generate, bf16 vs fp32",
         "[options]",
+    ),
+    Command(
+        ("train",),
+        "draftforge.splitserve.launch:main",
+        "train a draft: target ranks stream features to trainer ranks (torchrun)",
+        "RECIPE [key=value ...] [--dry-run]",
+    ),
+    Command(
+        ("bench", "split"),
+        "draftforge.splitserve.bench_split:main",
+        "producer alone, consumer alone, both: split efficiency and idle shares",
+        "RECIPE [key=value ...]",
     ),
     Command(
         ("data", "regenerate"),

@@ -86,3 +86,14 @@ class SplitConfig(Section):
     token_budget: int = Field(default=4096, gt=0, description="tokens packed into one step")
     restart_target: bool = False
     comm_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    feature_batch_size: int = Field(
+        default=8, gt=0, description="sequences per target features() call on a target rank"
+    )
+    max_epochs: int | None = Field(
+        default=None, gt=0, description="passes over the data; default: until train.steps"
+    )
+    peer_timeout_s: float = Field(
+        default=900.0,
+        gt=0,
+        description="a peer silent this long is reported dead (a crashed one at once)",
+    )

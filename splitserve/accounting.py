@@ -1,0 +1,250 @@
+"""Where the time goes: busy and idle shares of each group, rates, queue depth, a split advice.
+
+Definitions (the same everywhere, printed at every log interval and in the summary):
+
+- producer (a target rank): *busy* is time inside generate, tokenise, features and
+  send; *idle* is time blocked waiting for a trainer's credit (the trainer is the
+  slow side). Its *rate* is tokens produced per wall second; its *capacity* is
+  tokens per busy second (what it could do if never held back).
+- consumer (a trainer rank): *busy* is the trainer's own ``compute_s`` per step
+  (forward, backward, optimizer), *idle* its ``wait_s`` (blocked on the next
+  batch, i.e. on the producers). Capacity: tokens per busy second.
+- queue depth: samples received by a trainer and not yet taken, sampled at each
+  take; never above the credits (``split.max_in_flight``).
+
+The recommended split puts ``T`` of the ``N`` ranks on the target so that
+``min(T * producer_capacity, (N - T) * consumer_capacity)`` is largest.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+class Meter:
+    """Busy / idle stopwatch of one process, by part."""
+
+    def __init__(self) -> None:
+        self.busy_by: dict[str, float] = defaultdict(float)
+        self.idle_by: dict[str, float] = defaultdict(float)
+        self.tokens = 0
+        self._start: float | None = None
+        self._end: float | None = None
+
+    def start(self) -> None:
+        self._start = time.perf_counter()
+        self._end = None
+
+    def stop(self) -> None:
+        self._end = time.perf_counter()
+
+    @property
+    def wall_s(self) -> float:
+        if self._start is None:
+            return 0.0
+        end = self._end if self._end is not None else time.perf_counter()
+        return end - self._start
+
+    @property
+    def busy_s(self) -> float:
+        return sum(self.busy_by.values())
+
+    @property
+    def idle_s(self) -> float:
+        return sum(self.idle_by.values())
+
+    @contextmanager
+    def busy(self, part: str) -> Iterator[None]:
+        """Time the block as busy work of ``part``."""
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.busy_by[part] += time.perf_counter() - begin
+
+    @contextmanager
+    def idle(self, part: str) -> Iterator[None]:
+        """Time the block as waiting on a peer (``part`` says which wait)."""
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.idle_by[part] += time.perf_counter() - begin
+
+    def add_tokens(self, count: int) -> None:
+        self.tokens += int(count)
+
+    def wire_stats(self) -> list[int]:
+        """``[busy_us, idle_us, tokens, wall_us]`` for the sample header."""
+        return [int(self.busy_s * 1e6), int(self.idle_s * 1e6), self.tokens, int(self.wall_s * 1e6)]
+
+    def summary(self) -> dict:
+        """Totals, shares of wall time, rate and capacity, and the busy time by part."""
+        return side_summary(self.busy_s, self.idle_s, self.wall_s, self.tokens) | {
+            "busy_by_part_s": {k: round(v, 3) for k, v in self.busy_by.items()},
+        }
+
+
+def side_summary(busy_s: float, idle_s: float, wall_s: float, tokens: float) -> dict:
+    """One side's figures from its totals."""
+    wall = max(wall_s, 1e-9)
+    return {
+        "busy_s": round(busy_s, 3),
+        "idle_s": round(idle_s, 3),
+        "wall_s": round(wall_s, 3),
+        "busy_share": busy_s / wall,
+        "idle_share": idle_s / wall,
+        "tokens": int(tokens),
+        "rate_tok_s": tokens / wall,
+        "capacity_tok_s": tokens / busy_s if busy_s > 0 else 0.0,
+    }
+
+
+def recommend_split(
+    world: int, producer_capacity: float, consumer_capacity: float
+) -> tuple[int, int, float]:
+    """``(target_ranks, trainer_ranks, expected tokens/s)`` maximising the slower side."""
+    if world < 2:
+        raise ValueError("a split needs at least 2 ranks")
+    best = (1, world - 1, 0.0)
+    for num_t in range(1, world):
+        rate = min(num_t * producer_capacity, (world - num_t) * consumer_capacity)
+        if rate > best[2]:
+            best = (num_t, world - num_t, rate)
+    return best
+
+
+class ConsumerAccounting:
+    """Trainer-side accounting: its own busy/idle, its producers' (from the wire), the queue."""
+
+    def __init__(self, *, world: int, num_target: int, credits: int, path: Path | None = None):
+        self.world = world
+        self.num_target = num_target
+        self.credits = credits
+        self.path = path
+        self.started = time.perf_counter()
+        self.tokens = 0
+        self.samples = 0
+        self.wait_s = 0.0  # blocked on the receiver (the producers)
+        self.compute_s = 0.0  # the trainer's own compute, from its step records
+        self.step_wait_s = 0.0  # the trainer's wait_s, from its step records
+        self.depths: list[tuple[float, int]] = []
+        self.producers: dict[int, dict] = {}
+        self._last: dict | None = None
+        self._last_window: dict | None = None
+
+    # -- feeding
+    def on_take(self, depth: int, tokens: int, waited_s: float) -> None:
+        """A sample was taken off the queue (``depth`` left behind it)."""
+        self.depths.append((time.perf_counter() - self.started, depth))
+        self.tokens += tokens
+        self.samples += 1
+        self.wait_s += waited_s
+
+    def on_producer_stats(self, src: int, stats: dict) -> None:
+        self.producers[src] = dict(stats)
+
+    def on_step(self, record: dict) -> None:
+        self.compute_s += float(record.get("compute_s", 0.0))
+        self.step_wait_s += float(record.get("wait_s", 0.0))
+
+    # -- reading
+    def _totals(self) -> dict:
+        """Running sums of both sides (producers averaged per rank) and the depth samples so far."""
+        prod = {"busy_s": 0.0, "idle_s": 0.0, "wall_s": 0.0, "tokens": 0.0}
+        for stats in self.producers.values():
+            for key in prod:
+                prod[key] += stats.get(key, 0.0)
+        count = max(1, len(self.producers))
+        return {
+            "wall": time.perf_counter() - self.started,
+            "compute": self.compute_s,
+            "wait": self.step_wait_s,
+            "wire_wait": self.wait_s,
+            "tokens": self.tokens,
+            "samples": self.samples,
+            "depths": len(self.depths),
+            **{f"p_{key}": value / count for key, value in prod.items()},
+        }
+
+    def snapshot(self, since: dict | None = None) -> dict:
+        """Both sides and the queue, over the whole run or since the totals ``since``."""
+        now = self._totals()
+        base = since or dict.fromkeys(now, 0)
+        d = {key: now[key] - base[key] for key in now}
+        consumer = side_summary(d["compute"], d["wait"], d["wall"], d["tokens"])
+        consumer["wire_wait_s"] = round(d["wire_wait"], 3)
+        producer = side_summary(d["p_busy_s"], d["p_idle_s"], d["p_wall_s"], d["p_tokens"])
+        depths = [depth for _, depth in self.depths[base["depths"] :]]
+        queue = {
+            "mean": sum(depths) / len(depths) if depths else 0.0,
+            "max": max(depths) if depths else 0,
+            "credits": self.credits,
+        }
+        num_t, num_r, expected = recommend_split(
+            self.world, producer["capacity_tok_s"], consumer["capacity_tok_s"]
+        )
+        return {
+            "time_s": round(now["wall"], 3),
+            "samples": int(d["samples"]),
+            "producer": producer,
+            "consumer": consumer,
+            "queue": queue,
+            "recommended": {"target_ranks": num_t, "trainer_ranks": num_r,
+                            "expected_tok_s_per_pair": expected},
+        }
+
+    def line(self) -> str:
+        """One log line: the figures since the previous line (the interval)."""
+        s = self.snapshot(since=self._last)
+        self._last = self._totals()
+        self._last_window = s
+        p, c, q = s["producer"], s["consumer"], s["queue"]
+        return (
+            f"split (last interval): target busy {p['busy_share']:.0%} idle {p['idle_share']:.0%} "
+            f"{p['rate_tok_s']:.0f} tok/s (capacity {p['capacity_tok_s']:.0f}) | "
+            f"trainer busy {c['busy_share']:.0%} idle {c['idle_share']:.0%} "
+            f"{c['rate_tok_s']:.0f} tok/s (capacity {c['capacity_tok_s']:.0f}) | "
+            f"queue {q['mean']:.1f} avg {q['max']} max of {q['credits']}"
+        )
+
+    def summary_text(self) -> str:
+        """The end-of-run block, with the recommended split."""
+        s = self.snapshot()
+        p, c, q, rec = s["producer"], s["consumer"], s["queue"], s["recommended"]
+        current = f"{self.num_target} target + {self.world - self.num_target} trainer"
+        advice = f"{rec['target_ranks']} target + {rec['trainer_ranks']} trainer"
+        slower = "target" if p["capacity_tok_s"] < c["capacity_tok_s"] else "trainer"
+        return "\n".join([
+            "split accounting:",
+            f"  target  (per rank): busy {p['busy_share']:.1%}  idle {p['idle_share']:.1%}  "
+            f"{p['tokens']} tokens  {p['rate_tok_s']:.0f} tok/s  capacity {p['capacity_tok_s']:.0f} tok/s",
+            f"  trainer (this rank): busy {c['busy_share']:.1%}  idle {c['idle_share']:.1%}  "
+            f"{c['tokens']} tokens  {c['rate_tok_s']:.0f} tok/s  capacity {c['capacity_tok_s']:.0f} tok/s",
+            f"  queue depth: mean {q['mean']:.2f}, max {q['max']} (credits {q['credits']})",
+            f"  slower side: {slower}; recommended split for {self.world} ranks: {advice} "
+            f"(now {current})",
+        ])
+
+    def depth_series(self, points: int = 200) -> list[list[float]]:
+        """Queue depth over time, ``[[seconds, depth], ...]``, thinned to at most ``points``."""
+        stride = max(1, -(-len(self.depths) // points))
+        return [[round(t, 3), d] for t, d in self.depths[::stride]]
+
+    def write(self, event: str, step: int | None = None) -> None:
+        """Append the snapshot (and, in the summary, the queue depth over time) to ``accounting.jsonl``."""
+        if self.path is None:
+            return
+        record = {"event": event, "step": step, **self.snapshot()}
+        if event == "interval" and self._last_window is not None:
+            record["window"] = self._last_window
+        if event == "summary":
+            record["queue_depth_over_time"] = self.depth_series()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")

@@ -1,0 +1,113 @@
+"""Trainer ranks: samples off the wire -> :class:`~draftforge.train.sample.Sample` -> packed batches.
+
+The stream returns a credit to the producer for every sample it takes, records
+the wait and the queue depth, and packs samples in order (the same rule as
+:func:`draftforge.train.sample.pack`), so the batches depend only on the order
+of samples, which the producers fix (see :mod:`draftforge.splitserve.producer`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+
+from draftforge.splitserve import transport as T
+from draftforge.splitserve.accounting import ConsumerAccounting
+from draftforge.train.sample import Sample
+
+
+class ConsumerStream:
+    """The samples a trainer rank receives, in its fixed order; credits flow back as it takes them."""
+
+    def __init__(
+        self,
+        receiver: T.SampleReceiver,
+        *,
+        ack_group,
+        accounting: ConsumerAccounting | None = None,
+        provenance: dict | None = None,
+        heartbeat_s: float = 60.0,
+    ) -> None:
+        self.receiver = receiver
+        self.ack_group = ack_group
+        self.accounting = accounting
+        self.provenance = dict(provenance or {})
+        self.taken = dict.fromkeys(receiver.sources, 0)
+        self.max_depth = 0
+        self.heartbeat_s = heartbeat_s
+        self._stopped = False
+
+    def samples(self) -> Iterator[Sample]:
+        """Yield samples until every producer has ended its stream."""
+        while True:
+            begin = time.perf_counter()
+            depth = self.receiver.depth()
+            item = self.receiver.get(max_wait_s=self.heartbeat_s)
+            while item is T.SampleReceiver.IDLE:
+                # a long wait: tell the producers this trainer is alive (an unchanged count)
+                for src in self.receiver.sources:
+                    T.send_ack(src, self.taken[src], group=self.ack_group)
+                item = self.receiver.get(max_wait_s=self.heartbeat_s)
+            waited = time.perf_counter() - begin
+            if item is None:
+                return
+            src, wire = item
+            depth = max(depth, 1)  # the queue held at least the sample just taken
+            self.max_depth = max(self.max_depth, depth)
+            self.taken[src] += 1
+            T.send_ack(src, self.taken[src], group=self.ack_group)
+            sample = Sample(
+                sample_id=wire.sample_id,
+                input_ids=wire.input_ids,
+                loss_mask=wire.loss_mask,
+                aux=wire.aux,
+                final=wire.final,
+                provenance={**self.provenance, "target_rank": src},
+            )
+            if self.accounting is not None:
+                self.accounting.on_take(depth, sample.num_tokens, waited)
+                self.accounting.on_producer_stats(src, wire.producer_stats)
+            yield sample
+
+    def stop(self, timeout_s: float = 600.0) -> int:
+        """Tell every producer to stop, then drop what is still in transit until each ends.
+
+        Returns the number of samples dropped (they were never consumed, so a
+        later run gets them again).
+        """
+        if self._stopped:
+            return 0
+        self._stopped = True
+        for src in self.receiver.sources:
+            T.send_ack(src, self.taken[src], stop=True, group=self.ack_group)
+        dropped = 0
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            item = self.receiver.get(max_wait_s=max(0.0, deadline - time.monotonic()))
+            if item is None or item is T.SampleReceiver.IDLE:
+                break
+            dropped += 1
+        self.receiver.join(timeout=5.0)
+        return dropped
+
+
+def stream_pack(samples: Iterable[Sample], token_budget: int) -> Iterator[list[Sample]]:
+    """Greedy in-order packing of a stream, batch by batch: ``B * S_max <= token_budget``.
+
+    Yields exactly the batches :func:`draftforge.train.sample.pack` makes of the
+    same samples, without waiting for the end of the stream (a batch is yielded
+    as soon as the next sample would not fit, or at the end).
+    """
+    if token_budget <= 0:
+        raise ValueError(f"token_budget must be positive, got {token_budget}")
+    current: list[Sample] = []
+    longest = 0
+    for sample in samples:
+        grown = max(longest, sample.num_tokens) * (len(current) + 1)
+        if current and grown > token_budget:
+            yield current
+            current, longest = [], 0
+        current.append(sample)
+        longest = max(longest, sample.num_tokens)
+    if current:
+        yield current

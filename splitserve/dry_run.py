@@ -1,0 +1,186 @@
+"""``draftforge train RECIPE --dry-run``: the resolved config, the split, the draft's size, memory.
+
+Nothing is loaded: the draft is built on the meta device (so a Ling-scale draft
+costs no memory) and the target's size comes from its declared or known shape.
+Memory figures are estimates per rank, in GiB, itemised so they can be checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftforge.config import RecipeConfig
+from draftforge.splitserve.producer import build_topology
+
+GIB = 1024**3
+BYTES = {"bfloat16": 2, "float32": 4}
+
+
+@dataclass
+class Estimate:
+    """Itemised bytes of one rank."""
+
+    items: list[tuple[str, float]]
+
+    @property
+    def total(self) -> float:
+        return sum(v for _, v in self.items)
+
+    def lines(self, indent: str = "    ") -> list[str]:
+        width = max(len(name) for name, _ in self.items)
+        rows = [f"{indent}{name:<{width}}  {value / GIB:9.3f} GiB" for name, value in self.items]
+        rows.append(f"{indent}{'total':<{width}}  {self.total / GIB:9.3f} GiB")
+        return rows
+
+
+def draft_parameter_counts(cfg: RecipeConfig) -> tuple[int, int]:
+    """(with embeddings, without) of the recipe's draft, built on the meta device."""
+    from draftforge.splitserve.registry import resolve_target_shape
+    from draftforge.train.config import build_dspark_config
+    from draftforge.train.model import DSparkDraft, count_parameters
+
+    shape = resolve_target_shape(cfg.target)
+    if shape is None:
+        raise ValueError(
+            f"the shape of target {cfg.target.model!r} is unknown without loading it; declare "
+            "target.shape for a dry run"
+        )
+
+    class _MetaDraft(DSparkDraft):
+        def init_weights(self, *args, **kwargs) -> None:  # nothing to initialise on meta
+            return None
+
+    with torch.device("meta"):
+        model = _MetaDraft(build_dspark_config(cfg.draft, shape))
+    return count_parameters(model, with_embeddings=True), count_parameters(model, with_embeddings=False)
+
+
+def target_parameters(shape) -> int:
+    """Parameters of a Llama/Qwen-style target of ``shape`` (untied embedding and lm_head)."""
+    hidden, inter, layers = shape.hidden_size, shape.intermediate_size, shape.num_hidden_layers
+    head_dim = hidden // shape.num_attention_heads
+    attn = hidden * head_dim * (2 * shape.num_attention_heads + 2 * shape.num_key_value_heads)
+    per_layer = attn + 3 * hidden * inter + 2 * hidden
+    return 2 * shape.vocab_size * hidden + layers * per_layer + hidden
+
+
+def target_estimate(cfg: RecipeConfig) -> Estimate:
+    """One target rank: weights, feature batch activations, generation KV cache, send buffers."""
+    from draftforge.splitserve.registry import resolve_target_shape
+
+    shape = resolve_target_shape(cfg.target)
+    dtype = BYTES[cfg.target.dtype]
+    tp = cfg.split.target_tensor_parallel
+    k = len(cfg.draft.target_layer_ids)
+    seq = cfg.data.max_length
+    batch = cfg.split.feature_batch_size
+    hidden, heads = shape.hidden_size, shape.num_attention_heads
+    head_dim = hidden // heads
+    # one layer's working set at a time: residual, qkv, attention scores, MLP intermediate
+    working = batch * seq * (6 * hidden + 2 * shape.intermediate_size) * dtype
+    scores = batch * heads * seq * seq * dtype
+    captured = batch * seq * (k + 1) * hidden * dtype
+    gen = cfg.target.generation
+    kv = (2 * shape.num_hidden_layers * shape.num_key_value_heads * head_dim
+          * gen.batch_size * (seq + gen.max_new_tokens) * dtype)
+    logits = gen.batch_size * shape.vocab_size * 4
+    wire = cfg.split.max_in_flight * seq * (k + 1) * hidden * 2
+    return Estimate([
+        (f"weights ({cfg.target.dtype}, tp {tp})", target_parameters(shape) * dtype / tp),
+        ("features: captured layers", captured),
+        ("features: one layer's activations", working + scores),
+        ("generation: KV cache + logits", kv + logits),
+        ("send buffers (bf16)", wire),
+    ])
+
+
+def trainer_estimate(cfg: RecipeConfig, with_emb: int, without_emb: int) -> Estimate:
+    """One trainer rank: parameters, gradients, AdamW states (sharded as the strategy does) and activations."""
+    from draftforge.splitserve.registry import resolve_target_shape
+
+    shape = resolve_target_shape(cfg.target)
+    train, draft = cfg.train, cfg.draft
+    ranks = len(cfg.split.trainer_ranks)
+    trainable, frozen = without_emb, with_emb - without_emb
+    low = BYTES[train.dtype]
+    shard = ranks if train.strategy in ("fsdp2", "deepspeed") else 1
+    if train.strategy == "fsdp2":
+        # fp32 sharded masters, grads, Adam; plus one gathered layer in the compute dtype
+        layer = trainable / max(1, draft.num_hidden_layers)
+        items = [
+            ("trainable params (fp32, sharded)", trainable * 4 / shard),
+            ("gathered params (compute dtype)", layer * low * 2),
+            ("frozen embed + lm_head (sharded)", frozen * 4 / shard),
+            ("gathered embed + lm_head", frozen * low),
+        ]
+    elif train.strategy == "deepspeed":
+        zero3 = train.zero_stage == 3
+        items = [
+            ("params (compute dtype)" + (", sharded" if zero3 else ""), trainable * low / (shard if zero3 else 1)),
+            ("fp32 master weights (sharded)", trainable * 4 / shard),
+            ("frozen embed + lm_head", frozen * low),
+        ]
+    else:
+        items = [
+            ("trainable params (fp32)", trainable * 4),
+            ("frozen embed + lm_head", frozen * low),
+        ]
+    items += [
+        ("gradients (fp32" + (", sharded)" if shard > 1 else ")"), trainable * 4 / shard),
+        ("AdamW moments (fp32" + (", sharded)" if shard > 1 else ")"), trainable * 8 / shard),
+    ]
+    k = len(draft.target_layer_ids)
+    budget = cfg.split.token_budget
+    sequences = max(1, budget // cfg.data.max_length)
+    block_tokens = sequences * train.num_anchors * draft.block_size
+    features = budget * (k + 1) * shape.hidden_size * 2  # bf16 on the wire
+    ctx = budget * draft.hidden_size * 4 * 3
+    # per layer and block token: residual, norms, q/k/v/o, MLP (2 x intermediate), kept for backward
+    per_token = (10 * draft.hidden_size + 3 * draft.intermediate_size) * 4
+    backbone = block_tokens * per_token * draft.num_hidden_layers
+    chunk = min(block_tokens, train.loss.chunk_blocks * draft.block_size)
+    objective = chunk * shape.vocab_size * 4 * 4  # draft and target logits, probabilities, grads
+    queue = cfg.split.max_in_flight * cfg.data.max_length * (k + 1) * shape.hidden_size * 2
+    items += [
+        ("batch features (bf16)", features),
+        ("context + backbone activations", ctx + backbone),
+        ("objective chunk (fp32, vocabulary)", objective),
+        ("received queue (bf16)", queue),
+    ]
+    return Estimate(items)
+
+
+def dry_run(cfg: RecipeConfig) -> str:
+    """The dry-run report."""
+    split = cfg.split
+    topology = build_topology(split)
+    with_emb, without_emb = draft_parameter_counts(cfg)
+    lines = [cfg.to_yaml().rstrip(), "", "split:"]
+    lines.append(f"  world size {split.world_size}; comm backend {split.comm_backend}")
+    lines.append(
+        f"  target ranks {split.target_ranks} (tensor parallel {split.target_tensor_parallel}, "
+        f"devices {split.target_devices or 'cpu/auto'})"
+    )
+    lines.append(
+        f"  trainer ranks {split.trainer_ranks} (strategy {cfg.train.strategy}, devices "
+        f"{split.trainer_devices or 'cpu/auto'})"
+    )
+    for producer in topology.producers:
+        lines.append(f"  target rank {producer} feeds trainer ranks {topology.dests(producer)}")
+    lines.append(
+        f"  credits: {split.max_in_flight} samples in flight per trainer; batches of "
+        f"{split.token_budget} padded tokens"
+    )
+    lines += [
+        "",
+        f"draft parameters: {with_emb:,} with embeddings, {without_emb:,} without "
+        f"(trainable; embed_tokens and lm_head are the target's, frozen)",
+        "",
+        "memory estimate per target rank:",
+        *target_estimate(cfg).lines(),
+        "memory estimate per trainer rank:",
+        *trainer_estimate(cfg, with_emb, without_emb).lines(),
+    ]
+    return "\n".join(lines)

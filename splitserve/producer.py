@@ -1,0 +1,410 @@
+"""Target ranks: prompts or conversations -> (regenerated) samples with target features.
+
+Order, sharding and assignment are pure functions of the recipe, so a resumed run
+sees exactly the samples an uninterrupted run would have:
+
+- the conversations are permuted once, seeded by ``data.shuffle_seed``; position
+  ``n`` of that order belongs to one producer (:meth:`Topology.producer_of`), so
+  producers share the data in proportion to the trainers they feed;
+- a producer cuts its share into fixed chunks of ``target.generation.batch_size``
+  conversations. Epoch 0 walks the chunks in order, epoch ``e`` in a permutation
+  seeded by ``(data.shuffle_seed, e)``;
+- a chunk is regenerated in one call (seeded by its ids and the recipe seed, so
+  its answers are the same whenever it is computed; they are kept in memory and
+  reused by later epochs), tokenised with the target's chat template, its
+  features computed in batches of ``split.feature_batch_size``, and its samples
+  assigned to the producer's trainers by token count (longest first to the least
+  loaded trainer, ties rotating with the chunk's position in the stream);
+- sample ids are the conversation ids, with ``#e<epoch>`` appended after the
+  first epoch. Samples whose ids the trainers already consumed (their
+  checkpoint) are skipped; a chunk consumed entirely is skipped without being
+  computed at all.
+
+Epochs repeat until every trainer says stop (or ``split.max_epochs``).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from itertools import count
+from typing import TYPE_CHECKING
+
+import torch
+
+from draftforge.splitserve.accounting import Meter
+
+if TYPE_CHECKING:
+    from draftforge.config import RecipeConfig
+    from draftforge.data.formats import Conversation
+    from draftforge.splitserve.config import SplitConfig
+    from draftforge.splitserve.target import TargetEngine
+
+
+# --------------------------------------------------------------------------- topology
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Which target rank feeds which trainer ranks.
+
+    With at most as many producers as trainers, trainer ``j`` (in trainer-rank
+    order) is fed by producer ``j mod T`` alone; with more producers than
+    trainers, producer ``i`` feeds trainer ``i mod R`` alone. Either way every
+    link is one producer -> one trainer and no trainer waits on two producers
+    that wait on each other.
+    """
+
+    producers: tuple[int, ...]
+    trainers: tuple[int, ...]
+
+    def dests(self, producer: int) -> list[int]:
+        """The trainer ranks ``producer`` sends to, in rank order."""
+        i = self.producers.index(producer)
+        num_p, num_r = len(self.producers), len(self.trainers)
+        if num_p <= num_r:
+            return [r for j, r in enumerate(self.trainers) if j % num_p == i]
+        return [self.trainers[i % num_r]]
+
+    def sources(self, trainer: int) -> list[int]:
+        """The target ranks that feed ``trainer``, in rank order."""
+        j = self.trainers.index(trainer)
+        num_p, num_r = len(self.producers), len(self.trainers)
+        if num_p <= num_r:
+            return [self.producers[j % num_p]]
+        return [p for i, p in enumerate(self.producers) if i % num_r == j]
+
+    def producer_of(self, position: int) -> int:
+        """The producer owning position ``position`` of an epoch's order."""
+        num_p, num_r = len(self.producers), len(self.trainers)
+        if num_p <= num_r:
+            return self.producers[(position % num_r) % num_p]
+        return self.producers[position % num_p]
+
+
+def build_topology(split: SplitConfig) -> Topology:
+    """The topology of a resolved ``split`` section (one producer per tensor-parallel group)."""
+    tp = split.target_tensor_parallel
+    producers = tuple(split.target_ranks[::tp])
+    return Topology(producers=producers, trainers=tuple(split.trainer_ranks or ()))
+
+
+def epoch_order(num: int, *, seed: int, epoch: int) -> list[int]:
+    """A permutation of ``range(num)`` that depends only on ``(seed, epoch)``."""
+    order = list(range(num))
+    random.Random(f"draftforge-order:{seed}:{epoch}").shuffle(order)
+    return order
+
+
+def epoch_id(conv_id: str, epoch: int) -> str:
+    """The sample id of conversation ``conv_id`` in ``epoch``."""
+    return conv_id if epoch == 0 else f"{conv_id}#e{epoch}"
+
+
+def assign_by_tokens(lengths: Sequence[int], num_dests: int, *, rotation: int = 0) -> list[int]:
+    """Assign items to ``num_dests`` bins: longest first to the least loaded bin.
+
+    Ties between bins go to the bin first in the order rotated by ``rotation``.
+    Deterministic; returns the bin index of each item.
+    """
+    loads = [0] * num_dests
+    out = [0] * len(lengths)
+    for i in sorted(range(len(lengths)), key=lambda k: (-lengths[k], k)):
+        d = min(range(num_dests), key=lambda b: (loads[b], (b - rotation) % num_dests))
+        out[i] = d
+        loads[d] += lengths[i]
+    return out
+
+
+# --------------------------------------------------------------------------- samples
+
+
+@dataclass
+class ProducedSample:
+    """A sample ready for the wire, and the trainer it is assigned to."""
+
+    dest: int
+    sample_id: str
+    input_ids: torch.Tensor  # [S] int64
+    loss_mask: torch.Tensor  # [S] bool
+    aux: torch.Tensor  # [S, K*H_t]
+    final: torch.Tensor  # [S, H_t]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def load_source_conversations(cfg: RecipeConfig) -> tuple[list[Conversation], bool]:
+    """The conversations to walk and whether their answers must be regenerated.
+
+    ``data.regenerate`` with a regenerated file present (``data.regenerated_file``
+    or ``<output_dir>/regenerated.jsonl``): its conversations, as they are.
+    ``data.regenerate`` without one: the prompts, regenerated on the fly.
+    Otherwise: the conversations of ``data.train_files`` as they are.
+    """
+    from draftforge.data.loading import (
+        load_prompts,
+        load_training_conversations,
+        regenerated_path,
+    )
+
+    data = cfg.data
+    if data.regenerate and not regenerated_path(data, cfg.train.output_dir).is_file():
+        return load_prompts(data).conversations, True
+    return load_training_conversations(data, cfg.train.output_dir).conversations, False
+
+
+class SampleSource:
+    """One producer's deterministic stream of samples (see the module docstring)."""
+
+    def __init__(
+        self,
+        cfg: RecipeConfig,
+        engine: TargetEngine,
+        topology: Topology,
+        producer: int,
+        *,
+        conversations: Sequence[Conversation],
+        regenerate: bool,
+        consumed: set[str] = frozenset(),
+        meter: Meter | None = None,
+        should_stop: Callable[[], bool] = lambda: False,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.topology = topology
+        self.producer = producer
+        self.dests = topology.dests(producer)
+        self.conversations = list(conversations)
+        self.regenerate = regenerate
+        self.consumed = set(consumed)
+        self.meter = meter or Meter()
+        self.should_stop = should_stop
+        self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
+        self.chunk_size = cfg.target.generation.batch_size
+        self.skipped_consumed = 0
+        self.dropped_short = 0
+        self._answers: dict[int, list[Conversation]] = {}
+        if not self.conversations:
+            raise ValueError("no training conversations: data.train_files gave no rows")
+
+    def share(self) -> list[int]:
+        """Indices (into the conversation list) this producer serves, in order."""
+        order = epoch_order(len(self.conversations), seed=self.cfg.data.shuffle_seed, epoch=0)
+        return [index for n, index in enumerate(order) if self.topology.producer_of(n) == self.producer]
+
+    def chunks(self) -> list[list[int]]:
+        """The fixed chunks of the share (the unit of regeneration, features and assignment)."""
+        share = self.share()
+        return [share[i : i + self.chunk_size] for i in range(0, len(share), self.chunk_size)]
+
+    def samples(self) -> Iterator[ProducedSample]:
+        """The stream: every sample of this producer's share, epoch after epoch."""
+        max_epochs = self.cfg.split.max_epochs
+        chunks = self.chunks()
+        if not chunks:
+            raise ValueError(
+                f"target rank {self.producer} has no conversations to serve: "
+                f"{len(self.conversations)} conversations for {len(self.topology.producers)} "
+                "target ranks; add data (data.num_samples) or use fewer target ranks"
+            )
+        for epoch in count():
+            if max_epochs is not None and epoch >= max_epochs:
+                return
+            if epoch == 0:
+                visit = list(range(len(chunks)))
+            else:
+                visit = epoch_order(len(chunks), seed=self.cfg.data.shuffle_seed, epoch=epoch)
+            produced = 0
+            for step, chunk_index in enumerate(visit):
+                chunk = [self.conversations[i] for i in chunks[chunk_index]]
+                rotation = epoch * len(chunks) + step
+                ids = [epoch_id(c.id, epoch) for c in chunk]
+                if all(i in self.consumed for i in ids):
+                    self.skipped_consumed += len(ids)
+                    produced += len(ids)
+                    continue
+                if self.should_stop():
+                    return
+                for sample in self._chunk_samples(chunk_index, chunk, epoch, rotation):
+                    produced += 1
+                    if sample.sample_id in self.consumed:
+                        self.skipped_consumed += 1
+                        continue
+                    yield sample
+                    if self.should_stop():
+                        return
+            if produced == 0:
+                raise ValueError(
+                    f"target rank {self.producer}: epoch {epoch} produced no sample (every "
+                    f"conversation had fewer than data.min_loss_tokens={self.cfg.data.min_loss_tokens} "
+                    "supervised tokens)"
+                )
+
+    def _chunk_samples(
+        self, chunk_index: int, chunk: list[Conversation], epoch: int, rotation: int
+    ) -> list[ProducedSample]:
+        from draftforge.data.formats import Conversation
+        from draftforge.data.tokenize import tokenize_conversations
+
+        cfg = self.cfg
+        settings = cfg.target.generation
+        if self.regenerate:
+            if chunk_index not in self._answers:
+                from draftforge.data.regenerate import answer_batch
+
+                with self.meter.busy("generate"):
+                    messages, unfinished = answer_batch(chunk, self.engine, settings)
+                # replies cut at max_new_tokens: their end-of-turn marker is not supervised
+                self._answers[chunk_index] = [
+                    Conversation(id=c.id, messages=m, source=c.source,
+                                 extra={"unfinished_turns": cut})
+                    for c, m, cut in zip(chunk, messages, unfinished, strict=True)
+                ]
+            chunk = self._answers[chunk_index]
+        with self.meter.busy("tokenize"):
+            tokenized, stats = tokenize_conversations(
+                chunk,
+                self.engine.tokenizer,
+                max_length=cfg.data.max_length,
+                min_loss_tokens=cfg.data.min_loss_tokens,
+                chat_template=settings.chat_template,
+                enable_thinking=settings.enable_thinking,
+            )
+        self.dropped_short += stats.num_dropped_short
+        if not tokenized:
+            return []
+        lengths = [len(t.input_ids) for t in tokenized]
+        bins = assign_by_tokens(lengths, len(self.dests), rotation=rotation)
+        out: list[ProducedSample] = []
+        batch = cfg.split.feature_batch_size
+        for start in range(0, len(tokenized), batch):
+            group = tokenized[start : start + batch]
+            longest = max(len(t.input_ids) for t in group)
+            ids = torch.zeros(len(group), longest, dtype=torch.long)
+            mask = torch.zeros(len(group), longest, dtype=torch.long)
+            for row, t in enumerate(group):
+                ids[row, : len(t.input_ids)] = torch.tensor(t.input_ids)
+                mask[row, : len(t.input_ids)] = 1
+            with self.meter.busy("features"):
+                feats = self.engine.features(ids, mask)
+            self.meter.add_tokens(int(mask.sum()))
+            for row, t in enumerate(group):
+                n = len(t.input_ids)
+                out.append(
+                    ProducedSample(
+                        dest=self.dests[bins[start + row]],
+                        sample_id=epoch_id(t.id, epoch),
+                        input_ids=ids[row, :n].clone(),
+                        loss_mask=torch.tensor(t.loss_mask, dtype=torch.bool),
+                        aux=feats.aux[row, :n].clone(),  # stays on the target's device
+                        final=feats.final[row, :n].clone(),
+                    )
+                )
+        return out
+
+
+def send_embeddings(
+    engine: TargetEngine, topology: Topology, rank: int, *, data_group, device="cpu"
+) -> None:
+    """The frozen embedding and lm_head, to each trainer whose first producer is this rank."""
+    from draftforge.splitserve import transport as T
+
+    embed, head = engine.embed_tokens_weight(), engine.lm_head_weight()
+    for dest in topology.dests(rank):
+        if topology.sources(dest)[0] == rank:
+            T.send_tensor(embed.detach().cpu().contiguous(), dest, group=data_group, device=device)
+            T.send_tensor(head.detach().cpu().contiguous(), dest, group=data_group, device=device)
+
+
+def run_producer(
+    cfg: RecipeConfig,
+    engine: TargetEngine,
+    topology: Topology,
+    rank: int,
+    *,
+    data_group,
+    ack_group,
+    device: torch.device | str = "cpu",
+    log: Callable[[str], None],
+) -> dict:
+    """Serve this target rank's trainers until they all stop; returns the accounting summary."""
+    from draftforge.splitserve import transport as T
+
+    dests = topology.dests(rank)
+    split = cfg.split
+    consumed: set[str] = set()
+    for dest in dests:
+        consumed |= T.recv_hello(dest, group=ack_group)
+    credits = max(1, split.max_in_flight // len(topology.sources(dests[0])))
+    gate = T.CreditGate(dests, credits, group=ack_group, timeout_s=split.peer_timeout_s)
+    meter = Meter()
+    conversations, regenerate = load_source_conversations(cfg)
+    source = SampleSource(
+        cfg, engine, topology, rank, conversations=conversations, regenerate=regenerate,
+        consumed=consumed, meter=meter, should_stop=gate.all_stopped, log=log,
+    )
+    if consumed:
+        log(f"target rank {rank}: resuming; the trainers already consumed {len(consumed)} samples")
+    seq = dict.fromkeys(dests, 0)
+    meter.start()
+    try:
+        for sample in source.samples():
+            with meter.idle("credits"):
+                ok = gate.acquire(sample.dest)
+            if not ok:
+                continue
+            with meter.busy("send"):
+                T.send_sample(
+                    sample.dest, sample.sample_id, sample.input_ids, sample.loss_mask,
+                    sample.aux, sample.final, seq_no=seq[sample.dest],
+                    stats=meter.wire_stats(), group=data_group, device=device,
+                )
+            gate.note_sent(sample.dest)
+            seq[sample.dest] += 1
+        if not gate.all_stopped():
+            log(f"target rank {rank}: data finished (split.max_epochs={split.max_epochs})")
+    finally:
+        meter.stop()
+    for dest in dests:
+        T.send_end(dest, group=data_group, device=device)
+    # The trainers still return credits for what they hold; their stop is the last message.
+    if not gate.wait_all_stopped(split.peer_timeout_s):
+        raise T.PeerDied(dests[0] if len(dests) == 1 else -1, "trainer",
+                         "waiting for the trainers to stop", "Timed out")
+    gate.join(timeout=10.0)
+    summary = meter.summary()
+    summary["max_outstanding"] = gate.max_outstanding
+    summary["credits"] = credits
+    summary["skipped_consumed"] = source.skipped_consumed
+    summary["dropped_short"] = source.dropped_short
+    return summary
+
+
+def producer_alone(
+    cfg: RecipeConfig,
+    engine: TargetEngine,
+    *,
+    topology: Topology,
+    rank: int,
+    min_tokens: int,
+) -> tuple[list[ProducedSample], Meter]:
+    """This producer's first samples, at least ``min_tokens`` tokens of them, timed (no wire)."""
+    conversations, regenerate = load_source_conversations(cfg)
+    meter = Meter()
+    source = SampleSource(cfg, engine, topology, rank, conversations=conversations,
+                          regenerate=regenerate, meter=meter)
+    out: list[ProducedSample] = []
+    tokens = 0
+    meter.start()
+    for sample in source.samples():
+        out.append(sample)
+        tokens += sample.num_tokens
+        if tokens >= min_tokens:
+            break
+    meter.stop()
+    return out, meter

@@ -1,0 +1,334 @@
+"""One rank of a SplitServe run: process groups, then the target or the trainer role.
+
+Every rank joins the world (``env://``: torchrun's ``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT``), then creates, in the same order on every rank:
+
+- the target group (``split.target_ranks``) and the trainer group
+  (``split.trainer_ranks``; the draft's FSDP2/DeepSpeed collectives run there);
+- the ack group: every rank, always gloo, for the small trainer -> producer
+  messages (resume state, credits, stop). Samples travel on the world group
+  (gloo on CPU, NCCL on GPU).
+
+Target ranks build the target engine and run the producer; trainer ranks
+receive the frozen embedding and lm_head from their first producer, build the
+:class:`~draftforge.train.trainer.Trainer`, resume, tell the producers what was
+already consumed, and train on the stream. A peer that dies ends the rank with a
+message naming it (exit status 3) instead of a hang; rerunning the same command
+resumes from the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from draftforge.config import RecipeConfig, RecipeError
+from draftforge.splitserve import transport as T
+from draftforge.splitserve.producer import Topology, build_topology
+
+EXIT_PEER_DIED = 3
+TOKENIZER_VOCAB = 49152  # random targets borrow SmolLM2's tokenizer only at this vocabulary size
+
+
+def split_problems(
+    cfg: RecipeConfig, *, world_size: int | None = None, cuda_devices: int | None = None
+) -> list[str]:
+    """What stops this recipe's split from running, beyond what ``load_recipe`` checks.
+
+    ``world_size``: the process count actually started (torchrun's); ``cuda_devices``:
+    the GPUs visible (default: ask torch).
+    """
+    split, train = cfg.split, cfg.train
+    problems = []
+    trainers = split.trainer_ranks or []
+    if train.strategy == "single" and len(trainers) != 1:
+        problems.append(
+            f"split.trainer_ranks: train.strategy 'single' trains in one process but the split has "
+            f"{len(trainers)} trainer ranks {trainers}; use train.strategy fsdp2 or deepspeed, or "
+            "list one trainer rank"
+        )
+    if split.target_tensor_parallel > 1 and cfg.target.backend == "hf":
+        problems.append(
+            f"split.target_tensor_parallel: {split.target_tensor_parallel} needs a tensor-parallel "
+            "target engine; the hf backend runs one target per rank (set it to 1)"
+        )
+    if world_size is not None and world_size != split.world_size:
+        problems.append(
+            f"split.world_size: the recipe's split has {split.world_size} ranks "
+            f"(target {split.target_ranks}, trainer {trainers}) but {world_size} processes were "
+            f"started; start {split.world_size} (torchrun --nproc_per_node={split.world_size}) "
+            "or change the split"
+        )
+    if cuda_devices is None:
+        cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    wants_gpu = (
+        split.comm_backend == "nccl"
+        or split.target_devices is not None
+        or split.trainer_devices is not None
+    )
+    if split.comm_backend == "nccl" and train.device == "cpu":
+        problems.append(
+            "split.comm_backend: nccl moves samples between GPUs but train.device is cpu; use "
+            "comm_backend gloo (or auto) for CPU trainers"
+        )
+    if wants_gpu and cuda_devices == 0:
+        problems.append(
+            "split: comm_backend nccl / target_devices / trainer_devices need CUDA GPUs and none "
+            "is visible; remove them to run on CPU (gloo)"
+        )
+    for key in ("target_devices", "trainer_devices"):
+        devices = getattr(split, key) or []
+        bad = [d for d in devices if d < 0 or (cuda_devices and d >= cuda_devices)]
+        if bad and cuda_devices:
+            problems.append(f"split.{key}: devices {bad} do not exist ({cuda_devices} GPUs visible)")
+    both = sorted(set(split.target_devices or []) & set(split.trainer_devices or []))
+    if both:
+        problems.append(
+            f"split: GPUs {both} are in both target_devices and trainer_devices; give each group its own"
+        )
+    if cfg.target.model == "random" and cfg.target.shape is not None:
+        if cfg.target.shape.vocab_size != TOKENIZER_VOCAB:
+            problems.append(
+                f"target.shape.vocab_size: a random target of vocabulary {cfg.target.shape.vocab_size} "
+                f"has no tokenizer, and target ranks tokenise conversations; declare "
+                f"vocab_size {TOKENIZER_VOCAB} (SmolLM2's tokenizer is borrowed) or use a real target"
+            )
+    topology = build_topology(split)
+    per_link = split.max_in_flight // max(len(topology.sources(r)) for r in topology.trainers)
+    if per_link < 1:
+        problems.append(
+            f"split.max_in_flight: {split.max_in_flight} is less than the number of target ranks "
+            "feeding one trainer; every link needs at least one credit"
+        )
+    return problems
+
+
+def check_split(cfg: RecipeConfig, **kwargs) -> None:
+    """Raise :class:`RecipeError` listing :func:`split_problems`."""
+    problems = split_problems(cfg, **kwargs)
+    if problems:
+        raise RecipeError(problems)
+
+
+def _backend(cfg: RecipeConfig) -> str:
+    choice = cfg.split.comm_backend
+    if choice == "auto":
+        gpu = torch.cuda.is_available() and cfg.train.device != "cpu"
+        return "nccl" if gpu else "gloo"
+    return choice
+
+
+def _device(cfg: RecipeConfig, rank: int, backend: str) -> torch.device:
+    split = cfg.split
+    if backend != "nccl":
+        return torch.device("cpu")
+    if rank in split.target_ranks:
+        devices, index = split.target_devices, split.target_ranks.index(rank)
+    else:
+        devices, index = split.trainer_devices, split.trainer_ranks.index(rank)
+    gpu = devices[index] if devices is not None else int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(gpu)
+    return torch.device("cuda", gpu)
+
+
+def _say(rank: int, role: str):
+    def log(text: str) -> None:
+        print(f"[rank {rank} {role}] {text}", file=sys.stderr, flush=True)
+
+    return log
+
+
+class RankContext:
+    """Everything a role needs: the config, this rank, the groups and the device."""
+
+    def __init__(self, cfg: RecipeConfig, rank: int, world: int, *, mode: str = "train"):
+        self.cfg = cfg
+        self.rank = rank
+        self.world = world
+        self.mode = mode
+        self.backend = _backend(cfg)
+        self.device = _device(cfg, rank, self.backend)
+        self.topology: Topology = build_topology(cfg.split)
+        self.role = "target" if rank in cfg.split.target_ranks else "trainer"
+        self.log = _say(rank, self.role)
+        timeout = datetime.timedelta(seconds=cfg.split.peer_timeout_s)
+        if not dist.is_initialized():
+            dist.init_process_group(self.backend, rank=rank, world_size=world, timeout=timeout)
+        self.data_group = dist.group.WORLD
+        self.target_group = dist.new_group(list(cfg.split.target_ranks), timeout=timeout)
+        self.trainer_group = dist.new_group(list(cfg.split.trainer_ranks), timeout=timeout)
+        self.ack_group = dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
+
+
+def run_rank(cfg: RecipeConfig, *, mode: str = "train", bench: dict | None = None) -> int:
+    """Run this process's rank of the recipe (env:// rendezvous); returns the exit status."""
+    rank = int(os.environ.get("RANK", "-1"))
+    world = int(os.environ.get("WORLD_SIZE", "-1"))
+    if rank < 0 or world < 0:
+        raise RecipeError([
+            "draftforge.train runs one rank of a split job: start it with "
+            f"'draftforge train RECIPE' or 'torchrun --nproc_per_node={cfg.split.world_size} "
+            "-m draftforge.train RECIPE'"
+        ])
+    check_split(cfg, world_size=world)
+    ctx = RankContext(cfg, rank, world, mode=mode)
+    try:
+        if ctx.role == "target":
+            _run_target(ctx, bench)
+        else:
+            _run_trainer(ctx, bench)
+    except T.PeerDied as exc:
+        ctx.log(f"stopping: {exc}")
+        ctx.log(
+            f"the run can be resumed: rerun the same command (train.resume={cfg.train.resume}) "
+            f"to continue from the newest checkpoint in {cfg.train.output_dir}"
+        )
+        sys.stdout.flush()
+        os._exit(EXIT_PEER_DIED)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    _finish(ctx)
+    return 0
+
+
+def _finish(ctx: RankContext) -> None:
+    try:
+        dist.barrier(group=ctx.ack_group)
+        dist.destroy_process_group()
+    except RuntimeError as exc:  # a peer already gone at the very end: nothing left to do
+        ctx.log(f"note: teardown: {str(exc).splitlines()[0]}")
+
+
+# --------------------------------------------------------------------------- target
+
+
+def build_engine(ctx: RankContext):
+    from draftforge.splitserve.target import build_target
+
+    cfg = ctx.cfg
+    if ctx.device.type == "cpu":
+        torch.set_num_threads(cfg.target.num_threads)
+    ctx.log(f"loading target {cfg.target.model!r} ({cfg.target.dtype}) on {ctx.device}")
+    begin = time.perf_counter()
+    engine = build_target(cfg.target, cfg.draft.target_layer_ids, device=ctx.device)
+    ctx.log(f"target ready in {time.perf_counter() - begin:.1f} s")
+    return engine
+
+
+def _run_target(ctx: RankContext, bench: dict | None) -> None:
+    from draftforge.splitserve.producer import run_producer, send_embeddings
+
+    engine = build_engine(ctx)
+    if ctx.rank not in ctx.topology.producers:
+        ctx.log("tensor-parallel member: nothing to send")  # unreachable with the hf backend
+        return
+    send_embeddings(engine, ctx.topology, ctx.rank, data_group=ctx.data_group, device=ctx.device)
+    if bench is not None:
+        from draftforge.splitserve.bench_split import bench_target_rank
+
+        bench_target_rank(ctx, engine, bench)
+        return
+    summary = run_producer(
+        ctx.cfg, engine, ctx.topology, ctx.rank, data_group=ctx.data_group,
+        ack_group=ctx.ack_group, device=ctx.device, log=ctx.log,
+    )
+    ctx.log(
+        f"done: busy {summary['busy_share']:.1%} idle {summary['idle_share']:.1%} "
+        f"{summary['tokens']} tokens {summary['rate_tok_s']:.0f} tok/s; at most "
+        f"{summary['max_outstanding']} samples in flight per trainer (credits {summary['credits']})"
+    )
+
+
+# --------------------------------------------------------------------------- trainer
+
+
+def build_trainer(ctx: RankContext, embeddings):
+    """The Trainer of this rank (the trainer group when there are several trainer ranks)."""
+    from draftforge.splitserve.registry import resolve_target_shape
+    from draftforge.train.config import build_dspark_config
+    from draftforge.train.trainer import Trainer
+
+    cfg = ctx.cfg
+    shape = resolve_target_shape(cfg.target)
+    vocab = int(embeddings[0].shape[0])
+    if shape is None:
+        from draftforge.splitserve.config import TargetShape
+
+        shape = TargetShape(num_hidden_layers=max(cfg.draft.target_layer_ids) + 2,
+                            hidden_size=int(embeddings[0].shape[1]), vocab_size=vocab)
+    model_config = build_dspark_config(cfg.draft, shape, vocab_size=vocab)
+    group = ctx.trainer_group if len(cfg.split.trainer_ranks) > 1 else None
+    return Trainer(
+        model_config=model_config, train=cfg.train, embeddings=embeddings,
+        run_dir=Path(cfg.train.output_dir), group=group, recipe_yaml=cfg.to_yaml(),
+    )
+
+
+def _provenance(cfg: RecipeConfig) -> dict:
+    """What every streamed sample records about where it came from."""
+    out = {"target": cfg.target.model, "target_dtype": cfg.target.dtype,
+           "regenerated": cfg.data.regenerate}
+    if cfg.data.regenerate:
+        out["generation"] = cfg.target.generation.model_dump(mode="json")
+    return out
+
+
+def _run_trainer(ctx: RankContext, bench: dict | None) -> None:
+    from draftforge.splitserve.accounting import ConsumerAccounting
+    from draftforge.splitserve.consumer import ConsumerStream, stream_pack
+
+    cfg = ctx.cfg
+    sources = ctx.topology.sources(ctx.rank)
+    embed = T.recv_tensor(sources[0], group=ctx.data_group, device=ctx.device)
+    head = T.recv_tensor(sources[0], group=ctx.data_group, device=ctx.device)
+    trainer = build_trainer(ctx, (embed, head))
+    del embed, head
+    if bench is not None:
+        from draftforge.splitserve.bench_split import bench_trainer_rank
+
+        bench_trainer_rank(ctx, trainer, bench)
+        return
+    info = trainer.resume()
+    consumed = info.all_consumed_ids if info is not None else set()
+    mine = len(info.consumed_ids) if info is not None else 0
+    if info is not None:
+        ctx.log(f"resumed from {info.path} at step {info.step} ({mine} samples consumed here)")
+    for src in sources:
+        T.send_hello(consumed, src, group=ctx.ack_group)
+    credits = max(1, cfg.split.max_in_flight // len(sources))
+    is_main = ctx.rank == cfg.split.trainer_ranks[0]
+    accounting = ConsumerAccounting(
+        world=ctx.world, num_target=len(cfg.split.target_ranks), credits=credits,
+        path=Path(cfg.train.output_dir) / "accounting.jsonl" if is_main else None,
+    )
+    receiver = T.SampleReceiver(sources, credits=credits, group=ctx.data_group,
+                                device=ctx.device, start=mine % len(sources))
+    stream = ConsumerStream(receiver, ack_group=ctx.ack_group, accounting=accounting,
+                            provenance=_provenance(cfg),
+                            heartbeat_s=cfg.split.peer_timeout_s / 4)
+    batches = stream_pack(stream.samples(), cfg.split.token_budget)
+
+    def on_step(record: dict) -> None:
+        accounting.on_step(record)
+        if is_main and record["step"] % cfg.train.log_interval == 0:
+            ctx.log(accounting.line())
+            accounting.write("interval", record["step"])
+
+    result = trainer.fit(batches, on_step=on_step)
+    dropped = stream.stop(timeout_s=cfg.split.peer_timeout_s)
+    if is_main:
+        accounting.write("summary", result.step)
+        ctx.log(
+            f"finished at step {result.step} ({result.stopped_reason}); checkpoint "
+            f"{result.checkpoint}; {dropped} samples in transit dropped (not consumed)"
+        )
+        print(accounting.summary_text(), file=sys.stderr, flush=True)

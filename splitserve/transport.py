@@ -1,0 +1,477 @@
+"""The wire between target ranks (producers) and trainer ranks (consumers).
+
+Everything is a tensor moved with torch.distributed point-to-point calls; nothing is
+pickled and nothing touches a file. Every message starts with a fixed ``int64`` header
+of :data:`HEADER_LEN` values ``[MAGIC, kind, ...]``:
+
+``SAMPLE`` (producer -> trainer, data group)
+    header ``[MAGIC, SAMPLE, S, aux_dim, final_dim, dtype, id_bytes, seq_no,
+    busy_us, idle_us, tokens, wall_us, 0...]`` (the last four: the producer's running
+    accounting), then ``ints`` int64 ``[2*S + id_bytes]`` = input ids, loss mask,
+    the sample id's UTF-8 bytes, then ``feats`` ``[S, aux_dim + final_dim]`` in
+    bf16 (aux and final side by side).
+``END`` (producer -> trainer, data group)
+    header only: the producer sends nothing more on this link.
+``TENSOR`` (producer -> trainer, data group)
+    header ``[MAGIC, TENSOR, dtype, ndim, d0, d1, d2, d3, ...]`` then the tensor,
+    in its own dtype (the frozen embedding and lm_head travel this way).
+``HELLO`` (trainer -> producer, ack group)
+    header ``[MAGIC, HELLO, n_ids, n_bytes, ...]`` then ``int64 [n_ids]`` id
+    lengths and ``uint8 [n_bytes]`` ids: the sample ids the trainers already
+    consumed (from their checkpoint), which the producer skips.
+``ACK`` (trainer -> producer, ack group)
+    header ``[MAGIC, ACK, consumed, stop, ...]``: ``consumed`` is the running
+    count of samples the trainer took off this link (credits come back);
+    ``stop`` = 1 means the trainer needs nothing more.
+
+Backpressure: a producer sends on a link only while ``sent - consumed <
+credits``, so a trainer never holds more than ``credits`` samples of one link
+in transit or queued. A dead peer surfaces as :class:`PeerDied` naming its rank:
+gloo reports a closed connection at once, a silent peer after
+``split.peer_timeout_s`` (the process group's timeout).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+MAGIC = 0x44464731  # "DFG1"
+HEADER_LEN = 16
+SAMPLE, END, TENSOR, HELLO, ACK = 1, 2, 3, 4, 5
+KIND_NAMES = {SAMPLE: "SAMPLE", END: "END", TENSOR: "TENSOR", HELLO: "HELLO", ACK: "ACK"}
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.bfloat16: 1,
+    torch.float32: 2,
+    torch.float16: 3,
+    torch.int64: 4,
+    torch.uint8: 5,
+}
+CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+WIRE_DTYPE = torch.bfloat16
+
+
+class WireError(RuntimeError):
+    """The peer sent something that is not a draftforge message."""
+
+
+class PeerDied(RuntimeError):
+    """A peer rank closed its connection or stayed silent past the timeout."""
+
+    def __init__(self, rank: int, role: str, doing: str, cause: BaseException | str):
+        self.rank = rank
+        text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        if "Timed out" in text or "timed out" in text:
+            why = f"sent nothing within the timeout (split.peer_timeout_s): {text}"
+        else:
+            why = f"died or closed its connection: {text}"
+        who = f"{role} rank {rank}" if rank >= 0 else f"a {role} rank"
+        super().__init__(f"{who} {why} (while {doing})")
+
+
+@dataclass
+class WireSample:
+    """A sample as it comes off the wire, with the sender's accounting."""
+
+    sample_id: str
+    input_ids: torch.Tensor  # [S] int64
+    loss_mask: torch.Tensor  # [S] bool
+    aux: torch.Tensor  # [S, aux_dim] bf16
+    final: torch.Tensor  # [S, final_dim] bf16
+    seq_no: int
+    producer_stats: dict[str, float]
+
+
+def _header(kind: int, values: Sequence[int] = (), device: torch.device | str = "cpu"):
+    if len(values) > HEADER_LEN - 2:
+        raise ValueError(f"header holds {HEADER_LEN - 2} values, got {len(values)}")
+    head = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    head[0], head[1] = MAGIC, kind
+    if values:
+        head[2 : 2 + len(values)] = torch.tensor([int(v) for v in values], dtype=torch.int64)
+    return head.to(device)
+
+
+def _check_header(head: list[int], src: int, expected: Iterable[int]) -> int:
+    expected = tuple(expected)
+    if head[0] != MAGIC:
+        raise WireError(
+            f"rank {src} sent a message without the draftforge header (got {head[0]:#x}); "
+            "are both sides running the same draftforge version?"
+        )
+    if head[1] not in expected:
+        names = ", ".join(KIND_NAMES.get(k, str(k)) for k in expected)
+        raise WireError(
+            f"rank {src} sent a {KIND_NAMES.get(head[1], head[1])} message where {names} was expected"
+        )
+    return head[1]
+
+
+def _send(tensor: torch.Tensor, dst: int, group, role: str, doing: str) -> None:
+    try:
+        dist.send(tensor.contiguous(), dst=dst, group=group)
+    except RuntimeError as exc:
+        raise PeerDied(dst, role, doing, exc) from exc
+
+
+def _recv(tensor: torch.Tensor, src: int | None, group, role: str, doing: str) -> int:
+    try:
+        return int(dist.recv(tensor, src=src, group=group))
+    except RuntimeError as exc:
+        raise PeerDied(-1 if src is None else src, role, doing, exc) from exc
+
+
+# --------------------------------------------------------------------------- samples
+
+
+def encode_sample(
+    sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor, final: torch.Tensor
+) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """The shape fields of the header, the ``ints`` body and the bf16 ``feats`` body of a sample."""
+    seq = int(input_ids.shape[0])
+    if aux.shape[0] != seq or final.shape[0] != seq or loss_mask.shape[0] != seq:
+        raise ValueError(f"sample {sample_id!r}: ids, mask, aux and final differ in length")
+    id_bytes = sample_id.encode("utf-8")
+    ints = torch.empty(2 * seq + len(id_bytes), dtype=torch.int64, device=input_ids.device)
+    ints[:seq] = input_ids
+    ints[seq : 2 * seq] = loss_mask.to(torch.int64)
+    if id_bytes:
+        ints[2 * seq :] = torch.tensor(list(id_bytes), dtype=torch.int64)
+    feats = torch.cat([aux.to(WIRE_DTYPE), final.to(WIRE_DTYPE)], dim=-1)
+    fields = [seq, aux.shape[1], final.shape[1], DTYPE_CODES[WIRE_DTYPE], len(id_bytes)]
+    return fields, ints, feats
+
+
+def send_sample(
+    dst: int,
+    sample_id: str,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    aux: torch.Tensor,
+    final: torch.Tensor,
+    *,
+    seq_no: int,
+    stats: Sequence[int] = (0, 0, 0, 0),
+    group=None,
+    device: torch.device | str = "cpu",
+) -> None:
+    """Send one sample to trainer ``dst`` (header, ints, bf16 features)."""
+    fields, ints, feats = encode_sample(sample_id, input_ids, loss_mask, aux, final)
+    doing = f"sending sample {sample_id!r}"
+    _send(_header(SAMPLE, [*fields, seq_no, *stats], device), dst, group, "trainer", doing)
+    _send(ints.to(device), dst, group, "trainer", doing)
+    _send(feats.to(device), dst, group, "trainer", doing)
+
+
+def send_end(dst: int, *, group=None, device: torch.device | str = "cpu") -> None:
+    """Tell trainer ``dst`` that this producer sends nothing more."""
+    _send(_header(END, device=device), dst, group, "trainer", "sending end-of-stream")
+
+
+def recv_sample(
+    src: int, *, group=None, device: torch.device | str = "cpu"
+) -> WireSample | None:
+    """The next message from producer ``src``: a sample, or None at end-of-stream."""
+    head_t = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+    _recv(head_t, src, group, "target", "waiting for a sample")
+    head = head_t.tolist()
+    if _check_header(head, src, (SAMPLE, END)) == END:
+        return None
+    seq, aux_dim, final_dim, dtype_code, id_len, seq_no, busy, idle, tokens, wall = head[2:12]
+    dtype = CODE_DTYPES.get(dtype_code)
+    if dtype is None or seq <= 0 or aux_dim <= 0 or final_dim <= 0 or id_len < 0:
+        raise WireError(f"rank {src} sent a malformed sample header {head}")
+    ints = torch.empty(2 * seq + id_len, dtype=torch.int64, device=device)
+    _recv(ints, src, group, "target", "receiving a sample's token ids")
+    feats = torch.empty(seq, aux_dim + final_dim, dtype=dtype, device=device)
+    _recv(feats, src, group, "target", "receiving a sample's features")
+    sample_id = bytes(ints[2 * seq :].cpu().tolist()).decode("utf-8")
+    return WireSample(
+        sample_id=sample_id,
+        input_ids=ints[:seq].clone(),
+        loss_mask=ints[seq : 2 * seq].bool(),
+        aux=feats[:, :aux_dim].clone(),
+        final=feats[:, aux_dim:].clone(),
+        seq_no=seq_no,
+        producer_stats={
+            "busy_s": busy / 1e6,
+            "idle_s": idle / 1e6,
+            "tokens": float(tokens),
+            "wall_s": wall / 1e6,
+        },
+    )
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+def send_tensor(
+    tensor: torch.Tensor, dst: int, *, group=None, device: torch.device | str = "cpu"
+) -> None:
+    """Send one tensor of up to 4 dimensions in its own dtype."""
+    if tensor.dim() > 4 or tensor.dtype not in DTYPE_CODES:
+        raise ValueError(f"cannot send a {tensor.dtype} tensor of shape {tuple(tensor.shape)}")
+    head = _header(TENSOR, [DTYPE_CODES[tensor.dtype], tensor.dim(), *tensor.shape], device)
+    _send(head, dst, group, "trainer", "sending the target's embeddings")
+    _send(tensor.to(device), dst, group, "trainer", "sending the target's embeddings")
+
+
+def recv_tensor(src: int, *, group=None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Receive a tensor sent by :func:`send_tensor`."""
+    head_t = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+    _recv(head_t, src, group, "target", "waiting for the target's embeddings")
+    head = head_t.tolist()
+    _check_header(head, src, (TENSOR,))
+    dtype, ndim = CODE_DTYPES[head[2]], head[3]
+    out = torch.empty(head[4 : 4 + ndim], dtype=dtype, device=device)
+    _recv(out, src, group, "target", "receiving the target's embeddings")
+    return out
+
+
+# --------------------------------------------------------------------------- trainer -> producer
+
+
+def send_hello(ids: Iterable[str], dst: int, *, group) -> None:
+    """Tell producer ``dst`` which sample ids the trainers already consumed."""
+    encoded = [i.encode("utf-8") for i in sorted(ids)]
+    lengths = torch.tensor([len(b) for b in encoded], dtype=torch.int64)
+    blob = b"".join(encoded)
+    _send(_header(HELLO, [len(encoded), len(blob)]), dst, group, "target", "sending the resume state")
+    if encoded:
+        _send(lengths, dst, group, "target", "sending the resume state")
+        data = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
+        _send(data, dst, group, "target", "sending the resume state")
+
+
+def recv_hello(src: int, *, group) -> set[str]:
+    """The consumed sample ids a trainer sent with :func:`send_hello`."""
+    head_t = torch.empty(HEADER_LEN, dtype=torch.int64)
+    _recv(head_t, src, group, "trainer", "waiting for the trainers' resume state")
+    head = head_t.tolist()
+    _check_header(head, src, (HELLO,))
+    count, nbytes = head[2], head[3]
+    if count == 0:
+        return set()
+    lengths = torch.empty(count, dtype=torch.int64)
+    _recv(lengths, src, group, "trainer", "receiving the resume state")
+    data = torch.empty(nbytes, dtype=torch.uint8)
+    _recv(data, src, group, "trainer", "receiving the resume state")
+    blob = bytes(data.tolist())
+    ids, offset = set(), 0
+    for length in lengths.tolist():
+        ids.add(blob[offset : offset + length].decode("utf-8"))
+        offset += length
+    return ids
+
+
+def send_ack(dst: int, consumed: int, *, stop: bool = False, group) -> None:
+    """Return credits to producer ``dst``: ``consumed`` samples taken off its link so far."""
+    doing = "returning credits" if not stop else "telling it to stop"
+    _send(_header(ACK, [consumed, int(stop)]), dst, group, "target", doing)
+
+
+class CreditGate:
+    """Producer side of the backpressure: per-trainer credits, refilled by ACK messages.
+
+    A background thread receives ACKs (from any trainer) on the ack group; the
+    producer calls :meth:`acquire` before each send, which blocks while the link
+    has ``credits`` samples outstanding.
+    """
+
+    def __init__(self, dests: Sequence[int], credits: int, *, group, timeout_s: float):
+        if credits <= 0:
+            raise ValueError(f"credits must be positive, got {credits}")
+        self.dests = list(dests)
+        self.credits = credits
+        self.timeout_s = timeout_s
+        self.sent = dict.fromkeys(self.dests, 0)
+        self.consumed = dict.fromkeys(self.dests, 0)
+        self.stopped: set[int] = set()
+        self.error: BaseException | None = None
+        self.max_outstanding = 0
+        self._group = group
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._listen, name="draftforge-acks", daemon=True)
+        self._thread.start()
+
+    def _listen(self) -> None:
+        head_t = torch.empty(HEADER_LEN, dtype=torch.int64)
+        while True:
+            with self._cond:
+                if len(self.stopped) == len(self.dests):
+                    return
+            try:
+                src = int(dist.recv(head_t, group=self._group))
+                head = head_t.tolist()
+                _check_header(head, src, (ACK,))
+                if src not in self.sent:
+                    raise WireError(f"rank {src} sent credits to a producer that does not feed it")
+            except BaseException as exc:  # noqa: BLE001 - handed to the producer thread
+                with self._cond:
+                    if len(self.stopped) < len(self.dests):
+                        alive = [d for d in self.dests if d not in self.stopped]
+                        self.error = (
+                            exc
+                            if isinstance(exc, WireError)
+                            else PeerDied(alive[0] if len(alive) == 1 else -1, "trainer",
+                                          f"waiting for credits from trainer ranks {alive}", exc)
+                        )
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self.consumed[src] = max(self.consumed[src], head[2])
+                if head[3]:
+                    self.stopped.add(src)
+                self._cond.notify_all()
+
+    def outstanding(self, dest: int) -> int:
+        """Samples sent to ``dest`` and not yet taken off its queue."""
+        with self._cond:
+            return self.sent[dest] - self.consumed[dest]
+
+    def acquire(self, dest: int) -> bool:
+        """Wait for a credit on the link to ``dest``; False when that trainer has stopped."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            while True:
+                if self.error is not None:
+                    raise self.error
+                if dest in self.stopped:
+                    return False
+                if self.sent[dest] - self.consumed[dest] < self.credits:
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerDied(dest, "trainer", "waiting for credits",
+                                   f"Timed out after {self.timeout_s:.0f} s without credits")
+                self._cond.wait(timeout=min(left, 1.0))
+
+    def note_sent(self, dest: int) -> None:
+        """Count one sample sent to ``dest``."""
+        with self._cond:
+            self.sent[dest] += 1
+            self.max_outstanding = max(self.max_outstanding, self.sent[dest] - self.consumed[dest])
+
+    def all_stopped(self) -> bool:
+        with self._cond:
+            if self.error is not None:
+                raise self.error
+            return len(self.stopped) == len(self.dests)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the credit thread to end (it ends once every trainer has stopped)."""
+        self._thread.join(timeout)
+
+    def wait_all_stopped(self, timeout_s: float) -> bool:
+        """Block until every trainer has said stop; False at the timeout, raises if a peer died."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while len(self.stopped) < len(self.dests) and self.error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(timeout=min(left, 1.0))
+            if self.error is not None:
+                raise self.error
+            return True
+
+
+# --------------------------------------------------------------------------- trainer side
+
+
+class SampleReceiver:
+    """Trainer side: one thread receiving from the trainer's producers in a fixed rotation.
+
+    The rotation (source ``k`` after ``k - 1``, starting at ``start``) is the
+    consumption order, so the stream a trainer sees does not depend on timing.
+    The thread posts a receive on a link only while it holds fewer than
+    ``credits`` samples of it, i.e. only when the producer may send: a pending
+    receive that times out therefore means a silent producer, never a busy
+    trainer. Items are ``(src, WireSample)``; ``None`` marks the end of every
+    source; a :class:`PeerDied` or :class:`WireError` raised in the thread is
+    re-raised by :meth:`get`.
+    """
+
+    IDLE = object()  # returned by get() when nothing arrived within max_wait_s
+
+    def __init__(
+        self,
+        sources: Sequence[int],
+        *,
+        credits: int,
+        group=None,
+        device: torch.device | str = "cpu",
+        start: int = 0,
+    ) -> None:
+        self.sources = list(sources)
+        self.credits = credits
+        self.queue: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self._group = group
+        self._device = device
+        self._start = start
+        self._held = dict.fromkeys(self.sources, 0)
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="draftforge-recv", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        if torch.device(self._device).type == "cuda":
+            torch.cuda.set_device(torch.device(self._device))
+        active = list(self.sources)
+        index = self._start % len(active)
+        try:
+            while active:
+                src = active[index % len(active)]
+                with self._cond:
+                    while self._held[src] >= self.credits:
+                        self._cond.wait(timeout=1.0)
+                message = recv_sample(src, group=self._group, device=self._device)
+                if message is None:
+                    position = active.index(src)
+                    active.remove(src)
+                    index = position
+                    continue
+                with self._cond:
+                    self._held[src] += 1
+                self.queue.put((src, message))
+                index += 1
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the consumer thread
+            self.error = exc
+        self.queue.put(None)
+
+    def get(self, poll_s: float = 0.5, max_wait_s: float | None = None):
+        """The next ``(src, WireSample)``, None once every source has ended, or
+        :attr:`IDLE` when nothing came within ``max_wait_s``."""
+        deadline = None if max_wait_s is None else time.monotonic() + max_wait_s
+        while True:
+            try:
+                item = self.queue.get(timeout=poll_s)
+            except queue.Empty:
+                if self.error is not None and self.queue.empty():
+                    raise self.error from None
+                if deadline is not None and time.monotonic() >= deadline:
+                    return self.IDLE
+                continue
+            if item is None:
+                self.queue.put(None)  # stay at the end for later calls
+                if self.error is not None:
+                    raise self.error
+                return None
+            with self._cond:
+                self._held[item[0]] -= 1
+                self._cond.notify_all()
+            return item
+
+    def depth(self) -> int:
+        """Samples received and not yet taken (the end marker not counted)."""
+        return sum(1 for item in list(self.queue.queue) if item is not None)
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)

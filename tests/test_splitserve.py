@@ -1,0 +1,237 @@
+"""SplitServe pieces: topology, order, assignment, packing, accounting, split checks, dry run, wire."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from splitserve_helpers import run_workers, tiny_recipe
+
+from draftforge.config import RecipeError, load_recipe
+from draftforge.splitserve.accounting import Meter, recommend_split, side_summary
+from draftforge.splitserve.consumer import stream_pack
+from draftforge.splitserve.producer import (
+    Topology,
+    assign_by_tokens,
+    epoch_id,
+    epoch_order,
+)
+from draftforge.splitserve.roles import check_split, split_problems
+from draftforge.train.sample import Sample, pack
+
+# --------------------------------------------------------------------------- topology
+
+
+@pytest.mark.parametrize("num_p,num_r", [(1, 1), (1, 3), (2, 2), (2, 5), (3, 2), (5, 2), (4, 4)])
+def test_topology_links_are_consistent(num_p, num_r):
+    producers = tuple(range(num_p))
+    trainers = tuple(range(num_p, num_p + num_r))
+    topo = Topology(producers, trainers)
+    links = {(p, r) for p in producers for r in topo.dests(p)}
+    assert links == {(p, r) for r in trainers for p in topo.sources(r)}
+    for r in trainers:
+        assert topo.sources(r), "every trainer has a producer"
+    for p in producers:
+        assert topo.dests(p), "every producer has a trainer"
+    # one side of every link is exclusive: no trainer waits on two producers that share trainers
+    for p in producers:
+        assert len(topo.dests(p)) == 1 or all(len(topo.sources(r)) == 1 for r in topo.dests(p))
+    # producers own positions in proportion to the trainers they feed
+    owned = Counter(topo.producer_of(n) for n in range(num_p * num_r * 10))
+    if num_p <= num_r:
+        for p in producers:
+            assert owned[p] == len(topo.dests(p)) * num_p * 10
+    else:
+        assert set(owned.values()) == {num_r * 10}
+
+
+def test_epoch_order_is_a_seeded_permutation():
+    first = epoch_order(50, seed=3, epoch=0)
+    assert sorted(first) == list(range(50))
+    assert first == epoch_order(50, seed=3, epoch=0)
+    assert first != epoch_order(50, seed=3, epoch=1)
+    assert first != epoch_order(50, seed=4, epoch=0)
+    assert epoch_id("x", 0) == "x" and epoch_id("x", 2) == "x#e2"
+
+
+def test_assign_by_tokens_hand_example():
+    # longest first: 9 -> bin0, 7 -> bin1, 5 -> bin1 (7 < 9), 4 -> bin0 (9 < 12), 1 -> bin1 (12 < 13)
+    assert assign_by_tokens([5, 9, 1, 7, 4], 2) == [1, 0, 1, 1, 0]
+    # ties rotate: with equal lengths, the first item goes to the bin named by the rotation
+    assert assign_by_tokens([3, 3], 2, rotation=1) == [1, 0]
+    assert assign_by_tokens([3, 3, 3], 3, rotation=2) == [2, 0, 1]
+
+
+def test_assign_by_tokens_balances():
+    rng = random.Random(0)
+    lengths = [rng.randint(10, 500) for _ in range(64)]
+    bins = assign_by_tokens(lengths, 4)
+    loads = [sum(n for n, b in zip(lengths, bins, strict=True) if b == d) for d in range(4)]
+    assert max(loads) - min(loads) <= max(lengths)
+
+
+# --------------------------------------------------------------------------- packing
+
+
+def _sample(i: int, length: int) -> Sample:
+    return Sample(f"s{i}", torch.arange(length), torch.ones(length, dtype=torch.bool),
+                  torch.zeros(length, 2), torch.zeros(length, 1))
+
+
+@pytest.mark.parametrize("budget", [1, 40, 100, 333])
+def test_stream_pack_matches_pack(budget):
+    rng = random.Random(budget)
+    samples = [_sample(i, rng.randint(1, 90)) for i in range(60)]
+    streamed = [[s.sample_id for s in b] for b in stream_pack(iter(samples), budget)]
+    reference = [[s.sample_id for s in b] for b in pack(samples, budget)]
+    assert streamed == reference
+
+
+def test_stream_pack_yields_before_the_stream_ends():
+    def endless():
+        i = 0
+        while True:
+            yield _sample(i, 10)
+            i += 1
+
+    batches = stream_pack(endless(), 30)
+    assert [s.sample_id for s in next(batches)] == ["s0", "s1", "s2"]
+    assert [s.sample_id for s in next(batches)] == ["s3", "s4", "s5"]
+
+
+# --------------------------------------------------------------------------- accounting
+
+
+def test_recommend_split_hand_values():
+    # producer 100 tok/s per rank, trainer 300: 1 target feeds at most 100, 2 targets 200 vs 2*300...
+    # world 4: T=1 -> min(100, 900)=100; T=2 -> min(200, 600)=200; T=3 -> min(300, 300)=300
+    assert recommend_split(4, 100.0, 300.0) == (3, 1, 300.0)
+    assert recommend_split(4, 300.0, 100.0) == (1, 3, 300.0)
+    assert recommend_split(2, 5.0, 1.0) == (1, 1, 1.0)
+
+
+def test_meter_and_shares():
+    meter = Meter()
+    meter.start()
+    with meter.busy("features"):
+        pass
+    assert meter.busy_by["features"] >= 0.0
+    meter.busy_by["features"] = 3.0
+    meter.idle_by["credits"] = 1.0
+    meter.add_tokens(600)
+    assert meter.wire_stats()[:3] == [3_000_000, 1_000_000, 600]
+    summary = side_summary(3.0, 1.0, 5.0, 600)
+    assert summary["busy_share"] == pytest.approx(0.6)
+    assert summary["idle_share"] == pytest.approx(0.2)
+    assert summary["rate_tok_s"] == pytest.approx(120.0)
+    assert summary["capacity_tok_s"] == pytest.approx(200.0)
+
+
+# --------------------------------------------------------------------------- split checks
+
+
+def test_split_checks(tmp_path):
+    recipe = tiny_recipe(tmp_path)
+    cfg = load_recipe(recipe)
+    assert split_problems(cfg, world_size=2, cuda_devices=0) == []
+    bad = load_recipe(recipe, ["split.trainer_ranks=[1,2]"])
+    problems = split_problems(bad, cuda_devices=0)
+    assert any("train.strategy 'single'" in p and "2 trainer ranks" in p for p in problems)
+    problems = split_problems(cfg, world_size=3, cuda_devices=0)
+    assert any("3 processes were started" in p for p in problems)
+    gpu = load_recipe(recipe, ["split.trainer_devices=[0]"])
+    assert any("need CUDA GPUs" in p for p in split_problems(gpu, cuda_devices=0))
+    both = load_recipe(recipe, ["split.trainer_devices=[0]", "split.target_devices=[0]"])
+    assert any("GPUs [0] are in both" in p for p in split_problems(both, cuda_devices=2))
+    tp = load_recipe(recipe, ["split.target_ranks=[0,1]", "split.trainer_ranks=[2]",
+                              "split.target_tensor_parallel=2"])
+    assert any("tensor-parallel target engine" in p for p in split_problems(tp, cuda_devices=0))
+    small = load_recipe(recipe, ["target.shape.vocab_size=512", "draft.mask_token_id=3"])
+    assert any("has no tokenizer" in p for p in split_problems(small, cuda_devices=0))
+    nccl = load_recipe(recipe, ["split.comm_backend=nccl"])
+    assert any("train.device is cpu" in p for p in split_problems(nccl, cuda_devices=1))
+    with pytest.raises(RecipeError, match="trainer ranks"):
+        check_split(bad, cuda_devices=0)
+
+
+# --------------------------------------------------------------------------- dry run
+
+
+def test_dry_run_reports_parameters_and_memory(tmp_path, capsys):
+    from draftforge.splitserve.launch import main
+    from draftforge.splitserve.registry import resolve_target_shape
+    from draftforge.train.config import build_dspark_config
+    from draftforge.train.model import DSparkDraft
+
+    recipe = tiny_recipe(tmp_path)
+    assert main([str(recipe), "--dry-run", "train.steps=3"]) == 0
+    out = capsys.readouterr().out
+    cfg = load_recipe(recipe)
+    model = DSparkDraft(build_dspark_config(cfg.draft, resolve_target_shape(cfg.target)))
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert f"draft parameters: {total:,} with embeddings, {trainable:,} without" in out
+    assert "memory estimate per target rank:" in out
+    assert "memory estimate per trainer rank:" in out
+    assert "AdamW moments" in out and "steps: 3" in out
+    assert "target rank 0 feeds trainer ranks [1]" in out
+
+
+def test_dry_run_ling_scale_on_meta(tmp_path):
+    """A Ling-sized draft is counted without allocating its weights."""
+    from draftforge.splitserve.dry_run import draft_parameter_counts, trainer_estimate
+
+    recipe = tiny_recipe(tmp_path, overrides={
+        "target.shape": {"num_hidden_layers": 32, "hidden_size": 8192, "vocab_size": 49152,
+                         "num_attention_heads": 64, "num_key_value_heads": 8,
+                         "intermediate_size": 24576},
+        "draft.hidden_size": 8192, "draft.num_attention_heads": 64, "draft.num_key_value_heads": 8,
+        "draft.intermediate_size": 24576, "draft.num_hidden_layers": 2,
+        "draft.target_layer_ids": [1, 8, 15, 22, 29],
+    })
+    cfg = load_recipe(recipe)
+    with_emb, without = draft_parameter_counts(cfg)
+    assert with_emb - without == 2 * 49152 * 8192
+    assert without > 1_000_000_000
+    estimate = trainer_estimate(cfg, with_emb, without)
+    assert estimate.total > without * 16  # fp32 params + grads + two Adam moments at least
+
+
+def test_train_refuses_wrong_nproc(tmp_path):
+    from draftforge.splitserve.launch import main
+
+    with pytest.raises(RecipeError, match="--nproc 3"):
+        main([str(tiny_recipe(tmp_path)), "--nproc", "3", "--dry-run"])
+
+
+# --------------------------------------------------------------------------- wire
+
+
+@pytest.mark.distributed
+def test_transport_roundtrip_is_exact(tmp_path):
+    sender, receiver = run_workers("transport_worker", tmp_path / "wire")
+    assert receiver["tensor_exact"] is True
+    assert len(receiver["samples"]) == 3
+    for checks in receiver["samples"]:
+        assert all(checks.values()), checks
+    assert sender["hello"] == sorted({"a", "b-ü", "conv-0001#e2", ""})
+    assert sender["ack"][2:4] == [3, 1]
+
+
+@pytest.mark.distributed
+def test_backpressure_bounds_samples_in_flight(tmp_path):
+    producer, trainer = run_workers("backpressure_worker", tmp_path / "bp")
+    assert trainer["seen"] == [f"s{n}" for n in range(24)]
+    assert producer["max_outstanding"] == 3  # the bound was reached ...
+    assert max(producer["outstanding"]) <= 3  # ... and never exceeded
+    assert trainer["max_depth"] <= 3
+    assert max(trainer["depths"]) <= 3
+
+
+def test_helpers_write_learnable_data(tmp_path):
+    path = tiny_recipe(tmp_path)
+    assert Path(path).is_file()
+    assert (tmp_path / "convs.jsonl").read_text().count("\n") == 48

@@ -1,0 +1,186 @@
+"""Whole SplitServe jobs on a tiny random target (gloo, CPU): train, stream, die, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from splitserve_helpers import (
+    PYTHON,
+    ROOT,
+    metrics,
+    read_logs,
+    spawn_ranks,
+    tiny_recipe,
+    wait_all,
+)
+
+pytestmark = pytest.mark.distributed
+
+
+def _by_step(records: list[dict]) -> dict[int, dict]:
+    """The last record of every step (a resumed run logs the steps after its checkpoint again)."""
+    out = {}
+    for record in records:
+        if "step" in record and "loss" in record:
+            out[record["step"]] = record
+    return out
+
+
+def _mean(values):
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def _check_learns(run_dir: Path, steps: int) -> dict[int, dict]:
+    records = _by_step(metrics(run_dir))
+    assert sorted(records) == list(range(1, steps + 1))
+    losses = [records[s]["loss"] for s in range(1, steps + 1)]
+    assert _mean(losses[-3:]) < 0.9 * _mean(losses[:3]), losses
+    return records
+
+
+def test_two_process_run_trains_and_accounts(tmp_path):
+    steps = 16
+    recipe = tiny_recipe(tmp_path, steps=steps)
+    procs = spawn_ranks(recipe, 2, log_dir=tmp_path / "logs")
+    assert wait_all(procs, 90) == [0, 0], read_logs(tmp_path / "logs", 2)
+    records = _check_learns(tmp_path / "run", steps)
+    ids = [i for s in range(1, steps + 1) for i in records[s]["sample_ids"]]
+    assert len(ids) == len(set(ids)), "sample ids are unique (later epochs carry #e<n>)"
+    conversations = {json.loads(line)["id"] for line in (tmp_path / "convs.jsonl").open()}
+    assert {i.split("#e")[0] for i in ids} <= conversations
+    later = [n for n, i in enumerate(ids) if "#e" in i]
+    if later:  # epoch 0 is complete before epoch 1 starts
+        assert max(n for n, i in enumerate(ids) if "#e" not in i) < min(later)
+        assert {i for i in ids if "#e" not in i} == conversations
+    target_log, trainer_log = read_logs(tmp_path / "logs", 2)
+    assert "split (last interval): target busy" in trainer_log and "recommended split for 2 ranks" in trainer_log
+    assert "at most 4 samples in flight per trainer (credits 4)" in target_log
+    accounting = [json.loads(line) for line in (tmp_path / "run" / "accounting.jsonl").open()]
+    assert accounting[-1]["event"] == "summary"
+    assert accounting[-1]["queue"]["max"] <= 4
+    for record in accounting:
+        for side in ("producer", "consumer"):
+            assert 0.0 <= record[side]["busy_share"] + record[side]["idle_share"] <= 1.0 + 1e-6
+
+
+def test_three_process_run_two_trainers(tmp_path):
+    steps = 10
+    recipe = tiny_recipe(tmp_path, trainers=2, steps=steps, num_conversations=64)
+    procs = spawn_ranks(recipe, 3, log_dir=tmp_path / "logs")
+    assert wait_all(procs, 90) == [0, 0, 0], read_logs(tmp_path / "logs", 3)
+    records = _check_learns(tmp_path / "run", steps)
+    ids = [i for s in range(1, steps + 1) for i in records[s]["sample_ids"]]
+    assert len(ids) == len(set(ids))
+    # both trainers trained, on disjoint samples (the checkpoint's per-rank data cursor)
+    state = json.loads((tmp_path / "run" / "checkpoints" / f"step_{steps:08d}" /
+                        "trainer_state.json").read_text())
+    first, second = state["consumed_ids"]
+    assert first and second and not set(first) & set(second)
+    assert sorted(first + second) == sorted(ids)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="DeepSpeed's engine.save_checkpoint calls dist.barrier() on the world group, which "
+    "the target ranks never join; train/checkpoint.py must save DeepSpeed state without it",
+)
+def test_three_process_run_deepspeed(tmp_path):
+    """The same stream feeds a DeepSpeed ZeRO-2 trainer group."""
+    pytest.importorskip("deepspeed")
+    steps = 8
+    recipe = tiny_recipe(tmp_path, trainers=2, steps=steps, num_conversations=64,
+                         overrides={"train.strategy": "deepspeed", "train.zero_stage": 2,
+                                    "split.peer_timeout_s": 15})
+    procs = spawn_ranks(recipe, 3, log_dir=tmp_path / "logs")
+    assert wait_all(procs, 150) == [0, 0, 0], read_logs(tmp_path / "logs", 3)
+    _check_learns(tmp_path / "run", steps)
+
+
+def test_regenerating_run(tmp_path):
+    """data.regenerate: the target answers the prompts itself, on the fly."""
+    recipe = tiny_recipe(tmp_path, steps=4, overrides={"data.regenerate": True,
+                                                       "data.min_loss_tokens": 2})
+    procs = spawn_ranks(recipe, 2, log_dir=tmp_path / "logs")
+    assert wait_all(procs, 90) == [0, 0], read_logs(tmp_path / "logs", 2)
+    records = _by_step(metrics(tmp_path / "run"))
+    assert sorted(records) == [1, 2, 3, 4]
+
+
+def _wait_for(path: Path, procs, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        assert all(p.poll() is None for p in procs), "a rank ended before the checkpoint"
+        time.sleep(0.02)
+
+
+def test_dead_target_stops_trainer_and_resume_is_exact(tmp_path):
+    steps = 24
+    reference_dir = tmp_path / "reference"
+    reference_dir.mkdir()
+    recipe = tiny_recipe(reference_dir, steps=steps)
+    procs = spawn_ranks(recipe, 2, log_dir=reference_dir / "logs")
+    assert wait_all(procs, 90) == [0, 0], read_logs(reference_dir / "logs", 2)
+    reference = _by_step(metrics(reference_dir / "run"))
+
+    broken_dir = tmp_path / "broken"
+    broken_dir.mkdir()
+    recipe = tiny_recipe(broken_dir, steps=steps)
+    procs = spawn_ranks(recipe, 2, log_dir=broken_dir / "logs")
+    _wait_for(broken_dir / "run" / "checkpoints" / "step_00000004", procs, 60)
+    procs[0].send_signal(signal.SIGKILL)  # the target rank dies mid-run
+    killed_at = time.monotonic()
+    codes = wait_all(procs[1:], 60)
+    assert time.monotonic() - killed_at < 30
+    assert codes == [3]
+    trainer_log = read_logs(broken_dir / "logs", 2)[1]
+    assert "target rank 0 died or closed its connection" in trainer_log
+    assert "rerun the same command" in trainer_log
+    procs[0].wait()
+
+    procs = spawn_ranks(recipe, 2, log_dir=broken_dir / "logs2")
+    assert wait_all(procs, 90) == [0, 0], read_logs(broken_dir / "logs2", 2)
+    assert "resumed from" in read_logs(broken_dir / "logs2", 2)[1]
+    resumed = _by_step(metrics(broken_dir / "run"))
+    assert sorted(resumed) == sorted(reference) == list(range(1, steps + 1))
+    for step in reference:
+        assert resumed[step]["sample_ids"] == reference[step]["sample_ids"], step
+        assert resumed[step]["loss"] == reference[step]["loss"], step
+
+
+def test_silent_target_times_out_with_its_rank(tmp_path):
+    """A target that hangs (SIGSTOP) is reported after split.peer_timeout_s, not waited on forever."""
+    recipe = tiny_recipe(tmp_path, steps=200, overrides={"split.peer_timeout_s": 6})
+    procs = spawn_ranks(recipe, 2, log_dir=tmp_path / "logs")
+    try:
+        _wait_for(tmp_path / "run" / "checkpoints" / "step_00000004", procs, 60)
+        procs[0].send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        assert wait_all(procs[1:], 60) == [3]
+        assert time.monotonic() - stopped_at < 40
+        log = read_logs(tmp_path / "logs", 2)[1]
+        assert "target rank 0 sent nothing within the timeout" in log, log[-2000:]
+    finally:
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait()
+
+
+def test_draftforge_train_command_end_to_end(tmp_path):
+    """``draftforge train`` starts torchrun, which starts both ranks."""
+    recipe = tiny_recipe(tmp_path, steps=6)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [PYTHON, "-m", "draftforge", "train", str(recipe)], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "torch.distributed.run --standalone --nproc_per_node=2" in done.stderr
+    assert sorted(_by_step(metrics(tmp_path / "run"))) == list(range(1, 7))
+    assert (tmp_path / "run" / "checkpoints" / "step_00000006").is_dir()

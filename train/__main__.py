@@ -1,0 +1,55 @@
+"""``python -m draftforge.train RECIPE [key=value ...]``: one rank of a SplitServe job.
+
+Started once per rank by torchrun (``torchrun --nproc_per_node=N -m draftforge.train
+RECIPE``) or by ``draftforge train RECIPE``, which wraps torchrun. This entry only
+parses, seeds and hands off to :func:`draftforge.splitserve.roles.run_rank`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+from collections.abc import Sequence
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the recipe and overrides, seed this rank, run it."""
+    parser = argparse.ArgumentParser(
+        prog="python -m draftforge.train",
+        description="One rank of a SplitServe training job (start it with torchrun or draftforge train).",
+    )
+    parser.add_argument("recipe", help="path to a recipe YAML file")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.steps=100")
+    parser.add_argument("--bench-split", metavar="JSON", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
+
+    import torch
+
+    from draftforge.config import RecipeError, load_recipe
+    from draftforge.splitserve.roles import run_rank
+
+    try:
+        cfg = load_recipe(args.recipe, args.overrides)
+    except RecipeError as exc:
+        print(f"draftforge train: invalid recipe:\n{exc}", file=sys.stderr)
+        return 2
+    rank = int(os.environ.get("RANK", "0"))
+    seed = cfg.train.seed * 1000 + rank
+    random.seed(seed)
+    torch.manual_seed(seed)
+    bench = None
+    if args.bench_split is not None:
+        import json
+
+        bench = json.loads(args.bench_split)
+    try:
+        return run_rank(cfg, bench=bench)
+    except RecipeError as exc:
+        print(f"draftforge train: invalid recipe:\n{exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
