@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from draftforge.splitserve.hf_backend import _decoder_layers_and_norm
+from draftforge.splitserve.hf_backend import captured_outputs, decoder_layers_and_norm
 
 
 class LosslessCheckError(AssertionError):
@@ -88,7 +88,7 @@ class TargetSession:
         self.model = model.eval()
         self.layer_ids = list(layer_ids or [])
         self.device = next(model.parameters()).device
-        self._layers, _ = _decoder_layers_and_norm(model)
+        self._layers, _ = decoder_layers_and_norm(model)
         # transformers >= 5.2x names the KV cache argument `cache`; older releases `past_key_values`.
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
@@ -97,21 +97,9 @@ class TargetSession:
 
     @torch.no_grad()
     def _run(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        captured: dict[int, torch.Tensor] = {}
-
-        def keep(layer_id: int):
-            def hook(_module, _args, output) -> None:
-                captured[layer_id] = output[0] if isinstance(output, tuple) else output
-
-            return hook
-
-        handles = [self._layers[i].register_forward_hook(keep(i)) for i in self.layer_ids]
-        try:
-            ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
+        with captured_outputs({i: self._layers[i] for i in self.layer_ids}) as captured:
             out = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: self.cache})
-        finally:
-            for handle in handles:
-                handle.remove()
         self.cache = getattr(out, self._cache_arg)
         self.length += len(token_ids)
         aux = None

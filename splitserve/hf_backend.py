@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,7 +49,7 @@ class HFTarget:
         self.layer_ids = check_layer_ids(layer_ids, self.num_hidden_layers)
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
-        self._layers, self._final_norm = _decoder_layers_and_norm(model)
+        self._layers, self._final_norm = decoder_layers_and_norm(model)
         if len(self._layers) != self.num_hidden_layers:
             raise ValueError(
                 f"{name}: config says {self.num_hidden_layers} decoder layers but the model has "
@@ -117,27 +118,13 @@ class HFTarget:
                     f"attention_mask shape {tuple(attention_mask.shape)} differs from input_ids "
                     f"shape {tuple(input_ids.shape)}"
                 )
-        captured: dict[object, torch.Tensor] = {}
-
-        def keep(key: object):
-            def hook(_module: nn.Module, _args: object, output: object) -> None:
-                state = output[0] if isinstance(output, tuple) else output
-                if key in captured:
-                    raise RuntimeError(f"{self.name}: module for {key!r} ran twice in one forward")
-                captured[key] = state
-
-            return hook
-
-        handles = [self._layers[i].register_forward_hook(keep(i)) for i in self.layer_ids]
-        handles.append(self._final_norm.register_forward_hook(keep("final")))
-        try:
+        modules = {i: self._layers[i] for i in self.layer_ids}
+        modules["final"] = self._final_norm
+        with captured_outputs(modules) as captured:
             # The decoder alone: the lm_head's [B, S, V] logits are not needed here.
             self.model.get_decoder()(
                 input_ids=input_ids, attention_mask=attention_mask, use_cache=False
             )
-        finally:
-            for handle in handles:
-                handle.remove()
         aux = torch.cat([captured[i] for i in self.layer_ids], dim=-1).to(self.dtype)
         final = captured["final"].to(self.dtype)
         if attention_mask is not None:
@@ -294,7 +281,34 @@ def _checked_model_folder(folder: str | os.PathLike[str]) -> Path:
     return path
 
 
-def _decoder_layers_and_norm(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
+@contextmanager
+def captured_outputs(modules: Mapping[Hashable, nn.Module]) -> Iterator[dict[Hashable, torch.Tensor]]:
+    """Forward hooks that keep each module's output under its key while the block runs.
+
+    Only the modules asked for are hooked, so no all-layer ``hidden_states`` are
+    materialised. A module that runs twice inside the block is an error (its
+    first output would be lost silently). The hooks are removed on exit.
+    """
+    captured: dict[Hashable, torch.Tensor] = {}
+
+    def keep(key: Hashable):
+        def hook(_module: nn.Module, _args: object, output: object) -> None:
+            if key in captured:
+                raise RuntimeError(f"module for {key!r} ran twice in one forward")
+            captured[key] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    handles = [module.register_forward_hook(keep(key)) for key, module in modules.items()]
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def decoder_layers_and_norm(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
+    """The decoder layers and the final norm of a transformers causal LM."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(decoder, "layers", None)
     norm = getattr(decoder, "norm", None)
