@@ -6,7 +6,9 @@ the remaining arguments (``main(argv) -> int | None``) and parses them itself,
 so commands own their options and their modules are imported only when the
 command runs: ``draftforge --help`` never imports torch.
 
-A :class:`~draftforge.config.RecipeError` from any command is printed without
+A :class:`~draftforge.config.RecipeError` or an
+:class:`~draftforge.errors.InputError` (a corrupt checkpoint, a truncated data
+file, a draft that does not fit its target) from any command is printed without
 a traceback and exits with status 2.
 """
 
@@ -91,6 +93,12 @@ COMMANDS: tuple[Command, ...] = (
         "speculative decoding with the target vs no-draft and n-gram baselines",
         "DRAFT_DIR --target NAME_OR_DIR",
     ),
+    Command(
+        ("demo",),
+        "draftforge.eval.demo:main",
+        "end to end: regenerate, train DSpark + DFlash, export, evaluate, one table",
+        "[RECIPE] [options]",
+    ),
 )
 
 
@@ -165,9 +173,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A RecipeError can only come from an already imported draftforge.config;
         # looking it up here keeps the config stack out of commands that never load one.
         config = sys.modules.get("draftforge.config")
-        if config is None or not isinstance(exc, config.RecipeError):
+        if config is not None and isinstance(exc, config.RecipeError):
+            sys.stderr.write(f"draftforge {command.name}: invalid recipe:\n{exc}\n")
+            return 2
+        from draftforge.errors import InputError
+
+        if not isinstance(exc, InputError):
             raise
-        sys.stderr.write(f"draftforge {command.name}: invalid recipe:\n{exc}\n")
+        # A file or argument that cannot be used: the message says which and what to do.
+        sys.stderr.write(f"draftforge {command.name}: error: {exc}\n")
         return 2
     return int(status or 0)
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from draftforge.errors import InputError
+
 RowFormat = Literal["auto", "messages", "sharegpt", "prompt"]
 Expect = Literal["prompt", "conversation", "request"]
 
@@ -32,7 +34,7 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
 _FORMAT_KEYS = {"messages": "messages", "sharegpt": "conversations", "prompt": "prompt"}
 
 
-class DataFormatError(ValueError):
+class DataFormatError(InputError):
     """A data file or one of its rows is malformed; the message says where and what."""
 
 

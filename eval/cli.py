@@ -73,11 +73,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.dtype:
             target_cfg = target_cfg.model_copy(update={"dtype": args.dtype})
     elif args.target:
-        target_cfg = TargetConfig(model=args.target, dtype=args.dtype or "float32")
+        from pydantic import ValidationError
+
+        from draftforge.errors import InputError
+
+        try:
+            target_cfg = TargetConfig(model=args.target, dtype=args.dtype or "float32")
+        except ValidationError as err:
+            reasons = "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
+            raise InputError(
+                f"--target {args.target}: {reasons}; describe such a target in a recipe and pass "
+                "--recipe RECIPE instead"
+            ) from None
     else:
         raise SystemExit("draftforge eval: give --target NAME_OR_DIR (or --recipe RECIPE)")
 
     draft_cfg, load_draft = _draft_loader(args.draft)
+    _check_fit(draft_cfg, target_cfg, args.draft)
     print(f"eval: loading target {target_cfg.model!r} (layers {draft_cfg.target_layer_ids})", flush=True)
     target = build_target(target_cfg, draft_cfg.target_layer_ids)
     draft = load_draft(target)
@@ -169,6 +181,23 @@ def _draft_loader(path: str):
         return model.eval()
 
     return cfg, load
+
+
+def _check_fit(draft_cfg, target_cfg, draft_path: str) -> None:
+    """Refuse a draft whose hidden size, vocabulary or layer ids do not fit the target, before loading it."""
+    from dataclasses import asdict
+
+    from draftforge.splitserve.registry import resolve_target_shape
+    from draftforge.train.compat import check_draft_fits_target
+
+    shape = resolve_target_shape(target_cfg)
+    if shape is None:
+        return  # unknown until loaded; the target engine checks the layer ids itself
+    check_draft_fits_target(
+        asdict(draft_cfg), draft_source=draft_path, target_name=target_cfg.model,
+        hidden_size=shape.hidden_size, vocab_size=shape.vocab_size,
+        num_hidden_layers=shape.num_hidden_layers,
+    )
 
 
 def _float32():

@@ -18,6 +18,10 @@ from collections.abc import Sequence
 LOOPBACK = "127.0.0.1"
 
 
+DEFAULT_RESTARTS = 3  # with split.restart_target
+RESTART_ENV = "DRAFTFORGE_RESTART"  # which restart of the job the ranks belong to
+
+
 def torchrun_command(recipe: str, overrides: Sequence[str], nproc: int,
                      master_addr: str = LOOPBACK) -> list[str]:
     """The torchrun command line that starts every rank of the job.
@@ -27,8 +31,8 @@ def torchrun_command(recipe: str, overrides: Sequence[str], nproc: int,
     """
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", f"--local-addr={master_addr}", "-m", "draftforge.train",
-        recipe, *overrides,
+        f"--nproc_per_node={nproc}", f"--local-addr={master_addr}",
+        "-m", "draftforge.train", recipe, *overrides,
     ]
 
 
@@ -96,6 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="print the resolved config, split, parameter count and memory estimate")
     parser.add_argument("--nproc", type=int, default=None,
                         help="processes to start; must equal split.world_size (default: that)")
+    parser.add_argument("--max-restarts", type=int, default=None,
+                        help=f"restarts of the whole job after it fails (default {DEFAULT_RESTARTS} with "
+                        "split.restart_target: true, else 0)")
     parser.add_argument("--master-addr", default=LOOPBACK,
                         help="address the ranks reach rank 0 at (default 127.0.0.1, loopback "
                         "only); give this machine's address only to open the job deliberately")
@@ -120,11 +127,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(dry_run(cfg))
         return 0
 
+    restarts = args.max_restarts
+    if restarts is None:
+        restarts = DEFAULT_RESTARTS if cfg.split.restart_target else 0
+    if restarts < 0:
+        raise RecipeError([f"--max-restarts {restarts}: give 0 or more"])
     command = torchrun_command(args.recipe, args.overrides, cfg.split.world_size,
                                master_addr=args.master_addr)
     env = launch_env(args.master_addr, cpu=not any(torch_cuda_visible()))
     print(f"draftforge train: {' '.join(command[1:])}", file=sys.stderr, flush=True)
     status = subprocess.call(command, env=env)
+    # split.restart_target: a dead rank (a target, usually) ends the job; every rank
+    # starts again in a fresh torchrun, exactly as if the user reran the command,
+    # and continues from the newest checkpoint (train.resume: auto). (torchrun's own
+    # --max-restarts was tried: its restarted ranks often failed gloo's connect.)
+    for attempt in range(1, restarts + 1):
+        if status == 0:
+            break
+        print(
+            f"draftforge train: the job failed (exit status {status}); restart {attempt} of "
+            f"{restarts} (split.restart_target), continuing from the newest checkpoint in "
+            f"{cfg.train.output_dir}", file=sys.stderr, flush=True,
+        )
+        env[RESTART_ENV] = str(attempt)
+        status = subprocess.call(command, env=env)
     if status != 0:
         print(
             f"draftforge train: the job failed (exit status {status}); the messages above name "

@@ -30,10 +30,12 @@ import torch
 import torch.distributed as dist
 
 from draftforge.config import RecipeConfig, RecipeError
+from draftforge.errors import InputError
 from draftforge.splitserve import transport as T
 from draftforge.splitserve.producer import Topology, build_topology
 
 EXIT_PEER_DIED = 3
+EXIT_BAD_INPUT = 2
 TOKENIZER_VOCAB = 49152  # random targets borrow SmolLM2's tokenizer only at this vocabulary size
 
 
@@ -48,6 +50,12 @@ def split_problems(
     split, train = cfg.split, cfg.train
     problems = []
     trainers = split.trainer_ranks or []
+    if split.restart_target and train.resume != "auto":
+        problems.append(
+            f"split.restart_target: a restarted job continues from the newest checkpoint, which "
+            f"needs train.resume: auto (it is {train.resume!r}); set train.resume: auto or "
+            "split.restart_target: false"
+        )
     if train.strategy == "single" and len(trainers) != 1:
         problems.append(
             f"split.trainer_ranks: train.strategy 'single' trains in one process but the split has "
@@ -179,11 +187,19 @@ def run_rank(cfg: RecipeConfig, *, mode: str = "train", bench: dict | None = Non
         ])
     check_split(cfg, world_size=world)
     ctx = RankContext(cfg, rank, world, mode=mode)
+    restarts = int(os.environ.get("DRAFTFORGE_RESTART", "0") or 0)
+    if restarts:
+        ctx.log(f"restart {restarts} of the job (split.restart_target): a rank had died; "
+                "continuing from the newest checkpoint")
     try:
         if ctx.role == "target":
             _run_target(ctx, bench)
         else:
             _run_trainer(ctx, bench)
+    except InputError as exc:  # a file or setting the user can fix: the message, no traceback
+        ctx.log(f"error: {exc}")
+        sys.stderr.flush()
+        os._exit(EXIT_BAD_INPUT)
     except T.PeerDied as exc:
         ctx.log(f"stopping: {exc}")
         ctx.log(
@@ -266,7 +282,8 @@ def build_trainer(ctx: RankContext, embeddings):
         shape = TargetShape(num_hidden_layers=max(cfg.draft.target_layer_ids) + 2,
                             hidden_size=int(embeddings[0].shape[1]), vocab_size=vocab)
     model_config = build_dspark_config(cfg.draft, shape, vocab_size=vocab)
-    group = ctx.trainer_group if len(cfg.split.trainer_ranks) > 1 else None
+    # every parallel strategy runs on the trainer group, even of one rank (never the world)
+    group = ctx.trainer_group if cfg.train.strategy != "single" else None
     return Trainer(
         model_config=model_config, train=cfg.train, embeddings=embeddings,
         run_dir=Path(cfg.train.output_dir), group=group, recipe_yaml=cfg.to_yaml(),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -12,13 +13,22 @@ from draftforge.config import load_recipe
 from draftforge.splitserve.target import build_target
 from draftforge.train.export import export_draft
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
+TINY_DEBUG = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
 
 
-def test_eval_cli_with_export_prompts_file_and_calibration(tmp_path, capsys):
+@pytest.fixture
+def recipe_path(tmp_path):
+    """tiny-debug with the eval helpers' 512-token vocabulary (prompts come as token ids)."""
+    text = re.sub(r"vocab_size: 49152.*", "vocab_size: 512", TINY_DEBUG.read_text())
+    path = tmp_path / "tiny-debug-512.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_eval_cli_with_export_prompts_file_and_calibration(recipe_path, tmp_path, capsys):
     from draftforge.cli import main
 
-    recipe = load_recipe(RECIPE)
+    recipe = load_recipe(recipe_path)
     target = build_target(recipe.target, recipe.draft.target_layer_ids)
     draft = tiny_eval_draft(target)
     assert draft.config.target_layer_ids == recipe.draft.target_layer_ids
@@ -30,7 +40,7 @@ def test_eval_cli_with_export_prompts_file_and_calibration(tmp_path, capsys):
     )
     out = tmp_path / "report"
     status = main([
-        "eval", str(export_dir), "--recipe", str(RECIPE), "--prompts-file", str(prompts),
+        "eval", str(export_dir), "--recipe", str(recipe_path), "--prompts-file", str(prompts),
         "--max-new-tokens", "10", "--calibrate", str(tmp_path / "sts.json"), "--out", str(out),
     ])  # fmt: skip
     assert status == 0
@@ -52,7 +62,7 @@ def test_eval_cli_with_export_prompts_file_and_calibration(tmp_path, capsys):
     assert {"temperatures", "ece_before", "ece_after"} <= set(calibration)
 
 
-def test_eval_from_training_checkpoint(tmp_path, capsys):
+def test_eval_from_training_checkpoint(recipe_path, tmp_path, capsys):
     """The DFlash ablation has no DSpark export; it is evaluated from its checkpoint folder."""
     from dataclasses import asdict
 
@@ -60,7 +70,7 @@ def test_eval_from_training_checkpoint(tmp_path, capsys):
 
     from draftforge.eval.cli import main
 
-    recipe = load_recipe(RECIPE)
+    recipe = load_recipe(recipe_path)
     target = build_target(recipe.target, recipe.draft.target_layer_ids)
     draft = tiny_eval_draft(target, markov_rank=0, enable_confidence_head=False, confidence_head_with_markov=False)
     ckpt = tmp_path / "ckpt"
@@ -70,7 +80,7 @@ def test_eval_from_training_checkpoint(tmp_path, capsys):
     (ckpt / "draft_config.json").write_text(json.dumps(asdict(draft.config)))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"workload": "w", "input_ids": random_prompts(1)[0]}))
-    assert main([str(ckpt), "--recipe", str(RECIPE), "--prompts-file", str(prompts),
+    assert main([str(ckpt), "--recipe", str(recipe_path), "--prompts-file", str(prompts),
                  "--max-new-tokens", "8", "--out", str(tmp_path / "r"), "--no-estimate"]) == 0  # fmt: skip
     assert "al_dspark=" in capsys.readouterr().out
     report = json.loads((tmp_path / "r" / "report.json").read_text())
@@ -78,7 +88,7 @@ def test_eval_from_training_checkpoint(tmp_path, capsys):
 
 
 @pytest.mark.integration
-def test_eval_cli_on_smollm2_workloads(tmp_path, capsys):
+def test_eval_cli_on_smollm2_workloads(recipe_path, tmp_path, capsys):
     """Real workloads, chat template and EOS through SmolLM2 (float32): greedy stays lossless."""
     from draftforge.cli import main
     from draftforge.splitserve import smollm2
@@ -107,11 +117,11 @@ def test_eval_cli_on_smollm2_workloads(tmp_path, capsys):
     assert "al_ngram=" in capsys.readouterr().out
 
 
-def test_eval_cli_fails_loudly_when_greedy_is_not_lossless(tmp_path, capsys, monkeypatch):
+def test_eval_cli_fails_loudly_when_greedy_is_not_lossless(recipe_path, tmp_path, capsys, monkeypatch):
     from draftforge.eval import speculative
     from draftforge.eval.cli import main
 
-    recipe = load_recipe(RECIPE)
+    recipe = load_recipe(recipe_path)
     target = build_target(recipe.target, recipe.draft.target_layer_ids)
     export_dir = export_draft(tiny_eval_draft(target), tmp_path / "export", progress=lambda _: None)
     prompts = tmp_path / "prompts.jsonl"
@@ -119,7 +129,7 @@ def test_eval_cli_fails_loudly_when_greedy_is_not_lossless(tmp_path, capsys, mon
     monkeypatch.setattr(
         speculative, "greedy_accept", lambda drafts, logits: (len(drafts), int(logits[len(drafts)].argmax()))
     )
-    status = main([str(export_dir), "--recipe", str(RECIPE), "--prompts-file", str(prompts),
+    status = main([str(export_dir), "--recipe", str(recipe_path), "--prompts-file", str(prompts),
                    "--max-new-tokens", "12", "--out", str(tmp_path / "r"), "--tie-tolerance", "0",
                    "--baselines", "none"])  # fmt: skip
     assert status == 3

@@ -4,6 +4,7 @@ Layout of ``run_dir/checkpoints/step_XXXXXXXX``::
 
     trainer_state.json    step, skipped steps, schedule, consumed sample ids per
                           trainer rank, the caller's extra state
+    draft_config.json     the draft's DSparkConfig (resume and export check it)
     rng/rank_R.safetensors  torch RNG state of trainer rank R
     model.safetensors     single: the full model state
     optimizer.safetensors single: AdamW moments (+ optimizer.json, its param groups)
@@ -13,11 +14,18 @@ Layout of ``run_dir/checkpoints/step_XXXXXXXX``::
 
 Every rank writes into ``step_XXXXXXXX.tmp``; trainer rank 0 writes the state
 and the ``COMPLETE`` marker, then renames the folder: a checkpoint without its
-marker (or a ``.tmp`` folder) is never picked by resume. Nothing is unpickled.
+marker (or a ``.tmp`` folder) is never picked by resume. A failure on any rank
+while writing (a full disk, an exception) removes the ``.tmp`` folder and raises
+:class:`CheckpointError` on every rank, leaving the older checkpoints as they were.
+Loading checks every file first and names the one that is corrupt or truncated.
+DeepSpeed's engine is saved and loaded with its world-wide barriers narrowed to
+the trainer group (target ranks never join them). Nothing is unpickled except
+DeepSpeed's own files, read with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -27,10 +35,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from draftforge.errors import InputError
 from draftforge.train import distributed as D
 
 COMPLETE = "COMPLETE"
 STATE_FILE = "trainer_state.json"
+DRAFT_CONFIG_FILE = "draft_config.json"  # the draft's DSparkConfig; export reads it too
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -64,9 +74,9 @@ def find_resume(run_dir: Path, resume: str) -> Path | None:
         return found[-1] if found else None
     path = Path(resume)
     if not path.is_dir():
-        raise FileNotFoundError(f"train.resume: checkpoint folder {path} does not exist")
+        raise CheckpointError(f"train.resume: checkpoint folder {path} does not exist")
     if not is_complete(path):
-        raise ValueError(
+        raise CheckpointError(
             f"train.resume: {path} is not a complete checkpoint (no {COMPLETE} marker); "
             "pick another one or use train.resume=auto"
         )
@@ -80,7 +90,8 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def read_state(path: Path) -> dict:
-    return json.loads((Path(path) / STATE_FILE).read_text())
+    """The ``trainer_state.json`` of checkpoint ``path`` (see :func:`read_checked_state`)."""
+    return read_checked_state(path)
 
 
 # -- optimizer state <-> flat tensors (single strategy) ---------------------------------
@@ -118,6 +129,59 @@ def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
 # -- save / load ------------------------------------------------------------------------
 
 
+class CheckpointError(InputError):
+    """A checkpoint cannot be written or read; the message names the file and what to do."""
+
+
+@contextlib.contextmanager
+def _deepspeed_barriers_on(group):
+    """Within the block, DeepSpeed's group-less barriers synchronise ``group`` only.
+
+    ``engine.save_checkpoint`` / ``load_checkpoint`` call ``deepspeed.comm.barrier()``
+    on the whole world; under a split the target ranks never join it, so the
+    trainer ranks would wait forever. Everything else they do is per rank or
+    already on the data-parallel (trainer) group.
+    """
+    import deepspeed.comm as ds_comm
+
+    original = ds_comm.barrier
+    trainers = group
+    if trainers is None:
+        yield
+        return
+
+    def barrier(group=None, *args, **kwargs):
+        return original(trainers if group is None else group, *args, **kwargs)
+
+    ds_comm.barrier = barrier
+    try:
+        yield
+    finally:
+        ds_comm.barrier = original
+
+
+def _agree_ok(ok: bool, *, group) -> bool:
+    """True when ``ok`` on every rank of ``group`` (a collective standing in for a barrier)."""
+    if group is None:
+        return ok
+    device = torch.device("cpu")
+    if torch.distributed.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    flag = torch.tensor([1.0 if ok else 0.0], device=device)
+    D.all_reduce(flag, group=group, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item() > 0)
+
+
+def _write_failed(step: int, run_dir: Path, what: str) -> CheckpointError:
+    previous = complete_checkpoints(run_dir)
+    keep = (f"the previous checkpoint {previous[-1]} is intact and is what resume picks"
+            if previous else "no earlier checkpoint exists")
+    return CheckpointError(
+        f"writing the checkpoint of step {step} failed ({what}); nothing partial was kept, {keep}. "
+        "Free disk space (or fix the error) and rerun the same command to resume."
+    )
+
+
 def save_checkpoint(
     *,
     run_dir: Path,
@@ -129,83 +193,213 @@ def save_checkpoint(
     state: dict,
     group,
     keep_last: int,
+    model_config: dict | None = None,
 ) -> Path:
-    """Write the checkpoint of ``step`` atomically (collective over the trainer group)."""
+    """Write the checkpoint of ``step`` atomically (collective over the trainer group).
+
+    A failure on any rank (a full disk, an exception mid-write) removes the
+    temporary folder on every rank's behalf and raises :class:`CheckpointError`
+    on every rank; the complete checkpoints already on disk are left alone.
+    ``model_config`` (the draft's DSparkConfig as a dict) is stored as
+    ``draft_config.json`` so that export and resume can check it.
+    """
     rank = D.group_rank(group=group)
     final = checkpoint_path(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
+    error = ""
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
-    D.barrier(group=group)
-    save_file({"cpu": torch.get_rng_state()}, str(tmp / "rng" / f"rank_{rank}.safetensors"))
-    if strategy == "single":
-        model_state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-        save_file(model_state, str(tmp / "model.safetensors"))
-        tensors, meta = _flatten_optimizer(optimizer.state_dict())
-        save_file(tensors, str(tmp / "optimizer.safetensors"))
-        _write_json(tmp / "optimizer.json", meta)
-    elif strategy == "fsdp2":
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "rng").mkdir(parents=True)
+        except OSError as exc:
+            error = f"rank 0: {exc}"
+    if not _agree_ok(not error, group=group):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise _write_failed(step, run_dir, error or "on trainer rank 0")
+    try:
+        save_file({"cpu": torch.get_rng_state()}, str(tmp / "rng" / f"rank_{rank}.safetensors"))
+        if strategy == "single":
+            model_state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+            save_file(model_state, str(tmp / "model.safetensors"))
+            tensors, meta = _flatten_optimizer(optimizer.state_dict())
+            save_file(tensors, str(tmp / "optimizer.safetensors"))
+            _write_json(tmp / "optimizer.json", meta)
+    except Exception as exc:  # noqa: BLE001 - reported on every rank below
+        error = f"trainer rank {rank}: {type(exc).__name__}: {exc}"
+    if strategy == "fsdp2":
+        # collective: dcp gathers every rank's failure and raises on all of them
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp / "dcp"),
-                 process_group=group)
+        try:
+            model_state, optim_state = get_state_dict(model, optimizer)
+            dcp.save({"model": model_state, "optimizer": optim_state},
+                     checkpoint_id=str(tmp / "dcp"), process_group=group)
+        except Exception as exc:  # noqa: BLE001
+            error = error or f"trainer rank {rank}: {type(exc).__name__}: {exc}"
     elif strategy == "deepspeed":
-        engine.save_checkpoint(str(tmp / "deepspeed"), tag="state", save_latest=False)
-    else:
+        try:
+            with _deepspeed_barriers_on(group):
+                engine.save_checkpoint(str(tmp / "deepspeed"), tag="state", save_latest=False)
+        except Exception as exc:  # noqa: BLE001
+            error = error or f"trainer rank {rank}: {type(exc).__name__}: {exc}"
+    elif strategy != "single":
         raise ValueError(f"unknown strategy {strategy!r}")
-    D.barrier(group=group)
+    if not _agree_ok(not error, group=group):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise _write_failed(step, run_dir, error or "on another trainer rank")
     if rank == 0:
-        _write_json(tmp / STATE_FILE, state)
-        (tmp / COMPLETE).write_text(f"step {step}\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for old in complete_checkpoints(run_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    D.barrier(group=group)
+        try:
+            if model_config is not None:
+                _write_json(tmp / DRAFT_CONFIG_FILE, model_config)
+            _write_json(tmp / STATE_FILE, state)
+            (tmp / COMPLETE).write_text(f"step {step}\n")
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        except Exception as exc:  # noqa: BLE001
+            error = f"trainer rank 0: {type(exc).__name__}: {exc}"
+            shutil.rmtree(tmp, ignore_errors=True)
+        if not error:
+            for old in complete_checkpoints(run_dir)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    if not _agree_ok(not error, group=group):
+        raise _write_failed(step, run_dir, error or "on trainer rank 0")
     return final
 
 
-def load_checkpoint(*, path: Path, strategy: str, model, optimizer, engine, group) -> dict:
-    """Restore model, optimizer and this rank's RNG from ``path``; returns the trainer state."""
+def _corrupt(file: Path, exc: BaseException, checkpoint: Path) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint file {file} is corrupt or truncated ({type(exc).__name__}: "
+        f"{str(exc).splitlines()[0] if str(exc) else 'no detail'}); delete the folder {checkpoint} "
+        "to resume from the previous complete checkpoint, or point train.resume at another one"
+    )
+
+
+def read_checked_state(path: Path, *, model_config: dict | None = None) -> dict:
+    """The trainer state of checkpoint ``path``, its files checked before anything loads.
+
+    Checks that ``trainer_state.json`` parses, that every safetensors file's
+    header is readable, and (given ``model_config``) that the stored draft
+    config has the same shape fields; raises :class:`CheckpointError` naming
+    the file and what to do. Reads no tensor data and runs no collective.
+    """
+    from safetensors import safe_open
+
+    from draftforge.train.compat import config_differences
+
     path = Path(path)
-    state = read_state(path)
+    state_file = path / STATE_FILE
+    try:
+        state = json.loads(state_file.read_text())
+        if not isinstance(state, dict) or "step" not in state:
+            raise ValueError("no 'step' field")
+    except (OSError, ValueError) as exc:
+        raise _corrupt(state_file, exc, path) from None
+    draft_file = path / DRAFT_CONFIG_FILE
+    if model_config is not None and draft_file.is_file():
+        try:
+            saved = json.loads(draft_file.read_text())
+        except (OSError, ValueError) as exc:
+            raise _corrupt(draft_file, exc, path) from None
+        differences = config_differences(saved, model_config, saved_name="checkpoint",
+                                         current_name="this recipe")
+        if differences:
+            raise CheckpointError(
+                f"checkpoint {path} was written for a different draft:\n  "
+                + "\n  ".join(differences)
+                + "\nResume with the recipe that run used, or start a fresh run "
+                "(train.resume=never or another train.output_dir)."
+            )
+    for file in sorted(path.rglob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    handle.get_slice(name)
+            if file.stat().st_size < 8:
+                raise ValueError("shorter than a safetensors header")
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            raise _corrupt(file, exc, path) from None
+    return state
+
+
+def _load_tensors(file: Path, checkpoint: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(file))
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} has no {file.name}; it is incomplete: delete it to resume from "
+            "the previous complete checkpoint"
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise _corrupt(file, exc, checkpoint) from None
+
+
+def load_checkpoint(*, path: Path, strategy: str, model, optimizer, engine, group,
+                    model_config: dict | None = None) -> dict:
+    """Restore model, optimizer and this rank's RNG from ``path``; returns the trainer state.
+
+    Files are checked first (:func:`read_checked_state`); a corrupt file or a
+    draft of another shape raises :class:`CheckpointError` naming it.
+    """
+    path = Path(path)
+    state = read_checked_state(path, model_config=model_config)
     saved_size = len(state.get("consumed_ids", [[]]))
     size = D.group_size(group=group)
     if saved_size != size:
-        raise ValueError(
+        raise CheckpointError(
             f"checkpoint {path} was written by {saved_size} trainer rank(s); this run has {size}. "
             "Resume with the same number of trainer ranks."
         )
     if state.get("strategy") != strategy:
-        raise ValueError(
+        raise CheckpointError(
             f"checkpoint {path} was written with train.strategy={state.get('strategy')!r}, "
             f"this run uses {strategy!r}"
         )
     rank = D.group_rank(group=group)
     rng_file = path / "rng" / f"rank_{rank}.safetensors"
     if rng_file.is_file():
-        torch.set_rng_state(load_file(str(rng_file))["cpu"])
+        torch.set_rng_state(_load_tensors(rng_file, path)["cpu"])
     if strategy == "single":
-        loaded = load_file(str(path / "model.safetensors"))
-        model.load_state_dict(loaded, strict=True)
-        meta = json.loads((path / "optimizer.json").read_text())
-        optimizer.load_state_dict(_unflatten_optimizer(load_file(str(path / "optimizer.safetensors")), meta))
+        loaded = _load_tensors(path / "model.safetensors", path)
+        try:
+            model.load_state_dict(loaded, strict=True)
+        except RuntimeError as exc:
+            raise CheckpointError(
+                f"checkpoint {path / 'model.safetensors'} does not match this draft: "
+                f"{str(exc).splitlines()[0]}; resume with the recipe that run used"
+            ) from None
+        try:
+            meta = json.loads((path / "optimizer.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise _corrupt(path / "optimizer.json", exc, path) from None
+        tensors = _load_tensors(path / "optimizer.safetensors", path)
+        try:
+            optimizer.load_state_dict(_unflatten_optimizer(tensors, meta))
+        except (KeyError, ValueError, RuntimeError) as exc:
+            raise _corrupt(path / "optimizer.safetensors", exc, path) from None
     elif strategy == "fsdp2":
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_state, optim_state = get_state_dict(model, optimizer)
         target = {"model": model_state, "optimizer": optim_state}
-        dcp.load(target, checkpoint_id=str(path / "dcp"), process_group=group)
+        try:
+            dcp.load(target, checkpoint_id=str(path / "dcp"), process_group=group)
+        except Exception as exc:  # noqa: BLE001 - dcp wraps every rank's failure
+            raise _corrupt(path / "dcp", exc, path) from None
         set_state_dict(model, optimizer, model_state_dict=target["model"],
                        optim_state_dict=target["optimizer"])
     elif strategy == "deepspeed":
-        load_path, _ = engine.load_checkpoint(str(path / "deepspeed"), tag="state",
-                                              load_optimizer_states=True, load_lr_scheduler_states=False)
+        with _deepspeed_barriers_on(group):
+            try:
+                load_path, _ = engine.load_checkpoint(
+                    str(path / "deepspeed"), tag="state", load_optimizer_states=True,
+                    load_lr_scheduler_states=False)
+            except Exception as exc:  # noqa: BLE001 - torch.load / DeepSpeed raise many types
+                raise _corrupt(path / "deepspeed", exc, path) from None
         if load_path is None:
-            raise ValueError(f"deepspeed could not load the checkpoint in {path / 'deepspeed'}")
+            raise CheckpointError(f"deepspeed could not load the checkpoint in {path / 'deepspeed'}")
     return state

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from draftforge.errors import InputError
 from draftforge.train.model import DSparkConfig, DSparkDraft
 
 ARCHITECTURES = ("Qwen3DSparkModel", "LingDSparkModel")
@@ -49,7 +50,7 @@ TRAINING_CONFIG_FILE = "draft_config.json"
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-class ExportError(ValueError):
+class ExportError(InputError):
     """The draft cannot be exported as asked (bad tensors, unsupported configuration)."""
 
 
@@ -338,8 +339,6 @@ def load_training_checkpoint(path: str | os.PathLike[str]) -> tuple[DSparkConfig
     and ``draft_config.json``, or the ``model.safetensors`` file itself. Weights
     are read with safetensors only.
     """
-    from safetensors.torch import load_file
-
     path = Path(path).expanduser()
     if path.is_file():
         weights, folder = path, path.parent
@@ -348,20 +347,41 @@ def load_training_checkpoint(path: str | os.PathLike[str]) -> tuple[DSparkConfig
         weights = folder / SINGLE_FILE
     config_path = folder / TRAINING_CONFIG_FILE
     if not weights.is_file():
-        raise FileNotFoundError(
+        raise ExportError(
             f"{path}: no {SINGLE_FILE} found at {weights}; pass a run directory, a checkpoint folder "
             f"or a {SINGLE_FILE} file"
         )
     if not config_path.is_file():
-        raise FileNotFoundError(f"{path}: {config_path} is missing (the draft's DSparkConfig as JSON)")
+        raise ExportError(f"{path}: {config_path} is missing (the draft's DSparkConfig as JSON)")
     try:
         fields = json.loads(config_path.read_text())
         cfg = DSparkConfig(**fields)
     except (json.JSONDecodeError, TypeError, ValueError) as err:
-        raise ValueError(f"{config_path}: not a valid draft config: {err}") from err
-    state = load_file(str(weights))
+        raise ExportError(f"{config_path}: not a valid draft config: {err}") from err
+    state = read_safetensors_file(weights)
     state = {_strip_wrappers(name): tensor for name, tensor in state.items()}
     return cfg, state
+
+
+def read_safetensors_file(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file; a corrupt, truncated or pickled file raises
+    :class:`ExportError` naming it (never a bare safetensors traceback)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    try:
+        return load_file(str(path))
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        hint = ""
+        with open(path, "rb") as handle:
+            head = handle.read(2)
+        if head[:1] == b"\x80" or head == b"PK":
+            hint = " It looks like a pickle (torch.save) file: draftforge loads safetensors only."
+        raise ExportError(
+            f"{path}: not a readable safetensors file ({type(err).__name__}: {detail}); it may be "
+            f"truncated or corrupt: write it again (export or checkpoint).{hint}"
+        ) from None
 
 
 def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path:
@@ -372,7 +392,7 @@ def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path:
         key=lambda p: int(re.sub(r"\D", "", p.name) or 0),
     )
     if not complete:
-        raise FileNotFoundError(f"{root}: no complete checkpoint (step_* with a COMPLETE marker)")
+        raise ExportError(f"{root}: no complete checkpoint (step_* with a COMPLETE marker)")
     return complete[-1]
 
 

@@ -75,14 +75,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     cfg, state = load_training_checkpoint(source)
     print(f"export: {source} -> {out}", flush=True)
-    path = export_draft(
-        (state, cfg),
-        out,
-        arch=args.arch or export_cfg.arch,
-        with_embeddings=export_cfg.with_embeddings if args.with_embeddings is None else True,
-        max_shard_size_mb=args.max_shard_size_mb or export_cfg.max_shard_size_mb,
-        card=card,
-    )
+    try:
+        path = export_draft(
+            (state, cfg),
+            out,
+            arch=args.arch or export_cfg.arch,
+            with_embeddings=export_cfg.with_embeddings if args.with_embeddings is None else True,
+            max_shard_size_mb=args.max_shard_size_mb or export_cfg.max_shard_size_mb,
+            card=card,
+        )
+    except OSError as err:  # a full disk, a read-only folder: export_draft left nothing partial
+        from draftforge.errors import InputError
+
+        raise InputError(
+            f"writing the export to {out} failed ({err}); no partial folder was left and an older "
+            "export there is untouched. Free space (or choose another --out) and rerun"
+        ) from None
     if args.push_to_hub:
         try:
             url = push_to_hub(path, args.push_to_hub)

@@ -19,7 +19,9 @@ from draftforge.train.export import (
     EMBEDDING_KEYS,
     INDEX_FILE,
     SINGLE_FILE,
+    ExportError,
     check_tensors,
+    read_safetensors_file,
 )
 from draftforge.train.model import DSparkConfig, DSparkDraft
 
@@ -30,11 +32,11 @@ def read_serving_config(folder: str | os.PathLike[str]) -> dict:
     """The exported ``config.json`` as a dict, with a clear error when absent or malformed."""
     path = Path(folder).expanduser() / CONFIG_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path.parent}: no {CONFIG_FILE}; is it a draftforge export folder?")
+        raise ExportError(f"{path.parent}: no {CONFIG_FILE}; is it a draftforge export folder?")
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from err
+        raise ExportError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from err
 
 
 def config_from_serving(raw: dict, *, where: str = CONFIG_FILE) -> DSparkConfig:
@@ -46,7 +48,7 @@ def config_from_serving(raw: dict, *, where: str = CONFIG_FILE) -> DSparkConfig:
     )  # fmt: skip
     missing = [key for key in required if key not in raw]
     if missing:
-        raise ValueError(f"{where}: missing DSpark fields: {', '.join(missing)}")
+        raise ExportError(f"{where}: missing DSpark fields: {', '.join(missing)}")
     try:
         return DSparkConfig(
             vocab_size=int(raw["vocab_size"]),
@@ -70,20 +72,27 @@ def config_from_serving(raw: dict, *, where: str = CONFIG_FILE) -> DSparkConfig:
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         )
     except (TypeError, ValueError) as err:
-        raise ValueError(f"{where}: {err}") from err
+        raise ExportError(f"{where}: {err}") from err
 
 
 def read_safetensors_folder(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """All tensors of an export: ``model.safetensors`` or the shards its index names."""
-    from safetensors.torch import load_file
-
     folder = Path(folder).expanduser()
     single, index = folder / SINGLE_FILE, folder / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("'weight_map' is not an object")
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ExportError(
+                f"{index}: not a valid safetensors index ({type(err).__name__}: {err}); export the draft again"
+            ) from None
         state: dict[str, torch.Tensor] = {}
         for filename in sorted(set(weight_map.values())):
-            shard = load_file(str(folder / filename))
+            if not (folder / filename).is_file():
+                raise ExportError(f"{folder / filename}: listed in {index.name} but missing; export the draft again")
+            shard = read_safetensors_file(folder / filename)
             for name, tensor in shard.items():
                 if weight_map.get(name) != filename:
                     raise ValueError(f"{folder / filename}: tensor {name} is not listed for it in {index.name}")
@@ -93,10 +102,10 @@ def read_safetensors_folder(folder: str | os.PathLike[str]) -> dict[str, torch.T
             raise ValueError(f"{index}: tensors listed but absent from their shards: {', '.join(missing)}")
         return state
     if single.is_file():
-        return load_file(str(single))
+        return read_safetensors_file(single)
     pickled = sorted(p.name for p in folder.glob("*") if p.suffix in {".bin", ".pt", ".pth"})
     hint = f" (found pickled weights {pickled}: draftforge loads safetensors only)" if pickled else ""
-    raise FileNotFoundError(f"{folder}: neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
+    raise ExportError(f"{folder}: neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
 
 
 def load_exported_draft(

@@ -191,18 +191,21 @@ class Trainer:
         if self.is_main:
             try:
                 found = ckpt.find_resume(self.run_dir, self.train.resume)
+                if found is not None:  # its files and its draft shape, before any collective
+                    ckpt.read_checked_state(found, model_config=self.model_config.to_dict())
                 message = "" if found is None else f"path:{found}"
             except (OSError, ValueError) as exc:
                 message = f"error:{exc}"
         # Rank 0 decides and tells the others (an error too, so that no rank waits forever).
         message = D.broadcast_string(message, group=self.group, device=self._comm_device())
         if message.startswith("error:"):
-            raise ValueError(message[len("error:"):])
+            raise ckpt.CheckpointError(message[len("error:"):])
         if not message:
             return None
         path = message[len("path:"):]
         state = ckpt.load_checkpoint(path=Path(path), strategy=self.train.strategy, model=self.model,
-                                     optimizer=self.optimizer, engine=self.engine, group=self.group)
+                                     optimizer=self.optimizer, engine=self.engine, group=self.group,
+                                     model_config=self.model_config.to_dict())
         self.step = int(state["step"])
         self.skipped_steps = int(state["skipped_steps"])
         per_rank = state["consumed_ids"]
@@ -475,7 +478,7 @@ class Trainer:
         return ckpt.save_checkpoint(
             run_dir=self.run_dir, step=self.step, strategy=self.train.strategy, model=self.model,
             optimizer=self.optimizer, engine=self.engine, state=state, group=self.group,
-            keep_last=self.train.keep_last,
+            keep_last=self.train.keep_last, model_config=self.model_config.to_dict(),
         )
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
