@@ -1,0 +1,630 @@
+"""``draftforge demo [RECIPE]``: regenerate, train DSpark and DFlash, export, evaluate, one table.
+
+The README's main command (``make demo``). With the default CPU recipe
+(``recipes/smollm2-cpu.yaml``) it runs, each stage a ``draftforge`` subcommand
+in its own process:
+
+1. ``data regenerate``: the target answers the recipe's prompts once, into the run's
+   regenerated file (``data.regenerated_file``, default ``<run>/regenerated.jsonl``);
+   both trainings read that file instead of regenerating on the fly;
+2. ``train``: the DSpark draft, as the recipe says;
+3. ``train``: the DFlash ablation, with the same recipe and budget and these overrides
+   only: no Markov head, no confidence head, the pure cross-entropy objective, and
+   its own run directory ``<run>-dflash`` (:data:`DFLASH_OVERRIDES`);
+4. ``export``: the DSpark draft to ``export.out_dir`` (default ``<run>/export``);
+5. ``eval`` (greedy, float32 target): the export against the no-draft and n-gram
+   baselines on the same prompts in one run (``<run>/eval``), and the DFlash ablation
+   from its training checkpoint on the same prompts (``<run>/eval-dflash``; SGLang
+   refuses ``markov_rank: 0``, so it has no DSpark export). The two run side by side
+   on machines with two or more cores, one thread each;
+6. the export again, its model card now holding the measured table; then one
+   markdown table, printed and written to ``<run>/demo.md``. The last line is::
+
+       export_dir=<path> al_dspark=<macro> al_dflash=<macro> al_ngram=<macro>
+
+A stage whose output already exists, is complete and is newer than its inputs is
+skipped, so an interrupted demo continues where it stopped (training resumes from
+its newest checkpoint). ``--force`` starts over; ``--skip-train`` uses the runs as
+they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+DEFAULT_RECIPE = "recipes/smollm2-cpu.yaml"
+WORKLOADS = ("humaneval", "mtbench", "gsm8k")
+# Prompts per workload when the recipe's eval.num_prompts is unset (all prompts would take
+# hours on a CPU). The recipe's eval section gives the defaults otherwise: smollm2-cpu.yaml's
+# 8 prompts x 128 tokens keep the whole demo near 35 minutes on 2 cores (two trainings of
+# about 9 minutes each, the two evaluations side by side).
+FALLBACK_NUM_PROMPTS = 8
+# DFlash = the same draft without the Markov and confidence heads, trained on pure
+# cross-entropy. Everything else (data, steps, anchors, lr, layers) stays the recipe's.
+DFLASH_OVERRIDES = (
+    "draft.markov_rank=0",
+    "draft.enable_confidence_head=false",
+    "draft.confidence_head_with_markov=false",
+    "train.loss.ce_weight=1",
+    "train.loss.tv_weight=0",
+    "train.loss.bce_weight=0",
+)
+
+
+class DemoError(RuntimeError):
+    """A stage failed or the outputs on disk belong to another run; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class DemoPaths:
+    """Everything the demo reads and writes, derived from the recipe."""
+
+    run_dir: Path
+    dflash_dir: Path
+    data_file: Path | None  # None when the recipe trains on its files as they are
+    export_dir: Path
+    eval_dir: Path
+    dflash_eval_dir: Path
+    log_dir: Path
+    table: Path
+
+
+def demo_paths(cfg) -> DemoPaths:
+    """The demo's paths for a loaded recipe (a ``RecipeConfig``)."""
+    from draftforge.data.loading import regenerated_path
+
+    run_dir = Path(cfg.train.output_dir)
+    return DemoPaths(
+        run_dir=run_dir,
+        dflash_dir=run_dir.with_name(run_dir.name + "-dflash"),
+        data_file=regenerated_path(cfg.data, run_dir) if cfg.data.regenerate else None,
+        export_dir=Path(cfg.export.out_dir) if cfg.export.out_dir else run_dir / "export",
+        eval_dir=run_dir / "eval",
+        dflash_eval_dir=run_dir / "eval-dflash",
+        log_dir=run_dir / "demo-logs",
+        table=run_dir / "demo.md",
+    )
+
+
+def dflash_overrides(paths: DemoPaths) -> list[str]:
+    """The DFlash ablation's overrides: its objective and architecture, its own run
+    directory, and the DSpark run's regenerated data (so it trains on the same answers)."""
+    overrides = [*DFLASH_OVERRIDES, f"train.output_dir={paths.dflash_dir}"]
+    if paths.data_file is not None:
+        overrides.append(f"data.regenerated_file={paths.data_file}")
+    return overrides
+
+
+# -- stages ----------------------------------------------------------------------------
+
+
+class Stages:
+    """Numbered banners, elapsed times and the subprocesses of each stage."""
+
+    def __init__(self, total: int, out: Callable[[str], None] = print):
+        self.total = total
+        self.number = 0
+        self.out = out
+        self.started = time.perf_counter()
+
+    def banner(self, title: str) -> float:
+        self.number += 1
+        self.out(f"\n==> [{self.number}/{self.total}] {title}")
+        return time.perf_counter()
+
+    def skip(self, why: str) -> None:
+        self.out(f"    skipped: {why}")
+
+    def done(self, since: float) -> None:
+        now = time.perf_counter()
+        self.out(
+            f"    done in {_minutes(now - since)} (demo so far: {_minutes(now - self.started)})"
+        )
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)} min {int(seconds % 60):02d} s"
+
+
+def draftforge_command(*args: str) -> list[str]:
+    """A ``draftforge`` subcommand run by this interpreter (no PATH lookup)."""
+    return [sys.executable, "-m", "draftforge", *args]
+
+
+def run_stage(name: str, args: Sequence[str], *, env: dict[str, str] | None = None) -> None:
+    """Run ``draftforge ARGS`` with its output on the terminal; a failure raises DemoError."""
+    command = draftforge_command(*args)
+    print(f"    $ draftforge {shlex.join(args)}", flush=True)
+    status = subprocess.call(command, env=env)
+    if status != 0:
+        raise DemoError(
+            f"stage '{name}' failed (exit status {status}): draftforge {shlex.join(args)}\n"
+            "The messages above say why; fix it and rerun the demo (finished stages are skipped)."
+        )
+
+
+def run_side_by_side(jobs: dict[str, Sequence[str]], log_dir: Path, *, parallel: bool) -> None:
+    """Run several ``draftforge`` commands at once (or one after another), each line of
+    their output prefixed with the job's label and copied to ``log_dir/<label>.log``."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", PYTHONUNBUFFERED="1")
+    lock = threading.Lock()
+
+    def start(label: str, args: Sequence[str]):
+        print(
+            f"    $ draftforge {shlex.join(args)}   (log: {log_dir / (label + '.log')})", flush=True
+        )
+        proc = subprocess.Popen(
+            draftforge_command(*args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, bufsize=1, errors="replace",
+        )  # fmt: skip
+
+        def pump():
+            # The full report each evaluation prints goes to its log only: two of them
+            # interleaved on the terminal would be unreadable (the demo prints its own table).
+            in_report = False
+            with open(log_dir / f"{label}.log", "w") as log:
+                for line in proc.stdout:
+                    log.write(line)
+                    in_report = (
+                        in_report or line.startswith("Command: `")
+                    ) and not line.startswith("eval: report in")
+                    if not in_report:
+                        with lock:
+                            print(f"    [{label}] {line.rstrip()}", flush=True)
+
+        thread = threading.Thread(target=pump, daemon=True)
+        thread.start()
+        return proc, thread
+
+    running: dict[str, tuple[subprocess.Popen, threading.Thread]] = {}
+    failures = []
+    try:
+        for label, args in jobs.items():
+            running[label] = start(label, args)
+            if not parallel:
+                _finish(label, *running[label], failures)
+        if parallel:
+            for label, (proc, thread) in running.items():
+                _finish(label, proc, thread, failures)
+    finally:
+        for proc, _ in running.values():
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait()
+    if failures:
+        details = "; ".join(
+            f"'{label}' exited with status {status}{' (greedy output not lossless)' if status == 3 else ''}, "
+            f"log {log_dir / (label + '.log')}"
+            for label, status in failures
+        )
+        raise DemoError(f"evaluation failed: {details}")
+
+
+def _finish(label: str, proc: subprocess.Popen, thread: threading.Thread, failures: list) -> None:
+    status = proc.wait()
+    thread.join()
+    if status != 0:
+        failures.append((label, status))
+
+
+# -- what is already done --------------------------------------------------------------
+
+
+def _mtime(path: Path) -> float:
+    return path.stat().st_mtime if path.exists() else -math.inf
+
+
+def final_checkpoint(run_dir: Path, steps: int) -> Path | None:
+    """The checkpoint that ends a finished run: ``step_<steps>``, or the last one of a run
+    that stopped early because its data ran out; None while the run is unfinished."""
+    from draftforge.train import checkpoint as ckpt
+
+    done = ckpt.checkpoint_path(run_dir, steps)
+    if ckpt.is_complete(done):
+        return done
+    summary = run_dir / "summary.json"
+    if summary.is_file():
+        info = json.loads(summary.read_text())
+        path = Path(str(info.get("checkpoint") or ""))
+        if info.get("stopped_reason") == "data_exhausted" and path.name and ckpt.is_complete(path):
+            return path
+    return None
+
+
+def check_same_recipe(run_dir: Path, expected_yaml: str, what: str) -> None:
+    """Refuse to resume or reuse a run directory that holds a run of another recipe."""
+    from draftforge.train import checkpoint as ckpt
+
+    saved = run_dir / "config.yaml"
+    if not ckpt.complete_checkpoints(run_dir) or not saved.is_file():
+        return
+    if saved.read_text() != expected_yaml:
+        old = saved.read_text().splitlines()
+        new = expected_yaml.splitlines()
+        first = next(
+            (i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b),
+            min(len(old), len(new)),
+        )
+        line = lambda lines: lines[first].strip() if first < len(lines) else "(end of file)"  # noqa: E731
+        raise DemoError(
+            f"{run_dir} holds a {what} run of a different recipe ({saved}, line {first + 1}: "
+            f"{line(old)!r}; this demo: {line(new)!r}). Rerun with --force to train again from "
+            "scratch (it deletes that run), or move the folder away."
+        )
+
+
+def eval_is_current(eval_dir: Path, args: Sequence[str], newer_than: Path) -> bool:
+    """An evaluation report written by exactly this command after its draft was trained."""
+    report = eval_dir / "report.json"
+    if not report.is_file() or _mtime(report) < _mtime(newer_than):
+        return False
+    try:
+        command = json.loads(report.read_text()).get("command")
+    except json.JSONDecodeError:
+        return False
+    return command == "draftforge eval " + shlex.join(list(args))
+
+
+def _remove(path: Path, keep: Sequence[Path]) -> None:
+    """Delete a demo output (file or folder), refusing folders that hold what must stay."""
+    if not path.exists():
+        return
+    resolved = path.resolve()
+    for other in keep:
+        other = other.resolve()
+        if resolved == other or resolved in other.parents:
+            raise DemoError(f"--force would delete {path}, which holds {other}; refusing")
+    print(f"    --force: removing {path}")
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+# -- the table ----------------------------------------------------------------------------
+
+
+def _fmt(value, digits: int = 2) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+def _mean(values: Sequence[float | None]) -> float:
+    clean = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(clean) / len(clean) if clean and len(clean) == len(values) else math.nan
+
+
+def table_rows(dspark_report: dict, dflash_report: dict) -> list[dict]:
+    """One row per workload of the DSpark report, plus the macro mean (unweighted over workloads)."""
+    rows = []
+    for name, entry in dspark_report["workloads"].items():
+        methods = entry["methods"]
+        dflash = dflash_report["workloads"].get(name, {}).get("methods", {}).get("dspark", {})
+        estimate = entry.get("train_time_estimate") or {}
+        rows.append({
+            "workload": name,
+            "dspark": methods.get("dspark", {}).get("acceptance_length"),
+            "dflash": dflash.get("acceptance_length"),
+            "ngram": methods.get("ngram", {}).get("acceptance_length"),
+            "none_tps": methods.get("none", {}).get("tokens_per_s"),
+            "dspark_tps": methods.get("dspark", {}).get("tokens_per_s"),
+            "tau": estimate.get("tau"),
+        })  # fmt: skip
+    keys = ("dspark", "dflash", "ngram", "none_tps", "dspark_tps", "tau")
+    rows.append({"workload": "macro mean", **{k: _mean([r[k] for r in rows]) for k in keys}})
+    return rows
+
+
+def markdown_table(rows: Sequence[dict]) -> str:
+    """The demo's table: acceptance lengths, speeds and the train-time estimate per workload."""
+    lines = [
+        "| workload | DSpark AL | DFlash AL | n-gram AL | no-draft tok/s | DSpark tok/s | train-time tau |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        speedup = (
+            f" ({r['dspark_tps'] / r['none_tps']:.2f}x)"
+            if r["none_tps"] and r["dspark_tps"] and math.isfinite(r["none_tps"] * r["dspark_tps"])
+            else ""
+        )
+        name = f"**{r['workload']}**" if r["workload"] == "macro mean" else r["workload"]
+        lines.append(
+            f"| {name} | {_fmt(r['dspark'])} | {_fmt(r['dflash'])} | {_fmt(r['ngram'])} | "
+            f"{_fmt(r['none_tps'], 1)} | {_fmt(r['dspark_tps'], 1)}{speedup} | {_fmt(r['tau'])} |"
+        )
+    return "\n".join(lines)
+
+
+def _machine() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{os.cpu_count()} cores ({model}), {platform.system()}, no GPU used"
+
+
+def _training_tau(run_dir: Path) -> float | None:
+    summary = run_dir / "summary.json"
+    if not summary.is_file():
+        return None
+    return json.loads(summary.read_text()).get("tau")
+
+
+def demo_markdown(
+    table: str,
+    *,
+    command: str,
+    cfg,
+    paths: DemoPaths,
+    num_prompts: int,
+    max_new_tokens: int,
+    block_size: int,
+) -> str:
+    """demo.md: the table with the command, date, machine and what the numbers mean."""
+    taus = (_training_tau(paths.run_dir), _training_tau(paths.dflash_dir))
+    return "\n".join(
+        [
+            f"# draftforge demo: {cfg.name}",
+            "",
+            f"Command: `{command}`  ",
+            f"Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; machine: {_machine()}.",
+            "",
+            f"Target `{cfg.target.model}` (evaluated in float32), greedy decoding (checked lossless "
+            f"against plain decoding), {num_prompts} prompts per workload, up to {max_new_tokens} new "
+            f"tokens, blocks of {block_size}. Both drafts: {cfg.train.steps} steps of the recipe; "
+            f"DFlash = the same recipe with `{' '.join(DFLASH_OVERRIDES)}`.",
+            "",
+            table,
+            "",
+            f"AL: mean acceptance length per verification round (accepted drafts + 1 bonus token; "
+            f"no draft = 1.00, at most {block_size + 1}). Tokens/s are measured in one process on the "
+            "same prompts (the speed-up is DSpark over no draft). Train-time tau: the training "
+            "metric on the evaluation prompts (see the eval report). At the end of training, tau on "
+            f"the training data was {_fmt(taus[0])} (DSpark) and {_fmt(taus[1])} (DFlash).",
+            "",
+            f"Reports: `{paths.eval_dir}/report.md` (DSpark and baselines), "
+            f"`{paths.dflash_eval_dir}/report.md` (DFlash); export: `{paths.export_dir}`.",
+            "",
+        ]
+    )
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# -- the command ----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="draftforge demo",
+        description="End to end: regenerate the recipe's data, train the DSpark draft and the "
+        "DFlash ablation, export, evaluate against the baselines, print one table. Finished "
+        "stages are skipped when rerun.",
+    )
+    parser.add_argument(
+        "recipe", nargs="?", default=DEFAULT_RECIPE, help=f"default {DEFAULT_RECIPE}"
+    )
+    parser.add_argument(
+        "--num-prompts",
+        type=int,
+        help="prompts per workload (default: the recipe's eval.num_prompts, "
+        f"or {FALLBACK_NUM_PROMPTS} when it is unset)",
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help="tokens generated per prompt (default: the recipe's eval.max_new_tokens)",
+    )
+    parser.add_argument("--workloads",
+                        help=f"comma-separated subset of {','.join(WORKLOADS)} (default: the recipe's "
+                        "eval.workloads)")  # fmt: skip
+    parser.add_argument(
+        "--skip-train",
+        action="store_true",
+        help="use the trained runs as they are (no regeneration, no training)",
+    )
+    parser.add_argument("--force", action="store_true",
+                        help="redo every stage: deletes the demo's runs (with --skip-train: only "
+                        "the export and evaluations)")  # fmt: skip
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``draftforge demo``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if (args.num_prompts is not None and args.num_prompts <= 0) or (
+        args.max_new_tokens is not None and args.max_new_tokens <= 0
+    ):
+        raise SystemExit("draftforge demo: --num-prompts and --max-new-tokens must be positive")
+    try:
+        return run_demo(args, command="draftforge demo " + shlex.join(argv))
+    except DemoError as err:
+        print(f"\ndraftforge demo: {err}", file=sys.stderr)
+        return 1
+
+
+def run_demo(args: argparse.Namespace, *, command: str) -> int:
+    """The stages (see the module docstring); prints the table and the summary line."""
+    from draftforge.config import load_recipe
+
+    recipe = args.recipe
+    cfg = load_recipe(recipe)
+    dflash_cfg = load_recipe(recipe, dflash_overrides(demo_paths(cfg)))
+    paths = demo_paths(cfg)
+    args.num_prompts = args.num_prompts or cfg.eval.num_prompts or FALLBACK_NUM_PROMPTS
+    args.max_new_tokens = args.max_new_tokens or cfg.eval.max_new_tokens
+    workloads = (
+        [w.strip() for w in args.workloads.split(",") if w.strip()]
+        if args.workloads
+        else list(cfg.eval.workloads)
+    )
+    unknown = sorted(set(workloads) - set(WORKLOADS))
+    if unknown or not workloads:
+        raise SystemExit(
+            f"draftforge demo: --workloads {args.workloads!r}: unknown {unknown}; valid: {', '.join(WORKLOADS)}"
+        )
+    stages = Stages(total=6)
+    print(
+        f"draftforge demo: recipe {recipe} (target {cfg.target.model}, {cfg.train.steps} training "
+        f"steps per draft), {len(workloads)} workloads x {args.num_prompts} prompts, "
+        f"{args.max_new_tokens} new tokens; outputs under {paths.run_dir} and {paths.dflash_dir}",
+        flush=True,
+    )
+
+    if args.force:
+        keep = [Path(recipe), Path.cwd()]
+        outputs = [paths.export_dir, paths.eval_dir, paths.dflash_eval_dir, paths.table]
+        if not args.skip_train:
+            outputs = [paths.run_dir, paths.dflash_dir, paths.export_dir] + (
+                [paths.data_file, paths.data_file.with_name(paths.data_file.name + ".partial")]
+                if paths.data_file is not None
+                else []
+            )
+        for path in outputs:
+            _remove(path, keep)
+
+    # 1. data
+    since = stages.banner("regenerate the training data: the target answers the prompts")
+    if args.skip_train:
+        stages.skip("--skip-train")
+    elif paths.data_file is None:
+        stages.skip("data.regenerate is false: training uses data.train_files as they are")
+    elif paths.data_file.is_file():
+        stages.skip(f"{paths.data_file} exists (delete it or use --force to answer again)")
+    else:
+        # The recipe's thread count: on a shared machine more threads than free cores
+        # slow decoding down by an order of magnitude.
+        run_stage("data regenerate", ["data", "regenerate", recipe])
+        stages.done(since)
+
+    # 2-3. the two trainings
+    trainings = (
+        ("DSpark", paths.run_dir, cfg, []),
+        ("DFlash", paths.dflash_dir, dflash_cfg, dflash_overrides(paths)),
+    )
+    checkpoints: dict[str, Path] = {}
+    for what, run_dir, run_cfg, overrides in trainings:
+        title = f"train the {what} draft ({run_cfg.train.steps} steps) into {run_dir}" + (
+            " -- the ablation: no Markov or confidence head, cross-entropy only"
+            if overrides
+            else ""
+        )
+        since = stages.banner(title)
+        check_same_recipe(run_dir, run_cfg.to_yaml(), what)
+        done = final_checkpoint(run_dir, run_cfg.train.steps)
+        if done is not None:
+            stages.skip(f"finished: {done}")
+        elif args.skip_train:
+            from draftforge.train.checkpoint import complete_checkpoints
+
+            found = complete_checkpoints(run_dir)
+            if not found:
+                raise DemoError(
+                    f"--skip-train: {run_dir} has no complete checkpoint; train it first"
+                )
+            done = found[-1]
+            stages.skip(f"--skip-train: using the unfinished run's newest checkpoint {done}")
+        else:
+            run_stage(f"train {what}", ["train", recipe, *overrides])
+            done = final_checkpoint(run_dir, run_cfg.train.steps)
+            if done is None:
+                raise DemoError(
+                    f"training {what} ended without its final checkpoint in {run_dir}/checkpoints; "
+                    "the training output above says why (e.g. train.max_bad_steps)"
+                )
+            stages.done(since)
+        checkpoints[what] = done
+
+    # 4. export
+    since = stages.banner(f"export the DSpark draft to {paths.export_dir}")
+    exported = paths.export_dir / "config.json"
+    export_args = ["export", str(paths.run_dir), "--out", str(paths.export_dir)]
+    if _mtime(exported) >= _mtime(checkpoints["DSpark"] / "COMPLETE"):
+        stages.skip(f"{paths.export_dir} is newer than {checkpoints['DSpark']}")
+    else:
+        run_stage("export", export_args)
+        stages.done(since)
+
+    # 5. evaluation: DSpark export + baselines, and DFlash from its checkpoint, same prompts
+    common = [
+        "--recipe", recipe, "--dtype", "float32", "--temperature", "0",
+        "--workloads", ",".join(workloads), "--num-prompts", str(args.num_prompts),
+        "--max-new-tokens", str(args.max_new_tokens),
+    ]  # fmt: skip
+    eval_args = ["eval", str(paths.export_dir), *common, "--out", str(paths.eval_dir)]
+    dflash_args = [
+        "eval", str(paths.dflash_dir), *common, "--baselines", "none", "--no-estimate",
+        "--out", str(paths.dflash_eval_dir),
+    ]  # fmt: skip
+    parallel = (os.cpu_count() or 1) >= 2
+    since = stages.banner(
+        f"evaluate on {', '.join(workloads)}: DSpark vs no draft and n-gram, and the DFlash "
+        f"ablation ({'side by side, one thread each' if parallel else 'one after the other'})"
+    )
+    jobs = {}
+    if not eval_is_current(paths.eval_dir, eval_args[1:], checkpoints["DSpark"] / "COMPLETE"):
+        jobs["eval-dspark"] = eval_args
+    if not eval_is_current(
+        paths.dflash_eval_dir, dflash_args[1:], checkpoints["DFlash"] / "COMPLETE"
+    ):
+        jobs["eval-dflash"] = dflash_args
+    if jobs:
+        run_side_by_side(jobs, paths.log_dir, parallel=parallel and len(jobs) > 1)
+        stages.done(since)
+    else:
+        stages.skip(f"{paths.eval_dir} and {paths.dflash_eval_dir} hold this evaluation already")
+
+    # 6. the model card gets the measured table; the demo's table
+    since = stages.banner("the table (and the export's model card with the measured acceptance)")
+    report_md = paths.eval_dir / "report.md"
+    if _mtime(paths.export_dir / "README.md") < _mtime(report_md):
+        run_stage("export (model card)", [*export_args, "--eval-report", str(report_md)])
+    dspark_report = json.loads((paths.eval_dir / "report.json").read_text())
+    dflash_report = json.loads((paths.dflash_eval_dir / "report.json").read_text())
+    rows = table_rows(dspark_report, dflash_report)
+    table = markdown_table(rows)
+    text = demo_markdown(
+        table, command=command, cfg=cfg, paths=paths, num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens, block_size=cfg.draft.block_size,
+    )  # fmt: skip
+    _atomic_write(paths.table, text)
+    stages.done(since)
+    print(f"\n{text}")
+    print(
+        f"demo: table written to {paths.table}; whole demo {_minutes(time.perf_counter() - stages.started)}"
+    )
+    macro = rows[-1]
+    print(
+        f"export_dir={paths.export_dir} al_dspark={macro['dspark']:.3f} "
+        f"al_dflash={macro['dflash']:.3f} al_ngram={macro['ngram']:.3f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

