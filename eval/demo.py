@@ -382,12 +382,14 @@ def demo_markdown(
 ) -> str:
     """demo.md: the table with the command, date, machine and what the numbers mean."""
     taus = (_training_tau(paths.run_dir), _training_tau(paths.dflash_dir))
+    # when the evaluation finished (a rerun that skips every stage keeps that date)
+    measured = datetime.fromtimestamp(_mtime(paths.eval_dir / "report.json"), timezone.utc)
     return "\n".join(
         [
             f"# draftforge demo: {cfg.name}",
             "",
             f"Command: `{command}`  ",
-            f"Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; machine: {_machine()}.",
+            f"Measured: {measured.strftime('%Y-%m-%d %H:%M UTC')}; machine: {_machine()}.",
             "",
             f"Target `{cfg.target.model}` (evaluated in float32), greedy decoding (checked lossless "
             f"against plain decoding), {num_prompts} prompts per workload, up to {max_new_tokens} new "
@@ -462,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):
         raise SystemExit("draftforge demo: --num-prompts and --max-new-tokens must be positive")
     try:
-        return run_demo(args, command="draftforge demo " + shlex.join(argv))
+        return run_demo(args, command=" ".join(["draftforge demo", *map(shlex.quote, argv)]))
     except DemoError as err:
         print(f"\ndraftforge demo: {err}", file=sys.stderr)
         return 1
