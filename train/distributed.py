@@ -247,6 +247,19 @@ def _weights_only_checkpoint_engine(original):
     return engine
 
 
+def _skip_jit_shm_comm() -> None:
+    """Never JIT-compile DeepSpeed's shared-memory all-reduce for CPU ranks.
+
+    DeepSpeed builds it with a C++ toolchain on first use (40-60 s); a build
+    killed midway leaves torch's extension lock file behind, and every later
+    run then waits on that lock forever. Without it CPU collectives go through
+    gloo; GPU ranks use NCCL either way.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def init_deepspeed(*, model: nn.Module, optimizer: torch.optim.Optimizer, group, config: dict):
     """Wrap ``model``/``optimizer`` in a DeepSpeed engine data-parallel over ``group``."""
     try:
@@ -257,6 +270,7 @@ def init_deepspeed(*, model: nn.Module, optimizer: torch.optim.Optimizer, group,
             "DS_BUILD_OPS=0 .venv/bin/pip install --no-deps deepspeed==0.19.8 hjson ninja py-cpuinfo "
             "msgpack (or pip install 'draftforge[deepspeed]')"
         ) from exc
+    _skip_jit_shm_comm()
     wrapper = TupleOutput(model)
     engine, ds_optimizer, _, _ = deepspeed.initialize(
         model=wrapper, optimizer=optimizer, config=config, mpu=_GroupMPU(group),
