@@ -237,14 +237,17 @@ def _report(result: LoadResult, what: str) -> None:
 
 def load_prompts(cfg: DataConfig) -> LoadResult:
     """The prompts of ``data.train_files`` for regeneration, checked against the eval sets."""
+    return _load_checked(cfg, list(cfg.train_files), cfg.format, "prompt", "prompts")
+
+
+def _load_checked(
+    cfg: DataConfig, specs: list[str], fmt: str, expect: str, what: str
+) -> LoadResult:
+    """Load, report the counts, and refuse overlap with the evaluation sets (data.overlap_check)."""
     result = load_conversations(
-        cfg.train_files,
-        fmt=cfg.format,
-        expect="prompt",
-        skip_invalid=cfg.skip_invalid,
-        limit=cfg.num_samples,
+        specs, fmt=fmt, expect=expect, skip_invalid=cfg.skip_invalid, limit=cfg.num_samples
     )
-    _report(result, "prompts")
+    _report(result, what)
     if cfg.overlap_check:
         from draftforge.data.overlap import check_no_overlap
 
@@ -277,16 +280,4 @@ def load_training_conversations(cfg: DataConfig, output_dir: str | os.PathLike[s
         specs, fmt = [str(path)], "messages"
     else:
         specs, fmt = list(cfg.train_files), cfg.format
-    result = load_conversations(
-        specs,
-        fmt=fmt,
-        expect="conversation",
-        skip_invalid=cfg.skip_invalid,
-        limit=cfg.num_samples,
-    )
-    _report(result, "training conversations")
-    if cfg.overlap_check:
-        from draftforge.data.overlap import check_no_overlap
-
-        check_no_overlap(result.conversations, threshold=cfg.overlap_threshold)
-    return result
+    return _load_checked(cfg, specs, fmt, "conversation", "training conversations")
