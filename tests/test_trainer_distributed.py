@@ -16,6 +16,8 @@ import torch
 from safetensors.torch import load_file
 from trainer_helpers import chain_samples, target_embeddings, tiny_model_config, train_config
 
+from draftforge.train.export import export_draft, load_training_checkpoint
+from draftforge.train.hf_load import load_exported_draft
 from draftforge.train.sample import pack
 from draftforge.train.trainer import Trainer
 
@@ -99,6 +101,21 @@ def test_fsdp2_two_trainers_equal_one_process_on_the_union(tmp_path):
     init = Trainer(model_config=tiny_model_config(), train=train_config(steps=1),
                    embeddings=target_embeddings(), run_dir=tmp_path / "init").full_state_dict()
     assert (state["fc.weight"] - init["fc.weight"]).abs().max() > 1e-3
+    _assert_exportable(tmp_path / "fsdp2", multi["state"], tmp_path / "fsdp2-export")
+
+
+def _assert_exportable(run_dir: Path, final_state: dict, out: Path) -> None:
+    """The newest checkpoint of a sharded run holds the gathered weights, exactly, and exports."""
+    cfg, saved = load_training_checkpoint(run_dir)
+    assert cfg == tiny_model_config()
+    assert sorted(saved) == sorted(final_state)
+    for name, value in final_state.items():
+        assert torch.equal(saved[name], value), name
+    export_draft((saved, cfg), out, with_embeddings=True)
+    loaded = load_exported_draft(out).state_dict()
+    assert sorted(loaded) == sorted(saved)
+    for name, value in saved.items():
+        assert torch.equal(loaded[name], value), name
 
 
 def test_fsdp2_resume_on_a_trainer_subgroup_is_exact(tmp_path):
@@ -129,6 +146,7 @@ def test_deepspeed_zero_trains_like_one_process(tmp_path, stage):
     records, state = _single_on_union(tmp_path, dict(train, strategy="single"), 2)
     _assert_same_run(multi, records, state, rtol=1e-4, atol=1e-5)
     assert (tmp_path / f"zero{stage}" / "checkpoints" / "step_00000004" / "COMPLETE").is_file()
+    _assert_exportable(tmp_path / f"zero{stage}", multi["state"], tmp_path / f"zero{stage}-export")
     # Resume from step 2 (DeepSpeed's own files, read back with weights_only=True).
     step2 = tmp_path / f"zero{stage}" / "checkpoints" / "step_00000002"
     rest = launch(tmp_path, f"zero{stage}-rest", world=2, trainer_ranks=[0, 1],

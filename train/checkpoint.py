@@ -6,7 +6,8 @@ Layout of ``run_dir/checkpoints/step_XXXXXXXX``::
                           trainer rank, the caller's extra state
     draft_config.json     the draft's DSparkConfig (resume and export check it)
     rng/rank_R.safetensors  torch RNG state of trainer rank R
-    model.safetensors     single: the full model state
+    model.safetensors     the full model state, unsharded (fsdp2 and deepspeed gather it
+                          onto trainer rank 0 too): what export and evaluation read
     optimizer.safetensors single: AdamW moments (+ optimizer.json, its param groups)
     dcp/                  fsdp2: model + optimizer through torch.distributed.checkpoint
     deepspeed/            deepspeed: the engine's own checkpoint
@@ -194,6 +195,7 @@ def save_checkpoint(
     group,
     keep_last: int,
     model_config: dict | None = None,
+    full_state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write the checkpoint of ``step`` atomically (collective over the trainer group).
 
@@ -201,7 +203,10 @@ def save_checkpoint(
     temporary folder on every rank's behalf and raises :class:`CheckpointError`
     on every rank; the complete checkpoints already on disk are left alone.
     ``model_config`` (the draft's DSparkConfig as a dict) is stored as
-    ``draft_config.json`` so that export and resume can check it.
+    ``draft_config.json`` so that export and resume can check it. ``full_state``
+    (fsdp2, deepspeed: the gathered, unsharded model state) is written by trainer
+    rank 0 as ``model.safetensors`` beside the strategy's own files, so every
+    checkpoint can be exported; resume reads the strategy's files.
     """
     rank = D.group_rank(group=group)
     final = checkpoint_path(run_dir, step)
@@ -225,6 +230,9 @@ def save_checkpoint(
             tensors, meta = _flatten_optimizer(optimizer.state_dict())
             save_file(tensors, str(tmp / "optimizer.safetensors"))
             _write_json(tmp / "optimizer.json", meta)
+        elif full_state is not None and rank == 0:
+            save_file({k: v.detach().contiguous().cpu() for k, v in full_state.items()},
+                      str(tmp / "model.safetensors"))
     except Exception as exc:  # noqa: BLE001 - reported on every rank below
         error = f"trainer rank {rank}: {type(exc).__name__}: {exc}"
     if strategy == "fsdp2":

@@ -475,10 +475,13 @@ class Trainer:
             "extra_per_rank": [json.loads(e[0]) for e in extras],
             "seed": self.train.seed,
         }
+        # Sharded strategies also gather the full model once, so that export needs no torchrun.
+        full = self.full_state_dict() if self.train.strategy != "single" else None
         return ckpt.save_checkpoint(
             run_dir=self.run_dir, step=self.step, strategy=self.train.strategy, model=self.model,
             optimizer=self.optimizer, engine=self.engine, state=state, group=self.group,
             keep_last=self.train.keep_last, model_config=self.model_config.to_dict(),
+            full_state=full,
         )
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
