@@ -55,7 +55,7 @@ class Reply(str):
 
 @runtime_checkable
 class TargetEngine(Protocol):
-    """A running target model (transformers in-process today; SGLang later)."""
+    """A running target model (transformers in-process, or SGLang: ``sglang_backend``)."""
 
     name: str
     num_hidden_layers: int
@@ -146,10 +146,7 @@ def build_target(
     SmolLM2's) or a local Hugging Face folder with safetensors weights.
     """
     if cfg.backend == "sglang":
-        raise NotImplementedError(
-            "target.backend 'sglang' is not available yet in this build; install it with "
-            "`pip install draftforge[sglang]` once supported, or use target.backend: hf"
-        )
+        return _build_sglang_target(cfg, layer_ids, device=device)
     if cfg.backend != "hf":
         raise ValueError(f"unknown target.backend {cfg.backend!r}; valid: 'hf', 'sglang'")
 
@@ -169,6 +166,28 @@ def build_target(
         engine = HFTarget.from_folder(folder, layer_ids, cfg, name=smollm2.NAME, device=device)
     else:
         engine = HFTarget.from_folder(cfg.model, layer_ids, cfg, device=device)
+    _check_declared_shape(cfg, engine)
+    return engine
+
+
+def _build_sglang_target(
+    cfg: TargetConfig, layer_ids: Sequence[int], *, device: str | torch.device
+) -> TargetEngine:
+    """An ``SGLangTarget`` for a registered name or a local folder (SGLang needs real weights)."""
+    from draftforge.splitserve import smollm2
+    from draftforge.splitserve.sglang_backend import SGLangTarget, require_sglang
+
+    require_sglang()  # before any conversion or load: the install command is the first thing to fix
+    if cfg.model == "random":
+        raise ValueError(
+            "target.model 'random' is built in memory and has no folder for SGLang to load; "
+            "use target.backend: hf for random targets"
+        )
+    if cfg.model == smollm2.NAME:
+        folder = smollm2.ensure_smollm2(cfg.cache_dir)
+        engine: TargetEngine = SGLangTarget(folder, layer_ids, cfg, name=smollm2.NAME, device=device)
+    else:
+        engine = SGLangTarget(cfg.model, layer_ids, cfg, device=device)
     _check_declared_shape(cfg, engine)
     return engine
 

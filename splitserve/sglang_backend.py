@@ -1,0 +1,442 @@
+"""The SGLang target backend: generation and feature capture through SGLang, pinned to one release.
+
+Two paths, both lazy (nothing of SGLang is imported until first use):
+
+* ``generate``: SGLang's public offline engine (``sglang.Engine``), started on
+  the first call in the calling process. Prompts go in as token ids rendered
+  with the target's chat template, replies come back as token ids
+  (``skip_tokenizer_init``) and are decoded with the same tokenizer as the
+  transformers backend. Not a hot path.
+* ``features``: SGLang's upstream auxiliary-hidden-state capture
+  (``--enable-return-aux-hidden-states`` with the ``EAGLE3`` capture
+  convention and explicit ``--return-aux-hidden-state-layer-ids``), run by a
+  ``ModelRunner`` in a spawned child process (``sglang_runner``). SGLang's
+  engine and HTTP server only return hidden states as nested Python float
+  lists; the in-process ``LogitsProcessorOutput`` holds them as tensors
+  (``hidden_states``: the aux layers ``[T, K*H]``; ``last_hidden_states``: the
+  post-norm final state ``[T, H]``). That is internal API of SGLang 0.5.23,
+  confined to ``sglang_runner`` and refused for any other version. Tensors
+  cross the process boundary through ``torch.multiprocessing`` (shared memory
+  on CPU, CUDA IPC on GPU), never as lists or JSON. The child process keeps
+  SGLang's own process group and global runtime state out of a target rank
+  that already runs ``torch.distributed``.
+
+Everything that turns SGLang outputs into ``TargetFeatures`` (order of the
+captured layers, splitting the packed token axis, padding) is a pure function
+here, tested on CPU without SGLang.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from draftforge.splitserve.target import Reply, TargetFeatures, check_layer_ids, sglang_layer_ids
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from draftforge.splitserve.config import GenerationConfig, TargetConfig
+
+SGLANG_VERSION = "0.5.23"
+INSTALL_COMMAND = "pip install 'draftforge[sglang]'"
+# SGLang's capture conventions differ by draft family; EAGLE3 with explicit ids
+# is the one most model classes implement (Llama, Qwen2, Qwen3, ...), and for
+# those it captures the residual stream on entry to layer i + 1.
+CAPTURE_CONVENTION = "EAGLE3"
+DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def require_sglang() -> str:
+    """Check that the pinned SGLang release is installed (without importing it); returns its version."""
+    try:
+        version = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise RuntimeError(
+            f"target.backend 'sglang' needs the sglang package (version {SGLANG_VERSION}): "
+            f"{INSTALL_COMMAND}, or use target.backend: hf"
+        ) from exc
+    if version != SGLANG_VERSION:
+        raise RuntimeError(
+            f"target.backend 'sglang' is pinned to sglang=={SGLANG_VERSION}, but sglang {version} "
+            f"is installed: its feature capture uses SGLang internals that change between "
+            f"releases. Install the pinned version with {INSTALL_COMMAND}, or use target.backend: hf"
+        )
+    return version
+
+
+# ---------------------------------------------------------------- pure helpers
+
+
+def sampling_params(settings: GenerationConfig, stop_token_ids: Sequence[int]) -> dict[str, Any]:
+    """SGLang sampling parameters (``sglang.srt.sampling.sampling_params.SamplingParams``) for ``settings``.
+
+    Temperature 0 is greedy (SGLang's own rule: ``top_k`` 1); ``top_k`` 0
+    (disabled in draftforge) is SGLang's ``-1``. ``stop_token_ids`` are the
+    target's end-of-turn ids, the same the transformers backend stops on.
+    """
+    params: dict[str, Any] = {
+        "max_new_tokens": settings.max_new_tokens,
+        "stop_token_ids": [int(i) for i in stop_token_ids],
+        "skip_special_tokens": True,
+    }
+    if settings.temperature == 0:
+        params.update(temperature=0.0, top_k=1)
+    else:
+        params.update(
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            top_k=settings.top_k if settings.top_k > 0 else -1,
+        )
+    return params
+
+
+def reply_ids(output: dict[str, Any], eos_token_ids: Sequence[int]) -> tuple[list[int], bool]:
+    """A reply's token ids and whether the target ended it, from one ``Engine.generate`` output.
+
+    With ``skip_tokenizer_init`` an output is ``{"output_ids": [...],
+    "meta_info": {"finish_reason": {"type": "stop" | "length" | "abort", ...}}}``
+    (``FINISH_*.to_json`` in ``sglang/srt/managers/schedule_batch.py``). Ids after
+    the first end-of-turn token are dropped; an aborted request is an error.
+    """
+    reason = (output.get("meta_info") or {}).get("finish_reason") or {}
+    kind = reason.get("type") if isinstance(reason, dict) else None
+    if kind not in ("stop", "length"):
+        raise RuntimeError(f"SGLang did not finish a generation request: finish_reason {reason!r}")
+    ids = [int(t) for t in output["output_ids"]]
+    eos = set(eos_token_ids)
+    for position, token in enumerate(ids):
+        if token in eos:
+            return ids[: position + 1], True
+    return ids, kind == "stop"
+
+
+def rows_from_batch(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+) -> tuple[list[torch.Tensor], list[int]]:
+    """Split a right-padded batch [B, S] into its unpadded rows (CPU int64) and their lengths."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(
+            f"input_ids must be a 2-D tensor [batch, seq], got "
+            f"{getattr(input_ids, 'shape', type(input_ids))}"
+        )
+    batch, seq = input_ids.shape
+    if attention_mask is None:
+        lengths = [seq] * batch
+    else:
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} differs from input_ids "
+                f"shape {tuple(input_ids.shape)}"
+            )
+        mask = attention_mask.detach().to("cpu").bool()
+        lengths = mask.sum(dim=1).tolist()
+        for row, length in enumerate(lengths):
+            if not bool(mask[row, :length].all()):
+                raise ValueError(
+                    f"attention_mask row {row} is not right-padded (ones then zeros); the SGLang "
+                    f"backend takes right-padded batches"
+                )
+    ids = input_ids.detach().to("cpu", torch.int64)
+    return [ids[row, :length] for row, length in enumerate(lengths)], [int(n) for n in lengths]
+
+
+def captured_order(layer_ids: Sequence[int]) -> list[int]:
+    """The order SGLang's aux states come back in: ascending layer (its models capture inside the layer loop)."""
+    return sorted(sglang_layer_ids(layer_ids))
+
+
+def aux_in_requested_order(
+    packed: torch.Tensor, layer_ids: Sequence[int], hidden_size: int
+) -> torch.Tensor:
+    """Reorder SGLang's ``[..., K*H]`` aux states (ascending layers) into the order of ``layer_ids``.
+
+    draftforge concatenates auxiliary layers in the recipe's order; SGLang's
+    ``LlamaModel.forward`` (and its siblings) append a capture whenever the
+    layer loop reaches a layer in ``layers_to_capture``, i.e. ascending.
+    """
+    ids = list(layer_ids)
+    if packed.shape[-1] != len(ids) * hidden_size:
+        raise ValueError(
+            f"SGLang returned aux states of width {packed.shape[-1]}, expected "
+            f"{len(ids)} layers x {hidden_size}"
+        )
+    order = captured_order(ids)
+    if order == sglang_layer_ids(ids):
+        return packed
+    slots = packed.unflatten(-1, (len(ids), hidden_size))
+    index = torch.tensor([order.index(i) for i in sglang_layer_ids(ids)], device=packed.device)
+    return slots.index_select(-2, index).flatten(-2)
+
+
+def pad_packed(packed: torch.Tensor, lengths: Sequence[int], seq_len: int) -> torch.Tensor:
+    """Scatter token-packed states ``[sum(lengths), D]`` into a right-padded ``[B, seq_len, D]`` (zeros outside)."""
+    total = sum(lengths)
+    if packed.dim() != 2 or packed.shape[0] != total:
+        raise ValueError(
+            f"SGLang returned states of shape {tuple(packed.shape)}, expected [{total}, D] "
+            f"for {len(lengths)} sequences of lengths {list(lengths)}"
+        )
+    if any(n > seq_len for n in lengths):
+        raise ValueError(f"a sequence length in {list(lengths)} exceeds seq_len {seq_len}")
+    out = packed.new_zeros(len(lengths), seq_len, packed.shape[1])
+    mask = torch.arange(seq_len).unsqueeze(0) < torch.tensor(list(lengths)).unsqueeze(1)
+    out[mask.to(packed.device)] = packed
+    return out
+
+
+def features_from_packed(
+    aux: torch.Tensor,
+    final: torch.Tensor,
+    lengths: Sequence[int],
+    seq_len: int,
+    layer_ids: Sequence[int],
+    hidden_size: int,
+    dtype: torch.dtype,
+) -> TargetFeatures:
+    """``TargetFeatures`` [B, S, ...] from SGLang's token-packed aux ``[T, K*H]`` and final ``[T, H]`` states."""
+    if final.dim() != 2 or final.shape[-1] != hidden_size:
+        raise ValueError(
+            f"SGLang returned final states of shape {tuple(final.shape)}, expected [T, {hidden_size}]"
+        )
+    aux = aux_in_requested_order(aux, layer_ids, hidden_size)
+    return TargetFeatures(
+        aux=pad_packed(aux, lengths, seq_len).to(dtype),
+        final=pad_packed(final, lengths, seq_len).to(dtype),
+    )
+
+
+def runner_args(
+    cfg: TargetConfig,
+    model_path: str,
+    layer_ids: Sequence[int],
+    *,
+    device: torch.device,
+    max_total_tokens: int,
+) -> dict[str, Any]:
+    """``ServerArgs`` fields for the feature runner: aux capture of ``layer_ids``, no draft, no CUDA graphs."""
+    return {
+        **_common_args(cfg, model_path, device),
+        "enable_return_aux_hidden_states": True,
+        "speculative_algorithm": CAPTURE_CONVENTION,
+        "return_aux_hidden_state_layer_ids": sglang_layer_ids(layer_ids),
+        "max_total_tokens": max_total_tokens,
+        "disable_cuda_graph": True,  # prefill only: no decode graphs to capture
+        "disable_radix_cache": True,
+    }
+
+
+def engine_args(cfg: TargetConfig, model_path: str, *, device: torch.device) -> dict[str, Any]:
+    """``ServerArgs`` fields of the generation engine: token ids in and out, seeded from the recipe."""
+    return {
+        **_common_args(cfg, model_path, device),
+        "skip_tokenizer_init": True,
+        "random_seed": cfg.generation.seed,
+    }
+
+
+def _common_args(cfg: TargetConfig, model_path: str, device: torch.device) -> dict[str, Any]:
+    args: dict[str, Any] = {
+        "model_path": model_path,
+        "dtype": cfg.dtype,
+        "trust_remote_code": cfg.trust_remote_code,
+        "device": device.type,
+        "tp_size": 1,
+        "log_level": "error",
+    }
+    if device.type == "cuda":
+        args["base_gpu_id"] = 0 if device.index is None else device.index
+    return args
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, folder: Path) -> list[int]:
+    """End-of-turn ids: the tokenizer's eos plus ``generation_config.json``'s (as the transformers backend)."""
+    sources: list[Any] = [tokenizer.eos_token_id]
+    config_file = folder / "generation_config.json"
+    if config_file.is_file():
+        sources.append(json.loads(config_file.read_text()).get("eos_token_id"))
+    ids: list[int] = []
+    for source in sources:
+        for token_id in source if isinstance(source, list) else [source]:
+            if token_id is not None and int(token_id) not in ids:
+                ids.append(int(token_id))
+    if not ids:
+        raise ValueError(f"target folder {folder} defines no end-of-sequence token")
+    return ids
+
+
+def read_weight(folder: Path, names: Sequence[str]) -> torch.Tensor:
+    """The first of ``names`` found in the folder's ``*.safetensors`` files."""
+    from safetensors import safe_open
+
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in names:
+                if name in handle.keys():
+                    return handle.get_tensor(name)
+    raise ValueError(f"target folder {folder}: none of {list(names)} in its safetensors files")
+
+
+# ---------------------------------------------------------------- the engine
+
+
+class SGLangTarget:
+    """A target served by SGLang ``SGLANG_VERSION`` as a ``TargetEngine``.
+
+    The generation engine and the feature runner start on first use; call
+    ``close()`` (or let the object be collected) to stop them.
+    """
+
+    def __init__(
+        self,
+        folder: str | os.PathLike[str],
+        layer_ids: Sequence[int],
+        cfg: TargetConfig,
+        *,
+        name: str | None = None,
+        device: str | torch.device = "cpu",
+        max_total_tokens: int = 65536,
+    ) -> None:
+        require_sglang()
+        from transformers import AutoConfig, AutoTokenizer
+
+        from draftforge.splitserve.hf_backend import _checked_model_folder
+
+        self.folder = _checked_model_folder(folder)
+        self.cfg = cfg
+        self.name = name or self.folder.name
+        self.device = torch.device(device)
+        self.dtype = DTYPES[cfg.dtype]
+        config = AutoConfig.from_pretrained(
+            str(self.folder), trust_remote_code=cfg.trust_remote_code
+        ).get_text_config()
+        self.num_hidden_layers = int(config.num_hidden_layers)
+        self.hidden_size = int(config.hidden_size)
+        self.vocab_size = int(config.vocab_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.layer_ids = check_layer_ids(layer_ids, self.num_hidden_layers)
+        self._tokenizer = AutoTokenizer.from_pretrained(
+            str(self.folder), trust_remote_code=cfg.trust_remote_code
+        )
+        self.max_total_tokens = max_total_tokens
+        self._engine: Any = None
+        self._runner: Any = None
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The target's tokenizer (with its chat template)."""
+        return self._tokenizer
+
+    def eos_token_ids(self) -> list[int]:
+        """Token ids that end an assistant turn."""
+        return eos_token_ids(self._tokenizer, self.folder)
+
+    def generate(
+        self, conversations: list[list[dict[str, str]]], settings: GenerationConfig
+    ) -> list[Reply]:
+        """One assistant reply per conversation, sampled by SGLang with the recipe's settings.
+
+        Prompts are rendered exactly as the transformers backend renders them
+        and sent as token ids; replies are decoded without special tokens.
+        SGLang seeds its sampler once, at engine start, from
+        ``target.generation.seed``; batching on a GPU makes sampled replies
+        reproducible only up to SGLang's own determinism (greedy is exact).
+        """
+        from draftforge.splitserve.hf_backend import _check_conversation
+
+        prompts: list[list[int]] = []
+        for index, conversation in enumerate(conversations):
+            _check_conversation(conversation, index)
+            text = self._tokenizer.apply_chat_template(
+                conversation,
+                tokenize=False,
+                add_generation_prompt=True,
+                enable_thinking=settings.enable_thinking,
+                chat_template=settings.chat_template,
+            )
+            prompts.append(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+        if not prompts:
+            return []
+        eos = self.eos_token_ids()
+        params = sampling_params(settings, eos)
+        outputs = self._generation_engine().generate(input_ids=prompts, sampling_params=params)
+        replies = []
+        for output in outputs:
+            ids, finished = reply_ids(output, eos)
+            text = self._tokenizer.decode(ids, skip_special_tokens=True)
+            replies.append(Reply(text, finished=finished))
+        return replies
+
+    @torch.no_grad()
+    def features(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> TargetFeatures:
+        """Aux-layer outputs [B, S, K*H] and final post-norm states [B, S, H], zero outside the mask."""
+        rows, lengths = rows_from_batch(input_ids, attention_mask)
+        seq_len = input_ids.shape[1]
+        present = [row for row in rows if len(row) > 0]
+        if present:
+            aux, final = self._feature_runner().features(present)
+        else:
+            aux = torch.zeros(0, len(self.layer_ids) * self.hidden_size, dtype=self.dtype)
+            final = torch.zeros(0, self.hidden_size, dtype=self.dtype)
+        features = features_from_packed(
+            aux, final, lengths, seq_len, self.layer_ids, self.hidden_size, self.dtype
+        )
+        return TargetFeatures(
+            aux=features.aux.to(self.device), final=features.final.to(self.device)
+        )
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """The output projection [V, H_t], read from the folder's safetensors (tied: the embedding)."""
+        names = ["lm_head.weight"]
+        if self.tie_word_embeddings:
+            names.append("model.embed_tokens.weight")
+        return read_weight(self.folder, names).to(self.device, self.dtype)
+
+    def embed_tokens_weight(self) -> torch.Tensor:
+        """The input embedding [V, H_t], read from the folder's safetensors."""
+        return read_weight(self.folder, ["model.embed_tokens.weight"]).to(self.device, self.dtype)
+
+    def close(self) -> None:
+        """Stop the generation engine and the feature runner (both restart on next use)."""
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None
+
+    def _generation_engine(self) -> Any:
+        if self._engine is None:
+            if self.device.type == "cpu":
+                # SGLang's CPU path is chosen by this switch, read when sglang is first imported
+                os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+            import sglang
+
+            self._engine = sglang.Engine(
+                **engine_args(self.cfg, str(self.folder), device=self.device)
+            )
+        return self._engine
+
+    def _feature_runner(self) -> Any:
+        if self._runner is None:
+            from draftforge.splitserve.sglang_runner import FeatureRunnerProcess
+
+            self._runner = FeatureRunnerProcess(
+                runner_args(
+                    self.cfg,
+                    str(self.folder),
+                    self.layer_ids,
+                    device=self.device,
+                    max_total_tokens=self.max_total_tokens,
+                ),
+                num_threads=self.cfg.num_threads,
+            )
+        return self._runner

@@ -1,0 +1,364 @@
+"""The SGLang target backend: output parsing, layer order, padding and settings on CPU; parity on a GPU.
+
+The CPU tests feed the pure functions tensors shaped exactly as SGLang 0.5.23
+hands them over, built here from transformers' own ``output_hidden_states``:
+
+* aux states: ``LogitsProcessorOutput.hidden_states``, ``[T, K*H]``, the batch's
+  tokens concatenated request after request (``ScheduleBatch`` extend order),
+  layers in ascending order because ``LlamaModel.forward``
+  (``sglang/srt/models/llama.py``) captures inside its layer loop when
+  ``i in layers_to_capture``, with ``layers_to_capture = [id + 1 ...]``
+  (``set_eagle3_layers_to_capture``), recording the residual stream on entry
+  to layer ``id + 1``, i.e. transformers' ``hidden_states[id + 1]``;
+* final states: ``LogitsProcessorOutput.last_hidden_states``, ``[T, H]``, post-norm
+  (``LogitsProcessor._get_last_hidden_states_to_store`` in
+  ``sglang/srt/layers/logits_processor.py``);
+* generation outputs with ``skip_tokenizer_init``: ``{"output_ids": [...],
+  "meta_info": {"finish_reason": {"type": "stop" | "length", ...}}}``
+  (``TokenizerManager._handle_batch_output`` and ``FINISH_*.to_json`` in
+  ``sglang/srt/managers/schedule_batch.py``).
+
+The ``gpu`` tests run the real SGLang against ``HFTarget`` on SmolLM2.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from test_target_capture import SHAPE, tiny_tokenizer
+
+from draftforge.splitserve import sglang_backend
+from draftforge.splitserve.config import GenerationConfig, TargetConfig
+from draftforge.splitserve.hf_backend import HFTarget
+from draftforge.splitserve.random_target import random_llama
+from draftforge.splitserve.sglang_backend import (
+    INSTALL_COMMAND,
+    SGLANG_VERSION,
+    SGLangTarget,
+    aux_in_requested_order,
+    captured_order,
+    engine_args,
+    features_from_packed,
+    pad_packed,
+    reply_ids,
+    require_sglang,
+    rows_from_batch,
+    runner_args,
+    sampling_params,
+)
+from draftforge.splitserve.target import TargetEngine, build_target, sglang_layer_ids
+
+LAYERS = [3, 0, 2]  # unsorted: SGLang returns them ascending, draftforge wants this order
+H = SHAPE.hidden_size
+SGLANG_MISSING = importlib.util.find_spec("sglang") is None
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_llama(SHAPE, seed=5).eval()
+
+
+@pytest.fixture(scope="module")
+def folder(model, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-sglang-target")
+    model.save_pretrained(path, safe_serialization=True)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def right_padded(lengths, seq_len, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(len(lengths), seq_len, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, :n] = torch.randint(0, SHAPE.vocab_size, (n,), generator=gen)
+        mask[row, :n] = 1
+    return ids, mask
+
+
+def sglang_style_outputs(model, rows, layer_ids):
+    """What SGLang's logits output holds after one prefill of ``rows``, from transformers' states."""
+    aux, final = [], []
+    with torch.no_grad():
+        for row in rows:
+            states = model(row.unsqueeze(0), output_hidden_states=True).hidden_states
+            # "before layer i + 1" for each captured id, in the layer loop's (ascending) order
+            aux.append(torch.cat([states[i + 1][0] for i in sorted(layer_ids)], dim=-1))
+            final.append(states[-1][0])  # transformers' last entry is the post-norm state
+    return torch.cat(aux), torch.cat(final)
+
+
+# ---------------------------------------------------------------- translation and order
+
+
+def test_translation_is_identity_and_capture_order_ascending():
+    assert sglang_layer_ids(LAYERS) == LAYERS
+    assert captured_order(LAYERS) == [0, 2, 3]
+
+
+def test_aux_reordered_into_requested_order():
+    # three layers whose slots hold constant 0, 2, 3 (their layer id) in SGLang's ascending order
+    packed = torch.cat([torch.full((5, H), float(i)) for i in [0, 2, 3]], dim=-1)
+    out = aux_in_requested_order(packed, LAYERS, H)
+    for slot, layer_id in enumerate(LAYERS):
+        assert torch.all(out[:, slot * H : (slot + 1) * H] == layer_id)
+    already_sorted = aux_in_requested_order(packed, [0, 2, 3], H)
+    assert torch.equal(already_sorted, packed)
+
+
+def test_aux_width_mismatch_refused():
+    with pytest.raises(ValueError, match="expected 3 layers x 64"):
+        aux_in_requested_order(torch.zeros(4, 2 * H), LAYERS, H)
+
+
+# ---------------------------------------------------------------- padding and rows
+
+
+def test_pad_packed_places_tokens_and_zeros():
+    lengths = [3, 1, 2]
+    packed = torch.arange(1, 7, dtype=torch.float32).unsqueeze(1).repeat(1, 2)  # rows 1..6
+    out = pad_packed(packed, lengths, seq_len=4)
+    expected = (
+        torch.tensor([[1, 2, 3, 0], [4, 0, 0, 0], [5, 6, 0, 0]], dtype=torch.float32)
+        .unsqueeze(-1)
+        .repeat(1, 1, 2)
+    )
+    assert torch.equal(out, expected)
+
+
+def test_pad_packed_refuses_wrong_token_count():
+    with pytest.raises(ValueError, match=r"expected \[6, D\]"):
+        pad_packed(torch.zeros(5, 2), [3, 1, 2], seq_len=4)
+
+
+def test_rows_from_batch_unpads_and_checks_right_padding():
+    ids, mask = right_padded([4, 2, 0], 5)
+    rows, lengths = rows_from_batch(ids, mask)
+    assert lengths == [4, 2, 0]
+    assert [r.tolist() for r in rows] == [ids[0, :4].tolist(), ids[1, :2].tolist(), []]
+    assert all(r.dtype == torch.int64 for r in rows)
+    left = torch.tensor([[0, 1, 1]])
+    with pytest.raises(ValueError, match="not right-padded"):
+        rows_from_batch(torch.zeros(1, 3, dtype=torch.long), left)
+    with pytest.raises(ValueError, match="differs from input_ids"):
+        rows_from_batch(ids, mask[:, :3])
+    assert rows_from_batch(ids, None)[1] == [5, 5, 5]
+
+
+def test_features_from_sglang_packing_equal_hf_features(model):
+    """SGLang-shaped outputs parse into exactly what HFTarget computes on the padded batch."""
+    lengths = [7, 3, 5]
+    ids, mask = right_padded(lengths, 8, seed=1)
+    rows, _ = rows_from_batch(ids, mask)
+    aux, final = sglang_style_outputs(model, rows, LAYERS)
+    assert aux.shape == (sum(lengths), len(LAYERS) * H) and final.shape == (sum(lengths), H)
+    parsed = features_from_packed(aux, final, lengths, 8, LAYERS, H, torch.float32)
+    reference = HFTarget(model, None, LAYERS, name="tiny").features(ids, mask)
+    torch.testing.assert_close(parsed.aux, reference.aux, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(parsed.final, reference.final, rtol=1e-5, atol=1e-5)
+    assert parsed.aux[1, 3:].abs().sum() == 0 and parsed.final[1, 3:].abs().sum() == 0
+
+
+def test_features_cast_to_recipe_dtype():
+    out = features_from_packed(
+        torch.ones(3, 2 * H), torch.ones(3, H), [2, 1], 2, [0, 1], H, torch.bfloat16
+    )
+    assert out.aux.dtype == torch.bfloat16 and out.final.dtype == torch.bfloat16
+    assert out.aux.shape == (2, 2, 2 * H) and out.final.shape == (2, 2, H)
+
+
+# ---------------------------------------------------------------- generation settings and outputs
+
+
+def test_sampling_params_greedy_and_sampled():
+    greedy = sampling_params(GenerationConfig(temperature=0.0, max_new_tokens=9), [2, 7])
+    assert greedy == {
+        "max_new_tokens": 9,
+        "stop_token_ids": [2, 7],
+        "skip_special_tokens": True,
+        "temperature": 0.0,
+        "top_k": 1,
+    }
+    sampled = sampling_params(GenerationConfig(temperature=0.7, top_p=0.8, top_k=0), [2])
+    assert (sampled["temperature"], sampled["top_p"], sampled["top_k"]) == (0.7, 0.8, -1)
+    assert sampling_params(GenerationConfig(top_k=20), [2])["top_k"] == 20
+
+
+def test_reply_ids_from_engine_outputs():
+    stop = {"output_ids": [5, 6, 2], "meta_info": {"finish_reason": {"type": "stop", "matched": 2}}}
+    assert reply_ids(stop, [2]) == ([5, 6, 2], True)
+    length = {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length", "length": 2}}}
+    assert reply_ids(length, [2]) == ([5, 6], False)
+    trailing = {"output_ids": [5, 2, 9], "meta_info": {"finish_reason": {"type": "stop"}}}
+    assert reply_ids(trailing, [2]) == ([5, 2], True)
+    aborted = {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": "x"}}}
+    with pytest.raises(RuntimeError, match="did not finish"):
+        reply_ids(aborted, [2])
+
+
+def test_server_args_from_config():
+    cfg = TargetConfig(model="/m", dtype="float32", generation=GenerationConfig(seed=4))
+    args = runner_args(cfg, "/m", LAYERS, device=torch.device("cuda", 3), max_total_tokens=4096)
+    assert args["return_aux_hidden_state_layer_ids"] == LAYERS  # SGLang reorders; we undo it
+    assert args["enable_return_aux_hidden_states"] is True
+    assert args["speculative_algorithm"] == "EAGLE3"
+    assert (args["base_gpu_id"], args["device"], args["dtype"]) == (3, "cuda", "float32")
+    assert args["trust_remote_code"] is False and args["max_total_tokens"] == 4096
+    gen = engine_args(cfg, "/m", device=torch.device("cpu"))
+    assert gen["skip_tokenizer_init"] is True and gen["random_seed"] == 4
+    assert "base_gpu_id" not in gen and "enable_return_aux_hidden_states" not in gen
+
+
+# ---------------------------------------------------------------- install and version checks
+
+
+@pytest.mark.skipif(not SGLANG_MISSING, reason="sglang is installed")
+def test_missing_sglang_names_the_install_command():
+    assert INSTALL_COMMAND == "pip install 'draftforge[sglang]'"
+    with pytest.raises(RuntimeError, match=r"pip install 'draftforge\[sglang\]'"):
+        require_sglang()
+    with pytest.raises(RuntimeError, match=r"pip install 'draftforge\[sglang\]'"):
+        build_target(TargetConfig(model="smollm2-135m-instruct", backend="sglang"), [0])
+
+
+def test_wrong_sglang_version_refused(monkeypatch):
+    monkeypatch.setattr(sglang_backend.importlib.metadata, "version", lambda name: "0.5.14")
+    with pytest.raises(RuntimeError, match=rf"pinned to sglang=={SGLANG_VERSION}.*0\.5\.14"):
+        require_sglang()
+    monkeypatch.setattr(sglang_backend.importlib.metadata, "version", lambda name: SGLANG_VERSION)
+    assert require_sglang() == SGLANG_VERSION
+
+
+def test_random_target_refused_for_sglang(monkeypatch):
+    monkeypatch.setattr(sglang_backend, "require_sglang", lambda: SGLANG_VERSION)
+    cfg = TargetConfig(model="random", backend="sglang", shape=SHAPE)
+    with pytest.raises(ValueError, match="backend: hf"):
+        build_target(cfg, [0])
+
+
+# ---------------------------------------------------------------- SGLangTarget with SGLang faked
+
+
+class FakeRunner:
+    """Stands in for the feature runner: answers with SGLang-shaped tensors from transformers."""
+
+    def __init__(self, model, layer_ids):
+        self.model, self.layer_ids, self.calls = model, layer_ids, []
+
+    def features(self, rows):
+        self.calls.append([r.tolist() for r in rows])
+        return sglang_style_outputs(self.model, rows, self.layer_ids)
+
+
+@pytest.fixture
+def fake_target(monkeypatch, folder, model):
+    monkeypatch.setattr(sglang_backend, "require_sglang", lambda: SGLANG_VERSION)
+    target = SGLangTarget(folder, LAYERS, TargetConfig(model=str(folder), dtype="float32"))
+    target._runner = FakeRunner(model, LAYERS)
+    return target
+
+
+def test_sglang_target_protocol_and_weights(fake_target, model):
+    assert isinstance(fake_target, TargetEngine)
+    assert (fake_target.num_hidden_layers, fake_target.hidden_size) == (5, 64)
+    assert torch.equal(fake_target.embed_tokens_weight(), model.model.embed_tokens.weight)
+    assert torch.equal(fake_target.lm_head_weight(), model.lm_head.weight)
+
+
+def test_sglang_target_features_skip_empty_rows(fake_target, model):
+    ids, mask = right_padded([4, 0, 2], 6, seed=3)
+    features = fake_target.features(ids, mask)
+    assert fake_target._runner.calls == [[ids[0, :4].tolist(), ids[2, :2].tolist()]]
+    reference = HFTarget(model, None, LAYERS, name="tiny").features(ids, mask)
+    for row in (0, 2):
+        torch.testing.assert_close(features.aux[row], reference.aux[row], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(features.final[row], reference.final[row], rtol=1e-5, atol=1e-5)
+    assert features.aux[1].abs().sum() == 0 and features.final[1].abs().sum() == 0
+
+
+def test_sglang_target_generate_renders_and_decodes(fake_target):
+    seen = {}
+    tokenizer = fake_target.tokenizer
+    w5, eos = tokenizer.convert_tokens_to_ids("w5"), tokenizer.eos_token_id
+
+    class FakeEngine:
+        def generate(self, input_ids, sampling_params):
+            seen.update(input_ids=input_ids, params=sampling_params)
+            return [
+                {"output_ids": [w5, eos], "meta_info": {"finish_reason": {"type": "stop"}}},
+                {"output_ids": [w5, w5], "meta_info": {"finish_reason": {"type": "length"}}},
+            ]
+
+    fake_target._engine = FakeEngine()
+    conversations = [[{"role": "user", "content": "w1 w2"}], [{"role": "user", "content": "w3"}]]
+    replies = fake_target.generate(
+        conversations, GenerationConfig(temperature=0.0, max_new_tokens=2)
+    )
+    expected_prompt = tokenizer.apply_chat_template(
+        conversations[0], add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    assert seen["input_ids"][0] == list(expected_prompt)
+    assert seen["params"]["stop_token_ids"] == [eos] and seen["params"]["top_k"] == 1
+    assert [str(r) for r in replies] == ["w5", "w5 w5"]
+    assert [r.finished for r in replies] == [True, False]
+
+
+# ---------------------------------------------------------------- the real SGLang (GPU)
+
+
+def gpu_sglang(test):
+    """Marks a test that runs the real SGLang: ``gpu``, skipped without CUDA or without sglang."""
+    test = pytest.mark.skipif(
+        SGLANG_MISSING, reason=f"needs sglang=={SGLANG_VERSION}: {INSTALL_COMMAND}"
+    )(test)
+    test = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test)
+    return pytest.mark.gpu(test)
+
+
+SMOL_LAYERS = [20, 1, 14]  # unsorted on purpose; SmolLM2-135M has 30 decoder layers
+
+
+@pytest.fixture(scope="module")
+def smol_pair():
+    from draftforge.splitserve.smollm2 import NAME, ensure_smollm2
+
+    folder = ensure_smollm2()
+    cfg = TargetConfig(model=NAME, dtype="float32")
+    hf = HFTarget.from_folder(folder, SMOL_LAYERS, cfg, name=NAME, device="cuda")
+    sgl = SGLangTarget(folder, SMOL_LAYERS, cfg, name=NAME, device="cuda")
+    yield hf, sgl
+    sgl.close()
+
+
+@gpu_sglang
+def test_sglang_features_match_hf_on_smollm2(smol_pair):
+    hf, sgl = smol_pair
+    prompt = [{"role": "user", "content": "Name three prime numbers."}]
+    text = hf.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    first = hf.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
+    second = first[: len(first) // 2]
+    ids = torch.zeros(2, len(first), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    ids[0], mask[0] = first, 1
+    ids[1, : len(second)], mask[1, : len(second)] = second, 1
+    got, want = sgl.features(ids, mask), hf.features(ids.cuda(), mask.cuda())
+    assert got.aux.shape == want.aux.shape and got.final.shape == want.final.shape
+    # different kernels (SGLang's attention vs transformers' sdpa): float32 agreement, not bitwise
+    torch.testing.assert_close(got.aux, want.aux, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(got.final, want.final, rtol=1e-3, atol=1e-3)
+    assert got.aux[1, len(second) :].abs().sum() == 0
+
+
+@gpu_sglang
+def test_sglang_greedy_generation_matches_hf_on_smollm2(smol_pair):
+    hf, sgl = smol_pair
+    conversations = [
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "user", "content": "Write one sentence about the sea."}],
+    ]
+    settings = GenerationConfig(temperature=0.0, max_new_tokens=24)
+    got, want = sgl.generate(conversations, settings), hf.generate(conversations, settings)
+    assert [str(r) for r in got] == [str(r) for r in want]
+    assert [r.finished for r in got] == [r.finished for r in want]
