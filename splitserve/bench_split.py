@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -196,20 +195,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--steps must be positive")
 
     from draftforge.config import load_recipe
-    from draftforge.splitserve.launch import torchrun_command
+    from draftforge.splitserve.launch import launch_env
+    from draftforge.splitserve.multinode import rank_command
     from draftforge.splitserve.roles import check_split
+    from draftforge.splitserve.supervisor import run_ranks
 
     with tempfile.TemporaryDirectory(prefix="draftforge-bench-split-") as tmp:
         overrides = [*args.overrides, f"train.output_dir={tmp}/run", "train.resume=never"]
         cfg = load_recipe(args.recipe, overrides)
         check_split(cfg)
         out = Path(tmp) / "result.json"
-        command = torchrun_command(args.recipe, overrides, cfg.split.world_size)
+        command = rank_command(args.recipe, overrides)
         command += ["--bench-split", json.dumps({"steps": args.steps})]
-        env = dict(os.environ, **{RESULT_ENV: str(out)})
-        env.setdefault("OMP_NUM_THREADS", "1")
-        print(f"draftforge bench split: {' '.join(command[1:])}", file=sys.stderr, flush=True)
-        status = subprocess.call(command, env=env)
+        env = dict(launch_env(), **{RESULT_ENV: str(out)})
+        print(f"draftforge bench split: {cfg.split.world_size} ranks of {' '.join(command[1:])}",
+              file=sys.stderr, flush=True)
+        status = run_ranks(command, nproc=cfg.split.world_size, env=env, prefix="draftforge bench split")
         if status != 0 or not out.is_file():
             print(f"draftforge bench split: the job failed (exit status {status})", file=sys.stderr)
             return status or 1

@@ -25,6 +25,13 @@ class TargetShape(Section):
     intermediate_size: int = Field(default=128, gt=0)
     max_position_embeddings: int = Field(default=2048, gt=0)
     rope_theta: float = Field(default=10000.0, gt=0)
+    num_parameters: int | None = Field(
+        default=None,
+        gt=0,
+        description="total parameters of the target, every expert of a MoE included; used by "
+        "--dry-run for the weights' memory (default: estimated from the dense shape above, "
+        "which undercounts MoE and hybrid-attention targets)",
+    )
 
 
 class GenerationConfig(Section):
@@ -78,6 +85,12 @@ class SplitConfig(Section):
     )
     world_size: int | None = Field(
         default=None, gt=0, description="default: len(target_ranks) + len(trainer_ranks)"
+    )
+    num_nodes: int = Field(
+        default=1,
+        gt=0,
+        description="machines the ranks span; node n runs ranks n*P .. n*P+P-1 with "
+        "P = world_size / num_nodes (torchrun static rendezvous at node 0, see --dry-run)",
     )
     target_devices: list[int] | None = Field(default=None, description="GPU ids of the target group")
     trainer_devices: list[int] | None = Field(default=None, description="GPU ids of the trainers")

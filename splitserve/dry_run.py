@@ -58,12 +58,25 @@ def draft_parameter_counts(cfg: RecipeConfig) -> tuple[int, int]:
 
 
 def target_parameters(shape) -> int:
-    """Parameters of a Llama/Qwen-style target of ``shape`` (untied embedding and lm_head)."""
+    """Parameters of the target: ``shape.num_parameters`` when declared, else a dense estimate.
+
+    The estimate is a Llama/Qwen-style dense model of ``shape`` (untied embedding
+    and lm_head); for a MoE target it counts one MLP per layer instead of every
+    expert, so such recipes declare ``target.shape.num_parameters``.
+    """
+    if shape.num_parameters is not None:
+        return shape.num_parameters
     hidden, inter, layers = shape.hidden_size, shape.intermediate_size, shape.num_hidden_layers
     head_dim = hidden // shape.num_attention_heads
     attn = hidden * head_dim * (2 * shape.num_attention_heads + 2 * shape.num_key_value_heads)
     per_layer = attn + 3 * hidden * inter + 2 * hidden
     return 2 * shape.vocab_size * hidden + layers * per_layer + hidden
+
+
+def _weights_source(shape) -> str:
+    if shape.num_parameters is not None:
+        return f"{shape.num_parameters:,} declared params"
+    return f"{target_parameters(shape):,} params, dense estimate"
 
 
 def target_estimate(cfg: RecipeConfig) -> Estimate:
@@ -88,7 +101,8 @@ def target_estimate(cfg: RecipeConfig) -> Estimate:
     logits = gen.batch_size * shape.vocab_size * 4
     wire = cfg.split.max_in_flight * seq * (k + 1) * hidden * 2
     return Estimate([
-        (f"weights ({cfg.target.dtype}, tp {tp})", target_parameters(shape) * dtype / tp),
+        (f"weights ({cfg.target.dtype}, tp {tp}, {_weights_source(shape)})",
+         target_parameters(shape) * dtype / tp),
         ("features: captured layers", captured),
         ("features: one layer's activations", working + scores),
         ("generation: KV cache + logits", kv + logits),
@@ -158,14 +172,16 @@ def dry_run(cfg: RecipeConfig) -> str:
     topology = build_topology(split)
     with_emb, without_emb = draft_parameter_counts(cfg)
     lines = [cfg.to_yaml().rstrip(), "", "split:"]
-    lines.append(f"  world size {split.world_size}; comm backend {split.comm_backend}")
+    nodes = "" if split.num_nodes == 1 else f" over {split.num_nodes} nodes"
+    lines.append(f"  world size {split.world_size}{nodes}; comm backend {split.comm_backend}")
+    auto = "cpu/auto" if split.num_nodes == 1 else "node-local GPU LOCAL_RANK"
     lines.append(
         f"  target ranks {split.target_ranks} (tensor parallel {split.target_tensor_parallel}, "
-        f"devices {split.target_devices or 'cpu/auto'})"
+        f"devices {split.target_devices or auto})"
     )
     lines.append(
         f"  trainer ranks {split.trainer_ranks} (strategy {cfg.train.strategy}, devices "
-        f"{split.trainer_devices or 'cpu/auto'})"
+        f"{split.trainer_devices or auto})"
     )
     for producer in topology.producers:
         lines.append(f"  target rank {producer} feeds trainer ranks {topology.dests(producer)}")

@@ -1,10 +1,16 @@
 """``draftforge train RECIPE [key=value ...] [--dry-run] [--nproc N]``: start a SplitServe job.
 
-Loads and validates the recipe and its split before anything starts, then runs
-``python -m torch.distributed.run --standalone --nproc_per_node=<world_size>
--m draftforge.train RECIPE [key=value ...]`` (``torchrun``), one process per rank.
-``--dry-run`` prints the resolved config, the split, the draft's parameter count
-and a per-rank memory estimate, and exits without starting anything.
+Loads and validates the recipe and its split before anything starts, then
+starts one ``python -m draftforge.train RECIPE [key=value ...]`` process per
+rank and supervises them (``supervisor``): the job's rendezvous store and gloo's
+sockets listen on loopback only, unlike torchrun's store, which listens on
+every interface. ``torchrun --nproc_per_node=N -m draftforge.train RECIPE``
+starts the same job by hand.
+``--dry-run`` prints the resolved config, the split, the draft's parameter count,
+a per-rank memory estimate and the command each node runs, and exits without
+starting anything.
+
+Several machines (``split.num_nodes`` > 1): see ``multinode``.
 """
 
 from __future__ import annotations
@@ -15,25 +21,19 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-LOOPBACK = "127.0.0.1"
-
+from draftforge.splitserve.multinode import (
+    DEFAULT_MASTER_PORT,
+    LOOPBACK,
+    check_node_args,
+    launch_plan,
+    multinode_torchrun_command,
+    node_layout,
+    rank_command,
+)
+from draftforge.splitserve.supervisor import run_ranks
 
 DEFAULT_RESTARTS = 3  # with split.restart_target
 RESTART_ENV = "DRAFTFORGE_RESTART"  # which restart of the job the ranks belong to
-
-
-def torchrun_command(recipe: str, overrides: Sequence[str], nproc: int,
-                     master_addr: str = LOOPBACK) -> list[str]:
-    """The torchrun command line that starts every rank of the job.
-
-    ``--local-addr`` is the address the ranks are told to reach rank 0 at
-    (``MASTER_ADDR``): loopback unless ``--master-addr`` opens it deliberately.
-    """
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", f"--local-addr={master_addr}",
-        "-m", "draftforge.train", recipe, *overrides,
-    ]
 
 
 def launch_env(master_addr: str = LOOPBACK, *, cpu: bool = True) -> dict[str, str]:
@@ -105,17 +105,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "split.restart_target: true, else 0)")
     parser.add_argument("--master-addr", default=LOOPBACK,
                         help="address the ranks reach rank 0 at (default 127.0.0.1, loopback "
-                        "only); give this machine's address only to open the job deliberately")
+                        "only); give this machine's address only to open the job deliberately. "
+                        "Several nodes (split.num_nodes > 1): node 0's address on the cluster "
+                        "network, the same on every node")
+    parser.add_argument("--node-rank", type=int, default=None,
+                        help="this machine's node (0..split.num_nodes-1); needed when "
+                        "split.num_nodes > 1")
+    parser.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT,
+                        help=f"node 0's rendezvous port when split.num_nodes > 1 (default "
+                        f"{DEFAULT_MASTER_PORT})")
     args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
 
     from draftforge.config import RecipeError, load_recipe
     from draftforge.splitserve.roles import check_split
 
     cfg = load_recipe(args.recipe, args.overrides)
-    if args.nproc is not None and args.nproc != cfg.split.world_size:
+    if args.dry_run:
+        layout = node_layout(cfg)
+    else:
+        layout = check_node_args(cfg, node_rank=args.node_rank, master_addr=args.master_addr)
+    if args.nproc is not None and args.nproc != layout.nproc_per_node:
         raise RecipeError([
             f"--nproc {args.nproc}: the recipe's split has world_size {cfg.split.world_size} "
-            f"(target ranks {cfg.split.target_ranks}, trainer ranks {cfg.split.trainer_ranks}); "
+            f"(target ranks {cfg.split.target_ranks}, trainer ranks {cfg.split.trainer_ranks}) "
+            f"on {layout.num_nodes} node(s), {layout.nproc_per_node} processes each; "
             "drop --nproc or change the split (e.g. split.world_size=N)"
         ])
     # A dry run plans the job for the machine the recipe names: its GPUs need not be here.
@@ -125,6 +138,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from draftforge.splitserve.dry_run import dry_run
 
         print(dry_run(cfg))
+        print()
+        print(launch_plan(cfg, args.recipe, args.overrides, master_addr=args.master_addr,
+                          master_port=args.master_port))
         return 0
 
     restarts = args.max_restarts
@@ -132,15 +148,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         restarts = DEFAULT_RESTARTS if cfg.split.restart_target else 0
     if restarts < 0:
         raise RecipeError([f"--max-restarts {restarts}: give 0 or more"])
-    command = torchrun_command(args.recipe, args.overrides, cfg.split.world_size,
-                               master_addr=args.master_addr)
     env = launch_env(args.master_addr, cpu=not any(torch_cuda_visible()))
-    print(f"draftforge train: {' '.join(command[1:])}", file=sys.stderr, flush=True)
-    status = subprocess.call(command, env=env)
+    if layout.num_nodes > 1:
+        command = multinode_torchrun_command(
+            args.recipe, args.overrides, layout, node_rank=args.node_rank,
+            master_addr=args.master_addr, master_port=args.master_port,
+        )
+        if args.node_rank == 0:
+            print(f"draftforge train: node 0 hosts the rendezvous: torch's TCPStore listens on "
+                  f"every interface at port {args.master_port}; firewall it to the cluster "
+                  "network", file=sys.stderr, flush=True)
+        print(f"draftforge train: {' '.join(command[1:])}", file=sys.stderr, flush=True)
+
+        def start() -> int:
+            return subprocess.call(command, env=env)
+    else:
+        command = rank_command(args.recipe, args.overrides)
+        labels = {r: f"target rank {r}" for r in cfg.split.target_ranks}
+        labels.update({r: f"trainer rank {r}" for r in cfg.split.trainer_ranks})
+        print(f"draftforge train: {cfg.split.world_size} ranks of {' '.join(command[1:])} "
+              f"(rendezvous on {args.master_addr})", file=sys.stderr, flush=True)
+
+        def start() -> int:
+            return run_ranks(command, nproc=cfg.split.world_size, env=env,
+                             host=args.master_addr, labels=labels)
+    status = start()
     # split.restart_target: a dead rank (a target, usually) ends the job; every rank
-    # starts again in a fresh torchrun, exactly as if the user reran the command,
-    # and continues from the newest checkpoint (train.resume: auto). (torchrun's own
-    # --max-restarts was tried: its restarted ranks often failed gloo's connect.)
+    # starts again, exactly as if the user reran the command, and continues from the
+    # newest checkpoint (train.resume: auto).
     for attempt in range(1, restarts + 1):
         if status == 0:
             break
@@ -150,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{cfg.train.output_dir}", file=sys.stderr, flush=True,
         )
         env[RESTART_ENV] = str(attempt)
-        status = subprocess.call(command, env=env)
+        status = start()
     if status != 0:
         print(
             f"draftforge train: the job failed (exit status {status}); the messages above name "
@@ -162,11 +197,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def planned_gpus(cfg) -> int:
-    """GPUs the recipe's split names (what a dry run assumes); at least one when it wants nccl."""
+    """GPUs per node the recipe's split names (what a dry run assumes); at least one when it wants nccl."""
     devices = (cfg.split.target_devices or []) + (cfg.split.trainer_devices or [])
     if devices:
         return max(devices) + 1
-    return cfg.split.world_size if cfg.split.comm_backend == "nccl" else 0
+    per_node = cfg.split.world_size // cfg.split.num_nodes  # every node: one GPU per local rank
+    return per_node if cfg.split.comm_backend == "nccl" else 0
 
 
 def torch_cuda_visible() -> list[int]:

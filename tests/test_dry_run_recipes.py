@@ -24,3 +24,166 @@ def test_production_recipe_dry_run(recipe, expected, capsys, monkeypatch):
     assert expected in out
     assert "memory estimate per trainer rank" in out and "memory estimate per target rank" in out
     assert "world size 8; comm backend nccl" in out
+
+
+# --------------------------------------------------------------------------- the target's size
+
+
+def test_declared_target_parameters_replace_the_dense_estimate(capsys, monkeypatch):
+    from draftforge.splitserve.config import TargetShape
+    from draftforge.splitserve.dry_run import target_parameters
+
+    shape = TargetShape(num_hidden_layers=2, hidden_size=8, vocab_size=10, num_attention_heads=2,
+                        num_key_value_heads=1, intermediate_size=16)
+    # dense: 2 * V * H + L * (H * hd * (2*heads + 2*kv) + 3 * H * I + 2 * H) + H, hd = 4
+    assert target_parameters(shape) == 2 * 10 * 8 + 2 * (8 * 4 * 6 + 3 * 8 * 16 + 16) + 8
+    assert target_parameters(shape.model_copy(update={"num_parameters": 123})) == 123
+
+    monkeypatch.chdir(ROOT)
+    declared = 100_000_000_000
+    assert train_main(["recipes/ling3-flash-dspark.yaml", "--dry-run",
+                       f"target.shape.num_parameters={declared}"]) == 0
+    weights = next(line for line in capsys.readouterr().out.splitlines() if "weights (" in line)
+    # bf16 weights split over tensor parallel 4
+    assert f"{declared:,} declared params" in weights
+    assert weights.rstrip().endswith(f"{declared * 2 / 4 / 2**30:.3f} GiB")
+    assert train_main(["recipes/ling3-flash-dspark.yaml", "--dry-run"]) == 0
+    assert "dense estimate" in capsys.readouterr().out
+
+
+def test_num_parameters_must_be_positive(monkeypatch):
+    from draftforge.config import RecipeError
+
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(RecipeError, match="num_parameters"):
+        train_main(["recipes/ling3-flash-dspark.yaml", "--dry-run", "target.shape.num_parameters=0"])
+
+
+# --------------------------------------------------------------------------- several nodes
+
+TWO_NODE = "recipes/ling3-flash-2node.yaml"
+
+
+def _torchrun(node: int, addr: str, port: int = 29500) -> str:
+    return (f"torchrun --nnodes=2 --nproc_per_node=8 --node_rank={node} --master_addr={addr} "
+            f"--master_port={port} -m draftforge.train {TWO_NODE}")
+
+
+def test_two_node_dry_run_prints_each_nodes_ranks_and_command(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert train_main([TWO_NODE, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "world size 16 over 2 nodes; comm backend nccl" in out
+    plan = out[out.index("\nlaunch:\n"):].splitlines()
+    assert "  node 0: ranks 0-7: target ranks 0-7, trainer ranks none; local GPUs 0-7 (LOCAL_RANK)" in plan
+    assert "  node 1: ranks 8-15: target ranks none, trainer ranks 8-15; local GPUs 0-7 (LOCAL_RANK)" in plan
+    for node in (0, 1):
+        assert f"  on node {node}: draftforge train {TWO_NODE} --node-rank {node} --master-addr NODE0_ADDR" in plan
+        assert f"    which runs: {_torchrun(node, 'NODE0_ADDR')}" in plan
+    assert any("NODE0_ADDR: node 0's address" in line for line in plan)
+    assert any("listens on every interface at port 29500" in line for line in plan)
+    assert "0.0.0.0" not in out
+
+
+def test_two_node_dry_run_uses_the_given_rendezvous(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert train_main([TWO_NODE, "--dry-run", "--master-addr", "10.0.0.5", "--master-port", "29600"]) == 0
+    out = capsys.readouterr().out
+    assert f"    which runs: {_torchrun(1, '10.0.0.5', 29600)}" in out
+    assert "--node-rank 1 --master-addr 10.0.0.5 --master-port 29600" in out
+    assert "NODE0_ADDR" not in out
+    # loopback or the wildcard cannot be another node's rendezvous: the placeholder stays
+    for unusable in ("127.0.0.1", "0.0.0.0"):
+        assert train_main([TWO_NODE, "--dry-run", "--master-addr", unusable]) == 0
+        assert _torchrun(0, "NODE0_ADDR") in capsys.readouterr().out
+
+
+def test_one_node_dry_run_prints_its_rank_command_and_loopback_store(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert train_main(["recipes/tiny-debug.yaml", "train.steps=3", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert ("  one node, 2 processes (ranks 0-1), each running: -m draftforge.train "
+            "recipes/tiny-debug.yaml train.steps=3") in out
+    assert "  rendezvous store hosted by draftforge train on 127.0.0.1 (loopback only)" in out
+    assert ("  the same job by hand: torchrun --standalone --nproc_per_node=2 "
+            "--local-addr=127.0.0.1 -m draftforge.train recipes/tiny-debug.yaml train.steps=3") in out
+
+
+@pytest.mark.parametrize(
+    ("args", "messages"),
+    [
+        (["split.num_nodes=3", "--dry-run"], ["split.num_nodes: 3 nodes cannot share world_size 16"]),
+        (["split.target_devices=[0,1,2,3,4,5,6,7]", "--dry-run"], ["split.target_devices: with split.num_nodes 2"]),
+        ([], ["--node-rank: split.num_nodes is 2", "--master-addr: split.num_nodes is 2"]),
+        (["--node-rank", "2", "--master-addr", "10.0.0.5"], ["(0..1;", "got 2"]),
+        (["--node-rank", "1", "--master-addr", "localhost"], ["localhost (loopback) cannot offer"]),
+        (["--node-rank", "0", "--master-addr", "::1"], ["::1 (loopback)"]),
+        (["--node-rank", "0", "--master-addr", "0.0.0.0"], ["0.0.0.0 is the wildcard address"]),
+    ],
+)
+def test_two_node_mistakes_are_refused_before_anything_starts(args, messages, monkeypatch):
+    from draftforge.config import RecipeError
+
+    monkeypatch.chdir(ROOT)
+    started = []
+    monkeypatch.setattr("subprocess.call", lambda *a, **k: started.append(a) or 0)
+    with pytest.raises(RecipeError) as err:
+        train_main([TWO_NODE, *args])
+    for message in messages:
+        assert message in str(err.value)
+    assert not started
+
+
+def test_node_rank_on_a_one_node_recipe_is_refused(monkeypatch):
+    from draftforge.config import RecipeError
+
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(RecipeError, match="--node-rank 1: the recipe runs on one node"):
+        train_main(["recipes/tiny-debug.yaml", "--node-rank", "1"])
+
+
+def test_loopback_addresses():
+    from draftforge.splitserve.multinode import is_loopback, is_unspecified
+
+    assert is_loopback("127.0.0.1") and is_loopback("127.3.2.1") and is_loopback("::1")
+    assert is_loopback("[::1]") and is_loopback("LOCALHOST")
+    assert not is_loopback("10.0.0.5") and not is_loopback("node0.cluster") and not is_loopback("0.0.0.0")
+    assert is_unspecified("0.0.0.0") and is_unspecified("::") and not is_unspecified("10.0.0.5")
+
+
+@pytest.mark.distributed
+def test_two_nodes_started_with_the_printed_commands_train(tmp_path):
+    """Both "nodes" on this machine (rendezvous on loopback): node 0 gets rank 0, node 1 rank 1."""
+    import os
+    import subprocess
+
+    from splitserve_helpers import free_port, metrics, tiny_recipe
+
+    from draftforge.config import load_recipe
+    from draftforge.splitserve.multinode import multinode_torchrun_command, node_layout
+
+    recipe = tiny_recipe(tmp_path, steps=3, overrides={"split.num_nodes": 2})
+    layout = node_layout(load_recipe(recipe))
+    assert (layout.num_nodes, layout.nproc_per_node) == (2, 1)
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
+    procs, logs = [], []
+    for node in (1, 0):  # the order nodes come up in does not matter to a static rendezvous
+        logs.append(tmp_path / f"node{node}.log")
+        command = multinode_torchrun_command(str(recipe), [], layout, node_rank=node,
+                                             master_addr="127.0.0.1", master_port=port)
+        procs.append(subprocess.Popen(command, env=env, cwd=ROOT, stdout=logs[-1].open("w"),
+                                      stderr=subprocess.STDOUT))
+    try:
+        codes = [proc.wait(timeout=180) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    node1, node0 = (log.read_text() for log in logs)
+    assert codes == [0, 0], node0[-3000:] + node1[-3000:]
+    assert "[rank 0 target]" in node0 and "[rank 1" not in node0
+    assert "[rank 1 trainer]" in node1 and "[rank 0" not in node1
+    steps = [r["step"] for r in metrics(tmp_path / "run") if "loss" in r]
+    assert steps[-1] == 3

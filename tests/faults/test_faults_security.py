@@ -170,7 +170,8 @@ def test_trust_remote_code_is_off_unless_the_recipe_sets_it():
 
 
 def test_launcher_binds_rendezvous_to_loopback_by_default():
-    from draftforge.splitserve.launch import launch_env, torchrun_command
+    from draftforge.splitserve.launch import launch_env
+    from draftforge.splitserve.multinode import torchrun_command
 
     command = torchrun_command("r.yaml", ["train.steps=3"], 2)
     assert "--local-addr=127.0.0.1" in command  # the MASTER_ADDR every rank is given

@@ -1,0 +1,227 @@
+"""Jobs that span several machines (``split.num_nodes`` > 1), and the launch plan a dry run prints.
+
+Every node runs ``draftforge train RECIPE --node-rank N --master-addr NODE0``,
+which starts torchrun's *static* rendezvous (``--nnodes --node_rank
+--master_addr --master_port``): node ``n`` holds exactly ranks ``n*P ..
+n*P+P-1`` (``P = world_size / num_nodes``), so a group pinned to node 0 in the
+split is on node 0. (A dynamic c10d rendezvous hands out ranks in join order
+and would scatter the groups.) One-machine jobs never come here: draftforge
+starts their ranks itself with a loopback-only store (``supervisor``).
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+LOOPBACK = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500  # torchrun's own default
+NODE0_PLACEHOLDER = "NODE0_ADDR"  # what a dry run prints until --master-addr is given
+
+
+def rank_command(recipe: str, overrides: Sequence[str]) -> list[str]:
+    """What every rank of a one-machine job runs (``draftforge train`` starts one per rank)."""
+    return [sys.executable, "-m", "draftforge.train", recipe, *overrides]
+
+
+def torchrun_command(recipe: str, overrides: Sequence[str], nproc: int,
+                     master_addr: str = LOOPBACK) -> list[str]:
+    """The torchrun command line that starts the same one-machine job by hand.
+
+    ``--local-addr`` is the address the ranks are told to reach rank 0 at
+    (``MASTER_ADDR``): loopback unless ``--master-addr`` opens it deliberately.
+    """
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={nproc}", f"--local-addr={master_addr}",
+        "-m", "draftforge.train", recipe, *overrides,
+    ]
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """Which ranks each machine runs: node ``n`` holds ranks ``n*P .. n*P+P-1``."""
+
+    num_nodes: int
+    nproc_per_node: int
+
+    def ranks(self, node: int) -> range:
+        return range(node * self.nproc_per_node, (node + 1) * self.nproc_per_node)
+
+
+def node_layout(cfg) -> NodeLayout:
+    """The split's :class:`NodeLayout`; :class:`RecipeError` naming the key when it cannot be laid out."""
+    from draftforge.config import RecipeError
+
+    split = cfg.split
+    nodes = split.num_nodes
+    problems = []
+    if split.world_size % nodes:
+        problems.append(
+            f"split.num_nodes: {nodes} nodes cannot share world_size {split.world_size} ranks "
+            f"evenly (every node runs the same number of processes); make world_size a multiple "
+            f"of num_nodes"
+        )
+    if nodes > 1:
+        for key in ("target_devices", "trainer_devices"):
+            if getattr(split, key) is not None:
+                problems.append(
+                    f"split.{key}: with split.num_nodes {nodes} every rank uses its node-local GPU "
+                    f"LOCAL_RANK (rank - node * ranks per node); remove split.{key}, which names "
+                    "the GPUs of one machine"
+                )
+    if problems:
+        raise RecipeError(problems)
+    return NodeLayout(num_nodes=nodes, nproc_per_node=split.world_size // nodes)
+
+
+def multinode_torchrun_command(recipe: str, overrides: Sequence[str], layout: NodeLayout, *,
+                               node_rank: int, master_addr: str,
+                               master_port: int = DEFAULT_MASTER_PORT) -> list[str]:
+    """The torchrun command of node ``node_rank`` (static rendezvous at ``master_addr:master_port``)."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", f"--nnodes={layout.num_nodes}",
+        f"--nproc_per_node={layout.nproc_per_node}", f"--node_rank={node_rank}",
+        f"--master_addr={master_addr}", f"--master_port={master_port}",
+        "-m", "draftforge.train", recipe, *overrides,
+    ]
+
+
+def shown(command: Sequence[str]) -> str:
+    """A command line as a user types it (``torchrun`` for ``python -m torch.distributed.run``)."""
+    words = list(command)
+    if words[1:3] == ["-m", "torch.distributed.run"]:
+        words = ["torchrun", *words[3:]]
+    return shlex.join(words)
+
+
+def _span(ranks: Sequence[int]) -> str:
+    ranks = sorted(ranks)
+    if not ranks:
+        return "none"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks))
+
+
+def launch_plan(cfg, recipe: str, overrides: Sequence[str], *, master_addr: str | None,
+                master_port: int = DEFAULT_MASTER_PORT) -> str:
+    """The dry run's last section: which ranks run on which node, and the command each node runs."""
+    layout = node_layout(cfg)
+    split = cfg.split
+    lines = ["launch:"]
+    if layout.num_nodes == 1:
+        host = master_addr or LOOPBACK
+        where = "loopback only" if is_loopback(host) else f"opened on {host} by --master-addr"
+        lines.append(
+            f"  one node, {split.world_size} processes (ranks 0-{split.world_size - 1}), each "
+            f"running: {shlex.join(rank_command(recipe, overrides)[1:])}"
+        )
+        lines.append(f"  rendezvous store hosted by draftforge train on {host} ({where})")
+        by_hand = torchrun_command(recipe, overrides, split.world_size, master_addr=host)
+        lines.append(f"  the same job by hand: {shown(by_hand)} (its store listens on every interface)")
+        return "\n".join(lines)
+    unusable = master_addr is None or is_loopback(master_addr) or is_unspecified(master_addr)
+    addr = NODE0_PLACEHOLDER if unusable else master_addr
+    gpu = "GPU" if _backend_guess(cfg) == "nccl" else "process"
+    lines.append(
+        f"  {layout.num_nodes} nodes x {layout.nproc_per_node} processes; torchrun static "
+        f"rendezvous at {addr}:{master_port} (node 0)"
+    )
+    for node in range(layout.num_nodes):
+        ranks = layout.ranks(node)
+        target = [r for r in ranks if r in split.target_ranks]
+        trainer = [r for r in ranks if r in split.trainer_ranks]
+        local = f"local {gpu}s 0-{layout.nproc_per_node - 1} (LOCAL_RANK)"
+        lines.append(
+            f"  node {node}: ranks {_span(ranks)}: target ranks {_span(target)}, trainer ranks "
+            f"{_span(trainer)}; {local}"
+        )
+    for node in range(layout.num_nodes):
+        user = ["draftforge", "train", recipe, *overrides, "--node-rank", str(node),
+                "--master-addr", addr]
+        if master_port != DEFAULT_MASTER_PORT:
+            user += ["--master-port", str(master_port)]
+        command = multinode_torchrun_command(recipe, overrides, layout, node_rank=node,
+                                             master_addr=addr, master_port=master_port)
+        lines.append(f"  on node {node}: {shlex.join(user)}")
+        lines.append(f"    which runs: {shown(command)}")
+    if addr == NODE0_PLACEHOLDER:
+        lines.append(
+            f"  {NODE0_PLACEHOLDER}: node 0's address on the cluster network, given with "
+            "--master-addr (nothing is opened by default)"
+        )
+    lines.append(
+        f"  note: node 0's rendezvous store (torch's TCPStore) listens on every interface at port "
+        f"{master_port}; firewall it to the cluster network. Set GLOO_SOCKET_IFNAME (and "
+        "NCCL_SOCKET_IFNAME) to that network's interface on every node."
+    )
+    return "\n".join(lines)
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` is this machine only (``localhost``, 127.0.0.0/8, ``::1``)."""
+    import ipaddress
+
+    if address.strip().lower() in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(address.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: resolved by torchrun on each node
+
+
+def is_unspecified(address: str) -> bool:
+    """Whether ``address`` is the wildcard (``0.0.0.0``, ``::``): a bind address, not one to reach."""
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(address.strip("[]")).is_unspecified
+    except ValueError:
+        return False
+
+
+def _backend_guess(cfg) -> str:
+    """The transport a recipe plans for (``auto``: nccl unless train.device is cpu)."""
+    choice = cfg.split.comm_backend
+    if choice != "auto":
+        return choice
+    return "nccl" if cfg.train.device != "cpu" else "gloo"
+
+
+def check_node_args(cfg, *, node_rank: int | None, master_addr: str) -> NodeLayout:
+    """The layout, after refusing a multi-node start without a node rank or a reachable node 0."""
+    from draftforge.config import RecipeError
+
+    layout = node_layout(cfg)
+    if layout.num_nodes == 1:
+        if node_rank not in (None, 0):
+            raise RecipeError([
+                f"--node-rank {node_rank}: the recipe runs on one node (split.num_nodes 1); drop "
+                "--node-rank or set split.num_nodes"
+            ])
+        return layout
+    problems = []
+    if node_rank is None or not 0 <= node_rank < layout.num_nodes:
+        problems.append(
+            f"--node-rank: split.num_nodes is {layout.num_nodes}; give this machine's node rank "
+            f"(0..{layout.num_nodes - 1}; node n runs the {layout.nproc_per_node} ranks from "
+            f"n*{layout.nproc_per_node})"
+            + ("" if node_rank is None else f", got {node_rank}")
+        )
+    if is_unspecified(master_addr):
+        problems.append(
+            f"--master-addr: {master_addr} is the wildcard address, which other nodes cannot "
+            "reach; pass node 0's address on the cluster network (the same on every node)"
+        )
+    elif is_loopback(master_addr):
+        problems.append(
+            f"--master-addr: split.num_nodes is {layout.num_nodes}, so the other nodes must reach "
+            f"node 0's rendezvous, which {master_addr} (loopback) cannot offer; pass node 0's "
+            "address on the cluster network (the same on every node)"
+        )
+    if problems:
+        raise RecipeError(problems)
+    return layout

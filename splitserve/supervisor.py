@@ -1,0 +1,172 @@
+"""Start and watch every rank of a one-machine job, with every socket it opens on loopback.
+
+torchrun's rendezvous store (a ``TCPStore``) listens on all interfaces whatever
+address it is given. For jobs on one machine, ``draftforge train`` therefore
+starts the ranks itself: this process binds a socket to ``127.0.0.1``, hands the
+listening descriptor to torch (``TCPStore(master_listen_fd=...)``) and hosts the
+job's store on it; the ranks connect to it as clients
+(``TORCHELASTIC_USE_AGENT_STORE=True``, the protocol torchrun's own agent uses
+with its workers, so ``init_process_group("gloo"|"nccl")`` with ``env://`` works
+unchanged). With ``GLOO_SOCKET_IFNAME=lo`` gloo's data sockets bind to loopback
+too, so nothing the job opens can be reached from another machine.
+
+Each rank gets the variables torchrun sets (``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``, ...). When a rank fails, the others get ``grace_s`` seconds to
+notice and explain themselves (the trainers name a dead target rank), then
+SIGTERM and, after ``term_s`` more, SIGKILL. The job's status is 0 when every
+rank exited 0, else that of the first rank that failed (128 + signal when it
+was killed).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+
+LOOPBACK = "127.0.0.1"
+DEFAULT_GRACE_S = 15.0
+DEFAULT_TERM_S = 5.0
+
+
+def host_store(host: str = LOOPBACK):
+    """A listening ``TCPStore`` server bound to ``host`` only; returns ``(store, port)``.
+
+    Keep the store alive for the job's lifetime: it serves the ranks'
+    rendezvous and every later key exchange (new process groups, barriers). The
+    store owns the listening descriptor from then on (it closes it).
+    """
+    import torch.distributed as dist
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.bind((host, 0))
+    listener.listen(1024)
+    port = listener.getsockname()[1]
+    store = dist.TCPStore(
+        host, port, is_master=True, wait_for_workers=False, use_libuv=True,
+        master_listen_fd=listener.fileno(), timeout=datetime.timedelta(minutes=30),
+    )  # fmt: skip
+    listener.detach()  # torch owns and closes the descriptor now
+    return store, port
+
+
+def rank_env(base: Mapping[str, str], *, rank: int, world: int, host: str, port: int) -> dict[str, str]:
+    """The environment of one rank: ``base`` plus what torchrun would set on one node."""
+    env = dict(base)
+    env.update({
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+        "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "ROLE_WORLD_SIZE": str(world),
+        "ROLE_NAME": "default", "MASTER_ADDR": host, "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+    })  # fmt: skip
+    return env
+
+
+def describe_status(code: int) -> str:
+    """``exit status 3`` or ``killed by SIGKILL`` for a ``Popen.returncode``."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def run_ranks(
+    command: Sequence[str],
+    *,
+    nproc: int,
+    env: Mapping[str, str] | None = None,
+    host: str = LOOPBACK,
+    labels: Mapping[int, str] | None = None,
+    grace_s: float = DEFAULT_GRACE_S,
+    term_s: float = DEFAULT_TERM_S,
+    poll_s: float = 0.05,
+    prefix: str = "draftforge train",
+) -> int:
+    """Run ``command`` as ranks ``0..nproc-1`` and supervise them; returns the job's status.
+
+    ``labels`` name ranks in messages (e.g. ``{0: "target rank 0"}``).
+    """
+    if nproc < 1:
+        raise ValueError(f"nproc must be at least 1, got {nproc}")
+    base = dict(os.environ if env is None else env)
+    store, port = host_store(host)
+    procs: list[subprocess.Popen] = []
+
+    def name(rank: int) -> str:
+        return (labels or {}).get(rank, f"rank {rank}")
+
+    def say(message: str) -> None:
+        print(f"{prefix}: {message}", file=sys.stderr, flush=True)
+
+    previous = {}
+
+    def forward(signum, _frame):  # Ctrl-C or a scheduler's SIGTERM reaches every rank
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[signum] = signal.signal(signum, forward)
+        except ValueError:  # not the main thread: the caller handles signals
+            pass
+    try:
+        for rank in range(nproc):
+            procs.append(subprocess.Popen(list(command), env=rank_env(base, rank=rank, world=nproc,
+                                                                     host=host, port=port)))
+        failed: tuple[int, int] | None = None
+        while True:
+            codes = [proc.poll() for proc in procs]
+            if failed is None:
+                for rank, code in enumerate(codes):
+                    if code not in (None, 0):
+                        failed = (rank, code)
+                        say(f"{name(rank)} failed ({describe_status(code)}); waiting up to "
+                            f"{grace_s:g} s for the other ranks to stop")
+                        deadline = time.monotonic() + grace_s
+                        break
+            if all(code is not None for code in codes):
+                break
+            if failed is not None and time.monotonic() > deadline:
+                _stop(procs, term_s=term_s, say=say, name=name)
+                break
+            time.sleep(poll_s)
+        if failed is None:
+            return 0
+        rank, code = failed
+        return code if code > 0 else 128 - code
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        del store  # closes the listening socket
+
+
+def _stop(procs, *, term_s: float, say, name) -> None:
+    running = [r for r, p in enumerate(procs) if p.poll() is None]
+    if not running:
+        return
+    say(f"stopping {', '.join(name(r) for r in running)} (SIGTERM)")
+    for rank in running:
+        procs[rank].terminate()
+    deadline = time.monotonic() + term_s
+    for rank in running:
+        try:
+            procs[rank].wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            say(f"{name(rank)} ignored SIGTERM; SIGKILL")
+            procs[rank].kill()
+            procs[rank].wait()

@@ -1,0 +1,44 @@
+"""A rank started by splitserve.supervisor in tests/test_supervisor.py.
+
+Modes (argv[1]): ``ok`` joins a gloo group, all-reduces its rank and writes what
+it saw; ``hold`` does the same, then waits for a release file (so the test can
+inspect the job's sockets while every rank is connected); ``fail`` makes rank 1
+exit 3 while rank 0 blocks in a collective that can never finish.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def main(mode: str, out_dir: str) -> int:
+    out = Path(out_dir)
+    rank = int(os.environ["RANK"])
+    if mode == "fail" and rank == 1:
+        return 3
+    dist.init_process_group("gloo")
+    value = torch.tensor([float(rank)])
+    if mode == "fail":
+        dist.barrier()  # rank 1 never arrives
+        return 0
+    dist.all_reduce(value)
+    record = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    record.update(sum=value.item(), pid=os.getpid())
+    (out / f"rank{rank}.json").write_text(json.dumps(record))
+    if mode == "hold":
+        while not (out / "release").exists():
+            time.sleep(0.05)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))
