@@ -58,6 +58,12 @@ COMMANDS: tuple[Command, ...] = (
         "[RECIPE] [key=value ...] [options]",
     ),
     Command(
+        ("bench", "peer"),
+        "draftforge.train.bench_peer:main",
+        "SpecForge's DSpark trainer step, then draftforge's, at the same shape: tokens/s, speedup",
+        "[--specforge-path DIR] [options]",
+    ),
+    Command(
         ("bench", "target"),
         "draftforge.splitserve.bench_target:main",
         "tokens per second of the target's features and generate, bf16 vs fp32",

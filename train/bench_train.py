@@ -146,8 +146,11 @@ def _synthetic_samples(cfg, args, generator):
     return samples
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def train_steps(cfg, recipe, args):
+    """Build a :class:`Trainer` (strategy ``single``) at ``cfg`` on synthetic features and run
+    ``args.warmup + args.steps`` steps, yielding ``(seconds, loss, anchors)`` after each
+    (anchors: that step's positions per sequence); with ``args.profile``, a profiled step
+    follows. ``args`` holds this module's options (:func:`_parser`)."""
     import torch
 
     from draftforge.train.blocks import sample_anchors
@@ -155,8 +158,6 @@ def main(argv: list[str] | None = None) -> int:
     from draftforge.train.sample import collate
     from draftforge.train.trainer import Trainer, anchor_seed
 
-    torch.set_num_threads(args.threads)
-    cfg, recipe = _model_config(args)
     loss = recipe.train.loss.model_dump() if recipe is not None else {}
     if args.chunk_blocks:
         loss["chunk_blocks"] = args.chunk_blocks
@@ -167,6 +168,47 @@ def main(argv: list[str] | None = None) -> int:
     embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=generator) * 0.02
     lm_head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=generator) * 0.02
     samples = _synthetic_samples(cfg, args, generator)
+    with tempfile.TemporaryDirectory(prefix="draftforge-bench-train-") as run_dir:
+        trainer = Trainer(model_config=cfg, train=train, embeddings=(embed, lm_head),
+                          run_dir=Path(run_dir))
+        for _ in range(args.warmup + args.steps):
+            step = trainer.step
+            batch = collate(samples)
+            gen = torch.Generator().manual_seed(
+                anchor_seed(seed=train.seed, step=step, micro_step=0, rank=0))
+            chosen, valid = sample_anchors(batch.loss_mask, args.anchors, gen)
+            start = time.perf_counter()
+            record = trainer.train_step([samples])
+            seconds = time.perf_counter() - start
+            yield seconds, record["loss"], [row[v].tolist() for row, v in zip(chosen, valid, strict=True)]
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                trainer.train_step([samples])
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+def time_train_steps(cfg, recipe, args) -> tuple[list[float], list[list[int]]]:
+    """Run :func:`train_steps`, printing each; return the timed (post-warm-up) steps'
+    seconds and the anchors of the last timed step."""
+    times: list[float] = []
+    anchors: list[list[int]] = []
+    for index, (seconds, loss, step_anchors) in enumerate(train_steps(cfg, recipe, args)):
+        if index >= args.warmup:
+            times.append(seconds)
+            anchors = step_anchors
+        print(f"  step {index + 1}: {seconds:.3f} s  loss {loss:.4f}"
+              f"{'' if index >= args.warmup else '  (warm-up)'}", flush=True)
+    return times, anchors
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    cfg, recipe = _model_config(args)
     print(
         f"bench train: H={cfg.hidden_size} layers={cfg.num_hidden_layers} heads={cfg.num_attention_heads}/"
         f"{cfg.num_key_value_heads} FFN={cfg.intermediate_size} V={cfg.vocab_size} block={cfg.block_size} "
@@ -176,31 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     peak_before = matmul_peak(dtype=dtype)
-    with tempfile.TemporaryDirectory(prefix="draftforge-bench-train-") as run_dir:
-        trainer = Trainer(model_config=cfg, train=train, embeddings=(embed, lm_head),
-                          run_dir=Path(run_dir))
-        times = []
-        anchors = []
-        for index in range(args.warmup + args.steps):
-            step = trainer.step
-            batch = collate(samples)
-            gen = torch.Generator().manual_seed(
-                anchor_seed(seed=train.seed, step=step, micro_step=0, rank=0))
-            chosen, valid = sample_anchors(batch.loss_mask, args.anchors, gen)
-            start = time.perf_counter()
-            record = trainer.train_step([samples])
-            seconds = time.perf_counter() - start
-            if index >= args.warmup:
-                times.append(seconds)
-                anchors = [row[v].tolist() for row, v in zip(chosen, valid, strict=True)]
-            print(f"  step {index + 1}: {seconds:.3f} s  loss {record['loss']:.4f}"
-                  f"{'' if index >= args.warmup else '  (warm-up)'}", flush=True)
-        if args.profile:
-            from torch.profiler import ProfilerActivity, profile
-
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                trainer.train_step([samples])
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    times, anchors = time_train_steps(cfg, recipe, args)
     step_s = statistics.median(times)
     flops = step_flops(cfg, seq=args.seq, anchors=anchors)
     # The peak before and after the steps; the higher one (a conservative MFU) counts.
