@@ -91,6 +91,19 @@ def split_problems(
             "split: comm_backend nccl / target_devices / trainer_devices need CUDA GPUs and none "
             "is visible; remove them to run on CPU (gloo)"
         )
+    nccl = split.comm_backend == "nccl" or (
+        split.comm_backend == "auto" and cuda_devices > 0 and train.device != "cpu"
+    )
+    per_node = (world_size or split.world_size) // split.num_nodes
+    if nccl and cuda_devices and split.target_devices is None and split.trainer_devices is None \
+            and per_node > cuda_devices:
+        problems.append(
+            f"split: {per_node} ranks on this node would each take their own GPU (LOCAL_RANK) for "
+            f"NCCL (comm_backend {split.comm_backend}), but {cuda_devices} GPU(s) are visible and "
+            "NCCL refuses two ranks on one GPU; name the GPUs with split.target_devices / "
+            "split.trainer_devices, or run the split on CPU with split.comm_backend=gloo "
+            "(train.device=cpu)"
+        )
     for key in ("target_devices", "trainer_devices"):
         devices = getattr(split, key) or []
         bad = [d for d in devices if d < 0 or (cuda_devices and d >= cuda_devices)]

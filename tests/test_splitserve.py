@@ -144,6 +144,12 @@ def test_split_checks(tmp_path):
     assert any("3 processes were started" in p for p in problems)
     gpu = load_recipe(recipe, ["split.trainer_devices=[0]"])
     assert any("need CUDA GPUs" in p for p in split_problems(gpu, cuda_devices=0))
+    auto = load_recipe(recipe, ["train.device=auto", "split.comm_backend=auto"])
+    crowded = [p for p in split_problems(auto, cuda_devices=1) if "NCCL refuses two ranks" in p]
+    assert crowded and "2 ranks on this node" in crowded[0] and "1 GPU(s) are visible" in crowded[0]
+    assert not [p for p in split_problems(auto, cuda_devices=2) if "NCCL refuses" in p]
+    cpu = load_recipe(recipe, ["train.device=cpu", "split.comm_backend=auto"])
+    assert not [p for p in split_problems(cpu, cuda_devices=1) if "NCCL refuses" in p]
     both = load_recipe(recipe, ["split.trainer_devices=[0]", "split.target_devices=[0]"])
     assert any("GPUs [0] are in both" in p for p in split_problems(both, cuda_devices=2))
     tp = load_recipe(recipe, ["split.target_ranks=[0,1]", "split.trainer_ranks=[2]",
