@@ -64,6 +64,48 @@ def dpace_weights(valid: torch.Tensor, c_star: torch.Tensor) -> torch.Tensor:
     return valid.float() * reach
 
 
+def chunk_terms(logits, target_logits, labels, valid, base_weights, ce_weight: float,
+                tv_weight: float, dpace: bool):
+    """The vocabulary-sized, elementwise part of one chunk: CE, TV, c*, weights and d/dlogits.
+
+    ``logits`` / ``target_logits`` [n, γ, V] (the draft's and the target's),
+    ``labels`` / ``valid`` / ``base_weights`` [n, γ]. Returns ``(ce, tv, c*, w,
+    grad)`` with ``grad = d(ce_weight * sum w CE + tv_weight * sum w TV) / dlogits``
+    in the logits' dtype. Written with in-place ops on its own temporaries, so
+    eager mode makes few passes over the vocabulary, and ``torch.compile`` (see
+    :func:`compiled_chunk_terms`) fuses them into a handful of loops.
+    """
+    probs = torch.log_softmax(logits.float(), dim=-1)
+    ce = -probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    probs.exp_()  # p_d
+    # r = p_t - p_d (softmax upcasts inside the kernel); TV = ||r||_1 without an |r| temporary.
+    resid = torch.softmax(target_logits, dim=-1, dtype=torch.float32).sub_(probs)
+    tv = torch.linalg.vector_norm(resid, 1, dim=-1)
+    c = (1.0 - 0.5 * tv).clamp(0.0, 1.0) * valid
+    w = dpace_weights(valid, c) if dpace else base_weights
+    # d/dlogits: CE -> w (p - onehot); L1 -> w p (s - <s, p>) with s = sign(p_d - p_t) = -sign(r),
+    # so grad = p * (ce_w w + a (<sign r, p> - sign r)) - ce_w w onehot, with a = tv_w w.
+    sign = resid.sign_()
+    a = tv_weight * w
+    b = ce_weight * w + a * torch.linalg.vecdot(sign, probs)
+    grad = torch.addcmul(b.unsqueeze(-1), sign, -a.unsqueeze(-1)).mul_(probs)
+    grad.scatter_add_(-1, labels.unsqueeze(-1), (-ce_weight * w).unsqueeze(-1))
+    return ce, tv, c, w, grad.to(logits.dtype)
+
+
+_COMPILED_CHUNK_TERMS = None
+
+
+def compiled_chunk_terms():
+    """:func:`chunk_terms` through ``torch.compile`` (built once per process, static shapes:
+    the caller pads the last chunk). CPU needs a C++ compiler; the first call compiles
+    for some seconds."""
+    global _COMPILED_CHUNK_TERMS
+    if _COMPILED_CHUNK_TERMS is None:
+        _COMPILED_CHUNK_TERMS = torch.compile(chunk_terms, dynamic=False)
+    return _COMPILED_CHUNK_TERMS
+
+
 class _FusedVocabLoss(torch.autograd.Function):
     """Chunked CE + TV over the vocabulary with gradients computed in the forward pass.
 
@@ -73,12 +115,18 @@ class _FusedVocabLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, latent, markov_w2, lm_head, target_hidden, labels, valid,
-                base_weights, ce_weight: float, tv_weight: float, chunk_blocks: int, dpace: bool):
+                base_weights, ce_weight: float, tv_weight: float, chunk_blocks: int, dpace: bool,
+                compiled: bool):
         num_blocks, block_size, _ = hidden.shape
         dtype = lm_head.dtype
         grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
         grad_latent = None if latent is None else torch.empty_like(latent)
         grad_w2 = None if latent is None else torch.zeros_like(markov_w2, dtype=torch.float32)
+        # One matmul for both logit terms: [h, latent] @ [lm_head, W2]^T. A single
+        # vocabulary-sized product (and conversion) instead of two, in both directions.
+        head = lm_head if latent is None else torch.cat([lm_head, markov_w2.to(dtype)], dim=1)
+        width = hidden.shape[-1]
+        terms = compiled_chunk_terms() if compiled else chunk_terms
         c_star = torch.zeros(num_blocks, block_size, dtype=torch.float32, device=hidden.device)
         weights = torch.zeros_like(c_star)
         sum_ce = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -86,37 +134,26 @@ class _FusedVocabLoss(torch.autograd.Function):
         for start in range(0, num_blocks, chunk_blocks):
             sl = slice(start, min(start + chunk_blocks, num_blocks))
             h = hidden[sl].to(dtype)
-            probs = (h @ lm_head.t()).float()
             if latent is not None:
                 lat = latent[sl].to(dtype)
-                probs += (lat @ markov_w2.t()).float()
-            # CE needs log p_d at the label only; softmax then happens in place.
-            label_logit = probs.gather(-1, labels[sl].unsqueeze(-1)).squeeze(-1)
-            lse = torch.logsumexp(probs, dim=-1)
-            ce = lse - label_logit
-            probs.sub_(lse.unsqueeze(-1)).exp_()
-            # softmax upcasts inside the kernel; the L1 norm avoids an |diff| temporary.
-            diff = torch.softmax(target_hidden[sl].to(dtype) @ lm_head.t(), dim=-1, dtype=torch.float32)
-            torch.sub(probs, diff, out=diff)
-            tv = torch.linalg.vector_norm(diff, 1, dim=-1)
-            c = (1.0 - 0.5 * tv).clamp_(0.0, 1.0) * valid[sl]
-            w = dpace_weights(valid[sl], c) if dpace else base_weights[sl]
+                h = torch.cat([h, lat], dim=-1)
+            th, lab, val, base = target_hidden[sl].to(dtype), labels[sl], valid[sl], base_weights[sl]
+            rows = h.shape[0]
+            if compiled and rows < chunk_blocks:  # one shape for the compiled kernel: pad with invalid rows
+                h, th, lab, val, base = (_pad_rows(x, chunk_blocks) for x in (h, th, lab, val, base))
+            ce, tv, c, w, grad = terms(h @ head.t(), th @ lm_head.t(), lab, val, base,
+                                       ce_weight, tv_weight, dpace)
+            if rows < h.shape[0]:
+                ce, tv, c, w, grad = ce[:rows], tv[:rows], c[:rows], w[:rows], grad[:rows]
             c_star[sl], weights[sl] = c, w
             sum_ce += (w * ce).sum()
             sum_tv += (w * tv).sum()
-            # d/dlogits: CE -> w (p - onehot); L1 -> w p (s - <s, p>) with s = sign(p_d - p_t).
-            grad = diff.sign_()
-            s_dot_p = (grad.unsqueeze(-2) @ probs.unsqueeze(-1))[..., 0, 0]  # <s, p> as a batched matmul
-            grad.sub_(s_dot_p.unsqueeze(-1)).mul_((tv_weight * w).unsqueeze(-1))
-            grad.add_((ce_weight * w).unsqueeze(-1)).mul_(probs)
-            del probs
-            grad.scatter_add_(-1, labels[sl].unsqueeze(-1), (-ce_weight * w).unsqueeze(-1))
-            grad = grad.to(dtype)
-            grad_hidden[sl] = (grad @ lm_head).to(hidden.dtype)
+            grad_in = grad @ head  # [rows, H (+ r)]: both input gradients in one product
+            grad_hidden[sl] = grad_in[..., :width].to(hidden.dtype)
             if latent is not None:
-                grad_latent[sl] = (grad @ markov_w2).to(latent.dtype)
+                grad_latent[sl] = grad_in[..., width:].to(latent.dtype)
                 grad_w2 += (grad.flatten(0, 1).t() @ lat.flatten(0, 1)).float()
-            del grad, diff
+            del grad, grad_in
         ctx.save_for_backward(grad_hidden, grad_latent, grad_w2)
         ctx.has_latent = latent is not None
         ctx.w2_dtype = None if markov_w2 is None else markov_w2.dtype
@@ -133,24 +170,29 @@ class _FusedVocabLoss(torch.autograd.Function):
         if ctx.has_latent:
             out_latent = grad_latent * scale.to(grad_latent.dtype)
             out_w2 = (grad_w2 * scale).to(ctx.w2_dtype)
-        return (out_hidden, out_latent, out_w2) + (None,) * 9
+        return (out_hidden, out_latent, out_w2) + (None,) * 10
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    pad = x.new_zeros((rows - x.shape[0], *x.shape[1:]))
+    return torch.cat([x, pad])
 
 
 def vocab_terms(
     hidden, latent, markov_w2, lm_head, target_hidden, labels, valid, base_weights, *,
-    ce_weight: float, tv_weight: float, chunk_blocks: int, dpace: bool,
+    ce_weight: float, tv_weight: float, chunk_blocks: int, dpace: bool, compiled: bool = False,
 ):
     """CE/TV sums over all blocks, chunked; see :class:`_FusedVocabLoss`."""
     return _FusedVocabLoss.apply(
         hidden, latent, markov_w2, lm_head, target_hidden, labels, valid.float(), base_weights,
-        float(ce_weight), float(tv_weight), int(chunk_blocks), bool(dpace),
+        float(ce_weight), float(tv_weight), int(chunk_blocks), bool(dpace), bool(compiled),
     )
 
 
 def vocab_terms_unchunked(
     hidden, latent, markov_w2, lm_head, target_hidden, labels, valid, base_weights, *,
     ce_weight: float, tv_weight: float, dpace: bool, **_unused,
-):
+):  # chunk_blocks and compiled do not apply
     """The same sums through plain autograd on all blocks at once (memory baseline)."""
     logits = hidden.to(lm_head.dtype) @ lm_head.t()
     if latent is not None:
@@ -182,6 +224,7 @@ def dspark_objective(
     position_weighting: str = "exp",
     chunk_blocks: int = 64,
     chunked: bool = True,
+    compile: bool | str = "auto",
     reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> ObjectiveOutput:
     """The loss of N blocks.
@@ -189,6 +232,8 @@ def dspark_objective(
     hidden [N, γ, H] (post-norm draft states), prev_tokens / labels / valid [N, γ],
     target_hidden [N, γ, H_t] (the target's final post-norm state at p + k).
     ``reduce_sum`` sums the weight denominator over ranks (identity by default).
+    ``compile``: run the chunks' elementwise vocabulary work through ``torch.compile``
+    (``"auto"``: on CUDA only; on CPU it needs a C++ compiler and pays off on long runs).
     """
     if position_weighting not in ("exp", "dpace"):
         raise ValueError(f"position_weighting {position_weighting!r} is not one of 'exp', 'dpace'")
@@ -203,6 +248,7 @@ def dspark_objective(
         hidden, latent, markov_w2, model.lm_head.weight, target_hidden, labels, valid,
         exp_weights(valid, decay), ce_weight=ce_weight, tv_weight=tv_weight,
         chunk_blocks=chunk_blocks, dpace=position_weighting == "dpace",
+        compiled=hidden.is_cuda if compile == "auto" else bool(compile),
     )
     sum_bce = torch.zeros((), device=hidden.device)
     if model.confidence_head is not None:
