@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--chunk-blocks", type=int, default=None, help="objective chunk (default: recipe's)")
+    parser.add_argument("--compile", choices=["auto", "on", "off"], default=None,
+                        help="torch.compile the objective's elementwise work (default: the recipe's "
+                        "train.loss.compile, auto = CUDA only); compilation happens in the warm-up steps")
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of one step")
     return parser
 
@@ -146,6 +149,18 @@ def _synthetic_samples(cfg, args, generator):
     return samples
 
 
+def _loss_config(recipe, args):
+    """The objective's settings: the recipe's (or the defaults), then --chunk-blocks and --compile."""
+    from draftforge.train.config import LossConfig
+
+    loss = recipe.train.loss.model_dump() if recipe is not None else LossConfig().model_dump()
+    if args.chunk_blocks:
+        loss["chunk_blocks"] = args.chunk_blocks
+    if args.compile is not None:
+        loss["compile"] = {"on": True, "off": False}.get(args.compile, "auto")
+    return LossConfig(**loss)
+
+
 def train_steps(cfg, recipe, args):
     """Build a :class:`Trainer` (strategy ``single``) at ``cfg`` on synthetic features and run
     ``args.warmup + args.steps`` steps, yielding ``(seconds, loss, anchors)`` after each
@@ -158,9 +173,7 @@ def train_steps(cfg, recipe, args):
     from draftforge.train.sample import collate
     from draftforge.train.trainer import Trainer, anchor_seed
 
-    loss = recipe.train.loss.model_dump() if recipe is not None else {}
-    if args.chunk_blocks:
-        loss["chunk_blocks"] = args.chunk_blocks
+    loss = _loss_config(recipe, args)
     train = TrainConfig(strategy="single", dtype=args.dtype, num_anchors=args.anchors,
                         steps=args.warmup + args.steps + 1, num_threads=args.threads, device="cpu",
                         warmup_ratio=0.0, loss=loss, resume="never")
@@ -209,11 +222,13 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     cfg, recipe = _model_config(args)
+    loss = _loss_config(recipe, args)
     print(
         f"bench train: H={cfg.hidden_size} layers={cfg.num_hidden_layers} heads={cfg.num_attention_heads}/"
         f"{cfg.num_key_value_heads} FFN={cfg.intermediate_size} V={cfg.vocab_size} block={cfg.block_size} "
         f"Markov rank={cfg.markov_rank} aux layers={len(cfg.target_layer_ids)}; batch {args.batch} x "
-        f"seq {args.seq}, {args.anchors} anchors, {args.dtype}, {args.threads} threads",
+        f"seq {args.seq}, {args.anchors} anchors, {args.dtype}, {args.threads} threads; objective "
+        f"chunk {loss.chunk_blocks} blocks, compile {loss.compile} (auto = CUDA only)",
         flush=True,
     )
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
