@@ -16,8 +16,8 @@ Four checks on the real small target (SmolLM2-135M-Instruct from the local
    and the trainer on cuda:0 (the line says so; NCCL is not exercised).
 3. ``export``: ``draftforge export`` of that run, loaded back with
    ``load_exported_draft``; every trained tensor must come back bit-identical.
-4. ``sglang-dspark``: where the installed SGLang has the DSPARK algorithm, an
-   SGLang server (bound to 127.0.0.1) serves the target with the exported draft;
+4. ``sglang-dspark`` (in ``gpu_check_serving``): where the installed SGLang
+   has the DSPARK algorithm, an SGLang server (bound to 127.0.0.1) serves the target with the exported draft;
    its reported tokens per verification step are compared with draftforge's
    evaluator on the same prompts (greedy, fixed length). SKIP otherwise.
 
@@ -41,8 +41,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,14 +66,6 @@ MIN_START_S = 20.0  # a check is not started with less time than this left
 # matching layer's error must also be at most 1/SHIFT_MARGIN of the nearest neighbour's.
 FEATURE_REL_TOL = 0.05
 SHIFT_MARGIN = 2.0
-# Check 4: tokens per target verification step, SGLang against draftforge. The two
-# decode the same prompts greedily for the same number of tokens, but SGLang runs the
-# target and the draft in bf16 with its own kernels while draftforge's evaluator runs
-# float32: after a near-tie the greedy texts part, and marginal draft tokens flip.
-# Counts that agree within 10 % mean the same thing is being counted; a different
-# definition (a missed bonus token, prefill counted as a step) shows up as >= 1/(tokens
-# per step) on every request, far outside it at these lengths.
-ACCEPT_REL_TOL = 0.10
 
 LAYER_IDS = (1, 14, 27)  # SmolLM2 has 30 layers: early, middle, late (29, the last, is refused)
 PROMPTS = (
@@ -84,7 +74,6 @@ PROMPTS = (
     "List three uses of a paperclip.",
 )
 SGLANG_DTYPE = "bfloat16"
-SERVER_MEM_FRACTION = 0.5  # of the GPU, for SGLang's weights and KV pool (plenty at 135M)
 
 
 # --------------------------------------------------------------------------- results
@@ -597,238 +586,6 @@ def check_export(setup: Setup, timeout_s: float) -> CheckResult:
     return CheckResult(name, PASS, figures, f"{setup.export_dir} loads back bit-identical")
 
 
-# --------------------------------------------------------------------------- check 4
-
-
-@dataclass(frozen=True)
-class SpecCounts:
-    """One request's speculative-decoding counts as SGLang reports them."""
-
-    completion_tokens: int
-    verify_steps: int  # spec_verify_ct: target verification forwards
-    reported_accept_length: float | None  # spec_accept_length = completion_tokens / verify_steps
-    output_ids: tuple[int, ...] = ()
-
-
-def parse_sglang_reply(reply: Any, *, index: int = 0) -> SpecCounts:
-    """The counts of one ``/generate`` reply; ValueError naming what is missing.
-
-    SGLang (0.5.23, ``TokenizerManager._calculate_spec_decoding_metrics``) puts
-    ``completion_tokens`` in every reply's ``meta_info`` and, once a request was
-    verified at least once, ``spec_verify_ct`` and ``spec_accept_length``
-    (``completion_tokens / spec_verify_ct``: the first token comes from the
-    prefill, every verification step adds its accepted drafts plus one).
-    """
-    if not isinstance(reply, Mapping) or not isinstance(reply.get("meta_info"), Mapping):
-        raise ValueError(f"reply {index}: no meta_info object in {str(reply)[:200]}")
-    meta = reply["meta_info"]
-    if "completion_tokens" not in meta:
-        raise ValueError(f"reply {index}: meta_info has no completion_tokens (keys {sorted(meta)})")
-    if "spec_verify_ct" not in meta:
-        raise ValueError(
-            f"reply {index}: meta_info has no spec_verify_ct (keys {sorted(meta)}): the server ran "
-            "no speculative verification; was it started with --speculative-algorithm DSPARK?")
-    try:
-        completion = int(meta["completion_tokens"])
-        verify = int(meta["spec_verify_ct"])
-        reported = meta.get("spec_accept_length")
-        reported = None if reported is None else float(reported)
-        output = tuple(int(t) for t in reply.get("output_ids") or ())
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"reply {index}: malformed counts in meta_info ({err})") from None
-    if completion < 0 or verify <= 0:
-        raise ValueError(f"reply {index}: completion_tokens {completion}, spec_verify_ct {verify}")
-    return SpecCounts(completion, verify, reported, output)
-
-
-def tokens_per_step(pairs: Sequence[tuple[int, int]]) -> float:
-    """Pooled tokens per verification step: sum of tokens / sum of steps."""
-    steps = sum(s for _, s in pairs)
-    return sum(t for t, _ in pairs) / steps if steps else math.nan
-
-
-def compare_acceptance(
-    sglang: Sequence[SpecCounts], ours: Sequence[tuple[int, int]], *, tol: float = ACCEPT_REL_TOL
-) -> tuple[bool, dict[str, Any], str]:
-    """SGLang's tokens per verification step against draftforge's evaluator on the same prompts.
-
-    ``ours``: (output tokens, verification rounds) per prompt from
-    ``speculative_decode`` (its first token also comes from the prefill, so
-    tokens / rounds is SGLang's ``completion_tokens / spec_verify_ct``).
-    """
-    if len(sglang) != len(ours) or not ours:
-        return False, {}, f"{len(sglang)} SGLang replies for {len(ours)} prompts"
-    theirs = tokens_per_step([(c.completion_tokens, c.verify_steps) for c in sglang])
-    mine = tokens_per_step(list(ours))
-    rel = abs(theirs - mine) / mine if mine else math.inf
-    figures = {"sglang_tok_per_step": theirs, "draftforge_tok_per_step": mine, "rel_diff": rel,
-               "tol": tol, "sglang_tokens": sum(c.completion_tokens for c in sglang),
-               "draftforge_tokens": sum(t for t, _ in ours)}
-    problems = []
-    if figures["sglang_tokens"] != figures["draftforge_tokens"]:
-        problems.append(f"SGLang decoded {figures['sglang_tokens']} tokens, draftforge "
-                        f"{figures['draftforge_tokens']} (both should stop at max_new_tokens)")
-    if not rel <= tol:
-        problems.append(f"tokens per verification step differ by {rel:.1%} > {tol:.0%}")
-    reason = "; ".join(problems) or f"tokens per verification step agree within {tol:.0%}"
-    return not problems, figures, reason
-
-
-def sglang_has_dspark() -> tuple[bool, str]:
-    """(True, version) when the installed SGLang knows the DSPARK algorithm, else (False, why)."""
-    import importlib.metadata
-    import importlib.util
-
-    if importlib.util.find_spec("sglang") is None:
-        return False, "sglang is not installed"
-    version = importlib.metadata.version("sglang")
-    try:
-        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-    except Exception as err:  # an SGLang that does not import here cannot serve either
-        return False, f"sglang {version}: its speculative module does not import ({err})"
-    if not hasattr(SpeculativeAlgorithm, "DSPARK"):
-        return False, f"sglang {version} has no DSPARK speculative algorithm"
-    return True, version
-
-
-def sglang_server_command(model: str, draft: str, port: int, *, dtype: str = SGLANG_DTYPE,
-                          mem_fraction: float = SERVER_MEM_FRACTION) -> list[str]:
-    """SGLang's server with the DSPARK draft, on 127.0.0.1 only (flags of SGLang 0.5.23)."""
-    return [
-        sys.executable, "-m", "sglang.launch_server", "--model-path", model,
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
-        "--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", draft,
-        "--mem-fraction-static", str(mem_fraction), "--skip-server-warmup",
-        # start-up time matters more than speed here: no CUDA graph capture
-        "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
-    ]
-
-
-def generate_request(input_ids: Sequence[int], max_new_tokens: int) -> dict[str, Any]:
-    """A greedy, fixed-length ``/generate`` request (EOS ignored: both sides decode the same count)."""
-    return {"input_ids": [int(t) for t in input_ids],
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": int(max_new_tokens),
-                                "ignore_eos": True}}
-
-
-def _http(url: str, payload: dict | None = None, timeout_s: float = 60.0) -> tuple[int, Any]:
-    data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            body = response.read()
-            return response.status, json.loads(body) if body.strip() else None
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode(errors="replace")[:500]
-
-
-def wait_until_ready(base: str, proc: subprocess.Popen, deadline: float) -> str | None:
-    """None once ``/health`` answers 200; otherwise why not (the server exited, or the deadline)."""
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return f"the server exited with status {proc.returncode} while starting"
-        try:
-            status, _ = _http(f"{base}/health", timeout_s=5)
-            if status == 200:
-                return None
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            pass
-        time.sleep(1.0)
-    return "the server was not ready before the time limit"
-
-
-def serve_and_count(setup: Setup, model: str, prompts: Sequence[Sequence[int]],
-                    deadline: float) -> list[SpecCounts] | str:
-    """Start SGLang with the exported draft, send ``prompts``; the counts, or why it failed."""
-    port = free_port()
-    log = setup.log_dir / "sglang-server.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(sglang_server_command(model, str(setup.export_dir), port),
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=child_env())
-    base = f"http://127.0.0.1:{port}"
-    try:
-        problem = wait_until_ready(base, proc, deadline)
-        if problem is not None:
-            return f"{problem}; log {log}: {log_tail(log)}"
-        counts = []
-        for index, prompt in enumerate(prompts):
-            status, reply = _http(f"{base}/generate", generate_request(prompt, setup.max_new_tokens),
-                                  timeout_s=max(5.0, deadline - time.monotonic()))
-            if status != 200:
-                return f"/generate answered {status}: {str(reply)[:300]}"
-            counts.append(parse_sglang_reply(reply, index=index))
-        return counts
-    finally:
-        stop_group(proc)
-
-
-def draftforge_counts(setup: Setup, model: str, prompts: Sequence[Sequence[int]]):
-    """draftforge's evaluator on the same prompts: (tokens, rounds) per prompt, outputs, summary."""
-    import torch
-
-    from draftforge.eval.harness import summarize
-    from draftforge.eval.speculative import (
-        DecodeSettings,
-        DraftProposer,
-        TargetSession,
-        speculative_decode,
-    )
-    from draftforge.splitserve.config import TargetConfig
-    from draftforge.splitserve.target import build_target
-    from draftforge.train.hf_load import load_exported_draft
-
-    device = torch.device("cuda", 0)
-    layers = [int(i) for i in setup.draft["target_layer_ids"]]
-    # float32, as `draftforge eval` runs by default: its greedy output is plain decoding's
-    target = build_target(TargetConfig(model=model, dtype="float32"), layers, device=device)
-    draft = load_exported_draft(setup.export_dir, target=target, dtype=torch.float32, device=device)
-    session = TargetSession(target.model, layers)
-    settings = DecodeSettings(max_new_tokens=setup.max_new_tokens, temperature=0.0, verify="full",
-                              eos_token_ids=())
-    results = []
-    for index, prompt in enumerate(prompts):
-        generator = torch.Generator().manual_seed(index)
-        proposer = DraftProposer(draft, temperature=0.0, generator=generator)
-        results.append(speculative_decode(session, list(prompt), proposer, settings,
-                                          generator=generator))
-    summary = summarize(results, draft.config.block_size)
-    return [(len(r.tokens), len(r.rounds)) for r in results], [r.tokens for r in results], summary
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
-def check_sglang_dspark(setup: Setup, deadline: float) -> CheckResult:
-    """Check 4: SGLang serving the exported draft, against draftforge's evaluator."""
-    name = "sglang-dspark"
-    ok, detail = sglang_has_dspark()
-    if not ok:
-        return CheckResult(name, SKIP, reason=detail)
-    from draftforge.splitserve import smollm2
-    from draftforge.splitserve.config import TargetConfig
-    from draftforge.splitserve.target import load_tokenizer
-
-    model = str(smollm2.ensure_smollm2())
-    input_ids, mask = prompt_batch(load_tokenizer(TargetConfig(model=model)), PROMPTS)
-    prompts = [row[: int(n)].tolist() for row, n in zip(input_ids, mask.sum(dim=1), strict=True)]
-    # leave a third of the time for draftforge's side
-    served = serve_and_count(setup, model, prompts,
-                             deadline=time.monotonic() + (deadline - time.monotonic()) * 2 / 3)
-    if isinstance(served, str):
-        return CheckResult(name, FAIL, {"sglang": detail}, served)
-    ours, outputs, summary = draftforge_counts(setup, model, prompts)
-    passed, figures, reason = compare_acceptance(served, ours)
-    same = [common_prefix(c.output_ids, o) for c, o in zip(served, outputs, strict=True)]
-    figures.update(draftforge_al=summary["acceptance_length"],
-                   same_prefix_tokens=min(same) if same else 0, sglang=detail)
-    return CheckResult(name, PASS if passed else FAIL, figures, reason)
-
-
 # --------------------------------------------------------------------------- main
 
 
@@ -842,6 +599,8 @@ def run_check_here(name: str, setup: Setup, timeout_s: float) -> CheckResult:
     if name == "export":
         return check_export(setup, timeout_s)
     if name == "sglang-dspark":
+        from draftforge.splitserve.gpu_check_serving import check_sglang_dspark
+
         return check_sglang_dspark(setup, deadline)
     raise ValueError(f"unknown check {name!r}; valid: {', '.join(CHECK_ORDER)}")
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from draftforge.splitserve import gpu_check as G
+from draftforge.splitserve import gpu_check_serving as S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -85,8 +86,8 @@ def _reply(completion, verify, *, output=None, accept=None):
 
 
 def test_parse_sglang_reply_reads_the_counts():
-    counts = G.parse_sglang_reply(_reply(64, 40, output=[5, 6, 7]))
-    assert counts == G.SpecCounts(64, 40, 1.6, (5, 6, 7))
+    counts = S.parse_sglang_reply(_reply(64, 40, output=[5, 6, 7]))
+    assert counts == S.SpecCounts(64, 40, 1.6, (5, 6, 7))
 
 
 @pytest.mark.parametrize(
@@ -102,14 +103,14 @@ def test_parse_sglang_reply_reads_the_counts():
 )
 def test_parse_sglang_reply_names_what_is_wrong(reply, message):
     with pytest.raises(ValueError, match="reply 2") as err:
-        G.parse_sglang_reply(reply, index=2)
+        S.parse_sglang_reply(reply, index=2)
     assert message in str(err.value)
 
 
 def test_compare_acceptance_pools_tokens_per_step():
-    sglang = [G.SpecCounts(64, 40, None), G.SpecCounts(64, 32, None)]
+    sglang = [S.SpecCounts(64, 40, None), S.SpecCounts(64, 32, None)]
     ours = [(64, 41), (64, 33)]  # one more round each: 128/74 against 128/72
-    passed, figures, reason = G.compare_acceptance(sglang, ours)
+    passed, figures, reason = S.compare_acceptance(sglang, ours)
     assert passed, reason
     assert figures["sglang_tok_per_step"] == pytest.approx(128 / 72)
     assert figures["draftforge_tok_per_step"] == pytest.approx(128 / 74)
@@ -117,19 +118,19 @@ def test_compare_acceptance_pools_tokens_per_step():
 
 
 def test_compare_acceptance_fails_on_a_different_count_or_definition():
-    sglang = [G.SpecCounts(64, 40, None), G.SpecCounts(64, 32, None)]
+    sglang = [S.SpecCounts(64, 40, None), S.SpecCounts(64, 32, None)]
     # a definition slip (every round counted twice as often) is far outside the tolerance
-    passed, figures, reason = G.compare_acceptance(sglang, [(64, 60), (64, 50)])
-    assert not passed and "differ by" in reason and figures["rel_diff"] > G.ACCEPT_REL_TOL
+    passed, figures, reason = S.compare_acceptance(sglang, [(64, 60), (64, 50)])
+    assert not passed and "differ by" in reason and figures["rel_diff"] > S.ACCEPT_REL_TOL
     # SGLang stopped early on one prompt: the token counts differ
-    passed, _, reason = G.compare_acceptance([G.SpecCounts(50, 31, None), sglang[1]], [(64, 40), (64, 32)])
+    passed, _, reason = S.compare_acceptance([S.SpecCounts(50, 31, None), sglang[1]], [(64, 40), (64, 32)])
     assert not passed and "decoded 114 tokens, draftforge 128" in reason
-    passed, _, reason = G.compare_acceptance(sglang, [(64, 40)])
+    passed, _, reason = S.compare_acceptance(sglang, [(64, 40)])
     assert not passed and "2 SGLang replies for 1 prompts" in reason
 
 
 def test_server_command_binds_loopback_and_serves_the_draft():
-    command = G.sglang_server_command("/models/t", "/runs/export", 31234)
+    command = S.sglang_server_command("/models/t", "/runs/export", 31234)
     assert command[1:3] == ["-m", "sglang.launch_server"]
     flags = dict(zip(command[3::2], command[4::2], strict=False))
     assert flags["--host"] == "127.0.0.1"
@@ -138,7 +139,7 @@ def test_server_command_binds_loopback_and_serves_the_draft():
     assert flags["--speculative-draft-model-path"] == "/runs/export"
     assert flags["--model-path"] == "/models/t"
     assert "0.0.0.0" not in command
-    request = G.generate_request([1, 2, 3], 64)
+    request = S.generate_request([1, 2, 3], 64)
     assert request == {"input_ids": [1, 2, 3],
                        "sampling_params": {"temperature": 0.0, "max_new_tokens": 64, "ignore_eos": True}}
 
@@ -169,7 +170,7 @@ def test_sglang_has_dspark_reads_the_installed_release(tmp_path, monkeypatch, me
         monkeypatch.delitem(sys.modules, name)
     importlib.invalidate_caches()
     try:
-        assert G.sglang_has_dspark() == expected
+        assert S.sglang_has_dspark() == expected
     finally:
         for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
             del sys.modules[name]
@@ -182,15 +183,15 @@ def test_sglang_checks_skip_without_sglang(tmp_path):
         pytest.skip("sglang is installed here")
     setup = G.gpu_setup(tmp_path, 1)
     features = G.check_sglang_features(setup)
-    dspark = G.check_sglang_dspark(setup, time.monotonic() + 60)
+    dspark = S.check_sglang_dspark(setup, time.monotonic() + 60)
     assert (features.status, dspark.status) == (G.SKIP, G.SKIP)
     assert "not installed" in features.reason and dspark.reason == "sglang is not installed"
     assert not tmp_path.joinpath("logs").exists()
 
 
 def test_common_prefix():
-    assert G.common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
-    assert G.common_prefix([], [1]) == 0
+    assert S.common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert S.common_prefix([], [1]) == 0
 
 
 # --------------------------------------------------------------------------- check 1 pieces
