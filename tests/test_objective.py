@@ -190,3 +190,20 @@ def test_compiled_objective_matches_reference_values_and_gradients(weighting):
     for name in expected:
         torch.testing.assert_close(fused[name], expected[name].to(fused[name].dtype), rtol=1e-4,
                                    atol=1e-6, msg=name)
+
+
+def test_cached_vocabulary_head_follows_markov_and_lm_head_changes():
+    """The CPU cache of [lm_head, W2] must never serve stale columns: after an optimizer-like
+    change of W2 and an in-place reload of lm_head, the loss still equals the reference."""
+    model = tiny_draft(markov_head_type="vanilla")
+    hidden, prev, labels, valid, target_hidden = _inputs(model, seed=4)
+    for change in ("none", "w2", "lm_head"):
+        with torch.no_grad():
+            if change == "w2":
+                model.markov_head.markov_w2.weight.add_(0.5)
+            elif change == "lm_head":
+                model.lm_head.weight.copy_(torch.randn_like(model.lm_head.weight))
+        out = dspark_objective(model, hidden, prev, labels, valid, target_hidden, chunk_blocks=4)
+        ref, _ = reference_loss(model, hidden, prev, labels, valid, target_hidden)
+        torch.testing.assert_close(out.loss.double(), ref.detach(), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, change=change: f"after changing {change}: {m}")

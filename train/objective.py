@@ -23,6 +23,7 @@ recomputes or stores the vocabulary tensors.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -124,7 +125,7 @@ class _FusedVocabLoss(torch.autograd.Function):
         grad_w2 = None if latent is None else torch.zeros_like(markov_w2, dtype=torch.float32)
         # One matmul for both logit terms: [h, latent] @ [lm_head, W2]^T. A single
         # vocabulary-sized product (and conversion) instead of two, in both directions.
-        head = lm_head if latent is None else torch.cat([lm_head, markov_w2.to(dtype)], dim=1)
+        head = lm_head if latent is None else _vocab_head(lm_head, markov_w2.to(dtype))
         width = hidden.shape[-1]
         terms = compiled_chunk_terms() if compiled else chunk_terms
         c_star = torch.zeros(num_blocks, block_size, dtype=torch.float32, device=hidden.device)
@@ -171,6 +172,28 @@ class _FusedVocabLoss(torch.autograd.Function):
             out_latent = grad_latent * scale.to(grad_latent.dtype)
             out_w2 = (grad_w2 * scale).to(ctx.w2_dtype)
         return (out_hidden, out_latent, out_w2) + (None,) * 10
+
+
+_HEAD_CACHE: dict = {}
+
+
+def _vocab_head(lm_head: torch.Tensor, markov_w2: torch.Tensor) -> torch.Tensor:
+    """``[lm_head, W2]`` as one ``[V, H + r]`` matrix. ``lm_head`` is frozen, so on CPU its
+    columns are copied once and only W2's are refreshed per call. The copy is reused only for
+    the very same tensor (a weak reference: a new draft at a recycled address is not it) at
+    the same in-place version; elsewhere, and whenever that changes, it is rebuilt."""
+    if lm_head.is_cuda:  # a fresh cat is cheap there, and a cached copy would hold memory
+        return torch.cat([lm_head, markov_w2], dim=1)
+    key = (lm_head._version, tuple(lm_head.shape), lm_head.dtype, tuple(markov_w2.shape),
+           markov_w2.dtype)
+    owner = _HEAD_CACHE.get("owner")
+    if owner is None or owner() is not lm_head or _HEAD_CACHE.get("key") != key:
+        _HEAD_CACHE.clear()
+        _HEAD_CACHE.update(owner=weakref.ref(lm_head), key=key,
+                           head=torch.cat([lm_head, markov_w2], dim=1))
+    else:
+        _HEAD_CACHE["head"][:, lm_head.shape[1]:].copy_(markov_w2)
+    return _HEAD_CACHE["head"]
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
