@@ -96,6 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first, per side")
     parser.add_argument("--chunk-blocks", type=int, default=64,
                         help="objective chunk in blocks, on both sides")
+    parser.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                        help="draftforge's train.loss.compile (torch.compile of its objective's "
+                        "elementwise work; auto = CUDA only); SpecForge runs as it ships")
     parser.add_argument("--rounds", type=int, default=1,
                         help="repeat SpecForge-then-draftforge this many times (medians over all timed "
                         "steps): on a shared machine both sides then see the same disturbances")
@@ -317,6 +320,7 @@ def _train_args(args) -> argparse.Namespace:
         "--seq", str(args.seq), "--anchors", str(args.anchors), "--batch", str(args.batch),
         "--threads", str(args.threads), "--dtype", "bfloat16", "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--chunk-blocks", str(args.chunk_blocks),
+        "--compile", args.compile,
     ])
 
 
@@ -339,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{cfg.num_key_value_heads} FFN={cfg.intermediate_size} V={cfg.vocab_size} block={cfg.block_size} "
         f"Markov rank={cfg.markov_rank} aux layers={len(cfg.target_layer_ids)}, confidence head with Markov; "
         f"batch {args.batch} x seq {args.seq}, {args.anchors} anchors, objective chunk {args.chunk_blocks} "
-        f"blocks, bfloat16, {args.threads} threads",
+        f"blocks, bfloat16, {args.threads} threads; draftforge's objective compile: {args.compile}",
         flush=True,
     )
     print("not the same on the two sides (each side's own design): SpecForge keeps bf16 weights + fp32 "
