@@ -207,3 +207,25 @@ def test_cached_vocabulary_head_follows_markov_and_lm_head_changes():
         ref, _ = reference_loss(model, hidden, prev, labels, valid, target_hidden)
         torch.testing.assert_close(out.loss.double(), ref.detach(), rtol=1e-5, atol=1e-6,
                                    msg=lambda m, change=change: f"after changing {change}: {m}")
+
+
+def test_compile_failure_falls_back_to_eager_with_one_message(monkeypatch, capsys):
+    """No C++ compiler (simulated): the run goes on eagerly with the same loss, and says so once."""
+    from draftforge.train import objective
+
+    def broken():
+        def kernel(*args):
+            raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+        return kernel
+
+    monkeypatch.setattr(objective, "compiled_chunk_terms", broken)
+    monkeypatch.setattr(objective, "_COMPILE_FAILED", None)
+    model = tiny_draft(markov_head_type="vanilla")
+    inputs = _inputs(model, seed=6)
+    eager = dspark_objective(model, *inputs, chunk_blocks=4, compile=False).loss
+    for _ in range(2):
+        fallback = dspark_objective(model, *inputs, chunk_blocks=4, compile=True).loss
+        torch.testing.assert_close(fallback, eager)
+    err = capsys.readouterr().err
+    assert err.count("torch.compile of the objective failed") == 1
+    assert "InvalidCxxCompiler: No working C++ compiler found" in err

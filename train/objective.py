@@ -23,6 +23,7 @@ recomputes or stores the vocabulary tensors.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -95,6 +96,7 @@ def chunk_terms(logits, target_logits, labels, valid, base_weights, ce_weight: f
 
 
 _COMPILED_CHUNK_TERMS = None
+_COMPILE_FAILED: str | None = None
 
 
 def compiled_chunk_terms():
@@ -105,6 +107,22 @@ def compiled_chunk_terms():
     if _COMPILED_CHUNK_TERMS is None:
         _COMPILED_CHUNK_TERMS = torch.compile(chunk_terms, dynamic=False)
     return _COMPILED_CHUNK_TERMS
+
+
+def _chunk_terms_compiled_or_eager(*args):
+    """The compiled kernel; if compiling fails (no C++ compiler, an unsupported backend), say
+    why once and run eagerly for the rest of the process: same results, only slower."""
+    global _COMPILE_FAILED
+    if _COMPILE_FAILED is None:
+        try:
+            return compiled_chunk_terms()(*args)
+        except Exception as exc:  # noqa: BLE001 - inductor raises many types; eager is always right
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            _COMPILE_FAILED = f"{type(exc).__name__}: {first}"
+            print(f"train.loss.compile: torch.compile of the objective failed ({_COMPILE_FAILED[:300]}); "
+                  "running it eagerly (same results, slower). Set train.loss.compile: false to skip "
+                  "the attempt.", file=sys.stderr, flush=True)
+    return chunk_terms(*args)
 
 
 class _FusedVocabLoss(torch.autograd.Function):
@@ -127,7 +145,7 @@ class _FusedVocabLoss(torch.autograd.Function):
         # vocabulary-sized product (and conversion) instead of two, in both directions.
         head = lm_head if latent is None else _vocab_head(lm_head, markov_w2.to(dtype))
         width = hidden.shape[-1]
-        terms = compiled_chunk_terms() if compiled else chunk_terms
+        terms = _chunk_terms_compiled_or_eager if compiled else chunk_terms
         c_star = torch.zeros(num_blocks, block_size, dtype=torch.float32, device=hidden.device)
         weights = torch.zeros_like(c_star)
         sum_ce = torch.zeros((), dtype=torch.float32, device=hidden.device)
