@@ -97,7 +97,12 @@ class SplitConfig(Section):
     target_tensor_parallel: int = Field(default=1, gt=0)
     max_in_flight: int = Field(default=4, gt=0, description="samples queued per trainer")
     token_budget: int = Field(default=4096, gt=0, description="tokens packed into one step")
-    restart_target: bool = False
+    restart_target: bool = Field(
+        default=False,
+        description="when a rank dies (a target, usually), start every rank again (up to "
+        "--max-restarts times, default 3) and continue from the newest checkpoint; needs "
+        "train.resume: auto",
+    )
     comm_backend: Literal["auto", "gloo", "nccl"] = "auto"
     feature_batch_size: int = Field(
         default=8, gt=0, description="sequences per target features() call on a target rank"
