@@ -72,7 +72,7 @@ COMMANDS: tuple[Command, ...] = (
     Command(
         ("train",),
         "draftforge.splitserve.launch:main",
-        "train a draft: target ranks stream features to trainer ranks (torchrun)",
+        "train a draft: target ranks stream features to trainer ranks (one process per rank)",
         "RECIPE [key=value ...] [--dry-run]",
     ),
     Command(

@@ -1,7 +1,7 @@
 """One rank of a SplitServe run: process groups, then the target or the trainer role.
 
-Every rank joins the world (``env://``: torchrun's ``RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``, ``MASTER_PORT``), then creates, in the same order on every rank:
+Every rank joins the world (``env://``: the ``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT`` that ``draftforge train`` or torchrun set), then creates, in the same order on every rank:
 
 - the target group (``split.target_ranks``) and the trainer group
   (``split.trainer_ranks``; the draft's FSDP2/DeepSpeed collectives run there);

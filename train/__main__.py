@@ -1,8 +1,9 @@
 """``python -m draftforge.train RECIPE [key=value ...]``: one rank of a SplitServe job.
 
-Started once per rank by torchrun (``torchrun --nproc_per_node=N -m draftforge.train
-RECIPE``) or by ``draftforge train RECIPE``, which wraps torchrun. This entry only
-parses, seeds and hands off to :func:`draftforge.splitserve.roles.run_rank`.
+Started once per rank by ``draftforge train RECIPE`` (one process per rank, with a
+loopback-only store) or by torchrun (``torchrun --nproc_per_node=N -m draftforge.train
+RECIPE``). This entry only parses, seeds and hands off to
+:func:`draftforge.splitserve.roles.run_rank`.
 """
 
 from __future__ import annotations
