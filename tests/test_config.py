@@ -107,7 +107,7 @@ def test_misspelt_nested_key(tmp_path):
     line = len(BASE.splitlines()) + 2
     (problem,) = problems(write(tmp_path, text))
     assert f"r.yaml:{line}: train.loss.decy: unknown key (did you mean 'decay'?)" in problem
-    assert "valid keys: bce_weight, ce_weight, chunk_blocks, decay," in problem
+    assert "valid keys: bce_weight, ce_weight, chunk_blocks, compile, decay," in problem
 
 
 def test_unknown_section(tmp_path):

@@ -90,4 +90,6 @@ def run(job: dict, group, trainer_rank: int, num_trainers: int) -> None:
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    sys.exit(main(sys.argv[1]))
+    from draftforge.train.__main__ import exit_now  # no C++ teardown after the results are written
+
+    exit_now(main(sys.argv[1]))
