@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from draftforge.splitserve.target import Reply, TargetFeatures, check_layer_ids
+from draftforge.splitserve.target import (
+    Reply,
+    TargetFeatures,
+    check_layer_ids,
+    merge_eos_ids,
+    render_prompt,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -174,7 +180,7 @@ class HFTarget:
         """Like ``generate`` but returns each reply's token ids, up to and including its end-of-turn token."""
         tokenizer = self.tokenizer
         prompts = [
-            self._render(conversation, index, settings)
+            render_prompt(tokenizer, conversation, index, settings)
             for index, conversation in enumerate(conversations)
         ]
         generation_config = self._generation_config(settings)
@@ -205,25 +211,9 @@ class HFTarget:
 
     def eos_token_ids(self) -> list[int]:
         """Token ids that end an assistant turn (tokenizer's eos plus the model's generation eos)."""
-        ids: list[int] = []
-        for source in (self.tokenizer.eos_token_id, self.model.generation_config.eos_token_id):
-            for token_id in source if isinstance(source, list) else [source]:
-                if token_id is not None and token_id not in ids:
-                    ids.append(int(token_id))
-        if not ids:
-            raise ValueError(f"target {self.name!r} defines no end-of-sequence token")
-        return ids
-
-    def _render(
-        self, conversation: list[dict[str, str]], index: int, settings: GenerationConfig
-    ) -> str:
-        _check_conversation(conversation, index)
-        return self.tokenizer.apply_chat_template(
-            conversation,
-            tokenize=False,
-            add_generation_prompt=True,
-            enable_thinking=settings.enable_thinking,
-            chat_template=settings.chat_template,
+        return merge_eos_ids(
+            (self.tokenizer.eos_token_id, self.model.generation_config.eos_token_id),
+            where=f"target {self.name!r}",
         )
 
     def _generation_config(self, settings: GenerationConfig):
@@ -334,23 +324,3 @@ def _as_batch(tensor: torch.Tensor, what: str) -> torch.Tensor:
             f"{what} must be a 2-D tensor [batch, seq], got {getattr(tensor, 'shape', type(tensor))}"
         )
     return tensor
-
-
-def _check_conversation(conversation: object, index: int) -> None:
-    if not isinstance(conversation, list) or not conversation:
-        raise ValueError(f"conversation {index} must be a non-empty list of messages")
-    for turn, message in enumerate(conversation):
-        if (
-            not isinstance(message, dict)
-            or not isinstance(message.get("role"), str)
-            or not isinstance(message.get("content"), str)
-        ):
-            raise ValueError(
-                f"conversation {index}, message {turn}: expected a dict with string 'role' and "
-                f"'content', got {message!r}"
-            )
-    if conversation[-1]["role"] != "user":
-        raise ValueError(
-            f"conversation {index} ends with role {conversation[-1]['role']!r}; generate() answers "
-            f"a conversation that ends with a user turn"
-        )

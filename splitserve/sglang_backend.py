@@ -37,7 +37,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from draftforge.splitserve.target import Reply, TargetFeatures, check_layer_ids, sglang_layer_ids
+from draftforge.splitserve.target import (
+    Reply,
+    TargetFeatures,
+    check_layer_ids,
+    merge_eos_ids,
+    render_prompt,
+    sglang_layer_ids,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -261,14 +268,7 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, folder: Path) -> list[int]
     config_file = folder / "generation_config.json"
     if config_file.is_file():
         sources.append(json.loads(config_file.read_text()).get("eos_token_id"))
-    ids: list[int] = []
-    for source in sources:
-        for token_id in source if isinstance(source, list) else [source]:
-            if token_id is not None and int(token_id) not in ids:
-                ids.append(int(token_id))
-    if not ids:
-        raise ValueError(f"target folder {folder} defines no end-of-sequence token")
-    return ids
+    return merge_eos_ids(sources, where=f"target folder {folder}")
 
 
 def read_weight(folder: Path, names: Sequence[str]) -> torch.Tensor:
@@ -348,18 +348,9 @@ class SGLangTarget:
         ``target.generation.seed``; batching on a GPU makes sampled replies
         reproducible only up to SGLang's own determinism (greedy is exact).
         """
-        from draftforge.splitserve.hf_backend import _check_conversation
-
         prompts: list[list[int]] = []
         for index, conversation in enumerate(conversations):
-            _check_conversation(conversation, index)
-            text = self._tokenizer.apply_chat_template(
-                conversation,
-                tokenize=False,
-                add_generation_prompt=True,
-                enable_thinking=settings.enable_thinking,
-                chat_template=settings.chat_template,
-            )
+            text = render_prompt(self._tokenizer, conversation, index, settings)
             prompts.append(self._tokenizer(text, add_special_tokens=False)["input_ids"])
         if not prompts:
             return []

@@ -88,6 +88,58 @@ class TargetEngine(Protocol):
         ...
 
 
+def check_conversation(conversation: object, index: int) -> None:
+    """A conversation ``generate`` can answer: non-empty, string roles and contents, last turn user."""
+    if not isinstance(conversation, list) or not conversation:
+        raise ValueError(f"conversation {index} must be a non-empty list of messages")
+    for turn, message in enumerate(conversation):
+        if (
+            not isinstance(message, dict)
+            or not isinstance(message.get("role"), str)
+            or not isinstance(message.get("content"), str)
+        ):
+            raise ValueError(
+                f"conversation {index}, message {turn}: expected a dict with string 'role' and "
+                f"'content', got {message!r}"
+            )
+    if conversation[-1]["role"] != "user":
+        raise ValueError(
+            f"conversation {index} ends with role {conversation[-1]['role']!r}; generate() answers "
+            f"a conversation that ends with a user turn"
+        )
+
+
+def render_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    conversation: list[dict[str, str]],
+    index: int,
+    settings: GenerationConfig,
+) -> str:
+    """The prompt text every backend generates from: the chat template (``settings.chat_template``
+    or the tokenizer's) with ``add_generation_prompt`` and ``enable_thinking``."""
+    check_conversation(conversation, index)
+    return tokenizer.apply_chat_template(
+        conversation,
+        tokenize=False,
+        add_generation_prompt=True,
+        enable_thinking=settings.enable_thinking,
+        chat_template=settings.chat_template,
+    )
+
+
+def merge_eos_ids(sources: Sequence[object], *, where: str) -> list[int]:
+    """End-of-turn token ids from several sources (an id, a list of ids or None each), in order,
+    without repeats; ``where`` names the target in the error when there are none."""
+    ids: list[int] = []
+    for source in sources:
+        for token_id in source if isinstance(source, list) else [source]:
+            if token_id is not None and int(token_id) not in ids:
+                ids.append(int(token_id))
+    if not ids:
+        raise ValueError(f"{where} defines no end-of-sequence token")
+    return ids
+
+
 def check_layer_ids(layer_ids: Sequence[int], num_hidden_layers: int) -> list[int]:
     """Validate auxiliary layer ids against a target with ``num_hidden_layers`` decoder layers.
 
