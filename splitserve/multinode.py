@@ -125,7 +125,9 @@ def launch_plan(cfg, recipe: str, overrides: Sequence[str], *, master_addr: str 
         return "\n".join(lines)
     unusable = master_addr is None or is_loopback(master_addr) or is_unspecified(master_addr)
     addr = NODE0_PLACEHOLDER if unusable else master_addr
-    gpu = "GPU" if _backend_guess(cfg) == "nccl" else "process"
+    from draftforge.splitserve.roles import comm_backend
+
+    gpu = "GPU" if comm_backend(cfg, gpus_visible=True) == "nccl" else "process"
     lines.append(
         f"  {layout.num_nodes} nodes x {layout.nproc_per_node} processes; torchrun static "
         f"rendezvous at {addr}:{master_port} (node 0)"
@@ -181,14 +183,6 @@ def is_unspecified(address: str) -> bool:
         return ipaddress.ip_address(address.strip("[]")).is_unspecified
     except ValueError:
         return False
-
-
-def _backend_guess(cfg) -> str:
-    """The transport a recipe plans for (``auto``: nccl unless train.device is cpu)."""
-    choice = cfg.split.comm_backend
-    if choice != "auto":
-        return choice
-    return "nccl" if cfg.train.device != "cpu" else "gloo"
 
 
 def check_node_args(cfg, *, node_rank: int | None, master_addr: str) -> NodeLayout:

@@ -91,9 +91,7 @@ def split_problems(
             "split: comm_backend nccl / target_devices / trainer_devices need CUDA GPUs and none "
             "is visible; remove them to run on CPU (gloo)"
         )
-    nccl = split.comm_backend == "nccl" or (
-        split.comm_backend == "auto" and cuda_devices > 0 and train.device != "cpu"
-    )
+    nccl = comm_backend(cfg, gpus_visible=cuda_devices > 0) == "nccl"
     per_node = (world_size or split.world_size) // split.num_nodes
     if nccl and cuda_devices and split.target_devices is None and split.trainer_devices is None \
             and per_node > cuda_devices:
@@ -138,11 +136,12 @@ def check_split(cfg: RecipeConfig, **kwargs) -> None:
         raise RecipeError(problems)
 
 
-def _backend(cfg: RecipeConfig) -> str:
+def comm_backend(cfg: RecipeConfig, *, gpus_visible: bool) -> str:
+    """The transport ``split.comm_backend`` means: ``auto`` is nccl when GPUs are visible and
+    ``train.device`` is not cpu, else gloo. Dry runs plan with ``gpus_visible=True``."""
     choice = cfg.split.comm_backend
     if choice == "auto":
-        gpu = torch.cuda.is_available() and cfg.train.device != "cpu"
-        return "nccl" if gpu else "gloo"
+        return "nccl" if gpus_visible and cfg.train.device != "cpu" else "gloo"
     return choice
 
 
@@ -174,7 +173,7 @@ class RankContext:
         self.rank = rank
         self.world = world
         self.mode = mode
-        self.backend = _backend(cfg)
+        self.backend = comm_backend(cfg, gpus_visible=torch.cuda.is_available())
         self.device = _device(cfg, rank, self.backend)
         self.topology: Topology = build_topology(cfg.split)
         self.role = "target" if rank in cfg.split.target_ranks else "trainer"
