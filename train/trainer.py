@@ -475,8 +475,9 @@ class Trainer:
             "extra_per_rank": [json.loads(e[0]) for e in extras],
             "seed": self.train.seed,
         }
-        # Sharded strategies also gather the full model once, so that export needs no torchrun.
-        full = self.full_state_dict() if self.train.strategy != "single" else None
+        # Sharded strategies also gather the full model once (kept on trainer rank 0, which
+        # writes it), so that export needs no torchrun.
+        full = self.full_state_dict(every_rank=False) if self.train.strategy != "single" else None
         return ckpt.save_checkpoint(
             run_dir=self.run_dir, step=self.step, strategy=self.train.strategy, model=self.model,
             optimizer=self.optimizer, engine=self.engine, state=state, group=self.group,
@@ -484,8 +485,20 @@ class Trainer:
             full_state=full,
         )
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full (unsharded) model state on CPU, fp32 master weights (collective; every rank gets it)."""
+    def full_state_dict(self, *, every_rank: bool = True) -> dict[str, torch.Tensor]:
+        """The full (unsharded) model state on CPU, fp32 master weights (collective).
+
+        Every trainer rank gets it, or with ``every_rank=False`` trainer rank 0 only (the
+        others join the gather and return ``{}``: no full CPU copy on ranks that discard it).
+        """
+        keep = every_rank or self.is_main
+
+        def on_cpu(state, *, fresh: bool = False) -> dict[str, torch.Tensor]:
+            # live parameters are cloned; freshly gathered tensors need no second copy
+            if not keep:
+                return {}
+            return {k: v.detach().cpu() if fresh else v.detach().cpu().clone() for k, v in state.items()}
+
         if self.train.strategy == "fsdp2":
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
@@ -494,15 +507,14 @@ class Trainer:
 
             # cpu_offload would keep the result on global rank 0 only, which may not train.
             options = StateDictOptions(full_state_dict=True, cpu_offload=False)
-            state = get_model_state_dict(self.model, options=options)
-            return {k: v.detach().cpu() for k, v in state.items()}
+            return on_cpu(get_model_state_dict(self.model, options=options), fresh=True)
         if self.engine is not None and self.train.zero_stage == 3:
             import deepspeed
 
             params = list(self.model.parameters())
             with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+                return on_cpu(self.model.state_dict())
+        return on_cpu(self.model.state_dict())
 
     def _summary(self, result: FitResult, window: list[dict], first_slots, tokens: int, elapsed: float) -> dict:
         def mean(key):
