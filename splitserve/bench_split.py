@@ -1,6 +1,6 @@
 """``draftforge bench split RECIPE [key=value ...] [--steps N]``: is the split well balanced?
 
-One torchrun job with the recipe's split runs three phases:
+One job with the recipe's split (started like draftforge train, loopback only) runs three phases:
 
 1. **producer alone**: each target rank computes its first samples (enough
    tokens for ``N`` steps of its trainers) without sending anything;
@@ -185,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="draftforge bench split",
         description="Producer alone, consumer alone (fed from memory) and both together in one "
-        "torchrun job of the recipe's split; prints end-to-end / min(producer, consumer).",
+        "job of the recipe's split; prints end-to-end / min(producer, consumer).",
     )
     parser.add_argument("recipe", help="path to a recipe YAML file")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. split.max_in_flight=8")
