@@ -25,6 +25,7 @@ from draftforge.splitserve.multinode import (
     DEFAULT_MASTER_PORT,
     LOOPBACK,
     check_node_args,
+    is_loopback,
     launch_plan,
     multinode_torchrun_command,
     node_layout,
@@ -42,7 +43,7 @@ def launch_env(master_addr: str = LOOPBACK, *, cpu: bool = True) -> dict[str, st
     if cpu:
         # one intra-op thread per process unless told otherwise: ranks share the cores
         env.setdefault("OMP_NUM_THREADS", "1")
-    if master_addr in (LOOPBACK, "localhost") and sys.platform.startswith("linux"):
+    if is_loopback(master_addr) and sys.platform.startswith("linux"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.setdefault("MASTER_ADDR", master_addr)
     return env
