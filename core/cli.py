@@ -171,6 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = max(matches, key=lambda c: len(c.words))
 
     try:
+        from draftforge.allocator import tune_malloc
+
+        tune_malloc()
         status = _load(command.handler)(argv[len(command.words) :])
     except KeyboardInterrupt:
         sys.stderr.write("draftforge: interrupted\n")

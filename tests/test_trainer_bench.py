@@ -48,3 +48,22 @@ def test_bench_train_prints_a_machine_readable_last_line(capsys):
     fields = dict(item.split("=") for item in last.split())
     assert set(fields) == {"train_mfu", "step_tokens_s"}
     assert 0 < float(fields["train_mfu"]) < 1.5 and float(fields["step_tokens_s"]) > 0
+
+
+def test_bench_train_runs_on_the_recipes_threads_and_reports_per_step_mfu(capsys):
+    from pathlib import Path
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-cpu.yaml"
+    before = torch.get_num_threads()
+    try:
+        assert main([str(recipe), "train.num_threads=1", "--seq", "48", "--anchors", "4", "--steps", "2",
+                     "--warmup", "1", "--compile", "off"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    out = capsys.readouterr().out
+    assert "bfloat16, 1 threads;" in out.splitlines()[0]
+    timed = [line for line in out.splitlines() if line.startswith("  step") and "MFU" in line]
+    assert len(timed) == 2  # each timed step carries its own ratio against its neighbouring peaks
+    per_step = sorted(float(line.rsplit("MFU ", 1)[1]) for line in timed)
+    reported = float(out.strip().splitlines()[-1].split()[0].split("=")[1])
+    assert abs(reported - sum(per_step) / 2) < 1.5e-3  # the median of two is their mean

@@ -36,6 +36,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RecipeError as exc:
         print(f"draftforge train: invalid recipe:\n{exc}", file=sys.stderr)
         return 2
+    from draftforge.allocator import tune_malloc
+    from draftforge.errors import InputError
+
+    try:
+        tune_malloc()
+    except InputError as exc:
+        print(f"draftforge train: error: {exc}", file=sys.stderr)
+        return 2
     rank = int(os.environ.get("RANK", "0"))
     seed = cfg.train.seed * 1000 + rank
     random.seed(seed)

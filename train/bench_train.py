@@ -10,6 +10,13 @@ recipe, the peer comparison of issue 4: hidden 576, 2 layers, 9/3 heads, FFN
 1536, vocabulary 49,152, block 8, Markov rank 64, 5 target layers. Sequence
 length and anchors per sequence are options (512 and 64).
 
+Threads: the recipe's ``train.num_threads`` (what its trainer rank runs with), 2
+without a recipe; ``--threads`` overrides. The peak is re-measured after every
+timed step, and each step's MFU uses the higher of the
+peaks measured just before and just after it, so a machine whose speed drifts
+during the run (a shared VM) neither flatters nor penalises the ratio; the
+reported MFU is the median over the timed steps.
+
 FLOP count of one step (multiply-adds count 2), N = anchors x block query
 tokens, S context positions, visible keys of block a = p_a + block:
 
@@ -53,7 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq", type=int, default=512, help="sequence length")
     parser.add_argument("--anchors", type=int, default=64, help="anchors per sequence")
     parser.add_argument("--batch", type=int, default=1, help="sequences per step")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="intra-op threads for the steps and the peak (default: the recipe's "
+                        "train.num_threads; 2 without a recipe)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
@@ -202,26 +211,35 @@ def train_steps(cfg, recipe, args):
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
-def time_train_steps(cfg, recipe, args) -> tuple[list[float], list[list[int]]]:
-    """Run :func:`train_steps`, printing each; return the timed (post-warm-up) steps'
-    seconds and the anchors of the last timed step."""
-    times: list[float] = []
-    anchors: list[list[int]] = []
+def time_train_steps(cfg, recipe, args, *, dtype) -> list[dict]:
+    """Run :func:`train_steps`, printing each; return one record per timed (post-warm-up) step:
+    ``seconds``, ``anchors``, ``flops`` and ``peak``, the higher of the matmul peaks measured
+    just before and just after the step (:func:`matmul_peak` runs between steps)."""
+    records: list[dict] = []
+    peak_before = matmul_peak(dtype=dtype)
     for index, (seconds, loss, step_anchors) in enumerate(train_steps(cfg, recipe, args)):
-        if index >= args.warmup:
-            times.append(seconds)
-            anchors = step_anchors
+        timed = index >= args.warmup
+        note = ""
+        if timed:
+            peak_after = matmul_peak(dtype=dtype)
+            flops = step_flops(cfg, seq=args.seq, anchors=step_anchors)["step"]
+            peak = max(peak_before, peak_after)
+            records.append({"seconds": seconds, "anchors": step_anchors, "flops": flops, "peak": peak})
+            note = f"  {flops / seconds / 1e9:.0f} GFLOP/s, peak {peak / 1e9:.0f}, MFU {flops / seconds / peak:.3f}"
+            peak_before = peak_after
         print(f"  step {index + 1}: {seconds:.3f} s  loss {loss:.4f}"
-              f"{'' if index >= args.warmup else '  (warm-up)'}", flush=True)
-    return times, anchors
+              f"{note if timed else '  (warm-up)'}", flush=True)
+    return records
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import torch
 
-    torch.set_num_threads(args.threads)
     cfg, recipe = _model_config(args)
+    if args.threads is None:
+        args.threads = recipe.train.num_threads if recipe is not None else 2
+    torch.set_num_threads(args.threads)
     loss = _loss_config(recipe, args)
     print(
         f"bench train: H={cfg.hidden_size} layers={cfg.num_hidden_layers} heads={cfg.num_attention_heads}/"
@@ -232,21 +250,20 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    peak_before = matmul_peak(dtype=dtype)
-    times, anchors = time_train_steps(cfg, recipe, args)
-    step_s = statistics.median(times)
-    flops = step_flops(cfg, seq=args.seq, anchors=anchors)
-    # The peak before and after the steps; the higher one (a conservative MFU) counts.
-    peak = max(peak_before, matmul_peak(dtype=dtype))
-    achieved = flops["step"] / step_s
-    tokens = sum(len(a) for a in anchors) * cfg.block_size
+    records = time_train_steps(cfg, recipe, args, dtype=dtype)
+    step_s = statistics.median(r["seconds"] for r in records)
+    mfu = statistics.median(r["flops"] / r["seconds"] / r["peak"] for r in records)
+    last = records[-1]
+    flops = step_flops(cfg, seq=args.seq, anchors=last["anchors"])
+    tokens = sum(len(a) for a in last["anchors"]) * cfg.block_size
     tokens_s = tokens / step_s
-    print(f"step {step_s:.3f} s (median of {len(times)}), {tokens} block tokens -> {tokens_s:.0f} tokens/s")
+    print(f"step {step_s:.3f} s (median of {len(records)}), {tokens} block tokens -> {tokens_s:.0f} tokens/s")
     print(f"FLOPs per step {flops['step'] / 1e9:.1f} G (forward: backbone {flops['backbone'] / 1e9:.2f} G, "
           f"attention {flops['attention'] / 1e9:.2f} G, vocabulary {flops['vocab'] / 1e9:.2f} G; x3)")
-    print(f"achieved {achieved / 1e9:.1f} GFLOP/s, {args.dtype} matmul peak {peak / 1e9:.1f} GFLOP/s "
-          f"({args.threads} threads)")
-    print(f"train_mfu={achieved / peak:.3f} step_tokens_s={tokens_s:.1f}")
+    print(f"achieved {flops['step'] / step_s / 1e9:.1f} GFLOP/s at the median step, {args.dtype} matmul "
+          f"peak {statistics.median(r['peak'] for r in records) / 1e9:.1f} GFLOP/s ({args.threads} threads); "
+          f"MFU is the median of the per-step ratios")
+    print(f"train_mfu={mfu:.3f} step_tokens_s={tokens_s:.1f}")
     return 0
 
 
