@@ -249,6 +249,11 @@ def build_engine(ctx: RankContext):
     begin = time.perf_counter()
     engine = build_target(cfg.target, cfg.draft.target_layer_ids, device=ctx.device)
     ctx.log(f"target ready in {time.perf_counter() - begin:.1f} s")
+    if cfg.target.model != "random":  # random targets (tests) may have no tokenizer
+        from draftforge.splitserve.target import check_mask_token
+
+        ctx.log(check_mask_token(engine.tokenizer, cfg.draft.mask_token_id,
+                                 vocab_size=engine.vocab_size, eos_ids=engine.eos_token_ids()))
     return engine
 
 

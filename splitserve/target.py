@@ -87,6 +87,10 @@ class TargetEngine(Protocol):
         """The target's input embedding [V, H_t] (the draft keeps a frozen copy)."""
         ...
 
+    def eos_token_ids(self) -> list[int]:
+        """Token ids that end an assistant turn."""
+        ...
+
 
 def check_conversation(conversation: object, index: int) -> None:
     """A conversation ``generate`` can answer: non-empty, string roles and contents, last turn user."""
@@ -125,6 +129,59 @@ def render_prompt(
         enable_thinking=settings.enable_thinking,
         chat_template=settings.chat_template,
     )
+
+
+def check_mask_token(
+    tokenizer: PreTrainedTokenizerBase, mask_token_id: int, *, vocab_size: int, eos_ids: Sequence[int]
+) -> str:
+    """Refuse a ``draft.mask_token_id`` the target's text can produce; describe an accepted one.
+
+    The block input is ``[anchor, MASK, ..., MASK]``: if MASK can also be a real token
+    (an ordinary piece of text, an end-of-turn id, a chat-template marker), the draft
+    cannot tell a masked slot from that token. Accepted: a special or added token that a
+    rendered chat does not contain, or an embedding row past the tokenizer's tokens.
+    Raises :class:`~draftforge.errors.InputError` naming the token and some usable ids.
+    """
+    from draftforge.errors import InputError
+
+    where = f"draft.mask_token_id {mask_token_id}"
+    if not 0 <= mask_token_id < vocab_size:
+        raise InputError(f"{where} is outside the target's vocabulary of {vocab_size}")
+    if mask_token_id in set(eos_ids):
+        raise InputError(f"{where} is an end-of-turn token of the target ({list(eos_ids)}): "
+                         "choose a special token the target never produces")
+    if mask_token_id >= len(tokenizer):
+        return f"{where}: an embedding row past the tokenizer's {len(tokenizer)} tokens (text never produces it)"
+    token = tokenizer.convert_ids_to_tokens(mask_token_id)
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    chat = _rendered_chat_ids(tokenizer)
+    unusable = set(eos_ids) | set(chat) | {tokenizer.pad_token_id, tokenizer.bos_token_id}
+    candidates = sorted(i for i in special if i not in unusable and i < vocab_size)[:6]
+    hint = (f"; special tokens a chat does not contain: {candidates}" if candidates else
+            "; the tokenizer has no special token to spare: use an id past its tokens if the "
+            "embedding has one")
+    if mask_token_id not in special:
+        raise InputError(f"{where} is {token!r}, an ordinary text token of the target's tokenizer: "
+                         f"choose a special token the target never produces{hint}")
+    if mask_token_id in chat:
+        raise InputError(f"{where} is {token!r}, which the chat template writes into every "
+                         f"conversation{hint}")
+    return f"{where}: {token!r}, a special token the chat template does not use"
+
+
+def _rendered_chat_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Token ids of a short rendered chat (system, user, assistant, user + generation prompt)."""
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+             {"role": "user", "content": "Bye"}]
+    if getattr(tokenizer, "chat_template", None) is None:
+        return []
+    for conversation in ([{"role": "system", "content": "Be brief."}, *turns], turns):
+        try:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - templates raise their own errors (e.g. no system role)
+            continue
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return []
 
 
 def merge_eos_ids(sources: Sequence[object], *, where: str) -> list[int]:

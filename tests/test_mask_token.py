@@ -1,0 +1,57 @@
+"""``check_mask_token``: the draft's MASK id must be a token the target's text never contains.
+
+Checked against SmolLM2-135M-Instruct's real tokenizer: ids 0-16 are its special tokens,
+1 and 2 are ``<|im_start|>`` / ``<|im_end|>`` (ChatML), 16 is ``<empty_output>``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from draftforge.errors import InputError
+from draftforge.splitserve.target import check_mask_token
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from draftforge.splitserve import smollm2
+
+    return AutoTokenizer.from_pretrained(smollm2.ensure_smollm2())
+
+
+def test_the_cpu_recipes_mask_token_is_accepted_and_named(tokenizer):
+    note = check_mask_token(tokenizer, 16, vocab_size=49152, eos_ids=[2])
+    assert "'<empty_output>'" in note and "special token" in note
+
+
+def test_an_ordinary_text_token_is_refused_with_usable_ids(tokenizer):
+    text_id = tokenizer("hello", add_special_tokens=False)["input_ids"][0]
+    with pytest.raises(InputError) as info:
+        check_mask_token(tokenizer, text_id, vocab_size=49152, eos_ids=[2])
+    message = str(info.value)
+    assert f"draft.mask_token_id {text_id} is {tokenizer.convert_ids_to_tokens(text_id)!r}" in message
+    assert "ordinary text token" in message
+    suggested = [int(x) for x in message.rsplit("[", 1)[1].rstrip("]").split(",")]
+    assert suggested and 1 not in suggested and 2 not in suggested
+    for token_id in suggested:  # every suggestion passes the check itself
+        check_mask_token(tokenizer, token_id, vocab_size=49152, eos_ids=[2])
+
+
+def test_a_chat_template_marker_is_refused(tokenizer):
+    with pytest.raises(InputError, match=r"1 is '<\|im_start\|>', which the chat template writes"):
+        check_mask_token(tokenizer, 1, vocab_size=49152, eos_ids=[2])
+
+
+def test_an_end_of_turn_id_is_refused(tokenizer):
+    with pytest.raises(InputError, match="end-of-turn token of the target"):
+        check_mask_token(tokenizer, 2, vocab_size=49152, eos_ids=[2])
+
+
+def test_ids_outside_the_vocabulary_and_past_the_tokenizer(tokenizer):
+    with pytest.raises(InputError, match="outside the target's vocabulary of 49152"):
+        check_mask_token(tokenizer, 49152, vocab_size=49152, eos_ids=[2])
+    # an embedding larger than the tokenizer (as Qwen3's 151,936 rows over 151,669 tokens)
+    note = check_mask_token(tokenizer, 49160, vocab_size=49200, eos_ids=[2])
+    assert "past the tokenizer's 49152 tokens" in note
