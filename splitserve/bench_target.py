@@ -44,6 +44,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence for features")
     parser.add_argument("--new-tokens", type=int, default=32, help="max new tokens for generate")
     parser.add_argument(
+        "--temperature", type=float, default=0.0,
+        help="0 = greedy (default); above 0, sampling with the reference top-p/top-k "
+        f"({GenerationConfig().top_p}/{GenerationConfig().top_k}) as regeneration does",
+    )
+    parser.add_argument(
         "--threads", type=int, default=TargetConfig().num_threads, help="intra-op threads"
     )
     parser.add_argument("--layers", default="1,14,27", help="auxiliary layer ids to capture")
@@ -71,7 +76,7 @@ def _time(fn) -> tuple[float, object]:
 
 
 def _bench_engine(
-    engine, dtype: str, batch_sizes: list[int], seq_len: int, new_tokens: int
+    engine, dtype: str, batch_sizes: list[int], seq_len: int, new_tokens: int, temperature: float
 ) -> list[tuple[str, str, int, int, float, float]]:
     """Rows (op, dtype, batch, tokens, seconds, tok/s) for one loaded engine."""
     engine.features(_feature_batch(engine, 1, 16))  # warm-up: kernel selection, allocator
@@ -88,7 +93,7 @@ def _bench_engine(
         print(f"  features b={batch_size}: {rows[-1][-1]:.0f} tok/s", file=sys.stderr, flush=True)
 
         settings = GenerationConfig(
-            temperature=0.0, max_new_tokens=new_tokens, batch_size=batch_size
+            temperature=temperature, max_new_tokens=new_tokens, batch_size=batch_size
         )
         conversations = [
             [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}] for i in range(batch_size)
@@ -110,7 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     layers = [int(x) for x in args.layers.split(",")]
     rows: list[tuple[str, str, int, int, float, float]] = []
     print(
-        f"target {args.model}: features on {args.seq_len}-token rows, greedy generate of up to "
+        f"target {args.model}: features on {args.seq_len}-token rows, "
+        f"{'greedy' if args.temperature <= 0 else f'sampled (temperature {args.temperature})'} generate of up to "
         f"{args.new_tokens} tokens, {args.threads} thread(s), torch {torch.__version__}",
         flush=True,
     )
@@ -120,7 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         load_s, engine = _time(lambda cfg=cfg: build_target(cfg, layers))
         print(f"loaded {engine.name} in {dtype} in {load_s:.1f}s", file=sys.stderr, flush=True)
-        rows.extend(_bench_engine(engine, dtype, batch_sizes, args.seq_len, args.new_tokens))
+        rows.extend(_bench_engine(engine, dtype, batch_sizes, args.seq_len, args.new_tokens,
+                                  args.temperature))
         del engine  # free it before loading the next dtype
 
     print(f"{'op':<9} {'dtype':<9} {'batch':>5} {'tokens':>7} {'seconds':>8} {'tok/s':>9}")

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from draftforge.splitserve.sampling import decode
 from draftforge.splitserve.target import (
     Reply,
     TargetFeatures,
@@ -183,22 +184,24 @@ class HFTarget:
             render_prompt(tokenizer, conversation, index, settings)
             for index, conversation in enumerate(conversations)
         ]
-        generation_config = self._generation_config(settings)
-        eos = set(generation_config.eos_token_id)
+        eos_ids = self.eos_token_ids()
+        pad = self.tokenizer.pad_token_id
+        eos = set(eos_ids)
         replies: list[list[int]] = []
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            torch.manual_seed(settings.seed)
-            for start in range(0, len(prompts), settings.batch_size):
-                batch = tokenizer(
-                    prompts[start : start + settings.batch_size],
-                    return_tensors="pt",
-                    padding=True,
-                    padding_side="left",
-                    add_special_tokens=False,
-                ).to(self.device)
-                output = self.model.generate(**batch, generation_config=generation_config)
-                for row in output[:, batch["input_ids"].shape[1] :].tolist():
-                    replies.append(_until_eos(row, eos))
+        generator = torch.Generator(device=self.device).manual_seed(settings.seed)
+        for start in range(0, len(prompts), settings.batch_size):
+            batch = tokenizer(
+                prompts[start : start + settings.batch_size],
+                return_tensors="pt",
+                padding=True,
+                padding_side="left",
+                add_special_tokens=False,
+            ).to(self.device)
+            output = decode(self.model, batch["input_ids"], batch["attention_mask"], settings,
+                            eos_ids=eos_ids, pad_id=eos_ids[0] if pad is None else pad,
+                            generator=generator)
+            for row in output.tolist():
+                replies.append(_until_eos(row, eos))
         return replies
 
     def lm_head_weight(self) -> torch.Tensor:
@@ -214,28 +217,6 @@ class HFTarget:
         return merge_eos_ids(
             (self.tokenizer.eos_token_id, self.model.generation_config.eos_token_id),
             where=f"target {self.name!r}",
-        )
-
-    def _generation_config(self, settings: GenerationConfig):
-        from transformers import GenerationConfig as HFGenerationConfig
-
-        eos = self.eos_token_ids()
-        pad = self.tokenizer.pad_token_id
-        sampling = (
-            {
-                "do_sample": True,
-                "temperature": settings.temperature,
-                "top_p": settings.top_p,
-                "top_k": settings.top_k,
-            }
-            if settings.temperature > 0
-            else {"do_sample": False}
-        )
-        return HFGenerationConfig(
-            max_new_tokens=settings.max_new_tokens,
-            eos_token_id=eos,
-            pad_token_id=eos[0] if pad is None else pad,
-            **sampling,
         )
 
 
