@@ -291,6 +291,13 @@ def regenerate(
     return report
 
 
+def _usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity where the OS reports one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``draftforge data regenerate RECIPE [key=value ...]``: write the recipe's regenerated data."""
     parser = argparse.ArgumentParser(
@@ -303,7 +310,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "overrides", nargs="*", metavar="key=value", help="e.g. data.num_samples=64"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--threads", type=int, default=None,
+        help="intra-op threads of the target (default: every core this process may use; "
+        "target.num_threads is for the target rank of a training job, which shares the machine)",
+    )
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
 
     from draftforge.config import load_recipe
     from draftforge.data.loading import load_prompts, regenerated_path
@@ -318,7 +332,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         from draftforge.splitserve.target import build_target
 
-        engine = build_target(cfg.target, cfg.draft.target_layer_ids)
+        threads = args.threads or _usable_cores()
+        print(f"draftforge data regenerate: {threads} thread(s)", file=sys.stderr)
+        target = cfg.target.model_copy(update={"num_threads": threads})
+        engine = build_target(target, cfg.draft.target_layer_ids)
         regenerate(prompts, engine, cfg.target.generation, out, progress=not args.no_progress)
     except (DataFormatError, OverlapError, RegenerationError, WorkloadUnavailableError) as exc:
         print(f"draftforge data regenerate: {exc}", file=sys.stderr)

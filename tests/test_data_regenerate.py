@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -185,7 +186,7 @@ def test_cli_main_writes_default_path(tmp_path, monkeypatch):
     built = {}
 
     def fake_build_target(cfg, layer_ids):
-        built["model"] = cfg.model
+        built["model"], built["threads"] = cfg.model, cfg.num_threads
         return FakeEngine()
 
     monkeypatch.setattr(target_module, "build_target", fake_build_target)
@@ -197,6 +198,13 @@ def test_cli_main_writes_default_path(tmp_path, monkeypatch):
     rows = [json.loads(line) for line in (tmp_path / "regenerated.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == [f"train-{i:05d}" for i in range(1, 8)]
     assert rows[0]["generation"]["max_new_tokens"] == 32  # the recipe's settings
+    # alone on the machine, the target uses every core it may run on, or --threads
+    assert built["threads"] == len(os.sched_getaffinity(0))
+    assert regen_module.main([str(recipe), f"train.output_dir={tmp_path}", "data.num_samples=7",
+                              "--no-progress", "--threads", "3"]) == 0
+    assert built["threads"] == 3
+    with pytest.raises(SystemExit):
+        regen_module.main([str(recipe), "--threads", "0"])
 
 
 def test_cli_main_reports_data_errors(tmp_path, capsys):
