@@ -278,3 +278,35 @@ def test_export_cli_model_card_carries_recipe_and_acceptance_table(tmp_path):
     card = (tmp_path / "out" / "README.md").read_text()
     assert "DSpark draft for random" in card and "| gsm8k | dspark | 3.21 |" in card
     assert "## Recipe" in card and "markov_rank: 16" in card and "## Training data" in card
+
+
+@pytest.mark.parametrize("refuse", [None, 401])
+def test_push_to_hub_uploads_the_export_through_huggingface_hub(tmp_path, monkeypatch, capsys, refuse):
+    """The real huggingface_hub client against a loopback stand-in of the Hub's upload API."""
+    from fake_hub import FakeHub
+    from huggingface_hub import constants
+
+    from draftforge.cli import main
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")
+    _write_checkpoint(tmp_path / "ckpt", tiny_draft())
+    out = tmp_path / "out"
+    with FakeHub(refuse_with=refuse) as hub:
+        monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint)
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # the suite sets it at import
+        status = main(["export", str(tmp_path / "ckpt"), "--out", str(out), "--push-to-hub", "me/draft"])
+    captured = capsys.readouterr()
+    exported = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert {"config.json", "model.safetensors", "README.md"} <= set(exported)
+    if refuse is None:
+        assert status == 0, captured.err
+        assert hub.repos["me/draft"]["visibility"] == "private"
+        assert hub.files["me/draft"] == exported  # every file, byte for byte
+        assert [c["summary"] for c in hub.commits] == ["draftforge export"]
+        assert hub.validated == [exported["README.md"].decode()]
+        assert "pushed to https://huggingface.co/me/draft" in captured.out
+    else:
+        assert status == 1 and not hub.files
+        assert "push to the Hugging Face Hub (me/draft) failed" in captured.err
+        assert "export itself is complete" in captured.err
