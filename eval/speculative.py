@@ -24,7 +24,6 @@ the threshold (static confidence scheduling).
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ import torch
 from torch import nn
 
 from draftforge.splitserve.hf_backend import captured_outputs, decoder_layers_and_norm
+from draftforge.splitserve.sampling import kv_cache_argument
 
 
 class LosslessCheckError(AssertionError):
@@ -89,9 +89,7 @@ class TargetSession:
         self.layer_ids = list(layer_ids or [])
         self.device = next(model.parameters()).device
         self._layers, _ = decoder_layers_and_norm(model)
-        # transformers >= 5.2x names the KV cache argument `cache`; older releases `past_key_values`.
-        params = inspect.signature(model.forward).parameters
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._cache_arg = kv_cache_argument(model)
         self.cache = None
         self.length = 0
 

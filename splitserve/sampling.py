@@ -11,6 +11,7 @@ processors. Greedy decoding is the argmax and matches ``generate`` token for tok
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,13 @@ import torch
 
 if TYPE_CHECKING:
     from draftforge.splitserve.config import GenerationConfig
+
+
+def kv_cache_argument(model) -> str:
+    """The name under which ``model.forward`` takes and returns its KV cache: ``cache`` in
+    transformers >= 5.2x (``past_key_values`` still works there, with a deprecation warning,
+    until 5.40), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def next_tokens(logits: torch.Tensor, settings: GenerationConfig, generator: torch.Generator | None) -> torch.Tensor:
@@ -59,11 +67,12 @@ def decode(
     batch = input_ids.shape[0]
     device = input_ids.device
     eos = torch.tensor(sorted(set(eos_ids)), device=device)
+    cache_arg = kv_cache_argument(model)
     mask = attention_mask.to(torch.long)
     positions = (mask.cumsum(-1) - 1).clamp_(min=0)
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
                 logits_to_keep=1)
-    cache, logits = out.past_key_values, out.logits[:, -1]
+    cache, logits = getattr(out, cache_arg), out.logits[:, -1]
     next_position = positions[:, -1:] + 1
     result = torch.full((batch, settings.max_new_tokens), pad_id, dtype=torch.long, device=device)
     rows = torch.arange(batch, device=device)  # the original row of each row still in the batch
@@ -81,7 +90,7 @@ def decode(
                 x[keep] for x in (rows, token, mask, next_position, live))
         mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype, device=device)], dim=1)
         out = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position,
-                    past_key_values=cache, use_cache=True)
-        cache, logits = out.past_key_values, out.logits[:, -1]
+                    use_cache=True, **{cache_arg: cache})
+        cache, logits = getattr(out, cache_arg), out.logits[:, -1]
         next_position = next_position + 1
     return result[:, : step + 1]
