@@ -80,6 +80,24 @@ def describe_status(code: int) -> str:
     return f"exit status {code}"
 
 
+def _die_with(launcher_pid: int):
+    """A ``preexec_fn`` (Linux) that has the kernel SIGTERM the rank when the launcher dies,
+    even by SIGKILL or an out-of-memory kill, so no rank outlives its job holding memory and
+    ports. ``None`` elsewhere (no such kernel feature)."""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def set_parent_death_signal() -> None:
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+        if os.getppid() != launcher_pid:  # the launcher died before the call
+            os._exit(1)
+
+    return set_parent_death_signal
+
+
 def run_ranks(
     command: Sequence[str],
     *,
@@ -123,7 +141,8 @@ def run_ranks(
     try:
         for rank in range(nproc):
             procs.append(subprocess.Popen(list(command), env=rank_env(base, rank=rank, world=nproc,
-                                                                     host=host, port=port)))
+                                                                     host=host, port=port),
+                                          preexec_fn=_die_with(os.getpid())))
         failed: tuple[int, int] | None = None
         while True:
             codes = [proc.poll() for proc in procs]

@@ -111,3 +111,39 @@ def test_rank_env_and_status_descriptions():
     assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
     assert describe_status(-9) == "killed by SIGKILL"
     assert describe_status(2) == "exit status 2"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")
+def test_ranks_do_not_outlive_a_killed_launcher(tmp_path):
+    """A launcher killed with SIGKILL (a scheduler, a test timeout, the OOM killer) takes its
+    ranks with it instead of leaving them running."""
+    pid_file = tmp_path / "rank.pid"
+    rank = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys; from draftforge.splitserve.supervisor import run_ranks; "
+         f"sys.exit(run_ranks([sys.executable, '-c', {rank!r}], nproc=1))"],
+        env=ENV,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert time.monotonic() < deadline, "the rank never started"
+            time.sleep(0.1)
+        rank_pid = int(pid_file.read_text())
+        launcher.kill()
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{rank_pid}").exists() and _state(rank_pid) != "Z":
+            assert time.monotonic() < deadline, "the rank outlived its launcher"
+            time.sleep(0.1)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
