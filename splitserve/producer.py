@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import random
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import count
@@ -98,9 +99,12 @@ def epoch_order(num: int, *, seed: int, epoch: int) -> list[int]:
     return order
 
 
+EPOCH_MARK = "#e"
+
+
 def epoch_id(conv_id: str, epoch: int) -> str:
     """The sample id of conversation ``conv_id`` in ``epoch``."""
-    return conv_id if epoch == 0 else f"{conv_id}#e{epoch}"
+    return conv_id if epoch == 0 else f"{conv_id}{EPOCH_MARK}{epoch}"
 
 
 def assign_by_tokens(lengths: Sequence[int], num_dests: int, *, rotation: int = 0) -> list[int]:
@@ -392,19 +396,30 @@ def producer_alone(
     topology: Topology,
     rank: int,
     min_tokens: int,
-) -> tuple[list[ProducedSample], Meter]:
-    """This producer's first samples, at least ``min_tokens`` tokens of them, timed (no wire)."""
+) -> tuple[list[ProducedSample], int, float]:
+    """This producer's first samples (no wire), timed over whole chunks.
+
+    A chunk (``target.generation.batch_size`` conversations) is regenerated and
+    featurised as one unit before its first sample comes out, so stopping inside a
+    chunk would charge the whole chunk's time to part of its tokens. Samples are
+    taken chunk by chunk until at least ``min_tokens`` tokens; returns them, their
+    tokens and the seconds they took (the first sample of the next chunk, computed
+    to see that the last chunk had ended, is neither counted nor returned).
+    """
     conversations, regenerate = load_source_conversations(cfg)
-    meter = Meter()
     source = SampleSource(cfg, engine, topology, rank, conversations=conversations,
-                          regenerate=regenerate, meter=meter)
+                          regenerate=regenerate)
+    chunk_of = {conversations[i].id: k for k, chunk in enumerate(source.chunks()) for i in chunk}
     out: list[ProducedSample] = []
-    tokens = 0
-    meter.start()
+    tokens, current, seconds = 0, None, 0.0
+    start = time.perf_counter()
     for sample in source.samples():
+        conv_id, _, epoch = sample.sample_id.partition(EPOCH_MARK)  # see epoch_id
+        chunk = (int(epoch or 0), chunk_of[conv_id])
+        if current is not None and chunk != current and tokens >= min_tokens:
+            break
         out.append(sample)
         tokens += sample.num_tokens
-        if tokens >= min_tokens:
-            break
-    meter.stop()
-    return out, meter
+        current = chunk
+        seconds = time.perf_counter() - start
+    return out, tokens, seconds
