@@ -6,8 +6,9 @@ One job with the recipe's split (started like draftforge train, loopback only) r
    tokens for ``N`` steps of its trainers) without sending anything;
 2. **consumer alone**: those samples are moved to the trainers (untimed) and
    each trainer runs ``N`` steps from memory (after one untimed warm-up step);
-3. **both**: the normal stream, producer and trainers together, ``N`` steps
-   timed after the first (pipeline fill) step.
+3. **both**: the normal stream, producer and trainers together, ``N + 1`` steps
+   timed from the start (an empty pipeline, like phase 1: timing only after a fill
+   step lets the window consume samples produced before it and overstate the rate).
 
 Rates are tokens per second summed over the group's ranks. It prints
 ``end-to-end / min(producer, consumer)``; the last line is machine-readable::
@@ -136,9 +137,10 @@ def bench_trainer_rank(ctx, trainer, bench: dict) -> None:
     stream = ConsumerStream(receiver, ack_group=ctx.ack_group, accounting=accounting,
                             heartbeat_s=cfg.split.peer_timeout_s / 4)
     batches = stream_pack(stream.samples(), cfg.split.token_budget)
-    _train_steps(trainer, batches, 1, grad_accum)  # pipeline fill, untimed
+    # Timed from an empty pipeline, as phase 1 is: leaving the fill step out would let the
+    # timed steps eat samples produced before the window and read faster than the producer.
     wait_before = accounting.wait_s
-    both_tokens, both_wall = _train_steps(trainer, batches, steps, grad_accum)
+    both_tokens, both_wall = _train_steps(trainer, batches, steps + 1, grad_accum)
     trainer_wait = accounting.wait_s - wait_before
     producer = accounting.snapshot()["producer"]
     stream.stop(timeout_s=cfg.split.peer_timeout_s)
@@ -183,7 +185,7 @@ def report(result: dict) -> str:
     return "\n".join([
         f"producer alone : {result['producer_tok_s']:10.1f} tok/s",
         f"consumer alone : {result['consumer_tok_s']:10.1f} tok/s (from memory)",
-        f"both together  : {result['end_to_end_tok_s']:10.1f} tok/s ({result['steps']} steps)",
+        f"both together  : {result['end_to_end_tok_s']:10.1f} tok/s ({result['steps'] + 1} steps from an empty pipeline)",
         f"faster side    : {faster}",
         f"end-to-end / min(producer, consumer) = {result['split_efficiency']:.3f}",
         f"split_efficiency={result['split_efficiency']:.3f} "
