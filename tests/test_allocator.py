@@ -13,7 +13,6 @@ from draftforge.errors import InputError
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
 PROBE = (
-    "import ctypes, ctypes.util\n"
     "from draftforge.allocator import tune_malloc\n"
     "print(tune_malloc(), tune_malloc())\n"
 )

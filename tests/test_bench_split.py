@@ -11,6 +11,7 @@ import pytest
 
 from draftforge.config import load_recipe
 from draftforge.splitserve.producer import (
+    EPOCH_MARK,
     SampleSource,
     Topology,
     load_source_conversations,
@@ -46,7 +47,8 @@ def test_producer_alone_stops_at_a_chunk_boundary(tmp_path):
     epoch, epoch_tokens, _ = producer_alone(cfg, engine, topology=topology, rank=0, min_tokens=two + 1)
     assert {s.sample_id for s in epoch} == set().union(*chunks)
     samples, _, _ = producer_alone(cfg, engine, topology=topology, rank=0, min_tokens=epoch_tokens + 1)
-    second = {s.sample_id.partition("#e")[0] for s in samples if s.sample_id.endswith("#e1")}
+    second = {s.sample_id.partition(EPOCH_MARK)[0] for s in samples
+              if s.sample_id.endswith(f"{EPOCH_MARK}1")}
     assert second and len(samples) == len(epoch) + len(second)
     assert all(chunk <= second or not chunk & second for chunk in chunks)  # whole chunks only
 
