@@ -47,6 +47,7 @@ class HFTarget:
     ) -> None:
         self.model = model.eval()
         self.name = name
+        self.trained = True
         self._tokenizer = tokenizer
         self._no_tokenizer_reason = no_tokenizer_reason
         config = model.config.get_text_config()

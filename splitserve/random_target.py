@@ -62,6 +62,7 @@ class RandomTarget(HFTarget):
 
     def __init__(self, model, layer_ids: Sequence[int], *, cache_dir: str | None) -> None:
         super().__init__(model, None, layer_ids, name="random")
+        self.trained = False
         self._cache_dir = cache_dir
 
     @property

@@ -249,7 +249,7 @@ def build_engine(ctx: RankContext):
     begin = time.perf_counter()
     engine = build_target(cfg.target, cfg.draft.target_layer_ids, device=ctx.device)
     ctx.log(f"target ready in {time.perf_counter() - begin:.1f} s")
-    if cfg.target.model != "random":  # random targets (tests) may have no tokenizer
+    if engine.trained:  # a random target's ids are all equally unused (and it may lack a tokenizer)
         from draftforge.splitserve.target import check_mask_token
 
         ctx.log(check_mask_token(engine.tokenizer, cfg.draft.mask_token_id,

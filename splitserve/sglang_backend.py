@@ -311,6 +311,7 @@ class SGLangTarget:
         self.folder = _checked_model_folder(folder)
         self.cfg = cfg
         self.name = name or self.folder.name
+        self.trained = True
         self.device = torch.device(device)
         self.dtype = DTYPES[cfg.dtype]
         config = AutoConfig.from_pretrained(

@@ -61,6 +61,9 @@ class TargetEngine(Protocol):
     num_hidden_layers: int
     hidden_size: int
     vocab_size: int
+    #: False for an untrained model: no token id is more "unused" than another, so the
+    #: check that ``draft.mask_token_id`` is a token chat never produces does not apply.
+    trained: bool
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:

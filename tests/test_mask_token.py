@@ -55,3 +55,37 @@ def test_ids_outside_the_vocabulary_and_past_the_tokenizer(tokenizer):
     # an embedding larger than the tokenizer (as Qwen3's 151,936 rows over 151,669 tokens)
     note = check_mask_token(tokenizer, 49160, vocab_size=49200, eos_ids=[2])
     assert "past the tokenizer's 49152 tokens" in note
+
+
+def _engine_for(recipe: str, overrides: list[str]):
+    """``roles.build_engine`` for a recipe, on CPU, without a process group."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from draftforge.config import load_recipe
+    from draftforge.splitserve.roles import build_engine
+
+    cfg = load_recipe(recipe, overrides)
+    logged: list[str] = []
+    ctx = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), log=logged.append)
+    threads = torch.get_num_threads()
+    try:
+        return build_engine(ctx), logged
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_target_rank_refuses_a_text_token_as_mask_for_a_trained_target():
+    engine, logged = _engine_for("recipes/smollm2-cpu.yaml", [])
+    assert engine.trained and any("<empty_output>" in line for line in logged)
+    with pytest.raises(InputError, match="ordinary text token"):
+        _engine_for("recipes/smollm2-cpu.yaml", ["draft.mask_token_id=1000"])
+
+
+def test_a_random_target_skips_the_mask_check():
+    # id 1 is <|im_start|>, which the check refuses for a trained target (above); a random
+    # target's ids carry no usage, so the target rank must not refuse it.
+    engine, logged = _engine_for("recipes/tiny-debug.yaml", ["draft.mask_token_id=1"])
+    assert not engine.trained
+    assert not any("mask_token_id" in line for line in logged)
