@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from draftforge.cores import usable_cores
 from draftforge.data.formats import Conversation, DataFormatError
 
 if TYPE_CHECKING:
@@ -291,13 +292,6 @@ def regenerate(
     return report
 
 
-def _usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity where the OS reports one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``draftforge data regenerate RECIPE [key=value ...]``: write the recipe's regenerated data."""
     parser = argparse.ArgumentParser(
@@ -332,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         from draftforge.splitserve.target import build_target
 
-        threads = args.threads or _usable_cores()
+        threads = args.threads or usable_cores()
         print(f"draftforge data regenerate: {threads} thread(s)", file=sys.stderr)
         target = cfg.target.model_copy(update={"num_threads": threads})
         engine = build_target(target, cfg.draft.target_layer_ids)

@@ -46,6 +46,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from draftforge.cores import usable_cores
+
 DEFAULT_RECIPE = "recipes/smollm2-cpu.yaml"
 WORKLOADS = ("humaneval", "mtbench", "gsm8k")
 # Prompts per workload when the recipe's eval.num_prompts is unset (all prompts would take
@@ -360,7 +362,7 @@ def _machine() -> str:
                 break
     except OSError:
         pass
-    return f"{os.cpu_count()} cores ({model}), {platform.system()}, no GPU used"
+    return f"{usable_cores()} cores ({model}), {platform.system()}, no GPU used"
 
 
 def _training_tau(run_dir: Path) -> float | None:
@@ -583,7 +585,7 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
         "eval", str(paths.dflash_dir), *common, "--baselines", "none", "--no-estimate",
         "--out", str(paths.dflash_eval_dir),
     ]  # fmt: skip
-    parallel = (os.cpu_count() or 1) >= 2
+    parallel = usable_cores() >= 2
     since = stages.banner(
         f"evaluate on {', '.join(workloads)}: DSpark vs no draft and n-gram, and the DFlash "
         f"ablation ({'side by side, one thread each' if parallel else 'one after the other'})"
