@@ -128,9 +128,11 @@ def run_workload(
                         tie_tolerance=settings.tie_tolerance, label=f"{name} prompt {index} ({method})",
                     )  # fmt: skip
         done = outputs["dspark"][-1]
+        so_far = summarize(outputs["dspark"], gamma)["acceptance_length"]
         progress(
             f"  {name} {index + 1}/{len(prompts)}: {len(done.tokens)} tokens, "
-            f"AL {done.mean_acceptance_length:.2f} ({time.perf_counter() - started:.1f}s)"
+            f"AL {done.mean_acceptance_length:.2f} this prompt, {so_far:.2f} so far "
+            f"({time.perf_counter() - started:.1f}s)"
         )
     for method in methods:
         result.methods[method] = summarize(outputs[method], gamma)
