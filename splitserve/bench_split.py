@@ -7,8 +7,26 @@ One job with the recipe's split (started like draftforge train, loopback only) r
 2. **consumer alone**: those samples are moved to the trainers (untimed) and
    each trainer runs ``N`` steps from memory (after one untimed warm-up step);
 3. **both**: the normal stream, producer and trainers together, ``N + 1`` steps
-   timed from the start (an empty pipeline, like phase 1: timing only after a fill
-   step lets the window consume samples produced before it and overstate the rate).
+   from an empty pipeline. Two rates come out of it:
+
+   - **steady** (the end-to-end rate of the ratio): per producer link, the tokens
+     of the whole chunks trained between the step that took the first chunk's
+     last sample and the step that took the last complete chunk's last sample,
+     over the time between those two steps. Both ends sit at the same point of
+     the chunk cycle, so the pipeline's latency cancels: a chunk reaches the
+     trainer only once it is generated and featurised whole, and the trainer's
+     in-order packer closes the batch holding a chunk's last sample only when the
+     next chunk's first sample arrives. That latency is about one chunk's time,
+     paid once per run (at the CPU recipe's 40 steps it was one chunk in ten: the
+     from-empty rate read 0.88 of the producer while generation ran at the same
+     speed as alone).
+     Chunks differ in length and generation time (9 to 16 s at the CPU recipe), so
+     the window needs several of them: with fewer than :data:`MIN_STEADY_CHUNKS`
+     per link there is no steady rate (10 steps of the CPU recipe span one, whose
+     rate read 1.49 of the producer's average).
+   - **from empty**: all tokens of the ``N + 1`` steps over their time, latency
+     included, printed for comparison, and the ratio's rate when there is no
+     steady one.
 
 Rates are tokens per second summed over the group's ranks. It prints
 ``end-to-end / min(producer, consumer)``; the last line is machine-readable::
@@ -28,14 +46,17 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from draftforge.splitserve import transport as T
+from draftforge.splitserve.accounting import Meter
 
 RESULT_ENV = "DRAFTFORGE_BENCH_OUT"
+MIN_STEADY_CHUNKS = 4  # whole chunks per link in the steady window
 
 
 # --------------------------------------------------------------------------- ranks
@@ -54,12 +75,15 @@ def bench_target_rank(ctx, engine, bench: dict) -> None:
     dests = ctx.topology.dests(ctx.rank)
     ctx.log(f"bench phase 1: producer alone ({steps + 1} steps' worth of tokens)")
     _warm_up(ctx, engine)
+    meter = Meter()
     samples, tokens, seconds = producer_alone(ctx.cfg, engine, topology=ctx.topology, rank=ctx.rank,
-                                              min_tokens=_token_goal(ctx, len(dests), steps))
+                                              min_tokens=_token_goal(ctx, len(dests), steps),
+                                              meter=meter)
     stats = torch.tensor([tokens, int(seconds * 1e6)])
     for dest in dests:
         T.send_tensor(stats, dest, group=ctx.data_group, device=ctx.device)
-    ctx.log(f"  {tokens} tokens in {seconds:.1f} s (whole chunks); moving samples to the trainers")
+    ctx.log(f"  {tokens} tokens in {seconds:.1f} s (whole chunks; {_parts(meter.busy_by)}); "
+            "moving samples to the trainers")
     for seq_no, sample in enumerate(samples):
         T.send_sample(sample.dest, sample.sample_id, sample.input_ids, sample.loss_mask,
                       sample.aux, sample.final, seq_no=seq_no, group=ctx.data_group,
@@ -70,7 +94,12 @@ def bench_target_rank(ctx, engine, bench: dict) -> None:
     ctx.log("bench phase 3: producer and trainers together")
     summary = run_producer(ctx.cfg, engine, ctx.topology, ctx.rank, data_group=ctx.data_group,
                            ack_group=ctx.ack_group, device=ctx.device, log=ctx.log)
-    ctx.log(f"  target idle {summary['idle_share']:.1%}")
+    ctx.log(f"  target idle {summary['idle_share']:.1%}; busy {_parts(summary['busy_by_part_s'])} "
+            "(to the end of the stream, past the timed window)")
+
+
+def _parts(seconds_by_part: dict) -> str:
+    return ", ".join(f"{part} {seconds:.1f} s" for part, seconds in seconds_by_part.items())
 
 
 def _warm_up(ctx, engine) -> None:
@@ -92,6 +121,56 @@ def _train_steps(trainer, batches, steps: int, grad_accum: int) -> tuple[int, fl
         tokens += sum(s.num_tokens for batch in micro for s in batch)
         trainer.train_step(micro)
     return tokens, time.perf_counter() - begin
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step of phase 3: when it ended, and what it took from each link."""
+
+    end_s: float  # seconds from the start of the phase
+    samples: list[tuple[int, int, bool]]  # (source rank, tokens, chunk_end) in consumption order
+
+
+def _recorded_steps(trainer, batches, steps: int, grad_accum: int) -> list[StepRecord]:
+    records = []
+    begin = time.perf_counter()
+    for _ in range(steps):
+        micro = [next(batches) for _ in range(grad_accum)]
+        trainer.train_step(micro)
+        taken = [(s.provenance.get("target_rank", -1), s.num_tokens,
+                  bool(s.provenance.get("chunk_end"))) for batch in micro for s in batch]
+        records.append(StepRecord(time.perf_counter() - begin, taken))
+    return records
+
+
+def steady_rate(records: Sequence[StepRecord], min_chunks: int = MIN_STEADY_CHUNKS
+                ) -> tuple[float, int] | None:
+    """(tokens per second, chunks) of whole chunks, chunk end to chunk end, summed over links.
+
+    Per link, the window runs from the end of the step holding its first
+    ``chunk_end`` sample to the end of the step holding its last; it counts the
+    link's tokens trained inside the window (steps after the first, up to the last
+    ``chunk_end`` sample: what the last step trains after it costs time but is not
+    counted). None when some link has fewer than ``min_chunks`` whole chunks
+    between its first and last chunk ends.
+    """
+    ends: dict[int, list[tuple[int, int]]] = {}  # link -> [(step, sample index in the step)]
+    for step, record in enumerate(records):
+        for index, (src, _, chunk_end) in enumerate(record.samples):
+            ends.setdefault(src, [])
+            if chunk_end:
+                ends[src].append((step, index))
+    rate, chunks = 0.0, 0
+    for src, marks in ends.items():
+        if len(marks) - 1 < max(1, min_chunks) or marks[-1][0] <= marks[0][0]:
+            return None
+        (first, _), (last, last_index) = marks[0], marks[-1]
+        tokens = sum(count for step in range(first + 1, last + 1)
+                     for index, (link, count, _) in enumerate(records[step].samples)
+                     if link == src and (step < last or index <= last_index))
+        rate += tokens / (records[last].end_s - records[first].end_s)
+        chunks += len(marks) - 1
+    return (rate, chunks) if ends else None
 
 
 def _cycle(batches: list):
@@ -140,13 +219,22 @@ def bench_trainer_rank(ctx, trainer, bench: dict) -> None:
     # Timed from an empty pipeline, as phase 1 is: leaving the fill step out would let the
     # timed steps eat samples produced before the window and read faster than the producer.
     wait_before = accounting.wait_s
-    both_tokens, both_wall = _train_steps(trainer, batches, steps + 1, grad_accum)
+    records = _recorded_steps(trainer, batches, steps + 1, grad_accum)
     trainer_wait = accounting.wait_s - wait_before
+    both_tokens = sum(n for r in records for _, n, _ in r.samples)
+    both_wall = records[-1].end_s
+    steady = steady_rate(records)
+    if steady is None:
+        ctx.log(f"bench phase 3: a producer link completed fewer than {MIN_STEADY_CHUNKS + 1} "
+                f"chunks in {steps + 1} steps: no steady rate, the ratio uses the from-empty rate "
+                "(raise --steps)")
+    steady_tok_s, steady_chunks = steady or (0.0, 0)
     producer = accounting.snapshot()["producer"]
     stream.stop(timeout_s=cfg.split.peer_timeout_s)
 
     values = torch.tensor([prod_tokens, prod_wall, cons_tokens, cons_wall, both_tokens, both_wall,
-                           trainer_wait, producer["idle_share"]], dtype=torch.float64)
+                           trainer_wait, producer["idle_share"], steady_tok_s, steady_chunks,
+                           float(steady is None)], dtype=torch.float64)
     group = ctx.trainer_group if len(cfg.split.trainer_ranks) > 1 else None
     if group is not None:
         sums = values.clone()
@@ -154,21 +242,26 @@ def bench_trainer_rank(ctx, trainer, bench: dict) -> None:
         maxes = values.clone()
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
         values = torch.stack([sums[0], maxes[1], sums[2], maxes[3], sums[4], maxes[5],
-                              sums[6] / len(cfg.split.trainer_ranks), maxes[7]])
+                              sums[6] / len(cfg.split.trainer_ranks), maxes[7], sums[8], sums[9],
+                              maxes[10]])
     if ctx.rank != cfg.split.trainer_ranks[0]:
         return
-    p_tok, p_wall, c_tok, c_wall, e_tok, e_wall, wait, target_idle = values.tolist()
+    (p_tok, p_wall, c_tok, c_wall, e_tok, e_wall, wait, target_idle, s_rate, s_chunks,
+     no_steady) = values.tolist()
     result = {
         "steps": steps,
         "producer_tok_s": p_tok / max(p_wall, 1e-9),
         "consumer_tok_s": c_tok / max(c_wall, 1e-9),
-        "end_to_end_tok_s": e_tok / max(e_wall, 1e-9),
+        "from_empty_tok_s": e_tok / max(e_wall, 1e-9),
+        "steady_tok_s": None if no_steady else s_rate,
+        "steady_chunks": int(s_chunks),
         "trainer_idle": wait / max(e_wall, 1e-9),
         "target_idle": target_idle,
     }
-    result["split_efficiency"] = result["end_to_end_tok_s"] / max(
-        1e-9, min(result["producer_tok_s"], result["consumer_tok_s"])
-    )
+    slower = max(1e-9, min(result["producer_tok_s"], result["consumer_tok_s"]))
+    result["from_empty_efficiency"] = result["from_empty_tok_s"] / slower
+    result["end_to_end_tok_s"] = result["steady_tok_s"] or result["from_empty_tok_s"]
+    result["split_efficiency"] = result["end_to_end_tok_s"] / slower
     out = os.environ.get(RESULT_ENV)
     if out:
         tmp = Path(out).with_suffix(".tmp")
@@ -182,15 +275,23 @@ def bench_trainer_rank(ctx, trainer, bench: dict) -> None:
 def report(result: dict) -> str:
     """The human-readable lines and the final machine-readable one."""
     faster = "producer" if result["producer_tok_s"] >= result["consumer_tok_s"] else "consumer"
-    return "\n".join([
-        f"producer alone : {result['producer_tok_s']:10.1f} tok/s",
-        f"consumer alone : {result['consumer_tok_s']:10.1f} tok/s (from memory)",
-        f"both together  : {result['end_to_end_tok_s']:10.1f} tok/s ({result['steps'] + 1} steps from an empty pipeline)",
-        f"faster side    : {faster}",
-        f"end-to-end / min(producer, consumer) = {result['split_efficiency']:.3f}",
+    lines = [
+        f"producer alone            : {result['producer_tok_s']:8.1f} tok/s",
+        f"consumer alone            : {result['consumer_tok_s']:8.1f} tok/s (from memory)",
+    ]
+    if result["steady_tok_s"]:
+        lines.append(f"both together, steady     : {result['steady_tok_s']:8.1f} tok/s "
+                     f"({result['steady_chunks']} whole chunks, chunk end to chunk end)")
+    lines += [
+        f"both together, from empty : {result['from_empty_tok_s']:8.1f} tok/s ({result['steps'] + 1} "
+        f"steps, the pipeline's fill included: {result['from_empty_efficiency']:.3f} of the slower side)",
+        f"faster side               : {faster}",
+        f"end-to-end / min(producer, consumer) = {result['split_efficiency']:.3f} "
+        + ("(steady)" if result["steady_tok_s"] else "(from empty: no steady window, raise --steps)"),
         f"split_efficiency={result['split_efficiency']:.3f} "
         f"trainer_idle={result['trainer_idle']:.3f} target_idle={result['target_idle']:.3f}",
-    ])
+    ]
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -202,7 +303,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("recipe", help="path to a recipe YAML file")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. split.max_in_flight=8")
-    parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps per phase")
+    parser.add_argument("--steps", type=int, default=40,
+                        help="timed optimizer steps per phase (default 40: the CPU recipe's steady "
+                        "window then spans about 8 regeneration chunks; about 8 minutes there)")
     args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
     if args.steps <= 0:
         parser.error("--steps must be positive")

@@ -135,6 +135,7 @@ class ProducedSample:
     loss_mask: torch.Tensor  # [S] bool
     aux: torch.Tensor  # [S, K*H_t]
     final: torch.Tensor  # [S, H_t]
+    chunk_end: bool = False  # the last sample of its chunk sent to ``dest``
 
     @property
     def num_tokens(self) -> int:
@@ -309,6 +310,10 @@ class SampleSource:
                         final=feats.final[row, :n].clone(),
                     )
                 )
+        for dest in set(self.dests):
+            last = max((i for i, s in enumerate(out) if s.dest == dest), default=None)
+            if last is not None:
+                out[last].chunk_end = True
         return out
 
 
@@ -366,7 +371,8 @@ def run_producer(
                 T.send_sample(
                     sample.dest, sample.sample_id, sample.input_ids, sample.loss_mask,
                     sample.aux, sample.final, seq_no=seq[sample.dest],
-                    stats=meter.wire_stats(), group=data_group, device=device,
+                    stats=meter.wire_stats(), chunk_end=sample.chunk_end,
+                    group=data_group, device=device,
                 )
             gate.note_sent(sample.dest)
             seq[sample.dest] += 1
@@ -396,6 +402,7 @@ def producer_alone(
     topology: Topology,
     rank: int,
     min_tokens: int,
+    meter: Meter | None = None,
 ) -> tuple[list[ProducedSample], int, float]:
     """This producer's first samples (no wire), timed over whole chunks.
 
@@ -408,7 +415,7 @@ def producer_alone(
     """
     conversations, regenerate = load_source_conversations(cfg)
     source = SampleSource(cfg, engine, topology, rank, conversations=conversations,
-                          regenerate=regenerate)
+                          regenerate=regenerate, meter=meter)
     chunk_of = {conversations[i].id: k for k, chunk in enumerate(source.chunks()) for i in chunk}
     out: list[ProducedSample] = []
     tokens, current, seconds = 0, None, 0.0

@@ -6,8 +6,9 @@ of :data:`HEADER_LEN` values ``[MAGIC, kind, ...]``:
 
 ``SAMPLE`` (producer -> trainer, data group)
     header ``[MAGIC, SAMPLE, S, aux_dim, final_dim, dtype, id_bytes, seq_no,
-    busy_us, idle_us, tokens, wall_us, 0...]`` (the last four: the producer's running
-    accounting), then ``ints`` int64 ``[2*S + id_bytes]`` = input ids, loss mask,
+    busy_us, idle_us, tokens, wall_us, chunk_end, 0...]`` (``busy_us`` to ``wall_us``:
+    the producer's running accounting; ``chunk_end`` = 1 on the last sample of a
+    regeneration chunk sent on this link, which ``bench split`` times to), then ``ints`` int64 ``[2*S + id_bytes]`` = input ids, loss mask,
     the sample id's UTF-8 bytes, then ``feats`` ``[S, aux_dim + final_dim]`` in
     bf16 (aux and final side by side).
 ``END`` (producer -> trainer, data group)
@@ -86,6 +87,7 @@ class WireSample:
     final: torch.Tensor  # [S, final_dim] bf16
     seq_no: int
     producer_stats: dict[str, float]
+    chunk_end: bool = False
 
 
 def _header(kind: int, values: Sequence[int] = (), device: torch.device | str = "cpu"):
@@ -158,13 +160,15 @@ def send_sample(
     *,
     seq_no: int,
     stats: Sequence[int] = (0, 0, 0, 0),
+    chunk_end: bool = False,
     group=None,
     device: torch.device | str = "cpu",
 ) -> None:
     """Send one sample to trainer ``dst`` (header, ints, bf16 features)."""
     fields, ints, feats = encode_sample(sample_id, input_ids, loss_mask, aux, final)
     doing = f"sending sample {sample_id!r}"
-    _send(_header(SAMPLE, [*fields, seq_no, *stats], device), dst, group, "trainer", doing)
+    head = _header(SAMPLE, [*fields, seq_no, *stats, int(chunk_end)], device)
+    _send(head, dst, group, "trainer", doing)
     _send(ints.to(device), dst, group, "trainer", doing)
     _send(feats.to(device), dst, group, "trainer", doing)
 
@@ -183,7 +187,7 @@ def recv_sample(
     head = head_t.tolist()
     if _check_header(head, src, (SAMPLE, END)) == END:
         return None
-    seq, aux_dim, final_dim, dtype_code, id_len, seq_no, busy, idle, tokens, wall = head[2:12]
+    seq, aux_dim, final_dim, dtype_code, id_len, seq_no, busy, idle, tokens, wall, chunk_end = head[2:13]
     dtype = CODE_DTYPES.get(dtype_code)
     if dtype is None or seq <= 0 or aux_dim <= 0 or final_dim <= 0 or id_len < 0:
         raise WireError(f"rank {src} sent a malformed sample header {head}")
@@ -205,6 +209,7 @@ def recv_sample(
             "tokens": float(tokens),
             "wall_s": wall / 1e6,
         },
+        chunk_end=bool(chunk_end),
     )
 
 

@@ -184,7 +184,8 @@ def transport_worker(out: str) -> None:
     if rank == 0:
         T.send_tensor(embed, 1)
         for n, (sid, tok, mask, aux, final) in enumerate(samples):
-            T.send_sample(1, sid, tok, mask, aux, final, seq_no=n, stats=(1_500_000, 250_000, 42, 2_000_000))
+            T.send_sample(1, sid, tok, mask, aux, final, seq_no=n, stats=(1_500_000, 250_000, 42, 2_000_000),
+                          chunk_end=n % 2 == 1)
         T.send_end(1)
         result["hello"] = sorted(T.recv_hello(1, group=acks))
         head = torch.empty(T.HEADER_LEN, dtype=torch.int64)
@@ -206,6 +207,7 @@ def transport_worker(out: str) -> None:
                 "final": torch.equal(wire.final, final.to(torch.bfloat16)),
                 "seq_no": wire.seq_no == len(checks),
                 "stats": wire.producer_stats == {"busy_s": 1.5, "idle_s": 0.25, "tokens": 42.0, "wall_s": 2.0},
+                "chunk_end": wire.chunk_end == (len(checks) % 2 == 1),
             })
         result["samples"] = checks
         T.send_hello(ids, 0, group=acks)

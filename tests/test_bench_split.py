@@ -1,5 +1,6 @@
-"""``draftforge bench split``: the producer-alone phase is timed over whole chunks, and the
-command runs the three phases of a real job and ends with its machine-readable line."""
+"""``draftforge bench split``: the producer-alone phase is timed over whole chunks, the
+end-to-end phase chunk end to chunk end, and the command runs the three phases of a real
+job and ends with its machine-readable line."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from draftforge.config import load_recipe
+from draftforge.splitserve.bench_split import StepRecord, report, steady_rate
 from draftforge.splitserve.producer import (
     EPOCH_MARK,
     SampleSource,
@@ -53,6 +55,70 @@ def test_producer_alone_stops_at_a_chunk_boundary(tmp_path):
     assert all(chunk <= second or not chunk & second for chunk in chunks)  # whole chunks only
 
 
+def test_every_chunk_marks_its_last_sample_on_each_link(tmp_path):
+    cfg = load_recipe(TINY, [f"train.output_dir={tmp_path}", "data.num_samples=24",
+                             "target.generation.batch_size=8", "split.target_ranks=[0]",
+                             "split.trainer_ranks=[1,2]"])
+    engine = build_target(cfg.target, cfg.draft.target_layer_ids)
+    topology = Topology([0], [1, 2])
+    chunks = _chunk_ids(cfg, engine, topology)
+    conversations, regenerate = load_source_conversations(cfg)
+    source = SampleSource(cfg, engine, topology, 0, conversations=conversations,
+                          regenerate=regenerate)
+    stream = iter(source.samples())
+    for chunk in chunks:
+        samples = [next(stream) for _ in chunk]  # tiny-debug drops no sample
+        assert {s.sample_id for s in samples} == chunk
+        for dest in (1, 2):
+            mine = [s.chunk_end for s in samples if s.dest == dest]
+            assert mine and mine[-1] and sum(mine) == 1, (dest, mine)
+
+
+def _step(end_s, *samples):
+    return StepRecord(end_s, list(samples))
+
+
+def test_the_steady_rate_runs_from_the_first_chunk_end_to_the_last():
+    # one link, 10 tokens a sample: chunk ends in steps 1, 3 and 4. The window runs from
+    # the end of step 1 (5 s) to the end of step 4 (11 s) and counts steps 2-4 up to the
+    # last chunk end: 60 tokens (the sample after it in step 4 costs time, not counted)
+    records = [
+        _step(4.0, (0, 10, False), (0, 10, False)),
+        _step(5.0, (0, 10, True)),
+        _step(7.0, (0, 10, False), (0, 10, False)),
+        _step(10.0, (0, 10, True), (0, 10, False), (0, 10, False)),
+        _step(11.0, (0, 10, True), (0, 10, False)),
+    ]
+    assert steady_rate(records, min_chunks=2) == (60 / (11.0 - 5.0), 2)
+    assert steady_rate(records, min_chunks=3) is None  # too few chunks to average over
+    # what the first chunk end's step trains after it was trained before the window
+    records[1] = _step(5.0, (0, 10, True), (0, 99, False))
+    assert steady_rate(records, min_chunks=2) == (60 / (11.0 - 5.0), 2)
+    # two links (two target ranks feeding this trainer): each link's own window, rates summed
+    records = [
+        _step(1.0, (0, 10, True), (5, 1, True)),
+        _step(2.0, (0, 20, False), (5, 2, False)),
+        _step(4.0, (0, 30, True), (5, 3, True)),
+    ]
+    assert steady_rate(records, min_chunks=1) == (50 / 3.0 + 5 / 3.0, 2)
+    # a link with a single chunk end, or two in the same step: no steady window
+    assert steady_rate([_step(1.0, (0, 10, True)), _step(2.0, (0, 10, False))], min_chunks=1) is None
+    assert steady_rate([_step(1.0, (0, 10, True), (0, 10, True))], min_chunks=1) is None
+    assert steady_rate([], min_chunks=1) is None
+
+
+def test_the_report_says_which_rate_the_ratio_uses():
+    result = {"steps": 40, "producer_tok_s": 200.0, "consumer_tok_s": 800.0,
+              "from_empty_tok_s": 176.0, "steady_tok_s": 190.0, "steady_chunks": 9,
+              "from_empty_efficiency": 0.88, "end_to_end_tok_s": 190.0,
+              "split_efficiency": 0.95, "trainer_idle": 0.75, "target_idle": 0.0}
+    text = report(result)
+    assert "both together, steady" in text and "(steady)" in text
+    assert text.splitlines()[-1] == "split_efficiency=0.950 trainer_idle=0.750 target_idle=0.000"
+    text = report(result | {"steady_tok_s": None, "split_efficiency": 0.88})
+    assert "both together, steady" not in text and "no steady window" in text
+
+
 @pytest.mark.integration
 def test_bench_split_runs_the_three_phases(tmp_path):
     result = subprocess.run(
@@ -64,6 +130,9 @@ def test_bench_split_runs_the_three_phases(tmp_path):
     lines = result.stdout.strip().splitlines()
     for label in ("producer alone", "consumer alone", "both together"):
         assert any(line.startswith(label) and "tok/s" in line for line in lines), result.stdout
+    assert any(line.startswith("both together, from empty") for line in lines)
+    ratio = next(line for line in lines if line.startswith("end-to-end / min"))
+    assert ratio.endswith("(steady)") or "no steady window" in ratio, ratio
     fields = dict(item.split("=") for item in lines[-1].split())
     assert set(fields) == {"split_efficiency", "trainer_idle", "target_idle"}
     assert float(fields["split_efficiency"]) > 0
