@@ -20,10 +20,13 @@ One job with the recipe's split (started like draftforge train, loopback only) r
      paid once per run (at the CPU recipe's 40 steps it was one chunk in ten: the
      from-empty rate read 0.88 of the producer while generation ran at the same
      speed as alone).
-     Chunks differ in length and generation time (9 to 16 s at the CPU recipe), so
-     the window needs several of them: with fewer than :data:`MIN_STEADY_CHUNKS`
-     per link there is no steady rate (10 steps of the CPU recipe span one, whose
-     rate read 1.49 of the producer's average).
+
+     The window's chunks are not the ones phase 1 averaged over, and chunks differ
+     in length and generation time (9 to 16 s at the CPU recipe), so the figure
+     carries a few per cent of noise either way (0.986 and 1.020 in two runs of
+     the CPU recipe) and needs several chunks: with fewer than
+     :data:`MIN_STEADY_CHUNKS` per link there is no steady rate (10 steps of the
+     CPU recipe span one, whose rate read 1.49 of the producer's average).
    - **from empty**: all tokens of the ``N + 1`` steps over their time, latency
      included, printed for comparison, and the ratio's rate when there is no
      steady one.
