@@ -219,8 +219,9 @@ def bench_trainer_rank(ctx, trainer, bench: dict) -> None:
     stream = ConsumerStream(receiver, ack_group=ctx.ack_group, accounting=accounting,
                             heartbeat_s=cfg.split.peer_timeout_s / 4)
     batches = stream_pack(stream.samples(), cfg.split.token_budget)
-    # Timed from an empty pipeline, as phase 1 is: leaving the fill step out would let the
-    # timed steps eat samples produced before the window and read faster than the producer.
+    # The N + 1 steps start from an empty pipeline, as phase 1 does (a window opened after a
+    # fill step would eat samples produced before it and read faster than the producer). The
+    # from-empty rate times them all; the steady rate times whole chunks inside them.
     wait_before = accounting.wait_s
     records = _recorded_steps(trainer, batches, steps + 1, grad_accum)
     trainer_wait = accounting.wait_s - wait_before
