@@ -6,10 +6,11 @@ of :data:`HEADER_LEN` values ``[MAGIC, kind, ...]``:
 
 ``SAMPLE`` (producer -> trainer, data group)
     header ``[MAGIC, SAMPLE, S, aux_dim, final_dim, dtype, id_bytes, seq_no,
-    busy_us, idle_us, tokens, wall_us, chunk_end, 0...]`` (``busy_us`` to ``wall_us``:
-    the producer's running accounting; ``chunk_end`` = 1 on the last sample of a
-    regeneration chunk sent on this link, which ``bench split`` times to), then ``ints`` int64 ``[2*S + id_bytes]`` = input ids, loss mask,
-    the sample id's UTF-8 bytes, then ``feats`` ``[S, aux_dim + final_dim]`` in
+    busy_us, idle_us, tokens, wall_us, chunk_end, 0...]`` (``busy_us`` to
+    ``wall_us``: the producer's running accounting; ``chunk_end`` = 1 on the last
+    sample of a regeneration chunk sent on this link, which ``bench split`` times
+    to), then ``ints`` int64 ``[2*S + id_bytes]`` = input ids, loss mask, the
+    sample id's UTF-8 bytes, then ``feats`` ``[S, aux_dim + final_dim]`` in
     bf16 (aux and final side by side).
 ``END`` (producer -> trainer, data group)
     header only: the producer sends nothing more on this link.

@@ -6,10 +6,14 @@ Checked against SmolLM2-135M-Instruct's real tokenizer: ids 0-16 are its special
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from draftforge.errors import InputError
 from draftforge.splitserve.target import check_mask_token
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +70,7 @@ def _engine_for(recipe: str, overrides: list[str]):
     from draftforge.config import load_recipe
     from draftforge.splitserve.roles import build_engine
 
-    cfg = load_recipe(recipe, overrides)
+    cfg = load_recipe(ROOT / "recipes" / recipe, overrides)
     logged: list[str] = []
     ctx = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), log=logged.append)
     threads = torch.get_num_threads()
@@ -77,15 +81,15 @@ def _engine_for(recipe: str, overrides: list[str]):
 
 
 def test_the_target_rank_refuses_a_text_token_as_mask_for_a_trained_target():
-    engine, logged = _engine_for("recipes/smollm2-cpu.yaml", [])
+    engine, logged = _engine_for("smollm2-cpu.yaml", [])
     assert engine.trained and any("<empty_output>" in line for line in logged)
     with pytest.raises(InputError, match="ordinary text token"):
-        _engine_for("recipes/smollm2-cpu.yaml", ["draft.mask_token_id=1000"])
+        _engine_for("smollm2-cpu.yaml", ["draft.mask_token_id=1000"])
 
 
 def test_a_random_target_skips_the_mask_check():
     # id 1 is <|im_start|>, which the check refuses for a trained target (above); a random
     # target's ids carry no usage, so the target rank must not refuse it.
-    engine, logged = _engine_for("recipes/tiny-debug.yaml", ["draft.mask_token_id=1"])
+    engine, logged = _engine_for("tiny-debug.yaml", ["draft.mask_token_id=1"])
     assert not engine.trained
     assert not any("mask_token_id" in line for line in logged)
