@@ -23,8 +23,8 @@ One job with the recipe's split (started like draftforge train, loopback only) r
 
      The window's chunks are not the ones phase 1 averaged over, and chunks differ
      in length and generation time (9 to 16 s at the CPU recipe), so the figure
-     carries a few per cent of noise either way (0.986 and 1.020 in two runs of
-     the CPU recipe) and needs several chunks: with fewer than
+     carries a few per cent of noise either way (0.986, 1.020 and 0.968 in three
+     runs of the CPU recipe) and needs several chunks: with fewer than
      :data:`MIN_STEADY_CHUNKS` per link there is no steady rate (10 steps of the
      CPU recipe span one, whose rate read 1.49 of the producer's average).
    - **from empty**: all tokens of the ``N + 1`` steps over their time, latency
@@ -36,8 +36,9 @@ Rates are tokens per second summed over the group's ranks. It prints
 
     split_efficiency=<ratio> trainer_idle=<share> target_idle=<share>
 
-The idle shares are those of phase 3 (trainer: waiting for samples; target:
-waiting for credits), as defined in :mod:`draftforge.splitserve.accounting`.
+The idle shares are those of phase 3 (trainer: waiting for samples, over the
+steady window when there is one, else over all steps; target: waiting for
+credits), as defined in :mod:`draftforge.splitserve.accounting`.
 """
 
 from __future__ import annotations
@@ -132,23 +133,32 @@ class StepRecord:
 
     end_s: float  # seconds from the start of the phase
     samples: list[tuple[int, int, bool]]  # (source rank, tokens, chunk_end) in consumption order
+    wait_s: float = 0.0  # the trainer's wait for samples since the start of the phase
 
 
-def _recorded_steps(trainer, batches, steps: int, grad_accum: int) -> list[StepRecord]:
+def _recorded_steps(trainer, batches, steps: int, grad_accum: int, waited) -> list[StepRecord]:
+    """Run ``steps`` steps; ``waited()`` is the trainer's total wait for samples so far."""
     records = []
-    begin = time.perf_counter()
+    begin, wait_before = time.perf_counter(), waited()
     for _ in range(steps):
         micro = [next(batches) for _ in range(grad_accum)]
         trainer.train_step(micro)
         taken = [(s.provenance.get("target_rank", -1), s.num_tokens,
                   bool(s.provenance.get("chunk_end"))) for batch in micro for s in batch]
-        records.append(StepRecord(time.perf_counter() - begin, taken))
+        records.append(StepRecord(time.perf_counter() - begin, taken, waited() - wait_before))
     return records
 
 
+@dataclass
+class SteadyWindow:
+    tok_s: float  # summed over links
+    chunks: int  # whole chunks in the links' windows
+    trainer_idle: float  # the trainer's wait share from the earliest window start to the latest end
+
+
 def steady_rate(records: Sequence[StepRecord], min_chunks: int = MIN_STEADY_CHUNKS
-                ) -> tuple[float, int] | None:
-    """(tokens per second, chunks) of whole chunks, chunk end to chunk end, summed over links.
+                ) -> SteadyWindow | None:
+    """Whole chunks, chunk end to chunk end: the rate summed over links, and the trainer's idle share.
 
     Per link, the window runs from the end of the step holding its first
     ``chunk_end`` sample to the end of the step holding its last; it counts the
@@ -163,7 +173,7 @@ def steady_rate(records: Sequence[StepRecord], min_chunks: int = MIN_STEADY_CHUN
             ends.setdefault(src, [])
             if chunk_end:
                 ends[src].append((step, index))
-    rate, chunks = 0.0, 0
+    rate, chunks, begin, end = 0.0, 0, len(records), -1
     for src, marks in ends.items():
         if len(marks) - 1 < max(1, min_chunks) or marks[-1][0] <= marks[0][0]:
             return None
@@ -173,7 +183,11 @@ def steady_rate(records: Sequence[StepRecord], min_chunks: int = MIN_STEADY_CHUN
                      if link == src and (step < last or index <= last_index))
         rate += tokens / (records[last].end_s - records[first].end_s)
         chunks += len(marks) - 1
-    return (rate, chunks) if ends else None
+        begin, end = min(begin, first), max(end, last)
+    if not ends:
+        return None
+    span = records[end].end_s - records[begin].end_s
+    return SteadyWindow(rate, chunks, (records[end].wait_s - records[begin].wait_s) / span)
 
 
 def _cycle(batches: list):
@@ -222,9 +236,8 @@ def bench_trainer_rank(ctx, trainer, bench: dict) -> None:
     # The N + 1 steps start from an empty pipeline, as phase 1 does (a window opened after a
     # fill step would eat samples produced before it and read faster than the producer). The
     # from-empty rate times them all; the steady rate times whole chunks inside them.
-    wait_before = accounting.wait_s
-    records = _recorded_steps(trainer, batches, steps + 1, grad_accum)
-    trainer_wait = accounting.wait_s - wait_before
+    records = _recorded_steps(trainer, batches, steps + 1, grad_accum, lambda: accounting.wait_s)
+    trainer_wait = records[-1].wait_s
     both_tokens = sum(n for r in records for _, n, _ in r.samples)
     both_wall = records[-1].end_s
     steady = steady_rate(records)
@@ -232,13 +245,14 @@ def bench_trainer_rank(ctx, trainer, bench: dict) -> None:
         ctx.log(f"bench phase 3: a producer link completed fewer than {MIN_STEADY_CHUNKS + 1} "
                 f"chunks in {steps + 1} steps: no steady rate, the ratio uses the from-empty rate "
                 "(raise --steps)")
-    steady_tok_s, steady_chunks = steady or (0.0, 0)
+    steady_tok_s, steady_chunks, steady_idle = (
+        (steady.tok_s, steady.chunks, steady.trainer_idle) if steady else (0.0, 0, 0.0))
     producer = accounting.snapshot()["producer"]
     stream.stop(timeout_s=cfg.split.peer_timeout_s)
 
     values = torch.tensor([prod_tokens, prod_wall, cons_tokens, cons_wall, both_tokens, both_wall,
                            trainer_wait, producer["idle_share"], steady_tok_s, steady_chunks,
-                           float(steady is None)], dtype=torch.float64)
+                           float(steady is None), steady_idle], dtype=torch.float64)
     group = ctx.trainer_group if len(cfg.split.trainer_ranks) > 1 else None
     if group is not None:
         sums = values.clone()
@@ -247,11 +261,11 @@ def bench_trainer_rank(ctx, trainer, bench: dict) -> None:
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
         values = torch.stack([sums[0], maxes[1], sums[2], maxes[3], sums[4], maxes[5],
                               sums[6] / len(cfg.split.trainer_ranks), maxes[7], sums[8], sums[9],
-                              maxes[10]])
+                              maxes[10], sums[11] / len(cfg.split.trainer_ranks)])
     if ctx.rank != cfg.split.trainer_ranks[0]:
         return
     (p_tok, p_wall, c_tok, c_wall, e_tok, e_wall, wait, target_idle, s_rate, s_chunks,
-     no_steady) = values.tolist()
+     no_steady, s_idle) = values.tolist()
     result = {
         "steps": steps,
         "producer_tok_s": p_tok / max(p_wall, 1e-9),
@@ -259,13 +273,16 @@ def bench_trainer_rank(ctx, trainer, bench: dict) -> None:
         "from_empty_tok_s": e_tok / max(e_wall, 1e-9),
         "steady_tok_s": None if no_steady else s_rate,
         "steady_chunks": int(s_chunks),
-        "trainer_idle": wait / max(e_wall, 1e-9),
+        "from_empty_trainer_idle": wait / max(e_wall, 1e-9),
+        "steady_trainer_idle": None if no_steady else s_idle,
         "target_idle": target_idle,
     }
     slower = max(1e-9, min(result["producer_tok_s"], result["consumer_tok_s"]))
     result["from_empty_efficiency"] = result["from_empty_tok_s"] / slower
     result["end_to_end_tok_s"] = result["steady_tok_s"] or result["from_empty_tok_s"]
     result["split_efficiency"] = result["end_to_end_tok_s"] / slower
+    result["trainer_idle"] = (result["from_empty_trainer_idle"] if no_steady
+                              else result["steady_trainer_idle"])
     out = os.environ.get(RESULT_ENV)
     if out:
         tmp = Path(out).with_suffix(".tmp")
@@ -285,10 +302,12 @@ def report(result: dict) -> str:
     ]
     if result["steady_tok_s"]:
         lines.append(f"both together, steady     : {result['steady_tok_s']:8.1f} tok/s "
-                     f"({result['steady_chunks']} whole chunks, chunk end to chunk end)")
+                     f"({result['steady_chunks']} whole chunks, chunk end to chunk end; trainer "
+                     f"idle {result['steady_trainer_idle']:.3f})")
     lines += [
         f"both together, from empty : {result['from_empty_tok_s']:8.1f} tok/s ({result['steps'] + 1} "
-        f"steps, the pipeline's fill included: {result['from_empty_efficiency']:.3f} of the slower side)",
+        f"steps, the pipeline's fill included: {result['from_empty_efficiency']:.3f} of the slower "
+        f"side; trainer idle {result['from_empty_trainer_idle']:.3f})",
         f"faster side               : {faster}",
         f"end-to-end / min(producer, consumer) = {result['split_efficiency']:.3f} "
         + ("(steady)" if result["steady_tok_s"] else "(from empty: no steady window, raise --steps)"),

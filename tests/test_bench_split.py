@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from draftforge.config import load_recipe
-from draftforge.splitserve.bench_split import StepRecord, report, steady_rate
+from draftforge.splitserve.bench_split import SteadyWindow, StepRecord, report, steady_rate
 from draftforge.splitserve.producer import (
     EPOCH_MARK,
     SampleSource,
@@ -74,33 +74,34 @@ def test_every_chunk_marks_its_last_sample_on_each_link(tmp_path):
             assert mine and mine[-1] and sum(mine) == 1, (dest, mine)
 
 
-def _step(end_s, *samples):
-    return StepRecord(end_s, list(samples))
+def _step(end_s, *samples, wait_s=0.0):
+    return StepRecord(end_s, list(samples), wait_s)
 
 
 def test_the_steady_rate_runs_from_the_first_chunk_end_to_the_last():
     # one link, 10 tokens a sample: chunk ends in steps 1, 3 and 4. The window runs from
     # the end of step 1 (5 s) to the end of step 4 (11 s) and counts steps 2-4 up to the
     # last chunk end: 60 tokens (the sample after it in step 4 costs time, not counted)
+    # The trainer waited 3 s before the window (the fill) and 1.5 s inside it.
     records = [
-        _step(4.0, (0, 10, False), (0, 10, False)),
-        _step(5.0, (0, 10, True)),
-        _step(7.0, (0, 10, False), (0, 10, False)),
-        _step(10.0, (0, 10, True), (0, 10, False), (0, 10, False)),
-        _step(11.0, (0, 10, True), (0, 10, False)),
+        _step(4.0, (0, 10, False), (0, 10, False), wait_s=3.0),
+        _step(5.0, (0, 10, True), wait_s=3.0),
+        _step(7.0, (0, 10, False), (0, 10, False), wait_s=3.5),
+        _step(10.0, (0, 10, True), (0, 10, False), (0, 10, False), wait_s=4.5),
+        _step(11.0, (0, 10, True), (0, 10, False), wait_s=4.5),
     ]
-    assert steady_rate(records, min_chunks=2) == (60 / (11.0 - 5.0), 2)
+    assert steady_rate(records, min_chunks=2) == SteadyWindow(60 / 6.0, 2, 1.5 / 6.0)
     assert steady_rate(records, min_chunks=3) is None  # too few chunks to average over
     # what the first chunk end's step trains after it was trained before the window
-    records[1] = _step(5.0, (0, 10, True), (0, 99, False))
-    assert steady_rate(records, min_chunks=2) == (60 / (11.0 - 5.0), 2)
+    records[1] = _step(5.0, (0, 10, True), (0, 99, False), wait_s=3.0)
+    assert steady_rate(records, min_chunks=2) == SteadyWindow(60 / 6.0, 2, 1.5 / 6.0)
     # two links (two target ranks feeding this trainer): each link's own window, rates summed
     records = [
         _step(1.0, (0, 10, True), (5, 1, True)),
         _step(2.0, (0, 20, False), (5, 2, False)),
         _step(4.0, (0, 30, True), (5, 3, True)),
     ]
-    assert steady_rate(records, min_chunks=1) == (50 / 3.0 + 5 / 3.0, 2)
+    assert steady_rate(records, min_chunks=1) == SteadyWindow(50 / 3.0 + 5 / 3.0, 2, 0.0)
     # a link with a single chunk end, or two in the same step: no steady window
     assert steady_rate([_step(1.0, (0, 10, True)), _step(2.0, (0, 10, False))], min_chunks=1) is None
     assert steady_rate([_step(1.0, (0, 10, True), (0, 10, True))], min_chunks=1) is None
@@ -111,7 +112,8 @@ def test_the_report_says_which_rate_the_ratio_uses():
     result = {"steps": 40, "producer_tok_s": 200.0, "consumer_tok_s": 800.0,
               "from_empty_tok_s": 176.0, "steady_tok_s": 190.0, "steady_chunks": 9,
               "from_empty_efficiency": 0.88, "end_to_end_tok_s": 190.0,
-              "split_efficiency": 0.95, "trainer_idle": 0.75, "target_idle": 0.0}
+              "split_efficiency": 0.95, "trainer_idle": 0.75, "steady_trainer_idle": 0.75,
+              "from_empty_trainer_idle": 0.78, "target_idle": 0.0}
     text = report(result)
     assert "both together, steady" in text and "(steady)" in text
     assert text.splitlines()[-1] == "split_efficiency=0.950 trainer_idle=0.750 target_idle=0.000"
