@@ -116,17 +116,6 @@ def _warm_up(ctx, engine) -> None:
     engine.features(ids)
 
 
-def _train_steps(trainer, batches, steps: int, grad_accum: int) -> tuple[int, float]:
-    """Run ``steps`` optimizer steps from ``batches``; (real tokens, seconds)."""
-    tokens = 0
-    begin = time.perf_counter()
-    for _ in range(steps):
-        micro = [next(batches) for _ in range(grad_accum)]
-        tokens += sum(s.num_tokens for batch in micro for s in batch)
-        trainer.train_step(micro)
-    return tokens, time.perf_counter() - begin
-
-
 @dataclass
 class StepRecord:
     """One optimizer step of phase 3: when it ended, and what it took from each link."""
@@ -136,8 +125,10 @@ class StepRecord:
     wait_s: float = 0.0  # the trainer's wait for samples since the start of the phase
 
 
-def _recorded_steps(trainer, batches, steps: int, grad_accum: int, waited) -> list[StepRecord]:
-    """Run ``steps`` steps; ``waited()`` is the trainer's total wait for samples so far."""
+def _recorded_steps(trainer, batches, steps: int, grad_accum: int,
+                    waited=lambda: 0.0) -> list[StepRecord]:
+    """Run ``steps`` optimizer steps from ``batches``; ``waited()`` is the trainer's total
+    wait for samples so far (none when training from memory)."""
     records = []
     begin, wait_before = time.perf_counter(), waited()
     for _ in range(steps):
@@ -147,6 +138,11 @@ def _recorded_steps(trainer, batches, steps: int, grad_accum: int, waited) -> li
                   bool(s.provenance.get("chunk_end"))) for batch in micro for s in batch]
         records.append(StepRecord(time.perf_counter() - begin, taken, waited() - wait_before))
     return records
+
+
+def _totals(records: Sequence[StepRecord]) -> tuple[int, float]:
+    """(real tokens, seconds) of all the recorded steps."""
+    return sum(n for r in records for _, n, _ in r.samples), records[-1].end_s
 
 
 @dataclass
@@ -219,8 +215,8 @@ def bench_trainer_rank(ctx, trainer, bench: dict) -> None:
     ctx.log(f"bench phase 2: trainer alone from memory ({len(samples)} samples, {steps} steps)")
     memory = _cycle(pack(samples, cfg.split.token_budget))
     trainer.model.train()
-    _train_steps(trainer, memory, 1, grad_accum)  # warm-up, untimed
-    cons_tokens, cons_wall = _train_steps(trainer, memory, steps, grad_accum)
+    _recorded_steps(trainer, memory, 1, grad_accum)  # warm-up, untimed
+    cons_tokens, cons_wall = _totals(_recorded_steps(trainer, memory, steps, grad_accum))
     del samples, memory
 
     for src in sources:
@@ -238,8 +234,7 @@ def bench_trainer_rank(ctx, trainer, bench: dict) -> None:
     # from-empty rate times them all; the steady rate times whole chunks inside them.
     records = _recorded_steps(trainer, batches, steps + 1, grad_accum, lambda: accounting.wait_s)
     trainer_wait = records[-1].wait_s
-    both_tokens = sum(n for r in records for _, n, _ in r.samples)
-    both_wall = records[-1].end_s
+    both_tokens, both_wall = _totals(records)
     steady = steady_rate(records)
     if steady is None:
         ctx.log(f"bench phase 3: a producer link completed fewer than {MIN_STEADY_CHUNKS + 1} "

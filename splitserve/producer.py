@@ -310,10 +310,8 @@ class SampleSource:
                         final=feats.final[row, :n].clone(),
                     )
                 )
-        for dest in set(self.dests):
-            last = max((i for i, s in enumerate(out) if s.dest == dest), default=None)
-            if last is not None:
-                out[last].chunk_end = True
+        for last in {sample.dest: i for i, sample in enumerate(out)}.values():
+            out[last].chunk_end = True  # the chunk's last sample on each link
         return out
 
 
