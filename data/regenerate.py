@@ -240,6 +240,12 @@ def regenerate(
             _write_atomic(partial, b"".join(_row_line(r) for r in rows))
     done = {r["id"] for r in rows}
     num_reused = len(done)
+    if num_reused:
+        print(
+            f"draftforge data regenerate: continuing; {num_reused} of {len(order)} prompts"
+            f" already answered in {partial}",
+            file=sys.stderr,
+        )
 
     from tqdm import tqdm
 

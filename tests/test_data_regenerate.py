@@ -96,7 +96,7 @@ def test_rows_turn_by_turn_with_system_prompt(tmp_path):
     assert not (tmp_path / "r.jsonl.partial").exists()
 
 
-def test_interrupted_then_resumed_equals_uninterrupted(tmp_path):
+def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, capsys):
     reference, _ = run(tmp_path, "ref.jsonl")
     # Fail on the 4th generate call (batch 2's second turn): batch 1 is on disk.
     with pytest.raises(Interrupted):
@@ -108,6 +108,7 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path):
     engine = FakeEngine()
     _, report = run(tmp_path, "out.jsonl", engine)
     assert report.num_reused == 3 and report.num_generated == 8
+    assert f"continuing; 3 of 11 prompts already answered in {partial}" in capsys.readouterr().err
     asked = [conv[-1]["content"] for convs, _ in engine.calls for conv in convs]
     assert "question 0" not in asked and "question 3" in asked
     assert out.read_bytes() == reference.read_bytes()
