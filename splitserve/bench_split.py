@@ -169,6 +169,8 @@ def steady_rate(records: Sequence[StepRecord], min_chunks: int = MIN_STEADY_CHUN
             ends.setdefault(src, [])
             if chunk_end:
                 ends[src].append((step, index))
+    if not ends:
+        return None
     rate, chunks, begin, end = 0.0, 0, len(records), -1
     for src, marks in ends.items():
         if len(marks) - 1 < max(1, min_chunks) or marks[-1][0] <= marks[0][0]:
@@ -180,8 +182,6 @@ def steady_rate(records: Sequence[StepRecord], min_chunks: int = MIN_STEADY_CHUN
         rate += tokens / (records[last].end_s - records[first].end_s)
         chunks += len(marks) - 1
         begin, end = min(begin, first), max(end, last)
-    if not ends:
-        return None
     span = records[end].end_s - records[begin].end_s
     return SteadyWindow(rate, chunks, (records[end].wait_s - records[begin].wait_s) / span)
 
