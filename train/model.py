@@ -310,13 +310,17 @@ def sdpa_attend(mask: torch.Tensor | None):
 
 
 _COMPILED_FLEX = None
+FLEX_MIN_HEAD_DIM = 16  # inductor's flex_attention kernel refuses smaller heads (seen on an H200)
 
 
 def flex_attend(block_mask):
     """Attention through flex_attention with a BlockMask (GPU training path).
 
     On CUDA the kernel is compiled once per process (uncompiled flex attention
-    materialises the full score matrix); on CPU it runs eager, forward only.
+    materialises the full score matrix) and shape-generic (``dynamic=True``): a
+    batch's length is its longest sequence, so a static kernel would recompile for
+    every new length and, past dynamo's recompile limit, fall back to the eager
+    path. On CPU it runs eager, forward only.
     """
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -324,8 +328,13 @@ def flex_attend(block_mask):
         global _COMPILED_FLEX
         kernel = flex_attention
         if q.is_cuda:
+            if q.shape[-1] < FLEX_MIN_HEAD_DIM:
+                raise ValueError(
+                    f"draft.attention_backend 'flex' on CUDA needs draft.head_dim >= "
+                    f"{FLEX_MIN_HEAD_DIM} (its compiled kernel's minimum); this draft has head_dim "
+                    f"{q.shape[-1]}. Use draft.attention_backend: sdpa or a larger head_dim.")
             if _COMPILED_FLEX is None:
-                _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+                _COMPILED_FLEX = torch.compile(flex_attention, dynamic=True)
             kernel = _COMPILED_FLEX
         return kernel(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
 
