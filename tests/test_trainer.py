@@ -44,6 +44,17 @@ def test_collate_right_pads_without_loss():
         Sample("bad", torch.arange(4), torch.ones(3, dtype=torch.bool), torch.zeros(4, 2), torch.zeros(4, 2))
 
 
+def test_collate_builds_the_batch_where_the_samples_are():
+    """Samples received over NCCL sit on the trainer's GPU: the batch must stay there rather
+    than make a round trip through host memory (the meta device stands in for the GPU)."""
+    meta = [Sample(s.sample_id, *(t.to("meta") for t in (s.input_ids, s.loss_mask, s.aux, s.final)))
+            for s in (_sample("a", 3), _sample("b", 5))]
+    batch = collate(meta)
+    for tensor in (batch.input_ids, batch.loss_mask, batch.aux, batch.final):
+        assert tensor.device.type == "meta"
+    assert batch.aux.shape == (2, 5, 3) and batch.input_ids.dtype == torch.long
+
+
 def test_lr_warmup_then_cosine_to_floor():
     train = train_config(steps=100, lr=1.0, warmup_ratio=0.1, min_lr_ratio=0.1)
     assert lr_at(0, train=train) == pytest.approx(0.1)

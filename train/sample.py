@@ -110,7 +110,9 @@ def pack(samples: list[Sample], token_budget: int) -> list[list[Sample]]:
 def collate(samples: list[Sample]) -> Batch:
     """Right-pad ``samples`` into one :class:`Batch`; padded positions have loss_mask False.
 
-    Features keep the samples' dtype (bf16 on the wire); the model casts them.
+    Features keep the samples' dtype (bf16 on the wire); the model casts them. The
+    batch is built where the samples are: samples received over NCCL are already on
+    the trainer's GPU and must not make a round trip through host memory.
     """
     if not samples:
         raise ValueError("collate needs at least one sample")
@@ -118,10 +120,11 @@ def collate(samples: list[Sample]) -> Batch:
     max_len = max(lengths)
     batch = len(samples)
     first = samples[0]
-    input_ids = torch.zeros(batch, max_len, dtype=torch.long)
-    loss_mask = torch.zeros(batch, max_len, dtype=torch.bool)
-    aux = torch.zeros(batch, max_len, first.aux.shape[1], dtype=first.aux.dtype)
-    final = torch.zeros(batch, max_len, first.final.shape[1], dtype=first.final.dtype)
+    device = first.aux.device
+    input_ids = torch.zeros(batch, max_len, dtype=torch.long, device=device)
+    loss_mask = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+    aux = torch.zeros(batch, max_len, first.aux.shape[1], dtype=first.aux.dtype, device=device)
+    final = torch.zeros(batch, max_len, first.final.shape[1], dtype=first.final.dtype, device=device)
     for row, sample in enumerate(samples):
         if sample.aux.shape[1] != aux.shape[2] or sample.final.shape[1] != final.shape[2]:
             raise ValueError(
