@@ -67,3 +67,52 @@ def test_bench_train_runs_on_the_recipes_threads_and_reports_per_step_mfu(capsys
     per_step = sorted(float(line.rsplit("MFU ", 1)[1]) for line in timed)
     reported = float(out.strip().splitlines()[-1].split()[0].split("=")[1])
     assert abs(reported - sum(per_step) / 2) < 1.5e-3  # the median of two is their mean
+
+
+def _recipe(name: str):
+    from pathlib import Path
+
+    return Path(__file__).resolve().parents[1] / "recipes" / name
+
+
+def test_bench_train_device_follows_the_option_then_the_recipe(monkeypatch):
+    """--device wins; else the recipe's train.device (auto: CUDA when present); cpu without a
+    recipe; asking for CUDA where torch sees none is refused with the way out."""
+    import argparse
+
+    import pytest
+
+    from draftforge.config import load_recipe
+    from draftforge.train.bench_train import resolve_device
+
+    recipe = load_recipe(_recipe("smollm2-cpu.yaml"))
+    none = argparse.Namespace(device=None)
+    assert resolve_device(none, None) == "cpu"
+    assert resolve_device(argparse.Namespace(device="cpu"), recipe) == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    auto = load_recipe(_recipe("smollm2-cpu.yaml"), ["train.device=auto"])
+    assert resolve_device(none, auto) == "cpu"
+    with pytest.raises(SystemExit, match="--device cpu"):
+        resolve_device(argparse.Namespace(device="cuda"), recipe)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device(none, auto) == "cuda"
+
+
+def test_bench_train_memory_estimate_is_the_dry_runs_at_the_bench_shapes():
+    """The estimate printed next to the measured CUDA peak is the dry run's trainer-rank
+    estimate of the same recipe with the bench's shapes put in by overrides."""
+    import argparse
+
+    from draftforge.config import load_recipe
+    from draftforge.splitserve.dry_run import draft_parameter_counts, trainer_estimate
+    from draftforge.train.bench_train import estimate_for_bench
+
+    path = _recipe("ling3-flash-dspark.yaml")
+    args = argparse.Namespace(seq=4096, anchors=256, batch=2, dtype="bfloat16")
+    got = estimate_for_bench(load_recipe(path), args)
+    cfg = load_recipe(path, ["data.max_length=4096", "train.num_anchors=256", "train.strategy=single",
+                             "split.token_budget=8192"])
+    want = trainer_estimate(cfg, *draft_parameter_counts(cfg))
+    assert got.items == want.items
+    assert "trainable params (fp32)" in dict(got.items)  # strategy single: nothing sharded
+    assert estimate_for_bench(None, args) is None

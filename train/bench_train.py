@@ -10,6 +10,14 @@ recipe, the peer comparison of issue 4: hidden 576, 2 layers, 9/3 heads, FFN
 1536, vocabulary 49,152, block 8, Markov rank 64, 5 target layers. Sequence
 length and anchors per sequence are options (512 and 64).
 
+Device: ``--device`` (default: the recipe's ``train.device``, where ``auto``
+means the local CUDA device when there is one; the CPU without a recipe). On
+CUDA the steps and the peak are timed with the device synchronised, the peak
+uses 8192-wide bf16 matmuls, the synthetic samples sit on the GPU (where
+samples received over NCCL arrive), and the report adds the step's peak allocated
+memory next to the dry run's per-trainer-rank estimate for the same shapes
+(strategy ``single``, one rank), so the estimate can be checked on a GPU.
+
 Threads: the recipe's ``train.num_threads`` (what its trainer rank runs with), 2
 without a recipe; ``--threads`` overrides. The peak is re-measured after every
 timed step, and each step's MFU uses the higher of the
@@ -64,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="intra-op threads for the steps and the peak (default: the recipe's "
                         "train.num_threads; 2 without a recipe)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None,
+                        help="where the step runs (default: the recipe's train.device, auto = CUDA "
+                        "when available; cpu without a recipe)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--chunk-blocks", type=int, default=None, help="objective chunk (default: recipe's)")
@@ -123,23 +134,70 @@ def step_flops(cfg, *, seq: int, anchors: list[list[int]]) -> dict[str, float]:
             "step": 3 * forward}
 
 
-def matmul_peak(*, dtype, sizes=(2048, 3072), repeats: int = 5) -> float:
-    """FLOP/s of square matmuls in ``dtype`` on this process's threads: the median of
-    ``repeats`` runs per size (robust to a lucky or a disturbed run), the best size."""
+CPU_PEAK_SIZES = (2048, 3072)
+CUDA_PEAK_SIZES = (8192,)  # large enough to reach a data-centre GPU's bf16 matmul peak
+
+
+def synchronize(device) -> None:
+    """Wait for ``device``'s queued work (a no-op on the CPU)."""
     import torch
 
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak(*, dtype, device="cpu", sizes=None, repeats: int = 5) -> float:
+    """FLOP/s of square matmuls in ``dtype`` on ``device`` (on the CPU, this process's
+    threads): the median of ``repeats`` runs per size (robust to a lucky or a disturbed
+    run), the best size. Random operands: a GPU multiplies zeros measurably faster."""
+    import torch
+
+    cuda = torch.device(device).type == "cuda"
     best = 0.0
-    for n in sizes:
-        a = torch.randn(n, n).to(dtype)
-        b = torch.randn(n, n).to(dtype)
+    for n in sizes or (CUDA_PEAK_SIZES if cuda else CPU_PEAK_SIZES):
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
         a @ b
+        synchronize(device)
         rates = []
         for _ in range(repeats):
             start = time.perf_counter()
             a @ b
+            synchronize(device)
             rates.append(2 * n**3 / (time.perf_counter() - start))
         best = max(best, statistics.median(rates))
+        del a, b
     return best
+
+
+def resolve_device(args, recipe) -> str:
+    """``cpu`` or ``cuda``: ``--device``, else the recipe's ``train.device``, else cpu."""
+    import torch
+
+    setting = args.device or (recipe.train.device if recipe is not None else "cpu")
+    if setting == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench train: --device cuda, but torch sees no CUDA device; use --device cpu")
+    return setting
+
+
+def estimate_for_bench(recipe, args):
+    """The dry run's trainer-rank estimate (strategy ``single``, one rank) at the bench's
+    shapes: ``data.max_length`` = ``--seq``, ``train.num_anchors`` = ``--anchors``,
+    ``split.token_budget`` = batch x seq. None without a recipe."""
+    if recipe is None:
+        return None
+    from draftforge.splitserve.dry_run import draft_parameter_counts, trainer_estimate
+
+    cfg = recipe.model_copy(deep=True)
+    cfg.data.max_length = args.seq
+    cfg.train.num_anchors = args.anchors
+    cfg.train.strategy = "single"
+    cfg.train.dtype = args.dtype
+    cfg.split.token_budget = args.batch * args.seq
+    with_emb, without_emb = draft_parameter_counts(cfg)
+    return trainer_estimate(cfg, with_emb, without_emb)
 
 
 def _synthetic_samples(cfg, args, generator):
@@ -155,7 +213,10 @@ def _synthetic_samples(cfg, args, generator):
         aux = torch.randn(args.seq, cfg.num_context_features, generator=generator).to(torch.bfloat16)
         final = torch.randn(args.seq, cfg.target_hidden_size, generator=generator).to(torch.bfloat16)
         samples.append(Sample(f"bench{index}", ids, mask, aux, final))
-    return samples
+    # Where a trainer rank gets them: over NCCL samples arrive on its GPU (over gloo, on
+    # the CPU, and each step then also pays the host-to-device copy of the batch).
+    return [Sample(s.sample_id, *(t.to(args.device) for t in (s.input_ids, s.loss_mask, s.aux, s.final)))
+            for s in samples]
 
 
 def _loss_config(recipe, args):
@@ -184,7 +245,8 @@ def train_steps(cfg, recipe, args):
 
     loss = _loss_config(recipe, args)
     train = TrainConfig(strategy="single", dtype=args.dtype, num_anchors=args.anchors,
-                        steps=args.warmup + args.steps + 1, num_threads=args.threads, device="cpu",
+                        steps=args.warmup + args.steps + 1, num_threads=args.threads,
+                        device=args.device,
                         warmup_ratio=0.0, loss=loss, resume="never")
     generator = torch.Generator().manual_seed(0)
     embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=generator) * 0.02
@@ -199,36 +261,51 @@ def train_steps(cfg, recipe, args):
             gen = torch.Generator().manual_seed(
                 anchor_seed(seed=train.seed, step=step, micro_step=0, rank=0))
             chosen, valid = sample_anchors(batch.loss_mask, args.anchors, gen)
+            synchronize(trainer.device)
             start = time.perf_counter()
             record = trainer.train_step([samples])
+            synchronize(trainer.device)
             seconds = time.perf_counter() - start
             yield seconds, record["loss"], [row[v].tolist() for row, v in zip(chosen, valid, strict=True)]
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
+            cuda = trainer.device.type == "cuda"
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            with profile(activities=activities) as prof:
                 trainer.train_step([samples])
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+                synchronize(trainer.device)
+            sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+            print(prof.key_averages().table(sort_by=sort, row_limit=25))
 
 
 def time_train_steps(cfg, recipe, args, *, dtype) -> list[dict]:
     """Run :func:`train_steps`, printing each; return one record per timed (post-warm-up) step:
     ``seconds``, ``anchors``, ``flops`` and ``peak``, the higher of the matmul peaks measured
     just before and just after the step (:func:`matmul_peak` runs between steps)."""
+    import torch
+
     records: list[dict] = []
-    peak_before = matmul_peak(dtype=dtype)
+    cuda = args.device == "cuda"
+    peak_before = matmul_peak(dtype=dtype, device=args.device)
+    if cuda:  # each step's own peak memory, not the matmul peak's operands
+        torch.cuda.reset_peak_memory_stats()
     for index, (seconds, loss, step_anchors) in enumerate(train_steps(cfg, recipe, args)):
         timed = index >= args.warmup
+        memory = torch.cuda.max_memory_allocated() if cuda else None
         note = ""
         if timed:
-            peak_after = matmul_peak(dtype=dtype)
+            peak_after = matmul_peak(dtype=dtype, device=args.device)
             flops = step_flops(cfg, seq=args.seq, anchors=step_anchors)["step"]
             peak = max(peak_before, peak_after)
-            records.append({"seconds": seconds, "anchors": step_anchors, "flops": flops, "peak": peak})
+            records.append({"seconds": seconds, "anchors": step_anchors, "flops": flops, "peak": peak,
+                            "memory": memory})
             note = f"  {flops / seconds / 1e9:.0f} GFLOP/s, peak {peak / 1e9:.0f}, MFU {flops / seconds / peak:.3f}"
             peak_before = peak_after
         print(f"  step {index + 1}: {seconds:.3f} s  loss {loss:.4f}"
               f"{note if timed else '  (warm-up)'}", flush=True)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
     return records
 
 
@@ -237,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     cfg, recipe = _model_config(args)
+    args.device = resolve_device(args, recipe)
     if args.threads is None:
         args.threads = recipe.train.num_threads if recipe is not None else 2
     torch.set_num_threads(args.threads)
@@ -245,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         f"bench train: H={cfg.hidden_size} layers={cfg.num_hidden_layers} heads={cfg.num_attention_heads}/"
         f"{cfg.num_key_value_heads} FFN={cfg.intermediate_size} V={cfg.vocab_size} block={cfg.block_size} "
         f"Markov rank={cfg.markov_rank} aux layers={len(cfg.target_layer_ids)}; batch {args.batch} x "
-        f"seq {args.seq}, {args.anchors} anchors, {args.dtype}, {args.threads} threads; objective "
+        f"seq {args.seq}, {args.anchors} anchors, {args.dtype}, {_where(args)}; objective "
         f"chunk {loss.chunk_blocks} blocks, compile {loss.compile} (auto = CUDA only)",
         flush=True,
     )
@@ -261,10 +339,33 @@ def main(argv: list[str] | None = None) -> int:
     print(f"FLOPs per step {flops['step'] / 1e9:.1f} G (forward: backbone {flops['backbone'] / 1e9:.2f} G, "
           f"attention {flops['attention'] / 1e9:.2f} G, vocabulary {flops['vocab'] / 1e9:.2f} G; x3)")
     print(f"achieved {flops['step'] / step_s / 1e9:.1f} GFLOP/s at the median step, {args.dtype} matmul "
-          f"peak {statistics.median(r['peak'] for r in records) / 1e9:.1f} GFLOP/s ({args.threads} threads); "
+          f"peak {statistics.median(r['peak'] for r in records) / 1e9:.1f} GFLOP/s ({_where(args)}); "
           f"MFU is the median of the per-step ratios")
+    if args.device == "cuda":
+        _print_memory(recipe, args, max(r["memory"] for r in records))
     print(f"train_mfu={mfu:.3f} step_tokens_s={tokens_s:.1f}")
     return 0
+
+
+def _where(args) -> str:
+    if args.device == "cuda":
+        import torch
+
+        return f"on {torch.cuda.get_device_name()}"
+    return f"{args.threads} threads"
+
+
+def _print_memory(recipe, args, peak_bytes: int) -> None:
+    """The timed steps' peak allocated CUDA memory against the dry run's estimate."""
+    from draftforge.splitserve.dry_run import GIB
+
+    measured = peak_bytes / GIB
+    line = f"CUDA memory: peak allocated {measured:.2f} GiB over the timed steps"
+    estimate = estimate_for_bench(recipe, args)
+    if estimate is not None:
+        line += (f"; dry-run estimate for one trainer rank at these shapes (strategy single) "
+                 f"{estimate.total / GIB:.2f} GiB, measured/estimate {measured * GIB / estimate.total:.2f}")
+    print(line)
 
 
 if __name__ == "__main__":
