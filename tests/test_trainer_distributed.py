@@ -158,3 +158,21 @@ def test_deepspeed_zero_trains_like_one_process(tmp_path, stage):
                   train=dict(train, resume=str(step2)), timeout=240)
     assert rest["resumed_step"] == 2 and rest["sample_ids"] == multi["sample_ids"][2:]
     assert rest["losses"] == multi["losses"][2:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                    reason="deepspeed is not installed (DS_BUILD_OPS=0 pip install deepspeed==0.19.8)")
+def test_deepspeed_skips_a_step_where_one_rank_saw_a_non_finite_loss(tmp_path):
+    """A NaN feature in one rank's batch skips that step on both ranks and leaves the weights
+    finite; the other steps train."""
+    train = dict(strategy="deepspeed", zero_stage=2, dtype="float32", steps=4, num_anchors=ALL_ANCHORS,
+                 max_bad_steps=3)
+    batches = pack(chain_samples(NUM_SAMPLES), BUDGET)
+    poisoned = batches[2][0].sample_id  # rank 0's second batch: step 2
+    out = launch(tmp_path, "ds-nan", world=2, trainer_ranks=[0, 1], train=train, timeout=240,
+                 nan_ids=[int(poisoned[1:])])
+    assert out["steps"] == [1, 2, 3, 4] and out["skipped"] == [False, True, False, False]
+    losses = torch.tensor(out["losses"])
+    assert losses[1].isnan() and losses[[0, 2, 3]].isfinite().all()
+    state = load_file(str(tmp_path / "ds-nan.json") + ".safetensors")
+    assert all(torch.isfinite(v).all() for v in state.values())

@@ -231,13 +231,20 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def _micro_step(self, samples: list[Sample], micro: int, sums: torch.Tensor) -> bool:
-        """Forward + backward of one micro-batch; adds its metrics to ``sums``; False if non-finite."""
+    def _micro_step(self, samples: list[Sample], micro: int, sums: torch.Tensor) -> None:
+        """Forward + backward of one micro-batch; adds its metrics (a non-finite loss as a
+        flag) to ``sums``.
+
+        Nothing here waits for the device except DeepSpeed's finiteness vote: the anchors
+        are drawn from a host copy of the loss mask (one small copy, not a sync per
+        sequence when the batch arrived on the GPU), and the non-finite flag stays a
+        device tensor until the optimizer step reads ``sums``.
+        """
         train = self.train
         batch = collate(samples)
         generator = torch.Generator().manual_seed(
             anchor_seed(seed=train.seed, step=self.step, micro_step=micro, rank=self.rank))
-        anchors, anchor_valid = sample_anchors(batch.loss_mask, train.num_anchors, generator)
+        anchors, anchor_valid = sample_anchors(batch.loss_mask.cpu(), train.num_anchors, generator)
         batch = batch.to(self.device)
         model = self.engine if self.engine is not None else self.model
         with self._autocast():
@@ -246,14 +253,14 @@ class Trainer:
                         objective=self.objective, reduce_sum=self.reduce_sum)
         out = D.as_objective_output(out)
         loss = out.loss.float() / train.grad_accum
-        finite = bool(torch.isfinite(loss))
+        nonfinite = (~torch.isfinite(loss)).float()
         scaled = loss * D.loss_scale(group=self.group)
         if self.engine is None:
             # Backward even when non-finite: every rank must join the gradient
             # collectives; the optimizer step then discards the gradients.
             scaled.backward()
-        elif self._deepspeed_backward(scaled, finite, micro):
-            finite = False
+        elif self._deepspeed_backward(scaled, not bool(nonfinite), micro):
+            nonfinite = torch.ones_like(nonfinite)
         valid = out.valid.float()
         gamma = valid.shape[1]
         blocks = out.valid[:, 0]
@@ -262,11 +269,10 @@ class Trainer:
             torch.stack([loss.detach(), out.ce / train.grad_accum, out.tv / train.grad_accum,
                          out.bce / train.grad_accum, tau_sum.float(), blocks.sum().float(),
                          torch.tensor(float(batch.num_tokens), device=loss.device), valid.sum(),
-                         torch.tensor(0.0 if finite else 1.0, device=loss.device)]).float(),
+                         nonfinite]).float(),
             (out.c_star * valid).sum(0).float(), valid.sum(0),
         ]).to(sums.device)
         sums[: 9 + 2 * gamma] += parts.detach()
-        return finite
 
     def _deepspeed_backward(self, scaled: torch.Tensor, finite: bool, micro: int) -> bool:
         """DeepSpeed backward; returns True when some rank's loss is not finite (no backward then).
