@@ -55,6 +55,29 @@ def test_collate_builds_the_batch_where_the_samples_are():
     assert batch.aux.shape == (2, 5, 3) and batch.input_ids.dtype == torch.long
 
 
+def test_step_record_matches_the_objective_on_the_same_batch_and_anchors(tmp_path):
+    """A step's logged loss and tau are the objective's own, recomputed here from a copy of
+    the draft before the update, on the same batch and the same anchors."""
+    import copy
+
+    from draftforge.train.blocks import sample_anchors
+    from draftforge.train.trainer import anchor_seed
+
+    trainer = _trainer(tmp_path)
+    samples = chain_samples(3) + chain_samples(1, seed=1, min_len=5, max_len=6)  # too short for 6 anchors
+    before = copy.deepcopy(trainer.model)
+    record = trainer.train_step([samples])
+    batch = collate(samples)
+    gen = torch.Generator().manual_seed(anchor_seed(seed=trainer.train.seed, step=0, micro_step=0, rank=0))
+    anchors, valid = sample_anchors(batch.loss_mask, trainer.train.num_anchors, gen)
+    assert not valid.all()  # padding anchors: tau must leave their blocks out
+    with torch.no_grad():
+        out = before(batch.input_ids, batch.loss_mask, batch.aux, batch.final, anchors, valid,
+                     objective=trainer.objective)
+    assert record["loss"] == pytest.approx(out.loss.item(), rel=1e-5)
+    assert record["tau"] == pytest.approx(out.expected_acceptance_length().item(), rel=1e-5)
+
+
 def test_lr_warmup_then_cosine_to_floor():
     train = train_config(steps=100, lr=1.0, warmup_ratio=0.1, min_lr_ratio=0.1)
     assert lr_at(0, train=train) == pytest.approx(0.1)

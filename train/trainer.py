@@ -264,7 +264,8 @@ class Trainer:
         valid = out.valid.float()
         gamma = valid.shape[1]
         blocks = out.valid[:, 0]
-        tau_sum = (1.0 + torch.cumprod(out.c_star[blocks], dim=-1).sum(-1)).sum()
+        # masked by multiplication, not boolean indexing (a host sync on the GPU)
+        tau_sum = ((1.0 + torch.cumprod(out.c_star, dim=-1).sum(-1)) * blocks).sum()
         parts = torch.cat([
             torch.stack([loss.detach(), out.ce / train.grad_accum, out.tv / train.grad_accum,
                          out.bce / train.grad_accum, tau_sum.float(), blocks.sum().float(),
