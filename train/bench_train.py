@@ -252,15 +252,16 @@ def train_steps(cfg, recipe, args):
     embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=generator) * 0.02
     lm_head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=generator) * 0.02
     samples = _synthetic_samples(cfg, args, generator)
+    # The trainer's anchors (for the FLOP count) come from the same host copy of the padded
+    # loss mask it draws them from; no second batch stays on the device during the steps.
+    loss_mask = collate(samples).loss_mask.cpu()
     with tempfile.TemporaryDirectory(prefix="draftforge-bench-train-") as run_dir:
         trainer = Trainer(model_config=cfg, train=train, embeddings=(embed, lm_head),
                           run_dir=Path(run_dir))
         for _ in range(args.warmup + args.steps):
-            step = trainer.step
-            batch = collate(samples)
             gen = torch.Generator().manual_seed(
-                anchor_seed(seed=train.seed, step=step, micro_step=0, rank=0))
-            chosen, valid = sample_anchors(batch.loss_mask, args.anchors, gen)
+                anchor_seed(seed=train.seed, step=trainer.step, micro_step=0, rank=0))
+            chosen, valid = sample_anchors(loss_mask, args.anchors, gen)
             synchronize(trainer.device)
             start = time.perf_counter()
             record = trainer.train_step([samples])
@@ -364,7 +365,7 @@ def _print_memory(recipe, args, peak_bytes: int) -> None:
     estimate = estimate_for_bench(recipe, args)
     if estimate is not None:
         line += (f"; dry-run estimate for one trainer rank at these shapes (strategy single) "
-                 f"{estimate.total / GIB:.2f} GiB, measured/estimate {measured * GIB / estimate.total:.2f}")
+                 f"{estimate.total / GIB:.2f} GiB, measured/estimate {peak_bytes / estimate.total:.2f}")
     print(line)
 
 
