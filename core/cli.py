@@ -100,6 +100,12 @@ COMMANDS: tuple[Command, ...] = (
         "DRAFT_DIR --target NAME_OR_DIR",
     ),
     Command(
+        ("eval", "compare"),
+        "draftforge.eval.compare:main",
+        "is one method's acceptance length ahead of another's? paired bootstrap over prompts",
+        "REPORT_A [REPORT_B] [--a-method M] [--b-method M]",
+    ),
+    Command(
         ("demo",),
         "draftforge.eval.demo:main",
         "end to end: regenerate, train DSpark + DFlash, export, evaluate, one table",

@@ -353,6 +353,37 @@ def markdown_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def lead_table(dspark: tuple[Path, dict], dflash: tuple[Path, dict]) -> str:
+    """DSpark minus n-gram and minus DFlash, per workload and macro, with paired bootstrap
+    intervals over the prompts (:mod:`draftforge.eval.uncertainty`)."""
+    from draftforge.errors import InputError
+    from draftforge.eval.compare import paired_totals
+    from draftforge.eval.uncertainty import LEVEL, bootstrap
+
+    try:
+        comparisons = {
+            "DSpark - n-gram": paired_totals(dspark, "dspark", dspark, "ngram"),
+            "DSpark - DFlash": paired_totals(dspark, "dspark", dflash, "dspark"),
+        }
+    except InputError as err:
+        return f"(No intervals: {err}.)"
+    names = list(next(iter(comparisons.values())))
+    lines = [
+        f"Is DSpark ahead? Differences in AL, paired on the same prompts, with {LEVEL:.0%} "
+        "bootstrap intervals over the prompts (`draftforge eval compare`):",
+        "",
+        "| comparison | " + " | ".join(names) + " | macro mean | verdict (macro) |",
+        "| --- |" + " ---: |" * (len(names) + 1) + " --- |",
+    ]
+    for label, pairs in comparisons.items():
+        cells = [bootstrap([pairs[n]]) for n in names]
+        total = bootstrap(list(pairs.values()))
+        cells.append(total)
+        text = " | ".join(f"{c.value:+.2f} ({c.low:+.2f} to {c.high:+.2f})" for c in cells)
+        lines.append(f"| {label} | {text} | {total.verdict()} |")
+    return "\n".join(lines)
+
+
 def _machine() -> str:
     model = platform.processor() or platform.machine()
     try:
@@ -611,7 +642,10 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
     dspark_report = json.loads((paths.eval_dir / "report.json").read_text())
     dflash_report = json.loads((paths.dflash_eval_dir / "report.json").read_text())
     rows = table_rows(dspark_report, dflash_report)
-    table = markdown_table(rows)
+    table = markdown_table(rows) + "\n\n" + lead_table(
+        (paths.eval_dir / "report.json", dspark_report),
+        (paths.dflash_eval_dir / "report.json", dflash_report),
+    )
     text = demo_markdown(
         table, command=command, cfg=cfg, paths=paths, num_prompts=args.num_prompts,
         max_new_tokens=args.max_new_tokens, block_size=cfg.draft.block_size,

@@ -25,6 +25,7 @@ from draftforge.eval.speculative import (
     check_lossless,
     speculative_decode,
 )
+from draftforge.eval.uncertainty import prompt_digest
 
 METHODS = ("dspark", "ngram", "none")
 
@@ -55,6 +56,7 @@ class WorkloadResult:
     estimate: dict | None = None
     near_ties: int = 0
     confidence_samples: list[tuple[int, float, float]] = field(default_factory=list)
+    prompt_digest: str = ""  # fingerprint of the prompts' token ids (paired comparisons across reports)
 
 
 def summarize(results: Sequence[DecodeResult], block_size: int) -> dict:
@@ -75,6 +77,9 @@ def summarize(results: Sequence[DecodeResult], block_size: int) -> dict:
         "tokens_verified_per_round": (sum(r.num_verified + 1 for r in rounds) / len(rounds)) if rounds else float("nan"),
         "drafts_proposed_per_round": (sum(r.num_proposed for r in rounds) / len(rounds)) if rounds else float("nan"),
         "rounds": len(rounds),
+        # per prompt, for the bootstrap intervals (draftforge.eval.uncertainty)
+        "prompt_rounds": [len(res.rounds) for res in results],
+        "prompt_al_sum": [sum(r.acceptance_length for r in res.rounds) for res in results],
         "tokens": tokens,
         "wall_s": wall,
         "tokens_per_s": tokens / wall if wall > 0 else float("nan"),
@@ -111,7 +116,7 @@ def run_workload(
     methods = ["none"] if settings.temperature <= 0 or "none" in settings.baselines else []
     methods += ["dspark"] + [m for m in ("ngram",) if m in settings.baselines]
     outputs: dict[str, list[DecodeResult]] = {m: [] for m in methods}
-    result = WorkloadResult(name=name, num_prompts=len(prompts))
+    result = WorkloadResult(name=name, num_prompts=len(prompts), prompt_digest=prompt_digest(prompts))
     started = time.perf_counter()
     for index, prompt in enumerate(prompts):
         for method in methods:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from draftforge.eval.harness import METHODS, WorkloadResult, macro
+from draftforge.eval.uncertainty import PromptTotals, report_uncertainty
 
 ESTIMATE_NOTE = (
     "tau (train-time estimate) is the training metric 1 + sum_k prod_{i<=k} c*_i computed through the "
@@ -67,7 +68,44 @@ def markdown_table(results: Sequence[WorkloadResult], *, block_size: int, comman
         measured = r.methods.get("dspark", {}).get("acceptance_length")
         lines.append(f"| {r.name} | {_fmt(measured)} | {_fmt(est.get('tau'))} | {_fmt(est.get('tau_greedy'))} |")
     lines += ["", ESTIMATE_NOTE, ""]
+    lines += uncertainty_lines(uncertainty(results))
     return "\n".join(lines)
+
+
+def uncertainty(results: Sequence[WorkloadResult]) -> dict:
+    """Bootstrap intervals over prompts (see :mod:`draftforge.eval.uncertainty`)."""
+    return report_uncertainty({
+        r.name: {m: PromptTotals.from_summary(s, f"{r.name}/{m}") for m, s in r.methods.items()}
+        for r in results
+    })  # fmt: skip
+
+
+def _interval(iv: dict, signed: bool = False) -> str:
+    sign = "+" if signed else ""
+    return f"{iv['value']:{sign}.2f} ({iv['low']:{sign}.2f} to {iv['high']:{sign}.2f})"
+
+
+def uncertainty_lines(u: dict) -> list[str]:
+    """The report's section on how far its prompts can be trusted."""
+    level = f"{u['level']:.0%}"
+    lines = [
+        f"How much these prompts can tell apart ({level} bootstrap intervals over prompts, "
+        f"{u['draws']} draws; the macro mean resamples each workload's prompts on its own):",
+        "",
+    ]
+    per_method = u["acceptance_length"]
+    names = [n for n in next(iter(per_method.values()), {}) if n != "macro"] + ["macro"]
+    lines += ["| workload | " + " | ".join(f"{m} AL" for m in per_method) + " |",
+              "| --- |" + " ---: |" * len(per_method)]  # fmt: skip
+    for n in names:
+        lines.append(f"| {n} | " + " | ".join(_interval(per_method[m][n]) for m in per_method) + " |")
+    for pair, per in u["paired"].items():
+        a, b = pair.split("-", 1)
+        lines += ["", f"{a} minus {b}, paired on the same prompts:", "",
+                  "| workload | difference | verdict |", "| --- | ---: | --- |"]  # fmt: skip
+        for n in names:
+            lines.append(f"| {n} | {_interval(per[n], signed=True)} | {per[n]['verdict']} |")
+    return [*lines, ""]
 
 
 def report_dict(results: Sequence[WorkloadResult], meta: dict) -> dict:
@@ -80,12 +118,14 @@ def report_dict(results: Sequence[WorkloadResult], meta: dict) -> dict:
                 "methods": r.methods,
                 "train_time_estimate": r.estimate,
                 "lossless_near_ties": r.near_ties,
+                "prompt_digest": r.prompt_digest,
             }
             for r in results
         },
         "macro_acceptance_length": {
             m: macro(results, m) for m in METHODS if any(m in r.methods for r in results)
         },
+        "uncertainty": uncertainty(results),
         "estimate_note": ESTIMATE_NOTE,
     }
 

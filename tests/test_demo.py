@@ -99,6 +99,13 @@ def test_demo_runs_every_stage_then_skips_them(tmp_path):
         f"| **macro mean** | {al['dspark']:.2f} | {al['dflash']:.2f} | {al['ngram']:.2f} |" in table
     )
     assert table.split("| workload |", 1)[1] in out  # the same table was printed
+    # the paired differences: their point estimates are the macro ALs' differences
+    for label, other in (("DSpark - n-gram", "ngram"), ("DSpark - DFlash", "dflash")):
+        row = next(line for line in table.splitlines() if line.startswith(f"| {label} |"))
+        macro_cell = row.split("|")[-3].strip()  # "+0.12 (-0.05 to +0.30)"
+        value, low, high = (float(x) for x in re.findall(r"[+-]\d+\.\d+", macro_cell))
+        assert value == pytest.approx(expected["dspark"] - expected[other], abs=6e-3), row
+        assert low <= value <= high
 
     # Rerun: every stage is skipped and the answer is the same.
     again, seconds = _demo(recipe)

@@ -55,6 +55,15 @@ def test_eval_cli_with_export_prompts_file_and_calibration(recipe_path, tmp_path
     assert alpha["train_time_estimate"]["tau"] >= 1.0
     table = (out / "report.md").read_text()
     assert "| alpha | dspark |" in table and "tau (c*)" in table
+    # per-prompt totals and the intervals built from them
+    assert alpha["methods"]["dspark"]["prompt_rounds"] and len(alpha["prompt_digest"]) == 16
+    paired = report["uncertainty"]["paired"]["dspark-ngram"]
+    assert set(paired) == {"alpha", "beta", "macro"}
+    assert paired["macro"]["low"] <= paired["macro"]["value"] <= paired["macro"]["high"]
+    assert "dspark minus ngram, paired on the same prompts" in table
+    assert main(["eval", "compare", str(out), "--draws", "500"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("diff_macro=") and "verdict=" in last
     for name in ("acceptance_length.png", "position_acceptance.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     calibration = json.loads((tmp_path / "sts.json").read_text())

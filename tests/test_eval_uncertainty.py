@@ -1,0 +1,150 @@
+"""Bootstrap intervals over prompts, checked against the exact bootstrap distribution
+(every resample enumerated) and hand-derived cases; ``draftforge eval compare`` on
+hand-made reports."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from draftforge.errors import InputError
+from draftforge.eval.harness import summarize
+from draftforge.eval.speculative import DecodeResult, Round
+from draftforge.eval.uncertainty import PromptTotals, bootstrap, prompt_digest, report_uncertainty
+
+A = PromptTotals(np.array([10.0, 4.0, 7.0, 2.0]), np.array([15.0, 9.0, 8.0, 5.0]))
+B = PromptTotals(np.array([12.0, 5.0, 7.0, 3.0]), np.array([14.0, 7.0, 9.0, 3.0]))
+
+
+def _exact(workloads, paired: bool) -> np.ndarray:
+    """Every bootstrap resample (index tuples per workload, all equally likely), by enumeration."""
+    per_workload = []
+    for a, b in workloads:
+        n = len(a)
+        values = []
+        for idx in itertools.product(range(n), repeat=n):
+            idx = list(idx)
+            v = a.al_sum[idx].sum() / a.rounds[idx].sum()
+            if paired:
+                v -= b.al_sum[idx].sum() / b.rounds[idx].sum()
+            values.append(v)
+        per_workload.append(np.array(values))
+    grid = np.meshgrid(*per_workload, indexing="ij")
+    return (sum(grid) / len(workloads)).ravel()
+
+
+def _assert_is_quantile(exact: np.ndarray, x: float, q: float, tol: float = 0.006) -> None:
+    """x is a q-quantile of the exact distribution (up to Monte Carlo noise)."""
+    assert (exact < x - 1e-12).mean() <= q + tol
+    assert (exact <= x + 1e-12).mean() >= q - tol
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_interval_bounds_are_quantiles_of_the_exact_bootstrap(paired):
+    workloads = [(A, B if paired else None)]
+    iv = bootstrap(workloads, draws=40_000, seed=1)
+    exact = _exact([(A, B)], paired)
+    _assert_is_quantile(exact, iv.low, 0.025)
+    _assert_is_quantile(exact, iv.high, 0.975)
+    point = 37 / 23 - (33 / 27 if paired else 0.0)  # pooled by hand: sum(al_sum) / sum(rounds)
+    assert iv.value == pytest.approx(point)
+
+
+def test_macro_interval_resamples_each_workload_on_its_own():
+    w1 = PromptTotals(np.array([3.0, 5.0, 2.0]), np.array([4.0, 9.0, 2.0]))
+    w2 = PromptTotals(np.array([6.0, 1.0, 4.0]), np.array([12.0, 1.0, 5.0]))
+    iv = bootstrap([(w1, None), (w2, None)], draws=40_000, seed=2)
+    exact = _exact([(w1, None), (w2, None)], paired=False)
+    _assert_is_quantile(exact, iv.low, 0.025)
+    _assert_is_quantile(exact, iv.high, 0.975)
+    assert iv.value == pytest.approx((15 / 10 + 18 / 11) / 2)
+
+
+def test_hand_derived_cases_and_verdicts():
+    same_ratio = PromptTotals(np.array([3.0, 7.0, 1.0]), np.array([4.5, 10.5, 1.5]))
+    iv = bootstrap([(same_ratio, None)], draws=500)
+    assert (iv.value, iv.low, iv.high) == pytest.approx((1.5, 1.5, 1.5))
+    zero = bootstrap([(A, A)], draws=500)
+    assert (zero.value, zero.low, zero.high) == (0.0, 0.0, 0.0)
+    assert zero.verdict() == "not distinguishable"
+    better = PromptTotals(A.rounds, A.al_sum + A.rounds * 0.5)  # +0.5 per round on every prompt
+    assert bootstrap([(better, A)], draws=500).verdict() == "ahead"
+    assert bootstrap([(A, better)], draws=500).verdict() == "behind"
+    assert bootstrap([(better, A)], draws=500).low == pytest.approx(0.5)  # the gap never varies
+    with pytest.raises(ValueError, match="same prompts"):
+        bootstrap([(A, PromptTotals(A.rounds[:3], A.al_sum[:3]))])
+
+
+def test_summarize_keeps_the_per_prompt_totals_its_mean_pools():
+    def result(lengths):
+        return DecodeResult(prompt_len=3, tokens=[1] * sum(lengths),
+                            rounds=[Round(8, 8, n - 1, n) for n in lengths])  # fmt: skip
+
+    summary = summarize([result([1, 3, 2]), result([9]), result([2, 2])], block_size=8)
+    assert summary["prompt_rounds"] == [3, 1, 2] and summary["prompt_al_sum"] == [6, 9, 4]
+    totals = PromptTotals.from_summary(summary, "w/dspark")
+    assert totals.pooled() == pytest.approx(summary["acceptance_length"]) == 19 / 6
+
+
+def test_report_uncertainty_pairs_the_reference_with_each_baseline():
+    u = report_uncertainty({"w": {"dspark": A, "ngram": B}}, draws=300)
+    assert set(u["acceptance_length"]) == {"dspark", "ngram"}
+    assert set(u["acceptance_length"]["dspark"]) == {"w", "macro"}
+    pair = u["paired"]["dspark-ngram"]["macro"]
+    assert pair["value"] == pytest.approx(37 / 23 - 33 / 27) and pair["verdict"] in (
+        "ahead", "behind", "not distinguishable")  # fmt: skip
+
+
+def _report(path, methods: dict, digest="abc", num_prompts=4):
+    path.mkdir(parents=True, exist_ok=True)
+    entry = {
+        m: {"acceptance_length": t.pooled(), "prompt_rounds": t.rounds.tolist(),
+            "prompt_al_sum": t.al_sum.tolist()}
+        for m, t in methods.items()
+    }  # fmt: skip
+    report = {"workloads": {"w": {"num_prompts": num_prompts, "prompt_digest": digest, "methods": entry}}}
+    (path / "report.json").write_text(json.dumps(report))
+    return path
+
+
+def test_eval_compare_prints_the_paired_difference(tmp_path, capsys):
+    from draftforge.cli import main
+
+    first = _report(tmp_path / "a", {"dspark": A, "ngram": B})
+    second = _report(tmp_path / "b", {"dspark": B})
+    assert main(["eval", "compare", str(first), "--draws", "2000"]) == 0  # dspark vs its own ngram
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    fields = dict(kv.split("=", 1) for kv in last.split())
+    assert float(fields["diff_macro"]) == pytest.approx(37 / 23 - 33 / 27, abs=1e-4)
+    assert float(fields["low"]) <= float(fields["diff_macro"]) <= float(fields["high"])
+    assert main(["eval", "compare", str(first), str(second / "report.json"), "--draws", "2000"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == last  # the same pair, other files
+
+
+def test_eval_compare_refuses_what_it_cannot_pair(tmp_path, capsys):
+    from draftforge.cli import main
+    from draftforge.eval.compare import load_report, paired_totals
+
+    first = _report(tmp_path / "a", {"dspark": A})
+    other = _report(tmp_path / "b", {"dspark": B}, digest="xyz")
+    with pytest.raises(InputError, match="different prompts"):
+        paired_totals(load_report(str(first)), "dspark", load_report(str(other)), "dspark")
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "report.json").write_text(json.dumps({"workloads": {"w": {
+        "num_prompts": 4, "methods": {"dspark": {"acceptance_length": 1.2}, "ngram": {}}}}}))  # fmt: skip
+    assert main(["eval", "compare", str(old)]) == 2
+    assert "older draftforge eval" in capsys.readouterr().err
+    assert main(["eval", "compare", str(first)]) == 2  # no ngram in that report
+    assert "no method 'ngram'" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("{\n  oops")
+    assert main(["eval", "compare", str(tmp_path / "bad.json"), str(first)]) == 2
+    assert "line 2" in capsys.readouterr().err
+
+
+def test_prompt_digest_tells_prompts_apart():
+    assert prompt_digest([[1, 2], [3]]) == prompt_digest([[1, 2], [3]])
+    assert prompt_digest([[1, 2], [3]]) != prompt_digest([[1, 2, 3]])
