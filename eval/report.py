@@ -75,7 +75,8 @@ def markdown_table(results: Sequence[WorkloadResult], *, block_size: int, comman
 def uncertainty(results: Sequence[WorkloadResult]) -> dict:
     """Bootstrap intervals over prompts (see :mod:`draftforge.eval.uncertainty`)."""
     return report_uncertainty({
-        r.name: {m: PromptTotals.from_summary(s, f"{r.name}/{m}") for m, s in r.methods.items()}
+        r.name: {m: PromptTotals.from_summary(r.methods[m], f"{r.name}/{m}") for m in METHODS
+                 if m in r.methods}
         for r in results
     })  # fmt: skip
 
