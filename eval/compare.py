@@ -85,7 +85,12 @@ def paired_totals(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.draws < 1:
+        parser.error(f"--draws must be at least 1, got {args.draws}")
+    if not 0 < args.level < 1:
+        parser.error(f"--level must lie strictly between 0 and 1, got {args.level}")
     a = load_report(args.a)
     b = load_report(args.b) if args.b else a
     b_method = args.b_method or ("dspark" if args.b else "ngram")

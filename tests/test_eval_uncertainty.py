@@ -140,6 +140,9 @@ def test_eval_compare_refuses_what_it_cannot_pair(tmp_path, capsys):
     assert "older draftforge eval" in capsys.readouterr().err
     assert main(["eval", "compare", str(first)]) == 2  # no ngram in that report
     assert "no method 'ngram'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["eval", "compare", str(first), str(first), "--level", "95"])
+    assert "--level must lie strictly between 0 and 1, got 95.0" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text("{\n  oops")
     assert main(["eval", "compare", str(tmp_path / "bad.json"), str(first)]) == 2
     assert "line 2" in capsys.readouterr().err
