@@ -6,7 +6,7 @@ its own baselines (``--b-method ngram``). Each workload's difference
 ``AL(A) - AL(B)`` and their macro mean get a paired bootstrap interval over
 prompts (:mod:`draftforge.eval.uncertainty`). The last line is machine-readable::
 
-    diff_macro=<difference> low=<bound> high=<bound> verdict=<ahead|behind|not_distinguishable>
+    diff_macro=<difference> low=<bound> high=<bound> verdict=<ahead|behind|not_distinguishable|too_few_prompts>
 """
 
 from __future__ import annotations

@@ -15,7 +15,10 @@ pooled AL, and reads the percentile interval off the draws:
   share (a prompt that is easy for both) cancels.
 
 A difference whose interval lies above zero is reported as *ahead*, below zero
-as *behind*, and otherwise as *not distinguishable* with these prompts. The
+as *behind*, and otherwise as *not distinguishable* with these prompts; with
+fewer than :data:`MIN_PROMPTS` prompts in a workload the resamples cannot show
+the spread (one prompt gives a zero-width interval), and the verdict is *too
+few prompts*. The
 interval says nothing about prompts unlike the workload's, and with 8 prompts
 a workload the percentile interval is itself rough; more prompts narrow it.
 """
@@ -35,6 +38,7 @@ from draftforge.errors import InputError
 DRAWS = 10_000
 LEVEL = 0.95
 SEED = 0
+MIN_PROMPTS = 5  # per workload, for a verdict
 
 
 @dataclass(frozen=True)
@@ -74,9 +78,12 @@ class Interval:
     high: float
     level: float
     draws: int
+    prompts: int  # the fewest prompts of any workload in the estimate
 
     def verdict(self) -> str:
         """For a difference: which side of zero the whole interval lies on."""
+        if self.prompts < MIN_PROMPTS:
+            return "too few prompts"
         if self.low > 0:
             return "ahead"
         if self.high < 0:
@@ -85,7 +92,7 @@ class Interval:
 
     def as_dict(self) -> dict:
         return {"value": self.value, "low": self.low, "high": self.high, "level": self.level,
-                "draws": self.draws}  # fmt: skip
+                "draws": self.draws, "prompts": self.prompts}  # fmt: skip
 
 
 def _pooled_draws(totals: PromptTotals, index: np.ndarray) -> np.ndarray:
@@ -122,7 +129,8 @@ def bootstrap(
     sampled /= len(workloads)
     tail = 100 * (1 - level) / 2
     low, high = np.nanpercentile(sampled, [tail, 100 - tail]) if np.isfinite(sampled).any() else (math.nan,) * 2
-    return Interval(float(value), float(low), float(high), level, draws)
+    prompts = min(len(a) for a, _ in workloads)
+    return Interval(float(value), float(low), float(high), level, draws, prompts)
 
 
 def prompt_digest(prompts: Sequence[Sequence[int]]) -> str:

@@ -15,8 +15,8 @@ from draftforge.eval.harness import summarize
 from draftforge.eval.speculative import DecodeResult, Round
 from draftforge.eval.uncertainty import PromptTotals, bootstrap, prompt_digest, report_uncertainty
 
-A = PromptTotals(np.array([10.0, 4.0, 7.0, 2.0]), np.array([15.0, 9.0, 8.0, 5.0]))
-B = PromptTotals(np.array([12.0, 5.0, 7.0, 3.0]), np.array([14.0, 7.0, 9.0, 3.0]))
+A = PromptTotals(np.array([10.0, 4.0, 7.0, 2.0, 5.0]), np.array([15.0, 9.0, 8.0, 5.0, 6.0]))
+B = PromptTotals(np.array([12.0, 5.0, 7.0, 3.0, 4.0]), np.array([14.0, 7.0, 9.0, 3.0, 6.0]))
 
 
 def _exact(workloads, paired: bool) -> np.ndarray:
@@ -49,7 +49,7 @@ def test_interval_bounds_are_quantiles_of_the_exact_bootstrap(paired):
     exact = _exact([(A, B)], paired)
     _assert_is_quantile(exact, iv.low, 0.025)
     _assert_is_quantile(exact, iv.high, 0.975)
-    point = 37 / 23 - (33 / 27 if paired else 0.0)  # pooled by hand: sum(al_sum) / sum(rounds)
+    point = 43 / 28 - (39 / 31 if paired else 0.0)  # pooled by hand: sum(al_sum) / sum(rounds)
     assert iv.value == pytest.approx(point)
 
 
@@ -74,6 +74,9 @@ def test_hand_derived_cases_and_verdicts():
     assert bootstrap([(better, A)], draws=500).verdict() == "ahead"
     assert bootstrap([(A, better)], draws=500).verdict() == "behind"
     assert bootstrap([(better, A)], draws=500).low == pytest.approx(0.5)  # the gap never varies
+    one = PromptTotals(np.array([4.0]), np.array([8.0]))
+    tiny = bootstrap([(one, PromptTotals(np.array([4.0]), np.array([4.0])))], draws=100)
+    assert (tiny.low, tiny.high) == (1.0, 1.0) and tiny.verdict() == "too few prompts"
     with pytest.raises(ValueError, match="same prompts"):
         bootstrap([(A, PromptTotals(A.rounds[:3], A.al_sum[:3]))])
 
@@ -94,11 +97,11 @@ def test_report_uncertainty_pairs_the_reference_with_each_baseline():
     assert set(u["acceptance_length"]) == {"dspark", "ngram"}
     assert set(u["acceptance_length"]["dspark"]) == {"w", "macro"}
     pair = u["paired"]["dspark-ngram"]["macro"]
-    assert pair["value"] == pytest.approx(37 / 23 - 33 / 27) and pair["verdict"] in (
+    assert pair["value"] == pytest.approx(43 / 28 - 39 / 31) and pair["verdict"] in (
         "ahead", "behind", "not distinguishable")  # fmt: skip
 
 
-def _report(path, methods: dict, digest="abc", num_prompts=4):
+def _report(path, methods: dict, digest="abc", num_prompts=5):
     path.mkdir(parents=True, exist_ok=True)
     entry = {
         m: {"acceptance_length": t.pooled(), "prompt_rounds": t.rounds.tolist(),
@@ -118,7 +121,7 @@ def test_eval_compare_prints_the_paired_difference(tmp_path, capsys):
     assert main(["eval", "compare", str(first), "--draws", "2000"]) == 0  # dspark vs its own ngram
     last = capsys.readouterr().out.strip().splitlines()[-1]
     fields = dict(kv.split("=", 1) for kv in last.split())
-    assert float(fields["diff_macro"]) == pytest.approx(37 / 23 - 33 / 27, abs=1e-4)
+    assert float(fields["diff_macro"]) == pytest.approx(43 / 28 - 39 / 31, abs=1e-4)
     assert float(fields["low"]) <= float(fields["diff_macro"]) <= float(fields["high"])
     assert main(["eval", "compare", str(first), str(second / "report.json"), "--draws", "2000"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == last  # the same pair, other files
