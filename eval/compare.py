@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from draftforge.errors import InputError
-from draftforge.eval.uncertainty import DRAWS, LEVEL, SEED, PromptTotals, bootstrap
+from draftforge.eval.uncertainty import DRAWS, LEVEL, SEED, PromptTotals, by_workload
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,9 +104,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print("| workload | prompts | A | B | A - B (interval) | verdict |")
     print("| --- | ---: | ---: | ---: | ---: | --- |")
-    rows = [(name, [pair]) for name, pair in pairs.items()] + [("macro", list(pairs.values()))]
-    for name, group in rows:
-        diff = bootstrap(group, **kw)
+    diffs = by_workload(pairs, **kw)
+    groups = {**{name: [pair] for name, pair in pairs.items()}, "macro": list(pairs.values())}
+    for name, group in groups.items():
+        diff = diffs[name]
         al_a = sum(p.pooled() for p, _ in group) / len(group)
         al_b = sum(q.pooled() for _, q in group) / len(group)
         prompts = sum(len(p) for p, _ in group)

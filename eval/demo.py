@@ -358,7 +358,7 @@ def lead_table(dspark: tuple[Path, dict], dflash: tuple[Path, dict]) -> str:
     intervals over the prompts (:mod:`draftforge.eval.uncertainty`)."""
     from draftforge.errors import InputError
     from draftforge.eval.compare import paired_totals
-    from draftforge.eval.uncertainty import LEVEL, bootstrap
+    from draftforge.eval.uncertainty import LEVEL, by_workload, interval_text
 
     try:
         comparisons = {
@@ -376,11 +376,9 @@ def lead_table(dspark: tuple[Path, dict], dflash: tuple[Path, dict]) -> str:
         "| --- |" + " ---: |" * (len(names) + 1) + " --- |",
     ]
     for label, pairs in comparisons.items():
-        cells = [bootstrap([pairs[n]]) for n in names]
-        total = bootstrap(list(pairs.values()))
-        cells.append(total)
-        text = " | ".join(f"{c.value:+.2f} ({c.low:+.2f} to {c.high:+.2f})" for c in cells)
-        lines.append(f"| {label} | {text} | {total.verdict()} |")
+        cells = by_workload(pairs)  # the workloads, then "macro"
+        text = " | ".join(interval_text(c.value, c.low, c.high, signed=True) for c in cells.values())
+        lines.append(f"| {label} | {text} | {cells['macro'].verdict()} |")
     return "\n".join(lines)
 
 

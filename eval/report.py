@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from draftforge.eval.harness import METHODS, WorkloadResult, macro
-from draftforge.eval.uncertainty import PromptTotals, report_uncertainty
+from draftforge.eval.uncertainty import PromptTotals, interval_text, report_uncertainty
 
 ESTIMATE_NOTE = (
     "tau (train-time estimate) is the training metric 1 + sum_k prod_{i<=k} c*_i computed through the "
@@ -27,8 +27,12 @@ def _fmt(value, digits: int = 2) -> str:
     return f"{value:.{digits}f}"
 
 
-def markdown_table(results: Sequence[WorkloadResult], *, block_size: int, command: str | None = None) -> str:
-    """Acceptance length, verification width and speed per workload and method, plus positions."""
+def markdown_table(
+    results: Sequence[WorkloadResult], *, block_size: int, command: str | None = None,
+    intervals: dict | None = None,
+) -> str:
+    """Acceptance length, verification width and speed per workload and method, plus positions
+    and the bootstrap ``intervals`` (:func:`uncertainty`, computed here when not given)."""
     lines = []
     if command:
         lines += [f"Command: `{command}`", ""]
@@ -68,7 +72,7 @@ def markdown_table(results: Sequence[WorkloadResult], *, block_size: int, comman
         measured = r.methods.get("dspark", {}).get("acceptance_length")
         lines.append(f"| {r.name} | {_fmt(measured)} | {_fmt(est.get('tau'))} | {_fmt(est.get('tau_greedy'))} |")
     lines += ["", ESTIMATE_NOTE, ""]
-    lines += uncertainty_lines(uncertainty(results))
+    lines += uncertainty_lines(uncertainty(results) if intervals is None else intervals)
     return "\n".join(lines)
 
 
@@ -81,9 +85,8 @@ def uncertainty(results: Sequence[WorkloadResult]) -> dict:
     })  # fmt: skip
 
 
-def _interval(iv: dict, signed: bool = False) -> str:
-    sign = "+" if signed else ""
-    return f"{iv['value']:{sign}.2f} ({iv['low']:{sign}.2f} to {iv['high']:{sign}.2f})"
+def _bounds(iv: dict) -> dict:
+    return {k: iv[k] for k in ("value", "low", "high")}
 
 
 def uncertainty_lines(u: dict) -> list[str]:
@@ -99,18 +102,19 @@ def uncertainty_lines(u: dict) -> list[str]:
     lines += ["| workload | " + " | ".join(f"{m} AL" for m in per_method) + " |",
               "| --- |" + " ---: |" * len(per_method)]  # fmt: skip
     for n in names:
-        lines.append(f"| {n} | " + " | ".join(_interval(per_method[m][n]) for m in per_method) + " |")
+        lines.append(f"| {n} | " + " | ".join(interval_text(**_bounds(per_method[m][n])) for m in per_method) + " |")
     for pair, per in u["paired"].items():
         a, b = pair.split("-", 1)
         lines += ["", f"{a} minus {b}, paired on the same prompts:", "",
                   "| workload | difference | verdict |", "| --- | ---: | --- |"]  # fmt: skip
         for n in names:
-            lines.append(f"| {n} | {_interval(per[n], signed=True)} | {per[n]['verdict']} |")
+            lines.append(f"| {n} | {interval_text(**_bounds(per[n]), signed=True)} | {per[n]['verdict']} |")
     return [*lines, ""]
 
 
-def report_dict(results: Sequence[WorkloadResult], meta: dict) -> dict:
-    """The JSON report: settings, per-workload metrics, macro numbers and calibration if any."""
+def report_dict(results: Sequence[WorkloadResult], meta: dict, *, intervals: dict | None = None) -> dict:
+    """The JSON report: settings, per-workload metrics, macro numbers, the bootstrap
+    ``intervals`` (computed here when not given) and calibration if any."""
     return {
         **meta,
         "workloads": {
@@ -126,7 +130,7 @@ def report_dict(results: Sequence[WorkloadResult], meta: dict) -> dict:
         "macro_acceptance_length": {
             m: macro(results, m) for m in METHODS if any(m in r.methods for r in results)
         },
-        "uncertainty": uncertainty(results),
+        "uncertainty": uncertainty(results) if intervals is None else intervals,
         "estimate_note": ESTIMATE_NOTE,
     }
 
@@ -178,10 +182,12 @@ def write_report(
     """Write report.md, report.json and the plots into ``out_dir`` (each file atomically)."""
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    table = markdown_table(results, block_size=block_size, command=meta.get("command"))
+    intervals = uncertainty(results)  # once, for both files
+    table = markdown_table(results, block_size=block_size, command=meta.get("command"), intervals=intervals)
+    report = report_dict(results, meta, intervals=intervals)
     paths = {
         "markdown": _atomic_text(out / "report.md", table),
-        "json": _atomic_text(out / "report.json", json.dumps(_jsonable(report_dict(results, meta)), indent=2) + "\n"),
+        "json": _atomic_text(out / "report.json", json.dumps(_jsonable(report), indent=2) + "\n"),
     }
     for path in plot(results, out, block_size=block_size):
         paths[path.stem] = path

@@ -133,6 +133,21 @@ def bootstrap(
     return Interval(float(value), float(low), float(high), level, draws, prompts)
 
 
+def by_workload(
+    workloads: dict[str, tuple[PromptTotals, PromptTotals | None]], **kw
+) -> dict[str, Interval]:
+    """:func:`bootstrap` for each workload on its own, then ``"macro"`` over all of them."""
+    out = {name: bootstrap([pair], **kw) for name, pair in workloads.items()}
+    out["macro"] = bootstrap(list(workloads.values()), **kw)
+    return out
+
+
+def interval_text(value: float, low: float, high: float, signed: bool = False) -> str:
+    """``1.23 (1.10 to 1.40)``; with ``signed``, ``+0.05 (-0.02 to +0.11)``."""
+    sign = "+" if signed else ""
+    return f"{value:{sign}.2f} ({low:{sign}.2f} to {high:{sign}.2f})"
+
+
 def prompt_digest(prompts: Sequence[Sequence[int]]) -> str:
     """A short fingerprint of a workload's prompt token ids: paired comparisons across
     reports refuse prompts that differ."""
@@ -151,14 +166,11 @@ def report_uncertainty(workloads: dict[str, dict[str, PromptTotals]], *, referen
     kw = {"draws": draws, "level": level, "seed": seed}
     out: dict = {"level": level, "draws": draws, "seed": seed, "acceptance_length": {}, "paired": {}}
     for method in methods:
-        per = {n: bootstrap([(workloads[n][method], None)], **kw).as_dict() for n in names}
-        per["macro"] = bootstrap([(workloads[n][method], None) for n in names], **kw).as_dict()
-        out["acceptance_length"][method] = per
+        per = by_workload({n: (workloads[n][method], None) for n in names}, **kw)
+        out["acceptance_length"][method] = {n: iv.as_dict() for n, iv in per.items()}
     if reference in methods:
         for other in (m for m in methods if m not in (reference, "none")):  # none's AL is 1
-            pairs = [(workloads[n][reference], workloads[n][other]) for n in names]
-            per = {n: bootstrap([pair], **kw) for n, pair in zip(names, pairs, strict=True)}
-            per["macro"] = bootstrap(pairs, **kw)
+            per = by_workload({n: (workloads[n][reference], workloads[n][other]) for n in names}, **kw)
             out["paired"][f"{reference}-{other}"] = {
                 n: {**iv.as_dict(), "verdict": iv.verdict()} for n, iv in per.items()
             }
