@@ -172,14 +172,16 @@ def matmul_peak(*, dtype, device="cpu", sizes=None, repeats: int = 5) -> float:
 
 def resolve_device(args, recipe) -> str:
     """``cpu`` or ``cuda``: ``--device``, else the recipe's ``train.device``, else cpu."""
-    import torch
+    from draftforge.train.trainer import device_kind
 
     setting = args.device or (recipe.train.device if recipe is not None else "cpu")
-    if setting == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if setting == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench train: --device cuda, but torch sees no CUDA device; use --device cpu")
-    return setting
+    try:
+        return device_kind(setting)
+    except RuntimeError:
+        raise SystemExit(
+            f"bench train: device {setting!r} (--device, else the recipe's train.device), but "
+            "torch sees no CUDA device; use --device cpu"
+        ) from None
 
 
 def estimate_for_bench(recipe, args):

@@ -88,11 +88,19 @@ def anchor_seed(*, seed: int, step: int, micro_step: int, rank: int) -> int:
     return int.from_bytes(digest[:7], "little")
 
 
-def _pick_device(setting: str) -> torch.device:
+def device_kind(setting: str) -> str:
+    """``cpu`` or ``cuda`` for a ``train.device`` setting (cpu, cuda or auto); ``cuda``
+    where torch sees no CUDA device is refused with a RuntimeError."""
     if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
+        return "cpu"
     if not torch.cuda.is_available():
         raise RuntimeError("train.device is 'cuda' but no CUDA device is available; use train.device=cpu")
+    return "cuda"
+
+
+def _pick_device(setting: str) -> torch.device:
+    if device_kind(setting) == "cpu":
+        return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
 
 
