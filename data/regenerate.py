@@ -173,15 +173,26 @@ def _write_atomic(path: Path, payload: bytes) -> None:
     _fsync_dir(path.parent)
 
 
+def _asked(messages: Sequence[dict[str, str]]) -> list[tuple[str, str]]:
+    """What a conversation asked: its system prompt and user turns, without the answers."""
+    return [(m["role"], m["content"]) for m in messages if m["role"] != "assistant"]
+
+
 def _check_rows(
-    rows: list[dict[str, Any]], path: Path, order: dict[str, int], settings: dict, target: str
+    rows: list[dict[str, Any]], path: Path, prompts: dict[str, Conversation], settings: dict, target: str
 ) -> None:
     for row in rows:
-        if row["id"] not in order:
+        if row["id"] not in prompts:
             raise RegenerationError(
                 f"{path} holds id {row['id']!r}, which is not among this run's prompts; it was "
                 "written for other data: move it away (or restore data.train_files / "
                 "data.num_samples) and rerun"
+            )
+        if _asked(row["messages"]) != _asked(prompts[row["id"]].messages):
+            raise RegenerationError(
+                f"{path} (id {row['id']!r}) answers a different prompt than this run's prompt "
+                f"{row['id']!r} (the prompt set changed since it was written, e.g. a newer "
+                "built-in set); move it away and rerun to answer the current prompts"
             )
         if row.get("generation") != settings or row.get("target") != target:
             raise RegenerationError(
@@ -206,6 +217,7 @@ def regenerate(
     order = {p.id: i for i, p in enumerate(prompts)}
     if len(order) != len(prompts):
         raise DataFormatError("prompt ids are not unique")
+    by_id = {p.id: p for p in prompts}
     settings_json = settings.model_dump(mode="json")
     size = settings.batch_size
     batches = [list(prompts[i : i + size]) for i in range(0, len(prompts), size)]
@@ -219,7 +231,7 @@ def regenerate(
         rows, torn = _read_rows(out)
         if torn:
             raise RegenerationError(f"{out} ends with an incomplete line; it was not written here")
-        _check_rows(rows, out, order, settings_json, engine.name)
+        _check_rows(rows, out, by_id, settings_json, engine.name)
         if {r["id"] for r in rows} == set(order):
             print(
                 f"draftforge data regenerate: all {len(order)} prompts already answered in {out}",
@@ -230,7 +242,7 @@ def regenerate(
     rows: list[dict[str, Any]] = []
     if partial.exists():
         rows, torn = _read_rows(partial)
-        _check_rows(rows, partial, order, settings_json, engine.name)
+        _check_rows(rows, partial, by_id, settings_json, engine.name)
         if torn:
             # The cut write held the batch of the last complete row (or the next one):
             # drop that batch's rows; generating it again gives the same rows.

@@ -171,6 +171,22 @@ def test_foreign_ids_refused(tmp_path):
         run(tmp_path, "r.jsonl", prompts=make_prompts(4))
 
 
+def test_changed_prompt_text_under_the_same_id_refused(tmp_path):
+    # A newer prompt set keeps the ids (train-00001, ...) but not the texts: resuming must
+    # not mix answers to the old prompts into the new run, finished file or partial.
+    out, _ = run(tmp_path, "r.jsonl", prompts=make_prompts(6))
+    changed = make_prompts(11)
+    changed[4] = Conversation("p04", [{"role": "system", "content": "system 4"},
+                                      {"role": "user", "content": "another question"}])
+    with pytest.raises(RegenerationError, match="id 'p04'. answers a different prompt"):
+        run(tmp_path, "r.jsonl", prompts=changed)
+    os.replace(out, tmp_path / "r.jsonl.partial")
+    with pytest.raises(RegenerationError, match="id 'p04'. answers a different prompt"):
+        run(tmp_path, "r.jsonl", prompts=changed)
+    _, report = run(tmp_path, "r.jsonl", prompts=make_prompts(11))  # unchanged: continues
+    assert report.num_reused == 6 and report.num_generated == 5
+
+
 def test_engine_returning_wrong_count_is_an_error(tmp_path):
     class Bad(FakeEngine):
         def generate(self, conversations, settings):
