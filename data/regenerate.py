@@ -23,7 +23,10 @@ Resumable and crash-safe:
 - a torn last line (a write cut by a crash) is dropped together with the rest of its
   batch, which is then generated again -- identically;
 - when every prompt is answered the rows are written in prompt order to a temporary
-  file that is renamed to ``<out>``; ``<out>`` is never half-written.
+  file that is renamed to ``<out>``; ``<out>`` is never half-written;
+- rows are reused only when their id is one of this run's prompts, their system prompt
+  and user turns equal that prompt's, and their target and settings equal this run's;
+  anything else is refused with the file and id, never mixed in.
 
 So an interrupted run followed by a rerun writes exactly the same file as an
 uninterrupted run (given a deterministic engine, which the transformers backend is).
