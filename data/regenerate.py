@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from draftforge.cores import usable_cores
 from draftforge.data.formats import Conversation, DataFormatError
+from draftforge.errors import InputError
 
 if TYPE_CHECKING:
     from draftforge.splitserve.config import GenerationConfig
@@ -62,8 +63,8 @@ class ReplyEngine(Protocol):
     ) -> list[str]: ...
 
 
-class RegenerationError(RuntimeError):
-    """Existing output does not match this run, or the engine misbehaved."""
+class RegenerationError(InputError):
+    """An existing answers file does not match this run's prompts, target or settings."""
 
 
 @dataclass
@@ -109,7 +110,7 @@ def answer_batch(
         call_settings = settings.model_copy(update={"seed": batch_seed(settings.seed, ids, turn)})
         replies = engine.generate([list(histories[i]) for i in active], call_settings)
         if len(replies) != len(active) or not all(isinstance(r, str) for r in replies):
-            raise RegenerationError(
+            raise RuntimeError(
                 f"target {engine.name!r} returned {len(replies)} replies for {len(active)} "
                 "conversations (one string per conversation expected)"
             )
@@ -181,6 +182,18 @@ def _asked(messages: Sequence[dict[str, str]]) -> list[tuple[str, str]]:
     return [(m["role"], m["content"]) for m in messages if m["role"] != "assistant"]
 
 
+def _setting_differences(written: Any, wanted: dict) -> str:
+    """``key: file X, this run Y`` for each generation setting that differs."""
+    if not isinstance(written, dict):
+        return f"no generation settings recorded (this run: {wanted})"
+    keys = sorted(set(written) | set(wanted))
+    return "; ".join(
+        f"{key}: file {written.get(key, '(absent)')!r}, this run {wanted.get(key, '(absent)')!r}"
+        for key in keys
+        if written.get(key) != wanted.get(key)
+    )
+
+
 def _check_rows(
     rows: list[dict[str, Any]], path: Path, prompts: dict[str, Conversation], settings: dict, target: str
 ) -> None:
@@ -197,12 +210,46 @@ def _check_rows(
                 f"{row['id']!r} (the prompt set changed since it was written, e.g. a newer "
                 "built-in set); move it away and rerun to answer the current prompts"
             )
-        if row.get("generation") != settings or row.get("target") != target:
+        if row.get("target") != target:
             raise RegenerationError(
-                f"{path} (id {row['id']!r}) was written with target {row.get('target')!r} and "
-                f"settings {row.get('generation')} but this run uses target {target!r} and "
-                f"{settings}; move it away or restore the settings, then rerun"
+                f"{path} (id {row['id']!r}) holds answers of target {row.get('target')!r}, but "
+                f"this run's target is {target!r}; move it away and rerun to answer with this "
+                "target (or restore target.model)"
             )
+        if row.get("generation") != settings:
+            raise RegenerationError(
+                f"{path} (id {row['id']!r}) was written with other target.generation settings "
+                f"({_setting_differences(row.get('generation'), settings)}); move it away or "
+                "restore the settings, then rerun"
+            )
+
+
+def check_answers(
+    path: str | os.PathLike[str],
+    prompts: Sequence[Conversation],
+    settings: GenerationConfig,
+    target: str,
+) -> None:
+    """Refuse a finished answers file that does not answer this run's prompts: each of
+    ``prompts`` must have a row with the same id, system prompt and user turns, written with
+    ``target`` and ``settings``. Rows of other ids are ignored (a larger recipe's file holds
+    a smaller one's prompts). Raises :class:`RegenerationError` naming the file and what
+    differs: training from a stale file would silently learn from other answers."""
+    path = Path(path)
+    rows, torn = _read_rows(path)
+    if torn:
+        raise RegenerationError(
+            f"{path} ends with an incomplete line; rerun 'draftforge data regenerate' to rewrite it"
+        )
+    by_id = {p.id: p for p in prompts}
+    ours = [r for r in rows if r["id"] in by_id]
+    _check_rows(ours, path, by_id, settings.model_dump(mode="json"), target)
+    missing = len(by_id.keys() - {r["id"] for r in ours})
+    if missing:
+        raise RegenerationError(
+            f"{path} answers {len(by_id) - missing} of this run's {len(by_id)} prompts; run "
+            "'draftforge data regenerate RECIPE' (with the same overrides) to answer the rest"
+        )
 
 
 def regenerate(

@@ -24,8 +24,9 @@ in its own process:
 
 A stage whose output already exists, is complete and is newer than its inputs is
 skipped, so an interrupted demo continues where it stopped (training resumes from
-its newest checkpoint). ``--force`` starts over; ``--skip-train`` uses the runs as
-they are.
+its newest checkpoint). An existing regenerated file is used only if it answers the
+recipe's prompts with its target and generation settings; otherwise the demo stops and
+says what differs. ``--force`` starts over; ``--skip-train`` uses the runs as they are.
 """
 
 from __future__ import annotations
@@ -501,6 +502,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
+def _check_answers_file(cfg) -> None:
+    """Refuse to skip regeneration when the existing answers are not this recipe's."""
+    from draftforge.data.regenerate import RegenerationError
+    from draftforge.splitserve.producer import load_source_conversations
+
+    try:
+        load_source_conversations(cfg)
+    except RegenerationError as err:
+        raise DemoError(f"{err}\n(or rerun the demo with --force to start over)") from None
+
+
 def run_demo(args: argparse.Namespace, *, command: str) -> int:
     """The stages (see the module docstring); prints the table and the summary line."""
     from draftforge.config import load_recipe
@@ -541,6 +553,8 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
         for path in outputs:
             _remove(path, keep)
 
+    if paths.data_file is not None and paths.data_file.is_file() and not args.skip_train:
+        _check_answers_file(cfg)
     # 1. data
     since = stages.banner("regenerate the training data: the target answers the prompts")
     if args.skip_train:
@@ -548,7 +562,7 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
     elif paths.data_file is None:
         stages.skip("data.regenerate is false: training uses data.train_files as they are")
     elif paths.data_file.is_file():
-        stages.skip(f"{paths.data_file} exists (delete it or use --force to answer again)")
+        stages.skip(f"{paths.data_file} already answers the recipe's prompts")
     else:
         # The recipe's thread count: on a shared machine more threads than free cores
         # slow decoding down by an order of magnitude.

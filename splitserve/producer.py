@@ -146,7 +146,9 @@ def load_source_conversations(cfg: RecipeConfig) -> tuple[list[Conversation], bo
     """The conversations to walk and whether their answers must be regenerated.
 
     ``data.regenerate`` with a regenerated file present (``data.regenerated_file``
-    or ``<output_dir>/regenerated.jsonl``): its conversations, as they are.
+    or ``<output_dir>/regenerated.jsonl``): its conversations, once the file is checked
+    to answer exactly this recipe's prompts with its target and ``target.generation``
+    settings (a stale file raises :class:`~draftforge.data.regenerate.RegenerationError`).
     ``data.regenerate`` without one: the prompts, regenerated on the fly.
     Otherwise: the conversations of ``data.train_files`` as they are.
     """
@@ -155,11 +157,28 @@ def load_source_conversations(cfg: RecipeConfig) -> tuple[list[Conversation], bo
         load_training_conversations,
         regenerated_path,
     )
+    from draftforge.data.regenerate import check_answers
+    from draftforge.splitserve.target import target_name
 
     data = cfg.data
-    if data.regenerate and not regenerated_path(data, cfg.train.output_dir).is_file():
+    if not data.regenerate:
+        return load_training_conversations(data, cfg.train.output_dir).conversations, False
+    path = regenerated_path(data, cfg.train.output_dir)
+    if not path.is_file():
         return load_prompts(data).conversations, True
-    return load_training_conversations(data, cfg.train.output_dir).conversations, False
+    prompts = load_prompts(data.model_copy(update={"overlap_check": False})).conversations
+    check_answers(path, prompts, cfg.target.generation, target_name(cfg.target))
+    conversations = load_training_conversations(data, cfg.train.output_dir).conversations
+    if {c.id for c in conversations} != {p.id for p in prompts}:
+        from draftforge.data.regenerate import RegenerationError
+
+        raise RegenerationError(
+            f"{path} answers this run's {len(prompts)} prompts, but the {len(conversations)} "
+            "conversations read from it (its first data.num_samples rows, invalid rows "
+            "skipped) are not those answers: other rows come first; write this recipe's own "
+            "file with 'draftforge data regenerate'"
+        )
+    return conversations, False
 
 
 class SampleSource:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
@@ -248,6 +249,16 @@ def sglang_layer_ids(hf_layer_ids: Sequence[int]) -> list[int]:
     return [int(i) for i in hf_layer_ids]
 
 
+def target_name(cfg: TargetConfig) -> str:
+    """The name the recipe's target engine carries (and regenerated answers record):
+    a registered name or ``random`` as it is, a local folder by its last component."""
+    from draftforge.splitserve import smollm2
+
+    if cfg.model in ("random", smollm2.NAME):
+        return cfg.model
+    return Path(cfg.model).expanduser().name
+
+
 def build_target(
     cfg: TargetConfig, layer_ids: Sequence[int], *, device: str | torch.device = "cpu"
 ) -> TargetEngine:
@@ -277,7 +288,9 @@ def build_target(
         folder = smollm2.ensure_smollm2(cfg.cache_dir)
         engine = HFTarget.from_folder(folder, layer_ids, cfg, name=smollm2.NAME, device=device)
     else:
-        engine = HFTarget.from_folder(cfg.model, layer_ids, cfg, device=device)
+        engine = HFTarget.from_folder(
+            cfg.model, layer_ids, cfg, name=target_name(cfg), device=device
+        )
     _check_declared_shape(cfg, engine)
     return engine
 
@@ -299,7 +312,7 @@ def _build_sglang_target(
         folder = smollm2.ensure_smollm2(cfg.cache_dir)
         engine: TargetEngine = SGLangTarget(folder, layer_ids, cfg, name=smollm2.NAME, device=device)
     else:
-        engine = SGLangTarget(cfg.model, layer_ids, cfg, device=device)
+        engine = SGLangTarget(cfg.model, layer_ids, cfg, name=target_name(cfg), device=device)
     _check_declared_shape(cfg, engine)
     return engine
 

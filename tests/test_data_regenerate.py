@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 
 from draftforge.data.formats import Conversation
-from draftforge.data.regenerate import RegenerationError, batch_seed, regenerate
+from draftforge.data.regenerate import (
+    RegenerationError,
+    batch_seed,
+    check_answers,
+    regenerate,
+)
 from draftforge.splitserve.config import GenerationConfig
 
 
@@ -157,10 +162,23 @@ def test_more_prompts_later_continue_from_the_finished_file(tmp_path):
 def test_changed_settings_refuse_to_mix(tmp_path):
     run(tmp_path, "r.jsonl", prompts=make_prompts(6))
     other = GenerationConfig(batch_size=3, temperature=0.0, seed=5)
+    # the message names the one setting that differs, not the whole section
     with pytest.raises(
-        RegenerationError, match="was written with target 'fake-target' and settings"
+        RegenerationError,
+        match=r"other target.generation settings \(temperature: file 0.7, this run 0.0\)",
     ):
         run(tmp_path, "r.jsonl", prompts=make_prompts(11), settings=other)
+
+
+def test_changed_target_refuses_to_mix(tmp_path):
+    run(tmp_path, "r.jsonl", prompts=make_prompts(6))
+    other = FakeEngine()
+    other.name = "another-target"
+    with pytest.raises(
+        RegenerationError,
+        match="holds answers of target 'fake-target', but this run's target is 'another-target'",
+    ):
+        run(tmp_path, "r.jsonl", other, prompts=make_prompts(11))
 
 
 def test_foreign_ids_refused(tmp_path):
@@ -192,8 +210,80 @@ def test_engine_returning_wrong_count_is_an_error(tmp_path):
         def generate(self, conversations, settings):
             return super().generate(conversations, settings)[:-1]
 
-    with pytest.raises(RegenerationError, match="returned 2 replies for 3 conversations"):
+    with pytest.raises(RuntimeError, match="returned 2 replies for 3 conversations"):
         run(tmp_path, "r.jsonl", Bad())
+
+
+def test_check_answers_accepts_this_runs_file_and_a_larger_one(tmp_path):
+    out, _ = run(tmp_path, "r.jsonl", prompts=make_prompts(11))
+    check_answers(out, make_prompts(11), SETTINGS, "fake-target")
+    check_answers(out, make_prompts(6), SETTINGS, "fake-target")  # rows of other ids ignored
+
+
+def test_check_answers_refuses_a_stale_file(tmp_path):
+    out, _ = run(tmp_path, "r.jsonl", prompts=make_prompts(6))
+    changed = make_prompts(6)
+    changed[2] = Conversation("p02", [{"role": "user", "content": "another question"}])
+    cases = [
+        (changed, SETTINGS, "fake-target", "id 'p02'. answers a different prompt"),
+        (make_prompts(6), SETTINGS, "other", "target 'fake-target', but this run's target is 'other'"),
+        (make_prompts(6), GenerationConfig(batch_size=3, temperature=0.7, seed=5, top_k=40),
+         "fake-target", r"settings \(top_k: file 20, this run 40\)"),
+        (make_prompts(8), SETTINGS, "fake-target", "answers 6 of this run's 8 prompts"),
+    ]  # fmt: skip
+    for prompts, settings, target, message in cases:
+        with pytest.raises(RegenerationError, match=message):
+            check_answers(out, prompts, settings, target)
+    with open(out, "ab") as handle:
+        handle.write(b'{"id": "p0')  # a cut write
+    with pytest.raises(RegenerationError, match="ends with an incomplete line"):
+        check_answers(out, make_prompts(6), SETTINGS, "fake-target")
+
+
+def _tiny_answers(tmp_path, overrides=()):
+    """tiny-debug's first 8 built-in prompts answered by a fake engine named like its target."""
+    from draftforge.config import load_recipe
+    from draftforge.data.loading import load_prompts
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
+    cfg = load_recipe(recipe, [f"train.output_dir={tmp_path}", "data.num_samples=8", *overrides])
+    engine = FakeEngine()
+    engine.name = "random"
+    prompts = load_prompts(cfg.data).conversations
+    regenerate(prompts, engine, cfg.target.generation, tmp_path / "regenerated.jsonl",
+               progress=False)  # fmt: skip
+    return recipe, prompts
+
+
+def test_training_refuses_answers_that_are_not_the_recipes(tmp_path):
+    from draftforge.config import load_recipe
+    from draftforge.errors import InputError
+    from draftforge.splitserve.launch import preflight
+    from draftforge.splitserve.producer import load_source_conversations
+
+    recipe, prompts = _tiny_answers(tmp_path)
+    base = [f"train.output_dir={tmp_path}", "data.num_samples=8"]
+    conversations, regenerate_now = load_source_conversations(load_recipe(recipe, base))
+    assert not regenerate_now and [c.id for c in conversations] == [p.id for p in prompts]
+    assert conversations[0].messages[-1]["content"].startswith("reply ")  # the file's answers
+    # fewer prompts than the file answers: its first rows, as they are
+    fewer, _ = load_source_conversations(load_recipe(recipe, [*base, "data.num_samples=5"]))
+    assert [c.id for c in fewer] == [p.id for p in prompts[:5]]
+    # other sampling settings, or more prompts than it answers: refused, before torchrun too
+    for extra, message in (("target.generation.temperature=0.1", "temperature: file 0.7, this run 0.1"),
+                           ("data.num_samples=10", "answers 8 of this run's 10 prompts")):  # fmt: skip
+        cfg = load_recipe(recipe, [*base, extra])
+        with pytest.raises(RegenerationError, match=message):
+            load_source_conversations(cfg)
+        with pytest.raises(InputError, match=message):
+            preflight(cfg)
+    # every prompt answered, but other rows come first: what training would read is not them
+    path = tmp_path / "regenerated.jsonl"
+    lines = path.read_text().splitlines()
+    foreign = json.loads(lines[0]) | {"id": "elsewhere-1"}
+    path.write_text("\n".join([json.dumps(foreign), *lines]) + "\n")
+    with pytest.raises(RegenerationError, match="other rows come first"):
+        load_source_conversations(load_recipe(recipe, base))
 
 
 def test_cli_main_writes_default_path(tmp_path, monkeypatch):

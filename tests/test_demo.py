@@ -113,3 +113,35 @@ def test_demo_runs_every_stage_then_skips_them(tmp_path):
     assert "$ draftforge" not in again
     assert again.strip().splitlines()[-1] == last
     assert seconds < 30
+
+
+def test_demo_refuses_answers_written_for_other_settings(tmp_path):
+    from draftforge.config import load_recipe
+    from draftforge.data.loading import load_prompts
+    from draftforge.data.regenerate import regenerate
+
+    class Engine:
+        name = "random"  # the recipe's target, so only the settings differ
+
+        def generate(self, conversations, settings):
+            return ["an old answer" for _ in conversations]
+
+    recipe = tiny_recipe(tmp_path, steps=STEPS, overrides={
+        "data.train_files": ["builtin:train-prompts"], "data.regenerate": True,
+        "data.num_samples": 4,
+    })  # fmt: skip
+    cfg = load_recipe(recipe)
+    old = cfg.target.generation.model_copy(update={"temperature": 1.0})
+    answers = tmp_path / "run" / "regenerated.jsonl"
+    regenerate(load_prompts(cfg.data).conversations, Engine(), old, answers, progress=False)
+    before = answers.read_bytes()
+    done = subprocess.run(
+        [PYTHON, "-m", "draftforge", "demo", str(recipe)],
+        cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "temperature: file 1.0, this run 0.7" in done.stderr
+    assert "--force" in done.stderr
+    assert "$ draftforge" not in done.stdout  # no stage ran
+    assert answers.read_bytes() == before and not (tmp_path / "run" / "checkpoints").exists()
