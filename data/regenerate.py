@@ -26,7 +26,9 @@ Resumable and crash-safe:
   file that is renamed to ``<out>``; ``<out>`` is never half-written;
 - rows are reused only when their id is one of this run's prompts, their system prompt
   and user turns equal that prompt's, and their target and settings equal this run's;
-  anything else is refused with the file and id, never mixed in.
+  anything else is refused with the file and id, never mixed in. A finished file that
+  answers every prompt and more (a larger recipe's) is accepted as it is; training
+  reads its first ``data.num_samples`` rows (``check_answers``).
 
 So an interrupted run followed by a rerun writes exactly the same file as an
 uninterrupted run (given a deterministic engine, which the transformers backend is).
@@ -281,13 +283,17 @@ def regenerate(
         rows, torn = _read_rows(out)
         if torn:
             raise RegenerationError(f"{out} ends with an incomplete line; it was not written here")
-        _check_rows(rows, out, by_id, settings_json, engine.name)
-        if {r["id"] for r in rows} == set(order):
+        ours = [r for r in rows if r["id"] in by_id]
+        _check_rows(ours, out, by_id, settings_json, engine.name)
+        if {r["id"] for r in ours} == set(order):
+            others = len(rows) - len(ours)
             print(
-                f"draftforge data regenerate: all {len(order)} prompts already answered in {out}",
+                f"draftforge data regenerate: all {len(order)} prompts already answered in {out}"
+                + (f" (it also answers {others} other prompts, which training skips)" if others else ""),
                 file=sys.stderr,
             )
-            return RegenerateReport(out, len(order), len(rows), 0)
+            return RegenerateReport(out, len(order), len(ours), 0)
+        _check_rows(rows, out, by_id, settings_json, engine.name)  # other ids: cannot extend it
         os.replace(out, partial)  # more prompts than last time: continue from the file
     rows: list[dict[str, Any]] = []
     if partial.exists():

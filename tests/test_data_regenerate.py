@@ -181,12 +181,20 @@ def test_changed_target_refuses_to_mix(tmp_path):
         run(tmp_path, "r.jsonl", other, prompts=make_prompts(11))
 
 
-def test_foreign_ids_refused(tmp_path):
-    run(tmp_path, "r.jsonl", prompts=make_prompts(6))
+def test_foreign_ids_refused_unless_every_prompt_is_answered(tmp_path, capsys):
+    out, _ = run(tmp_path, "r.jsonl", prompts=make_prompts(6))
+    before = out.read_bytes()
+    # a larger run's finished file answers a smaller run's prompts: nothing to do
+    _, report = run(tmp_path, "r.jsonl", prompts=make_prompts(4))
+    assert report.num_reused == 4 and report.num_generated == 0
+    assert "also answers 2 other prompts" in capsys.readouterr().err
+    # a prompt it lacks: it cannot be extended, since it holds other prompts' rows
+    prompts = [*make_prompts(4), Conversation("p10", [{"role": "user", "content": "new"}])]
     with pytest.raises(
         RegenerationError, match="holds id 'p04', which is not among this run's prompts"
     ):
-        run(tmp_path, "r.jsonl", prompts=make_prompts(4))
+        run(tmp_path, "r.jsonl", prompts=prompts)
+    assert out.read_bytes() == before
 
 
 def test_changed_prompt_text_under_the_same_id_refused(tmp_path):
