@@ -157,7 +157,7 @@ def load_source_conversations(cfg: RecipeConfig) -> tuple[list[Conversation], bo
         load_training_conversations,
         regenerated_path,
     )
-    from draftforge.data.regenerate import check_answers
+    from draftforge.data.regenerate import RegenerationError, check_answers
     from draftforge.splitserve.target import target_name
 
     data = cfg.data
@@ -170,8 +170,6 @@ def load_source_conversations(cfg: RecipeConfig) -> tuple[list[Conversation], bo
     check_answers(path, prompts, cfg.target.generation, target_name(cfg.target))
     conversations = load_training_conversations(data, cfg.train.output_dir).conversations
     if {c.id for c in conversations} != {p.id for p in prompts}:
-        from draftforge.data.regenerate import RegenerationError
-
         raise RegenerationError(
             f"{path} answers this run's {len(prompts)} prompts, but the {len(conversations)} "
             "conversations read from it (its first data.num_samples rows, invalid rows "
