@@ -475,6 +475,17 @@ def _check_draft(cfg: RecipeConfig, shape: TargetShape | None) -> list[Problem]:
                 "draft.enable_confidence_head: false for the DFlash ablation",
             )
         )
+    if cfg.train.markov_init == "bigram" and (
+        draft.markov_rank == 0 or draft.markov_head_type == "rnn"
+    ):
+        problems.append(
+            (
+                ("train", "markov_init"),
+                "bigram fills the Markov head's W1/W2 table, which needs draft.markov_rank > 0 "
+                f"and a vanilla or gated head (this draft: rank {draft.markov_rank}, "
+                f"{draft.markov_head_type}); set train.markov_init: random",
+            )
+        )
     return problems
 
 

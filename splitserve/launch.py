@@ -67,7 +67,15 @@ def preflight(cfg) -> None:
         model_config = _model_config(cfg)
         ckpt.read_checked_state(found, model_config=model_config)
     data = cfg.data.model_copy(update={"overlap_check": False})
-    conversations, _ = load_source_conversations(cfg.model_copy(update={"data": data}))
+    conversations, regenerate = load_source_conversations(cfg.model_copy(update={"data": data}))
+    if regenerate and cfg.train.markov_init == "bigram" and found is None:
+        from draftforge.errors import InputError
+
+        raise InputError(
+            "train.markov_init: bigram counts the training answers before the first step, but "
+            "data.regenerate with no regenerated file writes them only during training; run "
+            "'draftforge data regenerate RECIPE' first, or set train.markov_init: random"
+        )
     if not conversations:
         from draftforge.data.formats import DataFormatError
 

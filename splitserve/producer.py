@@ -179,6 +179,37 @@ def load_source_conversations(cfg: RecipeConfig) -> tuple[list[Conversation], bo
     return conversations, False
 
 
+MARKOV_INIT_CONVERSATIONS = 20000  # the first ones: enough for a bigram table, quick to tokenise
+
+
+def markov_init_token_ids(cfg: RecipeConfig) -> list[list[int]]:
+    """Token ids of the first training samples, tokenised as the producer does, for
+    ``train.markov_init: bigram``. The answers must exist before training."""
+    from draftforge.data.tokenize import tokenize_conversations
+    from draftforge.errors import InputError
+    from draftforge.splitserve.target import load_tokenizer
+
+    data = cfg.data.model_copy(update={"overlap_check": False})  # the target ranks check it
+    conversations, regenerate = load_source_conversations(cfg.model_copy(update={"data": data}))
+    if regenerate:
+        raise InputError(
+            "train.markov_init: bigram counts the training answers before the first step, but "
+            "with data.regenerate and no regenerated file they are only written during training; "
+            "run 'draftforge data regenerate RECIPE' first (training then reads that file), or "
+            "set train.markov_init: random"
+        )
+    settings = cfg.target.generation
+    samples, _ = tokenize_conversations(
+        conversations[:MARKOV_INIT_CONVERSATIONS],
+        load_tokenizer(cfg.target),
+        max_length=cfg.data.max_length,
+        min_loss_tokens=cfg.data.min_loss_tokens,
+        chat_template=settings.chat_template,
+        enable_thinking=settings.enable_thinking,
+    )
+    return [s.input_ids for s in samples]
+
+
 class SampleSource:
     """One producer's deterministic stream of samples (see the module docstring)."""
 

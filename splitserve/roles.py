@@ -301,9 +301,21 @@ def build_trainer(ctx: RankContext, embeddings):
     model_config = build_dspark_config(cfg.draft, shape, vocab_size=vocab)
     # every parallel strategy runs on the trainer group, even of one rank (never the world)
     group = ctx.trainer_group if cfg.train.strategy != "single" else None
+    from draftforge.train import checkpoint as ckpt
+
+    init_draft = None
+    resuming = ckpt.find_resume(Path(cfg.train.output_dir), cfg.train.resume) is not None
+    if cfg.train.markov_init == "bigram" and not resuming:  # a resume loads its weights
+        from draftforge.splitserve.producer import markov_init_token_ids
+        from draftforge.train.markov_init import init_markov_bigram
+
+        def init_draft(model):
+            return init_markov_bigram(model, markov_init_token_ids(cfg))
+
     return Trainer(
         model_config=model_config, train=cfg.train, embeddings=embeddings,
         run_dir=Path(cfg.train.output_dir), group=group, recipe_yaml=cfg.to_yaml(),
+        init_draft=init_draft,
     )
 
 

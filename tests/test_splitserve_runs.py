@@ -180,3 +180,17 @@ def test_draftforge_train_command_end_to_end(tmp_path):
     assert "(rendezvous on 127.0.0.1)" in done.stderr
     assert sorted(_by_step(metrics(tmp_path / "run"))) == list(range(1, 7))
     assert (tmp_path / "run" / "checkpoints" / "step_00000006").is_dir()
+
+
+def test_bigram_markov_init_at_the_start_and_not_on_resume(tmp_path):
+    recipe = tiny_recipe(tmp_path, steps=4, overrides={"train.markov_init": "bigram"})
+    procs = spawn_ranks(recipe, 2, log_dir=tmp_path / "logs")
+    assert wait_all(procs, 90) == [0, 0], read_logs(tmp_path / "logs", 2)
+    trainer_log = read_logs(tmp_path / "logs", 2)[1]
+    assert "markov head initialised as a rank-8 bigram of the training samples" in trainer_log
+    # continuing the run loads the checkpoint's weights: no second initialisation
+    procs = spawn_ranks(recipe, 2, "train.steps=6", log_dir=tmp_path / "logs2")
+    assert wait_all(procs, 90) == [0, 0], read_logs(tmp_path / "logs2", 2)
+    resumed = read_logs(tmp_path / "logs2", 2)[1]
+    assert "resum" in resumed.lower() and "markov head initialised" not in resumed
+    assert sorted(_by_step(metrics(tmp_path / "run"))) == list(range(1, 7))

@@ -72,6 +72,11 @@ class TrainConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = Field(
         default="auto", description="auto: the local CUDA device when there is one, else cpu"
     )
+    markov_init: Literal["random", "bigram"] = Field(
+        default="random",
+        description="bigram: start the Markov head as a rank-r bigram of the training samples "
+        "(needs the answers before training: data regenerated ahead, or data.regenerate false)",
+    )
     loss: LossConfig = Field(default_factory=LossConfig)
     output_dir: str = "runs/default"
     checkpoint_interval: int = Field(default=200, gt=0)

@@ -116,8 +116,10 @@ class Trainer:
         run_dir: Path,
         group: dist.ProcessGroup | None = None,
         recipe_yaml: str | None = None,
+        init_draft: Callable[[DSparkDraft], str] | None = None,
     ) -> None:
         self.train = train
+        self._init_draft = init_draft
         self.run_dir = Path(run_dir)
         if group is None and train.strategy != "single" and dist.is_initialized():
             group = dist.group.WORLD
@@ -165,6 +167,10 @@ class Trainer:
         model = DSparkDraft(model_config)
         model.init_weights(seed=train.seed)
         model.load_target_embeddings(*embeddings)
+        if self._init_draft is not None:  # before sharding: every rank holds the whole draft
+            message = self._init_draft(model)
+            if self.rank == 0:
+                print(f"[trainer] {message}", flush=True)
         self.num_trainable = count_parameters(model, with_embeddings=False)  # before sharding
         model.to(self.device)
         if self.bf16 and train.strategy in ("single", "deepspeed"):

@@ -1,0 +1,105 @@
+"""``train.markov_init: bigram``: the table against a hand count, the head against the table,
+and the checks that refuse it where it cannot work."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from dspark_helpers import tiny_draft
+
+from draftforge.config import RecipeError, load_recipe
+from draftforge.errors import InputError
+from draftforge.train.markov_init import bigram_scores, init_markov_bigram
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "recipes" / "tiny-debug.yaml"
+SEQUENCES = [[1, 2, 3, 1, 2, 4], [1, 2, 3]]
+
+
+def test_scores_equal_a_hand_count():
+    # pairs: (1,2) x3, (2,3) x2, (3,1) x1, (2,4) x1; previous tokens seen twice or more: 1, 2
+    rows, cols, scores = bigram_scores(SEQUENCES)
+    assert rows.tolist() == [1, 2] and cols.tolist() == [1, 2, 3, 4]
+    unigram = {1: 1 / 7, 2: 3 / 7, 3: 2 / 7, 4: 1 / 7}  # next-token counts 1, 3, 2, 1 of 7
+    counts = {1: {2: 3}, 2: {3: 2, 4: 1}}
+    for i, prev in enumerate([1, 2]):
+        total = sum(counts[prev].values())
+        raw = [math.log((counts[prev].get(b, 0) + unigram[b]) / (total + 1)) for b in [1, 2, 3, 4]]
+        mean = sum(raw) / len(raw)
+        assert scores[i].tolist() == pytest.approx([r - mean for r in raw], abs=1e-12)
+
+
+def test_head_holds_the_table_when_the_rank_allows_it():
+    model = tiny_draft(markov_rank=8)
+    message = init_markov_bigram(model, SEQUENCES)
+    rows, cols, scores = bigram_scores(SEQUENCES)
+    head = model.markov_head
+    with torch.no_grad():  # [prev, next] over the whole vocabulary
+        logits = head.markov_w1.weight @ head.markov_w2.weight.T
+    assert torch.allclose(logits[rows][:, cols].double(), scores, atol=1e-5)
+    others = torch.ones(logits.shape[0], dtype=torch.bool)
+    others[rows] = False
+    assert torch.count_nonzero(logits[others]) == 0  # unseen previous tokens: no correction
+    assert "rank-2 bigram" in message and "2 previous x 4 next tokens" in message
+    # the greedy next token after 2 is 3 (seen twice), as the counts say
+    assert int(logits[2].argmax()) == 3
+    # the same samples give the same weights (every FSDP2 rank initialises alone)
+    again = tiny_draft(seed=1, markov_rank=8)
+    init_markov_bigram(again, SEQUENCES)
+    assert torch.equal(again.markov_head.markov_w1.weight, head.markov_w1.weight)
+    assert torch.equal(again.markov_head.markov_w2.weight, head.markov_w2.weight)
+
+
+def test_low_rank_keeps_the_largest_structure():
+    # 6 previous tokens, each always followed by its own next token: rank 2 cannot hold all
+    sequences = [[p, p + 10] * 3 for p in range(20, 26)] + [[20, 31, 20, 32, 21, 33, 22, 31]]
+    model = tiny_draft(markov_rank=2)
+    init_markov_bigram(model, sequences)
+    head = model.markov_head
+    assert head.markov_w1.weight.abs().sum() > 0
+    rows, cols, scores = bigram_scores(sequences)
+    with torch.no_grad():
+        approx = (head.markov_w1.weight[rows] @ head.markov_w2.weight[cols].T).double()
+    best = torch.linalg.svdvals(scores)
+    # the error of a rank-2 truncation is the energy beyond the first two singular values
+    error = float(((approx - scores) ** 2).sum())
+    assert error == pytest.approx(float((best[2:] ** 2).sum()), rel=1e-3)
+
+
+def test_a_head_without_a_table_is_refused():
+    with pytest.raises(ValueError, match="vanilla or gated Markov head"):
+        init_markov_bigram(tiny_draft(markov_rank=8, markov_head_type="rnn"), SEQUENCES)
+    for override in ("draft.markov_rank=0", "draft.markov_head_type=rnn"):
+        with pytest.raises(RecipeError, match="train.markov_init: bigram fills"):
+            load_recipe(TINY, ["train.markov_init=bigram", override,
+                               "draft.confidence_head_with_markov=false"])  # fmt: skip
+
+
+def test_bigram_needs_the_answers_before_training(tmp_path):
+    from draftforge.splitserve.launch import preflight
+    from draftforge.splitserve.producer import markov_init_token_ids
+
+    # tiny-debug regenerates on the fly: no answers exist before the first step
+    cfg = load_recipe(TINY, [f"train.output_dir={tmp_path}", "train.markov_init=bigram"])
+    with pytest.raises(InputError, match="draftforge data regenerate RECIPE' first"):
+        preflight(cfg)
+    with pytest.raises(InputError, match="draftforge data regenerate RECIPE' first"):
+        markov_init_token_ids(cfg)
+    # conversations given as they are: their tokens, as the producer tokenises them
+    from splitserve_helpers import tiny_recipe
+
+    from draftforge.data.tokenize import tokenize_conversations
+    from draftforge.splitserve.producer import load_source_conversations
+    from draftforge.splitserve.target import load_tokenizer
+
+    cfg = load_recipe(tiny_recipe(tmp_path, overrides={"train.markov_init": "bigram"}))
+    preflight(cfg)
+    conversations, _ = load_source_conversations(cfg)
+    samples, _ = tokenize_conversations(
+        conversations, load_tokenizer(cfg.target), max_length=cfg.data.max_length,
+        min_loss_tokens=cfg.data.min_loss_tokens,
+    )  # fmt: skip
+    assert markov_init_token_ids(cfg) == [s.input_ids for s in samples]

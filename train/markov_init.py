@@ -1,0 +1,92 @@
+"""``train.markov_init: bigram``: start the Markov head as a bigram model of the training data.
+
+The vanilla Markov head adds ``W2 @ W1[prev]`` to every slot's logits: a rank-r table
+of next-token scores given the previous token. At the CPU recipe's budget the trained
+draft predicts its first token no better than a count table of the same answers does
+(README, "Where n-gram wins"), so this fills the table from the counts before the
+first step instead of learning it from random weights:
+
+- count the adjacent token pairs of the training samples, as the trainer sees them;
+- keep the :data:`MAX_TOKENS` most frequent previous tokens (seen at least twice) and
+  next tokens;
+- score ``log((c(a, b) + P(b)) / (c(a) + 1))``: the next-token probability with one
+  pseudo-count spread as the unigram distribution, centred per row (softmax ignores a
+  row constant);
+- write its best rank-r approximation (randomised truncated SVD, seeded) into ``W1``
+  and ``W2``;
+  rows and columns of other tokens are zero, so those tokens get no correction.
+
+Every rank computes the same weights from the same samples, so FSDP2 shards agree.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+import torch
+
+MAX_TOKENS = 8192  # previous and next tokens kept: the dense table stays at most 8192^2
+SVD_SEED = 0
+OVERSAMPLE = 16  # extra directions of the randomised SVD, dropped after it
+
+
+def bigram_scores(
+    sequences: Iterable[Sequence[int]], *, max_tokens: int = MAX_TOKENS
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows, cols, scores): the kept previous and next token ids and the row-centred
+    smoothed log-probabilities ``[len(rows), len(cols)]`` in float64."""
+    pairs: Counter[tuple[int, int]] = Counter()
+    for ids in sequences:
+        pairs.update(zip(ids, ids[1:], strict=False))
+    prev_count: Counter[int] = Counter()
+    next_count: Counter[int] = Counter()
+    for (a, b), count in pairs.items():
+        prev_count[a] += count
+        next_count[b] += count
+    if not pairs:
+        raise ValueError("train.markov_init: bigram: the training samples hold no token pair")
+    rows = sorted(a for a, c in prev_count.most_common(max_tokens) if c >= 2)
+    cols = sorted(b for b, _ in next_count.most_common(max_tokens))
+    row_index = {a: i for i, a in enumerate(rows)}
+    col_index = {b: j for j, b in enumerate(cols)}
+    counts = torch.zeros(len(rows), len(cols), dtype=torch.float64)
+    for (a, b), count in pairs.items():
+        i, j = row_index.get(a), col_index.get(b)
+        if i is not None and j is not None:
+            counts[i, j] = count
+    total = sum(next_count.values())
+    unigram = torch.tensor([next_count[b] / total for b in cols], dtype=torch.float64)
+    row_totals = torch.tensor([prev_count[a] for a in rows], dtype=torch.float64)[:, None]
+    scores = torch.log((counts + unigram) / (row_totals + 1.0))
+    scores -= scores.mean(dim=1, keepdim=True)
+    return torch.tensor(rows), torch.tensor(cols), scores
+
+
+@torch.no_grad()
+def init_markov_bigram(model, sequences: Iterable[Sequence[int]]) -> str:
+    """Overwrite the draft's ``markov_w1``/``markov_w2`` with the rank-r bigram of
+    ``sequences`` (token id lists); returns a one-line description for the log."""
+    head = model.markov_head
+    if head is None or head.head_type == "rnn":
+        raise ValueError(
+            "train.markov_init: bigram needs a vanilla or gated Markov head "
+            "(draft.markov_rank > 0, draft.markov_head_type vanilla or gated)"
+        )
+    rows, cols, scores = bigram_scores(sequences)
+    rank = min(head.rank, *scores.shape)
+    with torch.random.fork_rng(devices=[]):  # randomised SVD, oversampled for accuracy
+        torch.manual_seed(SVD_SEED)
+        u, s, v = torch.svd_lowrank(scores, q=min(rank + OVERSAMPLE, *scores.shape), niter=6)
+    u, s, v = u[:, :rank], s[:rank], v[:, :rank]
+    root = s.sqrt()
+    w1, w2 = head.markov_w1.weight, head.markov_w2.weight
+    w1.zero_()
+    w2.zero_()
+    w1[rows, :rank] = (u * root).to(w1.dtype)
+    w2[cols, :rank] = (v * root).to(w2.dtype)
+    kept = float((s**2).sum() / (scores**2).sum())
+    return (
+        f"markov head initialised as a rank-{rank} bigram of the training samples: "
+        f"{len(rows)} previous x {len(cols)} next tokens, {kept:.0%} of the table's energy"
+    )
