@@ -249,6 +249,17 @@ def final_checkpoint(run_dir: Path, steps: int) -> Path | None:
     return None
 
 
+def _resolved_again(saved: Path) -> str:
+    """A run's saved recipe resolved by this version, so that an option added since (with
+    its default) does not count as a difference; the text as it is if it no longer loads."""
+    from draftforge.config import load_recipe
+
+    try:
+        return load_recipe(saved).to_yaml()
+    except ValueError:
+        return saved.read_text()
+
+
 def check_same_recipe(run_dir: Path, expected_yaml: str, what: str) -> None:
     """Refuse to resume or reuse a run directory that holds a run of another recipe."""
     from draftforge.train import checkpoint as ckpt
@@ -256,7 +267,7 @@ def check_same_recipe(run_dir: Path, expected_yaml: str, what: str) -> None:
     saved = run_dir / "config.yaml"
     if not ckpt.complete_checkpoints(run_dir) or not saved.is_file():
         return
-    if saved.read_text() != expected_yaml:
+    if _resolved_again(saved) != expected_yaml:
         old = saved.read_text().splitlines()
         new = expected_yaml.splitlines()
         first = next(

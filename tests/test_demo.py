@@ -145,3 +145,21 @@ def test_demo_refuses_answers_written_for_other_settings(tmp_path):
     assert "--force" in done.stderr
     assert "$ draftforge" not in done.stdout  # no stage ran
     assert answers.read_bytes() == before and not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_run_saved_before_an_option_existed_is_the_same_recipe(tmp_path, monkeypatch):
+    from draftforge.config import load_recipe
+    from draftforge.eval import demo
+    from draftforge.train import checkpoint as ckpt
+
+    monkeypatch.setattr(ckpt, "complete_checkpoints", lambda run_dir: [run_dir / "step"])
+    expected = load_recipe(ROOT / "recipes" / "smollm2-cpu.yaml").to_yaml()
+    assert "  markov_init: random\n" in expected
+    saved = tmp_path / "config.yaml"
+    # written by a version without train.markov_init: its default fills in
+    saved.write_text(expected.replace("  markov_init: random\n", ""))
+    demo.check_same_recipe(tmp_path, expected, "DSpark")
+    # a value that differs is another recipe
+    saved.write_text(expected.replace("  markov_init: random\n", "  markov_init: bigram\n"))
+    with pytest.raises(demo.DemoError, match="markov_init: bigram"):
+        demo.check_same_recipe(tmp_path, expected, "DSpark")
