@@ -70,12 +70,9 @@ def preflight(cfg) -> None:
     conversations, regenerate = load_source_conversations(cfg.model_copy(update={"data": data}))
     if regenerate and cfg.train.markov_init == "bigram" and found is None:
         from draftforge.errors import InputError
+        from draftforge.splitserve.producer import NO_ANSWERS_FOR_MARKOV_INIT
 
-        raise InputError(
-            "train.markov_init: bigram counts the training answers before the first step, but "
-            "data.regenerate with no regenerated file writes them only during training; run "
-            "'draftforge data regenerate RECIPE' first, or set train.markov_init: random"
-        )
+        raise InputError(NO_ANSWERS_FOR_MARKOV_INIT)
     if not conversations:
         from draftforge.data.formats import DataFormatError
 

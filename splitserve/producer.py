@@ -180,6 +180,12 @@ def load_source_conversations(cfg: RecipeConfig) -> tuple[list[Conversation], bo
 
 
 MARKOV_INIT_CONVERSATIONS = 20000  # the first ones: enough for a bigram table, quick to tokenise
+NO_ANSWERS_FOR_MARKOV_INIT = (
+    "train.markov_init: bigram counts the training answers before the first step, but with "
+    "data.regenerate and no regenerated file they are only written during training; run "
+    "'draftforge data regenerate RECIPE' first (training then reads that file), or set "
+    "train.markov_init: random"
+)
 
 
 def markov_init_token_ids(cfg: RecipeConfig) -> list[list[int]]:
@@ -192,12 +198,7 @@ def markov_init_token_ids(cfg: RecipeConfig) -> list[list[int]]:
     data = cfg.data.model_copy(update={"overlap_check": False})  # the target ranks check it
     conversations, regenerate = load_source_conversations(cfg.model_copy(update={"data": data}))
     if regenerate:
-        raise InputError(
-            "train.markov_init: bigram counts the training answers before the first step, but "
-            "with data.regenerate and no regenerated file they are only written during training; "
-            "run 'draftforge data regenerate RECIPE' first (training then reads that file), or "
-            "set train.markov_init: random"
-        )
+        raise InputError(NO_ANSWERS_FOR_MARKOV_INIT)
     settings = cfg.target.generation
     samples, _ = tokenize_conversations(
         conversations[:MARKOV_INIT_CONVERSATIONS],

@@ -287,6 +287,7 @@ def _run_target(ctx: RankContext, bench: dict | None) -> None:
 def build_trainer(ctx: RankContext, embeddings):
     """The Trainer of this rank (the trainer group when there are several trainer ranks)."""
     from draftforge.splitserve.registry import resolve_target_shape
+    from draftforge.train import checkpoint as ckpt
     from draftforge.train.config import build_dspark_config
     from draftforge.train.trainer import Trainer
 
@@ -301,8 +302,6 @@ def build_trainer(ctx: RankContext, embeddings):
     model_config = build_dspark_config(cfg.draft, shape, vocab_size=vocab)
     # every parallel strategy runs on the trainer group, even of one rank (never the world)
     group = ctx.trainer_group if cfg.train.strategy != "single" else None
-    from draftforge.train import checkpoint as ckpt
-
     init_draft = None
     resuming = ckpt.find_resume(Path(cfg.train.output_dir), cfg.train.resume) is not None
     if cfg.train.markov_init == "bigram" and not resuming:  # a resume loads its weights
