@@ -284,13 +284,9 @@ def build_target(
 
     if cfg.model == "random":
         engine: TargetEngine = build_random_target(cfg, layer_ids, device=device)
-    elif cfg.model == smollm2.NAME:
-        folder = smollm2.ensure_smollm2(cfg.cache_dir)
-        engine = HFTarget.from_folder(folder, layer_ids, cfg, name=smollm2.NAME, device=device)
     else:
-        engine = HFTarget.from_folder(
-            cfg.model, layer_ids, cfg, name=target_name(cfg), device=device
-        )
+        folder = smollm2.ensure_smollm2(cfg.cache_dir) if cfg.model == smollm2.NAME else cfg.model
+        engine = HFTarget.from_folder(folder, layer_ids, cfg, name=target_name(cfg), device=device)
     _check_declared_shape(cfg, engine)
     return engine
 
@@ -308,11 +304,8 @@ def _build_sglang_target(
             "target.model 'random' is built in memory and has no folder for SGLang to load; "
             "use target.backend: hf for random targets"
         )
-    if cfg.model == smollm2.NAME:
-        folder = smollm2.ensure_smollm2(cfg.cache_dir)
-        engine: TargetEngine = SGLangTarget(folder, layer_ids, cfg, name=smollm2.NAME, device=device)
-    else:
-        engine = SGLangTarget(cfg.model, layer_ids, cfg, name=target_name(cfg), device=device)
+    folder = smollm2.ensure_smollm2(cfg.cache_dir) if cfg.model == smollm2.NAME else cfg.model
+    engine = SGLangTarget(folder, layer_ids, cfg, name=target_name(cfg), device=device)
     _check_declared_shape(cfg, engine)
     return engine
 

@@ -13,8 +13,8 @@ first step instead of learning it from random weights:
   pseudo-count spread as the unigram distribution, centred per row (softmax ignores a
   row constant);
 - write its best rank-r approximation (randomised truncated SVD, seeded) into ``W1``
-  and ``W2``;
-  rows and columns of other tokens are zero, so those tokens get no correction.
+  and ``W2``; rows and columns of other tokens are zero, so those tokens get no
+  correction.
 
 Every rank computes the same weights from the same samples, so FSDP2 shards agree.
 """
