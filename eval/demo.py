@@ -7,7 +7,11 @@ in its own process:
 1. ``data regenerate``: the target answers the recipe's prompts once, into the run's
    regenerated file (``data.regenerated_file``, default ``<run>/regenerated.jsonl``);
    both trainings read that file instead of regenerating on the fly;
-2. ``train``: the DSpark draft, as the recipe says;
+2. ``train``: the DSpark draft, as the recipe says, except that its Markov head starts as
+   the regenerated answers' bigram table (``train.markov_init=bigram``, +0.03-0.04 AL at
+   the CPU recipe's budget), which the answers existing before training allows;
+   ``--markov-init random`` keeps the recipe's start. Drafts without a vanilla or gated
+   Markov head, and recipes that do not regenerate, keep theirs;
 3. ``train``: the DFlash ablation, with the same recipe and budget and these overrides
    only: no Markov head, no confidence head, the pure cross-entropy objective, and
    its own run directory ``<run>-dflash`` (:data:`DFLASH_OVERRIDES`);
@@ -101,6 +105,23 @@ def demo_paths(cfg) -> DemoPaths:
         log_dir=run_dir / "demo-logs",
         table=run_dir / "demo.md",
     )
+
+
+def dspark_overrides(cfg, paths: DemoPaths, markov_init: str) -> tuple[list[str], str]:
+    """The DSpark training's overrides and a line saying how its Markov head starts.
+
+    ``bigram`` applies where it can: the answers exist before training (the demo
+    regenerates them first) and the head is a vanilla or gated table."""
+    if markov_init == "random":
+        return [], f"the recipe's ({cfg.train.markov_init}), as --markov-init random asks"
+    if paths.data_file is None:
+        return [], f"the recipe's ({cfg.train.markov_init}): no regenerated answers to count"
+    if cfg.draft.markov_rank == 0 or cfg.draft.markov_head_type == "rnn":
+        return [], (
+            f"the recipe's ({cfg.train.markov_init}): a bigram start needs a vanilla or gated "
+            f"head (this draft: rank {cfg.draft.markov_rank}, {cfg.draft.markov_head_type})"
+        )
+    return ["train.markov_init=bigram"], "the regenerated answers' bigram table"
 
 
 def dflash_overrides(paths: DemoPaths) -> list[str]:
@@ -437,7 +458,13 @@ def demo_markdown(
             f"Target `{cfg.target.model}` (evaluated in float32), greedy decoding (checked lossless "
             f"against plain decoding), {num_prompts} prompts per workload, up to {max_new_tokens} new "
             f"tokens, blocks of {block_size}. Both drafts: {cfg.train.steps} steps of the recipe; "
-            f"DFlash = the same recipe with `{' '.join(DFLASH_OVERRIDES)}`.",
+            f"DFlash = the same recipe with `{' '.join(DFLASH_OVERRIDES)}`"
+            + (
+                "; DSpark's Markov head started as the training answers' bigram table "
+                "(`train.markov_init=bigram`)."
+                if cfg.train.markov_init == "bigram"
+                else "."
+            ),
             "",
             table,
             "",
@@ -492,6 +519,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="use the trained runs as they are (no regeneration, no training)",
     )
+    parser.add_argument(
+        "--markov-init",
+        choices=("bigram", "random"),
+        default="bigram",
+        help="how DSpark's Markov head starts: bigram (default) = train.markov_init=bigram, the "
+        "regenerated answers' bigram table, where the draft's head allows it; random = the "
+        "recipe's own train.markov_init",
+    )
     parser.add_argument("--force", action="store_true",
                         help="redo every stage: deletes the demo's runs (with --skip-train: only "
                         "the export and evaluations)")  # fmt: skip
@@ -529,9 +564,11 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
     from draftforge.config import load_recipe
 
     recipe = args.recipe
-    cfg = load_recipe(recipe)
-    dflash_cfg = load_recipe(recipe, dflash_overrides(demo_paths(cfg)))
-    paths = demo_paths(cfg)
+    base = load_recipe(recipe)
+    paths = demo_paths(base)
+    dspark_args, markov_start = dspark_overrides(base, paths, args.markov_init)
+    cfg = load_recipe(recipe, dspark_args)
+    dflash_cfg = load_recipe(recipe, dflash_overrides(paths))
     args.num_prompts = args.num_prompts or cfg.eval.num_prompts or FALLBACK_NUM_PROMPTS
     args.max_new_tokens = args.max_new_tokens or cfg.eval.max_new_tokens
     workloads = (
@@ -548,7 +585,8 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
     print(
         f"draftforge demo: recipe {recipe} (target {cfg.target.model}, {cfg.train.steps} training "
         f"steps per draft), {len(workloads)} workloads x {args.num_prompts} prompts, "
-        f"{args.max_new_tokens} new tokens; outputs under {paths.run_dir} and {paths.dflash_dir}",
+        f"{args.max_new_tokens} new tokens; outputs under {paths.run_dir} and {paths.dflash_dir}\n"
+        f"DSpark's Markov head starts as {markov_start}",
         flush=True,
     )
 
@@ -582,14 +620,14 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
 
     # 2-3. the two trainings
     trainings = (
-        ("DSpark", paths.run_dir, cfg, []),
+        ("DSpark", paths.run_dir, cfg, dspark_args),
         ("DFlash", paths.dflash_dir, dflash_cfg, dflash_overrides(paths)),
     )
     checkpoints: dict[str, Path] = {}
     for what, run_dir, run_cfg, overrides in trainings:
         title = f"train the {what} draft ({run_cfg.train.steps} steps) into {run_dir}" + (
             " -- the ablation: no Markov or confidence head, cross-entropy only"
-            if overrides
+            if what == "DFlash"
             else ""
         )
         since = stages.banner(title)

@@ -56,6 +56,10 @@ def test_demo_runs_every_stage_then_skips_them(tmp_path):
                  f"steps: {STEPS}"):  # fmt: skip
         assert line in dflash_cfg, line
     assert "markov_rank: 8" in (run / "config.yaml").read_text()
+    # DSpark's Markov head started as the answers' bigram table; the ablation has none
+    assert "markov_init: bigram" in (run / "config.yaml").read_text()
+    assert "markov_init: random" in dflash_cfg
+    assert "DSpark's Markov head starts as the regenerated answers' bigram table" in out
     # (d) the export, its model card holding the measured table
     export = json.loads((run / "export" / "config.json").read_text())
     assert export["markov_rank"] == 8 and export["block_size"] == 4
@@ -163,3 +167,24 @@ def test_a_run_saved_before_an_option_existed_is_the_same_recipe(tmp_path, monke
     saved.write_text(expected.replace("  markov_init: random\n", "  markov_init: bigram\n"))
     with pytest.raises(demo.DemoError, match="markov_init: bigram"):
         demo.check_same_recipe(tmp_path, expected, "DSpark")
+
+
+def test_the_bigram_start_applies_only_where_the_draft_and_the_data_allow_it(tmp_path):
+    from draftforge.config import load_recipe
+    from draftforge.eval import demo
+
+    recipe = tiny_recipe(tmp_path, steps=STEPS, overrides={
+        "data.train_files": ["builtin:train-prompts"], "data.regenerate": True,
+    })  # fmt: skip
+    cfg = load_recipe(recipe)
+    paths = demo.demo_paths(cfg)
+    assert demo.dspark_overrides(cfg, paths, "bigram")[0] == ["train.markov_init=bigram"]
+    assert demo.dspark_overrides(cfg, paths, "random")[0] == []
+    rnn = load_recipe(recipe, ["draft.markov_head_type=rnn"])
+    overrides, why = demo.dspark_overrides(rnn, demo.demo_paths(rnn), "bigram")
+    assert overrides == [] and "rnn" in why
+    as_is = load_recipe(recipe, ["data.regenerate=false"])
+    overrides, why = demo.dspark_overrides(as_is, demo.demo_paths(as_is), "bigram")
+    assert overrides == [] and "no regenerated answers" in why
+    # what it returns is a recipe the checks accept
+    assert load_recipe(recipe, ["train.markov_init=bigram"]).train.markov_init == "bigram"
