@@ -574,6 +574,8 @@ def _math(rng: random.Random) -> str:
 
 
 def _coding(rng: random.Random) -> str:
+    # lang and extra are drawn for every kind, used or not: drawing them only where used
+    # would change every later prompt of the set, and the answers measured with it.
     lang = rng.choice(LANGUAGES)
     extra = rng.choice(CODE_EXTRAS)
     kind = rng.randrange(10)

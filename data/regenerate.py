@@ -42,7 +42,7 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -127,28 +127,35 @@ def _row_line(row: dict[str, Any]) -> bytes:
     return (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
 
 
-def _read_rows(path: Path) -> tuple[list[dict[str, Any]], bool]:
-    """Complete rows of an output file, and whether its last line was torn."""
-    data = path.read_bytes()
-    lines = data.split(b"\n")
-    tail = lines.pop()  # bytes after the last newline: empty unless the last write was cut
+def _read_rows(
+    path: Path, keep: Callable[[dict[str, Any]], bool] | None = None
+) -> tuple[list[dict[str, Any]], bool]:
+    """Complete rows of an output file (those ``keep`` accepts, if given), and whether its
+    last line was torn. Read line by line: a checked file of any size costs one row of memory."""
     rows = []
-    torn = bool(tail)
-    for number, line in enumerate(lines, start=1):
-        try:
-            row = json.loads(line)
-            if not isinstance(row, dict) or not isinstance(row.get("id"), str):
-                raise ValueError("not a row object with a string id")
-        except ValueError as exc:
-            if number == len(lines) and not tail:
-                torn = True  # a cut inside the last line's bytes that happens to end in "\n"
+    torn = False
+    bad: tuple[int, ValueError] | None = None  # an unparsable line: torn if it is the last
+    with path.open("rb") as lines:
+        for number, line in enumerate(lines, start=1):
+            if bad is not None:
+                raise RegenerationError(
+                    f"{path}, line {bad[0]}: not a regenerated row ({bad[1]}); this file was not "
+                    "written by 'draftforge data regenerate' -- move it away and rerun"
+                )
+            if not line.endswith(b"\n"):  # bytes after the last newline: the last write was cut
+                torn = True
                 break
-            raise RegenerationError(
-                f"{path}, line {number}: not a regenerated row ({exc}); this file was not "
-                "written by 'draftforge data regenerate' -- move it away and rerun"
-            ) from None
-        rows.append(row)
-    return rows, torn
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict) or not isinstance(row.get("id"), str):
+                    raise ValueError("not a row object with a string id")
+            except ValueError as exc:
+                bad = (number, exc)
+                continue
+            if keep is None or keep(row):
+                rows.append(row)
+    # a cut inside the last line's bytes that happens to end in "\n"
+    return rows, torn or bad is not None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -238,18 +245,25 @@ def check_answers(
     a smaller one's prompts). Raises :class:`RegenerationError` naming the file and what
     differs: training from a stale file would silently learn from other answers."""
     path = Path(path)
-    rows, torn = _read_rows(path)
+    by_id = {p.id: p for p in prompts}
+    settings_json = settings.model_dump(mode="json")
+    answered: set[str] = set()
+
+    def check(row: dict[str, Any]) -> bool:  # checked as read; no row is kept
+        if row["id"] in by_id:
+            _check_rows([row], path, by_id, settings_json, target)
+            answered.add(row["id"])
+        return False
+
+    _, torn = _read_rows(path, keep=check)
     if torn:
         raise RegenerationError(
             f"{path} ends with an incomplete line; rerun 'draftforge data regenerate' to rewrite it"
         )
-    by_id = {p.id: p for p in prompts}
-    ours = [r for r in rows if r["id"] in by_id]
-    _check_rows(ours, path, by_id, settings.model_dump(mode="json"), target)
-    missing = len(by_id.keys() - {r["id"] for r in ours})
+    missing = len(by_id) - len(answered)
     if missing:
         raise RegenerationError(
-            f"{path} answers {len(by_id) - missing} of this run's {len(by_id)} prompts; run "
+            f"{path} answers {len(answered)} of this run's {len(by_id)} prompts; run "
             "'draftforge data regenerate RECIPE' (with the same overrides) to answer the rest"
         )
 

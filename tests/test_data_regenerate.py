@@ -413,3 +413,24 @@ def test_replies_cut_at_the_limit_are_recorded(tmp_path):
     assistant_positions = [i for i, m in enumerate(histories[0]) if m["role"] == "assistant"]
     assert unfinished[0] == assistant_positions and assistant_positions
     assert all(type(m["content"]) is str for h in histories for m in h)
+
+
+def test_rows_are_read_line_by_line_with_every_kind_of_cut(tmp_path):
+    from draftforge.data.regenerate import _read_rows
+
+    rows = [{"id": f"p{i}", "n": i} for i in range(4)]
+    whole = b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(whole)
+    assert _read_rows(path) == (rows, False)
+    assert _read_rows(path, keep=lambda r: r["n"] % 2 == 1) == ([rows[1], rows[3]], False)
+    path.write_bytes(whole + b'{"id": "p4')  # a write cut before its newline
+    assert _read_rows(path) == (rows, True)
+    path.write_bytes(whole + b'{"id": "p4\n')  # cut where the bytes happen to end in "\n"
+    assert _read_rows(path) == (rows, True)
+    path.write_bytes(whole + b"not json\n" + whole)  # damage in the middle is not a cut
+    with pytest.raises(RegenerationError, match=r"rows.jsonl, line 5: not a regenerated row"):
+        _read_rows(path)
+    path.write_bytes(whole + b'["p5"]\n' + whole)
+    with pytest.raises(RegenerationError, match="line 5: .*not a row object"):
+        _read_rows(path)
