@@ -59,7 +59,11 @@ class TargetConfig(Section):
         description="a registered name (smollm2-135m-instruct), 'random' or a local HF folder",
     )
     backend: Literal["hf", "sglang"] = "hf"
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    dtype: Literal["bfloat16", "float32", "auto"] = Field(
+        default="auto",
+        description="auto: bfloat16 on CUDA or a CPU with native bf16 matmuls (AMX, "
+        "AVX512-BF16, Arm BF16), float32 elsewhere; resolved when the recipe loads",
+    )
     trust_remote_code: bool = False
     cache_dir: str | None = Field(
         default=None, description="conversion cache; default ~/.cache/draftforge"

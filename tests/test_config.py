@@ -151,7 +151,7 @@ def test_bool_is_not_int(tmp_path):
 
 def test_bad_choice(tmp_path):
     (problem,) = problems(write(tmp_path, BASE + "  dtype: float16\n"))
-    assert "r.yaml:20: train.dtype: 'float16' is not one of 'bfloat16', 'float32'" in problem
+    assert "r.yaml:20: train.dtype: 'float16' is not one of 'bfloat16', 'float32', 'auto'" in problem
     text = replace("markov_rank", "markov_head_type: vanila")
     (problem,) = problems(write(tmp_path, text))
     assert "draft.markov_head_type: 'vanila' is not one of 'vanilla', 'gated', 'rnn'" in problem

@@ -61,7 +61,10 @@ def test_bench_train_runs_on_the_recipes_threads_and_reports_per_step_mfu(capsys
     finally:
         torch.set_num_threads(before)
     out = capsys.readouterr().out
-    assert "bfloat16, 1 threads;" in out.splitlines()[0]
+    # the recipe's dtype: auto, resolved for this CPU
+    from draftforge.precision import resolve_dtype
+
+    assert f"{resolve_dtype('auto', cuda=False)}, 1 threads;" in out.splitlines()[0]
     timed = [line for line in out.splitlines() if line.startswith("  step") and "MFU" in line]
     assert len(timed) == 2  # each timed step carries its own ratio against its neighbouring peaks
     per_step = sorted(float(line.rsplit("MFU ", 1)[1]) for line in timed)

@@ -52,6 +52,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from draftforge.precision import resolve_dtype
+
 PEER_SHAPES = dict(
     hidden=576, layers=2, heads=9, kv_heads=3, ffn=1536, vocab=49152, block=8, markov_rank=64,
     target_layers=30, num_aux_layers=5,
@@ -71,7 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op threads for the steps and the peak (default: the recipe's "
                         "train.num_threads; 2 without a recipe)")
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32", "auto"],
+                        help="default: the recipe's train.dtype; auto without a recipe (bfloat16 "
+                        "on CUDA or a CPU with native bf16 matmuls, else float32)")  # fmt: skip
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None,
                         help="where the step runs (default: the recipe's train.device, auto = CUDA "
                         "when available; cpu without a recipe)")
@@ -320,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     args.device = resolve_device(args, recipe)
     if args.threads is None:
         args.threads = recipe.train.num_threads if recipe is not None else 2
+    if args.dtype is None:
+        args.dtype = recipe.train.dtype if recipe is not None else "auto"
+    args.dtype = resolve_dtype(args.dtype, cuda=args.device == "cuda")
     torch.set_num_threads(args.threads)
     loss = _loss_config(recipe, args)
     print(

@@ -55,7 +55,11 @@ class TrainConfig(Section):
 
     strategy: Literal["fsdp2", "deepspeed", "single"] = "fsdp2"
     zero_stage: Literal[2, 3] = 2
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    dtype: Literal["bfloat16", "float32", "auto"] = Field(
+        default="auto",
+        description="auto: bfloat16 on CUDA or a CPU with native bf16 matmuls (AMX, "
+        "AVX512-BF16, Arm BF16), float32 elsewhere; resolved when the recipe loads",
+    )
     num_anchors: int = Field(default=512, gt=0, description="random anchors per sequence")
     steps: int = Field(default=1000, gt=0)
     lr: float = Field(default=6e-4, gt=0)
