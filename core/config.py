@@ -569,21 +569,7 @@ def _cross_check(cfg: RecipeConfig) -> list[Problem]:
     shape, problems = _check_target(cfg)
     problems += _check_draft(cfg, shape)
     problems += _check_split(cfg)
-    _resolve_dtypes(cfg)
     return problems
-
-
-def _resolve_dtypes(cfg: RecipeConfig) -> None:
-    """``dtype: auto`` becomes bfloat16 or float32 for this machine (core/precision.py)."""
-    if "auto" not in (cfg.target.dtype, cfg.train.dtype):
-        return  # explicit dtypes: no torch import just to load a recipe
-    import torch
-
-    from draftforge.precision import resolve_dtype
-
-    cuda = torch.cuda.is_available()
-    cfg.target.dtype = resolve_dtype(cfg.target.dtype, cuda=cuda)
-    cfg.train.dtype = resolve_dtype(cfg.train.dtype, cuda=cuda and cfg.train.device != "cpu")
 
 
 # --------------------------------------------------------------------------- entry points

@@ -6,6 +6,8 @@ AVX2-only AMD EPYC a 512x576x1536 bf16 matmul ran at 0.8 GFLOP/s against 57 in
 float32, so a bf16 recipe there takes hours instead of minutes. On the AMX machines
 the CPU recipes were tuned on, bf16 is about 5x float32. The choice is read from the
 CPU's flags, not timed, so every rank of a job on the same machine resolves alike.
+``target.dtype`` and ``train.dtype`` resolve ``auto`` when their section is built (a
+recipe loaded, a config made in code), so the value a run records is the one it used.
 """
 
 from __future__ import annotations
@@ -28,6 +30,16 @@ def cpu_bf16_flags(cpuinfo: str | None = None) -> list[str]:
         if key.strip().lower() in ("flags", "features"):  # the first processor's list
             return [flag for flag in CPU_BF16_FLAGS if flag in value.split()]
     return []
+
+
+def resolve_auto(setting: str, device: str = "auto") -> str:
+    """``setting`` with ``auto`` resolved for a process on ``device`` (cpu, cuda or auto =
+    CUDA when there is one), the way the recipe sections resolve their ``dtype``."""
+    if setting != "auto":
+        return setting
+    import torch
+
+    return resolve_dtype(setting, cuda=device != "cpu" and torch.cuda.is_available())
 
 
 def resolve_dtype(setting: str, *, cuda: bool, cpuinfo: str | None = None) -> str:

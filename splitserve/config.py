@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from draftforge.precision import resolve_auto
 from draftforge.section import Section
 
 
@@ -72,6 +73,12 @@ class TargetConfig(Section):
     seed: int = Field(default=0, description="seed of the random target (model: random)")
     shape: TargetShape | None = None
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
+
+    @model_validator(mode="after")
+    def _resolve_dtype(self) -> TargetConfig:
+        if self.dtype == "auto":  # the target runs on CUDA wherever there is one
+            self.dtype = resolve_auto(self.dtype)
+        return self
 
     @model_validator(mode="after")
     def _random_needs_shape(self) -> TargetConfig:

@@ -41,3 +41,16 @@ def test_the_cpu_recipes_resolve_auto_for_this_machine(tmp_path):
     cfg = load_recipe(ROOT / "recipes" / "smollm2-cpu.yaml", ["train.dtype=bfloat16"])
     assert (cfg.target.dtype, cfg.train.dtype) == (want, "bfloat16")
     assert load_recipe(ROOT / "recipes" / "ling3-flash-dspark.yaml").train.dtype == "bfloat16"
+
+
+def test_sections_made_in_code_resolve_auto_too():
+    from draftforge.splitserve.config import TargetConfig
+    from draftforge.train.config import TrainConfig
+
+    want = "bfloat16" if cpu_bf16_flags() else "float32"
+    import torch
+
+    cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    assert TargetConfig().dtype == ("bfloat16" if cuda_bf16 else want)  # on CUDA where there is one
+    assert TrainConfig(device="cpu").dtype == want  # a CPU trainer: the CPU decides
+    assert TrainConfig(device="cpu", dtype="bfloat16").dtype == "bfloat16"

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from draftforge.precision import resolve_auto
 from draftforge.section import Section
 
 
@@ -91,6 +92,12 @@ class TrainConfig(Section):
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     tensorboard: bool = False
     max_bad_steps: int = Field(default=10, ge=0)
+
+    @model_validator(mode="after")
+    def _resolve_dtype(self) -> TrainConfig:
+        if self.dtype == "auto":  # re-validates once with the resolved value
+            self.dtype = resolve_auto(self.dtype, self.device)
+        return self
 
 
 class ExportConfig(Section):
