@@ -38,7 +38,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-# The end-to-end demo (about 35 minutes on 2 CPU cores with AMX; 1.5-2 hours estimated
+# The end-to-end demo (about 35 minutes on 2 CPU cores with native bf16; 1.5-2 hours estimated
 # on CPUs without native bf16, which run it in float32): regenerate, train DSpark and the
 # DFlash ablation, export, evaluate, print the table. Rerunning skips finished stages;
 # extra options go in DEMO_ARGS, e.g. make demo DEMO_ARGS=--force

@@ -3,8 +3,8 @@
 On a CPU, bfloat16 matmuls are fast only with hardware support (x86 AMX or
 AVX512-BF16, Arm's BF16 extension). Without it PyTorch emulates them: on a 2-core
 AVX2-only AMD EPYC a 512x576x1536 bf16 matmul ran at 0.8 GFLOP/s against 57 in
-float32, so a bf16 recipe there takes hours instead of minutes. On the AMX machines
-the CPU recipes were tuned on, bf16 is about 5x float32. The choice is read from the
+float32, so a bf16 recipe there takes hours instead of minutes. On the machines the
+CPU recipes were tuned on, bf16 was about 5x float32. The choice is read from the
 CPU's flags, not timed, so every rank of a job on the same machine resolves alike.
 ``target.dtype`` and ``train.dtype`` resolve ``auto`` when their section is built (a
 recipe loaded, a config made in code), so the value a run records is the one it used.
