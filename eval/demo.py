@@ -583,8 +583,9 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
         )
     stages = Stages(total=6)
     print(
-        f"draftforge demo: recipe {recipe} (target {cfg.target.model}, {cfg.train.steps} training "
-        f"steps per draft), {len(workloads)} workloads x {args.num_prompts} prompts, "
+        f"draftforge demo: recipe {recipe} (target {cfg.target.model} in {cfg.target.dtype}, "
+        f"{cfg.train.steps} training steps per draft in {cfg.train.dtype}), {len(workloads)} "
+        f"workloads x {args.num_prompts} prompts, "
         f"{args.max_new_tokens} new tokens; outputs under {paths.run_dir} and {paths.dflash_dir}\n"
         f"DSpark's Markov head starts as {markov_start}",
         flush=True,

@@ -60,6 +60,7 @@ def test_demo_runs_every_stage_then_skips_them(tmp_path):
     assert "markov_init: bigram" in (run / "config.yaml").read_text()
     assert "markov_init: random" in dflash_cfg
     assert "DSpark's Markov head starts as the regenerated answers' bigram table" in out
+    assert f"in float32, {STEPS} training steps per draft in float32)" in out  # the dtypes that ran
     # (d) the export, its model card holding the measured table
     export = json.loads((run / "export" / "config.json").read_text())
     assert export["markov_rank"] == 8 and export["block_size"] == 4
