@@ -475,9 +475,7 @@ def _check_draft(cfg: RecipeConfig, shape: TargetShape | None) -> list[Problem]:
                 "draft.enable_confidence_head: false for the DFlash ablation",
             )
         )
-    if cfg.train.markov_init == "bigram" and (
-        draft.markov_rank == 0 or draft.markov_head_type == "rnn"
-    ):
+    if cfg.train.markov_init == "bigram" and not draft.has_markov_table:
         problems.append(
             (
                 ("train", "markov_init"),

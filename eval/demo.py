@@ -116,7 +116,7 @@ def dspark_overrides(cfg, paths: DemoPaths, markov_init: str) -> tuple[list[str]
         return [], f"the recipe's ({cfg.train.markov_init}), as --markov-init random asks"
     if paths.data_file is None:
         return [], f"the recipe's ({cfg.train.markov_init}): no regenerated answers to count"
-    if cfg.draft.markov_rank == 0 or cfg.draft.markov_head_type == "rnn":
+    if not cfg.draft.has_markov_table:
         return [], (
             f"the recipe's ({cfg.train.markov_init}): a bigram start needs a vanilla or gated "
             f"head (this draft: rank {cfg.draft.markov_rank}, {cfg.draft.markov_head_type})"

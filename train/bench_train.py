@@ -52,7 +52,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from draftforge.precision import resolve_dtype
+from draftforge.precision import resolve_auto
 
 PEER_SHAPES = dict(
     hidden=576, layers=2, heads=9, kv_heads=3, ffn=1536, vocab=49152, block=8, markov_rank=64,
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         args.threads = recipe.train.num_threads if recipe is not None else 2
     if args.dtype is None:
         args.dtype = recipe.train.dtype if recipe is not None else "auto"
-    args.dtype = resolve_dtype(args.dtype, cuda=args.device == "cuda")
+    args.dtype = resolve_auto(args.dtype, args.device)
     torch.set_num_threads(args.threads)
     loss = _loss_config(recipe, args)
     print(

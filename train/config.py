@@ -33,6 +33,12 @@ class DraftConfig(Section):
         default="sdpa", description="sdpa: dense mask, CPU and GPU; flex: block mask, GPU"
     )
 
+    @property
+    def has_markov_table(self) -> bool:
+        """A Markov head that is a W1/W2 table (vanilla or gated, rank > 0): the head
+        ``train.markov_init: bigram`` fills."""
+        return self.markov_rank > 0 and self.markov_head_type != "rnn"
+
 
 class LossConfig(Section):
     """The acceptance-aware objective (contract section 2)."""
