@@ -46,6 +46,11 @@ COMMANDS: tuple[Command, ...] = (
         "RECIPE [key=value ...]",
     ),
     Command(
+        ("config", "keys"),
+        "draftforge.reference:main",
+        "every recipe key: type, default, bounds and meaning (recipes/README.md)",
+    ),
+    Command(
         ("bench", "objective"),
         "draftforge.train.bench_objective:main",
         "peak memory and time of the objective, chunked vs unchunked, at Ling scale",

@@ -16,7 +16,11 @@ class DataConfig(Section):
         default_factory=lambda: ["builtin:train-prompts"],
         description="local jsonl/json/parquet files, or builtin:train-prompts",
     )
-    format: Literal["auto", "messages", "sharegpt", "prompt"] = "auto"
+    format: Literal["auto", "messages", "sharegpt", "prompt"] = Field(
+        default="auto",
+        description="row form of train_files: messages (OpenAI), sharegpt (conversations), "
+        "prompt (a string or list of user turns); auto picks per row by its keys",
+    )
     max_length: int = Field(default=2048, gt=1, description="tokens per sample after truncation")
     min_loss_tokens: int = Field(
         default=8, ge=1, description="drop samples with fewer supervised tokens"
@@ -27,7 +31,7 @@ class DataConfig(Section):
         default=None, description="jsonl written by 'draftforge data regenerate'"
     )
     num_samples: int | None = Field(default=None, gt=0, description="use the first N prompts")
-    shuffle_seed: int = 0
+    shuffle_seed: int = Field(default=0, description="seeds the order of samples in every epoch")
     overlap_check: bool = Field(
         default=True, description="refuse training prompts that overlap the eval workloads"
     )

@@ -13,12 +13,29 @@ class EvalConfig(Section):
     """Workloads and decoding settings for the lossless verifier."""
 
     workloads: list[Literal["humaneval", "mtbench", "gsm8k"]] = Field(
-        default_factory=lambda: ["humaneval", "mtbench", "gsm8k"]
+        default_factory=lambda: ["humaneval", "mtbench", "gsm8k"],
+        description="held-out workloads, from the offline evaluation packages",
     )
     num_prompts: int | None = Field(default=None, gt=0, description="per workload; default all")
-    temperature: float = Field(default=0.0, ge=0)
-    max_new_tokens: int = Field(default=256, gt=0)
-    verify: Literal["full", "threshold"] = "full"
-    confidence_threshold: float = Field(default=0.5, ge=0, le=1)
-    baselines: list[Literal["none", "ngram"]] = Field(default_factory=lambda: ["none", "ngram"])
-    seed: int = 0
+    temperature: float = Field(
+        default=0.0,
+        ge=0,
+        description="0: greedy, every output checked identical to plain greedy decoding; above "
+        "0: rejection sampling",
+    )
+    max_new_tokens: int = Field(default=256, gt=0, description="tokens generated per prompt")
+    verify: Literal["full", "threshold"] = Field(
+        default="full",
+        description="full: verify the whole block; threshold: cut it at the first slot whose "
+        "confidence is below confidence_threshold",
+    )
+    confidence_threshold: float = Field(
+        default=0.5, ge=0, le=1, description="the cut of verify threshold"
+    )
+    baselines: list[Literal["none", "ngram"]] = Field(
+        default_factory=lambda: ["none", "ngram"],
+        description="measured on the same prompts: none = the target alone, ngram = prompt lookup",
+    )
+    seed: int = Field(
+        default=0, description="seeds sampling (temperature above 0) and the tau estimate's anchors"
+    )

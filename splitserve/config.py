@@ -21,11 +21,13 @@ class TargetShape(Section):
     num_hidden_layers: int = Field(gt=0, description="decoder layers of the target")
     hidden_size: int = Field(gt=0, description="hidden size of the target")
     vocab_size: int = Field(gt=0, description="vocabulary size (rows of embed_tokens)")
-    num_attention_heads: int = Field(default=4, gt=0)
-    num_key_value_heads: int = Field(default=2, gt=0)
-    intermediate_size: int = Field(default=128, gt=0)
-    max_position_embeddings: int = Field(default=2048, gt=0)
-    rope_theta: float = Field(default=10000.0, gt=0)
+    num_attention_heads: int = Field(default=4, gt=0, description="attention heads of the target")
+    num_key_value_heads: int = Field(default=2, gt=0, description="key/value heads of the target")
+    intermediate_size: int = Field(default=128, gt=0, description="MLP width of the target")
+    max_position_embeddings: int = Field(
+        default=2048, gt=0, description="longest position the target supports"
+    )
+    rope_theta: float = Field(default=10000.0, gt=0, description="RoPE base of the target")
     num_parameters: int | None = Field(
         default=None,
         gt=0,
@@ -39,10 +41,14 @@ class GenerationConfig(Section):
     """Sampling settings used to regenerate responses (distribution-aligned data)."""
 
     temperature: float = Field(default=0.7, ge=0.0, description="0 means greedy")
-    top_p: float = Field(default=0.8, gt=0.0, le=1.0)
+    top_p: float = Field(default=0.8, gt=0.0, le=1.0, description="nucleus sampling; 1 disables it")
     top_k: int = Field(default=20, ge=0, description="0 disables top-k")
-    max_new_tokens: int = Field(default=256, gt=0)
-    seed: int = 0
+    max_new_tokens: int = Field(default=256, gt=0, description="longest reply per assistant turn")
+    seed: int = Field(
+        default=0,
+        description="sampling seed; each batch is reseeded from it, its prompt ids and the turn, "
+        "so a resumed regeneration writes the same answers",
+    )
     enable_thinking: bool = Field(
         default=False, description="passed to the chat template; must match serving"
     )
@@ -59,19 +65,29 @@ class TargetConfig(Section):
         default="smollm2-135m-instruct",
         description="a registered name (smollm2-135m-instruct), 'random' or a local HF folder",
     )
-    backend: Literal["hf", "sglang"] = "hf"
+    backend: Literal["hf", "sglang"] = Field(
+        default="hf",
+        description="hf: transformers in the target rank's process (CPU or GPU); sglang: an SGLang "
+        "engine per target group (GPU, needs draftforge[sglang])",
+    )
     dtype: Literal["bfloat16", "float32", "auto"] = Field(
         default="auto",
         description="auto: bfloat16 on CUDA or a CPU with native bf16 matmuls (AMX, "
         "AVX512-BF16, Arm BF16), float32 elsewhere; resolved when the recipe loads",
     )
-    trust_remote_code: bool = False
+    trust_remote_code: bool = Field(
+        default=False, description="let a local HF folder run its own modelling code"
+    )
     cache_dir: str | None = Field(
         default=None, description="conversion cache; default ~/.cache/draftforge"
     )
     num_threads: int = Field(default=1, gt=0, description="intra-op threads per process on CPU")
     seed: int = Field(default=0, description="seed of the random target (model: random)")
-    shape: TargetShape | None = None
+    shape: TargetShape | None = Field(
+        default=None,
+        description="the target's shape: required for model random and for dry runs without "
+        "the weights; checked against the real config when given",
+    )
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
 
     @model_validator(mode="after")
@@ -90,7 +106,10 @@ class TargetConfig(Section):
 class SplitConfig(Section):
     """Which ranks serve the target and which train the draft."""
 
-    target_ranks: list[int] = Field(default_factory=lambda: [0])
+    target_ranks: list[int] = Field(
+        default_factory=lambda: [0],
+        description="ranks that run the target: regenerate answers, compute features, stream them",
+    )
     trainer_ranks: list[int] | None = Field(
         default=None, description="default: every rank not in target_ranks"
     )
@@ -105,16 +124,31 @@ class SplitConfig(Section):
     )
     target_devices: list[int] | None = Field(default=None, description="GPU ids of the target group")
     trainer_devices: list[int] | None = Field(default=None, description="GPU ids of the trainers")
-    target_tensor_parallel: int = Field(default=1, gt=0)
-    max_in_flight: int = Field(default=4, gt=0, description="samples queued per trainer")
-    token_budget: int = Field(default=4096, gt=0, description="tokens packed into one step")
+    target_tensor_parallel: int = Field(
+        default=1, gt=0, description="target ranks per engine (sglang only; hf needs 1)"
+    )
+    max_in_flight: int = Field(
+        default=4,
+        gt=0,
+        description="samples in flight per trainer (backpressure credits, shared among the "
+        "target ranks that feed it)",
+    )
+    token_budget: int = Field(
+        default=4096,
+        gt=0,
+        description="padded tokens per micro-batch: sequences x the longest one stay within it",
+    )
     restart_target: bool = Field(
         default=False,
         description="when a rank dies (a target, usually), start every rank again (up to "
         "--max-restarts times, default 3) and continue from the newest checkpoint; needs "
         "train.resume: auto",
     )
-    comm_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    comm_backend: Literal["auto", "gloo", "nccl"] = Field(
+        default="auto",
+        description="transport of the features: auto is nccl when GPUs are visible and "
+        "train.device is not cpu, else gloo",
+    )
     feature_batch_size: int = Field(
         default=8, gt=0, description="sequences per target features() call on a target rank"
     )

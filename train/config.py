@@ -13,21 +13,37 @@ from draftforge.section import Section
 class DraftConfig(Section):
     """The DSpark draft. Names match the exported config.json fields."""
 
-    hidden_size: int = Field(default=576, gt=0)
-    num_hidden_layers: int = Field(default=1, gt=0)
-    num_attention_heads: int = Field(default=8, gt=0)
-    num_key_value_heads: int = Field(default=8, gt=0)
+    hidden_size: int = Field(
+        default=576, gt=0, description="the draft's width: the target's (it shares its embedding)"
+    )
+    num_hidden_layers: int = Field(default=1, gt=0, description="decoder layers of the draft")
+    num_attention_heads: int = Field(default=8, gt=0, description="query heads per layer")
+    num_key_value_heads: int = Field(
+        default=8, gt=0, description="key/value heads per layer; divides num_attention_heads"
+    )
     head_dim: int | None = Field(default=None, gt=0, description="default: hidden_size / heads")
-    intermediate_size: int = Field(default=1536, gt=0)
-    target_layer_ids: list[int] = Field(default_factory=lambda: [1, 8, 15, 22, 28])
+    intermediate_size: int = Field(default=1536, gt=0, description="MLP width of each layer")
+    target_layer_ids: list[int] = Field(
+        default_factory=lambda: [1, 8, 15, 22, 28],
+        description="target layers whose outputs feed the draft (layer i = HF hidden_states[i + "
+        "1]); each below the target's last layer",
+    )
     block_size: int = Field(default=8, ge=2, description="draft tokens per block (gamma)")
     mask_token_id: int = Field(default=16, ge=0, description="an existing, unused target token id")
     markov_rank: int = Field(default=64, ge=0, description="0 disables the Markov head (DFlash)")
-    markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"
-    enable_confidence_head: bool = True
-    confidence_head_with_markov: bool = True
+    markov_head_type: Literal["vanilla", "gated", "rnn"] = Field(
+        default="vanilla",
+        description="vanilla: a rank-r table of next-token scores given the previous token; "
+        "gated: the same, gated by the slot's state; rnn: a recurrent state over the drafted tokens",
+    )
+    enable_confidence_head: bool = Field(
+        default=True, description="a per-slot acceptance estimate (used by eval.verify threshold)"
+    )
+    confidence_head_with_markov: bool = Field(
+        default=True, description="the confidence head also reads the Markov embedding"
+    )
     rope_theta: float | None = Field(default=None, gt=0, description="default: the target's")
-    rms_norm_eps: float = Field(default=1e-6, gt=0)
+    rms_norm_eps: float = Field(default=1e-6, gt=0, description="epsilon of the RMS norms")
     max_position_embeddings: int | None = Field(default=None, gt=0, description="default: the target's")
     attention_backend: Literal["sdpa", "flex"] = Field(
         default="sdpa", description="sdpa: dense mask, CPU and GPU; flex: block mask, GPU"
@@ -43,11 +59,19 @@ class DraftConfig(Section):
 class LossConfig(Section):
     """The acceptance-aware objective (contract section 2)."""
 
-    ce_weight: float = Field(default=0.1, ge=0)
-    tv_weight: float = Field(default=0.9, ge=0)
-    bce_weight: float = Field(default=1.0, ge=0)
+    ce_weight: float = Field(default=0.1, ge=0, description="weight of the cross-entropy term")
+    tv_weight: float = Field(
+        default=0.9, ge=0, description="weight of the L1 distance to the target's distribution"
+    )
+    bce_weight: float = Field(
+        default=1.0, ge=0, description="weight of the confidence head's BCE against c*"
+    )
     decay: float = Field(default=4.0, gt=0, description="w_k = exp(-k / decay)")
-    position_weighting: Literal["exp", "dpace"] = "exp"
+    position_weighting: Literal["exp", "dpace"] = Field(
+        default="exp",
+        description="exp: exp(-k / decay); dpace: the probability that slot k is reached, "
+        "prod of c*_i for i < k",
+    )
     chunk_blocks: int = Field(default=64, gt=0, description="blocks per objective chunk")
     compile: bool | Literal["auto"] = Field(
         default="auto",
@@ -60,26 +84,32 @@ class LossConfig(Section):
 class TrainConfig(Section):
     """Optimisation, parallelism, checkpoints and logging."""
 
-    strategy: Literal["fsdp2", "deepspeed", "single"] = "fsdp2"
-    zero_stage: Literal[2, 3] = 2
+    strategy: Literal["fsdp2", "deepspeed", "single"] = Field(
+        default="fsdp2",
+        description="fsdp2: fully_shard per layer, then the root; deepspeed: ZeRO (zero_stage); "
+        "single: one trainer rank, no sharding",
+    )
+    zero_stage: Literal[2, 3] = Field(default=2, description="ZeRO stage of strategy deepspeed")
     dtype: Literal["bfloat16", "float32", "auto"] = Field(
         default="auto",
         description="auto: bfloat16 on CUDA or a CPU with native bf16 matmuls (AMX, "
         "AVX512-BF16, Arm BF16), float32 elsewhere; resolved when the recipe loads",
     )
     num_anchors: int = Field(default=512, gt=0, description="random anchors per sequence")
-    steps: int = Field(default=1000, gt=0)
-    lr: float = Field(default=6e-4, gt=0)
-    warmup_ratio: float = Field(default=0.04, ge=0, lt=1)
+    steps: int = Field(default=1000, gt=0, description="optimiser updates")
+    lr: float = Field(default=6e-4, gt=0, description="peak learning rate of AdamW")
+    warmup_ratio: float = Field(
+        default=0.04, ge=0, lt=1, description="linear warmup, as a fraction of steps; then cosine"
+    )
     min_lr_ratio: float = Field(default=0.0, ge=0, le=1, description="cosine floor, as a fraction of lr")
-    weight_decay: float = Field(default=0.0, ge=0)
-    adam_beta1: float = Field(default=0.9, ge=0, lt=1)
-    adam_beta2: float = Field(default=0.999, ge=0, lt=1)
-    adam_eps: float = Field(default=1e-8, gt=0)
-    max_grad_norm: float = Field(default=1.0, gt=0)
-    grad_accum: int = Field(default=1, gt=0)
-    seed: int = 0
-    num_threads: int = Field(default=1, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay")
+    adam_beta1: float = Field(default=0.9, ge=0, lt=1, description="AdamW beta1")
+    adam_beta2: float = Field(default=0.999, ge=0, lt=1, description="AdamW beta2")
+    adam_eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon")
+    max_grad_norm: float = Field(default=1.0, gt=0, description="gradient clipping by global norm")
+    grad_accum: int = Field(default=1, gt=0, description="micro-batches per optimiser update")
+    seed: int = Field(default=0, description="seeds the draft's initialisation and the anchors")
+    num_threads: int = Field(default=1, gt=0, description="intra-op threads per trainer on CPU")
     device: Literal["auto", "cpu", "cuda"] = Field(
         default="auto", description="auto: the local CUDA device when there is one, else cpu"
     )
@@ -89,15 +119,27 @@ class TrainConfig(Section):
         "(needs the answers before training: data regenerated ahead, or data.regenerate false)",
     )
     loss: LossConfig = Field(default_factory=LossConfig)
-    output_dir: str = "runs/default"
-    checkpoint_interval: int = Field(default=200, gt=0)
-    keep_last: int = Field(default=2, gt=0)
+    output_dir: str = Field(
+        default="runs/default", description="run directory: checkpoints, metrics, records"
+    )
+    checkpoint_interval: int = Field(
+        default=200, gt=0, description="steps between checkpoints (and one at the end)"
+    )
+    keep_last: int = Field(default=2, gt=0, description="checkpoints kept; older ones are removed")
     resume: str = Field(default="auto", description="auto, never, or a checkpoint path")
-    log_interval: int = Field(default=10, gt=0)
-    wandb: bool = False
-    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
-    tensorboard: bool = False
-    max_bad_steps: int = Field(default=10, ge=0)
+    log_interval: int = Field(
+        default=10, gt=0, description="steps between progress lines and accounting reports"
+    )
+    wandb: bool = Field(default=False, description="also log metrics to wandb (draftforge[wandb])")
+    wandb_mode: Literal["offline", "online", "disabled"] = Field(
+        default="offline", description="wandb's mode; online uploads"
+    )
+    tensorboard: bool = Field(
+        default=False, description="also write TensorBoard scalars to <output_dir>/tensorboard"
+    )
+    max_bad_steps: int = Field(
+        default=10, ge=0, description="steps skipped for a non-finite loss before the run stops"
+    )
 
     @model_validator(mode="after")
     def _resolve_dtype(self) -> TrainConfig:
@@ -109,7 +151,9 @@ class TrainConfig(Section):
 class ExportConfig(Section):
     """The Hugging Face folder that SGLang and llama.cpp load as it is."""
 
-    arch: Literal["Qwen3DSparkModel", "LingDSparkModel"] = "Qwen3DSparkModel"
+    arch: Literal["Qwen3DSparkModel", "LingDSparkModel"] = Field(
+        default="Qwen3DSparkModel", description="architectures entry of the exported config.json"
+    )
     with_embeddings: bool = Field(default=False, description="also write embed_tokens / lm_head")
     max_shard_size_mb: int = Field(default=4096, gt=0, description="shard above this size")
     out_dir: str | None = Field(default=None, description="default: <output_dir>/export")
