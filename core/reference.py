@@ -20,6 +20,8 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from draftforge.config import RecipeConfig
+
 HEADER = """\
 # Recipe reference
 
@@ -74,10 +76,8 @@ def bounds(field: FieldInfo) -> str:
 
 def default_text(field: FieldInfo) -> str:
     """The default as a recipe would write it; ``required`` where there is none."""
-    if _section_of(field.annotation) is not None and field.default is None:
-        return "null"
     if _section_of(field.annotation) is not None:
-        return "(section)"
+        return "null" if field.default is None else "(section)"
     if field.default_factory is not None:
         value = field.default_factory()
     elif field.default is PydanticUndefined:
@@ -100,12 +100,8 @@ def walk(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, FieldI
             yield from walk(section, key + ".")
 
 
-def reference(model: type[BaseModel] | None = None) -> str:
+def reference(model: type[BaseModel] = RecipeConfig) -> str:
     """The whole reference as markdown: one table per top-level section."""
-    if model is None:
-        from draftforge.config import RecipeConfig
-
-        model = RecipeConfig
     out = [HEADER]
     top_level = [(k, f) for k, f in model.model_fields.items() if _section_of(f.annotation) is None]
     sections = [(k, f) for k, f in model.model_fields.items() if _section_of(f.annotation)]
@@ -140,12 +136,8 @@ def _table(title: str, rows: Sequence[tuple[str, FieldInfo]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def undocumented(model: type[BaseModel] | None = None) -> list[str]:
+def undocumented(model: type[BaseModel] = RecipeConfig) -> list[str]:
     """Dotted keys with no description (a nested section counts its docstring)."""
-    if model is None:
-        from draftforge.config import RecipeConfig
-
-        model = RecipeConfig
     missing = []
     for key, field in walk(model):
         section = _section_of(field.annotation)
