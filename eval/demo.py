@@ -419,13 +419,14 @@ def lead_table(dspark: tuple[Path, dict], dflash: tuple[Path, dict]) -> str:
 def _machine() -> str:
     model = platform.processor() or platform.machine()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+        cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
-    flags = cpu_bf16_flags()
+        cpuinfo = ""  # not Linux: no model name, no flags
+    for line in cpuinfo.splitlines():
+        if line.startswith("model name"):
+            model = line.split(":", 1)[1].strip()
+            break
+    flags = cpu_bf16_flags(cpuinfo)
     bf16 = f"native bf16: {', '.join(flags)}" if flags else "no native bf16"
     return f"{usable_cores()} cores ({model}, {bf16}), {platform.system()}, no GPU used"
 
