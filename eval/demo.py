@@ -143,6 +143,7 @@ class Stages:
     def __init__(self, total: int, out: Callable[[str], None] = print):
         self.total = total
         self.number = 0
+        self.skipped = 0
         self.out = out
         self.started = time.perf_counter()
 
@@ -152,13 +153,21 @@ class Stages:
         return time.perf_counter()
 
     def skip(self, why: str) -> None:
+        self.skipped += 1
         self.out(f"    skipped: {why}")
+
+    def elapsed(self) -> str:
+        """This invocation's time, said not to be the whole demo's when stages were skipped."""
+        took = _minutes(time.perf_counter() - self.started)
+        if not self.skipped:
+            return f"whole demo {took}"
+        return (f"this run {took}, not the whole demo's time: {self.skipped} of {self.total} "
+                "stages were skipped, done by an earlier run")
 
     def done(self, since: float) -> None:
         now = time.perf_counter()
-        self.out(
-            f"    done in {_minutes(now - since)} (demo so far: {_minutes(now - self.started)})"
-        )
+        so_far = "this run so far" if self.skipped else "demo so far"
+        self.out(f"    done in {_minutes(now - since)} ({so_far}: {_minutes(now - self.started)})")
 
 
 def _minutes(seconds: float) -> str:
@@ -431,6 +440,20 @@ def _machine() -> str:
     return f"{usable_cores()} cores ({model}, {bf16}), {platform.system()}, no GPU used"
 
 
+SAME_SITTING_S = 3600  # evaluations finished closer together than this get one date
+
+
+def measured_when(dspark_finished: float, dflash_finished: float) -> str:
+    """When the two evaluations finished (POSIX times): the later one's date, or both when
+    an interrupted demo finished them in different sittings."""
+    def utc(stamp: float) -> str:
+        return datetime.fromtimestamp(stamp, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+    if abs(dspark_finished - dflash_finished) < SAME_SITTING_S:
+        return utc(max(dspark_finished, dflash_finished))
+    return f"{utc(dspark_finished)} (DSpark evaluation), {utc(dflash_finished)} (DFlash evaluation)"
+
+
 def _training_tau(run_dir: Path) -> float | None:
     summary = run_dir / "summary.json"
     if not summary.is_file():
@@ -450,14 +473,15 @@ def demo_markdown(
 ) -> str:
     """demo.md: the table with the command, date, machine and what the numbers mean."""
     taus = (_training_tau(paths.run_dir), _training_tau(paths.dflash_dir))
-    # when the evaluation finished (a rerun that skips every stage keeps that date)
-    measured = datetime.fromtimestamp(_mtime(paths.eval_dir / "report.json"), timezone.utc)
+    # when the evaluations finished (a rerun that skips every stage keeps those dates)
+    measured = measured_when(_mtime(paths.eval_dir / "report.json"),
+                             _mtime(paths.dflash_eval_dir / "report.json"))
     return "\n".join(
         [
             f"# draftforge demo: {cfg.name}",
             "",
             f"Command: `{command}`  ",
-            f"Measured: {measured.strftime('%Y-%m-%d %H:%M UTC')}; machine: {_machine()}.",
+            f"Measured: {measured}; machine: {_machine()}.",
             "",
             f"Target `{cfg.target.model}` (evaluated in float32), greedy decoding (checked lossless "
             f"against plain decoding), {num_prompts} prompts per workload, up to {max_new_tokens} new "
@@ -721,7 +745,7 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
     stages.done(since)
     print(f"\n{text}")
     print(
-        f"demo: table written to {paths.table}; whole demo {_minutes(time.perf_counter() - stages.started)}"
+        f"demo: table written to {paths.table}; {stages.elapsed()}"
     )
     macro = rows[-1]
     print(

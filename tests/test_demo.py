@@ -109,6 +109,7 @@ def test_demo_runs_every_stage_then_skips_them(tmp_path):
         f"| **macro mean** | {al['dspark']:.2f} | {al['dflash']:.2f} | {al['ngram']:.2f} |" in table
     )
     assert table.split("| workload |", 1)[1] in out  # the same table was printed
+    assert "; whole demo " in out and "not the whole demo's time" not in out  # none skipped
     # the paired differences: their point estimates are the macro ALs' differences
     for label, other in (("DSpark - n-gram", "ngram"), ("DSpark - DFlash", "dflash")):
         row = next(line for line in table.splitlines() if line.startswith(f"| {label} |"))
@@ -122,6 +123,10 @@ def test_demo_runs_every_stage_then_skips_them(tmp_path):
     assert again.count("skipped:") == 5, again
     assert "$ draftforge" not in again
     assert again.strip().splitlines()[-1] == last
+    # its time is this run's, not the demo's, and the table keeps the evaluations' date
+    assert "; whole demo " not in again and "demo so far" not in again
+    assert "not the whole demo's time: 5 of 6 stages were skipped" in again
+    assert (run / "demo.md").read_text() == table
     assert seconds < 30
 
 
@@ -194,3 +199,20 @@ def test_the_bigram_start_applies_only_where_the_draft_and_the_data_allow_it(tmp
     assert overrides == [] and "no regenerated answers" in why
     # what it returns is a recipe the checks accept
     assert load_recipe(recipe, ["train.markov_init=bigram"]).train.markov_init == "bigram"
+
+
+def test_the_table_dates_both_evaluations_when_they_ran_apart():
+    from datetime import datetime, timezone
+
+    from draftforge.eval.demo import measured_when
+
+    def stamp(text):
+        return datetime.strptime(text, "%Y-%m-%d %H:%M").replace(tzinfo=timezone.utc).timestamp()
+
+    # one sitting: the later evaluation's date
+    assert measured_when(stamp("2026-12-01 23:25"), stamp("2026-12-01 23:40")) == "2026-12-01 23:40 UTC"
+    assert measured_when(stamp("2026-12-01 23:40"), stamp("2026-12-01 23:25")) == "2026-12-01 23:40 UTC"
+    # a demo resumed later: both, each named
+    assert measured_when(stamp("2026-12-01 23:25"), stamp("2026-12-02 00:59")) == (
+        "2026-12-01 23:25 UTC (DSpark evaluation), 2026-12-02 00:59 UTC (DFlash evaluation)"
+    )
