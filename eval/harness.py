@@ -146,7 +146,7 @@ def run_workload(
         reference = outputs["none"] if "none" in outputs else outputs["dspark"]
         result.estimate = train_time_estimate(
             draft, target, [(p, res.tokens) for p, res in zip(prompts, reference, strict=True)],
-            max_anchors=settings.estimate_anchors, seed=settings.seed,
+            max_anchors=settings.estimate_anchors, seed=settings.seed, max_ngram=settings.ngram_max,
         )  # fmt: skip
     return result
 

@@ -72,8 +72,37 @@ def markdown_table(
         measured = r.methods.get("dspark", {}).get("acceptance_length")
         lines.append(f"| {r.name} | {_fmt(measured)} | {_fmt(est.get('tau'))} | {_fmt(est.get('tau_greedy'))} |")
     lines += ["", ESTIMATE_NOTE, ""]
+    lines += lookup_lines(results)
     lines += uncertainty_lines(uncertainty(results) if intervals is None else intervals)
     return "\n".join(lines)
+
+
+LOOKUP_NOTE = (
+    "The same anchors, split by whether n-gram lookup (the ngram baseline) has a proposal there: "
+    "the teacher-forced accepted run (1 + tokens accepted) of the draft and of the lookup. A draft "
+    "that copies from its context scores higher where lookup matches than elsewhere."
+)
+
+
+def lookup_lines(results: Sequence[WorkloadResult]) -> list[str]:
+    """Where n-gram lookup wins: the estimate's anchors split by whether lookup proposes."""
+    rows = [(r.name, r.estimate) for r in results if r.estimate and "lookup_share" in r.estimate]
+    if not rows:
+        return []
+    lines = [
+        "Where n-gram lookup proposes (DSpark):",
+        "",
+        "| workload | anchors with a lookup match | DSpark run there | n-gram run there | DSpark run elsewhere |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for name, est in rows:
+        share = est["lookup_share"]
+        share_cell = "-" if math.isnan(share) else f"{100 * share:.0f} %"
+        lines.append(
+            f"| {name} | {share_cell} | {_fmt(est['tau_greedy_at_lookup'])} | "
+            f"{_fmt(est['ngram_run_at_lookup'])} | {_fmt(est['tau_greedy_elsewhere'])} |"
+        )
+    return [*lines, "", LOOKUP_NOTE, ""]
 
 
 def uncertainty(results: Sequence[WorkloadResult]) -> dict:

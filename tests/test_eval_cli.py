@@ -55,6 +55,11 @@ def test_eval_cli_with_export_prompts_file_and_calibration(recipe_path, tmp_path
     assert alpha["train_time_estimate"]["tau"] >= 1.0
     table = (out / "report.md").read_text()
     assert "| alpha | dspark |" in table and "tau (c*)" in table
+    # where n-gram lookup proposes: the JSON's split, rendered in the report
+    est = alpha["train_time_estimate"]
+    assert 0.0 <= est["lookup_share"] <= 1.0
+    row = next(line for line in table.splitlines() if line.startswith("| alpha |") and " % |" in line)
+    assert row.split("|")[2].strip() == f"{100 * est['lookup_share']:.0f} %"
     # per-prompt totals and the intervals built from them
     assert alpha["methods"]["dspark"]["prompt_rounds"] and len(alpha["prompt_digest"]) == 16
     paired = report["uncertainty"]["paired"]["dspark-ngram"]

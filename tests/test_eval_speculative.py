@@ -229,6 +229,44 @@ def test_train_time_estimate_is_in_range(target, draft):
     assert 1.0 <= est["tau"] <= 5.0 and 1.0 <= est["tau_greedy"] <= 5.0
     assert est["num_blocks"] == 8 and len(est["slot_c_star"]) == 4
 
+    # the lookup split, recomputed on the same anchors by a slow lookup written here
+    from draftforge.train.blocks import sample_anchors
+
+    ids = list(prompt) + list(output)
+    mask = torch.zeros(1, len(ids), dtype=torch.bool)
+    mask[0, len(prompt):] = True
+    anchors, valid = sample_anchors(mask, 8, generator=torch.Generator().manual_seed(0))
+    runs = []
+    for p in anchors[0][valid[0]].tolist():
+        seen, proposal = ids[: p + 1], None
+        for n in (3, 2, 1):
+            starts = [s for s in range(len(seen) - n) if seen[s:s + n] == seen[-n:]]
+            if n < len(seen) and starts:
+                proposal = seen[starts[-1] + n:][:4]
+                break
+        if proposal:
+            truth = ids[p + 1:p + 5]
+            run = 1
+            while run - 1 < len(proposal) and run - 1 < len(truth) and proposal[run - 1] == truth[run - 1]:
+                run += 1
+            runs.append(run)
+    assert est["lookup_share"] == pytest.approx(len(runs) / 8)
+    if runs:
+        assert est["ngram_run_at_lookup"] == pytest.approx(sum(runs) / len(runs))
+    # the two groups' draft runs average back to tau_greedy
+    parts = [(est["lookup_share"], est["tau_greedy_at_lookup"]),
+             (1 - est["lookup_share"], est["tau_greedy_elsewhere"])]
+    assert sum(w * v for w, v in parts if w > 0) == pytest.approx(est["tau_greedy"])
+
+
+def test_accepted_run_counts_the_matching_prefix_plus_the_bonus():
+    from draftforge.eval.estimate import accepted_run
+
+    assert accepted_run([5, 6, 7], [5, 6, 9]) == 3
+    assert accepted_run([5, 6, 7], [4, 6, 7]) == 1
+    assert accepted_run([5, 6], [5, 6, 7, 8]) == 3  # a short proposal stops the run
+    assert accepted_run([], [1]) == 1
+
 
 def test_check_lossless_reports_the_first_divergence():
     from draftforge.eval.speculative import DecodeResult
