@@ -34,17 +34,13 @@ from collections.abc import Sequence
 import torch
 
 from draftforge.eval.baselines import ngram_lookup
+from draftforge.eval.speculative import matching_prefix
 from draftforge.train.blocks import sample_anchors
 
 
 def accepted_run(proposal: Sequence[int], truth: Sequence[int]) -> int:
     """1 + the length of ``proposal``'s prefix equal to ``truth`` (greedy verification)."""
-    run = 0
-    for drafted, actual in zip(proposal, truth, strict=False):
-        if drafted != actual:
-            break
-        run += 1
-    return 1 + run
+    return 1 + matching_prefix(proposal, truth)
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -127,6 +127,14 @@ class TargetSession:
 # ----------------------------------------------------------------------------- verification rules
 
 
+def matching_prefix(drafts: Sequence[int], reference: Sequence[int]) -> int:
+    """How many leading ``drafts`` equal ``reference`` token for token (the greedy rule)."""
+    accepted = 0
+    while accepted < min(len(drafts), len(reference)) and drafts[accepted] == reference[accepted]:
+        accepted += 1
+    return accepted
+
+
 def greedy_accept(drafts: Sequence[int], target_logits: torch.Tensor) -> tuple[int, int]:
     """Longest prefix with ``d_k == argmax`` of the target at slot k; returns (accepted, bonus token).
 
@@ -134,9 +142,7 @@ def greedy_accept(drafts: Sequence[int], target_logits: torch.Tensor) -> tuple[i
     ``[anchor, d_0 .. d_{k-1}]``.
     """
     best = target_logits.argmax(dim=-1).tolist()
-    accepted = 0
-    while accepted < len(drafts) and drafts[accepted] == best[accepted]:
-        accepted += 1
+    accepted = matching_prefix(drafts, best)
     return accepted, best[accepted]
 
 
