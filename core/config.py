@@ -18,7 +18,6 @@ import copy
 import difflib
 import os
 import re
-import tempfile
 import types
 import typing
 from collections.abc import Iterable, Sequence
@@ -30,6 +29,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from draftforge.data.config import DataConfig
 from draftforge.eval.config import EvalConfig
+from draftforge.files import write_atomic
 from draftforge.section import Section
 from draftforge.splitserve.config import SplitConfig, TargetConfig, TargetShape
 from draftforge.splitserve.registry import resolve_target_shape
@@ -661,15 +661,5 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
 def dump_recipe(cfg: RecipeConfig, path: str | os.PathLike[str]) -> Path:
     """Write the resolved recipe to ``path`` atomically (temp file, then rename)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(cfg.to_yaml())
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, cfg.to_yaml().encode("utf-8"))
     return path

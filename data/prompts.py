@@ -22,15 +22,14 @@ from __future__ import annotations
 import gzip
 import io
 import json
-import os
 import random
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from draftforge.data.overlap import normalize
 from draftforge.data.prompt_stubs import completion_request
+from draftforge.files import write_atomic
 
 SEED = 20250601
 NUM_PROMPTS = 2400
@@ -717,18 +716,7 @@ def write_prompts(path: Path = OUTPUT, rows: list[dict] | None = None) -> Path:
     buffer = io.BytesIO()
     with gzip.GzipFile(filename="", mode="wb", fileobj=buffer, mtime=0, compresslevel=9) as gz:
         gz.write(data)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(buffer.getvalue())
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; this is package data
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, buffer.getvalue())
     return path
 
 

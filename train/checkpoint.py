@@ -37,6 +37,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftforge.errors import InputError
+from draftforge.files import fsync_tree, replace_dir, write_atomic
 from draftforge.train import distributed as D
 
 COMPLETE = "COMPLETE"
@@ -263,10 +264,9 @@ def save_checkpoint(
             if model_config is not None:
                 _write_json(tmp / DRAFT_CONFIG_FILE, model_config)
             _write_json(tmp / STATE_FILE, state)
-            (tmp / COMPLETE).write_text(f"step {step}\n")
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            fsync_tree(tmp)  # every file on disk before the marker that vouches for them
+            write_atomic(tmp / COMPLETE, f"step {step}\n".encode())
+            replace_dir(tmp, final)  # a re-save (after resuming further back) keeps the old one until then
         except Exception as exc:  # noqa: BLE001
             error = f"trainer rank 0: {type(exc).__name__}: {exc}"
             shutil.rmtree(tmp, ignore_errors=True)

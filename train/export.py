@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from draftforge.errors import InputError
+from draftforge.files import replace_dir, shareable
 from draftforge.train.model import DSparkConfig, DSparkDraft
 
 ARCHITECTURES = ("Qwen3DSparkModel", "LingDSparkModel")
@@ -237,7 +238,8 @@ def export_draft(
         _write_json(staging / CONFIG_FILE, config)
         files = write_safetensors(state, staging, max_shard_size_mb=max_shard_size_mb)
         (staging / "README.md").write_text(model_card(config, card or ModelCard(), state))
-        _replace_dir(staging, out)
+        shareable(staging)  # mkdtemp made it 0700: unreadable to a server running as another user
+        replace_dir(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -425,22 +427,6 @@ def _check_destination(out: Path) -> None:
             f"export destination {out} is a non-empty folder that is not an export (no {CONFIG_FILE}); "
             "refusing to replace it, choose another --out"
         )
-
-
-def _replace_dir(staging: Path, out: Path) -> None:
-    """Move ``staging`` to ``out``; an existing ``out`` is removed only after the new one is in place."""
-    if not out.exists():
-        os.replace(staging, out)
-        return
-    retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    os.replace(out, retired / out.name)
-    try:
-        os.replace(staging, out)
-    except BaseException:
-        os.replace(retired / out.name, out)
-        shutil.rmtree(retired, ignore_errors=True)
-        raise
-    shutil.rmtree(retired, ignore_errors=True)
 
 
 def _write_json(path: Path, value) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,6 +181,44 @@ def test_resuming_with_a_draft_of_another_shape_is_refused_with_what_differs(sav
 def test_checkpoints_record_the_draft_config(saved_run):
     saved = json.loads((saved_run / "checkpoints" / "step_00000008" / ckpt.DRAFT_CONFIG_FILE).read_text())
     assert saved == tiny_model_config(num_hidden_layers=1).to_dict()
+
+
+def _resave_step_8(run_dir):
+    """Resume from step 4 and train to step 8 again, saving step 8 over the existing one."""
+    trainer = _trainer(run_dir, steps=8, checkpoint_interval=4,
+                       resume=str(run_dir / "checkpoints" / "step_00000004"))
+    consumed = set(trainer.resume().consumed_ids)
+    return trainer.fit([b for b in _batches() if not {s.sample_id for s in b} & consumed])
+
+
+def test_resaving_a_step_keeps_the_old_checkpoint_until_the_new_one_is_in_place(saved_run, monkeypatch):
+    """Resuming further back re-saves a step that exists. The old folder is moved aside, not
+    deleted, before the new one is renamed in; when that rename fails it comes back whole."""
+    root = saved_run / "checkpoints"
+    step8 = root / "step_00000008"
+    before = {p.relative_to(step8): p.read_bytes() for p in step8.rglob("*") if p.is_file()}
+    real_replace = os.replace
+
+    def failing_replace(src, dst):
+        if str(src).endswith("step_00000008.tmp"):
+            raise OSError(errno.EIO, "simulated failure renaming the new checkpoint in")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(ckpt.CheckpointError, match="simulated failure renaming"):
+        _resave_step_8(saved_run)
+    monkeypatch.undo()
+    after = {p.relative_to(step8): p.read_bytes() for p in step8.rglob("*") if p.is_file()}
+    assert after == before
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000004", "step_00000008"]
+
+    # the same re-save without the failure: exact resume writes the same step 8 again
+    _resave_step_8(saved_run)
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000004", "step_00000008"]
+    resaved = {p.relative_to(step8): p for p in step8.rglob("*") if p.is_file()}
+    assert set(resaved) == set(before)
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        assert resaved[Path(name)].read_bytes() == before[Path(name)]
 
 
 def test_resume_path_that_does_not_exist_or_is_incomplete(tmp_path):

@@ -1,0 +1,99 @@
+"""Atomic file and folder writes: write beside the target, make it durable, rename over it.
+
+``tempfile`` creates private entries (``mkstemp`` 0600, ``mkdtemp`` 0700) and a rename
+keeps the mode, so a written file or folder gets :func:`shareable` before it is renamed
+into place: the mode a plain ``open``/``mkdir`` would have given it under the current
+umask. Otherwise an export or a recipe copy would be unreadable to a server or a
+colleague running as another user.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def shareable(path: Path) -> None:
+    """Give ``path`` (and, for a folder, everything in it) the mode that ``mkdir``/``open``
+    would have: 0o777 or 0o666 less the umask."""
+    mask = _umask()
+    if not path.is_dir():
+        path.chmod(0o666 & ~mask)
+        return
+    path.chmod(0o777 & ~mask)
+    for root, dirs, files in os.walk(path):
+        for name in dirs:
+            Path(root, name).chmod(0o777 & ~mask)
+        for name in files:
+            Path(root, name).chmod(0o666 & ~mask)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of folder ``path`` (a rename, a new file) durable; a no-op where
+    the platform cannot open a folder."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: Path) -> None:
+    """Flush every file under ``folder`` and every folder's entries to disk, so that a
+    marker written after this call never outlives the data it vouches for."""
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            with open(Path(root, name), "rb") as handle:
+                os.fsync(handle.fileno())
+        fsync_dir(Path(root))
+
+
+def write_atomic(path: Path, payload: bytes) -> None:
+    """Write ``payload`` to ``path`` through a temporary file in the same folder, fsynced,
+    then renamed over it: readers see the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        shareable(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def replace_dir(staging: Path, out: Path) -> None:
+    """Move the finished folder ``staging`` to ``out`` (same file system). An existing ``out``
+    is first moved aside into ``.NAME.old-*`` beside it and deleted only once the new one is
+    in place; a crash between the two renames leaves it there, whole, to be moved back."""
+    if not out.exists():
+        os.replace(staging, out)
+        fsync_dir(out.parent)
+        return
+    retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    os.replace(out, retired / out.name)
+    try:
+        os.replace(staging, out)
+    except BaseException:
+        os.replace(retired / out.name, out)
+        shutil.rmtree(retired, ignore_errors=True)
+        raise
+    fsync_dir(out.parent)
+    shutil.rmtree(retired, ignore_errors=True)
