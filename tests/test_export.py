@@ -197,6 +197,48 @@ def test_export_replaces_an_older_export(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["export"]
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_export_folder_gets_the_mode_mkdir_would_give(tmp_path, umask):
+    """The staging folder comes from mkdtemp (0700); a server running as another user must
+    still be able to read the export when the umask allows it."""
+    old = os.umask(umask)
+    try:
+        out = export_draft(tiny_draft(), tmp_path / "export", progress=lambda _: None)
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask
+    for item in out.iterdir():
+        assert item.stat().st_mode & 0o777 == 0o666 & ~umask, item.name
+
+
+def test_loader_reads_the_dflash_fields_nested_only(tmp_path):
+    """SGLang accepts block_size, target_layer_ids, num_target_layers and mask_token_id
+    under dflash_config alone; so does the loader, and it refuses the two copies disagreeing."""
+    model = tiny_draft()
+    raw = serving_config(model.config, arch="Qwen3DSparkModel", dtype=torch.float32)
+    nested_only = {k: v for k, v in raw.items() if k not in raw["dflash_config"]}
+    assert set(raw["dflash_config"]) == {"block_size", "target_layer_ids", "num_target_layers", "mask_token_id"}
+    assert config_from_serving(nested_only) == model.config
+    contradicting = dict(raw, dflash_config=dict(raw["dflash_config"], block_size=raw["block_size"] + 1))
+    with pytest.raises(ExportError, match="block_size is .* at the top level but .* in dflash_config"):
+        config_from_serving(contradicting, where="x/config.json")
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}},
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+    ],
+)
+def test_loader_refuses_rope_scaling_it_cannot_apply(field):
+    raw = serving_config(tiny_draft().config, arch="Qwen3DSparkModel", dtype=torch.float32)
+    with pytest.raises(ExportError, match="x/config.json: rope scaling .* not supported"):
+        config_from_serving(dict(raw, **field), where="x/config.json")
+    plain = dict(raw, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    assert config_from_serving(plain) == tiny_draft().config
+
+
 def test_export_refuses_to_replace_a_folder_that_is_not_an_export(tmp_path):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")

@@ -40,7 +40,15 @@ def read_serving_config(folder: str | os.PathLike[str]) -> dict:
 
 
 def config_from_serving(raw: dict, *, where: str = CONFIG_FILE) -> DSparkConfig:
-    """The ``DSparkConfig`` described by an exported config.json."""
+    """The ``DSparkConfig`` described by an exported config.json.
+
+    The four DFlash fields may be top-level or, as SGLang also accepts, nested under
+    ``dflash_config``; where both are given they must agree. RoPE scaling is refused: the
+    draft implements plain RoPE, so a scaled config would load into a model whose logits
+    differ from the server's.
+    """
+    raw = _with_dflash_fields(raw, where)
+    _check_plain_rope(raw, where)
     required = (
         "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "intermediate_size", "num_target_layers", "target_layer_ids",
@@ -73,6 +81,42 @@ def config_from_serving(raw: dict, *, where: str = CONFIG_FILE) -> DSparkConfig:
         )
     except (TypeError, ValueError) as err:
         raise ExportError(f"{where}: {err}") from err
+
+
+DFLASH_FIELDS = ("block_size", "target_layer_ids", "num_target_layers", "mask_token_id")
+
+
+def _with_dflash_fields(raw: dict, where: str) -> dict:
+    """``raw`` with the DFlash fields of a nested ``dflash_config`` lifted to the top level."""
+    nested = raw.get("dflash_config")
+    if nested is None:
+        return raw
+    if not isinstance(nested, dict):
+        raise ExportError(f"{where}: dflash_config must be an object, got {type(nested).__name__}")
+    merged = dict(raw)
+    for key in DFLASH_FIELDS:
+        if key not in nested:
+            continue
+        if key in raw and raw[key] != nested[key]:
+            raise ExportError(
+                f"{where}: {key} is {raw[key]!r} at the top level but {nested[key]!r} in dflash_config; "
+                "they must agree"
+            )
+        merged[key] = nested[key]
+    return merged
+
+
+def _check_plain_rope(raw: dict, where: str) -> None:
+    scaling = raw.get("rope_scaling")
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and params.get("rope_type", "default") != "default":
+        scaling = params
+    if scaling:
+        raise ExportError(
+            f"{where}: rope scaling {scaling!r} is not supported: draftforge's draft applies plain "
+            "RoPE, so its logits would differ from a server's that scales; use a draft exported "
+            "without rope_scaling"
+        )
 
 
 def read_safetensors_folder(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
