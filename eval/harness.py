@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -105,6 +105,8 @@ def run_workload(
         threshold=settings.threshold,
         eos_token_ids=tuple(eos_token_ids),
     )
+    # the baselines have no confidence head: a threshold applies to the draft alone
+    settings_for = {m: decode if m == "dspark" else replace(decode, verify="full") for m in ("dspark", "ngram", "none")}
     with_features = TargetSession(target.model, draft.config.target_layer_ids)
     plain_session = TargetSession(target.model, None)
     proposers = {
@@ -123,7 +125,7 @@ def run_workload(
             session, make = proposers[method]
             generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + index)
             outputs[method].append(
-                speculative_decode(session, prompt, make(generator), decode, generator=generator)
+                speculative_decode(session, prompt, make(generator), settings_for[method], generator=generator)
             )
         if settings.temperature <= 0:
             for method in methods:

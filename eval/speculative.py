@@ -304,13 +304,18 @@ def speculative_decode(
             if token in eos:
                 emitted = emitted[: index + 1]
                 break
+        counted_verified, counted_accepted = num_verified, accepted
+        if len(emitted) <= accepted:
+            # an accepted draft ends the answer and the request stops there (DeepSpec counts so):
+            # the drafts after it count as neither verified nor accepted
+            counted_verified = counted_accepted = len(emitted)
         if plain:
             margins.append(_margin(target_logits[0]))
         rounds.append(
             Round(
                 num_proposed=len(proposal.tokens),
-                num_verified=num_verified,
-                num_accepted=accepted,
+                num_verified=counted_verified,
+                num_accepted=counted_accepted,
                 acceptance_length=len(emitted),
                 confidence_logits=proposal.confidence_logits,
             )

@@ -8,7 +8,8 @@ from eval_helpers import random_prompts, tiny_eval_draft, tiny_target
 
 from draftforge.eval import speculative as spec
 from draftforge.eval.baselines import NgramProposer, NoDraft, ngram_lookup
-from draftforge.eval.harness import EvalSettings, run_workload
+from draftforge.eval.calibration import round_samples
+from draftforge.eval.harness import EvalSettings, run_workload, summarize
 from draftforge.eval.speculative import (
     DecodeSettings,
     LosslessCheckError,
@@ -124,6 +125,46 @@ def test_round_accepting_eos_counts_up_to_the_eos(target):
     assert sum(lengths) == first and lengths[-1] <= 5
     if first % 5:  # the EOS was an accepted draft: no bonus counted after it
         assert lengths[-1] == first % 5
+
+
+def test_drafts_after_an_accepted_eos_count_as_neither_verified_nor_accepted(target):
+    """The request ends at an accepted EOS, so per-position acceptance and the calibration
+    samples must not see the drafts behind it (DeepSpec counts so)."""
+    gamma = 4
+    prompt = random_prompts(1, seed=5)[0]
+    free = _plain(target, prompt, 30).tokens
+    # output token 0 comes from the prefill and round r emits tokens 5r-4 .. 5r, its drafts
+    # first: an EOS at token i with i % 5 in (1, 2, 3) is draft (i - 1) % 5 with drafts after it
+    at = next(i for i in range(6, 30) if free.index(free[i]) == i and i % 5 in (1, 2, 3))
+    eos, eos_draft = free[at], (at - 1) % 5
+    session = TargetSession(target.model, None)
+    result = speculative_decode(
+        session, prompt, OracleProposer(len(prompt), free, gamma),
+        DecodeSettings(max_new_tokens=30, eos_token_ids=(eos,)),
+    )  # fmt: skip
+    assert result.tokens == free[: at + 1]
+    last = result.rounds[-1]
+    assert last.num_proposed == gamma
+    assert (last.acceptance_length, last.num_accepted, last.num_verified) == (eos_draft + 1,) * 3
+    summary = summarize([result], gamma)
+    full = len(result.rounds) - 1
+    assert summary["position_reached"] == [full + (k <= eos_draft) for k in range(gamma)]
+    assert full >= 1 and summary["position_acceptance"] == [1.0] * gamma
+    last.confidence_logits = [0.0] * gamma
+    assert round_samples([last]) == [(k, 0.0, 1.0) for k in range(eos_draft + 1)]
+
+
+def test_threshold_mode_leaves_the_baselines_on_full_verification(target, draft):
+    """n-gram lookup has no confidence head; with the default baselines a threshold run used
+    to stop at its first proposal."""
+    result = run_workload(
+        "random", random_prompts(2, seed=3), draft, target,
+        EvalSettings(max_new_tokens=12, verify="threshold", threshold=0.5, estimate=False,
+                     tie_tolerance=0.0, ngram_max=1), **QUIET,
+    )  # fmt: skip
+    ngram = result.methods["ngram"]
+    assert ngram["rounds"] > 0 and ngram["drafts_proposed_per_round"] > 0
+    assert ngram["tokens_verified_per_round"] == pytest.approx(1 + ngram["drafts_proposed_per_round"])
 
 
 def test_threshold_mode_verifies_only_confident_prefixes(target, draft):
