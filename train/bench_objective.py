@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     results = {}
     for path in args.paths.split(","):
-        print(f"  running {path} ...", flush=True)
+        print(f"  running {path} ...", file=sys.stderr, flush=True)
         proc = subprocess.run(
             [sys.executable, "-m", "draftforge.train.bench_objective", *base, "--path", path],
             capture_output=True, text=True,

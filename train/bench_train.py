@@ -67,8 +67,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("recipe", nargs="?", help="recipe YAML (default: issue 4's peer shapes)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
-    parser.add_argument("--seq", type=int, default=512, help="sequence length")
-    parser.add_argument("--anchors", type=int, default=64, help="anchors per sequence")
+    parser.add_argument("--seq", type=int, default=512,
+                        help="sequence length (default 512, issue 4's peer shape; not the recipe's data.max_length)")
+    parser.add_argument("--anchors", type=int, default=64,
+                        help="anchors per sequence (default 64, the peer shape; not the recipe's train.num_anchors)")
     parser.add_argument("--batch", type=int, default=1, help="sequences per step")
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op threads for the steps and the peak (default: the recipe's "

@@ -26,10 +26,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("source", help="run directory (newest complete checkpoint), checkpoint folder or model.safetensors")
     parser.add_argument("--out", help="destination folder (default: the recipe's export.out_dir or <run>/export)")
-    parser.add_argument("--arch", choices=["Qwen3DSparkModel", "LingDSparkModel"], help=f"default {defaults.arch}")
+    parser.add_argument("--arch", choices=["Qwen3DSparkModel", "LingDSparkModel"], help=f"default: the recipe's export.arch ({defaults.arch} when unset)")
     parser.add_argument("--with-embeddings", action="store_true", default=None,
                         help="also write embed_tokens / lm_head (servers attach the target's anyway)")  # fmt: skip
-    parser.add_argument("--max-shard-size-mb", type=float, help=f"default {defaults.max_shard_size_mb}")
+    parser.add_argument("--max-shard-size-mb", type=float, help=f"shard above this size (default: the recipe's export.max_shard_size_mb, "
+                        f"{defaults.max_shard_size_mb} when unset)")
     parser.add_argument("--recipe", help="the recipe the run used (default: the one saved in the run directory)")
     parser.add_argument("--eval-report", help="markdown table from 'draftforge eval' for the model card")
     parser.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the export with huggingface_hub")
