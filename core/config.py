@@ -484,6 +484,17 @@ def _check_draft(cfg: RecipeConfig, shape: TargetShape | None) -> list[Problem]:
                 f"{draft.markov_head_type}); set train.markov_init: random",
             )
         )
+    if cfg.train.loss.position_weighting == "dpace" and cfg.train.grad_accum > 1:
+        problems.append(
+            (
+                ("train", "grad_accum"),
+                f"{cfg.train.grad_accum} micro-batches with train.loss.position_weighting: dpace: "
+                "D-PACE weights depend on the draft's own acceptance, so the step's weight sum is "
+                "known only after every micro-batch's forward, and each would be normalised "
+                "alone; use position_weighting: exp, or a larger split.token_budget instead of "
+                "accumulation",
+            )
+        )
     return problems
 
 

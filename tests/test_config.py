@@ -275,6 +275,17 @@ def test_markov_rank_zero_with_markov_confidence_head(tmp_path):
     assert load_recipe(write(tmp_path, dflash)).draft.markov_rank == 0
 
 
+def test_dpace_weights_with_accumulation_are_refused(tmp_path):
+    """D-PACE weights need each micro-batch's forward, so the step's weight sum cannot divide
+    every micro-batch; exp weights can be summed ahead and accumulate exactly."""
+    path = write(tmp_path, BASE)
+    (problem,) = problems(path, ["train.grad_accum=2", "train.loss.position_weighting=dpace"])
+    assert "train.grad_accum: 2 micro-batches with train.loss.position_weighting: dpace" in problem
+    assert "use position_weighting: exp" in problem
+    assert load_recipe(path, ["train.grad_accum=2"]).train.grad_accum == 2
+    assert load_recipe(path, ["train.loss.position_weighting=dpace"]).train.loss.position_weighting == "dpace"
+
+
 # --------------------------------------------------------------------------- split
 
 

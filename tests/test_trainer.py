@@ -78,6 +78,25 @@ def test_step_record_matches_the_objective_on_the_same_batch_and_anchors(tmp_pat
     assert record["tau"] == pytest.approx(out.expected_acceptance_length().item(), rel=1e-5)
 
 
+def test_accumulated_micro_batches_weigh_every_slot_alike(tmp_path):
+    """grad_accum=2 over [A], [B] is one step on [A, B]: the objective divides by the whole
+    step's weight sum, not each micro-batch by its own (a short answer would otherwise count
+    as much as a long one). Every position is an anchor, so both see the same blocks."""
+    short = chain_samples(1, seed=1, min_len=8, max_len=8)
+    long = chain_samples(1, seed=2, min_len=40, max_len=40)
+    together = _trainer(tmp_path / "one", num_anchors=200)
+    split = _trainer(tmp_path / "two", num_anchors=200, grad_accum=2)
+    for a, b in zip(together.model.state_dict().values(), split.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    one = together.train_step([short + long])
+    two = split.train_step([short, long])
+    assert two["block_tokens"] == one["block_tokens"]
+    for key in ("loss", "ce", "tv", "bce", "tau", "grad_norm"):
+        assert two[key] == pytest.approx(one[key], rel=1e-4), key
+    for a, b in zip(together.model.parameters(), split.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_lr_warmup_then_cosine_to_floor():
     train = train_config(steps=100, lr=1.0, warmup_ratio=0.1, min_lr_ratio=0.1)
     assert lr_at(0, train=train) == pytest.approx(0.1)

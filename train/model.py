@@ -456,6 +456,7 @@ class DSparkDraft(nn.Module):
         anchor_valid: torch.Tensor,
         objective: dict | None = None,
         reduce_sum=None,
+        denominator: torch.Tensor | None = None,
     ) -> ObjectiveOutput:
         """Packed training forward and the objective for a batch.
 
@@ -477,6 +478,7 @@ class DSparkDraft(nn.Module):
             layout.valid.flatten(0, 1),
             target_hidden.flatten(0, 1),
             reduce_sum=reduce_sum,
+            denominator=denominator,
             **(objective or {}),
         )
 

@@ -267,12 +267,17 @@ def dspark_objective(
     chunked: bool = True,
     compile: bool | str = "auto",
     reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    denominator: torch.Tensor | None = None,
 ) -> ObjectiveOutput:
     """The loss of N blocks.
 
     hidden [N, γ, H] (post-norm draft states), prev_tokens / labels / valid [N, γ],
     target_hidden [N, γ, H_t] (the target's final post-norm state at p + k).
     ``reduce_sum`` sums the weight denominator over ranks (identity by default).
+    ``denominator``: the weight sum to divide by, when the caller knows it before the
+    forward (the trainer: exp weights summed over every micro-batch of an optimizer step
+    and every rank, so that accumulation weighs each block alike); it replaces
+    ``reduce_sum``.
     ``compile``: run the chunks' elementwise vocabulary work through ``torch.compile``
     (``"auto"``: on CUDA only; on CPU it needs a C++ compiler and pays off on long runs).
     """
@@ -296,9 +301,10 @@ def dspark_objective(
         z = model.confidence_head(hidden, emb).float()
         bce = F.binary_cross_entropy_with_logits(z, c_star, reduction="none")
         sum_bce = (weights * bce).sum()
-    denominator = weights.sum()
-    if reduce_sum is not None:
-        denominator = reduce_sum(denominator.detach().clone())
+    if denominator is None:
+        denominator = weights.sum()
+        if reduce_sum is not None:
+            denominator = reduce_sum(denominator.detach().clone())
     denominator = denominator.clamp(min=1e-6)
     loss = (total + bce_weight * sum_bce) / denominator
     return ObjectiveOutput(

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from draftforge.train import checkpoint as ckpt
 from draftforge.train import distributed as D
-from draftforge.train.blocks import sample_anchors
+from draftforge.train.blocks import build_layout, sample_anchors
 from draftforge.train.config import TrainConfig
 from draftforge.train.metrics import (
     MetricsLog,
@@ -42,6 +42,7 @@ from draftforge.train.metrics import (
     write_summary,
 )
 from draftforge.train.model import DSparkConfig, DSparkDraft, count_parameters
+from draftforge.train.objective import exp_weights
 from draftforge.train.sample import Sample, collate
 
 
@@ -245,28 +246,49 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def _micro_step(self, samples: list[Sample], micro: int, sums: torch.Tensor) -> None:
+    def _prepare(self, samples: list[Sample], micro: int):
+        """A micro-batch collated, with its anchors: drawn from a host copy of the loss mask
+        (one small copy, not a sync per sequence when the batch arrived on the GPU)."""
+        batch = collate(samples)
+        generator = torch.Generator().manual_seed(
+            anchor_seed(seed=self.train.seed, step=self.step, micro_step=micro, rank=self.rank))
+        anchors, anchor_valid = sample_anchors(batch.loss_mask.cpu(), self.train.num_anchors, generator)
+        return batch, anchors.to(batch.loss_mask.device), anchor_valid.to(batch.loss_mask.device)
+
+    def _step_denominator(self, prepared) -> torch.Tensor | None:
+        """The objective's weight sum over every micro-batch of this step and every trainer
+        rank, so that accumulated micro-batches weigh each supervised slot alike (the
+        contract's sums, not a mean of per-micro-batch means). Exp weights depend only on
+        which slots are supervised, so it is known before any forward: one all-reduce per
+        step. D-PACE weights need the forward; the recipe refuses them with accumulation,
+        and each micro-batch's forward sums them over the ranks instead (``None``)."""
+        loss = self.train.loss
+        if loss.position_weighting != "exp":
+            return None
+        total = torch.zeros((), dtype=torch.float32, device=self._comm_device())
+        for batch, anchors, anchor_valid in prepared:
+            valid = build_layout(batch.input_ids, batch.loss_mask, anchors, anchor_valid,
+                                 self.model_config.block_size).valid
+            total += exp_weights(valid, loss.decay).sum().to(total.device)
+        D.all_reduce(total, group=self.group)
+        return total.clamp(min=1e-6).to(self.device)
+
+    def _micro_step(self, prepared, micro: int, sums: torch.Tensor, denominator: torch.Tensor | None) -> None:
         """Forward + backward of one micro-batch; adds its metrics (a non-finite loss as a
         flag) to ``sums``.
 
-        Nothing here waits for the device except DeepSpeed's finiteness vote: the anchors
-        are drawn from a host copy of the loss mask (one small copy, not a sync per
-        sequence when the batch arrived on the GPU), and the non-finite flag stays a
-        device tensor until the optimizer step reads ``sums``.
+        Nothing here waits for the device except DeepSpeed's finiteness vote: the
+        non-finite flag stays a device tensor until the optimizer step reads ``sums``.
         """
-        train = self.train
-        batch = collate(samples)
-        generator = torch.Generator().manual_seed(
-            anchor_seed(seed=train.seed, step=self.step, micro_step=micro, rank=self.rank))
-        anchors, anchor_valid = sample_anchors(batch.loss_mask.cpu(), train.num_anchors, generator)
+        batch, anchors, anchor_valid = prepared
         batch = batch.to(self.device)
         model = self.engine if self.engine is not None else self.model
         with self._autocast():
             out = model(batch.input_ids, batch.loss_mask, batch.aux, batch.final,
                         anchors.to(self.device), anchor_valid.to(self.device),
-                        objective=self.objective, reduce_sum=self.reduce_sum)
+                        objective=self.objective, reduce_sum=self.reduce_sum, denominator=denominator)
         out = D.as_objective_output(out)
-        loss = out.loss.float() / train.grad_accum
+        loss = out.loss.float()  # already divided by the whole step's weight sum
         nonfinite = (~torch.isfinite(loss)).float()
         scaled = loss * D.loss_scale(group=self.group)
         if self.engine is None:
@@ -281,8 +303,7 @@ class Trainer:
         # masked by multiplication, not boolean indexing (a host sync on the GPU)
         tau_sum = ((1.0 + torch.cumprod(out.c_star, dim=-1).sum(-1)) * blocks).sum()
         parts = torch.cat([
-            torch.stack([loss.detach(), out.ce / train.grad_accum, out.tv / train.grad_accum,
-                         out.bce / train.grad_accum, tau_sum.float(), blocks.sum().float(),
+            torch.stack([loss.detach(), out.ce, out.tv, out.bce, tau_sum.float(), blocks.sum().float(),
                          torch.tensor(float(batch.num_tokens), device=loss.device), valid.sum(),
                          nonfinite]).float(),
             (out.c_star * valid).sum(0).float(), valid.sum(0),
@@ -340,8 +361,10 @@ class Trainer:
         compute_start = time.perf_counter()
         self._set_lr(lr_at(self.step, train=self.train))
         sums = torch.zeros(9 + 2 * gamma, dtype=torch.float32, device=comm)
-        for micro, samples in enumerate(micro_batches):
-            self._micro_step(samples, micro, sums)
+        prepared = [self._prepare(samples, micro) for micro, samples in enumerate(micro_batches)]
+        denominator = self._step_denominator(prepared)
+        for micro, batch in enumerate(prepared):
+            self._micro_step(batch, micro, sums, denominator)
         D.all_reduce(sums, group=self.group)
         norm, applied = self._optimizer_step(sums)
         step_ids = [s.sample_id for samples in micro_batches for s in samples]
