@@ -33,7 +33,7 @@ from draftforge.files import write_atomic
 from draftforge.section import Section
 from draftforge.splitserve.config import SplitConfig, TargetConfig, TargetShape
 from draftforge.splitserve.registry import resolve_target_shape
-from draftforge.train.config import DraftConfig, ExportConfig, TrainConfig
+from draftforge.train.config import DraftConfig, ExportConfig, TrainConfig, warmup_steps
 
 __all__ = [
     "RecipeConfig",
@@ -112,8 +112,14 @@ _RecipeLoader.add_implicit_resolver(
 def _parse_yaml(text: str, source: str) -> tuple[Any, dict[KeyPath, int], list[str]]:
     """Parse YAML text: the data, the line of every key path, and structural problems."""
     loader = _RecipeLoader(text)
+    lines: dict[KeyPath, int] = {}
+    problems: list[str] = []
     try:
         node = loader.get_single_node()
+        if node is not None:
+            # before constructing: construction flattens merge keys (<<: *anchor) into the
+            # mapping, and an explicit key beside a merged one would look duplicated
+            _index_lines(node, (), lines, problems, source)
         data = loader.construct_document(node) if node is not None else None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
@@ -124,10 +130,6 @@ def _parse_yaml(text: str, source: str) -> tuple[Any, dict[KeyPath, int], list[s
         raise RecipeError([f"{source}: YAML syntax error: {exc}"]) from None
     finally:
         loader.dispose()
-    lines: dict[KeyPath, int] = {}
-    problems: list[str] = []
-    if node is not None:
-        _index_lines(node, (), lines, problems, source)
     return data, lines, problems
 
 
@@ -153,8 +155,9 @@ def _index_lines(
                     f"{source}:{line}: {_dotted(path + (key,))}: duplicate key "
                     f"(first given at line {seen[key]})"
                 )
-                continue
-            seen[key] = line
+            else:
+                seen[key] = line
+            # YAML keeps the last value, so its problems are reported at the last line
             lines[path + (key,)] = line
             _index_lines(value_node, path + (key,), lines, problems, source)
     elif isinstance(node, yaml.SequenceNode):
@@ -482,6 +485,16 @@ def _check_draft(cfg: RecipeConfig, shape: TargetShape | None) -> list[Problem]:
                 "bigram fills the Markov head's W1/W2 table, which needs draft.markov_rank > 0 "
                 f"and a vanilla or gated head (this draft: rank {draft.markov_rank}, "
                 f"{draft.markov_head_type}); set train.markov_init: random",
+            )
+        )
+    warmup = warmup_steps(cfg.train)
+    if warmup >= cfg.train.steps:
+        problems.append(
+            (
+                ("train", "warmup_ratio"),
+                f"{cfg.train.warmup_ratio:g} of {cfg.train.steps} steps is {warmup} warmup steps, "
+                "which leaves none for the cosine decay: the run would end at the peak learning "
+                "rate; lower train.warmup_ratio or raise train.steps",
             )
         )
     if cfg.train.loss.position_weighting == "dpace" and cfg.train.grad_accum > 1:

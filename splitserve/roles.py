@@ -347,6 +347,8 @@ def _run_trainer(ctx: RankContext, bench: dict | None) -> None:
     mine = len(info.consumed_ids) if info is not None else 0
     if info is not None:
         ctx.log(f"resumed from {info.path} at step {info.step} ({mine} samples consumed here)")
+        if info.schedule_change:
+            ctx.log(f"note: {info.schedule_change}")
     for src in sources:
         T.send_hello(consumed, src, group=ctx.ack_group)
     credits = max(1, cfg.split.max_in_flight // len(sources))

@@ -126,6 +126,31 @@ def test_duplicate_key(tmp_path):
     )
 
 
+def test_duplicate_key_value_problems_point_at_the_value_yaml_kept(tmp_path):
+    """YAML keeps the last of two equal keys, so a problem in that value is at its line."""
+    text = BASE.replace("  block_size: 4\n", "  block_size: 4\n  block_size: '6'\n")
+    first = LINE_OF["block_size"]
+    found = problems(write(tmp_path, text))
+    assert any(p.endswith(f"r.yaml:{first + 1}: draft.block_size: duplicate key (first given at line {first})")
+               for p in found)
+    assert any(f"r.yaml:{first + 1}: draft.block_size: expected int, got str '6'" in p for p in found), found
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path):
+    """An explicit key beside a merged one overrides it (YAML merge); it is not a duplicate."""
+    text = BASE.replace("train:\n  strategy: single\n", "train: &t\n  strategy: single\n") + (
+        "eval:\n  num_prompts: 3\n"
+    )
+    assert load_recipe(write(tmp_path, text)).train.strategy == "single"
+    merged = (
+        "x-common: &common\n  lr: 1e-4\n  steps: 5\n"
+        + BASE.replace("train:\n  strategy: single\n  lr: 1e-4\n", "train:\n  <<: *common\n  strategy: single\n  steps: 7\n")
+    )
+    found = problems(write(tmp_path, merged))
+    assert not any("duplicate" in p for p in found), found
+    assert any("x-common: unknown key" in p for p in found)  # the anchor's own section is still checked
+
+
 def test_all_errors_are_collected(tmp_path):
     text = replace("block_size", "block_size: '8'").replace("strategy: single", "strategy: dp")
     found = problems(write(tmp_path, text))
@@ -273,6 +298,13 @@ def test_markov_rank_zero_with_markov_confidence_head(tmp_path):
     # the DFlash ablation: no Markov head, no confidence head
     dflash = replace("markov_rank", "markov_rank: 0\n  enable_confidence_head: false")
     assert load_recipe(write(tmp_path, dflash)).draft.markov_rank == 0
+
+
+def test_warmup_that_leaves_no_decay_is_refused(tmp_path):
+    path = write(tmp_path, BASE)
+    (problem,) = problems(path, ["train.steps=10", "train.warmup_ratio=0.95"])
+    assert "train.warmup_ratio: 0.95 of 10 steps is 10 warmup steps, which leaves none" in problem
+    assert load_recipe(path, ["train.steps=10", "train.warmup_ratio=0.9"]).train.warmup_ratio == 0.9
 
 
 def test_dpace_weights_with_accumulation_are_refused(tmp_path):

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from trainer_helpers import chain_samples, target_embeddings, tiny_model_config, train_config
 
 from draftforge.train import checkpoint as ckpt
+from draftforge.train.config import warmup_steps
 from draftforge.train.sample import Sample, collate, pack
 from draftforge.train.trainer import Trainer, lr_at
 
@@ -106,6 +107,15 @@ def test_lr_warmup_then_cosine_to_floor():
     assert lr_at(100, train=train) == pytest.approx(0.1)
 
 
+def test_warmup_length_is_not_lengthened_by_float_noise():
+    """0.07 * 100 is 7.000000000000001 in binary: 7 warmup steps, the 7th at the peak."""
+    train = train_config(steps=100, lr=1.0, warmup_ratio=0.07)
+    assert warmup_steps(train) == 7
+    assert lr_at(5, train=train) == pytest.approx(6 / 7)
+    assert lr_at(6, train=train) == pytest.approx(1.0)
+    assert warmup_steps(train_config(steps=360, warmup_ratio=0.04)) == 15  # 14.4 rounds up
+
+
 @pytest.fixture(scope="module")
 def single_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("single")
@@ -183,6 +193,23 @@ def _run(tmp_path, samples, *, steps, crash_at=None, resume="never", **overrides
     except _Crash:
         pass
     return trainer, info, records
+
+
+def test_resume_says_when_the_schedule_changed(tmp_path):
+    """A checkpoint keeps the learning rate its run would use next; a resume under other
+    schedule settings says what the next step's rate is now instead of jumping silently."""
+    samples = chain_samples(60)
+    _run(tmp_path, samples, steps=10, crash_at=6)  # checkpoint at step 4
+    same = _trainer(tmp_path, steps=10, resume="auto", checkpoint_interval=4).resume()
+    assert same.step == 4 and same.schedule_change == ""
+    longer = _trainer(tmp_path, steps=30, lr=1e-2, resume="auto", checkpoint_interval=4).resume()
+    before = lr_at(4, train=train_config(steps=10))
+    now = lr_at(4, train=train_config(steps=30, lr=1e-2))
+    assert longer.schedule_change == (
+        f"the learning rate of step 5 is {now:.3e} under this recipe's schedule (train.lr 0.01, "
+        f"steps 30, warmup_ratio 0.1, min_lr_ratio 0), where the checkpointed run's would have "
+        f"been {before:.3e}; training continues on the new schedule"
+    )
 
 
 def test_resume_repeats_an_uninterrupted_run_exactly(tmp_path):

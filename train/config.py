@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -175,3 +176,9 @@ def build_dspark_config(draft: DraftConfig, target_shape, *, vocab_size: int | N
         num_target_layers=target_shape.num_hidden_layers,
         **fields,
     )
+
+
+def warmup_steps(train: TrainConfig) -> int:
+    """Warmup updates: ``warmup_ratio * steps`` rounded up, after rounding away float noise
+    (0.07 * 100 is 7.000000000000001 in binary, which is 7 steps, not 8)."""
+    return math.ceil(round(train.warmup_ratio * train.steps, 9))

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from draftforge.train import checkpoint as ckpt
 from draftforge.train import distributed as D
 from draftforge.train.blocks import build_layout, sample_anchors
-from draftforge.train.config import TrainConfig
+from draftforge.train.config import TrainConfig, warmup_steps
 from draftforge.train.metrics import (
     MetricsLog,
     Progress,
@@ -55,6 +55,7 @@ class ResumeInfo:
     all_consumed_ids: set[str]  # every trainer rank's
     extra: dict
     path: Path
+    schedule_change: str = ""  # non-empty when this run's schedule differs at the resumed step
 
 
 @dataclass
@@ -75,7 +76,7 @@ class FitResult:
 
 def lr_at(step: int, *, train: TrainConfig) -> float:
     """Learning rate of update ``step`` (0-based): linear warmup, then cosine to ``min_lr_ratio * lr``."""
-    warmup = math.ceil(train.warmup_ratio * train.steps)
+    warmup = warmup_steps(train)
     if step < warmup:
         return train.lr * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, train.steps - warmup))
@@ -229,8 +230,20 @@ class Trainer:
         self.resumed = ResumeInfo(
             step=self.step, consumed_ids=list(self.consumed_ids),
             all_consumed_ids={i for ids in per_rank for i in ids}, extra=extra, path=Path(path),
+            schedule_change=self._schedule_change(state.get("schedule", {})),
         )
         return self.resumed
+
+    def _schedule_change(self, saved: dict) -> str:
+        """What a resume with another train.lr, steps, warmup_ratio or min_lr_ratio does to the
+        next update's learning rate, or "" when the schedule continues as it was."""
+        before, now = saved.get("lr"), lr_at(self.step, train=self.train)
+        if before is None or math.isclose(before, now, rel_tol=1e-9, abs_tol=0.0):
+            return ""
+        return (f"the learning rate of step {self.step + 1} is {now:.3e} under this recipe's schedule "
+                f"(train.lr {self.train.lr:g}, steps {self.train.steps}, warmup_ratio "
+                f"{self.train.warmup_ratio:g}, min_lr_ratio {self.train.min_lr_ratio:g}), where the "
+                f"checkpointed run's would have been {before:.3e}; training continues on the new schedule")
 
     # -- one optimizer step ------------------------------------------------------------
 
