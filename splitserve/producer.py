@@ -28,6 +28,7 @@ from __future__ import annotations
 import random
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import count
@@ -407,22 +408,50 @@ def run_producer(
     if consumed:
         log(f"target rank {rank}: resuming; the trainers already consumed {len(consumed)} samples")
     seq = dict.fromkeys(dests, 0)
-    meter.start()
-    try:
-        for sample in source.samples():
+    # Each link keeps its own order, but links do not wait on each other: a trainer whose
+    # link is full (it holds a step's data and waits in a collective for the others) must
+    # not stop the samples of a trainer that needs them, or both wait forever.
+    pending: dict[int, deque[ProducedSample]] = {dest: deque() for dest in dests}
+
+    def send_ready(block: bool) -> None:
+        """Send what the links' credits allow, in each link's order; with ``block``,
+        wait for at least one send (or for the waiting trainers to stop)."""
+        while True:
+            for dest in dests:
+                if pending[dest] and gate.has_stopped(dest):
+                    pending[dest].clear()  # that trainer has its steps: drop what it would get
+            waiting = [dest for dest in dests if pending[dest]]
+            if not waiting:
+                return
             with meter.idle("credits"):
-                ok = gate.acquire(sample.dest)
-            if not ok:
-                continue
+                dest = gate.acquire(waiting, block=block)
+            if dest is None:  # blocking: every waiting trainer stopped (cleared above next)
+                if block:
+                    continue
+                return
+            sample = pending[dest].popleft()
             with meter.busy("send"):
                 T.send_sample(
-                    sample.dest, sample.sample_id, sample.input_ids, sample.loss_mask,
-                    sample.aux, sample.final, seq_no=seq[sample.dest],
+                    dest, sample.sample_id, sample.input_ids, sample.loss_mask,
+                    sample.aux, sample.final, seq_no=seq[dest],
                     stats=meter.wire_stats(), chunk_end=sample.chunk_end,
                     group=data_group, device=device,
                 )
-            gate.note_sent(sample.dest)
-            seq[sample.dest] += 1
+            gate.note_sent(dest)
+            seq[dest] += 1
+            block = False  # one send is progress; go on only while credits allow
+
+    meter.start()
+    try:
+        for sample in source.samples():
+            pending[sample.dest].append(sample)
+            send_ready(block=False)
+            # Produce ahead only while some live trainer has nothing queued here (it may be
+            # the one the others wait for); once every one has, wait for a credit.
+            while all(pending[d] or gate.has_stopped(d) for d in dests) and any(pending.values()):
+                send_ready(block=True)
+        while any(pending.values()):
+            send_ready(block=True)
         if not gate.all_stopped():
             log(f"target rank {rank}: data finished (split.max_epochs={split.max_epochs})")
     finally:

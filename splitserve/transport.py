@@ -286,8 +286,8 @@ class CreditGate:
     """Producer side of the backpressure: per-trainer credits, refilled by ACK messages.
 
     A background thread receives ACKs (from any trainer) on the ack group; the
-    producer calls :meth:`acquire` before each send, which blocks while the link
-    has ``credits`` samples outstanding.
+    producer calls :meth:`acquire` before each send, for whichever of its links has
+    a credit: a trainer whose link is full does not hold up the others.
     """
 
     def __init__(self, dests: Sequence[int], credits: int, *, group, timeout_s: float):
@@ -341,21 +341,33 @@ class CreditGate:
         with self._cond:
             return self.sent[dest] - self.consumed[dest]
 
-    def acquire(self, dest: int) -> bool:
-        """Wait for a credit on the link to ``dest``; False when that trainer has stopped."""
+    def has_stopped(self, dest: int) -> bool:
+        with self._cond:
+            return dest in self.stopped
+
+    def acquire(self, dests: Sequence[int], *, block: bool = True) -> int | None:
+        """The first of ``dests`` (stopped trainers aside) whose link has a credit, waiting
+        for one when ``block``; None when all of them have stopped, or, without ``block``,
+        when none has a credit now. A wait longer than the timeout means the trainers
+        stopped taking samples: :class:`PeerDied` names them."""
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
             while True:
                 if self.error is not None:
                     raise self.error
-                if dest in self.stopped:
-                    return False
-                if self.sent[dest] - self.consumed[dest] < self.credits:
-                    return True
+                live = [d for d in dests if d not in self.stopped]
+                if not live:
+                    return None
+                for dest in live:
+                    if self.sent[dest] - self.consumed[dest] < self.credits:
+                        return dest
                 left = deadline - time.monotonic()
+                if not block:
+                    return None
                 if left <= 0:
-                    raise PeerDied(dest, "trainer", "waiting for credits",
-                                   f"Timed out after {self.timeout_s:.0f} s without credits")
+                    raise PeerDied(live[0] if len(live) == 1 else -1, "trainer", "waiting for credits",
+                                   f"Timed out after {self.timeout_s:.0f} s without credits from "
+                                   f"trainer ranks {live}")
                 self._cond.wait(timeout=min(left, 1.0))
 
     def note_sent(self, dest: int) -> None:

@@ -231,7 +231,7 @@ def backpressure_worker(out: str, credits: int = 3, count: int = 24) -> None:
         gate = T.CreditGate([1], credits, group=acks, timeout_s=60)
         outstanding = []
         for n in range(count):
-            assert gate.acquire(1)
+            assert gate.acquire([1]) == 1
             T.send_sample(1, f"s{n}", torch.arange(4), torch.ones(4, dtype=torch.bool),
                           torch.zeros(4, 2), torch.zeros(4, 2), seq_no=n)
             gate.note_sent(1)

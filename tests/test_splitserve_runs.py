@@ -86,6 +86,30 @@ def test_three_process_run_two_trainers(tmp_path):
     assert sorted(first + second) == sorted(ids)
 
 
+def test_a_full_link_does_not_stall_the_other_trainer(tmp_path):
+    """One target feeding two trainers: each chunk opens with a long answer and then short
+    ones, so the trainer that gets the long one holds a step's data, fills its link and
+    waits in a collective, while the other needs samples that come later in the order.
+    The producer used to wait on the full link and both trainers stalled until the peer
+    timeout; each link now waits only for its own credits."""
+    from draftforge.config import load_recipe
+    from draftforge.splitserve.producer import epoch_order
+
+    recipe = tiny_recipe(tmp_path, trainers=2, num_conversations=64, overrides={
+        "data.max_length": 512, "target.generation.batch_size": 16, "split.peer_timeout_s": 30,
+        "train.steps": 6, "train.checkpoint_interval": 100, "train.log_interval": 1})
+    order = epoch_order(64, seed=load_recipe(recipe).data.shuffle_seed, epoch=0)
+    long_ids = {order[k] for k in (0, 16, 32, 48)}  # the first of every chunk
+    with (tmp_path / "convs.jsonl").open("w") as out:
+        for i in range(64):
+            answer = "alpha beta gamma delta river stone cloud paper " * 60 if i in long_ids else "alpha beta gamma"
+            out.write(json.dumps({"id": f"conv-{i:04d}", "messages": [
+                {"role": "user", "content": f"Say {i}."}, {"role": "assistant", "content": answer}]}) + "\n")
+    procs = spawn_ranks(recipe, 3, log_dir=tmp_path / "logs")
+    assert wait_all(procs, 120) == [0, 0, 0], read_logs(tmp_path / "logs", 3)
+    assert sorted(_by_step(metrics(tmp_path / "run"))) == list(range(1, 7))
+
+
 def test_three_process_run_deepspeed(tmp_path):
     """The same stream feeds a DeepSpeed ZeRO-2 trainer group."""
     pytest.importorskip("deepspeed")
