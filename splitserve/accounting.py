@@ -123,6 +123,7 @@ class ConsumerAccounting:
     """Trainer-side accounting: its own busy/idle, its producers' (from the wire), the queue."""
 
     def __init__(self, *, world: int, num_target: int, credits: int, path: Path | None = None):
+        """``credits``: the most samples the trainer's queue can hold, over all its links."""
         self.world = world
         self.num_target = num_target
         self.credits = credits
@@ -196,7 +197,7 @@ class ConsumerAccounting:
             "consumer": consumer,
             "queue": queue,
             "recommended": {"target_ranks": num_t, "trainer_ranks": num_r,
-                            "expected_tok_s_per_pair": expected},
+                            "expected_tok_s": expected},  # the whole job's, at the slower side
         }
 
     def line(self) -> str:
@@ -219,7 +220,9 @@ class ConsumerAccounting:
         p, c, q, rec = s["producer"], s["consumer"], s["queue"], s["recommended"]
         current = f"{self.num_target} target + {self.world - self.num_target} trainer"
         advice = f"{rec['target_ranks']} target + {rec['trainer_ranks']} trainer"
-        slower = "target" if p["capacity_tok_s"] < c["capacity_tok_s"] else "trainer"
+        # the groups' capacities, not one rank's: 1 target at 100 tok/s feeds 3 trainers at 50 slower
+        num_trainers = self.world - self.num_target
+        slower = "target" if self.num_target * p["capacity_tok_s"] < num_trainers * c["capacity_tok_s"] else "trainer"
         return "\n".join([
             "split accounting:",
             f"  target  (per rank): busy {p['busy_share']:.1%}  idle {p['idle_share']:.1%}  "

@@ -113,6 +113,26 @@ def test_recommend_split_hand_values():
     assert recommend_split(2, 5.0, 1.0) == (1, 1, 1.0)
 
 
+def test_slower_side_compares_the_groups_not_one_rank_of_each():
+    """1 target at 100 tok/s feeds 3 trainers at 50 tok/s each: the target group (100) is
+    the slower side although one trainer rank (50) is slower than one target rank."""
+    from draftforge.splitserve.accounting import ConsumerAccounting
+
+    acc = ConsumerAccounting(world=4, num_target=1, credits=4)
+    acc.on_producer_stats(0, {"busy_s": 1.0, "idle_s": 0.0, "wall_s": 1.0, "tokens": 100})
+    acc.on_take(depth=2, tokens=100, waited_s=0.0)
+    acc.on_step({"compute_s": 2.0, "wait_s": 0.0})
+    snap = acc.snapshot()
+    assert snap["producer"]["capacity_tok_s"] == 100.0 and snap["consumer"]["capacity_tok_s"] == 50.0
+    assert snap["recommended"] == {"target_ranks": 1, "trainer_ranks": 3, "expected_tok_s": 100.0}
+    assert "slower side: target; recommended split for 4 ranks: 1 target + 3 trainer" in acc.summary_text()
+    acc = ConsumerAccounting(world=4, num_target=2, credits=4)
+    acc.on_producer_stats(0, {"busy_s": 1.0, "idle_s": 0.0, "wall_s": 1.0, "tokens": 100})
+    acc.on_take(depth=2, tokens=100, waited_s=0.0)
+    acc.on_step({"compute_s": 2.0, "wait_s": 0.0})
+    assert "slower side: trainer" in acc.summary_text()  # 2 x 100 against 2 x 50
+
+
 def test_meter_and_shares():
     meter = Meter()
     meter.start()

@@ -86,6 +86,23 @@ def test_three_process_run_two_trainers(tmp_path):
     assert sorted(first + second) == sorted(ids)
 
 
+def test_two_targets_feed_one_trainer_and_the_queue_bound_is_the_whole_queues(tmp_path):
+    """Two producers, one trainer, max_in_flight 4: 2 credits a link, and the trainer's
+    queue (both links) never holds more than the 4 its accounting reports as the bound."""
+    steps = 6
+    recipe = tiny_recipe(tmp_path, steps=steps, num_conversations=64, overrides={
+        "split.target_ranks": [0, 1], "split.trainer_ranks": [2], "train.strategy": "single"})
+    procs = spawn_ranks(recipe, 3, log_dir=tmp_path / "logs")
+    assert wait_all(procs, 90) == [0, 0, 0], read_logs(tmp_path / "logs", 3)
+    records = _by_step(metrics(tmp_path / "run"))
+    assert sorted(records) == list(range(1, steps + 1))
+    summary = [json.loads(line) for line in (tmp_path / "run" / "accounting.jsonl").open()][-1]
+    assert summary["event"] == "summary" and summary["queue"]["credits"] == 4
+    assert 0 < summary["queue"]["max"] <= 4
+    for log in read_logs(tmp_path / "logs", 3)[:2]:
+        assert "at most 2 samples in flight per trainer (credits 2)" in log
+
+
 def test_a_full_link_does_not_stall_the_other_trainer(tmp_path):
     """One target feeding two trainers: each chunk opens with a long answer and then short
     ones, so the trainer that gets the long one holds a step's data, fills its link and
