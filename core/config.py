@@ -487,6 +487,15 @@ def _check_draft(cfg: RecipeConfig, shape: TargetShape | None) -> list[Problem]:
                 f"{draft.markov_head_type}); set train.markov_init: random",
             )
         )
+    if cfg.data.max_length > cfg.split.token_budget:
+        problems.append(
+            (
+                ("split", "token_budget"),
+                f"{cfg.split.token_budget} is less than data.max_length {cfg.data.max_length}: "
+                "a sample that long would make a micro-batch over the budget on its own; raise "
+                "split.token_budget or lower data.max_length",
+            )
+        )
     warmup = warmup_steps(cfg.train)
     if warmup >= cfg.train.steps:
         problems.append(

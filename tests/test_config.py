@@ -300,6 +300,13 @@ def test_markov_rank_zero_with_markov_confidence_head(tmp_path):
     assert load_recipe(write(tmp_path, dflash)).draft.markov_rank == 0
 
 
+def test_token_budget_below_the_longest_sample_is_refused(tmp_path):
+    path = write(tmp_path, BASE)
+    (problem,) = problems(path, ["data.max_length=512", "split.token_budget=256"])
+    assert "split.token_budget: 256 is less than data.max_length 512" in problem
+    assert load_recipe(path, ["data.max_length=256", "split.token_budget=256"]).split.token_budget == 256
+
+
 def test_warmup_that_leaves_no_decay_is_refused(tmp_path):
     path = write(tmp_path, BASE)
     (problem,) = problems(path, ["train.steps=10", "train.warmup_ratio=0.95"])

@@ -104,27 +104,28 @@ def test_two_targets_feed_one_trainer_and_the_queue_bound_is_the_whole_queues(tm
 
 
 def test_a_full_link_does_not_stall_the_other_trainer(tmp_path):
-    """One target feeding two trainers: each chunk opens with a long answer and then short
-    ones, so the trainer that gets the long one holds a step's data, fills its link and
-    waits in a collective, while the other needs samples that come later in the order.
-    The producer used to wait on the full link and both trainers stalled until the peer
-    timeout; each link now waits only for its own credits."""
-    from draftforge.config import load_recipe
-    from draftforge.splitserve.producer import epoch_order
+    """One target feeding two trainers answers of varied length: a trainer that holds a
+    step's data fills its link and waits in a collective while the other needs samples
+    further on in the order. The producer used to wait on the full link, and both
+    trainers stalled (here at step 4) until the peer timeout; each link now waits only
+    for its own credits."""
+    import random
 
-    recipe = tiny_recipe(tmp_path, trainers=2, num_conversations=64, overrides={
-        "data.max_length": 512, "target.generation.batch_size": 16, "split.peer_timeout_s": 30,
-        "train.steps": 6, "train.checkpoint_interval": 100, "train.log_interval": 1})
-    order = epoch_order(64, seed=load_recipe(recipe).data.shuffle_seed, epoch=0)
-    long_ids = {order[k] for k in (0, 16, 32, 48)}  # the first of every chunk
+    steps = 10
+    recipe = tiny_recipe(tmp_path, trainers=2, num_conversations=400, overrides={
+        "data.max_length": 512, "split.token_budget": 1024, "target.generation.batch_size": 8,
+        "split.peer_timeout_s": 20, "train.steps": steps, "train.num_anchors": 2,
+        "train.checkpoint_interval": 100, "train.log_interval": 1})
+    rng, words = random.Random(1), "alpha beta gamma delta river stone cloud paper green seven".split()
     with (tmp_path / "convs.jsonl").open("w") as out:
-        for i in range(64):
-            answer = "alpha beta gamma delta river stone cloud paper " * 60 if i in long_ids else "alpha beta gamma"
-            out.write(json.dumps({"id": f"conv-{i:04d}", "messages": [
-                {"role": "user", "content": f"Say {i}."}, {"role": "assistant", "content": answer}]}) + "\n")
+        for i in range(400):
+            length = min(600, int(rng.lognormvariate(3.5, 0.9)) + 3)
+            answer = " ".join(rng.choice(words) for _ in range(length))
+            out.write(json.dumps({"id": f"c{i:04d}", "messages": [
+                {"role": "user", "content": "go"}, {"role": "assistant", "content": answer}]}) + "\n")
     procs = spawn_ranks(recipe, 3, log_dir=tmp_path / "logs")
     assert wait_all(procs, 120) == [0, 0, 0], read_logs(tmp_path / "logs", 3)
-    assert sorted(_by_step(metrics(tmp_path / "run"))) == list(range(1, 7))
+    assert sorted(_by_step(metrics(tmp_path / "run"))) == list(range(1, steps + 1))
 
 
 def test_three_process_run_deepspeed(tmp_path):
