@@ -20,8 +20,10 @@ Resumable and crash-safe:
   and the turn, so a batch's replies never depend on what ran before it;
 - the finished rows of a batch are appended to ``<out>.partial`` in one write and
   fsync'ed; a rerun keeps the rows there and generates only the missing batches;
-- a torn last line (a write cut by a crash) is dropped together with the rest of its
-  batch, which is then generated again -- identically;
+- a batch with only some of its rows on disk (a write cut by a crash, at a line
+  boundary or inside a line) is dropped and generated again whole -- identically; so is
+  the short last batch of an earlier run over fewer prompts, which this run's batches
+  extend;
 - when every prompt is answered the rows are written in prompt order to a temporary
   file that is renamed to ``<out>``; ``<out>`` is never half-written;
 - rows are reused only when their id is one of this run's prompts, their system prompt
@@ -285,12 +287,16 @@ def regenerate(
     if partial.exists():
         rows, torn = _read_rows(partial)
         _check_rows(rows, partial, by_id, settings_json, engine.name)
-        if torn:
-            # The cut write held the batch of the last complete row (or the next one):
-            # drop that batch's rows; generating it again gives the same rows.
-            if rows:
-                last_batch = batch_of[rows[-1]["id"]]
-                rows = [r for r in rows if batch_of[r["id"]] != last_batch]
+        # A batch's rows go to disk in one write, so a batch with only some of its rows
+        # there was cut by a crash (at a line boundary or inside a line, which _read_rows
+        # dropped), or was the short last batch of a run over fewer prompts. Either way
+        # it is generated again whole: its seed depends on all of its ids.
+        present: dict[int, int] = {}
+        for r in rows:
+            present[batch_of[r["id"]]] = present.get(batch_of[r["id"]], 0) + 1
+        incomplete = {b for b, n in present.items() if n < len(batches[b])}
+        if torn or incomplete:
+            rows = [r for r in rows if batch_of[r["id"]] not in incomplete]
             write_atomic(partial, b"".join(_row_line(r) for r in rows))
     done = {r["id"] for r in rows}
     num_reused = len(done)

@@ -141,6 +141,27 @@ def test_torn_line_at_batch_start_keeps_previous_batch_result(tmp_path):
     assert out.read_bytes() == reference.read_bytes()
 
 
+def test_write_cut_at_a_line_boundary_regenerates_the_whole_batch(tmp_path):
+    """No torn line to notice: batch 2 has only its first row on disk. Kept, its other
+    rows would be generated as a smaller batch with another seed."""
+    reference, _ = run(tmp_path, "ref.jsonl")
+    lines = reference.read_bytes().splitlines(keepends=True)
+    (tmp_path / "out.jsonl.partial").write_bytes(b"".join(lines[:4]))
+    out, report = run(tmp_path, "out.jsonl")
+    assert report.num_reused == 3 and report.num_generated == 8
+    assert out.read_bytes() == reference.read_bytes()
+
+
+def test_more_prompts_regenerate_a_short_last_batch_whole(tmp_path):
+    """5 prompts in batches of 3 end with a batch of 2; with 11 prompts those two belong
+    to a batch of 3, so they are answered again with it, as an 11-prompt run would."""
+    reference, _ = run(tmp_path, "ref.jsonl")
+    run(tmp_path, "r.jsonl", prompts=make_prompts(5))
+    out, report = run(tmp_path, "r.jsonl")
+    assert report.num_reused == 3 and report.num_generated == 8
+    assert out.read_bytes() == reference.read_bytes()
+
+
 def test_rerun_of_finished_file_generates_nothing(tmp_path):
     out, _ = run(tmp_path, "r.jsonl")
     before = out.read_bytes()
