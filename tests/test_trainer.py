@@ -98,6 +98,15 @@ def test_accumulated_micro_batches_weigh_every_slot_alike(tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+def test_plot_title_shows_the_runs_tau_beside_the_product_of_means():
+    """Two blocks, c* = (1, 1) and (0.2, 0.2): tau is 1 + mean(2, 0.24) = 2.12, while the
+    product of the slot means (0.6, 0.36) sums to 0.96; the title must not call that tau."""
+    from draftforge.train.plots import acceptance_title
+
+    assert acceptance_title([0.6, 0.6], 2.12) == "per-slot acceptance (tau = 2.120, 1 + sum of the line = 1.960)"
+    assert acceptance_title([0.6, 0.6], None) == "per-slot acceptance (1 + sum of the line = 1.960)"
+
+
 def test_lr_warmup_then_cosine_to_floor():
     train = train_config(steps=100, lr=1.0, warmup_ratio=0.1, min_lr_ratio=0.1)
     assert lr_at(0, train=train) == pytest.approx(0.1)

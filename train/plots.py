@@ -6,13 +6,30 @@ import os
 from pathlib import Path
 
 
+def running_product(values: list[float]) -> list[float]:
+    out, running = [], 1.0
+    for value in values:
+        running *= value
+        out.append(running)
+    return out
+
+
+def acceptance_title(slot_means: list[float], tau: float | None) -> str:
+    """The plot's title: the run's tau when known, and what the drawn line sums to."""
+    measured = f"tau = {tau:.3f}, " if tau is not None else ""
+    return f"per-slot acceptance ({measured}1 + sum of the line = {1 + sum(running_product(slot_means)):.3f})"
+
+
 def plot_slot_acceptance(
-    path: Path, *, final: list[float], first: list[float] | None = None, title: str = ""
+    path: Path, *, final: list[float], first: list[float] | None = None, tau: float | None = None,
+    title: str = "",
 ) -> Path:
     """Bar chart of the mean c*_k per block slot (end of training, and the start when given).
 
-    Also prints the cumulative product (the probability that slot k is reached
-    and accepted) as a line, which is what the expected acceptance length sums.
+    Also draws the running product of those means as a line. It is not the mean over
+    blocks of each block's own product (which the training metric tau sums: a block's
+    slots are not independent), so the title shows ``tau``, the run's own figure, when
+    given, and says the line's sum is only an approximation of it.
     """
     import matplotlib
 
@@ -21,10 +38,7 @@ def plot_slot_acceptance(
 
     slots = list(range(len(final)))
     clean = [0.0 if v is None or v != v else float(v) for v in final]
-    reach, running = [], 1.0
-    for value in clean:
-        running *= value
-        reach.append(running)
+    reach = running_product(clean)
     fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
     width = 0.4 if first else 0.8
     if first:
@@ -33,12 +47,12 @@ def plot_slot_acceptance(
         ax.bar([s + width / 2 for s in slots], clean, width=width, label="last steps", color="#3a6ea5")
     else:
         ax.bar(slots, clean, width=width, label="mean c*_k", color="#3a6ea5")
-    ax.plot(slots, reach, "o-", color="#d2691e", label="prod_{i<=k} c*_i")
+    ax.plot(slots, reach, "o-", color="#d2691e", label="product of the means up to k")
     ax.set_xlabel("block slot k")
     ax.set_ylabel("acceptance")
     ax.set_ylim(0, 1)
     ax.set_xticks(slots)
-    ax.set_title(title or f"per-slot acceptance (tau = {1 + sum(reach):.3f})")
+    ax.set_title(title or acceptance_title(clean, tau))
     ax.legend(loc="upper right", fontsize="small")
     fig.tight_layout()
     path = Path(path)

@@ -597,6 +597,7 @@ class Trainer:
             if window:
                 from draftforge.train.plots import plot_slot_acceptance
 
-                plot_slot_acceptance(self.run_dir / "slot_acceptance.png", final=slots, first=first_slots)
+                plot_slot_acceptance(self.run_dir / "slot_acceptance.png", final=slots, first=first_slots,
+                                     tau=summary["tau"])
             print(format_summary(summary), flush=True)
         return summary
