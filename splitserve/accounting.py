@@ -122,9 +122,12 @@ def recommend_split(
 class ConsumerAccounting:
     """Trainer-side accounting: its own busy/idle, its producers' (from the wire), the queue."""
 
-    def __init__(self, *, world: int, num_target: int, credits: int, path: Path | None = None):
-        """``credits``: the most samples the trainer's queue can hold, over all its links."""
+    def __init__(self, *, world: int, num_target: int, credits: int, num_sources: int = 1,
+                 path: Path | None = None):
+        """``credits``: the most samples the trainer's queue can hold, over all its links;
+        ``num_sources``: the target ranks feeding it (producer figures are their mean)."""
         self.world = world
+        self.num_sources = num_sources
         self.num_target = num_target
         self.credits = credits
         self.path = path
@@ -156,12 +159,16 @@ class ConsumerAccounting:
 
     # -- reading
     def _totals(self) -> dict:
-        """Running sums of both sides (producers averaged per rank) and the depth samples so far."""
+        """Running sums of both sides (producers averaged per rank) and the depth samples so far.
+
+        The mean is over every source from the start, one not heard from yet counting as
+        zero: dividing by the sources seen so far would shrink the running mean when a
+        new one first reports, and an interval's difference could turn negative."""
         prod = {"busy_s": 0.0, "idle_s": 0.0, "wall_s": 0.0, "tokens": 0.0}
         for stats in self.producers.values():
             for key in prod:
                 prod[key] += stats.get(key, 0.0)
-        count = max(1, len(self.producers))
+        count = max(self.num_sources, len(self.producers))
         return {
             "wall": time.perf_counter() - self.started,
             "compute": self.compute_s,

@@ -133,6 +133,22 @@ def test_slower_side_compares_the_groups_not_one_rank_of_each():
     assert "slower side: trainer" in acc.summary_text()  # 2 x 100 against 2 x 50
 
 
+def test_a_source_reporting_late_does_not_make_an_interval_negative():
+    """Two targets feed a trainer; the second first reports after the first interval. The
+    producer figures are means over both from the start, so the next interval's busy time
+    is the growth of that mean: (3 + 2) / 2 - 1 / 2 = 2, never negative."""
+    from draftforge.splitserve.accounting import ConsumerAccounting
+
+    acc = ConsumerAccounting(world=3, num_target=2, credits=4, num_sources=2)
+    acc.on_producer_stats(0, {"busy_s": 1.0, "idle_s": 0.0, "wall_s": 1.0, "tokens": 10})
+    first = acc._totals()
+    assert first["p_busy_s"] == 0.5
+    acc.on_producer_stats(0, {"busy_s": 3.0, "idle_s": 0.0, "wall_s": 3.0, "tokens": 30})
+    acc.on_producer_stats(1, {"busy_s": 2.0, "idle_s": 0.0, "wall_s": 2.0, "tokens": 20})
+    interval = acc.snapshot(since=first)["producer"]
+    assert interval["busy_s"] == 2.0 and interval["tokens"] == 20
+
+
 def test_meter_and_shares():
     meter = Meter()
     meter.start()
