@@ -445,6 +445,15 @@ def _check_draft(cfg: RecipeConfig, shape: TargetShape | None) -> list[Problem]:
             draft.rope_theta = shape.rope_theta
         if draft.max_position_embeddings is None:
             draft.max_position_embeddings = shape.max_position_embeddings
+        if cfg.data.max_length > shape.max_position_embeddings:
+            problems.append(
+                (
+                    ("data", "max_length"),
+                    f"{cfg.data.max_length} is beyond the target's max_position_embeddings "
+                    f"{shape.max_position_embeddings}: its features past that are not ones it "
+                    "serves; lower data.max_length",
+                )
+            )
 
     if draft.head_dim is None:
         if draft.hidden_size % draft.num_attention_heads:
@@ -494,6 +503,14 @@ def _check_draft(cfg: RecipeConfig, shape: TargetShape | None) -> list[Problem]:
                 f"{cfg.split.token_budget} is less than data.max_length {cfg.data.max_length}: "
                 "a sample that long would make a micro-batch over the budget on its own; raise "
                 "split.token_budget or lower data.max_length",
+            )
+        )
+    if cfg.train.loss.ce_weight == 0 and cfg.train.loss.tv_weight == 0:
+        problems.append(
+            (
+                ("train", "loss", "tv_weight"),
+                "0 with ce_weight 0 as well: nothing would train the draft's predictions (the "
+                "confidence head's BCE only fits the head); give either a positive weight",
             )
         )
     warmup = warmup_steps(cfg.train)

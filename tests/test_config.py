@@ -307,6 +307,22 @@ def test_token_budget_below_the_longest_sample_is_refused(tmp_path):
     assert load_recipe(path, ["data.max_length=256", "split.token_budget=256"]).split.token_budget == 256
 
 
+def test_samples_longer_than_the_target_positions_are_refused(tmp_path):
+    path = write(tmp_path, BASE)
+    limit = load_recipe(path).draft.max_position_embeddings  # derived from the target
+    (problem,) = problems(path, [f"data.max_length={limit + 1}", f"split.token_budget={limit + 1}"])
+    assert f"data.max_length: {limit + 1} is beyond the target's max_position_embeddings {limit}" in problem
+
+
+def test_infinite_values_and_a_loss_that_trains_nothing_are_refused(tmp_path):
+    path = write(tmp_path, BASE)
+    (problem,) = problems(path, ["train.lr=.inf"])
+    assert "train.lr: must be a finite number, got float inf" in problem
+    (problem,) = problems(path, ["train.loss.ce_weight=0.0", "train.loss.tv_weight=0.0"])
+    assert "train.loss.tv_weight: 0 with ce_weight 0 as well: nothing would train" in problem
+    assert load_recipe(path, ["train.loss.tv_weight=0.0"]).train.loss.ce_weight > 0
+
+
 def test_warmup_that_leaves_no_decay_is_refused(tmp_path):
     path = write(tmp_path, BASE)
     (problem,) = problems(path, ["train.steps=10", "train.warmup_ratio=0.95"])
