@@ -10,7 +10,10 @@ measured before and after on held-out rounds.
 
 SGLang (``--speculative-algorithm DSPARK``, sequential temperature scaling)
 reads ``{"temperatures": [T_0 .. T_{γ-1}], "ece_before": [...], "ece_after":
-[...], "dataset": str, "num_samples": int}``, every temperature > 0.
+[...], "dataset": str, "num_samples": int}``, every temperature > 0. The file also
+carries ``fit_samples`` and ``held_out_samples`` per position: a position with fewer
+than ``MIN_FIT_SAMPLES`` fitting samples keeps T = 1 (one sample fits any temperature
+perfectly), and one with no held-out sample reports ECE 0.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from pathlib import Path
 import torch
 
 from draftforge.eval.speculative import Round
+from draftforge.files import write_atomic
 
 MIN_TEMPERATURE = 0.05  # all-rejected positions would otherwise drive T to 0
 MAX_TEMPERATURE = 100.0
+MIN_FIT_SAMPLES = 8  # below this a position keeps T = 1
 
 
 def round_samples(rounds: Iterable[Round]) -> list[tuple[int, float, float]]:
@@ -86,32 +91,41 @@ def calibrate(
 ) -> dict:
     """Fit one temperature per position on most samples and measure ECE on the held-out rest.
 
-    Every ``holdout_every``-th sample of a position is held out (deterministic).
-    Positions without samples keep T = 1 and are written with ECE 0 (SGLang's
-    fields are plain floats); ``samples_per_position`` in the evaluator's report
-    says which positions had data.
+    Every ``holdout_every``-th sample of a position is held out (deterministic), and
+    ECE before and after is measured on those alone. A position with fewer than
+    ``MIN_FIT_SAMPLES`` fitting samples keeps T = 1; one without held-out samples
+    reports ECE 0 (SGLang's fields are plain floats); ``fit_samples`` and
+    ``held_out_samples`` say which is which. ``held_out`` (not written to SGLang's
+    file) lists the held-out samples, for a pooled ECE over positions.
     """
-    temperatures, ece_before, ece_after = [], [], []
+    temperatures, ece_before, ece_after, fit_counts, held_counts = [], [], [], [], []
+    held_out: list[tuple[int, float, float]] = []
     for k in range(block_size):
         rows = [(z, y) for pos, z, y in samples if pos == k]
         fit_rows = [row for i, row in enumerate(rows) if i % holdout_every != holdout_every - 1]
         held_rows = [row for i, row in enumerate(rows) if i % holdout_every == holdout_every - 1]
-        if not held_rows:  # too few samples to hold any out: evaluate on the fitting rows
-            held_rows = fit_rows
-        z_fit = torch.tensor([z for z, _ in fit_rows], dtype=torch.float64)
-        y_fit = torch.tensor([y for _, y in fit_rows], dtype=torch.float64)
-        temperature = fit_temperature(z_fit, y_fit)
+        temperature = 1.0
+        if len(fit_rows) >= MIN_FIT_SAMPLES:
+            z_fit = torch.tensor([z for z, _ in fit_rows], dtype=torch.float64)
+            y_fit = torch.tensor([y for _, y in fit_rows], dtype=torch.float64)
+            temperature = fit_temperature(z_fit, y_fit)
         z_held = torch.tensor([z for z, _ in held_rows], dtype=torch.float64)
         y_held = torch.tensor([y for _, y in held_rows], dtype=torch.float64)
         temperatures.append(temperature)
         ece_before.append(expected_calibration_error(torch.sigmoid(z_held), y_held))
         ece_after.append(expected_calibration_error(torch.sigmoid(z_held / temperature), y_held))
+        fit_counts.append(len(fit_rows))
+        held_counts.append(len(held_rows))
+        held_out += [(k, z, y) for z, y in held_rows]
     return {
         "temperatures": temperatures,
         "ece_before": [_finite_or_zero(e) for e in ece_before],
         "ece_after": [_finite_or_zero(e) for e in ece_after],
         "dataset": dataset,
         "num_samples": len(samples),
+        "fit_samples": fit_counts,
+        "held_out_samples": held_counts,
+        "held_out": held_out,
     }
 
 
@@ -131,10 +145,8 @@ def write_calibration(path: str | os.PathLike[str], calibration: dict) -> Path:
     path = Path(path).expanduser()
     if not calibration["temperatures"] or any(t <= 0 for t in calibration["temperatures"]):
         raise ValueError(f"calibration temperatures must be non-empty and > 0: {calibration['temperatures']}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(calibration, indent=2) + "\n")
-    os.replace(tmp, path)
+    written = {key: value for key, value in calibration.items() if key != "held_out"}
+    write_atomic(path, (json.dumps(written, indent=2) + "\n").encode())
     return path
 
 

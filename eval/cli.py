@@ -138,16 +138,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SystemExit("draftforge eval --calibrate: the draft has no confidence head (no samples)")
         calibration = calibrate(samples, draft_cfg.block_size, dataset=",".join(workloads))
         write_calibration(args.calibrate, calibration)
+        held_out = calibration.pop("held_out")  # ECE on what the temperatures were not fitted on
         meta["calibration"] = {
             **calibration,
             "path": str(args.calibrate),
-            "pooled_ece_before": pooled_ece(samples),
-            "pooled_ece_after": pooled_ece(samples, calibration["temperatures"]),
+            "pooled_ece_before": pooled_ece(held_out),
+            "pooled_ece_after": pooled_ece(held_out, calibration["temperatures"]),
         }
         print(
             f"eval: calibration written to {args.calibrate}: temperatures "
-            f"{[round(t, 3) for t in calibration['temperatures']]}, ECE (pooled) "
-            f"{meta['calibration']['pooled_ece_before']:.4f} -> {meta['calibration']['pooled_ece_after']:.4f}"
+            f"{[round(t, 3) for t in calibration['temperatures']]}, ECE (pooled over the "
+            f"{len(held_out)} held-out samples) {meta['calibration']['pooled_ece_before']:.4f} -> "
+            f"{meta['calibration']['pooled_ece_after']:.4f}"
         )
     paths = write_report(results, args.out, meta, block_size=draft_cfg.block_size)
     print(paths["markdown"].read_text())
@@ -239,6 +241,8 @@ def _prompts_from_file(path: str, num_prompts: int | None) -> dict[str, list[lis
             raise SystemExit(f"{path}:{line_no}: expected {{'workload': str, 'input_ids': [int]}} ({err})") from err
         if not ids:
             raise SystemExit(f"{path}:{line_no}: empty input_ids")
+        if name == "macro":  # the reports' name for the mean over workloads
+            raise SystemExit(f"{path}:{line_no}: workload name 'macro' is reserved for the mean over workloads")
         bucket = workloads.setdefault(name, [])
         if num_prompts is None or len(bucket) < num_prompts:
             bucket.append(ids)

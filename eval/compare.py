@@ -72,7 +72,13 @@ def paired_totals(
                     f"(it has {sorted(entry.get('methods', {}))})"
                 )
         da, db = ea.get("prompt_digest"), eb.get("prompt_digest")
-        if ea.get("num_prompts") != eb.get("num_prompts") or (da and db and da != db):
+        if not (da and db):
+            raise InputError(
+                f"workload {name!r}: {pa if not da else pb} records no prompt digest (an older "
+                "draftforge eval wrote it), so nothing shows the two were measured on the same "
+                "prompts; evaluate it again"
+            )
+        if ea.get("num_prompts") != eb.get("num_prompts") or da != db:
             raise InputError(
                 f"workload {name!r}: {pa} and {pb} were measured on different prompts "
                 f"({ea.get('num_prompts')} prompts, digest {da} against {eb.get('num_prompts')}, {db})"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from draftforge.eval.harness import METHODS, WorkloadResult, macro
 from draftforge.eval.uncertainty import PromptTotals, interval_text, report_uncertainty
+from draftforge.files import write_atomic
 
 ESTIMATE_NOTE = (
     "tau (train-time estimate) is the training metric 1 + sum_k prod_{i<=k} c*_i computed through the "
@@ -46,11 +47,11 @@ def markdown_table(
             m = r.methods.get(method)
             if m is None:
                 continue
-            speedup = m["tokens_per_s"] / base if base else None
+            speedup = f"{_fmt(m['tokens_per_s'] / base)}x" if base else "-"  # no no-draft baseline
             lines.append(
                 f"| {r.name} | {method} | {_fmt(m['acceptance_length'])} | "
                 f"{_fmt(m['tokens_verified_per_round'])} | {_fmt(m['tokens_per_s'], 1)} | "
-                f"{_fmt(speedup)}x | {_fmt(m['wall_s'], 1)} |"
+                f"{speedup} | {_fmt(m['wall_s'], 1)} |"
             )
     macro_row = " / ".join(f"{m} {_fmt(macro(results, m))}" for m in METHODS if any(m in r.methods for r in results))
     lines += ["", f"Macro acceptance length: {macro_row}", ""]
@@ -208,18 +209,19 @@ def plot(results: Sequence[WorkloadResult], out_dir: Path, *, block_size: int) -
 def write_report(
     results: Sequence[WorkloadResult], out_dir: str | os.PathLike[str], meta: dict, *, block_size: int
 ) -> dict[str, Path]:
-    """Write report.md, report.json and the plots into ``out_dir`` (each file atomically)."""
+    """Write report.md, the plots and report.json into ``out_dir`` (each file atomically).
+
+    report.json goes last: its presence is what marks the evaluation finished (the demo
+    skips an evaluation that has one), so an interruption while plotting reruns it."""
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     intervals = uncertainty(results)  # once, for both files
     table = markdown_table(results, block_size=block_size, command=meta.get("command"), intervals=intervals)
     report = report_dict(results, meta, intervals=intervals)
-    paths = {
-        "markdown": _atomic_text(out / "report.md", table),
-        "json": _atomic_text(out / "report.json", json.dumps(_jsonable(report), indent=2) + "\n"),
-    }
+    paths = {"markdown": _atomic_text(out / "report.md", table)}
     for path in plot(results, out, block_size=block_size):
         paths[path.stem] = path
+    paths["json"] = _atomic_text(out / "report.json", json.dumps(_jsonable(report), indent=2) + "\n")
     return paths
 
 
@@ -234,9 +236,7 @@ def _jsonable(value):
 
 
 def _atomic_text(path: Path, text: str) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_atomic(path, text.encode())
     return path
 
 

@@ -63,6 +63,24 @@ def test_positions_without_samples_keep_temperature_one():
     assert calibration["ece_before"][1:] == [0.0, 0.0]
 
 
+def test_few_samples_keep_temperature_one_and_ece_is_on_held_out_samples_only(tmp_path):
+    """One sample fits any temperature perfectly (T = 0.068, ECE 2e-13 once); below
+    MIN_FIT_SAMPLES a position keeps T = 1. ECE, per position and pooled, is measured on
+    every second sample, the ones the temperature was not fitted on."""
+    from draftforge.eval.calibration import MIN_FIT_SAMPLES
+
+    few = [(0, 2.0, 1.0)] * 3  # 2 fitting samples, 1 held out
+    many = _miscalibrated([1.0, 3.0], per_position=40)
+    calibration = calibrate(few + [s for s in many if s[0] == 1], block_size=2)
+    assert calibration["temperatures"][0] == 1.0 and calibration["fit_samples"][0] == 2 < MIN_FIT_SAMPLES
+    assert calibration["temperatures"][1] != 1.0
+    assert calibration["fit_samples"] == [2, 20] and calibration["held_out_samples"] == [1, 20]
+    position_1 = [s for s in many if s[0] == 1]
+    assert calibration["held_out"] == [few[2]] + position_1[1::2]
+    written = json.loads(write_calibration(tmp_path / "c.json", calibration).read_text())
+    assert "held_out" not in written and written["fit_samples"] == [2, 20]
+
+
 def test_round_samples_label_the_reached_positions():
     rounds = [
         Round(num_proposed=4, num_verified=4, num_accepted=2, acceptance_length=3, confidence_logits=[1.0, 2.0, 3.0, 4.0]),

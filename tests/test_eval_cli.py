@@ -131,6 +131,33 @@ def test_eval_cli_on_smollm2_workloads(recipe_path, tmp_path, capsys):
     assert "al_ngram=" in capsys.readouterr().out
 
 
+def test_report_json_marks_a_finished_evaluation_so_it_is_written_last(recipe_path, tmp_path, monkeypatch):
+    """The demo skips an evaluation whose report.json exists; an interruption while the
+    plots are drawn must leave none, so that a rerun draws them."""
+    from draftforge.eval import report as report_mod
+    from draftforge.eval.cli import main
+
+    recipe = load_recipe(recipe_path)
+    target = build_target(recipe.target, recipe.draft.target_layer_ids)
+    export_dir = export_draft(tiny_eval_draft(target), tmp_path / "export", progress=lambda _: None)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"workload": "w", "input_ids": random_prompts(1)[0]}))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report_mod, "plot", interrupted)
+    args = [str(export_dir), "--recipe", str(recipe_path), "--prompts-file", str(prompts),
+            "--max-new-tokens", "6", "--out", str(tmp_path / "r"), "--baselines", "none"]
+    with pytest.raises(KeyboardInterrupt):
+        main(args)
+    assert (tmp_path / "r" / "report.md").exists() and not (tmp_path / "r" / "report.json").exists()
+    macro = tmp_path / "macro.jsonl"
+    macro.write_text(json.dumps({"workload": "macro", "input_ids": [1, 2]}))
+    with pytest.raises(SystemExit, match="macro.jsonl:1: workload name 'macro' is reserved"):
+        main([str(export_dir), "--recipe", str(recipe_path), "--prompts-file", str(macro)])
+
+
 def test_eval_cli_fails_loudly_when_greedy_is_not_lossless(recipe_path, tmp_path, capsys, monkeypatch):
     from draftforge.eval import speculative
     from draftforge.eval.cli import main

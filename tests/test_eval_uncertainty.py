@@ -135,6 +135,9 @@ def test_eval_compare_refuses_what_it_cannot_pair(tmp_path, capsys):
     other = _report(tmp_path / "b", {"dspark": B}, digest="xyz")
     with pytest.raises(InputError, match="different prompts"):
         paired_totals(load_report(str(first)), "dspark", load_report(str(other)), "dspark")
+    undated = _report(tmp_path / "c", {"dspark": B}, digest="")
+    with pytest.raises(InputError, match=r"c/report.json records no prompt digest \(an older draftforge eval wrote it\), so nothing shows"):
+        paired_totals(load_report(str(first)), "dspark", load_report(str(undated)), "dspark")
     old = tmp_path / "old"
     old.mkdir()
     (old / "report.json").write_text(json.dumps({"workloads": {"w": {
