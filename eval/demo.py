@@ -291,23 +291,42 @@ def _resolved_again(saved: Path) -> str:
         return saved.read_text()
 
 
+TRAINING_ONLY_AFTER = ("eval", "export")  # sections that do not change what a training run is
+
+
+def _training_part(recipe_yaml: str) -> str:
+    """The recipe without the sections read only after training, so that editing how the
+    demo evaluates or exports does not call a finished training run another recipe's."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(recipe_yaml)
+    except yaml.YAMLError:
+        return recipe_yaml
+    if not isinstance(data, dict):
+        return recipe_yaml
+    return yaml.safe_dump({k: v for k, v in data.items() if k not in TRAINING_ONLY_AFTER}, sort_keys=False)
+
+
 def check_same_recipe(run_dir: Path, expected_yaml: str, what: str) -> None:
-    """Refuse to resume or reuse a run directory that holds a run of another recipe."""
+    """Refuse to resume or reuse a run directory that holds a run of another recipe (its
+    eval and export sections aside)."""
     from draftforge.train import checkpoint as ckpt
 
     saved = run_dir / "config.yaml"
     if not ckpt.complete_checkpoints(run_dir) or not saved.is_file():
         return
-    if _resolved_again(saved) != expected_yaml:
-        old = saved.read_text().splitlines()
-        new = expected_yaml.splitlines()
+    old_text, new_text = _training_part(_resolved_again(saved)), _training_part(expected_yaml)
+    if old_text != new_text:
+        old = old_text.splitlines()
+        new = new_text.splitlines()
         first = next(
             (i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b),
             min(len(old), len(new)),
         )
         line = lambda lines: lines[first].strip() if first < len(lines) else "(end of file)"  # noqa: E731
         raise DemoError(
-            f"{run_dir} holds a {what} run of a different recipe ({saved}, line {first + 1}: "
+            f"{run_dir} holds a {what} run of a different recipe ({saved} resolved, line {first + 1}: "
             f"{line(old)!r}; this demo: {line(new)!r}). Rerun with --force to train again from "
             "scratch (it deletes that run), or move the folder away."
         )

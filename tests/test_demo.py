@@ -178,6 +178,11 @@ def test_a_run_saved_before_an_option_existed_is_the_same_recipe(tmp_path, monke
     saved.write_text(expected.replace("  markov_init: random\n", "  markov_init: bigram\n"))
     with pytest.raises(demo.DemoError, match="markov_init: bigram"):
         demo.check_same_recipe(tmp_path, expected, "DSpark")
+    # how it is evaluated or exported is not what it was trained as
+    evaluated = load_recipe(ROOT / "recipes" / "smollm2-cpu.yaml", ["eval.num_prompts=20",
+                                                                   "export.with_embeddings=true"])
+    saved.write_text(evaluated.to_yaml())
+    demo.check_same_recipe(tmp_path, expected, "DSpark")
 
 
 def test_the_bigram_start_applies_only_where_the_draft_and_the_data_allow_it(tmp_path):
