@@ -178,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         def start() -> int:
             return run_ranks(command, nproc=cfg.split.world_size, env=env,
                              host=args.master_addr, labels=labels)
-    status = start()
+    status = start()  # JobInterrupted (Ctrl-C, SIGTERM) ends it here: never restarted
     # split.restart_target: a dead rank (a target, usually) ends the job; every rank
     # starts again, exactly as if the user reran the command, and continues from the
     # newest checkpoint (train.resume: auto).

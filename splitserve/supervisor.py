@@ -15,8 +15,14 @@ Each rank gets the variables torchrun sets (``RANK``, ``LOCAL_RANK``,
 ``MASTER_PORT``, ...). When a rank fails, the others get ``grace_s`` seconds to
 notice and explain themselves (the trainers name a dead target rank), then
 SIGTERM and, after ``term_s`` more, SIGKILL. The job's status is 0 when every
-rank exited 0, else that of the first rank that failed (128 + signal when it
-was killed).
+rank exited 0, else that of the rank taken for the cause (128 + signal when it
+was killed): one killed by a signal before one that exited with an error, since
+the others' errors are usually their reaction to it; every failed rank is named.
+
+Ctrl-C or a SIGTERM to the launcher stops the job, which is never restarted then:
+the ranks get the signal (once: a terminal's Ctrl-C already reached them), ``term_s``
+seconds later SIGTERM, then SIGKILL; a second signal kills them at once.
+:class:`JobInterrupted` (a ``SystemExit`` with status 128 + signal) says so.
 """
 
 from __future__ import annotations
@@ -31,6 +37,15 @@ import time
 from collections.abc import Mapping, Sequence
 
 LOOPBACK = "127.0.0.1"
+
+
+class JobInterrupted(SystemExit):
+    """The launcher was asked to stop (SIGINT, SIGTERM); ``code`` is 128 + the signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)
+        self.signum = signum
+
 DEFAULT_GRACE_S = 15.0
 DEFAULT_TERM_S = 5.0
 
@@ -127,8 +142,17 @@ def run_ranks(
         print(f"{prefix}: {message}", file=sys.stderr, flush=True)
 
     previous = {}
+    asked: list[int] = []  # the signals the launcher received
 
-    def forward(signum, _frame):  # Ctrl-C or a scheduler's SIGTERM reaches every rank
+    def forward(signum, _frame):  # Ctrl-C or a scheduler's SIGTERM
+        asked.append(signum)
+        if len(asked) > 1:  # asked twice: no more waiting
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+            return
+        if signum == signal.SIGINT and _terminal_sent_it_to_the_group():
+            return  # the ranks share the terminal's process group: they have it already
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signum)
@@ -143,26 +167,35 @@ def run_ranks(
             procs.append(subprocess.Popen(list(command), env=rank_env(base, rank=rank, world=nproc,
                                                                      host=host, port=port),
                                           preexec_fn=_die_with(os.getpid())))
-        failed: tuple[int, int] | None = None
+        failures: dict[int, int] = {}  # rank -> status, in the order they were seen
+        deadline = None
         while True:
             codes = [proc.poll() for proc in procs]
-            if failed is None:
-                for rank, code in enumerate(codes):
-                    if code not in (None, 0):
-                        failed = (rank, code)
-                        say(f"{name(rank)} failed ({describe_status(code)}); waiting up to "
-                            f"{grace_s:g} s for the other ranks to stop")
-                        deadline = time.monotonic() + grace_s
-                        break
+            new = {r: c for r, c in enumerate(codes) if c not in (None, 0) and r not in failures}
+            for rank in sorted(new, key=lambda r: new[r] >= 0):  # signal deaths first
+                failures[rank] = new[rank]
+                if deadline is None and not asked:
+                    say(f"{name(rank)} failed ({describe_status(new[rank])}); waiting up to "
+                        f"{grace_s:g} s for the other ranks to stop")
+            if deadline is None and (failures or asked):
+                deadline = time.monotonic() + (term_s if asked else grace_s)
             if all(code is not None for code in codes):
                 break
-            if failed is not None and time.monotonic() > deadline:
+            if deadline is not None and time.monotonic() > deadline:
                 _stop(procs, term_s=term_s, say=say, name=name)
                 break
             time.sleep(poll_s)
-        if failed is None:
+        if asked:
+            say(f"stopped on {signal.Signals(asked[0]).name}; rerun the same command to continue "
+                "from the newest checkpoint")
+            raise JobInterrupted(asked[0])
+        if not failures:
             return 0
-        rank, code = failed
+        cause = next((r for r, c in failures.items() if c < 0), next(iter(failures)))
+        if len(failures) > 1:
+            say("failed: " + ", ".join(f"{name(r)} ({describe_status(c)})" for r, c in failures.items())
+                + f"; the first cause is most likely {name(cause)}")
+        code = failures[cause]
         return code if code > 0 else 128 - code
     finally:
         for proc in procs:
@@ -172,6 +205,17 @@ def run_ranks(
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         del store  # closes the listening socket
+
+
+def _terminal_sent_it_to_the_group() -> bool:
+    """Whether this process runs in the foreground of a terminal, where Ctrl-C reaches
+    its whole process group, ranks included."""
+    for stream in (sys.stdin, sys.stdout, sys.stderr):
+        try:
+            return os.tcgetpgrp(stream.fileno()) == os.getpgrp()
+        except (OSError, ValueError, AttributeError):
+            continue
+    return False
 
 
 def _stop(procs, *, term_s: float, say, name) -> None:

@@ -3,7 +3,10 @@
 Modes (argv[1]): ``ok`` joins a gloo group, all-reduces its rank and writes what
 it saw; ``hold`` does the same, then waits for a release file (so the test can
 inspect the job's sockets while every rank is connected); ``fail`` makes rank 1
-exit 3 while rank 0 blocks in a collective that can never finish.
+exit 3 while rank 0 blocks in a collective that can never finish; ``stubborn``
+ignores SIGINT and SIGTERM and sleeps (a rank stuck in C code); ``race`` has rank 1
+kill itself with SIGKILL and rank 0 exit 3 at the same moment (its reaction, as a
+trainer's to a dead target).
 """
 
 from __future__ import annotations
@@ -22,6 +25,21 @@ def main(mode: str, out_dir: str) -> int:
     out = Path(out_dir)
     rank = int(os.environ["RANK"])
     if mode == "fail" and rank == 1:
+        return 3
+    if mode == "stubborn":
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        (out / f"rank{rank}.ready").touch()
+        time.sleep(600)
+        return 0
+    if mode == "race":
+        import signal
+
+        time.sleep(0.3)
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
         return 3
     dist.init_process_group("gloo")
     value = torch.tensor([float(rank)])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -102,6 +103,54 @@ def test_a_failed_rank_stops_the_others_and_is_named(tmp_path):
     assert "trainer rank 1 failed (exit status 3)" in proc.stderr
     assert "stopping rank 0 (SIGTERM)" in proc.stderr
     assert time.monotonic() - started < 60  # rank 0 blocked in a barrier forever otherwise
+
+
+def _launcher(tmp_path, mode: str, **kwargs) -> subprocess.Popen:
+    args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    code = (
+        "import sys; from draftforge.splitserve.supervisor import run_ranks; "
+        f"sys.exit(run_ranks([sys.executable, {str(WORKER)!r}, {mode!r}, {str(tmp_path)!r}], nproc=2, {args}))"
+    )
+    return subprocess.Popen([sys.executable, "-c", code], env=ENV, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_ctrl_c_stops_ranks_that_ignore_it_and_a_second_one_kills_at_once(tmp_path):
+    """Ranks stuck where signals do not reach Python: SIGINT, then term_s later SIGTERM,
+    then SIGKILL; the launcher exits 130 and says how to continue. A second Ctrl-C does not
+    wait."""
+    for second in (False, True):
+        for r in range(2):
+            (tmp_path / f"rank{r}.ready").unlink(missing_ok=True)
+        proc = _launcher(tmp_path, "stubborn", term_s=2.0)
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"rank{r}.ready").exists() for r in range(2)):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        if second:
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - started
+        assert proc.returncode == 130, err
+        assert "stopped on SIGINT; rerun the same command to continue" in err
+        if second:
+            assert took < 2.0 and "SIGTERM" not in err, (took, err)
+        else:
+            assert "ignored SIGTERM; SIGKILL" in err and 4.0 <= took < 30, (took, err)
+
+
+def test_a_rank_killed_by_a_signal_is_the_cause_over_one_that_exited_with_an_error(tmp_path):
+    """Rank 1 is SIGKILLed and rank 0 exits 3 in the same poll: the status and the cause
+    are rank 1's, and both failures are named."""
+    proc = _launcher(tmp_path, "race", labels={0: "trainer rank 0", 1: "target rank 1"},
+                     grace_s=1.0, term_s=1.0, poll_s=1.0)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGKILL, err
+    assert ("failed: target rank 1 (killed by SIGKILL), trainer rank 0 (exit status 3); "
+            "the first cause is most likely target rank 1") in err
 
 
 def test_rank_env_and_status_descriptions():

@@ -117,6 +117,25 @@ def test_sigkilled_trainer_rerun_resumes_without_losing_or_repeating_samples(tmp
 
 
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc to find the target rank")
+def test_an_interrupted_job_is_not_restarted(tmp_path, monkeypatch):
+    """split.restart_target restarts a job whose rank failed, never one the user or a
+    scheduler stopped (Ctrl-C, SIGTERM): that ends with 128 + the signal."""
+    from draftforge.splitserve import launch
+    from draftforge.splitserve.supervisor import JobInterrupted
+
+    recipe = tiny_recipe(tmp_path, overrides={"split.restart_target": True})
+    starts = []
+
+    def interrupted(*args, **kwargs):
+        starts.append(kwargs)
+        raise JobInterrupted(signal.SIGINT)
+
+    monkeypatch.setattr(launch, "run_ranks", interrupted)
+    with pytest.raises(SystemExit) as info:
+        launch.main([str(recipe)])
+    assert info.value.code == 130 and len(starts) == 1
+
+
 def test_restart_target_restarts_the_job_and_training_continues_exactly(tmp_path, reference):
     """split.restart_target: true: a SIGKILLed target rank ends the job; the launcher starts
     every rank again, which resumes from the newest checkpoint; nothing lost or repeated."""
