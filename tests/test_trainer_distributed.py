@@ -176,3 +176,27 @@ def test_deepspeed_skips_a_step_where_one_rank_saw_a_non_finite_loss(tmp_path):
     assert losses[1].isnan() and losses[[0, 2, 3]].isfinite().all()
     state = load_file(str(tmp_path / "ds-nan.json") + ".safetensors")
     assert all(torch.isfinite(v).all() for v in state.values())
+
+
+def test_fsdp2_resume_refuses_metadata_that_would_run_code(tmp_path):
+    """A crafted .metadata in an FSDP2 checkpoint: the resume stops with the file named and
+    the payload (creating a folder) never runs; DCP alone would unpickle it."""
+    import pickle
+
+    train = dict(strategy="fsdp2", dtype="float32", steps=4, checkpoint_interval=2, keep_last=3)
+    launch(tmp_path, "cut", world=2, trainer_ranks=[0, 1], train=train, crash_at=3)
+    newest = sorted((tmp_path / "cut" / "checkpoints").glob("step_*"))[-1]
+    marker = tmp_path / "PWNED"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.makedirs, (str(marker),))
+
+    (newest / "dcp" / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(AssertionError) as info:
+        launch(tmp_path, "again", world=2, trainer_ranks=[0, 1], run="cut",
+               train=dict(train, resume="auto"), timeout=100)
+    assert f"checkpoint file {newest / 'dcp' / '.metadata'} is not DCP metadata" in str(info.value)
+    assert "refusing to unpickle it" in str(info.value)
+    assert not marker.exists()
+

@@ -390,13 +390,38 @@ def load_checkpoint(*, path: Path, strategy: str, model, optimizer, engine, grou
             raise _corrupt(path / "optimizer.safetensors", exc, path) from None
     elif strategy == "fsdp2":
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        from draftforge.train.dcp_safe import (
+            CheckedLoadPlanner,
+            UnsafeCheckpointError,
+            check_metadata,
+            unsafe_failure,
+        )
 
         model_state, optim_state = get_state_dict(model, optimizer)
         target = {"model": model_state, "optimizer": optim_state}
         try:
-            dcp.load(target, checkpoint_id=str(path / "dcp"), process_group=group)
-        except Exception as exc:  # noqa: BLE001 - dcp wraps every rank's failure
+            check_metadata(path / "dcp")  # before DCP unpickles it
+        except UnsafeCheckpointError as exc:
+            raise CheckpointError(
+                f"checkpoint file {path / 'dcp' / '.metadata'} is not DCP metadata: {exc}; refusing to "
+                f"unpickle it (it could run code). Delete the folder {path} to resume from the "
+                "previous complete checkpoint"
+            ) from None
+        except Exception as exc:  # noqa: BLE001 - a truncated or garbled pickle
+            raise _corrupt(path / "dcp" / ".metadata", exc, path) from None
+        try:
+            dcp.load(target, checkpoint_id=str(path / "dcp"), process_group=group,
+                     planner=CheckedLoadPlanner())
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - the latter is a BaseException
+            unsafe = unsafe_failure(exc)
+            if unsafe is not None:
+                raise CheckpointError(
+                    f"{path / 'dcp'} holds a non-tensor item that is not plain data; refusing to "
+                    f"unpickle it (it could run code): {unsafe}"
+                ) from None
             raise _corrupt(path / "dcp", exc, path) from None
         set_state_dict(model, optimizer, model_state_dict=target["model"],
                        optim_state_dict=target["optimizer"])
