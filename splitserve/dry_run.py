@@ -147,23 +147,53 @@ def trainer_estimate(cfg: RecipeConfig, with_emb: int, without_emb: int) -> Esti
     ]
     k = len(draft.target_layer_ids)
     budget = cfg.split.token_budget
-    sequences = max(1, budget // cfg.data.max_length)
-    block_tokens = sequences * train.num_anchors * draft.block_size
     features = budget * (k + 1) * shape.hidden_size * 2  # bf16 on the wire
-    ctx = budget * draft.hidden_size * 4 * 3
+    activations, objective = activation_bytes(cfg, shape, anchors_per_micro_batch(cfg, cfg.data.max_length))
+    queue = cfg.split.max_in_flight * cfg.data.max_length * (k + 1) * shape.hidden_size * 2
+    items += [
+        ("batch features (bf16)", features),
+        ("context + backbone activations", activations),
+        ("objective chunk (fp32, vocabulary)", objective),
+        ("received queue (bf16)", queue),
+    ]
+    return Estimate(items)
+
+
+def anchors_per_micro_batch(cfg: RecipeConfig, sample_tokens: int) -> int:
+    """Anchors in one micro-batch of samples ``sample_tokens`` long: as many samples as the
+    token budget holds, each with up to train.num_anchors (one per supervised token at most)."""
+    budget = cfg.split.token_budget
+    sequences = max(1, budget // max(1, sample_tokens))
+    return min(sequences * cfg.train.num_anchors, max(1, budget))
+
+
+def activation_bytes(cfg: RecipeConfig, shape, anchors: int) -> tuple[float, float]:
+    """(context + backbone activations, the objective's vocabulary chunk) for ``anchors``."""
+    draft, train = cfg.draft, cfg.train
+    block_tokens = anchors * draft.block_size
+    ctx = cfg.split.token_budget * draft.hidden_size * 4 * 3
     # per layer and block token: residual, norms, q/k/v/o, MLP (2 x intermediate), kept for backward
     per_token = (10 * draft.hidden_size + 3 * draft.intermediate_size) * 4
     backbone = block_tokens * per_token * draft.num_hidden_layers
     chunk = min(block_tokens, train.loss.chunk_blocks * draft.block_size)
     objective = chunk * shape.vocab_size * 4 * 4  # draft and target logits, probabilities, grads
-    queue = cfg.split.max_in_flight * cfg.data.max_length * (k + 1) * shape.hidden_size * 2
-    items += [
-        ("batch features (bf16)", features),
-        ("context + backbone activations", ctx + backbone),
-        ("objective chunk (fp32, vocabulary)", objective),
-        ("received queue (bf16)", queue),
-    ]
-    return Estimate(items)
+    return ctx + backbone, objective
+
+
+def short_sample_note(cfg: RecipeConfig) -> str:
+    """How much more a trainer may need when micro-batches pack many short samples: the
+    estimate assumes samples of data.max_length, the packing allows ones of
+    data.min_loss_tokens + 1 tokens."""
+    from draftforge.splitserve.registry import resolve_target_shape
+
+    shape = resolve_target_shape(cfg.target)
+    full = anchors_per_micro_batch(cfg, cfg.data.max_length)
+    short = anchors_per_micro_batch(cfg, cfg.data.min_loss_tokens + 1)
+    if short <= full:
+        return ""
+    extra = sum(activation_bytes(cfg, shape, short)) - sum(activation_bytes(cfg, shape, full))
+    return (f"    (above: samples of data.max_length, {full} anchors a micro-batch; samples of "
+            f"data.min_loss_tokens + 1 tokens could pack {short}: up to {extra / GIB:.3f} GiB more)")
 
 
 def dry_run(cfg: RecipeConfig) -> str:
@@ -199,4 +229,7 @@ def dry_run(cfg: RecipeConfig) -> str:
         "memory estimate per trainer rank:",
         *trainer_estimate(cfg, with_emb, without_emb).lines(),
     ]
+    note = short_sample_note(cfg)
+    if note:
+        lines.append(note)
     return "\n".join(lines)
