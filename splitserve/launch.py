@@ -93,6 +93,11 @@ def _model_config(cfg) -> dict | None:
     return build_dspark_config(cfg.draft, shape, vocab_size=shape.vocab_size).to_dict()
 
 
+def _bare_address(text: str) -> str:
+    """An address as sockets take it: IPv6 without the URL brackets (``[::1]`` is ``::1``)."""
+    return text[1:-1] if text.startswith("[") and text.endswith("]") else text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Validate, then start torchrun (or print the dry run); returns the exit status."""
     parser = argparse.ArgumentParser(
@@ -109,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-restarts", type=int, default=None,
                         help=f"restarts of the whole job after it fails (default {DEFAULT_RESTARTS} with "
                         "split.restart_target: true, else 0)")
-    parser.add_argument("--master-addr", default=LOOPBACK,
+    parser.add_argument("--master-addr", default=LOOPBACK, type=_bare_address,
                         help="address the ranks reach rank 0 at (default 127.0.0.1, loopback "
                         "only); give this machine's address only to open the job deliberately. "
                         "Several nodes (split.num_nodes > 1): node 0's address on the cluster "

@@ -221,6 +221,24 @@ def test_trust_remote_code_is_off_unless_the_recipe_sets_it():
                           if "trust_remote_code=" in line), passed
 
 
+def test_a_bracketed_ipv6_master_addr_is_bound_without_brackets(tmp_path, capsys):
+    """--master-addr [::1] is loopback; the store binds to ::1 (a raw gaierror before)."""
+    import socket
+
+    from draftforge.splitserve.launch import main
+    from draftforge.splitserve.supervisor import host_store
+
+    assert main([str(ROOT / "recipes" / "tiny-debug.yaml"), "--master-addr", "[::1]", "--dry-run"]) == 0
+    assert "rendezvous store hosted by draftforge train on ::1 (loopback only)" in capsys.readouterr().out
+    if socket.has_ipv6:
+        try:
+            store, port = host_store("::1")
+        except OSError as exc:  # a machine without IPv6 loopback configured
+            pytest.skip(f"no IPv6 loopback here: {exc}")
+        assert port > 0
+        del store
+
+
 def test_launcher_binds_rendezvous_to_loopback_by_default():
     from draftforge.splitserve.launch import launch_env
     from draftforge.splitserve.multinode import torchrun_command
