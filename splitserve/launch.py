@@ -93,6 +93,9 @@ def _model_config(cfg) -> dict | None:
     return build_dspark_config(cfg.draft, shape, vocab_size=shape.vocab_size).to_dict()
 
 
+INPUT_ERROR_STATUS = 2  # how draftforge exits on an InputError (bad recipe, data, checkpoint)
+
+
 def _bare_address(text: str) -> str:
     """An address as sockets take it: IPv6 without the URL brackets (``[::1]`` is ``::1``)."""
     return text[1:-1] if text.startswith("[") and text.endswith("]") else text
@@ -189,6 +192,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # newest checkpoint (train.resume: auto).
     for attempt in range(1, restarts + 1):
         if status == 0:
+            break
+        if status == INPUT_ERROR_STATUS:
+            print("draftforge train: a rank refused its input (exit status 2); a restart would "
+                  "fail the same way, so none is made", file=sys.stderr, flush=True)
             break
         print(
             f"draftforge train: the job failed (exit status {status}); restart {attempt} of "

@@ -117,7 +117,7 @@ def test_sigkilled_trainer_rerun_resumes_without_losing_or_repeating_samples(tmp
 
 
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc to find the target rank")
-def test_an_interrupted_job_is_not_restarted(tmp_path, monkeypatch):
+def test_an_interrupted_or_refused_job_is_not_restarted(tmp_path, monkeypatch):
     """split.restart_target restarts a job whose rank failed, never one the user or a
     scheduler stopped (Ctrl-C, SIGTERM): that ends with 128 + the signal."""
     from draftforge.splitserve import launch
@@ -134,6 +134,14 @@ def test_an_interrupted_job_is_not_restarted(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as info:
         launch.main([str(recipe)])
     assert info.value.code == 130 and len(starts) == 1
+
+    # nor one whose rank refused its input (exit 2): it would fail the same way again
+    refused = []
+    monkeypatch.setattr(launch, "run_ranks", lambda *a, **k: refused.append(k) or 2)
+    assert launch.main([str(recipe)]) == 2 and len(refused) == 1
+    failing = []
+    monkeypatch.setattr(launch, "run_ranks", lambda *a, **k: failing.append(k) or 3)
+    assert launch.main([str(recipe)]) == 3 and len(failing) == 4  # 3 restarts by default
 
 
 def test_restart_target_restarts_the_job_and_training_continues_exactly(tmp_path, reference):
