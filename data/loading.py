@@ -38,6 +38,8 @@ BUILTIN_DIR = Path(__file__).resolve().parent / "prompts"
 BUILTINS = {"train-prompts": BUILTIN_DIR / "train-prompts.jsonl.gz"}
 SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
 
+RESERVED_ID_MARK = "#e"  # SplitServe appends it and the epoch to a sample id after epoch 0
+
 
 @dataclass(frozen=True)
 class SkippedRow:
@@ -216,6 +218,11 @@ def load_conversations(
                     raise DataFormatError(
                         f"{raw.where}: id {conv.id!r} is already used at {seen[conv.id]}; "
                         "ids must be unique across data files"
+                    )
+                if RESERVED_ID_MARK in conv.id:
+                    raise DataFormatError(
+                        f"{raw.where}: id {conv.id!r} contains {RESERVED_ID_MARK!r}, which marks a "
+                        "later epoch's sample ids (conv#e1, ...); rename it"
                     )
             except DataFormatError as exc:
                 if not skip_invalid:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from draftforge.data.loading import RESERVED_ID_MARK
 from draftforge.splitserve.accounting import Meter
 
 if TYPE_CHECKING:
@@ -100,7 +101,7 @@ def epoch_order(num: int, *, seed: int, epoch: int) -> list[int]:
     return order
 
 
-EPOCH_MARK = "#e"
+EPOCH_MARK = RESERVED_ID_MARK  # data files may not use it in their ids
 
 
 def epoch_id(conv_id: str, epoch: int) -> str:

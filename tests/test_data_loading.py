@@ -147,6 +147,19 @@ def test_error_duplicate_ids_across_files(tmp_path):
     )
 
 
+def test_error_id_with_the_epoch_mark(tmp_path):
+    """SplitServe names a later epoch's samples conv#e1, conv#e2: an id 'a#e1' in the data
+    would be taken for conversation 'a' in epoch 1."""
+    path = tmp_path / "a.jsonl"
+    path.write_text(jsonl_text([{"id": "a", "prompt": "one"}, {"id": "a#e1", "prompt": "two"}]))
+    with pytest.raises(DataFormatError) as err:
+        load_conversations([str(path)])
+    assert str(err.value) == (
+        f"{path}, line 2: id 'a#e1' contains '#e', which marks a later epoch's sample ids "
+        "(conv#e1, ...); rename it"
+    )
+
+
 def test_skip_invalid_counts_and_reports_every_skipped_row(tmp_path):
     path = tmp_path / "mixed.jsonl"
     path.write_text(
