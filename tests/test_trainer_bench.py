@@ -39,7 +39,27 @@ def test_backbone_flops_by_hand():
     assert flops["backbone"] == 2 * context * 96 * 32 + 2 * per_layer
     visible = (2 + 4) * 4 + (5 + 4) * 4  # keys each query of the two blocks sees
     assert flops["attention"] == 2 * 4 * 4 * 8 * visible
-    assert flops["step"] == 3 * flops["forward"]
+    fc = 2 * context * 96 * 32
+    assert flops["step"] == 3 * flops["forward"] - fc  # fc's input (the features) has no gradient
+
+
+def test_a_whole_step_executes_the_counted_flops_but_attention():
+    """torch's FLOP counter on one real trainer step (float32, eager objective) sees every
+    matmul; its total is the count's, less attention, which the counter does not see in
+    CPU SDPA. fc counts twice, not three times: the features need no gradient."""
+    from draftforge.train import bench_train as bt
+
+    torch.set_num_threads(1)
+    args = bt._parser().parse_args(["--seq", "64", "--anchors", "4", "--steps", "1", "--warmup", "0",
+                                    "--compile", "off", "--threads", "1", "--dtype", "float32",
+                                    "--device", "cpu"])
+    cfg, recipe = bt._model_config(args)
+    steps = bt.train_steps(cfg, recipe, args)
+    with FlopCounterMode(display=False) as counter:
+        _, _, anchors = next(steps)
+    counted = step_flops(cfg, seq=64, anchors=anchors)
+    executed = sum(counter.get_flop_counts()["Global"].values())
+    assert executed == counted["step"] - 3 * counted["attention"]
 
 
 def test_bench_train_prints_a_machine_readable_last_line(capsys):

@@ -36,7 +36,10 @@ tokens, S context positions, visible keys of block a = p_a + block:
 * vocabulary: the draft's logits, base and Markov (2 N V (H + r)).
 
 Forward + backward = 3 x that forward count. For the backbone: input and
-weight gradients. For the vocabulary, what the fused objective executes is
+weight gradients, except ``fc``, whose input (the target's features) needs no
+gradient: 2 x. Attention counts the useful work, the keys each query may see;
+a dense SDPA mask makes the kernel compute scores for every key (about 3.6 x
+that at the CPU recipe's shapes), which this count leaves out. For the vocabulary, what the fused objective executes is
 exactly 3 x: draft and Markov logits, the target's logits (no backward), the
 hidden-state and Markov-latent gradients and the W2 gradient (tests check it
 against torch's FLOP counter). The last line is
@@ -117,7 +120,9 @@ def _model_config(args):
 
 
 def step_flops(cfg, *, seq: int, anchors: list[list[int]]) -> dict[str, float]:
-    """Forward FLOPs of one step by part (see the module docstring); x3 for forward + backward."""
+    """Forward FLOPs of one step by part (see the module docstring), and the step's: x3 for
+    forward + backward, except ``fc``, whose input (the target's features) needs no
+    gradient, so its backward is the weight gradient alone (x2)."""
     hidden, head_dim = cfg.hidden_size, cfg.head_dim
     q_width, kv_width = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
     block = cfg.block_size
@@ -132,12 +137,13 @@ def step_flops(cfg, *, seq: int, anchors: list[list[int]]) -> dict[str, float]:
     )
     visible = sum((p + block) * block for seq_anchors in anchors for p in seq_anchors)
     attention = cfg.num_hidden_layers * 2 * 2 * cfg.num_attention_heads * head_dim * visible
-    backbone = 2 * context * cfg.num_context_features * hidden + cfg.num_hidden_layers * per_layer
+    fc = 2 * context * cfg.num_context_features * hidden
+    backbone = fc + cfg.num_hidden_layers * per_layer
     vocab = 2 * queries * cfg.vocab_size * (hidden + cfg.markov_rank)
     heads = 2 * queries * (hidden + cfg.markov_rank)  # confidence head
     forward = backbone + attention + vocab + heads
     return {"backbone": backbone, "attention": attention, "vocab": vocab, "forward": forward,
-            "step": 3 * forward}
+            "step": 3 * forward - fc}
 
 
 CPU_PEAK_SIZES = (2048, 3072)
