@@ -158,6 +158,12 @@ class ConsumerAccounting:
         self.step_wait_s += float(record.get("wait_s", 0.0))
 
     # -- reading
+    def producer_idle_wall(self) -> tuple[float, float]:
+        """The producers' running (idle seconds, wall seconds), averaged per rank, as last
+        reported on the wire: two readings give the idle share between them."""
+        totals = self._totals()
+        return totals["p_idle_s"], totals["p_wall_s"]
+
     def _totals(self) -> dict:
         """Running sums of both sides (producers averaged per rank) and the depth samples so far.
 

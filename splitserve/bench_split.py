@@ -123,12 +123,14 @@ class StepRecord:
     end_s: float  # seconds from the start of the phase
     samples: list[tuple[int, int, bool]]  # (source rank, tokens, chunk_end) in consumption order
     wait_s: float = 0.0  # the trainer's wait for samples since the start of the phase
+    producer: tuple[float, float] = (0.0, 0.0)  # the producers' running (idle s, wall s) then
 
 
 def _recorded_steps(trainer, batches, steps: int, grad_accum: int,
-                    waited=lambda: 0.0) -> list[StepRecord]:
+                    waited=lambda: 0.0, producer=lambda: (0.0, 0.0)) -> list[StepRecord]:
     """Run ``steps`` optimizer steps from ``batches``; ``waited()`` is the trainer's total
-    wait for samples so far (none when training from memory)."""
+    wait for samples so far (none when training from memory), ``producer()`` the
+    producers' running (idle, wall) seconds."""
     records = []
     begin, wait_before = time.perf_counter(), waited()
     for _ in range(steps):
@@ -136,7 +138,7 @@ def _recorded_steps(trainer, batches, steps: int, grad_accum: int,
         trainer.train_step(micro)
         taken = [(s.provenance.get("target_rank", -1), s.num_tokens,
                   bool(s.provenance.get("chunk_end"))) for batch in micro for s in batch]
-        records.append(StepRecord(time.perf_counter() - begin, taken, waited() - wait_before))
+        records.append(StepRecord(time.perf_counter() - begin, taken, waited() - wait_before, producer()))
     return records
 
 
@@ -150,6 +152,7 @@ class SteadyWindow:
     tok_s: float  # summed over links
     chunks: int  # whole chunks in the links' windows
     trainer_idle: float  # the trainer's wait share from the earliest window start to the latest end
+    target_idle: float  # the producers' idle share over the same steps, from their wire reports
 
 
 def steady_rate(records: Sequence[StepRecord], min_chunks: int = MIN_STEADY_CHUNKS
@@ -183,7 +186,9 @@ def steady_rate(records: Sequence[StepRecord], min_chunks: int = MIN_STEADY_CHUN
         chunks += len(marks) - 1
         begin, end = min(begin, first), max(end, last)
     span = records[end].end_s - records[begin].end_s
-    return SteadyWindow(rate, chunks, (records[end].wait_s - records[begin].wait_s) / span)
+    (idle0, wall0), (idle1, wall1) = records[begin].producer, records[end].producer
+    target_idle = (idle1 - idle0) / (wall1 - wall0) if wall1 > wall0 else 0.0
+    return SteadyWindow(rate, chunks, (records[end].wait_s - records[begin].wait_s) / span, target_idle)
 
 
 def _cycle(batches: list):
@@ -232,7 +237,8 @@ def bench_trainer_rank(ctx, trainer, bench: dict) -> None:
     # The N + 1 steps start from an empty pipeline, as phase 1 does (a window opened after a
     # fill step would eat samples produced before it and read faster than the producer). The
     # from-empty rate times them all; the steady rate times whole chunks inside them.
-    records = _recorded_steps(trainer, batches, steps + 1, grad_accum, lambda: accounting.wait_s)
+    records = _recorded_steps(trainer, batches, steps + 1, grad_accum, lambda: accounting.wait_s,
+                              accounting.producer_idle_wall)
     trainer_wait = records[-1].wait_s
     both_tokens, both_wall = _totals(records)
     steady = steady_rate(records)
@@ -242,11 +248,12 @@ def bench_trainer_rank(ctx, trainer, bench: dict) -> None:
                 "(raise --steps)")
     steady_tok_s, steady_chunks, steady_idle = (
         (steady.tok_s, steady.chunks, steady.trainer_idle) if steady else (0.0, 0, 0.0))
-    producer = accounting.snapshot()["producer"]
+    # the target's idle share over the ratio's window (the whole phase when there is none)
+    target_idle = steady.target_idle if steady else accounting.snapshot()["producer"]["idle_share"]
     stream.stop(timeout_s=cfg.split.peer_timeout_s)
 
     values = torch.tensor([prod_tokens, prod_wall, cons_tokens, cons_wall, both_tokens, both_wall,
-                           trainer_wait, producer["idle_share"], steady_tok_s, steady_chunks,
+                           trainer_wait, target_idle, steady_tok_s, steady_chunks,
                            float(steady is None), steady_idle], dtype=torch.float64)
     group = ctx.trainer_group if len(cfg.split.trainer_ranks) > 1 else None
     if group is not None:

@@ -74,8 +74,8 @@ def test_every_chunk_marks_its_last_sample_on_each_link(tmp_path):
             assert mine and mine[-1] and sum(mine) == 1, (dest, mine)
 
 
-def _step(end_s, *samples, wait_s=0.0):
-    return StepRecord(end_s, list(samples), wait_s)
+def _step(end_s, *samples, wait_s=0.0, producer=(0.0, 0.0)):
+    return StepRecord(end_s, list(samples), wait_s, producer)
 
 
 def test_the_steady_rate_runs_from_the_first_chunk_end_to_the_last():
@@ -90,18 +90,24 @@ def test_the_steady_rate_runs_from_the_first_chunk_end_to_the_last():
         _step(10.0, (0, 10, True), (0, 10, False), (0, 10, False), wait_s=4.5),
         _step(11.0, (0, 10, True), (0, 10, False), wait_s=4.5),
     ]
-    assert steady_rate(records, min_chunks=2) == SteadyWindow(60 / 6.0, 2, 1.5 / 6.0)
+    assert steady_rate(records, min_chunks=2) == SteadyWindow(60 / 6.0, 2, 1.5 / 6.0, 0.0)
     assert steady_rate(records, min_chunks=3) is None  # too few chunks to average over
     # what the first chunk end's step trains after it was trained before the window
     records[1] = _step(5.0, (0, 10, True), (0, 99, False), wait_s=3.0)
-    assert steady_rate(records, min_chunks=2) == SteadyWindow(60 / 6.0, 2, 1.5 / 6.0)
+    assert steady_rate(records, min_chunks=2) == SteadyWindow(60 / 6.0, 2, 1.5 / 6.0, 0.0)
+    # the target's idle share over the same steps: the producers' (idle, wall) readings at
+    # the window's two ends. Before it the target never waited (the fill): 0 of 4 s idle;
+    # inside it, 3 of 6 s. Over the whole phase that would read 3 of 10.
+    readings = [(0.0, 3.5), (0.0, 4.0), (1.0, 6.0), (2.5, 9.0), (3.0, 10.0)]
+    records = [StepRecord(r.end_s, r.samples, r.wait_s, p) for r, p in zip(records, readings, strict=True)]
+    assert steady_rate(records, min_chunks=2).target_idle == 3.0 / 6.0
     # two links (two target ranks feeding this trainer): each link's own window, rates summed
     records = [
         _step(1.0, (0, 10, True), (5, 1, True)),
         _step(2.0, (0, 20, False), (5, 2, False)),
         _step(4.0, (0, 30, True), (5, 3, True)),
     ]
-    assert steady_rate(records, min_chunks=1) == SteadyWindow(50 / 3.0 + 5 / 3.0, 2, 0.0)
+    assert steady_rate(records, min_chunks=1) == SteadyWindow(50 / 3.0 + 5 / 3.0, 2, 0.0, 0.0)
     # a link with a single chunk end, or two in the same step: no steady window
     assert steady_rate([_step(1.0, (0, 10, True)), _step(2.0, (0, 10, False))], min_chunks=1) is None
     assert steady_rate([_step(1.0, (0, 10, True), (0, 10, True))], min_chunks=1) is None
