@@ -98,6 +98,14 @@ def run_workload(
 ) -> WorkloadResult:
     """Decode every prompt with the draft and the baselines; greedy outputs are checked lossless."""
     gamma = draft.config.block_size
+    limit = draft.config.max_position_embeddings
+    for index, prompt in enumerate(prompts):
+        if len(prompt) + settings.max_new_tokens > limit:
+            raise ValueError(
+                f"workload {name!r}, prompt {index}: {len(prompt)} prompt tokens + max_new_tokens "
+                f"{settings.max_new_tokens} exceed the draft's max_position_embeddings {limit}; "
+                "lower --max-new-tokens or leave the prompt out"
+            )
     decode = DecodeSettings(
         max_new_tokens=settings.max_new_tokens,
         temperature=settings.temperature,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from eval_helpers import random_prompts, tiny_eval_draft, tiny_target
@@ -125,6 +127,83 @@ def test_round_accepting_eos_counts_up_to_the_eos(target):
     assert sum(lengths) == first and lengths[-1] <= 5
     if first % 5:  # the EOS was an accepted draft: no bonus counted after it
         assert lengths[-1] == first % 5
+
+
+class RecordingOracle(Proposer):
+    """Feature-hungry like the draft; records what each round hands it, and proposes the
+    reference continuation cut at a random length (then wrong tokens), so that rounds
+    accept anything from nothing to the whole block."""
+
+    name, needs_features = "recording", True
+
+    def __init__(self, reference, gamma, seed):
+        self.reference, self.gamma, self.rng, self.calls = reference, gamma, random.Random(seed), []
+
+    def propose(self, sequence, features):
+        self.calls.append((list(sequence), features.clone()))
+        cont = self.reference[len(sequence) : len(sequence) + self.gamma]
+        cut = self.rng.randint(0, len(cont))
+        return Proposal(tokens=cont[:cut] + [(t + 1) % 512 for t in cont[cut:]])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_each_round_hands_the_draft_the_targets_features_of_exactly_the_context(target, draft, seed):
+    """Before every round the draft gets the target's auxiliary features of the tokens before
+    the anchor, no more (not the rejected drafts', not the anchor's) and no fewer (also after a
+    round that accepted nothing), equal to a cache-free forward over the final sequence."""
+    prompt = random_prompts(1, seed=10 + seed)[0]
+    reference = _plain(target, prompt, 30)
+    full = prompt + reference.tokens
+    oracle = RecordingOracle(full, gamma=4, seed=seed)
+    session = TargetSession(target.model, draft.config.target_layer_ids)
+    result = speculative_decode(session, prompt, oracle, DecodeSettings(max_new_tokens=30))
+    assert result.tokens == reference.tokens
+    accepted = {r.num_accepted for r in result.rounds}
+    assert 0 in accepted and len(accepted) >= 3, accepted  # the cuts vary what rounds accept
+    aux = target.features(torch.tensor([full])).aux[0]
+    for sequence, features in oracle.calls:
+        anchor = len(sequence) - 1
+        assert sequence == full[: len(sequence)]
+        assert features.shape[0] == anchor
+        torch.testing.assert_close(features, aux[:anchor], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_type", ["vanilla", "gated", "rnn"])
+def test_sampled_proposals_carry_the_markov_corrected_tempered_probabilities(target, head_type):
+    """Rejection sampling needs the distribution each draft token was drawn from: the base
+    logits plus the Markov term given the token drafted before it, divided by T."""
+    draft = tiny_eval_draft(target, markov_head_type=head_type)
+    prompt = random_prompts(1, seed=21)[0]
+    session = TargetSession(target.model, draft.config.target_layer_ids)
+    _, aux = session.prefill(prompt)
+    proposer = spec.DraftProposer(draft, temperature=0.7, generator=torch.Generator().manual_seed(4))
+    proposal = proposer.propose(prompt, aux[:-1])
+    anchor = torch.tensor([prompt[-1]])
+    assert proposal.probs is not None and proposal.probs.shape[0] == len(proposal.tokens)
+    with torch.no_grad():  # the training side's teacher-forced path, fed the drawn tokens
+        hidden = draft.block_forward(anchor, len(prompt) - 1, aux[None, :-1])
+        drawn = torch.tensor([proposal.tokens])
+        prev = torch.cat([anchor[:, None], drawn[:, :-1]], dim=1)
+        latent, _ = draft.markov_head.teacher_forced(prev, hidden)
+        logits = draft.base_logits(hidden)[0] + draft.markov_head.markov_w2(latent)[0]
+    torch.testing.assert_close(proposal.probs.float(), torch.softmax(logits.float() / 0.7, dim=-1),
+                               rtol=1e-4, atol=1e-6)
+
+
+def test_positions_beyond_the_drafts_range_are_refused(target):
+    """A draft with 16 positions: a 10-token prompt with 10 new tokens would draft at
+    positions it never trained on (it did, silently, up to 32)."""
+    small = tiny_eval_draft(target, max_position_embeddings=16)
+    with pytest.raises(ValueError, match=r"workload 'w', prompt 0: 10 prompt tokens \+ max_new_tokens 10 exceed "
+                                         "the draft's max_position_embeddings 16"):
+        run_workload("w", random_prompts(1), small, target,
+                     EvalSettings(max_new_tokens=10, estimate=False, baselines=("none",)), **QUIET)
+    result = run_workload("w", random_prompts(1), small, target,
+                          EvalSettings(max_new_tokens=6, estimate=False, baselines=("none",)), **QUIET)
+    assert result.methods["dspark"]["tokens"] == 6
+    aux = torch.zeros(1, 16, small.config.num_context_features)
+    with pytest.raises(ValueError, match="anchor position 16 is beyond the draft's max_position_embeddings 16"):
+        small.block_forward(torch.tensor([1]), 16, aux)
 
 
 def test_drafts_after_an_accepted_eos_count_as_neither_verified_nor_accepted(target):

@@ -421,8 +421,16 @@ class DSparkDraft(nn.Module):
         return self.norm(h)
 
     def block_forward(self, anchor_token: torch.Tensor, anchor_pos: int, aux: torch.Tensor) -> torch.Tensor:
-        """Inference: one block per sequence. anchor_token [B], aux [B, anchor_pos, K*H_t] -> h [B, γ, H]."""
+        """Inference: one block per sequence. anchor_token [B], aux [B, anchor_pos, K*H_t] -> h [B, γ, H].
+
+        The anchor must lie within ``max_position_embeddings``, as every training anchor does
+        (the block's later slots may reach past it, as in training)."""
         cfg = self.config
+        if anchor_pos >= cfg.max_position_embeddings:
+            raise ValueError(
+                f"anchor position {anchor_pos} is beyond the draft's max_position_embeddings "
+                f"{cfg.max_position_embeddings}: it never saw such positions in training"
+            )
         batch = anchor_token.shape[0]
         device = anchor_token.device
         block_ids = torch.full((batch, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=device)
