@@ -53,10 +53,16 @@ if TYPE_CHECKING:
 
 SGLANG_VERSION = "0.5.23"
 INSTALL_COMMAND = "pip install 'draftforge[sglang]'"
-# SGLang's capture conventions differ by draft family; EAGLE3 with explicit ids
-# is the one most model classes implement (Llama, Qwen2, Qwen3, ...), and for
-# those it captures the residual stream on entry to layer i + 1.
-CAPTURE_CONVENTION = "EAGLE3"
+# SGLang names the capture by a draft family, and each model class implements some of
+# the families' hooks: DSPARK uses set_dspark_layers_to_capture (the output of layer i:
+# Ling-3.0-flash's BailingMoeV3 has only this one) or else set_dflash_layers_to_capture
+# (the input of layer i + 1, the same state); EAGLE3 uses set_eagle3_layers_to_capture
+# (also the input of layer i + 1), the only hook of Qwen2 and a dozen other classes.
+# Every one of them gives transformers' hidden_states[i + 1] for id i.
+CAPTURE_HOOKS = (
+    ("DSPARK", ("set_dspark_layers_to_capture", "set_dflash_layers_to_capture")),
+    ("EAGLE3", ("set_eagle3_layers_to_capture",)),
+)
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -219,6 +225,29 @@ def features_from_packed(
     )
 
 
+def capture_convention(model_cls: type) -> str:
+    """The ``speculative_algorithm`` that makes SGLang's ``model_cls`` capture auxiliary
+    hidden states (see ``CAPTURE_HOOKS``); a clear error when it implements no hook."""
+    for convention, hooks in CAPTURE_HOOKS:
+        if any(hasattr(model_cls, hook) for hook in hooks):
+            return convention
+    names = ", ".join(hook for _, hooks in CAPTURE_HOOKS for hook in hooks)
+    raise RuntimeError(
+        f"SGLang's {model_cls.__name__} implements none of {names}, so it cannot return the "
+        "auxiliary hidden states a draft trains on; use target.backend: hf for this model"
+    )
+
+
+def sglang_model_class(model_path: str) -> type:
+    """The SGLang model class that serves the model in ``model_path`` (its config.json's
+    first architecture), resolved by SGLang's own registry."""
+    from sglang.srt.models.registry import ModelRegistry
+
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    model_cls, _ = ModelRegistry.resolve_model_cls(config.get("architectures") or [])
+    return model_cls
+
+
 def runner_args(
     cfg: TargetConfig,
     model_path: str,
@@ -226,12 +255,14 @@ def runner_args(
     *,
     device: torch.device,
     max_total_tokens: int,
+    convention: str,
 ) -> dict[str, Any]:
-    """``ServerArgs`` fields for the feature runner: aux capture of ``layer_ids``, no draft, no CUDA graphs."""
+    """``ServerArgs`` fields for the feature runner: aux capture of ``layer_ids`` under the
+    model class's ``convention`` (:func:`capture_convention`), no draft, no CUDA graphs."""
     return {
         **_common_args(cfg, model_path, device),
         "enable_return_aux_hidden_states": True,
-        "speculative_algorithm": CAPTURE_CONVENTION,
+        "speculative_algorithm": convention,
         "return_aux_hidden_state_layer_ids": sglang_layer_ids(layer_ids),
         "max_total_tokens": max_total_tokens,
         "disable_cuda_graph": True,  # prefill only: no decode graphs to capture
@@ -421,6 +452,9 @@ class SGLangTarget:
         if self._runner is None:
             from draftforge.splitserve.sglang_runner import FeatureRunnerProcess
 
+            if self.device.type == "cpu":  # read when sglang is first imported (the model registry)
+                os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
             self._runner = FeatureRunnerProcess(
                 runner_args(
                     self.cfg,
@@ -428,6 +462,7 @@ class SGLangTarget:
                     self.layer_ids,
                     device=self.device,
                     max_total_tokens=self.max_total_tokens,
+                    convention=capture_convention(sglang_model_class(str(self.folder))),
                 ),
                 num_threads=self.cfg.num_threads,
             )

@@ -198,12 +198,38 @@ def test_reply_ids_from_engine_outputs():
         reply_ids(aborted, [2])
 
 
+def test_the_capture_convention_is_the_one_the_model_class_implements():
+    """SGLang 0.5.23's hooks: BailingMoeV3 (Ling-3.0-flash) has only the DSpark one, Qwen2
+    only EAGLE3's, Llama and Qwen3 both (DFlash's under DSPARK); either gives the same state."""
+    from draftforge.splitserve.sglang_backend import capture_convention
+
+    class BailingMoeV3ForCausalLM:
+        def set_dspark_layers_to_capture(self, ids): ...
+
+    class LlamaForCausalLM:
+        def set_eagle3_layers_to_capture(self, ids=None): ...
+        def set_dflash_layers_to_capture(self, ids): ...
+
+    class Qwen2ForCausalLM:
+        def set_eagle3_layers_to_capture(self, ids=None): ...
+
+    class Bare:
+        pass
+
+    assert capture_convention(BailingMoeV3ForCausalLM) == "DSPARK"
+    assert capture_convention(LlamaForCausalLM) == "DSPARK"
+    assert capture_convention(Qwen2ForCausalLM) == "EAGLE3"
+    with pytest.raises(RuntimeError, match="SGLang's Bare implements none of set_dspark_layers_to_capture"):
+        capture_convention(Bare)
+
+
 def test_server_args_from_config():
     cfg = TargetConfig(model="/m", dtype="float32", generation=GenerationConfig(seed=4))
-    args = runner_args(cfg, "/m", LAYERS, device=torch.device("cuda", 3), max_total_tokens=4096)
+    args = runner_args(cfg, "/m", LAYERS, device=torch.device("cuda", 3), max_total_tokens=4096,
+                       convention="DSPARK")
     assert args["return_aux_hidden_state_layer_ids"] == LAYERS  # SGLang reorders; we undo it
     assert args["enable_return_aux_hidden_states"] is True
-    assert args["speculative_algorithm"] == "EAGLE3"
+    assert args["speculative_algorithm"] == "DSPARK"
     assert (args["base_gpu_id"], args["device"], args["dtype"]) == (3, "cuda", "float32")
     assert args["trust_remote_code"] is False and args["max_total_tokens"] == 4096
     gen = engine_args(cfg, "/m", device=torch.device("cpu"))
