@@ -232,4 +232,9 @@ def dry_run(cfg: RecipeConfig) -> str:
     note = short_sample_note(cfg)
     if note:
         lines.append(note)
+    if split.target_tensor_parallel > 1:
+        from draftforge.splitserve.roles import TP_NOT_BUILT
+
+        lines += ["", "NOTE: the plan above is what the recipe asks for; a run stops at its target "
+                      "ranks: " + TP_NOT_BUILT.format(tp=split.target_tensor_parallel)]
     return "\n".join(lines)

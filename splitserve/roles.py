@@ -239,6 +239,14 @@ def _finish(ctx: RankContext) -> None:
 # --------------------------------------------------------------------------- target
 
 
+TP_NOT_BUILT = (
+    "split.target_tensor_parallel: {tp} is not built yet: the SGLang backend starts one "
+    "single-GPU engine and feature runner per target rank, so every rank of a tensor-parallel "
+    "group would load a whole copy of the target. Use target_tensor_parallel: 1 with a target "
+    "that fits one GPU"
+)
+
+
 def build_engine(ctx: RankContext):
     from draftforge.splitserve.target import build_target
 
@@ -260,6 +268,8 @@ def build_engine(ctx: RankContext):
 def _run_target(ctx: RankContext, bench: dict | None) -> None:
     from draftforge.splitserve.producer import run_producer, send_embeddings
 
+    if ctx.cfg.split.target_tensor_parallel > 1:
+        raise RuntimeError(TP_NOT_BUILT.format(tp=ctx.cfg.split.target_tensor_parallel))
     engine = build_engine(ctx)
     if ctx.rank not in ctx.topology.producers:
         ctx.log("tensor-parallel member: nothing to send")  # unreachable with the hf backend

@@ -259,6 +259,24 @@ def test_dry_run_says_how_much_more_short_samples_can_take(tmp_path):
     assert short_sample_note(longest) == ""  # no shorter sample fits more anchors
 
 
+def test_tensor_parallel_target_groups_are_said_to_be_unbuilt(tmp_path, capsys):
+    """The SGLang backend runs one single-GPU engine per target rank: a tensor-parallel group
+    would load a whole copy on every rank. A run stops before loading anything; the dry run
+    still shows the plan and says so."""
+    from types import SimpleNamespace
+
+    from draftforge.splitserve import roles
+    from draftforge.splitserve.launch import main
+
+    ctx = SimpleNamespace(cfg=SimpleNamespace(split=SimpleNamespace(target_tensor_parallel=4)))
+    with pytest.raises(RuntimeError, match="split.target_tensor_parallel: 4 is not built yet"):
+        roles._run_target(ctx, None)
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "ling3-flash-dspark.yaml"
+    assert main([str(recipe), "--dry-run"]) == 0
+    assert "a run stops at its target ranks: split.target_tensor_parallel: 4 is not built yet" in (
+        capsys.readouterr().out)
+
+
 def test_train_refuses_wrong_nproc(tmp_path):
     from draftforge.splitserve.launch import main
 
