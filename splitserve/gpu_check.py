@@ -211,10 +211,18 @@ def failed_command(name: str, what: str, done: Finished) -> CheckResult:
                        f"{why}; log {done.log}: {log_tail(done.log)}")
 
 
+CHILD_MARGIN_S = 25.0  # the child's own limit is this much shorter: it stops its servers itself
+
+
 def run_child(name: str, work_dir: Path, timeout_s: float) -> CheckResult:
-    """Run check ``name`` in a child process; its last ``RESULT_TAG`` line is the result."""
+    """Run check ``name`` in a child process; its last ``RESULT_TAG`` line is the result.
+
+    The child gets a limit ``CHILD_MARGIN_S`` shorter than the one it is stopped at, so
+    it times out, stops what it started (servers run in their own sessions, which
+    stopping the child's group does not reach) and reports first."""
+    child_limit = max(10.0, timeout_s - CHILD_MARGIN_S)
     command = [sys.executable, "-m", "draftforge.splitserve.gpu_check", "--child", name,
-               "--work-dir", str(work_dir)]
+               "--work-dir", str(work_dir), "--time-limit-s", f"{child_limit:g}"]
     done = run_logged(command, log=work_dir / "logs" / f"{name}.log", timeout_s=timeout_s)
     result = read_child_result(done.log)
     if done.timed_out or result is None:
@@ -678,6 +686,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _child_main(name: str, work_dir: Path, timeout_s: float) -> int:
     import traceback
 
+    def stopped(signum, _frame):  # the parent's SIGTERM: unwind, so the checks' finally blocks
+        raise SystemExit(128 + signum)  # stop the servers they started in their own sessions
+
+    signal.signal(signal.SIGTERM, stopped)
     try:
         result = run_check_here(name, gpu_setup(work_dir, cuda_gpus()), timeout_s)
     except Exception as err:  # the check's own failure: report it as a FAIL line, details in the log

@@ -137,13 +137,19 @@ def sglang_has_dspark() -> tuple[bool, str]:
     return True, version
 
 
-def sglang_server_command(model: str, draft: str, port: int, *, dtype: str = SGLANG_DTYPE,
+def sglang_server_command(model: str, draft: str, port: int, *, block_size: int,
+                          dtype: str = SGLANG_DTYPE,
                           mem_fraction: float = SERVER_MEM_FRACTION) -> list[str]:
-    """SGLang's server with the DSPARK draft, on 127.0.0.1 only (flags of SGLang 0.5.23)."""
+    """SGLang's server with the DSPARK draft, on 127.0.0.1 only (flags of SGLang 0.5.23).
+
+    The verify width is given, block + 1 (the contract's speculative_num_draft_tokens):
+    SGLang would read it from the draft's config, but falls back to 7 drafts when that read
+    fails, which a block of 8 would not survive unnoticed."""
     return [
         sys.executable, "-m", "sglang.launch_server", "--model-path", model,
         "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
         "--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", draft,
+        "--speculative-num-draft-tokens", str(block_size + 1),
         "--mem-fraction-static", str(mem_fraction), "--skip-server-warmup",
         # start-up time matters more than speed here: no CUDA graph capture
         "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
@@ -189,7 +195,9 @@ def serve_and_count(setup: Setup, model: str, prompts: Sequence[Sequence[int]],
     port = free_port()
     log = setup.log_dir / "sglang-server.log"
     with log.open("w") as out:
-        proc = subprocess.Popen(sglang_server_command(model, str(setup.export_dir), port),
+        block_size = json.loads((setup.export_dir / "config.json").read_text())["block_size"]
+        proc = subprocess.Popen(sglang_server_command(model, str(setup.export_dir), port,
+                                                      block_size=block_size),
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 env=child_env())
     base = f"http://127.0.0.1:{port}"

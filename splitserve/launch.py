@@ -162,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         restarts = DEFAULT_RESTARTS if cfg.split.restart_target else 0
     if restarts < 0:
         raise RecipeError([f"--max-restarts {restarts}: give 0 or more"])
-    env = launch_env(args.master_addr, cpu=not any(torch_cuda_visible()))
+    env = launch_env(args.master_addr, cpu=not torch_cuda_visible())  # [0] is one GPU: any() said none
     if layout.num_nodes > 1:
         command = multinode_torchrun_command(
             args.recipe, args.overrides, layout, node_rank=args.node_rank,

@@ -130,13 +130,14 @@ def test_compare_acceptance_fails_on_a_different_count_or_definition():
 
 
 def test_server_command_binds_loopback_and_serves_the_draft():
-    command = S.sglang_server_command("/models/t", "/runs/export", 31234)
+    command = S.sglang_server_command("/models/t", "/runs/export", 31234, block_size=8)
     assert command[1:3] == ["-m", "sglang.launch_server"]
     flags = dict(zip(command[3::2], command[4::2], strict=False))
     assert flags["--host"] == "127.0.0.1"
     assert flags["--port"] == "31234"
     assert flags["--speculative-algorithm"] == "DSPARK"
     assert flags["--speculative-draft-model-path"] == "/runs/export"
+    assert flags["--speculative-num-draft-tokens"] == "9"  # the verify width: block + 1
     assert flags["--model-path"] == "/models/t"
     assert "0.0.0.0" not in command
     request = S.generate_request([1, 2, 3], 64)
@@ -390,6 +391,43 @@ def test_read_child_result_takes_the_last_tagged_line(tmp_path):
                         log=tmp_path / "d.log", timeout_s=30)
     assert done.returncode == 3
     assert "exited with status 3" in G.failed_command("x", "the check", done).reason
+
+
+def test_a_child_check_gets_a_shorter_limit_and_cleans_up_when_stopped(tmp_path, monkeypatch):
+    """The child used to run with the 450 s default whatever its share of the limit; and a
+    SIGTERM at its cap ended it without its finally blocks, orphaning the servers it had
+    started in their own sessions."""
+    seen = {}
+
+    def fake_run_logged(command, *, log, timeout_s, **kwargs):
+        seen["command"], seen["timeout_s"] = list(command), timeout_s
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("")
+        return G.Finished(0, 0.1, log)
+
+    monkeypatch.setattr(G, "run_logged", fake_run_logged)
+    G.run_child("export", tmp_path, 120.0)
+    assert seen["timeout_s"] == 120.0
+    assert seen["command"][-2:] == ["--time-limit-s", f"{120.0 - G.CHILD_MARGIN_S:g}"]
+
+    marker = tmp_path / "cleaned"
+    script = (
+        "import time, pathlib\n"
+        "from draftforge.splitserve import gpu_check as G\n"
+        "def check(name, setup, timeout_s):\n"
+        "    try:\n"
+        "        print('started', flush=True); time.sleep(60)\n"
+        "    finally:\n"
+        f"        pathlib.Path({str(marker)!r}).write_text('stopped its servers')\n"
+        "G.run_check_here = check\n"
+        "G.gpu_setup = lambda work_dir, gpus: None\n"
+        f"raise SystemExit(G._child_main('export', pathlib.Path({str(tmp_path)!r}), 30.0))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "started"
+    proc.terminate()
+    assert proc.wait(timeout=30) == 128 + 15
+    assert marker.read_text() == "stopped its servers"
 
 
 # --------------------------------------------------------------------------- checks 2 and 3 on CPU

@@ -144,6 +144,21 @@ def test_an_interrupted_or_refused_job_is_not_restarted(tmp_path, monkeypatch):
     assert launch.main([str(recipe)]) == 3 and len(failing) == 4  # 3 restarts by default
 
 
+def test_one_visible_gpu_is_not_taken_for_none(tmp_path, monkeypatch):
+    """torch_cuda_visible() == [0] on a one-GPU machine; any([0]) is False, so the launcher
+    set the CPU's one-thread default for ranks that run on the GPU."""
+    from draftforge.splitserve import launch
+
+    recipe = tiny_recipe(tmp_path)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    envs = []
+    monkeypatch.setattr(launch, "run_ranks", lambda *a, **k: envs.append(k["env"]) or 0)
+    for visible, expected in (([0], None), ([], "1")):
+        monkeypatch.setattr(launch, "torch_cuda_visible", lambda v=visible: v)
+        assert launch.main([str(recipe)]) == 0
+        assert envs[-1].get("OMP_NUM_THREADS") == expected
+
+
 def test_restart_target_restarts_the_job_and_training_continues_exactly(tmp_path, reference):
     """split.restart_target: true: a SIGKILLed target rank ends the job; the launcher starts
     every rank again, which resumes from the newest checkpoint; nothing lost or repeated."""
