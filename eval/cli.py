@@ -19,7 +19,41 @@ from pathlib import Path
 from draftforge.eval.config import EvalConfig
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _probability(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 1], got {text}")
+    return value
+
+
+def _names(valid: Sequence[str]):
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        unknown = [n for n in names if n not in valid]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(map(repr, unknown)) or 'empty list'}; valid: {', '.join(valid)}")
+        return names
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from draftforge.data.workloads import WORKLOAD_NAMES
+
     defaults = EvalConfig()
     parser = argparse.ArgumentParser(
         prog="draftforge eval",
@@ -29,14 +63,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("draft", help="export folder, run directory or training checkpoint")
     parser.add_argument("--target", help="registered target name, 'random' (needs --recipe) or local HF folder")
     parser.add_argument("--recipe", help="take the target section (and eval defaults) from this recipe")
-    parser.add_argument("--workloads", help="comma-separated: humaneval,mtbench,gsm8k")
+    parser.add_argument("--workloads", type=_names(WORKLOAD_NAMES),
+                        help="comma-separated subset of humaneval,mtbench,gsm8k (default: the "
+                        "recipe's eval.workloads, else all three)")
     parser.add_argument("--prompts-file", help="JSONL of {'workload': name, 'input_ids': [...]} instead of --workloads")
-    parser.add_argument("--temperature", type=float, help=f"0 = greedy (default {defaults.temperature})")
-    parser.add_argument("--max-new-tokens", type=int, help=f"default {defaults.max_new_tokens}")
-    parser.add_argument("--num-prompts", type=int, help="per workload; default all")
+    parser.add_argument("--temperature", type=_non_negative,
+                        help=f"0 = greedy (default: the recipe's eval.temperature, else {defaults.temperature})")
+    parser.add_argument("--max-new-tokens", type=_positive_int,
+                        help=f"tokens generated per prompt (default: the recipe's eval.max_new_tokens, "
+                        f"else {defaults.max_new_tokens})")
+    parser.add_argument("--num-prompts", type=_positive_int,
+                        help="per workload (default: the recipe's eval.num_prompts, else all)")
     parser.add_argument("--verify", choices=["full", "threshold"], help="verification mode (default full)")
-    parser.add_argument("--threshold", type=float, help="confidence threshold for --verify threshold")
-    parser.add_argument("--baselines", help="comma-separated subset of none,ngram (default both)")
+    parser.add_argument("--threshold", type=_probability,
+                        help="confidence threshold for --verify threshold, in [0, 1] (default: the "
+                        f"recipe's eval.confidence_threshold, else {defaults.confidence_threshold})")
+    parser.add_argument("--baselines", type=_names(("none", "ngram")),
+                        help="comma-separated subset of none,ngram (default: the recipe's "
+                        "eval.baselines, else both)")
     parser.add_argument("--calibrate", metavar="OUT.json", help="fit per-position confidence temperatures")
     parser.add_argument("--out", default="runs/eval", help="report folder (default runs/eval)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"],
@@ -86,7 +130,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "--recipe RECIPE instead"
             ) from None
     else:
-        raise SystemExit("draftforge eval: give --target NAME_OR_DIR (or --recipe RECIPE)")
+        from draftforge.errors import InputError
+
+        raise InputError("draftforge eval: give --target NAME_OR_DIR (or --recipe RECIPE)")
+    if args.prompts_file and not Path(args.prompts_file).is_file():
+        from draftforge.errors import InputError
+
+        raise InputError(f"--prompts-file {args.prompts_file}: no such file")
 
     draft_cfg, load_draft = _draft_loader(args.draft)
     _check_fit(draft_cfg, target_cfg, args.draft)
@@ -101,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         verify=args.verify or eval_cfg.verify,
         threshold=eval_cfg.confidence_threshold if args.threshold is None else args.threshold,
         seed=eval_cfg.seed if args.seed is None else args.seed,
-        baselines=tuple(args.baselines.split(",")) if args.baselines else tuple(eval_cfg.baselines),
+        baselines=tuple(args.baselines) if args.baselines else tuple(eval_cfg.baselines),
         estimate=not args.no_estimate,
         tie_tolerance=args.tie_tolerance,
     )
@@ -109,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.prompts_file:
         workloads = _prompts_from_file(args.prompts_file, num_prompts)
     else:
-        names = args.workloads.split(",") if args.workloads else list(eval_cfg.workloads)
+        names = args.workloads or list(eval_cfg.workloads)
         workloads = {name: _workload_prompts(name, target, target_cfg, num_prompts) for name in names}
     eos = _eos_ids(target)
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from draftforge.errors import InputError
 from draftforge.splitserve.sampling import decode
 from draftforge.splitserve.target import (
     Reply,
@@ -230,12 +231,12 @@ def set_cpu_threads(num_threads: int, device: str | torch.device) -> None:
 def _checked_model_folder(folder: str | os.PathLike[str]) -> Path:
     path = Path(folder).expanduser()
     if not path.is_dir():
-        raise FileNotFoundError(
+        raise InputError(
             f"target.model {str(folder)!r} is neither a registered name (smollm2-135m-instruct, "
             f"random) nor an existing local folder"
         )
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(
+        raise InputError(
             f"target folder {path} has no config.json; is it a Hugging Face model folder?"
         )
     if not any(path.glob("*.safetensors")):
@@ -249,7 +250,7 @@ def _checked_model_folder(folder: str | os.PathLike[str]) -> Path:
             if pickled
             else "it holds no weights"
         )
-        raise ValueError(f"target folder {path} has no *.safetensors file: {hint}")
+        raise InputError(f"target folder {path} has no *.safetensors file: {hint}")
     return path
 
 

@@ -158,6 +158,34 @@ def test_report_json_marks_a_finished_evaluation_so_it_is_written_last(recipe_pa
         main([str(export_dir), "--recipe", str(recipe_path), "--prompts-file", str(macro)])
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--num-prompts", "0"], "argument --num-prompts: must be at least 1, got 0"),
+    (["--max-new-tokens", "-3"], "argument --max-new-tokens: must be at least 1, got -3"),
+    (["--temperature", "-1"], "argument --temperature: must be 0 or more, got -1"),
+    (["--threshold", "1.5"], "argument --threshold: must lie in [0, 1], got 1.5"),
+    (["--baselines", "none,ngarm"], "argument --baselines: unknown 'ngarm'; valid: none, ngram"),
+    (["--workloads", "humaneval,gsm8kk"], "argument --workloads: unknown 'gsm8kk'; valid: humaneval, mtbench, gsm8k"),
+])
+def test_eval_refuses_impossible_arguments_before_loading_anything(argv, message, capsys):
+    """They used to run anyway: 0 prompts meant the recipe's, -1 all but the last, a
+    misspelt baseline was dropped and a misspelt workload failed after the target loaded."""
+    from draftforge.eval.cli import build_parser
+
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["some/draft", *argv])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_eval_names_a_missing_prompts_file_or_target(tmp_path, capsys):
+    from draftforge.cli import main
+
+    assert main(["eval", str(tmp_path), "--target", "smollm2-135m-instruct", "--prompts-file",
+                 str(tmp_path / "p.jsonl")]) == 2
+    assert f"--prompts-file {tmp_path / 'p.jsonl'}: no such file" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path)]) == 2
+    assert "give --target NAME_OR_DIR (or --recipe RECIPE)" in capsys.readouterr().err
+
+
 def test_eval_cli_fails_loudly_when_greedy_is_not_lossless(recipe_path, tmp_path, capsys, monkeypatch):
     from draftforge.eval import speculative
     from draftforge.eval.cli import main

@@ -222,7 +222,10 @@ def test_declared_shape_checked_against_loaded_folder(local_folder):
 
 
 def test_missing_folder_names_the_choices(tmp_path):
-    with pytest.raises(FileNotFoundError, match="registered name"):
+    """A user's input error: the draftforge command prints it without a traceback, exit 2."""
+    from draftforge.errors import InputError
+
+    with pytest.raises(InputError, match="registered name"):
         build_target(TargetConfig(model=str(tmp_path / "nope")), [0])
 
 
