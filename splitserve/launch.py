@@ -96,6 +96,20 @@ def _model_config(cfg) -> dict | None:
 INPUT_ERROR_STATUS = 2  # how draftforge exits on an InputError (bad recipe, data, checkpoint)
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 1..65535, got {value}")
+    return value
+
+
 def _bare_address(text: str) -> str:
     """An address as sockets take it: IPv6 without the URL brackets (``[::1]`` is ``::1``)."""
     return text[1:-1] if text.startswith("[") and text.endswith("]") else text
@@ -114,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="print the resolved config, split, parameter count and memory estimate")
     parser.add_argument("--nproc", type=int, default=None,
                         help="processes to start; must equal split.world_size (default: that)")
-    parser.add_argument("--max-restarts", type=int, default=None,
+    parser.add_argument("--max-restarts", type=_non_negative_int, default=None,
                         help=f"restarts of the whole job after it fails (default {DEFAULT_RESTARTS} with "
                         "split.restart_target: true, else 0)")
     parser.add_argument("--master-addr", default=LOOPBACK, type=_bare_address,
@@ -122,10 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "only); give this machine's address only to open the job deliberately. "
                         "Several nodes (split.num_nodes > 1): node 0's address on the cluster "
                         "network, the same on every node")
-    parser.add_argument("--node-rank", type=int, default=None,
+    parser.add_argument("--node-rank", type=_non_negative_int, default=None,
                         help="this machine's node (0..split.num_nodes-1); needed when "
                         "split.num_nodes > 1")
-    parser.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT,
+    parser.add_argument("--master-port", type=_port, default=DEFAULT_MASTER_PORT,
                         help=f"node 0's rendezvous port when split.num_nodes > 1 (default "
                         f"{DEFAULT_MASTER_PORT})")
     args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
@@ -134,8 +148,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from draftforge.splitserve.roles import check_split
 
     cfg = load_recipe(args.recipe, args.overrides)
-    if args.dry_run:
+    if args.dry_run:  # plans every node; a node rank given must still be one of them
         layout = node_layout(cfg)
+        if args.node_rank is not None and args.node_rank >= layout.num_nodes:
+            raise RecipeError([f"--node-rank {args.node_rank}: the recipe runs on {layout.num_nodes} "
+                               f"node(s), 0..{layout.num_nodes - 1}"])
     else:
         layout = check_node_args(cfg, node_rank=args.node_rank, master_addr=args.master_addr)
     if args.nproc is not None and args.nproc != layout.nproc_per_node:
@@ -160,8 +177,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     restarts = args.max_restarts
     if restarts is None:
         restarts = DEFAULT_RESTARTS if cfg.split.restart_target else 0
-    if restarts < 0:
-        raise RecipeError([f"--max-restarts {restarts}: give 0 or more"])
     env = launch_env(args.master_addr, cpu=not torch_cuda_visible())  # [0] is one GPU: any() said none
     if layout.num_nodes > 1:
         command = multinode_torchrun_command(

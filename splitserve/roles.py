@@ -220,6 +220,10 @@ def run_rank(cfg: RecipeConfig, *, mode: str = "train", bench: dict | None = Non
         )
         sys.stdout.flush()
         os._exit(EXIT_PEER_DIED)
+    except KeyboardInterrupt:  # Ctrl-C: the launcher says how to continue; no traceback per rank
+        ctx.log("interrupted")
+        sys.stdout.flush()
+        os._exit(130)
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()

@@ -224,6 +224,26 @@ def test_draftforge_train_command_end_to_end(tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "step_00000006").is_dir()
 
 
+def test_ctrl_c_stops_the_job_with_one_message_and_no_rank_tracebacks(tmp_path):
+    """A terminal's Ctrl-C reaches the whole process group: every rank used to print a
+    KeyboardInterrupt traceback. Each now says 'interrupted'; the launcher exits 130 and
+    says how to continue."""
+    recipe = tiny_recipe(tmp_path, steps=400, overrides={"train.checkpoint_interval": 2})
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([PYTHON, "-m", "draftforge", "train", str(recipe)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "run" / "checkpoints" / "step_00000002").is_dir():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal does
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert "interrupted" in out and "stopped on SIGINT; rerun the same command to continue" in out
+
+
 def test_bigram_markov_init_at_the_start_and_not_on_resume(tmp_path):
     recipe = tiny_recipe(tmp_path, steps=4, overrides={"train.markov_init": "bigram"})
     procs = spawn_ranks(recipe, 2, log_dir=tmp_path / "logs")

@@ -83,6 +83,10 @@ def test_restart_target_needs_resume_auto(tmp_path, capsys):
     (["train", "RECIPE", "train.steps=-3"], "train.steps: must be greater than 0, got int -3"),
     (["export", "RUN", "--arch", "GPT2"], "argument --arch: invalid choice: 'GPT2'"),
     (["train", "RECIPE", "--master-addr"], "argument --master-addr: expected one argument"),
+    # a dry run refuses what the run itself would
+    (["train", "RECIPE", "--dry-run", "--max-restarts", "-1"], "argument --max-restarts: must be 0 or more, got -1"),
+    (["train", "RECIPE", "--dry-run", "--node-rank", "3"], "--node-rank 3: the recipe runs on 1 node(s), 0..0"),
+    (["train", "RECIPE", "--dry-run", "--master-port", "99999"], "argument --master-port: must be a TCP port, 1..65535"),
 ])
 def test_bad_command_lines(tmp_path, capsys, argv, expected):
     recipe = tiny_recipe(tmp_path)
