@@ -387,7 +387,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = load_recipe(args.recipe, args.overrides)
     try:
         prompts = load_prompts(cfg.data).conversations
+        if not prompts:
+            raise RegenerationError(f"data.train_files {cfg.data.train_files} hold no prompts; "
+                                    "nothing to answer")
         out = regenerated_path(cfg.data, cfg.train.output_dir)
+        if out.is_dir():
+            raise RegenerationError(f"data.regenerated_file {out} is a folder; give a .jsonl file path")
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise RegenerationError(f"data.regenerated_file {out}: its folder cannot be made "
+                                    f"({err.strerror})") from None
         print(f"draftforge data regenerate: {len(prompts)} prompts -> {out}", file=sys.stderr)
 
         from draftforge.splitserve.target import build_target

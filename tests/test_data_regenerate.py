@@ -351,6 +351,22 @@ def test_cli_main_reports_data_errors(tmp_path, capsys):
     status = regen_module.main([str(recipe), f"data.train_files=['{missing}']"])
     assert status == 2
     assert f"data file not found: {missing}" in capsys.readouterr().err
+    # an empty data file, and an output path that is a folder or cannot be made
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    status = regen_module.main([str(recipe), f"data.train_files=['{empty}']"])
+    err = capsys.readouterr().err
+    assert status == 2 and f"data.train_files ['{empty}'] hold no prompts; nothing to answer" in err, err
+    data = tmp_path / "one.jsonl"
+    data.write_text('{"id": "a", "prompt": "hello"}\n')
+    status = regen_module.main([str(recipe), f"data.train_files=['{data}']",
+                                f"data.regenerated_file={tmp_path}"])
+    assert status == 2 and f"data.regenerated_file {tmp_path} is a folder" in capsys.readouterr().err
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    status = regen_module.main([str(recipe), f"data.train_files=['{data}']",
+                                f"data.regenerated_file={blocked}/sub/out.jsonl"])
+    assert status == 2 and "its folder cannot be made" in capsys.readouterr().err
 
 
 @pytest.mark.integration

@@ -17,6 +17,13 @@ from draftforge.train.config import ExportConfig
 RECIPE_NAMES = ("recipe.yaml", "config.yaml", "resolved_recipe.yaml")
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     defaults = ExportConfig()
     parser = argparse.ArgumentParser(
@@ -29,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--arch", choices=["Qwen3DSparkModel", "LingDSparkModel"], help=f"default: the recipe's export.arch ({defaults.arch} when unset)")
     parser.add_argument("--with-embeddings", action="store_true", default=None,
                         help="also write embed_tokens / lm_head (servers attach the target's anyway)")  # fmt: skip
-    parser.add_argument("--max-shard-size-mb", type=float, help=f"shard above this size (default: the recipe's export.max_shard_size_mb, "
+    parser.add_argument("--max-shard-size-mb", type=_positive_float, help=f"shard above this size (default: the recipe's export.max_shard_size_mb, "
                         f"{defaults.max_shard_size_mb} when unset)")
     parser.add_argument("--recipe", help="the recipe the run used (default: the one saved in the run directory)")
     parser.add_argument("--eval-report", help="markdown table from 'draftforge eval' for the model card")
@@ -40,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``draftforge export``."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    from draftforge.errors import InputError
     from draftforge.train.export import (
         ModelCard,
         export_draft,
@@ -48,6 +56,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     source = Path(args.source).expanduser()
+    if not source.exists():
+        raise InputError(f"draftforge export: {source} does not exist; give a run directory, a "
+                         "checkpoint folder or a model.safetensors")
+    if args.eval_report and not Path(args.eval_report).is_file():
+        raise InputError(f"--eval-report {args.eval_report}: no such file")
     run_dir = source if (source / "checkpoints").is_dir() else None
     recipe_path = Path(args.recipe) if args.recipe else _saved_recipe(source)
     export_cfg, card = ExportConfig(), ModelCard()
@@ -68,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if out is None:
         base = run_dir or (Path(output_dir) if output_dir else None)
         if base is None:
-            raise SystemExit("draftforge export: give --out DIR (no recipe or run directory to derive it from)")
+            raise InputError("draftforge export: give --out DIR (no recipe or run directory to derive it from)")
         out = base / "export"
     report = Path(args.eval_report) if args.eval_report else (run_dir / "eval" / "report.md" if run_dir else None)
     if report is not None and report.is_file():

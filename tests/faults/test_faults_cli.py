@@ -87,6 +87,9 @@ def test_restart_target_needs_resume_auto(tmp_path, capsys):
     (["train", "RECIPE", "--dry-run", "--max-restarts", "-1"], "argument --max-restarts: must be 0 or more, got -1"),
     (["train", "RECIPE", "--dry-run", "--node-rank", "3"], "--node-rank 3: the recipe runs on 1 node(s), 0..0"),
     (["train", "RECIPE", "--dry-run", "--master-port", "99999"], "argument --master-port: must be a TCP port, 1..65535"),
+    (["export", "nowhere/at/all"], "nowhere/at/all does not exist; give a run directory"),
+    (["export", "RUN", "--max-shard-size-mb", "-5"], "argument --max-shard-size-mb: must be greater than 0"),
+    (["export", "RUN", "--eval-report", "nope.md"], "--eval-report nope.md: no such file"),
 ])
 def test_bad_command_lines(tmp_path, capsys, argv, expected):
     recipe = tiny_recipe(tmp_path)
