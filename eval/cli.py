@@ -16,39 +16,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from draftforge import argtypes
 from draftforge.eval.config import EvalConfig
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
-
-
-def _probability(text: str) -> float:
-    value = float(text)
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must lie in [0, 1], got {text}")
-    return value
-
-
-def _names(valid: Sequence[str]):
-    def parse(text: str) -> list[str]:
-        names = [n.strip() for n in text.split(",") if n.strip()]
-        unknown = [n for n in names if n not in valid]
-        if unknown or not names:
-            raise argparse.ArgumentTypeError(
-                f"unknown {', '.join(map(repr, unknown)) or 'empty list'}; valid: {', '.join(valid)}")
-        return names
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,22 +32,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("draft", help="export folder, run directory or training checkpoint")
     parser.add_argument("--target", help="registered target name, 'random' (needs --recipe) or local HF folder")
     parser.add_argument("--recipe", help="take the target section (and eval defaults) from this recipe")
-    parser.add_argument("--workloads", type=_names(WORKLOAD_NAMES),
+    parser.add_argument("--workloads", type=argtypes.names(WORKLOAD_NAMES),
                         help="comma-separated subset of humaneval,mtbench,gsm8k (default: the "
                         "recipe's eval.workloads, else all three)")
     parser.add_argument("--prompts-file", help="JSONL of {'workload': name, 'input_ids': [...]} instead of --workloads")
-    parser.add_argument("--temperature", type=_non_negative,
+    parser.add_argument("--temperature", type=argtypes.non_negative_float,
                         help=f"0 = greedy (default: the recipe's eval.temperature, else {defaults.temperature})")
-    parser.add_argument("--max-new-tokens", type=_positive_int,
+    parser.add_argument("--max-new-tokens", type=argtypes.positive_int,
                         help=f"tokens generated per prompt (default: the recipe's eval.max_new_tokens, "
                         f"else {defaults.max_new_tokens})")
-    parser.add_argument("--num-prompts", type=_positive_int,
+    parser.add_argument("--num-prompts", type=argtypes.positive_int,
                         help="per workload (default: the recipe's eval.num_prompts, else all)")
     parser.add_argument("--verify", choices=["full", "threshold"], help="verification mode (default full)")
-    parser.add_argument("--threshold", type=_probability,
+    parser.add_argument("--threshold", type=argtypes.probability,
                         help="confidence threshold for --verify threshold, in [0, 1] (default: the "
                         f"recipe's eval.confidence_threshold, else {defaults.confidence_threshold})")
-    parser.add_argument("--baselines", type=_names(("none", "ngram")),
+    parser.add_argument("--baselines", type=argtypes.names(("none", "ngram")),
                         help="comma-separated subset of none,ngram (default: the recipe's "
                         "eval.baselines, else both)")
     parser.add_argument("--calibrate", metavar="OUT.json", help="fit per-position confidence temperatures")

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from draftforge import argtypes
 from draftforge.splitserve.config import GenerationConfig, TargetConfig
 from draftforge.splitserve.target import build_target
 
@@ -38,18 +39,23 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--model", default="smollm2-135m-instruct", help="registered name or local HF folder"
     )
     parser.add_argument(
-        "--dtypes", default="bfloat16,float32", help="comma-separated: bfloat16,float32"
+        "--dtypes", type=argtypes.names(("bfloat16", "float32")), default="bfloat16,float32",
+        help="comma-separated: bfloat16,float32 (default both)"
     )
-    parser.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes")
-    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence for features")
-    parser.add_argument("--new-tokens", type=int, default=32, help="max new tokens for generate")
+    parser.add_argument("--batch-sizes", type=argtypes.positive_ints, default="1,8",
+                        help="comma-separated batch sizes (default 1,8)")
+    parser.add_argument("--seq-len", type=argtypes.positive_int, default=128,
+                        help="tokens per sequence for features (default 128)")
+    parser.add_argument("--new-tokens", type=argtypes.positive_int, default=32,
+                        help="max new tokens for generate (default 32)")
     parser.add_argument(
-        "--temperature", type=float, default=0.0,
+        "--temperature", type=argtypes.non_negative_float, default=0.0,
         help="0 = greedy (default); above 0, sampling with the reference top-p/top-k "
         f"({GenerationConfig().top_p}/{GenerationConfig().top_k}) as regeneration does",
     )
     parser.add_argument(
-        "--threads", type=int, default=TargetConfig().num_threads, help="intra-op threads"
+        "--threads", type=argtypes.positive_int, default=TargetConfig().num_threads,
+        help=f"intra-op threads (default {TargetConfig().num_threads})"
     )
     parser.add_argument("--layers", default="1,14,27", help="auxiliary layer ids to capture")
     parser.add_argument("--cache-dir", default=None, help="draftforge conversion cache")
@@ -110,8 +116,7 @@ def _bench_engine(
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark and print the table and the summary line; returns the exit code."""
     args = _parse(argv)
-    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    dtypes, batch_sizes = args.dtypes, args.batch_sizes
     layers = [int(x) for x in args.layers.split(",")]
     rows: list[tuple[str, str, int, int, float, float]] = []
     print(

@@ -21,6 +21,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from draftforge import argtypes
 from draftforge.splitserve.multinode import (
     DEFAULT_MASTER_PORT,
     LOOPBACK,
@@ -96,20 +97,6 @@ def _model_config(cfg) -> dict | None:
 INPUT_ERROR_STATUS = 2  # how draftforge exits on an InputError (bad recipe, data, checkpoint)
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port, 1..65535, got {value}")
-    return value
-
-
 def _bare_address(text: str) -> str:
     """An address as sockets take it: IPv6 without the URL brackets (``[::1]`` is ``::1``)."""
     return text[1:-1] if text.startswith("[") and text.endswith("]") else text
@@ -128,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="print the resolved config, split, parameter count and memory estimate")
     parser.add_argument("--nproc", type=int, default=None,
                         help="processes to start; must equal split.world_size (default: that)")
-    parser.add_argument("--max-restarts", type=_non_negative_int, default=None,
+    parser.add_argument("--max-restarts", type=argtypes.non_negative_int, default=None,
                         help=f"restarts of the whole job after it fails (default {DEFAULT_RESTARTS} with "
                         "split.restart_target: true, else 0)")
     parser.add_argument("--master-addr", default=LOOPBACK, type=_bare_address,
@@ -136,10 +123,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "only); give this machine's address only to open the job deliberately. "
                         "Several nodes (split.num_nodes > 1): node 0's address on the cluster "
                         "network, the same on every node")
-    parser.add_argument("--node-rank", type=_non_negative_int, default=None,
+    parser.add_argument("--node-rank", type=argtypes.non_negative_int, default=None,
                         help="this machine's node (0..split.num_nodes-1); needed when "
                         "split.num_nodes > 1")
-    parser.add_argument("--master-port", type=_port, default=DEFAULT_MASTER_PORT,
+    parser.add_argument("--master-port", type=argtypes.port, default=DEFAULT_MASTER_PORT,
                         help=f"node 0's rendezvous port when split.num_nodes > 1 (default "
                         f"{DEFAULT_MASTER_PORT})")
     args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))

@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+from draftforge import argtypes
+
 GIB = 1024**3
 
 
@@ -70,21 +72,35 @@ def _child(args: argparse.Namespace) -> dict:
     }
 
 
+def _hidden(text: str) -> int:
+    value = argtypes.positive_int(text)
+    if value % 128:
+        raise argparse.ArgumentTypeError(f"must be a multiple of 128 (the head width), got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="draftforge bench objective",
         description="Peak memory and time of one objective forward+backward, chunked vs unchunked "
         "(defaults: Ling-3.0-flash scale).",
     )
-    parser.add_argument("--vocab", type=int, default=157_184)
-    parser.add_argument("--hidden", type=int, default=2560)
-    parser.add_argument("--anchors", type=int, default=512, help="blocks (anchors) in the step")
-    parser.add_argument("--block", type=int, default=8)
-    parser.add_argument("--markov-rank", type=int, default=256)
-    parser.add_argument("--chunk-blocks", type=int, default=16, help="blocks per objective chunk")
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--paths", default="chunked,unchunked", help="comma-separated")
+    parser.add_argument("--vocab", type=argtypes.positive_int, default=157_184,
+                        help="vocabulary size V (default 157,184, Ling-3.0-flash's)")
+    parser.add_argument("--hidden", type=_hidden, default=2560,
+                        help="hidden size H, a multiple of 128 (the head width; default 2560)")
+    parser.add_argument("--anchors", type=argtypes.positive_int, default=512,
+                        help="blocks (anchors) in the step (default 512)")
+    parser.add_argument("--block", type=argtypes.positive_int, default=8, help="block size (default 8)")
+    parser.add_argument("--markov-rank", type=argtypes.positive_int, default=256,
+                        help="Markov head rank r (default 256)")
+    parser.add_argument("--chunk-blocks", type=argtypes.positive_int, default=16,
+                        help="blocks per objective chunk (default 16)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="default bfloat16")
+    parser.add_argument("--threads", type=argtypes.positive_int, default=2, help="intra-op threads (default 2)")
+    parser.add_argument("--paths", type=argtypes.names(("chunked", "unchunked")), default="chunked,unchunked",
+                        help="comma-separated subset of chunked,unchunked (default both)")
     parser.add_argument("--path", help=argparse.SUPPRESS)
     return parser
 
@@ -101,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     results = {}
-    for path in args.paths.split(","):
+    for path in args.paths:
         print(f"  running {path} ...", file=sys.stderr, flush=True)
         proc = subprocess.run(
             [sys.executable, "-m", "draftforge.train.bench_objective", *base, "--path", path],
@@ -124,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         return "nan" if not results.get(path) else f"{results[path]['peak_added_gib']:.2f}"
 
     print(f"objective_peak_gib={fmt('chunked')} unchunked_peak_gib={fmt('unchunked')}")
+    if any(results.get(path) is None for path in args.paths):
+        return 1  # a path failed (its error is above): the line's nan is not a measurement
     return 0
 
 

@@ -55,6 +55,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from draftforge import argtypes
 from draftforge.precision import resolve_auto
 
 PEER_SHAPES = dict(
@@ -70,12 +71,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("recipe", nargs="?", help="recipe YAML (default: issue 4's peer shapes)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
-    parser.add_argument("--seq", type=int, default=512,
+    parser.add_argument("--seq", type=argtypes.positive_int, default=512,
                         help="sequence length (default 512, issue 4's peer shape; not the recipe's data.max_length)")
-    parser.add_argument("--anchors", type=int, default=64,
+    parser.add_argument("--anchors", type=argtypes.positive_int, default=64,
                         help="anchors per sequence (default 64, the peer shape; not the recipe's train.num_anchors)")
-    parser.add_argument("--batch", type=int, default=1, help="sequences per step")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--batch", type=argtypes.positive_int, default=1, help="sequences per step")
+    parser.add_argument("--threads", type=argtypes.positive_int, default=None,
                         help="intra-op threads for the steps and the peak (default: the recipe's "
                         "train.num_threads; 2 without a recipe)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32", "auto"],
@@ -84,9 +85,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None,
                         help="where the step runs (default: the recipe's train.device, auto = CUDA "
                         "when available; cpu without a recipe)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    parser.add_argument("--chunk-blocks", type=int, default=None, help="objective chunk (default: recipe's)")
+    parser.add_argument("--steps", type=argtypes.positive_int, default=5, help="timed steps (default 5)")
+    parser.add_argument("--warmup", type=argtypes.non_negative_int, default=2, help="untimed steps first (default 2)")
+    parser.add_argument("--chunk-blocks", type=argtypes.positive_int, default=None,
+                        help="objective chunk (default: recipe's)")
     parser.add_argument("--compile", choices=["auto", "on", "off"], default=None,
                         help="torch.compile the objective's elementwise work (default: the recipe's "
                         "train.loss.compile, auto = CUDA only); compilation happens in the warm-up steps")

@@ -12,16 +12,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from draftforge import argtypes
 from draftforge.train.config import ExportConfig
 
 RECIPE_NAMES = ("recipe.yaml", "config.yaml", "resolved_recipe.yaml")
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--arch", choices=["Qwen3DSparkModel", "LingDSparkModel"], help=f"default: the recipe's export.arch ({defaults.arch} when unset)")
     parser.add_argument("--with-embeddings", action="store_true", default=None,
                         help="also write embed_tokens / lm_head (servers attach the target's anyway)")  # fmt: skip
-    parser.add_argument("--max-shard-size-mb", type=_positive_float, help=f"shard above this size (default: the recipe's export.max_shard_size_mb, "
+    parser.add_argument("--max-shard-size-mb", type=argtypes.positive_float, help=f"shard above this size (default: the recipe's export.max_shard_size_mb, "
                         f"{defaults.max_shard_size_mb} when unset)")
     parser.add_argument("--recipe", help="the recipe the run used (default: the one saved in the run directory)")
     parser.add_argument("--eval-report", help="markdown table from 'draftforge eval' for the model card")

@@ -88,6 +88,11 @@ def test_restart_target_needs_resume_auto(tmp_path, capsys):
     (["train", "RECIPE", "--dry-run", "--node-rank", "3"], "--node-rank 3: the recipe runs on 1 node(s), 0..0"),
     (["train", "RECIPE", "--dry-run", "--master-port", "99999"], "argument --master-port: must be a TCP port, 1..65535"),
     (["export", "nowhere/at/all"], "nowhere/at/all does not exist; give a run directory"),
+    (["bench", "train", "--steps", "0"], "argument --steps: must be at least 1, got 0"),
+    (["bench", "target", "--batch-sizes", "8,0"], "argument --batch-sizes: must be at least 1, got 0"),
+    (["bench", "target", "--dtypes", "float16"], "argument --dtypes: unknown 'float16'; valid: bfloat16, float32"),
+    (["bench", "objective", "--hidden", "100"], "argument --hidden: must be a multiple of 128 (the head width), got 100"),
+    (["bench", "objective", "--paths", "foo"], "argument --paths: unknown 'foo'; valid: chunked, unchunked"),
     (["export", "RUN", "--max-shard-size-mb", "-5"], "argument --max-shard-size-mb: must be greater than 0"),
     (["export", "RUN", "--eval-report", "nope.md"], "--eval-report nope.md: no such file"),
 ])

@@ -1,0 +1,53 @@
+"""argparse ``type=`` checkers shared by the commands: a value out of range is refused with
+the option's name and the reason (argparse's usage error, exit status 2) before any work."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+
+
+def _bounded(kind: type, low: float | None, high: float | None, why: str) -> Callable[[str], float]:
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if (low is not None and not value >= low) or (high is not None and not value <= high):
+            raise argparse.ArgumentTypeError(f"{why}, got {text}")
+        return value
+
+    return parse
+
+
+positive_int = _bounded(int, 1, None, "must be at least 1")
+non_negative_int = _bounded(int, 0, None, "must be 0 or more")
+port = _bounded(int, 1, 65535, "must be a TCP port, 1..65535")
+non_negative_float = _bounded(float, 0.0, None, "must be 0 or more")
+probability = _bounded(float, 0.0, 1.0, "must lie in [0, 1]")
+
+
+def positive_float(text: str) -> float:
+    value = _bounded(float, 0.0, None, "must be greater than 0")(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+    return value
+
+
+def names(valid: Sequence[str]) -> Callable[[str], list[str]]:
+    """A comma-separated, non-empty subset of ``valid``."""
+
+    def parse(text: str) -> list[str]:
+        chosen = [n.strip() for n in text.split(",") if n.strip()]
+        unknown = [n for n in chosen if n not in valid]
+        if unknown or not chosen:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(map(repr, unknown)) or 'empty list'}; valid: {', '.join(valid)}")
+        return chosen
+
+    return parse
+
+
+def positive_ints(text: str) -> list[int]:
+    """A comma-separated list of integers, each at least 1."""
+    return [positive_int(part) for part in text.split(",") if part.strip()] or positive_int("")
