@@ -170,7 +170,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not matches:
         prefix = [c for c in COMMANDS if c.words[: len(argv[:1])] == tuple(argv[:1])]
         if prefix:
-            sys.stderr.write(f"draftforge: '{' '.join(argv)}' needs a subcommand:\n")
+            if len(argv) > 1 and argv[1] in ("-h", "--help"):
+                sys.stdout.write(_overview(prefix))
+                return 0
+            given = argv[1] if len(argv) > 1 and not argv[1].startswith("-") else None
+            what = f"unknown subcommand {given!r} of" if given else "a subcommand is needed after"
+            sys.stderr.write(f"draftforge: {what} '{argv[0]}':\n")
             sys.stderr.write(_overview(prefix).split("commands:\n", 1)[1])
         else:
             groups = sorted({c.words[0] for c in COMMANDS})

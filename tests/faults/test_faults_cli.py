@@ -77,6 +77,8 @@ def test_restart_target_needs_resume_auto(tmp_path, capsys):
 @pytest.mark.parametrize("argv, expected", [
     (["train"], "the following arguments are required: recipe"),
     (["frobnicate"], "unknown command 'frobnicate'"),
+    (["config", "shwo", "x.yaml"], "unknown subcommand 'shwo' of 'config'"),
+    (["config"], "a subcommand is needed after 'config'"),
     (["train", "RECIPE", "--nproc", "two"], "argument --nproc: invalid int value: 'two'"),
     (["train", "RECIPE", "train.steps"], "command line 'train.steps': expected key.sub=value"),
     (["eval", "RUN", "--target", "random"], "--target random: model 'random' needs a declared 'shape' section"),
