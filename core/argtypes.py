@@ -7,13 +7,17 @@ import argparse
 from collections.abc import Callable, Sequence
 
 
-def _bounded(kind: type, low: float | None, high: float | None, why: str) -> Callable[[str], float]:
+def _bounded(kind: type, low: float | None, high: float | None, why: str, *,
+             above_low: bool = False) -> Callable[[str], float]:
+    """A parser of ``kind`` within [low, high] (above ``low`` when ``above_low``)."""
+
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
-        if (low is not None and not value >= low) or (high is not None and not value <= high):
+        too_low = low is not None and not (value > low if above_low else value >= low)
+        if too_low or (high is not None and not value <= high):
             raise argparse.ArgumentTypeError(f"{why}, got {text}")
         return value
 
@@ -24,14 +28,8 @@ positive_int = _bounded(int, 1, None, "must be at least 1")
 non_negative_int = _bounded(int, 0, None, "must be 0 or more")
 port = _bounded(int, 1, 65535, "must be a TCP port, 1..65535")
 non_negative_float = _bounded(float, 0.0, None, "must be 0 or more")
+positive_float = _bounded(float, 0.0, None, "must be greater than 0", above_low=True)
 probability = _bounded(float, 0.0, 1.0, "must lie in [0, 1]")
-
-
-def positive_float(text: str) -> float:
-    value = _bounded(float, 0.0, None, "must be greater than 0")(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
-    return value
 
 
 def names(valid: Sequence[str]) -> Callable[[str], list[str]]:
@@ -49,5 +47,8 @@ def names(valid: Sequence[str]) -> Callable[[str], list[str]]:
 
 
 def positive_ints(text: str) -> list[int]:
-    """A comma-separated list of integers, each at least 1."""
-    return [positive_int(part) for part in text.split(",") if part.strip()] or positive_int("")
+    """A comma-separated, non-empty list of integers, each at least 1."""
+    parts = [part for part in text.split(",") if part.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("empty list")
+    return [positive_int(part) for part in parts]

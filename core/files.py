@@ -61,9 +61,11 @@ def fsync_tree(folder: Path) -> None:
         fsync_dir(Path(root))
 
 
-def write_atomic(path: Path, payload: bytes) -> None:
-    """Write ``payload`` to ``path`` through a temporary file in the same folder, fsynced,
-    then renamed over it: readers see the old file or the whole new one."""
+def write_atomic(path: Path, payload: bytes | str) -> None:
+    """Write ``payload`` (text as UTF-8) to ``path`` through a temporary file in the same
+    folder, fsynced, then renamed over it: readers see the old file or the whole new one."""
+    if isinstance(payload, str):
+        payload = payload.encode("utf-8")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

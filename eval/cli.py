@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from draftforge import argtypes
+from draftforge.errors import InputError
 from draftforge.eval.config import EvalConfig
 
 
@@ -88,8 +89,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.target:
         from pydantic import ValidationError
 
-        from draftforge.errors import InputError
-
         try:
             target_cfg = TargetConfig(model=args.target, dtype=args.dtype or "float32")
         except ValidationError as err:
@@ -99,12 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "--recipe RECIPE instead"
             ) from None
     else:
-        from draftforge.errors import InputError
-
         raise InputError("draftforge eval: give --target NAME_OR_DIR (or --recipe RECIPE)")
     if args.prompts_file and not Path(args.prompts_file).is_file():
-        from draftforge.errors import InputError
-
         raise InputError(f"--prompts-file {args.prompts_file}: no such file")
 
     draft_cfg, load_draft = _draft_loader(args.draft)

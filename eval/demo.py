@@ -52,6 +52,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from draftforge.cores import usable_cores
+from draftforge.files import write_atomic
 from draftforge.precision import cpu_bf16_flags
 
 DEFAULT_RECIPE = "recipes/smollm2-cpu.yaml"
@@ -529,12 +530,6 @@ def demo_markdown(
     )
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 # -- the command ----------------------------------------------------------------------------
 
 
@@ -760,7 +755,7 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
         table, command=command, cfg=cfg, paths=paths, num_prompts=args.num_prompts,
         max_new_tokens=args.max_new_tokens, block_size=cfg.draft.block_size,
     )  # fmt: skip
-    _atomic_write(paths.table, text)
+    write_atomic(paths.table, text)
     stages.done(since)
     print(f"\n{text}")
     print(

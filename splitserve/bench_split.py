@@ -56,6 +56,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from draftforge.files import write_atomic
 from draftforge.splitserve import transport as T
 from draftforge.splitserve.accounting import Meter
 
@@ -287,9 +288,7 @@ def bench_trainer_rank(ctx, trainer, bench: dict) -> None:
                               else result["steady_trainer_idle"])
     out = os.environ.get(RESULT_ENV)
     if out:
-        tmp = Path(out).with_suffix(".tmp")
-        tmp.write_text(json.dumps(result))
-        os.replace(tmp, out)
+        write_atomic(Path(out), json.dumps(result))
 
 
 # --------------------------------------------------------------------------- command

@@ -436,11 +436,15 @@ class SGLangTarget:
             self._runner.close()
             self._runner = None
 
+    def _select_sglang_device(self) -> None:
+        """SGLang's CPU path is chosen by this switch, read when sglang is first imported
+        (by the engine or, for the feature runner, by the model registry)."""
+        if self.device.type == "cpu":
+            os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
     def _generation_engine(self) -> Any:
         if self._engine is None:
-            if self.device.type == "cpu":
-                # SGLang's CPU path is chosen by this switch, read when sglang is first imported
-                os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+            self._select_sglang_device()
             import sglang
 
             self._engine = sglang.Engine(
@@ -452,9 +456,7 @@ class SGLangTarget:
         if self._runner is None:
             from draftforge.splitserve.sglang_runner import FeatureRunnerProcess
 
-            if self.device.type == "cpu":  # read when sglang is first imported (the model registry)
-                os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-
+            self._select_sglang_device()
             self._runner = FeatureRunnerProcess(
                 runner_args(
                     self.cfg,

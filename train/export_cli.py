@@ -93,8 +93,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             card=card,
         )
     except OSError as err:  # a full disk, a read-only folder: export_draft left nothing partial
-        from draftforge.errors import InputError
-
         raise InputError(
             f"writing the export to {out} failed ({err}); no partial folder was left and an older "
             "export there is untouched. Free space (or choose another --out) and rerun"

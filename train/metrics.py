@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 import time
@@ -14,14 +13,10 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
+from draftforge.files import write_atomic
+
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def git_revision() -> str | None:
@@ -53,7 +48,7 @@ def write_run_records(run_dir: Path, *, recipe_yaml: str | None, details: dict) 
     """config.yaml (the resolved recipe) and run.json (command line, git revision, versions)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if recipe_yaml is not None:
-        _atomic_write(run_dir / "config.yaml", recipe_yaml)
+        write_atomic(run_dir / "config.yaml", recipe_yaml)
     record = {
         "command": [sys.executable, *sys.argv],
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -62,7 +57,7 @@ def write_run_records(run_dir: Path, *, recipe_yaml: str | None, details: dict) 
         "python": sys.version.split()[0],
         **details,
     }
-    _atomic_write(run_dir / "run.json", json.dumps(record, indent=1, sort_keys=True))
+    write_atomic(run_dir / "run.json", json.dumps(record, indent=1, sort_keys=True))
 
 
 def _finite(value):
@@ -97,7 +92,7 @@ class MetricsLog:
                     kept.append(line)
             except json.JSONDecodeError:
                 continue
-        _atomic_write(self.path, "".join(line + "\n" for line in kept))
+        write_atomic(self.path, "".join(line + "\n" for line in kept))
 
     def log(self, record: dict) -> None:
         record = {k: _finite(v) for k, v in record.items()}
@@ -185,5 +180,5 @@ def format_summary(summary: dict) -> str:
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:
-    _atomic_write(run_dir / SUMMARY_FILE, json.dumps({k: _finite(v) for k, v in summary.items()},
+    write_atomic(run_dir / SUMMARY_FILE, json.dumps({k: _finite(v) for k, v in summary.items()},
                                                      indent=1, sort_keys=True))
