@@ -101,14 +101,17 @@ def _die_with(launcher_pid: int):
     ports. ``None`` elsewhere (no such kernel feature)."""
     if not sys.platform.startswith("linux"):
         return None
+    import ctypes
+
+    # Resolved here, in the launcher: the hook runs in the child between fork and exec, where
+    # an import could wait forever on a lock that another launcher thread held at the fork.
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    pr_set_pdeathsig, sigterm, getppid, exit_now = 1, int(signal.SIGTERM), os.getppid, os._exit
 
     def set_parent_death_signal() -> None:
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-        if os.getppid() != launcher_pid:  # the launcher died before the call
-            os._exit(1)
+        prctl(pr_set_pdeathsig, sigterm)
+        if getppid() != launcher_pid:  # the launcher died before the call
+            exit_now(1)
 
     return set_parent_death_signal
 

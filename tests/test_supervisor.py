@@ -196,3 +196,24 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")
+def test_parent_death_hook_imports_nothing_in_the_child():
+    """The hook runs between fork and exec, where an import can block forever on a lock another
+    launcher thread held at the fork: everything it needs is resolved before, in the launcher.
+    Checked in a throwaway process (the hook sets a death signal on whoever calls it)."""
+    script = (
+        "import builtins, os, sys\n"
+        "from draftforge.splitserve.supervisor import _die_with\n"
+        "hook = _die_with(os.getppid())\n"
+        "def refuse(name, *args, **kwargs):\n"
+        "    raise AssertionError(f'the hook imported {name}')\n"
+        "builtins.__import__ = refuse\n"
+        "hook()\n"
+        "sys.stdout.write('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "ok"
