@@ -19,6 +19,7 @@ The recommended split puts ``T`` of the ``N`` ranks on the target so that
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -252,6 +253,19 @@ class ConsumerAccounting:
         stride = max(1, -(-len(self.depths) // points))
         return [[round(t, 3), d] for t, d in self.depths[::stride]]
 
+    def begin(self, step: int) -> None:
+        """Open this run's segment of ``accounting.jsonl`` with a ``start`` record at ``step``.
+
+        A resumed run appends after the interrupted one (whose figures are time that was
+        really spent); a crash may have cut that run's last line, and the fragment is dropped
+        first so that every line of the file parses.
+        """
+        if self.path is None:
+            return
+        if self.path.exists():
+            drop_partial_line(self.path)
+        self.write("start", step)
+
     def write(self, event: str, step: int | None = None) -> None:
         """Append the snapshot (and, in the summary, the queue depth over time) to ``accounting.jsonl``."""
         if self.path is None:
@@ -264,3 +278,10 @@ class ConsumerAccounting:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
+
+
+def drop_partial_line(path: Path) -> None:
+    """Cut ``path`` after its last newline: what follows it is a line a crash left unfinished."""
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        os.truncate(path, data.rfind(b"\n") + 1)

@@ -372,6 +372,7 @@ def _run_trainer(ctx: RankContext, bench: dict | None) -> None:
         credits=credits * len(sources), num_sources=len(sources),  # the queue's bound: every link's credits
         path=Path(cfg.train.output_dir) / "accounting.jsonl" if is_main else None,
     )
+    accounting.begin(info.step if info is not None else 0)
     receiver = T.SampleReceiver(sources, credits=credits, group=ctx.data_group,
                                 device=ctx.device, start=mine % len(sources))
     stream = ConsumerStream(receiver, ack_group=ctx.ack_group, accounting=accounting,

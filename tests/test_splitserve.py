@@ -312,3 +312,17 @@ def test_helpers_write_learnable_data(tmp_path):
     path = tiny_recipe(tmp_path)
     assert Path(path).is_file()
     assert (tmp_path / "convs.jsonl").read_text().count("\n") == 48
+
+
+def test_drop_partial_line_cuts_only_an_unfinished_last_line(tmp_path):
+    from draftforge.splitserve.accounting import drop_partial_line
+
+    path = tmp_path / "accounting.jsonl"
+    for text, kept in (('{"a": 1}\n{"b": 2}\n{"c"', '{"a": 1}\n{"b": 2}\n'),
+                       ('{"a": 1}\n', '{"a": 1}\n'),
+                       ('{"a"', ""),
+                       ("", "")):
+        path.write_text(text)
+        drop_partial_line(path)
+        assert path.read_text() == kept, text
+

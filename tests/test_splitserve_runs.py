@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -181,10 +182,18 @@ def test_dead_target_stops_trainer_and_resume_is_exact(tmp_path):
     assert "target rank 0 died or closed its connection" in trainer_log
     assert "rerun the same command" in trainer_log
     procs[0].wait()
+    with (broken_dir / "run" / "accounting.jsonl").open("a") as handle:
+        handle.write('{"event": "interval", "st')  # a line the crash cut short
 
     procs = spawn_ranks(recipe, 2, log_dir=broken_dir / "logs2")
     assert wait_all(procs, 90) == [0, 0], read_logs(broken_dir / "logs2", 2)
-    assert "resumed from" in read_logs(broken_dir / "logs2", 2)[1]
+    resumed_log = read_logs(broken_dir / "logs2", 2)[1]
+    resumed_at = int(re.search(r"resumed from \S+ at step (\d+)", resumed_log).group(1))
+    # every line parses; each run's segment starts with a start record at its first step
+    accounting = [json.loads(line) for line in (broken_dir / "run" / "accounting.jsonl").open()]
+    starts = [(r["event"], r["step"]) for r in accounting if r["event"] == "start"]
+    assert starts == [("start", 0), ("start", resumed_at)] and resumed_at >= 4
+    assert accounting[-1]["event"] == "summary"
     resumed = _by_step(metrics(broken_dir / "run"))
     assert sorted(resumed) == sorted(reference) == list(range(1, steps + 1))
     for step in reference:
