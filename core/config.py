@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError
 
 from draftforge.data.config import DataConfig
 from draftforge.eval.config import EvalConfig
@@ -69,6 +69,22 @@ class RecipeConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
+    # where each key was set (file and line, or override), for checks made after loading
+    _locator: _Locator | None = PrivateAttr(default=None)
+
+    def __eq__(self, other: object) -> bool:  # the same settings, wherever they were read from
+        if type(other) is not type(self):
+            return NotImplemented
+        return self.__dict__ == other.__dict__
+
+    def locate(self, problem: str) -> str:
+        """``problem`` ("split.key: what is wrong"), led by where that key was set: the recipe's
+        file and line, or the override. Unchanged for a recipe not loaded from a file, or when
+        it does not start with a key."""
+        key = problem.split(":", 1)[0]
+        if self._locator is None or not re.fullmatch(r"[a-z_]+(\.[a-z_0-9]+)*", key):
+            return problem
+        return f"{self._locator.where(tuple(key.split('.')))}: {problem}"
 
     def to_yaml(self, header: bool = True) -> str:
         """The resolved recipe (derived values filled in) as YAML that loads back unchanged."""
@@ -665,6 +681,7 @@ def validate_recipe(
     problems = [locator.line(path, problem) for path, problem in _cross_check(cfg)]
     if problems:
         raise RecipeError(problems)
+    cfg._locator = locator
     return cfg
 
 

@@ -130,10 +130,11 @@ def split_problems(
 
 
 def check_split(cfg: RecipeConfig, **kwargs) -> None:
-    """Raise :class:`RecipeError` listing :func:`split_problems`."""
+    """Raise :class:`RecipeError` listing :func:`split_problems`, each led by the recipe line
+    (or override) that set its key."""
     problems = split_problems(cfg, **kwargs)
     if problems:
-        raise RecipeError(problems)
+        raise RecipeError([cfg.locate(problem) for problem in problems])
 
 
 def comm_backend(cfg: RecipeConfig, *, gpus_visible: bool) -> str:

@@ -199,6 +199,28 @@ def test_split_checks(tmp_path):
         check_split(bad, cuda_devices=0)
 
 
+def test_split_errors_name_the_recipe_line_or_the_override(tmp_path):
+    """The checks made at launch (world size, GPUs, restarts) lead each problem with where its
+    key was set, like the checks made while loading."""
+    recipe = tiny_recipe(tmp_path, overrides={"split.restart_target": True, "train.resume": "never"})
+    lines = recipe.read_text().splitlines()
+    line_of = {text.strip().split(":")[0]: n for n, text in enumerate(lines, 1)}
+    with pytest.raises(RecipeError) as caught:
+        check_split(load_recipe(recipe), world_size=2, cuda_devices=0)
+    assert caught.value.problems == [
+        f"{recipe}:{line_of['restart_target']}: split.restart_target: a restarted job continues "
+        "from the newest checkpoint, which needs train.resume: auto (it is 'never'); set "
+        "train.resume: auto or split.restart_target: false"]
+    with pytest.raises(RecipeError) as caught:
+        check_split(load_recipe(recipe, ["split.comm_backend=nccl", "train.resume=auto"]),
+                    world_size=2, cuda_devices=1)
+    assert caught.value.problems[0].startswith(
+        "command line 'split.comm_backend=nccl': split.comm_backend: nccl moves samples")
+    with pytest.raises(RecipeError) as caught:  # a derived key: the section's line
+        check_split(load_recipe(recipe, ["train.resume=auto"]), world_size=3, cuda_devices=0)
+    assert caught.value.problems[0].startswith(f"{recipe}:{line_of['split']}: split.world_size: ")
+
+
 # --------------------------------------------------------------------------- dry run
 
 
