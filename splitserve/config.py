@@ -70,6 +70,15 @@ class TargetConfig(Section):
         description="hf: transformers in the target rank's process (CPU or GPU); sglang: an SGLang "
         "engine per target group (GPU, needs draftforge[sglang])",
     )
+    sglang_mem_fraction: float = Field(
+        default=0.8,
+        gt=0.0,
+        lt=1.0,
+        description="backend sglang on a GPU: the share of the target GPU's memory that SGLang's "
+        "generation engine and feature runner hold together as static memory (each a copy of "
+        "the weights and its KV pool), split evenly between the two; the rest is left to "
+        "activations, CUDA graphs and CUDA contexts. Unused by backend hf and on CPU",
+    )
     dtype: Literal["bfloat16", "float32", "auto"] = Field(
         default="auto",
         description="auto: bfloat16 on CUDA or a CPU with native bf16 matmuls (AMX, "

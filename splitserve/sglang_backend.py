@@ -21,6 +21,11 @@ Two paths, both lazy (nothing of SGLang is imported until first use):
   SGLang's own process group and global runtime state out of a target rank
   that already runs ``torch.distributed``.
 
+The two run at once on the target rank's one GPU, so neither is left to SGLang's
+default ``mem_fraction_static`` (which assumes an instance alone on the GPU):
+each gets an explicit share of ``target.sglang_mem_fraction`` (``gpu_shares``,
+``mem_fraction_static``).
+
 Everything that turns SGLang outputs into ``TargetFeatures`` (order of the
 captured layers, splitting the packed token axis, padding) is a pure function
 here, tested on CPU without SGLang.
@@ -30,10 +35,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -64,6 +70,27 @@ CAPTURE_HOOKS = (
     ("EAGLE3", ("set_eagle3_layers_to_capture",)),
 )
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# The generation engine and the feature runner run side by side on the target rank's GPU,
+# each with its own copy of the weights and its own KV pool. SGLang makes an instance's
+# static memory (weights + KV pool) mem_fraction_static times the GPU memory free when
+# that instance starts (its "pre_model_load_memory"), and its default fraction assumes the
+# instance is alone on the GPU (0.8-0.95, from the total capacity): left to the defaults,
+# the second instance would find only the first one's headroom free. So each instance gets
+# an explicit share of the whole GPU, target.sglang_mem_fraction split in this proportion
+# (the feature runner's part; the rest is the generation engine's), converted into SGLang's
+# fraction of the memory free at its start (``mem_fraction_static``).
+FEATURE_RUNNER_SHARE = 0.5
+# An instance keeps (1 - mem_fraction_static) of the memory free at its start for its own
+# activations and CUDA graphs; a share that needs more than this much of it is refused.
+MAX_FRACTION_OF_FREE = 0.95
+GIB = float(1 << 30)
+
+
+class GpuMemory(NamedTuple):
+    """A GPU's free and total memory in bytes, as ``torch.cuda.mem_get_info`` reports them."""
+
+    free: int
+    total: int
 
 
 def require_sglang() -> str:
@@ -248,6 +275,46 @@ def sglang_model_class(model_path: str) -> type:
     return model_cls
 
 
+def gpu_shares(mem_fraction: float) -> dict[str, float]:
+    """The share of the whole GPU each SGLang instance may hold as static memory:
+    ``"engine"`` (generation) and ``"runner"`` (features), ``mem_fraction`` together."""
+    if not 0.0 < mem_fraction < 1.0:
+        raise ValueError(f"target.sglang_mem_fraction must be in (0, 1), got {mem_fraction}")
+    runner = mem_fraction * FEATURE_RUNNER_SHARE
+    return {"engine": mem_fraction - runner, "runner": runner}
+
+
+def mem_fraction_static(
+    share: float, memory: GpuMemory, *, who: str, weight_bytes: int = 0
+) -> float:
+    """SGLang's ``mem_fraction_static`` for an instance starting now that is to hold ``share``
+    of the GPU's total memory: SGLang applies the fraction to the memory free at the
+    instance's start, not to the total. Refuses, naming the recipe key, a share that the
+    free memory cannot hold or that the weights (``weight_bytes``) alone fill."""
+    if memory.total <= 0 or not 0 < memory.free <= memory.total:
+        raise ValueError(f"implausible GPU memory: {memory.free} bytes free of {memory.total}")
+    wanted = share * memory.total
+    where = (
+        f"{wanted / GIB:.1f} GiB ({share:.3g} of the target GPU's {memory.total / GIB:.1f} GiB, "
+        f"its part of target.sglang_mem_fraction)"
+    )
+    if wanted <= weight_bytes:
+        raise RuntimeError(
+            f"the target's weights ({weight_bytes / GIB:.1f} GiB) fill the SGLang {who}'s share "
+            f"of {where}, leaving nothing for its KV pool; raise target.sglang_mem_fraction or "
+            f"use a GPU with more memory"
+        )
+    fraction = wanted / memory.free
+    if fraction > MAX_FRACTION_OF_FREE:
+        raise RuntimeError(
+            f"the SGLang {who} is to hold {where}, but only {memory.free / GIB:.1f} GiB of the "
+            f"GPU are free as it starts, and it needs {1 - MAX_FRACTION_OF_FREE:.0%} of the free "
+            f"memory besides for its activations; lower target.sglang_mem_fraction or stop "
+            f"what else runs on that GPU"
+        )
+    return math.floor(fraction * 10_000) / 10_000  # rounded down: never more than the share
+
+
 def runner_args(
     cfg: TargetConfig,
     model_path: str,
@@ -256,11 +323,17 @@ def runner_args(
     device: torch.device,
     max_total_tokens: int,
     convention: str,
+    memory: GpuMemory | None = None,
+    weight_bytes: int = 0,
 ) -> dict[str, Any]:
     """``ServerArgs`` fields for the feature runner: aux capture of ``layer_ids`` under the
-    model class's ``convention`` (:func:`capture_convention`), no draft, no CUDA graphs."""
+    model class's ``convention`` (:func:`capture_convention`), no draft, no CUDA graphs.
+
+    On a GPU, ``memory`` (free and total as it starts) is required: the runner's static
+    memory is held to its share of ``target.sglang_mem_fraction`` (:func:`gpu_shares`).
+    """
     return {
-        **_common_args(cfg, model_path, device),
+        **_common_args(cfg, model_path, device, "runner", memory, weight_bytes),
         "enable_return_aux_hidden_states": True,
         "speculative_algorithm": convention,
         "return_aux_hidden_state_layer_ids": sglang_layer_ids(layer_ids),
@@ -270,16 +343,37 @@ def runner_args(
     }
 
 
-def engine_args(cfg: TargetConfig, model_path: str, *, device: torch.device) -> dict[str, Any]:
-    """``ServerArgs`` fields of the generation engine: token ids in and out, seeded from the recipe."""
+def engine_args(
+    cfg: TargetConfig,
+    model_path: str,
+    *,
+    device: torch.device,
+    memory: GpuMemory | None = None,
+    weight_bytes: int = 0,
+) -> dict[str, Any]:
+    """``ServerArgs`` fields of the generation engine: token ids in and out, seeded from the recipe.
+
+    On a GPU, ``memory`` (free and total as it starts) is required: the engine's static
+    memory is held to its share of ``target.sglang_mem_fraction`` (:func:`gpu_shares`).
+    """
     return {
-        **_common_args(cfg, model_path, device),
+        **_common_args(cfg, model_path, device, "engine", memory, weight_bytes),
         "skip_tokenizer_init": True,
         "random_seed": cfg.generation.seed,
     }
 
 
-def _common_args(cfg: TargetConfig, model_path: str, device: torch.device) -> dict[str, Any]:
+_INSTANCE_NAMES = {"engine": "generation engine", "runner": "feature runner"}
+
+
+def _common_args(
+    cfg: TargetConfig,
+    model_path: str,
+    device: torch.device,
+    instance: str,
+    memory: GpuMemory | None,
+    weight_bytes: int,
+) -> dict[str, Any]:
     args: dict[str, Any] = {
         "model_path": model_path,
         "dtype": cfg.dtype,
@@ -290,7 +384,23 @@ def _common_args(cfg: TargetConfig, model_path: str, device: torch.device) -> di
     }
     if device.type == "cuda":
         args["base_gpu_id"] = 0 if device.index is None else device.index
+        who = _INSTANCE_NAMES[instance]
+        if memory is None:
+            raise ValueError(
+                f"the SGLang {who} on {device} needs the GPU's free and total memory to size "
+                f"its share of target.sglang_mem_fraction"
+            )
+        share = gpu_shares(cfg.sglang_mem_fraction)[instance]
+        args["mem_fraction_static"] = mem_fraction_static(
+            share, memory, who=who, weight_bytes=weight_bytes
+        )
     return args
+
+
+def checkpoint_bytes(folder: Path) -> int:
+    """Bytes of the folder's ``*.safetensors`` files: the weights as stored (a lower bound
+    where the recipe's dtype is wider than the checkpoint's)."""
+    return sum(file.stat().st_size for file in folder.glob("*.safetensors"))
 
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase, folder: Path) -> list[int]:
@@ -321,7 +431,9 @@ class SGLangTarget:
     """A target served by SGLang ``SGLANG_VERSION`` as a ``TargetEngine``.
 
     The generation engine and the feature runner start on first use; call
-    ``close()`` (or let the object be collected) to stop them.
+    ``close()`` (or let the object be collected) to stop them. Both stay up side
+    by side on the one GPU, each within its share of ``target.sglang_mem_fraction``
+    (:func:`gpu_shares`), whichever starts first.
     """
 
     def __init__(
@@ -442,13 +554,27 @@ class SGLangTarget:
         if self.device.type == "cpu":
             os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
+    def _gpu_memory(self) -> GpuMemory | None:
+        """The target GPU's free and total memory now, just before an SGLang instance starts
+        (None on CPU): each instance's share is converted against what is free at its start."""
+        if self.device.type != "cuda":
+            return None
+        free, total = torch.cuda.mem_get_info(self.device)
+        return GpuMemory(free=int(free), total=int(total))
+
     def _generation_engine(self) -> Any:
         if self._engine is None:
             self._select_sglang_device()
             import sglang
 
             self._engine = sglang.Engine(
-                **engine_args(self.cfg, str(self.folder), device=self.device)
+                **engine_args(
+                    self.cfg,
+                    str(self.folder),
+                    device=self.device,
+                    memory=self._gpu_memory(),
+                    weight_bytes=checkpoint_bytes(self.folder),
+                )
             )
         return self._engine
 
@@ -465,6 +591,8 @@ class SGLangTarget:
                     device=self.device,
                     max_total_tokens=self.max_total_tokens,
                     convention=capture_convention(sglang_model_class(str(self.folder))),
+                    memory=self._gpu_memory(),
+                    weight_bytes=checkpoint_bytes(self.folder),
                 ),
                 num_threads=self.cfg.num_threads,
             )

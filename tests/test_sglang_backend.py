@@ -34,13 +34,17 @@ from draftforge.splitserve.config import GenerationConfig, TargetConfig
 from draftforge.splitserve.hf_backend import HFTarget
 from draftforge.splitserve.random_target import random_llama
 from draftforge.splitserve.sglang_backend import (
+    FEATURE_RUNNER_SHARE,
     INSTALL_COMMAND,
     SGLANG_VERSION,
+    GpuMemory,
     SGLangTarget,
     aux_in_requested_order,
     captured_order,
     engine_args,
     features_from_packed,
+    gpu_shares,
+    mem_fraction_static,
     pad_packed,
     reply_ids,
     require_sglang,
@@ -226,7 +230,7 @@ def test_the_capture_convention_is_the_one_the_model_class_implements():
 def test_server_args_from_config():
     cfg = TargetConfig(model="/m", dtype="float32", generation=GenerationConfig(seed=4))
     args = runner_args(cfg, "/m", LAYERS, device=torch.device("cuda", 3), max_total_tokens=4096,
-                       convention="DSPARK")
+                       convention="DSPARK", memory=GpuMemory(free=80 * GIB, total=80 * GIB))
     assert args["return_aux_hidden_state_layer_ids"] == LAYERS  # SGLang reorders; we undo it
     assert args["enable_return_aux_hidden_states"] is True
     assert args["speculative_algorithm"] == "DSPARK"
@@ -235,6 +239,178 @@ def test_server_args_from_config():
     gen = engine_args(cfg, "/m", device=torch.device("cpu"))
     assert gen["skip_tokenizer_init"] is True and gen["random_seed"] == 4
     assert "base_gpu_id" not in gen and "enable_return_aux_hidden_states" not in gen
+
+
+# ---------------------------------------------------------------- one GPU, two SGLang instances
+
+GIB = 1 << 30
+
+
+class SimulatedGpu:
+    """One GPU as SGLang 0.5.23 fills it: an instance started with ``mem_fraction_static`` f
+    measures the memory free after its CUDA context (``pre_model_load_memory``,
+    ``distributed/bootstrap.py``), then sizes its KV pool so that it leaves
+    ``pre * (1 - f)`` free (``KVCacheConfigurator._profile_available_bytes``,
+    ``mem_cache/kv_cache_configurator.py``): weights + KV pool = f * pre. It fails as SGLang
+    does when the weights do not fit (CUDA OOM) or fill f * pre (its "Loaded weights leave
+    no GPU memory for the KV cache"). Each instance then uses ``runtime`` bytes of its own
+    headroom (activations, CUDA graphs)."""
+
+    CONTEXT = GIB // 2
+
+    def __init__(self, total, weights, runtime=2 * GIB):
+        self.total, self.weights, self.runtime, self.used = total, weights, runtime, 0
+        self.static = {}
+
+    def mem_get_info(self, device=None):
+        return self.total - self.used, self.total
+
+    def start(self, name, fraction):
+        self.used += self.CONTEXT
+        pre = self.total - self.used
+        if self.weights > pre:
+            raise MemoryError(f"{name}: CUDA out of memory loading the weights")
+        static = fraction * pre
+        if static <= self.weights:
+            raise MemoryError(f"{name}: loaded weights leave no GPU memory for the KV cache")
+        self.static[name] = static
+        self.used += static + self.runtime
+
+
+SGLANG_DEFAULT_ON_80GB = 0.874  # memory_hook.handle_gpu_memory_settings: (80 GiB - ~10 GiB) / 80 GiB
+
+
+def test_two_instances_with_sglang_default_fraction_do_not_fit():
+    """Why the split exists: with SGLang's default, the first instance leaves the second only
+    its own headroom, too little for a second copy of an 8B target's weights."""
+    gpu = SimulatedGpu(total=80 * GIB, weights=16 * GIB)
+    gpu.start("engine", SGLANG_DEFAULT_ON_80GB)
+    with pytest.raises(MemoryError, match="out of memory"):
+        gpu.start("runner", SGLANG_DEFAULT_ON_80GB)
+
+
+def test_gpu_shares_split_the_recipe_fraction():
+    shares = gpu_shares(0.8)
+    assert shares["runner"] == pytest.approx(0.8 * FEATURE_RUNNER_SHARE)
+    assert shares["engine"] + shares["runner"] == pytest.approx(0.8)
+    for bad in (0.0, 1.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="sglang_mem_fraction must be in"):
+            gpu_shares(bad)
+
+
+def test_sglang_mem_fraction_is_validated_by_the_recipe():
+    assert TargetConfig().sglang_mem_fraction == 0.8
+    assert TargetConfig(sglang_mem_fraction=0.6).sglang_mem_fraction == 0.6
+    for bad in (0.0, 1.0, 1.2):
+        with pytest.raises(ValueError, match="sglang_mem_fraction"):
+            TargetConfig(sglang_mem_fraction=bad)
+
+
+def test_mem_fraction_static_is_the_share_of_the_total_over_what_is_free():
+    whole = GpuMemory(free=80 * GIB, total=80 * GIB)
+    assert mem_fraction_static(0.4, whole, who="generation engine") == 0.4
+    half_free = GpuMemory(free=40 * GIB, total=80 * GIB)
+    assert mem_fraction_static(0.3, half_free, who="feature runner") == 0.6
+    odd = mem_fraction_static(0.4, GpuMemory(free=70 * GIB, total=80 * GIB), who="x")
+    assert odd <= 0.4 * 80 / 70 and odd == pytest.approx(0.4 * 80 / 70, abs=1e-4)  # rounded down
+
+
+def test_mem_fraction_static_refuses_shares_that_cannot_be_held():
+    with pytest.raises(RuntimeError, match=r"feature runner is to hold 32\.0 GiB.*only 30\.0 GiB "
+                                           r"of the GPU are free.*lower target\.sglang_mem_fraction"):
+        mem_fraction_static(0.4, GpuMemory(free=30 * GIB, total=80 * GIB), who="feature runner")
+    with pytest.raises(RuntimeError, match=r"weights \(16\.0 GiB\) fill the SGLang generation "
+                                           r"engine's share.*raise target\.sglang_mem_fraction"):
+        mem_fraction_static(0.2, GpuMemory(free=80 * GIB, total=80 * GIB),
+                            who="generation engine", weight_bytes=16 * GIB)
+    with pytest.raises(ValueError, match="implausible GPU memory"):
+        mem_fraction_static(0.4, GpuMemory(free=0, total=80 * GIB), who="x")
+
+
+def test_server_args_hold_each_instance_to_its_share_on_a_gpu():
+    cfg = TargetConfig(model="/m", dtype="bfloat16", sglang_mem_fraction=0.8)
+    gpu, whole = torch.device("cuda", 1), GpuMemory(free=80 * GIB, total=80 * GIB)
+    gen = engine_args(cfg, "/m", device=gpu, memory=whole)
+    run = runner_args(cfg, "/m", LAYERS, device=gpu, max_total_tokens=4096, convention="EAGLE3",
+                      memory=GpuMemory(free=48 * GIB, total=80 * GIB))
+    assert gen["mem_fraction_static"] == pytest.approx(0.4)
+    assert run["mem_fraction_static"] == pytest.approx(0.4 * 80 / 48, abs=1e-4)
+    for build in (
+        lambda: engine_args(cfg, "/m", device=gpu),
+        lambda: runner_args(cfg, "/m", LAYERS, device=gpu, max_total_tokens=1, convention="EAGLE3"),
+    ):
+        with pytest.raises(ValueError, match="needs the GPU's free and total memory"):
+            build()
+    with pytest.raises(RuntimeError, match="weights"):
+        engine_args(cfg, "/m", device=gpu, memory=whole, weight_bytes=40 * GIB)
+    # on CPU SGLang's own default stays: no GPU to share
+    assert "mem_fraction_static" not in engine_args(cfg, "/m", device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("engine_first", [True, False])
+@pytest.mark.parametrize(("total_gib", "weights_gib"), [(80, 16), (141, 16), (48, 16), (24, 1)])
+def test_both_instances_fit_one_gpu_in_either_order(engine_first, total_gib, weights_gib):
+    """Built from the free memory at each start, the two shares fit together whichever
+    instance starts first, and hold together what target.sglang_mem_fraction says."""
+    cfg = TargetConfig(model="/m", sglang_mem_fraction=0.8)
+    gpu = SimulatedGpu(total=total_gib * GIB, weights=weights_gib * GIB)
+    device = torch.device("cuda", 0)
+    order = ["engine", "runner"] if engine_first else ["runner", "engine"]
+    for name in order:
+        memory = GpuMemory(*gpu.mem_get_info())
+        if name == "engine":
+            args = engine_args(cfg, "/m", device=device, memory=memory)
+        else:
+            args = runner_args(cfg, "/m", LAYERS, device=device, max_total_tokens=65536,
+                               convention="EAGLE3", memory=memory)
+        gpu.start(name, args["mem_fraction_static"])
+    shares = gpu_shares(0.8)
+    for name in order:  # a little less than the share: SGLang measures after its CUDA context
+        assert shares[name] * gpu.total - GIB <= gpu.static[name] <= shares[name] * gpu.total
+    assert sum(gpu.static.values()) <= 0.8 * gpu.total
+
+
+def test_sglang_target_sizes_each_instance_from_memory_free_at_its_start(
+    monkeypatch, folder, model
+):
+    """The wiring: engine and feature runner, started lazily on a (simulated) GPU, each get
+    SGLang arguments computed from the memory free when that one starts."""
+    import sys
+    import types
+
+    from draftforge.splitserve import sglang_runner
+
+    gpu = SimulatedGpu(total=80 * GIB, weights=sglang_backend.checkpoint_bytes(folder))
+    started = {}
+
+    class FakeEngine:
+        def __init__(self, **kwargs):
+            started["engine"] = kwargs
+            gpu.start("engine", kwargs["mem_fraction_static"])
+
+    class FakeRunnerProcess:
+        def __init__(self, server_args, *, num_threads=1):
+            started["runner"] = server_args
+            gpu.start("runner", server_args["mem_fraction_static"])
+
+    class Qwen2ForCausalLM:
+        def set_eagle3_layers_to_capture(self, ids=None): ...
+
+    monkeypatch.setattr(sglang_backend, "require_sglang", lambda: SGLANG_VERSION)
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=FakeEngine))
+    monkeypatch.setattr(sglang_runner, "FeatureRunnerProcess", FakeRunnerProcess)
+    monkeypatch.setattr(sglang_backend, "sglang_model_class", lambda path: Qwen2ForCausalLM)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", gpu.mem_get_info)
+    cfg = TargetConfig(model=str(folder), dtype="bfloat16", sglang_mem_fraction=0.8)
+    target = SGLangTarget(folder, LAYERS, cfg, device="cuda:0")
+    target._generation_engine()
+    target._feature_runner()
+    engine, runner = started["engine"], started["runner"]
+    assert engine["mem_fraction_static"] == pytest.approx(0.4, abs=1e-4)  # the whole GPU was free
+    assert runner["mem_fraction_static"] > engine["mem_fraction_static"]  # of what was left
+    assert runner["speculative_algorithm"] == "EAGLE3" and runner["base_gpu_id"] == 0
+    assert sum(gpu.static.values()) <= 0.8 * gpu.total
+    assert gpu.static["runner"] == pytest.approx(0.4 * gpu.total, rel=0.02)
 
 
 # ---------------------------------------------------------------- install and version checks
