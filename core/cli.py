@@ -125,9 +125,12 @@ def config_show(argv: Sequence[str]) -> int:
         prog="draftforge config show",
         description="Load RECIPE strictly, apply key.sub=value overrides, print the resolved YAML.",
     )
-    parser.add_argument("recipe", help="path to a recipe YAML file")
+    parser.add_argument("recipe", metavar="RECIPE", help="path to a recipe YAML file")
+    # default=[]: without a default argparse counts a nargs="*" positional as required and
+    # names it beside RECIPE when RECIPE is missing, although no override is ever needed.
     parser.add_argument(
-        "overrides", nargs="*", metavar="key=value", help="e.g. draft.block_size=8 train.steps=100"
+        "overrides", nargs="*", default=[], metavar="key=value",
+        help="optional overrides, e.g. draft.block_size=8 train.steps=100",
     )
     args = parser.parse_args(list(argv))
     from draftforge.config import load_recipe

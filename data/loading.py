@@ -14,8 +14,10 @@ counted and reported.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -157,16 +159,50 @@ def _read_json(path: Path, suffix: str) -> Iterator[RawRow]:
         yield RawRow(RowLocation(str(path), number, "row"), value)
 
 
+@contextlib.contextmanager
+def _datasets_quiet(datasets) -> Iterator[None]:
+    """Silence ``datasets`` on stderr for one read, restoring its settings after.
+
+    On a malformed file ``datasets`` logs its own "Failed to read schema from ..." line
+    (logger.error) before raising, and on any file it draws a "Generating train split" bar;
+    the :class:`DataFormatError` raised here names the file and the reason, so both are
+    noise. A user's HF_DATASETS_DISABLE_PROGRESS_BARS setting is left alone.
+    """
+    library_logger = logging.getLogger("datasets")
+    saved_level = library_logger.level
+    hide_bars = (
+        datasets.config.HF_DATASETS_DISABLE_PROGRESS_BARS is None
+        and not datasets.are_progress_bars_disabled()
+    )
+    library_logger.setLevel(logging.CRITICAL)
+    if hide_bars:
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        library_logger.setLevel(saved_level)
+        if hide_bars:
+            datasets.enable_progress_bars()
+
+
 def _read_parquet(path: Path) -> Iterator[RawRow]:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     import datasets
 
     with tempfile.TemporaryDirectory(prefix="draftforge-parquet-") as cache:
         try:
-            table = datasets.Dataset.from_parquet(str(path), cache_dir=cache, keep_in_memory=True)
+            with _datasets_quiet(datasets):
+                table = datasets.Dataset.from_parquet(
+                    str(path), cache_dir=cache, keep_in_memory=True
+                )
         except Exception as exc:  # noqa: BLE001 - pyarrow raises many types for bad files
+            # A page that fails to decode surfaces as datasets' generic DatasetGenerationError
+            # ("An error occurred while generating the dataset"); pyarrow's reason is its cause.
+            if isinstance(exc, datasets.exceptions.DatasetGenerationError) and exc.__cause__:
+                exc = exc.__cause__
+            reason = " ".join(str(exc).split())  # pyarrow's messages may span lines
             raise DataFormatError(
-                f"{path}: not a readable parquet table of rows ({type(exc).__name__}: {exc})"
+                f"{path}: not a readable parquet table of rows ({type(exc).__name__}: {reason})"
             ) from None
         for number, value in enumerate(table, start=1):
             yield RawRow(RowLocation(str(path), number, "row"), value)

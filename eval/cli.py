@@ -142,6 +142,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": "draftforge eval " + shlex.join(list(sys.argv[1:] if argv is None else argv)),
         "draft": str(args.draft),
         "target": target_cfg.model,
+        # what else makes the target the same one (draftforge eval compare checks it)
+        "target_config": {
+            "model": target_cfg.model,
+            "dtype": target_cfg.dtype,
+            "backend": target_cfg.backend,
+            "seed": target_cfg.seed,  # defines a random target (model 'random') with its shape
+            "shape": target_cfg.shape.model_dump() if target_cfg.shape is not None else None,
+        },
         "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(settings).items()},
         "block_size": draft_cfg.block_size,
         "wall_s": time.perf_counter() - started,

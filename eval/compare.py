@@ -7,6 +7,13 @@ its own baselines (``--b-method ngram``). Each workload's difference
 prompts (:mod:`draftforge.eval.uncertainty`). The last line is machine-readable::
 
     diff_macro=<difference> low=<bound> high=<bound> verdict=<ahead|behind|not_distinguishable|too_few_prompts>
+
+Two reports pair only when they were decoded alike (:func:`check_same_decoding`): the
+same target (name, dtype, backend; seed and shape for a random one), temperature,
+max_new_tokens and, when sampling, seed; for draft against draft the same verification
+mode (and threshold); wherever n-gram takes part the same block size (its proposal
+length) and n-gram order. The drafts themselves may differ. A mismatch is refused; a
+setting that an older report does not record is named in a warning and left unchecked.
 """
 
 from __future__ import annotations
@@ -90,6 +97,104 @@ def paired_totals(
     return out
 
 
+_UNRECORDED = object()
+
+
+def _recorded(report: dict, key: str):
+    """The value at a dotted ``key`` of report.json, or ``_UNRECORDED``."""
+    value = report
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return _UNRECORDED
+        value = value[part]
+    return value
+
+
+# What sets each decoding setting when running draftforge eval (for the refusal's hint).
+_SET_BY = {
+    "target": "--target",
+    "target_config.dtype": "--dtype",
+    "target_config.backend": "the recipe's target.backend",
+    "target_config.seed": "the recipe's target.seed",
+    "target_config.shape": "the recipe's target.shape",
+    "settings.temperature": "--temperature",
+    "settings.max_new_tokens": "--max-new-tokens",
+    "settings.seed": "--seed",
+    "settings.verify": "--verify",
+    "settings.threshold": "--threshold",
+    "block_size": "a draft of the same block size (n-gram proposes block_size tokens a round)",
+    "settings.ngram_max": "the same draftforge version (the n-gram order is fixed in it)",
+}
+
+
+def decoding_keys(ra: dict, a_method: str, rb: dict, b_method: str) -> list[str]:
+    """The report.json keys (dotted) that must agree for ``a_method`` of ``ra`` and
+    ``b_method`` of ``rb`` to be decoded alike; the drafts themselves may differ."""
+
+    def either(key: str, test) -> bool:
+        return any(test(v) for v in (_recorded(ra, key), _recorded(rb, key)) if v is not _UNRECORDED)
+
+    keys = ["target", "target_config.dtype", "target_config.backend",
+            "settings.temperature", "settings.max_new_tokens"]  # fmt: skip
+    if either("target", lambda v: v == "random"):  # a random target is its seed and shape
+        keys += ["target_config.seed", "target_config.shape"]
+    if either("settings.temperature", lambda v: isinstance(v, (int, float)) and v > 0):
+        keys.append("settings.seed")  # sampling: the seed draws the tokens
+    methods = {a_method, b_method}
+    if methods == {"dspark"}:  # the baselines always verify in full, the draft as told
+        keys.append("settings.verify")
+        if either("settings.verify", lambda v: v == "threshold"):
+            keys.append("settings.threshold")
+    if "ngram" in methods:  # n-gram proposes as many tokens as the report's draft block
+        keys.append("block_size")
+        if methods == {"ngram"}:
+            keys.append("settings.ngram_max")
+    return keys
+
+
+def check_same_decoding(
+    a: tuple[Path, dict], a_method: str, b: tuple[Path, dict], b_method: str
+) -> list[str]:
+    """Refuse two reports decoded with different settings (:func:`decoding_keys`).
+
+    A setting that a report does not record (an older draftforge eval) cannot be checked:
+    it is named in a warning on stderr and the comparison goes on. Returns notes for the
+    output (the drafts' block sizes, when they differ)."""
+    (pa, ra), (pb, rb) = a, b
+    if ra is rb or pa.resolve() == pb.resolve():
+        return []  # one run: decoded alike by construction
+    differ, unrecorded = [], {pa: [], pb: []}
+    for key in decoding_keys(ra, a_method, rb, b_method):
+        va, vb = _recorded(ra, key), _recorded(rb, key)
+        for path, value in ((pa, va), (pb, vb)):
+            if value is _UNRECORDED:
+                unrecorded[path].append(key)
+        if _UNRECORDED not in (va, vb) and va != vb:
+            differ.append(key)
+    if differ:
+        values = "; ".join(
+            f"{key} is {_recorded(ra, key)!r} in A, {_recorded(rb, key)!r} in B" for key in differ
+        )
+        fixes = ", ".join(dict.fromkeys(_SET_BY[key] for key in differ))
+        raise InputError(
+            f"A ({pa}) and B ({pb}) were not decoded with the same settings, so a paired "
+            f"difference of their acceptance lengths would not compare like with like: {values}; "
+            f"evaluate one of them again to match the other ({fixes})"
+        )
+    for path, keys in unrecorded.items():
+        if keys:
+            print(
+                f"draftforge eval compare: warning: {path} does not record {', '.join(keys)} "
+                "(an older draftforge eval wrote it), so whether both reports used the same "
+                "is not checked",
+                file=sys.stderr,
+            )
+    block_a, block_b = _recorded(ra, "block_size"), _recorded(rb, "block_size")
+    if a_method == b_method == "dspark" and _UNRECORDED not in (block_a, block_b) and block_a != block_b:
+        return [f"the drafts' block sizes differ (A {block_a}, B {block_b}): part of what is compared"]
+    return []
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -103,11 +208,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if b is a and b_method == args.a_method:
         raise InputError(f"comparing {args.a_method} with itself in one report: give B or --b-method")
     pairs = paired_totals(a, args.a_method, b, b_method)
+    notes = check_same_decoding(a, args.a_method, b, b_method)
     kw = {"draws": args.draws, "level": args.level, "seed": args.seed}
     print(
         f"eval compare: {a[0]} ({args.a_method}) minus {b[0]} ({b_method}), paired on the same "
         f"prompts; {args.level:.0%} bootstrap intervals over prompts, {args.draws} draws"
     )
+    for note in notes:
+        print(f"note: {note}")
     print("| workload | prompts | A | B | A - B (interval) | verdict |")
     print("| --- | ---: | ---: | ---: | ---: | --- |")
     diffs = by_workload(pairs, **kw)

@@ -144,7 +144,11 @@ def uncertainty_lines(u: dict) -> list[str]:
 
 def report_dict(results: Sequence[WorkloadResult], meta: dict, *, intervals: dict | None = None) -> dict:
     """The JSON report: settings, per-workload metrics, macro numbers, the bootstrap
-    ``intervals`` (computed here when not given) and calibration if any."""
+    ``intervals`` (computed here when not given) and calibration if any.
+
+    ``meta`` comes first: the command, ``target`` and ``target_config``, the decoding
+    ``settings`` and ``block_size``, which ``draftforge eval compare`` checks to agree
+    before it pairs two reports."""
     return {
         **meta,
         "workloads": {

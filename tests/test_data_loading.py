@@ -135,6 +135,52 @@ def test_error_parquet_not_a_table(tmp_path):
     assert str(err.value).startswith(f"{path}: not a readable parquet table of rows")
 
 
+def test_malformed_parquet_prints_only_draftforges_error(tmp_path):
+    # datasets logged "Failed to read schema from '...' with error ArrowInvalid: ..." to
+    # stderr before draftforge's own message; the CLI's stderr must hold that one line only.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bad = tmp_path / "d.parquet"
+    bad.write_bytes(b"PAR1 truncated, not a parquet table")
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
+    run = subprocess.run(
+        [sys.executable, "-m", "draftforge", "data", "regenerate", str(recipe),
+         f"data.train_files=[{bad}]", f"train.output_dir={tmp_path / 'out'}"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2
+    assert run.stderr.splitlines() == [
+        f"draftforge data regenerate: {bad}: not a readable parquet table of rows "
+        "(ArrowInvalid: Parquet magic bytes not found in footer. Either the file is corrupted "
+        "or this is not a parquet file.)"
+    ]
+
+
+def test_parquet_bad_page_names_pyarrows_reason(tmp_path):
+    # A readable footer over a corrupt page: datasets wraps pyarrow's reason in a generic
+    # DatasetGenerationError ("An error occurred while generating the dataset").
+    import logging
+
+    import datasets
+
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"prompt": [f"question {i}" for i in range(500)]}), path)
+    data = bytearray(path.read_bytes())
+    data[8:200] = b"\xff" * 192  # the first data page's header, after the 4-byte magic
+    path.write_bytes(bytes(data))
+    level, bars = logging.getLogger("datasets").level, datasets.are_progress_bars_disabled()
+    with pytest.raises(DataFormatError) as err:
+        load_conversations([str(path)])
+    message = str(err.value)
+    assert message.startswith(f"{path}: not a readable parquet table of rows (")
+    assert "DatasetGenerationError" not in message and "\n" not in message
+    # datasets' logging and progress bars are as they were
+    assert logging.getLogger("datasets").level == level
+    assert datasets.are_progress_bars_disabled() == bars
+
+
 def test_error_duplicate_ids_across_files(tmp_path):
     a = tmp_path / "a.jsonl"
     b = tmp_path / "b.jsonl"
