@@ -79,6 +79,19 @@ def test_step_record_matches_the_objective_on_the_same_batch_and_anchors(tmp_pat
     assert record["tau"] == pytest.approx(out.expected_acceptance_length().item(), rel=1e-5)
 
 
+def test_kl_term_is_in_the_step_loss_and_logged(tmp_path):
+    """train.loss.kl_weight: the step's loss is the weighted sum of its logged parts, kl
+    included; with the default 0 the kl column is 0 and the loss is the contract's."""
+    from draftforge.train.config import LossConfig
+
+    samples = chain_samples(3)
+    for kl_weight in (0.0, 0.5):
+        record = _trainer(tmp_path / str(kl_weight), loss=LossConfig(kl_weight=kl_weight)).train_step([samples])
+        assert (record["kl"] > 0.1) == (kl_weight > 0)
+        parts = 0.1 * record["ce"] + 0.9 * record["tv"] + record["bce"] + kl_weight * record["kl"]
+        assert record["loss"] == pytest.approx(parts, rel=1e-5)
+
+
 def test_accumulated_micro_batches_weigh_every_slot_alike(tmp_path):
     """grad_accum=2 over [A], [B] is one step on [A, B]: the objective divides by the whole
     step's weight sum, not each micro-batch by its own (a short answer would otherwise count

@@ -67,6 +67,12 @@ class LossConfig(Section):
     bce_weight: float = Field(
         default=1.0, ge=0, description="weight of the confidence head's BCE against c*"
     )
+    kl_weight: float = Field(
+        default=0.0, ge=0,
+        description="weight of KL(target || draft) per slot: cross-entropy against the target's "
+        "whole next-token distribution instead of the sampled token (not in the reference "
+        "objective; 0 turns it off and skips its computation)",
+    )
     decay: float = Field(default=4.0, gt=0, description="w_k = exp(-k / decay)")
     position_weighting: Literal["exp", "dpace"] = Field(
         default="exp",

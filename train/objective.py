@@ -8,6 +8,10 @@ Per slot k with cumulative validity m_k and weight w_k:
 * ``BCE = sum w_k * BCEWithLogits(z_k, c*_k) / sum w_k``
 * ``L = ce_weight * CE + tv_weight * TV + bce_weight * BCE``
 
+and, off by default (not in the contract), ``kl_weight * KL`` with
+``KL = sum w_k * KL(p_t,k || p_d,k) / sum w_k``: cross-entropy against the
+target's whole distribution instead of the one sampled token.
+
 Weights: ``exp`` gives ``w_k = m_k * exp(-k / decay)``; ``dpace`` gives
 ``w_k = m_k * prod_{i<k} c*_i`` (detached), the probability that slot k is
 reached at all when the earlier slots are verified, so the loss spends its
@@ -41,6 +45,7 @@ class ObjectiveOutput:
     c_star: torch.Tensor  # [N, γ], zero on invalid slots
     weights: torch.Tensor  # [N, γ]
     valid: torch.Tensor  # [N, γ]
+    kl: torch.Tensor | None = None  # sum w KL / sum w; zero unless kl_weight > 0
 
     def slot_acceptance(self) -> torch.Tensor:
         """Mean c*_k over valid slots, per slot [γ] (NaN where a slot is never valid)."""
@@ -67,24 +72,33 @@ def dpace_weights(valid: torch.Tensor, c_star: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_terms(logits, target_logits, labels, valid, base_weights, ce_weight: float,
-                tv_weight: float, dpace: bool):
-    """The vocabulary-sized, elementwise part of one chunk: CE, TV, c*, weights and d/dlogits.
+                tv_weight: float, dpace: bool, kl_weight: float = 0.0):
+    """The vocabulary-sized, elementwise part of one chunk: CE, TV, KL, c*, weights and d/dlogits.
 
     ``logits`` / ``target_logits`` [n, γ, V] (the draft's and the target's),
-    ``labels`` / ``valid`` / ``base_weights`` [n, γ]. Returns ``(ce, tv, c*, w,
-    grad)`` with ``grad = d(ce_weight * sum w CE + tv_weight * sum w TV) / dlogits``
-    in the logits' dtype. Written with in-place ops on its own temporaries, so
+    ``labels`` / ``valid`` / ``base_weights`` [n, γ]. Returns ``(ce, tv, kl, c*, w,
+    grad)`` with ``grad = d(ce_weight * sum w CE + tv_weight * sum w TV + kl_weight *
+    sum w KL) / dlogits`` in the logits' dtype (``kl`` is zeros when ``kl_weight`` is 0:
+    not computed). Written with in-place ops on its own temporaries, so
     eager mode makes few passes over the vocabulary, and ``torch.compile`` (see
     :func:`compiled_chunk_terms`) fuses them into a handful of loops.
     """
     probs = torch.log_softmax(logits.float(), dim=-1)
     ce = -probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    if kl_weight:  # KL(p_t || p_d) = <p_t, log p_t - log p_d>, before probs becomes p_d
+        target_logp = torch.log_softmax(target_logits, dim=-1, dtype=torch.float32)
+        kl = torch.linalg.vecdot(target_logp.exp(), target_logp.sub_(probs))
+        del target_logp
+    else:
+        kl = torch.zeros_like(ce)
     probs.exp_()  # p_d
     # r = p_t - p_d (softmax upcasts inside the kernel); TV = ||r||_1 without an |r| temporary.
     resid = torch.softmax(target_logits, dim=-1, dtype=torch.float32).sub_(probs)
     tv = torch.linalg.vector_norm(resid, 1, dim=-1)
     c = (1.0 - 0.5 * tv).clamp(0.0, 1.0) * valid
     w = dpace_weights(valid, c) if dpace else base_weights
+    # d KL / dlogits = p_d - p_t = -r
+    kl_grad = resid * (-kl_weight * w).unsqueeze(-1) if kl_weight else None
     # d/dlogits: CE -> w (p - onehot); L1 -> w p (s - <s, p>) with s = sign(p_d - p_t) = -sign(r),
     # so grad = p * (ce_w w + a (<sign r, p> - sign r)) - ce_w w onehot, with a = tv_w w.
     sign = resid.sign_()
@@ -92,7 +106,9 @@ def chunk_terms(logits, target_logits, labels, valid, base_weights, ce_weight: f
     b = ce_weight * w + a * torch.linalg.vecdot(sign, probs)
     grad = torch.addcmul(b.unsqueeze(-1), sign, -a.unsqueeze(-1)).mul_(probs)
     grad.scatter_add_(-1, labels.unsqueeze(-1), (-ce_weight * w).unsqueeze(-1))
-    return ce, tv, c, w, grad.to(logits.dtype)
+    if kl_grad is not None:
+        grad.add_(kl_grad)
+    return ce, tv, kl, c, w, grad.to(logits.dtype)
 
 
 _COMPILED_CHUNK_TERMS = None
@@ -126,16 +142,16 @@ def _chunk_terms_compiled_or_eager(*args):
 
 
 class _FusedVocabLoss(torch.autograd.Function):
-    """Chunked CE + TV over the vocabulary with gradients computed in the forward pass.
+    """Chunked CE + TV (+ KL) over the vocabulary with gradients computed in the forward pass.
 
-    Returns ``(ce_weight * sum w*CE + tv_weight * sum w*TV, sum w*CE, sum w*TV, c*, w)``;
-    only the first output carries a gradient.
+    Returns ``(ce_weight * sum w*CE + tv_weight * sum w*TV + kl_weight * sum w*KL, sum w*CE,
+    sum w*TV, sum w*KL, c*, w)``; only the first output carries a gradient.
     """
 
     @staticmethod
     def forward(ctx, hidden, latent, markov_w2, lm_head, target_hidden, labels, valid,
                 base_weights, ce_weight: float, tv_weight: float, chunk_blocks: int, dpace: bool,
-                compiled: bool):
+                compiled: bool, kl_weight: float):
         num_blocks, block_size, _ = hidden.shape
         dtype = lm_head.dtype
         grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
@@ -150,6 +166,7 @@ class _FusedVocabLoss(torch.autograd.Function):
         weights = torch.zeros_like(c_star)
         sum_ce = torch.zeros((), dtype=torch.float32, device=hidden.device)
         sum_tv = torch.zeros_like(sum_ce)
+        sum_kl = torch.zeros_like(sum_ce)
         for start in range(0, num_blocks, chunk_blocks):
             sl = slice(start, min(start + chunk_blocks, num_blocks))
             h = hidden[sl].to(dtype)
@@ -160,13 +177,14 @@ class _FusedVocabLoss(torch.autograd.Function):
             rows = h.shape[0]
             if compiled and rows < chunk_blocks:  # one shape for the compiled kernel: pad with invalid rows
                 h, th, lab, val, base = (_pad_rows(x, chunk_blocks) for x in (h, th, lab, val, base))
-            ce, tv, c, w, grad = terms(h @ head.t(), th @ lm_head.t(), lab, val, base,
-                                       ce_weight, tv_weight, dpace)
+            ce, tv, kl, c, w, grad = terms(h @ head.t(), th @ lm_head.t(), lab, val, base,
+                                           ce_weight, tv_weight, dpace, kl_weight)
             if rows < h.shape[0]:
-                ce, tv, c, w, grad = ce[:rows], tv[:rows], c[:rows], w[:rows], grad[:rows]
+                ce, tv, kl, c, w, grad = (x[:rows] for x in (ce, tv, kl, c, w, grad))
             c_star[sl], weights[sl] = c, w
             sum_ce += (w * ce).sum()
             sum_tv += (w * tv).sum()
+            sum_kl += (w * kl).sum()
             grad_in = grad @ head  # [rows, H (+ r)]: both input gradients in one product
             grad_hidden[sl] = grad_in[..., :width].to(hidden.dtype)
             if latent is not None:
@@ -176,9 +194,9 @@ class _FusedVocabLoss(torch.autograd.Function):
         ctx.save_for_backward(grad_hidden, grad_latent, grad_w2)
         ctx.has_latent = latent is not None
         ctx.w2_dtype = None if markov_w2 is None else markov_w2.dtype
-        ctx.mark_non_differentiable(sum_ce, sum_tv, c_star, weights)
-        total = ce_weight * sum_ce + tv_weight * sum_tv
-        return total, sum_ce, sum_tv, c_star, weights
+        ctx.mark_non_differentiable(sum_ce, sum_tv, sum_kl, c_star, weights)
+        total = ce_weight * sum_ce + tv_weight * sum_tv + kl_weight * sum_kl
+        return total, sum_ce, sum_tv, sum_kl, c_star, weights
 
     @staticmethod
     def backward(ctx, grad_total, *unused):
@@ -189,7 +207,7 @@ class _FusedVocabLoss(torch.autograd.Function):
         if ctx.has_latent:
             out_latent = grad_latent * scale.to(grad_latent.dtype)
             out_w2 = (grad_w2 * scale).to(ctx.w2_dtype)
-        return (out_hidden, out_latent, out_w2) + (None,) * 10
+        return (out_hidden, out_latent, out_w2) + (None,) * 11
 
 
 _HEAD_CACHE: dict = {}
@@ -222,17 +240,19 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 def vocab_terms(
     hidden, latent, markov_w2, lm_head, target_hidden, labels, valid, base_weights, *,
     ce_weight: float, tv_weight: float, chunk_blocks: int, dpace: bool, compiled: bool = False,
+    kl_weight: float = 0.0,
 ):
-    """CE/TV sums over all blocks, chunked; see :class:`_FusedVocabLoss`."""
+    """CE/TV/KL sums over all blocks, chunked; see :class:`_FusedVocabLoss`."""
     return _FusedVocabLoss.apply(
         hidden, latent, markov_w2, lm_head, target_hidden, labels, valid.float(), base_weights,
         float(ce_weight), float(tv_weight), int(chunk_blocks), bool(dpace), bool(compiled),
+        float(kl_weight),
     )
 
 
 def vocab_terms_unchunked(
     hidden, latent, markov_w2, lm_head, target_hidden, labels, valid, base_weights, *,
-    ce_weight: float, tv_weight: float, dpace: bool, **_unused,
+    ce_weight: float, tv_weight: float, dpace: bool, kl_weight: float = 0.0, **_unused,
 ):  # chunk_blocks and compiled do not apply
     """The same sums through plain autograd on all blocks at once (memory baseline)."""
     logits = hidden.to(lm_head.dtype) @ lm_head.t()
@@ -240,14 +260,16 @@ def vocab_terms_unchunked(
         logits = logits + latent.to(lm_head.dtype) @ markov_w2.t()
     logp = torch.log_softmax(logits.float(), dim=-1)
     with torch.no_grad():
-        target = torch.softmax((target_hidden.to(lm_head.dtype) @ lm_head.t()).float(), dim=-1)
+        target_logp = torch.log_softmax((target_hidden.to(lm_head.dtype) @ lm_head.t()).float(), dim=-1)
+        target = target_logp.exp()
     ce = -logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     tv = (logp.exp() - target).abs().sum(-1)
+    kl = (target * (target_logp - logp)).sum(-1)
     c_star = ((1.0 - 0.5 * tv.detach()).clamp(0.0, 1.0)) * valid.float()
     weights = dpace_weights(valid, c_star) if dpace else base_weights
-    sum_ce, sum_tv = (weights * ce).sum(), (weights * tv).sum()
-    total = ce_weight * sum_ce + tv_weight * sum_tv
-    return total, sum_ce.detach(), sum_tv.detach(), c_star, weights
+    sum_ce, sum_tv, sum_kl = (weights * ce).sum(), (weights * tv).sum(), (weights * kl).sum()
+    total = ce_weight * sum_ce + tv_weight * sum_tv + kl_weight * sum_kl
+    return total, sum_ce.detach(), sum_tv.detach(), sum_kl.detach(), c_star, weights
 
 
 def dspark_objective(
@@ -261,6 +283,7 @@ def dspark_objective(
     ce_weight: float = 0.1,
     tv_weight: float = 0.9,
     bce_weight: float = 1.0,
+    kl_weight: float = 0.0,
     decay: float = 4.0,
     position_weighting: str = "exp",
     chunk_blocks: int = 64,
@@ -290,9 +313,9 @@ def dspark_objective(
         latent, emb = model.markov_head.teacher_forced(prev_tokens, hidden)
         markov_w2 = model.markov_head.markov_w2.weight
     terms = vocab_terms if chunked else vocab_terms_unchunked
-    total, sum_ce, sum_tv, c_star, weights = terms(
+    total, sum_ce, sum_tv, sum_kl, c_star, weights = terms(
         hidden, latent, markov_w2, model.lm_head.weight, target_hidden, labels, valid,
-        exp_weights(valid, decay), ce_weight=ce_weight, tv_weight=tv_weight,
+        exp_weights(valid, decay), ce_weight=ce_weight, tv_weight=tv_weight, kl_weight=kl_weight,
         chunk_blocks=chunk_blocks, dpace=position_weighting == "dpace",
         compiled=hidden.is_cuda if compile == "auto" else bool(compile),
     )
@@ -311,6 +334,7 @@ def dspark_objective(
         loss=loss,
         ce=(sum_ce / denominator).detach(),
         tv=(sum_tv / denominator).detach(),
+        kl=(sum_kl / denominator).detach(),
         bce=(sum_bce / denominator).detach(),
         c_star=c_star,
         weights=weights,

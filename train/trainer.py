@@ -45,6 +45,10 @@ from draftforge.train.model import DSparkConfig, DSparkDraft, count_parameters
 from draftforge.train.objective import exp_weights
 from draftforge.train.sample import Sample, collate
 
+# A step's summed scalars: loss, ce, tv, bce, tau sum, blocks, tokens, block tokens,
+# non-finite flag, kl; then c* sums and valid counts per slot.
+STEP_SCALARS = 10
+
 
 @dataclass
 class ResumeInfo:
@@ -318,10 +322,10 @@ class Trainer:
         parts = torch.cat([
             torch.stack([loss.detach(), out.ce, out.tv, out.bce, tau_sum.float(), blocks.sum().float(),
                          torch.tensor(float(batch.num_tokens), device=loss.device), valid.sum(),
-                         nonfinite]).float(),
+                         nonfinite, out.kl if out.kl is not None else torch.zeros_like(out.ce)]).float(),
             (out.c_star * valid).sum(0).float(), valid.sum(0),
         ]).to(sums.device)
-        sums[: 9 + 2 * gamma] += parts.detach()
+        sums[: STEP_SCALARS + 2 * gamma] += parts.detach()
 
     def _deepspeed_backward(self, scaled: torch.Tensor, finite: bool, micro: int) -> bool:
         """DeepSpeed backward; returns True when some rank's loss is not finite (no backward then).
@@ -373,7 +377,7 @@ class Trainer:
         comm = self._comm_device()
         compute_start = time.perf_counter()
         self._set_lr(lr_at(self.step, train=self.train))
-        sums = torch.zeros(9 + 2 * gamma, dtype=torch.float32, device=comm)
+        sums = torch.zeros(STEP_SCALARS + 2 * gamma, dtype=torch.float32, device=comm)
         prepared = [self._prepare(samples, micro) for micro, samples in enumerate(micro_batches)]
         denominator = self._step_denominator(prepared)
         for micro, batch in enumerate(prepared):
@@ -486,12 +490,13 @@ class Trainer:
 
     def _record(self, sums, gamma, norm, applied, gathered, wait_s, compute_s) -> dict:
         values = sums.tolist()
-        slot_num, slot_den = values[9:9 + gamma], values[9 + gamma:9 + 2 * gamma]
+        first = STEP_SCALARS
+        slot_num, slot_den = values[first:first + gamma], values[first + gamma:first + 2 * gamma]
         tokens = int(values[6])
         return {
             "step": self.step,
             "lr": lr_at(self.step - 1, train=self.train),
-            "loss": values[0], "ce": values[1], "tv": values[2], "bce": values[3],
+            "loss": values[0], "ce": values[1], "tv": values[2], "bce": values[3], "kl": values[9],
             "tau": values[4] / values[5] if values[5] else float("nan"),
             "slot_acceptance": [n / d if d else float("nan") for n, d in zip(slot_num, slot_den, strict=True)],
             "tokens": tokens,
@@ -509,7 +514,9 @@ class Trainer:
     def _log_line(record: dict) -> str:
         flag = "  SKIPPED (non-finite)" if record["skipped"] else ""
         return (f"step {record['step']:>6}  loss {record['loss']:.4f}  ce {record['ce']:.4f}  "
-                f"tv {record['tv']:.4f}  bce {record['bce']:.4f}  tau {record['tau']:.3f}  "
+                f"tv {record['tv']:.4f}  bce {record['bce']:.4f}  "
+                + (f"kl {record['kl']:.4f}  " if record.get("kl") else "")
+                + f"tau {record['tau']:.3f}  "
                 f"lr {record['lr']:.2e}  |g| {record['grad_norm']:.3f}  "
                 f"{record['tokens_s']:.0f} tok/s  wait {record['wait_s']:.2f}s{flag}")
 
