@@ -365,9 +365,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Answer every prompt of data.train_files with the recipe's target and write "
         "data.regenerated_file (default <train.output_dir>/regenerated.jsonl). Rerun to resume.",
     )
-    parser.add_argument("recipe", help="path to a recipe YAML file")
+    parser.add_argument("recipe", metavar="RECIPE", help="path to a recipe YAML file")
     parser.add_argument(
-        "overrides", nargs="*", metavar="key=value", help="e.g. data.num_samples=64"
+        "overrides", nargs="*", default=[], metavar="key=value", help="e.g. data.num_samples=64"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(

@@ -325,8 +325,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Producer alone, consumer alone (fed from memory) and both together in one "
         "job of the recipe's split; prints end-to-end / min(producer, consumer).",
     )
-    parser.add_argument("recipe", help="path to a recipe YAML file")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. split.max_in_flight=8")
+    parser.add_argument("recipe", metavar="RECIPE", help="path to a recipe YAML file")
+    parser.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="e.g. split.max_in_flight=8")
     parser.add_argument("--steps", type=int, default=40,
                         help="timed optimizer steps per phase (default 40: the CPU recipe's steady "
                         "window then spans about 8 regeneration chunks; about 8 minutes there)")

@@ -109,8 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Train a DSpark draft against a live target: target ranks stream features "
         "to trainer ranks (the recipe's split section). Rerun the same command to resume.",
     )
-    parser.add_argument("recipe", help="path to a recipe YAML file")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.steps=100")
+    parser.add_argument("recipe", metavar="RECIPE", help="path to a recipe YAML file")
+    parser.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="e.g. train.steps=100")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the resolved config, split, parameter count and memory estimate")
     parser.add_argument("--nproc", type=int, default=None,

@@ -21,8 +21,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m draftforge.train",
         description="One rank of a SplitServe training job (start it with torchrun or draftforge train).",
     )
-    parser.add_argument("recipe", help="path to a recipe YAML file")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.steps=100")
+    parser.add_argument("recipe", metavar="RECIPE", help="path to a recipe YAML file")
+    parser.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="e.g. train.steps=100")
     parser.add_argument("--bench-split", metavar="JSON", default=None, help=argparse.SUPPRESS)
     args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
 
