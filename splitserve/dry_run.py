@@ -100,14 +100,34 @@ def target_estimate(cfg: RecipeConfig) -> Estimate:
           * gen.batch_size * (seq + gen.max_new_tokens) * dtype)
     logits = gen.batch_size * shape.vocab_size * 4
     wire = cfg.split.max_in_flight * seq * (k + 1) * hidden * 2
+    weights = target_parameters(shape) * dtype / tp
+    label = f"weights ({cfg.target.dtype}, tp {tp}, {_weights_source(shape)})"
+    if cfg.target.backend == "sglang":
+        # two SGLang instances, each with its own copy: the engine and the feature runner;
+        # their KV pools fill the rest of target.sglang_mem_fraction (sglang_pool_note)
+        return Estimate([
+            (label.replace("weights (", "weights x2: generation engine + feature runner (", 1),
+             2 * weights),
+            ("features: captured layers", captured),
+            ("send buffers (bf16)", wire),
+        ])
     return Estimate([
-        (f"weights ({cfg.target.dtype}, tp {tp}, {_weights_source(shape)})",
-         target_parameters(shape) * dtype / tp),
+        (label, weights),
         ("features: captured layers", captured),
         ("features: one layer's activations", working + scores),
         ("generation: KV cache + logits", kv + logits),
         ("send buffers (bf16)", wire),
     ])
+
+
+def sglang_pool_note(cfg: RecipeConfig) -> str:
+    """What the SGLang backend's target estimate leaves out: the KV pools SGLang sizes itself."""
+    if cfg.target.backend != "sglang":
+        return ""
+    return (f"  (target.backend sglang: on its GPU the two SGLang instances hold "
+            f"target.sglang_mem_fraction = {cfg.target.sglang_mem_fraction:g} of its memory in "
+            "all, half each: their weights above, and KV pools that fill the rest of each half; "
+            "the run refuses to start where the weights alone fill a half)")
 
 
 def trainer_estimate(cfg: RecipeConfig, with_emb: int, without_emb: int) -> Estimate:
@@ -226,6 +246,7 @@ def dry_run(cfg: RecipeConfig) -> str:
         "",
         "memory estimate per target rank:",
         *target_estimate(cfg).lines(),
+        *filter(None, [sglang_pool_note(cfg)]),
         "memory estimate per trainer rank:",
         *trainer_estimate(cfg, with_emb, without_emb).lines(),
     ]

@@ -244,6 +244,24 @@ def test_dry_run_reports_parameters_and_memory(tmp_path, capsys):
     assert "target rank 0 feeds trainer ranks [1]" in out
 
 
+def test_dry_run_counts_two_target_copies_with_the_sglang_backend(tmp_path):
+    """The SGLang backend runs a generation engine and a feature runner, each holding the
+    weights, side by side on the target's GPU; the hf backend holds one copy."""
+    from draftforge.splitserve.dry_run import sglang_pool_note, target_estimate, target_parameters
+    from draftforge.splitserve.registry import resolve_target_shape
+
+    hf = load_recipe(tiny_recipe(tmp_path))
+    sglang = load_recipe(tiny_recipe(tmp_path), ["target.backend=sglang", "target.dtype=bfloat16",
+                                                 "target.sglang_mem_fraction=0.7"])
+    params = target_parameters(resolve_target_shape(hf.target))
+    hf_weights = dict(target_estimate(hf).items)
+    sg_weights = dict(target_estimate(sglang).items)
+    assert [v for n, v in hf_weights.items() if n.startswith("weights")] == [params * 4]
+    assert [v for n, v in sg_weights.items() if n.startswith("weights x2")] == [2 * params * 2]
+    assert sglang_pool_note(hf) == ""
+    assert "target.sglang_mem_fraction = 0.7 of its memory" in sglang_pool_note(sglang)
+
+
 def test_dry_run_ling_scale_on_meta(tmp_path):
     """A Ling-sized draft is counted without allocating its weights."""
     from draftforge.splitserve.dry_run import draft_parameter_counts, trainer_estimate
