@@ -167,5 +167,9 @@ class SplitConfig(Section):
     peer_timeout_s: float = Field(
         default=900.0,
         gt=0,
-        description="a peer silent this long is reported dead (a crashed one at once)",
+        description="a peer that sends nothing this long, not even its heartbeat, is reported "
+        "dead (a crashed one at once). Each rank sends a heartbeat every peer_timeout_s / 4 "
+        "while it works, so a long target load, generation, training step or checkpoint save "
+        "is not silence; the exception is a trainer fed by several target ranks, which gets no "
+        "heartbeat from them",
     )

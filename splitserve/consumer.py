@@ -1,8 +1,9 @@
 """Trainer ranks: samples off the wire -> :class:`~draftforge.train.sample.Sample` -> packed batches.
 
-The stream returns a credit to the producer for every sample it takes, records
-the wait and the queue depth, and packs samples in order (the same rule as
-:func:`draftforge.train.sample.pack`), so the batches depend only on the order
+The stream returns a credit to the producer for every sample it takes (and a
+heartbeat until it stops, see :class:`~draftforge.splitserve.transport.AckLink`),
+records the wait and the queue depth, and packs samples in order (the same rule
+as :func:`draftforge.train.sample.pack`), so the batches depend only on the order
 of samples, which the producers fix (see :mod:`draftforge.splitserve.producer`).
 """
 
@@ -17,7 +18,12 @@ from draftforge.train.sample import Sample
 
 
 class ConsumerStream:
-    """The samples a trainer rank receives, in its fixed order; credits flow back as it takes them."""
+    """The samples a trainer rank receives, in its fixed order; credits flow back as it takes them.
+
+    ``acks``: the trainer's :class:`~draftforge.splitserve.transport.AckLink`, which has
+    sent the resume state; without it the stream starts one (every ``heartbeat_s``) to
+    producers that already have it.
+    """
 
     def __init__(
         self,
@@ -27,9 +33,14 @@ class ConsumerStream:
         accounting: ConsumerAccounting | None = None,
         provenance: dict | None = None,
         heartbeat_s: float = 60.0,
+        acks: T.AckLink | None = None,
     ) -> None:
         self.receiver = receiver
         self.ack_group = ack_group
+        if acks is None:
+            acks = T.AckLink(receiver.sources, group=ack_group, every_s=heartbeat_s,
+                             hello_sent=True)
+        self.acks = acks
         self.accounting = accounting
         self.provenance = dict(provenance or {})
         self.taken = dict.fromkeys(receiver.sources, 0)
@@ -42,12 +53,8 @@ class ConsumerStream:
         while True:
             begin = time.perf_counter()
             depth = self.receiver.depth()
-            item = self.receiver.get(max_wait_s=self.heartbeat_s)
-            while item is T.SampleReceiver.IDLE:
-                # a long wait: tell the producers this trainer is alive (an unchanged count)
-                for src in self.receiver.sources:
-                    T.send_ack(src, self.taken[src], group=self.ack_group)
-                item = self.receiver.get(max_wait_s=self.heartbeat_s)
+            self.acks.check()
+            item = self.receiver.get()  # the heartbeat runs meanwhile, and while the trainer works
             waited = time.perf_counter() - begin
             if item is None:
                 return
@@ -55,7 +62,7 @@ class ConsumerStream:
             depth = max(depth, 1)  # the queue held at least the sample just taken
             self.max_depth = max(self.max_depth, depth)
             self.taken[src] += 1
-            T.send_ack(src, self.taken[src], group=self.ack_group)
+            self.acks.ack(src, self.taken[src])
             sample = Sample(
                 sample_id=wire.sample_id,
                 input_ids=wire.input_ids,
@@ -70,7 +77,9 @@ class ConsumerStream:
             yield sample
 
     def stop(self, timeout_s: float = 600.0) -> int:
-        """Tell every producer to stop, then drop what is still in transit until each ends.
+        """End the heartbeat, tell every producer to stop, then drop what is still in
+        transit until each ends its stream (a producer still busy with a chunk sends
+        heartbeats meanwhile; one silent for ``timeout_s`` is given up on).
 
         Returns the number of samples dropped (they were never consumed, so a
         later run gets them again).
@@ -78,14 +87,16 @@ class ConsumerStream:
         if self._stopped:
             return 0
         self._stopped = True
-        for src in self.receiver.sources:
-            T.send_ack(src, self.taken[src], stop=True, group=self.ack_group)
+        self.acks.stop()
         dropped = 0
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            item = self.receiver.get(max_wait_s=max(0.0, deadline - time.monotonic()))
-            if item is None or item is T.SampleReceiver.IDLE:
+        while True:
+            item = self.receiver.get(max_wait_s=1.0)
+            if item is None:
                 break
+            if item is T.SampleReceiver.IDLE:
+                if time.monotonic() - self.receiver.heard > timeout_s:
+                    break
+                continue
             dropped += 1
         self.receiver.join(timeout=5.0)
         return dropped

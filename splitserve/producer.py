@@ -25,6 +25,7 @@ Epochs repeat until every trainer says stop (or ``split.max_epochs``).
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 import time
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from draftforge.data.formats import Conversation
     from draftforge.splitserve.config import SplitConfig
     from draftforge.splitserve.target import TargetEngine
+    from draftforge.splitserve.transport import Pulse
 
 
 # --------------------------------------------------------------------------- topology
@@ -366,17 +368,26 @@ class SampleSource:
         return out
 
 
+def embedding_dests(topology: Topology, rank: int) -> list[int]:
+    """The trainers whose first producer is ``rank``: it sends them the embeddings."""
+    return [dest for dest in topology.dests(rank) if topology.sources(dest)[0] == rank]
+
+
 def send_embeddings(
-    engine: TargetEngine, topology: Topology, rank: int, *, data_group, device="cpu"
+    engine: TargetEngine, topology: Topology, rank: int, *, data_group, device="cpu",
+    pulse: Pulse | None = None,
 ) -> None:
-    """The frozen embedding and lm_head, to each trainer whose first producer is this rank."""
+    """The frozen embedding and lm_head, to each trainer whose first producer is this rank
+    (which then waits for nothing more on the link until it has built its draft: no beat)."""
     from draftforge.splitserve import transport as T
 
     embed, head = engine.embed_tokens_weight(), engine.lm_head_weight()
-    for dest in topology.dests(rank):
-        if topology.sources(dest)[0] == rank:
+    for dest in embedding_dests(topology, rank):
+        with pulse.lock if pulse is not None else contextlib.nullcontext():
             T.send_tensor(embed.detach().cpu().contiguous(), dest, group=data_group, device=device)
             T.send_tensor(head.detach().cpu().contiguous(), dest, group=data_group, device=device)
+            if pulse is not None:
+                pulse.waiting.discard(dest)
 
 
 def run_producer(
@@ -389,17 +400,25 @@ def run_producer(
     ack_group,
     device: torch.device | str = "cpu",
     log: Callable[[str], None],
+    pulse: Pulse | None = None,
 ) -> dict:
-    """Serve this target rank's trainers until they all stop; returns the accounting summary."""
+    """Serve this target rank's trainers until they all stop; returns the accounting summary.
+
+    ``pulse``: the rank's heartbeat on the data links (one is started when None).
+    """
     from draftforge.splitserve import transport as T
 
     dests = topology.dests(rank)
     split = cfg.split
-    consumed: set[str] = set()
-    for dest in dests:
-        consumed |= T.recv_hello(dest, group=ack_group)
+    if pulse is None:
+        pulse = T.Pulse(every_s=split.peer_timeout_s / 4, group=data_group, device=device)
+    consumed = T.recv_hellos(dests, group=ack_group)  # the trainers' heartbeats come meanwhile
     credits = max(1, split.max_in_flight // len(topology.sources(dests[0])))
     gate = T.CreditGate(dests, credits, group=ack_group, timeout_s=split.peer_timeout_s)
+    # A trainer fed by several producers receives from them in turn, so it may not be
+    # receiving from this one: it gets no beat (a send would wait for its turn).
+    lone = [dest for dest in dests if len(topology.sources(dest)) == 1]
+    pulse.expect(lone, listens=gate.listens, on_error=gate.fail)
     meter = Meter()
     conversations, regenerate = load_source_conversations(cfg)
     source = SampleSource(
@@ -431,14 +450,14 @@ def run_producer(
                     continue
                 return
             sample = pending[dest].popleft()
-            with meter.busy("send"):
+            with meter.busy("send"), pulse.lock:
                 T.send_sample(
                     dest, sample.sample_id, sample.input_ids, sample.loss_mask,
                     sample.aux, sample.final, seq_no=seq[dest],
                     stats=meter.wire_stats(), chunk_end=sample.chunk_end,
                     group=data_group, device=device,
                 )
-            gate.note_sent(dest)
+                gate.note_sent(dest)
             seq[dest] += 1
             block = False  # one send is progress; go on only while credits allow
 
@@ -458,7 +477,11 @@ def run_producer(
     finally:
         meter.stop()
     for dest in dests:
-        T.send_end(dest, group=data_group, device=device)
+        gate.acquire([dest])  # END too needs the trainer receiving: a credit left, or its stop
+        with pulse.lock:
+            T.send_end(dest, group=data_group, device=device)
+            pulse.waiting.discard(dest)
+    pulse.close()
     # The trainers still return credits for what they hold; their stop is the last message.
     if not gate.wait_all_stopped(split.peer_timeout_s):
         raise T.PeerDied(dests[0] if len(dests) == 1 else -1, "trainer",

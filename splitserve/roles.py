@@ -271,23 +271,30 @@ def build_engine(ctx: RankContext):
 
 
 def _run_target(ctx: RankContext, bench: dict | None) -> None:
-    from draftforge.splitserve.producer import run_producer, send_embeddings
+    from draftforge.splitserve.producer import embedding_dests, run_producer, send_embeddings
 
     if ctx.cfg.split.target_tensor_parallel > 1:
         raise RuntimeError(TP_NOT_BUILT.format(tp=ctx.cfg.split.target_tensor_parallel))
+    # While the target loads, the trainers it sends the embeddings wait for them: beat to them.
+    pulse = T.Pulse(every_s=ctx.cfg.split.peer_timeout_s / 4, group=ctx.data_group,
+                    device=ctx.device)
+    if ctx.rank in ctx.topology.producers:
+        pulse.expect(embedding_dests(ctx.topology, ctx.rank))
     engine = build_engine(ctx)
     if ctx.rank not in ctx.topology.producers:
         ctx.log("tensor-parallel member: nothing to send")  # unreachable with the hf backend
         return
-    send_embeddings(engine, ctx.topology, ctx.rank, data_group=ctx.data_group, device=ctx.device)
+    send_embeddings(engine, ctx.topology, ctx.rank, data_group=ctx.data_group, device=ctx.device,
+                    pulse=pulse)
     if bench is not None:
         from draftforge.splitserve.bench_split import bench_target_rank
 
+        pulse.close()  # the bench sends without the pulse's lock
         bench_target_rank(ctx, engine, bench)
         return
     summary = run_producer(
         ctx.cfg, engine, ctx.topology, ctx.rank, data_group=ctx.data_group,
-        ack_group=ctx.ack_group, device=ctx.device, log=ctx.log,
+        ack_group=ctx.ack_group, device=ctx.device, log=ctx.log, pulse=pulse,
     )
     ctx.log(
         f"done: busy {summary['busy_share']:.1%} idle {summary['idle_share']:.1%} "
@@ -350,6 +357,9 @@ def _run_trainer(ctx: RankContext, bench: dict | None) -> None:
     sources = ctx.topology.sources(ctx.rank)
     embed = T.recv_tensor(sources[0], group=ctx.data_group, device=ctx.device)
     head = T.recv_tensor(sources[0], group=ctx.data_group, device=ctx.device)
+    acks = None
+    if bench is None:  # the first producer now waits for the resume state: beat to it meanwhile
+        acks = T.AckLink(sources, group=ctx.ack_group, every_s=cfg.split.peer_timeout_s / 4)
     trainer = build_trainer(ctx, (embed, head))
     del embed, head
     if bench is not None:
@@ -364,8 +374,7 @@ def _run_trainer(ctx: RankContext, bench: dict | None) -> None:
         ctx.log(f"resumed from {info.path} at step {info.step} ({mine} samples consumed here)")
         if info.schedule_change:
             ctx.log(f"note: {info.schedule_change}")
-    for src in sources:
-        T.send_hello(consumed, src, group=ctx.ack_group)
+    acks.hello(consumed)
     credits = max(1, cfg.split.max_in_flight // len(sources))
     is_main = ctx.rank == cfg.split.trainer_ranks[0]
     accounting = ConsumerAccounting(
@@ -377,8 +386,7 @@ def _run_trainer(ctx: RankContext, bench: dict | None) -> None:
     receiver = T.SampleReceiver(sources, credits=credits, group=ctx.data_group,
                                 device=ctx.device, start=mine % len(sources))
     stream = ConsumerStream(receiver, ack_group=ctx.ack_group, accounting=accounting,
-                            provenance=_provenance(cfg),
-                            heartbeat_s=cfg.split.peer_timeout_s / 4)
+                            provenance=_provenance(cfg), acks=acks)
     batches = stream_pack(stream.samples(), cfg.split.token_budget)
 
     def on_step(record: dict) -> None:

@@ -24,13 +24,29 @@ of :data:`HEADER_LEN` values ``[MAGIC, kind, ...]``:
 ``ACK`` (trainer -> producer, ack group)
     header ``[MAGIC, ACK, consumed, stop, ...]``: ``consumed`` is the running
     count of samples the trainer took off this link (credits come back);
-    ``stop`` = 1 means the trainer needs nothing more.
+    ``stop`` = 1 means the trainer needs nothing more. An unchanged count is
+    the trainer's heartbeat.
+``BEAT`` (producer -> trainer, data group)
+    header only: the producer's heartbeat; receivers skip it.
 
 Backpressure: a producer sends on a link only while ``sent - consumed <
 credits``, so a trainer never holds more than ``credits`` samples of one link
 in transit or queued. A dead peer surfaces as :class:`PeerDied` naming its rank:
 gloo reports a closed connection at once, a silent peer after
 ``split.peer_timeout_s`` (the process group's timeout).
+
+Liveness: a peer busy longer than that (a target loading or generating, a
+trainer building its draft, stepping or saving) is not silent. Each side
+sends a heartbeat every ``split.peer_timeout_s / 4`` from a thread of its own
+(:class:`AckLink` on a trainer, :class:`Pulse` on a producer) to every peer
+that waits on it, so only a crashed or frozen process is reported. A
+heartbeat goes only where a receive is posted for it (a gloo send waits for
+its receive, and would time out): on the ack group, to producers that listen
+for this trainer (always, once they wait for its resume state); on a data
+link, to a trainer waiting there (for its embeddings, for a sample while it
+has a credit, or for the end of the stream after its stop). A trainer fed by
+several producers receives them in a fixed rotation, so it is sent no BEAT:
+there, a producer busy past the timeout is still reported.
 """
 
 from __future__ import annotations
@@ -38,7 +54,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,8 +62,9 @@ import torch.distributed as dist
 
 MAGIC = 0x44464731  # "DFG1"
 HEADER_LEN = 16
-SAMPLE, END, TENSOR, HELLO, ACK = 1, 2, 3, 4, 5
-KIND_NAMES = {SAMPLE: "SAMPLE", END: "END", TENSOR: "TENSOR", HELLO: "HELLO", ACK: "ACK"}
+SAMPLE, END, TENSOR, HELLO, ACK, BEAT = 1, 2, 3, 4, 5, 6
+KIND_NAMES = {SAMPLE: "SAMPLE", END: "END", TENSOR: "TENSOR", HELLO: "HELLO", ACK: "ACK",
+              BEAT: "BEAT"}
 DTYPE_CODES: dict[torch.dtype, int] = {
     torch.bfloat16: 1,
     torch.float32: 2,
@@ -130,6 +147,20 @@ def _recv(tensor: torch.Tensor, src: int | None, group, role: str, doing: str) -
         raise PeerDied(-1 if src is None else src, role, doing, exc) from exc
 
 
+def _recv_head(src: int, group, device, doing: str, expected: Iterable[int],
+               on_beat: Callable[[], None] | None = None) -> list[int]:
+    """The next header from producer ``src`` of one of the ``expected`` kinds; its
+    heartbeats (BEAT) are skipped, each one calling ``on_beat``."""
+    head_t = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+    while True:
+        _recv(head_t, src, group, "target", doing)
+        head = head_t.tolist()
+        if _check_header(head, src, (*expected, BEAT)) != BEAT:
+            return head
+        if on_beat is not None:
+            on_beat()
+
+
 # --------------------------------------------------------------------------- samples
 
 
@@ -180,13 +211,13 @@ def send_end(dst: int, *, group=None, device: torch.device | str = "cpu") -> Non
 
 
 def recv_sample(
-    src: int, *, group=None, device: torch.device | str = "cpu"
+    src: int, *, group=None, device: torch.device | str = "cpu",
+    on_beat: Callable[[], None] | None = None,
 ) -> WireSample | None:
-    """The next message from producer ``src``: a sample, or None at end-of-stream."""
-    head_t = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
-    _recv(head_t, src, group, "target", "waiting for a sample")
-    head = head_t.tolist()
-    if _check_header(head, src, (SAMPLE, END)) == END:
+    """The next message from producer ``src``: a sample, or None at end-of-stream
+    (its heartbeats skipped, each calling ``on_beat``)."""
+    head = _recv_head(src, group, device, "waiting for a sample", (SAMPLE, END), on_beat)
+    if head[1] == END:
         return None
     seq, aux_dim, final_dim, dtype_code, id_len, seq_no, busy, idle, tokens, wall, chunk_end = head[2:13]
     dtype = CODE_DTYPES.get(dtype_code)
@@ -229,11 +260,8 @@ def send_tensor(
 
 
 def recv_tensor(src: int, *, group=None, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Receive a tensor sent by :func:`send_tensor`."""
-    head_t = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
-    _recv(head_t, src, group, "target", "waiting for the target's embeddings")
-    head = head_t.tolist()
-    _check_header(head, src, (TENSOR,))
+    """Receive a tensor sent by :func:`send_tensor` (heartbeats before it skipped)."""
+    head = _recv_head(src, group, device, "waiting for the target's embeddings", (TENSOR,))
     dtype, ndim = CODE_DTYPES[head[2]], head[3]
     out = torch.empty(head[4 : 4 + ndim], dtype=dtype, device=device)
     _recv(out, src, group, "target", "receiving the target's embeddings")
@@ -261,6 +289,35 @@ def recv_hello(src: int, *, group) -> set[str]:
     _recv(head_t, src, group, "trainer", "waiting for the trainers' resume state")
     head = head_t.tolist()
     _check_header(head, src, (HELLO,))
+    return _hello_ids(head, src, group)
+
+
+def recv_hellos(srcs: Sequence[int], *, group) -> set[str]:
+    """The consumed sample ids of every trainer in ``srcs``, in the order they come.
+
+    A trainer sends heartbeats (ACK) while it builds its draft and resumes; they
+    are skipped, and keep this wait going for as long as they come.
+    """
+    waiting, ids = set(srcs), set()
+    head_t = torch.empty(HEADER_LEN, dtype=torch.int64)
+    while waiting:
+        try:
+            src = int(dist.recv(head_t, group=group))
+        except RuntimeError as exc:
+            rank = next(iter(waiting)) if len(waiting) == 1 else -1
+            raise PeerDied(rank, "trainer", f"waiting for the resume state of trainer ranks "
+                           f"{sorted(waiting)}", exc) from exc
+        head = head_t.tolist()
+        if src not in srcs:
+            raise WireError(f"rank {src} sent its resume state to a producer that does not feed it")
+        if _check_header(head, src, (HELLO, ACK)) == HELLO:
+            ids |= _hello_ids(head, src, group)
+            waiting.discard(src)
+    return ids
+
+
+def _hello_ids(head: list[int], src: int, group) -> set[str]:
+    """The rest of the HELLO whose header is ``head``: its sample ids."""
     count, nbytes = head[2], head[3]
     if count == 0:
         return set()
@@ -282,12 +339,82 @@ def send_ack(dst: int, consumed: int, *, stop: bool = False, group) -> None:
     _send(_header(ACK, [consumed, int(stop)]), dst, group, "target", doing)
 
 
+class AckLink:
+    """Trainer side of the ack group: resume state, credits and stop, and a heartbeat.
+
+    A thread repeats each producer's credit count every ``every_s`` (an unchanged count
+    tells a producer only that this trainer lives), so a trainer busy longer than
+    ``split.peer_timeout_s`` (building and resuming its draft, one step, one checkpoint
+    save) is not reported dead. It beats only to producers that listen on the ack group:
+    the first source from the start (it sent this trainer its embeddings and waits for
+    its resume state), the others once they have it (``hello_sent``: all of them at
+    once). Messages go one at a time (a HELLO is three sends).
+    """
+
+    def __init__(self, sources: Sequence[int], *, group, every_s: float, hello_sent: bool = False):
+        self.sources = list(sources)
+        self.consumed = dict.fromkeys(self.sources, 0)
+        self.error: BaseException | None = None
+        self._listening = list(self.sources if hello_sent else self.sources[:1])
+        self._group = group
+        self._every_s = every_s
+        self._lock = threading.Lock()
+        self._halt = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="draftforge-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._halt.wait(self._every_s):
+            with self._lock:
+                try:
+                    for src in self._listening:
+                        send_ack(src, self.consumed[src], group=self._group)
+                except PeerDied as exc:
+                    self.error = exc
+                    return
+
+    def check(self) -> None:
+        """Raise what the heartbeat met (a producer that died)."""
+        if self.error is not None:
+            raise self.error
+
+    def hello(self, ids: Iterable[str]) -> None:
+        """Send every producer the consumed sample ids (:func:`send_hello`)."""
+        ids = set(ids)
+        for src in self.sources:
+            with self._lock:
+                send_hello(ids, src, group=self._group)
+                if src not in self._listening:
+                    self._listening.append(src)
+
+    def ack(self, src: int, consumed: int) -> None:
+        """Return credits to ``src``: ``consumed`` samples taken off its link so far."""
+        with self._lock:
+            self.consumed[src] = consumed
+            send_ack(src, consumed, group=self._group)
+
+    def stop(self) -> None:
+        """End the heartbeat, then tell every producer to stop: its last message from here
+        (a producer stops listening once all its trainers have stopped)."""
+        self.close()
+        with self._lock:
+            for src in self.sources:
+                send_ack(src, self.consumed[src], stop=True, group=self._group)
+
+    def close(self) -> None:
+        """End the heartbeat (after the message it may be sending)."""
+        self._halt.set()
+        self._thread.join()
+
+
 class CreditGate:
     """Producer side of the backpressure: per-trainer credits, refilled by ACK messages.
 
     A background thread receives ACKs (from any trainer) on the ack group; the
     producer calls :meth:`acquire` before each send, for whichever of its links has
-    a credit: a trainer whose link is full does not hold up the others.
+    a credit: a trainer whose link is full does not hold up the others. Every ACK,
+    a heartbeat included, shows its trainer alive: a wait gives up on a trainer only
+    after ``timeout_s`` without one, however long the trainer keeps its credits.
     """
 
     def __init__(self, dests: Sequence[int], credits: int, *, group, timeout_s: float):
@@ -301,6 +428,7 @@ class CreditGate:
         self.stopped: set[int] = set()
         self.error: BaseException | None = None
         self.max_outstanding = 0
+        self.heard = dict.fromkeys(self.dests, time.monotonic())  # each trainer's last ACK
         self._group = group
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._listen, name="draftforge-acks", daemon=True)
@@ -331,6 +459,7 @@ class CreditGate:
                     self._cond.notify_all()
                 return
             with self._cond:
+                self.heard[src] = time.monotonic()
                 self.consumed[src] = max(self.consumed[src], head[2])
                 if head[3]:
                     self.stopped.add(src)
@@ -345,12 +474,35 @@ class CreditGate:
         with self._cond:
             return dest in self.stopped
 
+    def listens(self, dest: int) -> bool:
+        """Whether trainer ``dest`` receives on its link now: it has a credit left (its
+        receiver holds fewer samples than that) or it has stopped (it drains the link)."""
+        with self._cond:
+            return dest in self.stopped or self.sent[dest] - self.consumed[dest] < self.credits
+
+    def fail(self, exc: BaseException) -> None:
+        """Hand the producer thread an error met elsewhere (its first one wins)."""
+        with self._cond:
+            if self.error is None:
+                self.error = exc
+            self._cond.notify_all()
+
+    def _silent(self, dests: Sequence[int], doing: str) -> PeerDied | None:
+        """A :class:`PeerDied` for those of ``dests`` not heard from within the timeout."""
+        now = time.monotonic()
+        silent = [d for d in dests
+                  if d not in self.stopped and now - self.heard[d] > self.timeout_s]
+        if not silent:
+            return None
+        return PeerDied(silent[0] if len(silent) == 1 else -1, "trainer", doing,
+                        f"Timed out: trainer ranks {silent} sent neither credits nor a heartbeat "
+                        f"for {self.timeout_s:.0f} s")
+
     def acquire(self, dests: Sequence[int], *, block: bool = True) -> int | None:
         """The first of ``dests`` (stopped trainers aside) whose link has a credit, waiting
         for one when ``block``; None when all of them have stopped, or, without ``block``,
-        when none has a credit now. A wait longer than the timeout means the trainers
-        stopped taking samples: :class:`PeerDied` names them."""
-        deadline = time.monotonic() + self.timeout_s
+        when none has a credit now. A trainer that sends nothing, not even a heartbeat,
+        for the timeout is hung: :class:`PeerDied` names it."""
         with self._cond:
             while True:
                 if self.error is not None:
@@ -361,14 +513,12 @@ class CreditGate:
                 for dest in live:
                     if self.sent[dest] - self.consumed[dest] < self.credits:
                         return dest
-                left = deadline - time.monotonic()
                 if not block:
                     return None
-                if left <= 0:
-                    raise PeerDied(live[0] if len(live) == 1 else -1, "trainer", "waiting for credits",
-                                   f"Timed out after {self.timeout_s:.0f} s without credits from "
-                                   f"trainer ranks {live}")
-                self._cond.wait(timeout=min(left, 1.0))
+                silent = self._silent(live, "waiting for credits")
+                if silent is not None:
+                    raise silent
+                self._cond.wait(timeout=1.0)
 
     def note_sent(self, dest: int) -> None:
         """Count one sample sent to ``dest``."""
@@ -387,17 +537,76 @@ class CreditGate:
         self._thread.join(timeout)
 
     def wait_all_stopped(self, timeout_s: float) -> bool:
-        """Block until every trainer has said stop; False at the timeout, raises if a peer died."""
-        deadline = time.monotonic() + timeout_s
+        """Block until every trainer has said stop; False once one of them has sent
+        nothing, not even a heartbeat, for ``timeout_s``; raises if a peer died."""
         with self._cond:
             while len(self.stopped) < len(self.dests) and self.error is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
+                now = time.monotonic()
+                live = [d for d in self.dests if d not in self.stopped]
+                if any(now - self.heard[d] > timeout_s for d in live):
                     return False
-                self._cond.wait(timeout=min(left, 1.0))
+                self._cond.wait(timeout=1.0)
             if self.error is not None:
                 raise self.error
             return True
+
+
+class Pulse:
+    """Producer side of the liveness: a heartbeat (BEAT) on the data links.
+
+    A thread sends a BEAT every ``every_s`` to each trainer in :attr:`waiting` that
+    ``listens``, so a producer busy longer than ``split.peer_timeout_s`` (loading the
+    target, answering a chunk of prompts, computing features) is not reported dead
+    while its process lives. A gloo send waits for its receive and times out without
+    one, so a BEAT goes only to a trainer that receives on the link now (``listens``,
+    asked under :attr:`lock`). Every message on the links is sent under :attr:`lock`
+    (and :attr:`waiting` changed under it), so a BEAT never splits a sample. An error
+    (a trainer died) goes to ``on_error`` and ends the heartbeat.
+    """
+
+    def __init__(self, *, every_s: float, group=None, device: torch.device | str = "cpu"):
+        self.lock = threading.Lock()
+        self.waiting: set[int] = set()
+        self.listens: Callable[[int], bool] = lambda dest: True
+        self.on_error: Callable[[BaseException], None] = lambda exc: None
+        self.error: BaseException | None = None
+        self._every_s = every_s
+        self._group = group
+        self._device = device
+        self._halt = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="draftforge-pulse", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        if torch.device(self._device).type == "cuda":
+            torch.cuda.set_device(torch.device(self._device))
+        head = _header(BEAT, device=self._device)
+        while not self._halt.wait(self._every_s):
+            with self.lock:
+                try:
+                    for dest in sorted(self.waiting):
+                        if self.listens(dest):
+                            _send(head, dest, self._group, "trainer", "sending a heartbeat")
+                except PeerDied as exc:
+                    self.error = exc
+                    self.on_error(exc)
+                    return
+
+    def expect(self, dests: Iterable[int], *, listens: Callable[[int], bool] | None = None,
+               on_error: Callable[[BaseException], None] | None = None) -> None:
+        """From now on, beat to the trainers ``dests`` whenever ``listens(dest)`` (default:
+        always: each waits for its next message on the link)."""
+        with self.lock:
+            self.waiting = set(dests)
+            self.listens = listens or (lambda dest: True)
+            self.on_error = on_error or (lambda exc: None)
+            if self.error is not None:
+                self.on_error(self.error)
+
+    def close(self) -> None:
+        """End the heartbeat (after the BEAT it may be sending)."""
+        self._halt.set()
+        self._thread.join()
 
 
 # --------------------------------------------------------------------------- trainer side
@@ -411,9 +620,11 @@ class SampleReceiver:
     The thread posts a receive on a link only while it holds fewer than
     ``credits`` samples of it, i.e. only when the producer may send: a pending
     receive that times out therefore means a silent producer, never a busy
-    trainer. Items are ``(src, WireSample)``; ``None`` marks the end of every
-    source; a :class:`PeerDied` or :class:`WireError` raised in the thread is
-    re-raised by :meth:`get`.
+    trainer (a busy producer sends heartbeats, which the thread skips;
+    :attr:`heard` is when it last received anything or began to wait). Items
+    are ``(src, WireSample)``; ``None`` marks the end of every source; a
+    :class:`PeerDied` or :class:`WireError` raised in the thread is re-raised
+    by :meth:`get`.
     """
 
     IDLE = object()  # returned by get() when nothing arrived within max_wait_s
@@ -431,6 +642,7 @@ class SampleReceiver:
         self.credits = credits
         self.queue: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
+        self.heard = time.monotonic()
         self._group = group
         self._device = device
         self._start = start
@@ -450,7 +662,10 @@ class SampleReceiver:
                 with self._cond:
                     while self._held[src] >= self.credits:
                         self._cond.wait(timeout=1.0)
-                message = recv_sample(src, group=self._group, device=self._device)
+                self._hear()
+                message = recv_sample(src, group=self._group, device=self._device,
+                                      on_beat=self._hear)
+                self._hear()
                 if message is None:
                     position = active.index(src)
                     active.remove(src)
@@ -463,6 +678,9 @@ class SampleReceiver:
         except BaseException as exc:  # noqa: BLE001 - re-raised on the consumer thread
             self.error = exc
         self.queue.put(None)
+
+    def _hear(self) -> None:
+        self.heard = time.monotonic()
 
     def get(self, poll_s: float = 0.5, max_wait_s: float | None = None):
         """The next ``(src, WireSample)``, None once every source has ended, or
