@@ -43,10 +43,11 @@ def test_declared_target_parameters_replace_the_dense_estimate(capsys, monkeypat
     declared = 100_000_000_000
     assert train_main(["recipes/ling3-flash-dspark.yaml", "--dry-run",
                        f"target.shape.num_parameters={declared}"]) == 0
-    weights = next(line for line in capsys.readouterr().out.splitlines() if "weights (" in line)
-    # bf16 weights split over tensor parallel 4
+    weights = next(line for line in capsys.readouterr().out.splitlines() if "weights x2" in line)
+    # bf16 weights split over tensor parallel 4, twice: SGLang's generation engine and
+    # feature runner each hold a copy
     assert f"{declared:,} declared params" in weights
-    assert weights.rstrip().endswith(f"{declared * 2 / 4 / 2**30:.3f} GiB")
+    assert weights.rstrip().endswith(f"{2 * declared * 2 / 4 / 2**30:.3f} GiB")
     assert train_main(["recipes/ling3-flash-dspark.yaml", "--dry-run"]) == 0
     assert "dense estimate" in capsys.readouterr().out
 

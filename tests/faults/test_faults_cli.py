@@ -75,7 +75,7 @@ def test_restart_target_needs_resume_auto(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["train"], "the following arguments are required: recipe"),
+    (["train"], "the following arguments are required: RECIPE"),
     (["frobnicate"], "unknown command 'frobnicate'"),
     (["config", "shwo", "x.yaml"], "unknown subcommand 'shwo' of 'config'"),
     (["config"], "a subcommand is needed after 'config'"),
