@@ -339,7 +339,49 @@ def send_ack(dst: int, consumed: int, *, stop: bool = False, group) -> None:
     _send(_header(ACK, [consumed, int(stop)]), dst, group, "target", doing)
 
 
-class AckLink:
+class _Heartbeat:
+    """A daemon thread that calls :meth:`_send_beats` under :attr:`lock` every ``every_s``
+    until :meth:`close`. A :class:`PeerDied` it meets ends it: kept in :attr:`error` and
+    handed to :meth:`_failed`. Subclasses send their other messages under :attr:`lock`
+    too, so a beat never lands between the parts of one, and call :meth:`_start` last in
+    their ``__init__``."""
+
+    def __init__(self, *, every_s: float, name: str, device: torch.device | str = "cpu"):
+        self.lock = threading.Lock()
+        self.error: BaseException | None = None
+        self._every_s = every_s
+        self._device = device
+        self._halt = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        if torch.device(self._device).type == "cuda":
+            torch.cuda.set_device(torch.device(self._device))
+        while not self._halt.wait(self._every_s):
+            with self.lock:
+                try:
+                    self._send_beats()
+                except PeerDied as exc:
+                    self.error = exc
+                    self._failed(exc)
+                    return
+
+    def _send_beats(self) -> None:
+        raise NotImplementedError
+
+    def _failed(self, exc: BaseException) -> None:
+        """Called (under :attr:`lock`) with the error that ended the heartbeat."""
+
+    def close(self) -> None:
+        """End the heartbeat (after the message it may be sending)."""
+        self._halt.set()
+        self._thread.join()
+
+
+class AckLink(_Heartbeat):
     """Trainer side of the ack group: resume state, credits and stop, and a heartbeat.
 
     A thread repeats each producer's credit count every ``every_s`` (an unchanged count
@@ -352,26 +394,16 @@ class AckLink:
     """
 
     def __init__(self, sources: Sequence[int], *, group, every_s: float, hello_sent: bool = False):
+        super().__init__(every_s=every_s, name="draftforge-heartbeat")
         self.sources = list(sources)
         self.consumed = dict.fromkeys(self.sources, 0)
-        self.error: BaseException | None = None
         self._listening = list(self.sources if hello_sent else self.sources[:1])
         self._group = group
-        self._every_s = every_s
-        self._lock = threading.Lock()
-        self._halt = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name="draftforge-heartbeat", daemon=True)
-        self._thread.start()
+        self._start()
 
-    def _beat(self) -> None:
-        while not self._halt.wait(self._every_s):
-            with self._lock:
-                try:
-                    for src in self._listening:
-                        send_ack(src, self.consumed[src], group=self._group)
-                except PeerDied as exc:
-                    self.error = exc
-                    return
+    def _send_beats(self) -> None:
+        for src in self._listening:
+            send_ack(src, self.consumed[src], group=self._group)
 
     def check(self) -> None:
         """Raise what the heartbeat met (a producer that died)."""
@@ -382,14 +414,14 @@ class AckLink:
         """Send every producer the consumed sample ids (:func:`send_hello`)."""
         ids = set(ids)
         for src in self.sources:
-            with self._lock:
+            with self.lock:
                 send_hello(ids, src, group=self._group)
                 if src not in self._listening:
                     self._listening.append(src)
 
     def ack(self, src: int, consumed: int) -> None:
         """Return credits to ``src``: ``consumed`` samples taken off its link so far."""
-        with self._lock:
+        with self.lock:
             self.consumed[src] = consumed
             send_ack(src, consumed, group=self._group)
 
@@ -397,14 +429,9 @@ class AckLink:
         """End the heartbeat, then tell every producer to stop: its last message from here
         (a producer stops listening once all its trainers have stopped)."""
         self.close()
-        with self._lock:
+        with self.lock:
             for src in self.sources:
                 send_ack(src, self.consumed[src], stop=True, group=self._group)
-
-    def close(self) -> None:
-        """End the heartbeat (after the message it may be sending)."""
-        self._halt.set()
-        self._thread.join()
 
 
 class CreditGate:
@@ -551,7 +578,7 @@ class CreditGate:
             return True
 
 
-class Pulse:
+class Pulse(_Heartbeat):
     """Producer side of the liveness: a heartbeat (BEAT) on the data links.
 
     A thread sends a BEAT every ``every_s`` to each trainer in :attr:`waiting` that
@@ -565,32 +592,21 @@ class Pulse:
     """
 
     def __init__(self, *, every_s: float, group=None, device: torch.device | str = "cpu"):
-        self.lock = threading.Lock()
+        super().__init__(every_s=every_s, name="draftforge-pulse", device=device)
         self.waiting: set[int] = set()
         self.listens: Callable[[int], bool] = lambda dest: True
         self.on_error: Callable[[BaseException], None] = lambda exc: None
-        self.error: BaseException | None = None
-        self._every_s = every_s
         self._group = group
-        self._device = device
-        self._halt = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name="draftforge-pulse", daemon=True)
-        self._thread.start()
+        self._start()
 
-    def _beat(self) -> None:
-        if torch.device(self._device).type == "cuda":
-            torch.cuda.set_device(torch.device(self._device))
-        head = _header(BEAT, device=self._device)
-        while not self._halt.wait(self._every_s):
-            with self.lock:
-                try:
-                    for dest in sorted(self.waiting):
-                        if self.listens(dest):
-                            _send(head, dest, self._group, "trainer", "sending a heartbeat")
-                except PeerDied as exc:
-                    self.error = exc
-                    self.on_error(exc)
-                    return
+    def _send_beats(self) -> None:
+        head = _header(BEAT, device=self._device)  # made in the thread, on its device
+        for dest in sorted(self.waiting):
+            if self.listens(dest):
+                _send(head, dest, self._group, "trainer", "sending a heartbeat")
+
+    def _failed(self, exc: BaseException) -> None:
+        self.on_error(exc)
 
     def expect(self, dests: Iterable[int], *, listens: Callable[[int], bool] | None = None,
                on_error: Callable[[BaseException], None] | None = None) -> None:
@@ -602,11 +618,6 @@ class Pulse:
             self.on_error = on_error or (lambda exc: None)
             if self.error is not None:
                 self.on_error(self.error)
-
-    def close(self) -> None:
-        """End the heartbeat (after the BEAT it may be sending)."""
-        self._halt.set()
-        self._thread.join()
 
 
 # --------------------------------------------------------------------------- trainer side
