@@ -232,22 +232,26 @@ def _float32():
 
 def _workload_prompts(name: str, target, target_cfg, num_prompts: int | None) -> list[list[int]]:
     """Chat-templated token ids of a workload's prompts, as the target will be served."""
+    tokenizer = target.tokenizer
+    texts = workload_texts(name, tokenizer, target_cfg.generation, num_prompts)
+    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+
+
+def workload_texts(name: str, tokenizer, generation, num_prompts: int | None) -> list[str]:
+    """The first ``num_prompts`` prompts of a workload (all when None), chat-templated as text
+    with the recipe's ``target.generation`` settings (template, thinking mode)."""
     from draftforge.data.workloads import load_workload
 
-    prompts = load_workload(name)[: num_prompts or None]
-    tokenizer = target.tokenizer
-    generation = target_cfg.generation
-    ids = []
-    for prompt in prompts:
-        text = tokenizer.apply_chat_template(
+    return [
+        tokenizer.apply_chat_template(
             prompt.messages,
             tokenize=False,
             add_generation_prompt=True,
             enable_thinking=generation.enable_thinking,
             chat_template=generation.chat_template,
         )
-        ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return ids
+        for prompt in load_workload(name)[: num_prompts or None]
+    ]
 
 
 def _prompts_from_file(path: str, num_prompts: int | None) -> dict[str, list[list[int]]]:

@@ -46,6 +46,7 @@ class Proposal:
     tokens: list[int]
     probs: torch.Tensor | None = None  # [n, V] fp32, the distributions the tokens were drawn from
     confidence_logits: list[float] | None = None  # [n]
+    margins: list[float] | None = None  # greedy drafts: top-1 minus top-2 logit of each slot
 
 
 @dataclass
@@ -215,13 +216,17 @@ class DraftProposer(Proposer):
 
             tokens, logits, conf = self.draft.draft_block(hidden, anchor, sample=sample)
             probs = torch.softmax(logits[0].float() / self.temperature, dim=-1).cpu()
+            margins = None
         else:
             tokens, logits, conf = self.draft.draft_block(hidden, anchor)
             probs = None
+            top2 = logits[0].topk(2, dim=-1).values
+            margins = (top2[:, 0] - top2[:, 1]).tolist()
         return Proposal(
             tokens=tokens[0].tolist(),
             probs=probs,
             confidence_logits=None if conf is None else conf[0].float().tolist(),
+            margins=margins,
         )
 
 
