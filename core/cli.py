@@ -111,6 +111,12 @@ COMMANDS: tuple[Command, ...] = (
         "REPORT_A [REPORT_B] [--a-method M] [--b-method M]",
     ),
     Command(
+        ("eval", "llamacpp"),
+        "draftforge.eval.llamacpp_check:main",
+        "llama.cpp's converter and draft-dspark decoding vs draftforge: same outputs and counts?",
+        "EXPORT --recipe RECIPE [options]",
+    ),
+    Command(
         ("demo",),
         "draftforge.eval.demo:main",
         "end to end: regenerate, train DSpark + DFlash, export, evaluate, one table",

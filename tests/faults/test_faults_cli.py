@@ -97,6 +97,9 @@ def test_restart_target_needs_resume_auto(tmp_path, capsys):
     (["bench", "objective", "--paths", "foo"], "argument --paths: unknown 'foo'; valid: chunked, unchunked"),
     (["export", "RUN", "--max-shard-size-mb", "-5"], "argument --max-shard-size-mb: must be greater than 0"),
     (["export", "RUN", "--eval-report", "nope.md"], "--eval-report nope.md: no such file"),
+    (["eval", "llamacpp", "RUN"], "the following arguments are required: --recipe"),
+    (["eval", "llamacpp", "RUN", "--recipe", "RECIPE"], "not an export folder (no config.json)"),
+    (["eval", "llamacpp", "RUN", "--recipe", "RECIPE", "--p-min", "2"], "argument --p-min: must lie in [0, 1], got 2"),
 ])
 def test_bad_command_lines(tmp_path, capsys, argv, expected):
     recipe = tiny_recipe(tmp_path)

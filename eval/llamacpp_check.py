@@ -1,0 +1,368 @@
+"""``draftforge eval llamacpp EXPORT --recipe RECIPE``: does llama.cpp serve the export as draftforge does?
+
+An independent implementation is the strongest check of an export's conventions
+(slot offset, layer indices, mask token, Markov inputs, confidence head). This
+command converts the export and the target with llama.cpp's own converter,
+decodes each prompt greedily with llama.cpp's ``draft-dspark`` speculative
+decoding (``llama-speculative-simple``), and decodes the same token ids (as
+``llama-tokenize`` makes them) with draftforge's draft and target on the same
+schedule (:func:`replay`). Where the two implementations agree, every round is
+the same: as many tokens drafted and accepted, the same token last, and the
+same text in the end.
+
+llama.cpp schedules rounds a little differently from ``draftforge eval``: its
+first round drafts from the prompt's last token (so the first answer token is
+drafted too), a round drafts no more than the budget leaves (but a whole block
+once nothing is left), and it stops once more than ``max_new_tokens`` tokens
+are out. The replay follows that schedule, so the two sides are compared round
+for round; their acceptance lengths are close to, not equal to, ``draftforge
+eval``'s.
+
+Both sides run the target in float32 (llama.cpp from an f32 GGUF), greedily,
+but add up in different orders, so a choice between two logits closer than
+``--tie-tolerance`` may go either way, and so may a confidence logit that close
+to the ``--p-min`` cut (in logit space); from there the two decode
+differently. Such a prompt is reported as a near-tie, with the round and margin.
+Exit status 0 when no prompt differs otherwise, 1 when one does, 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from draftforge import argtypes
+from draftforge.errors import InputError
+
+
+@dataclass
+class Replay:
+    """draftforge's side of one prompt, counted as llama.cpp counts it."""
+
+    prompt_tokens: int
+    predicted: int
+    drafted: int
+    accepted: int
+    tokens: list[int]  # emitted, up to and including an end-of-turn token
+    round_log: list[tuple[int, int, int]] = field(default_factory=list)  # (accepted, drafted, last token)
+    # per round: the smallest top-1 minus top-2 logit among the target positions and the draft
+    # slots whose choice decided the round (what a small numerical difference could flip)
+    target_margins: list[float] = field(default_factory=list)
+    draft_margins: list[float] = field(default_factory=list)
+    # with p_min: how far the confidence logits that decided the cut lay from logit(p_min)
+    confidence_margins: list[float] = field(default_factory=list)
+
+    @property
+    def rounds(self) -> int:
+        return self.predicted - self.accepted
+
+
+def replay(session, proposer, prompt: Sequence[int], *, max_new_tokens: int, eos: set[int],
+           p_min: float = 0.0) -> Replay:
+    """Greedy speculative decoding of ``prompt`` on llama-speculative-simple's schedule.
+
+    ``session`` is a :class:`~draftforge.eval.speculative.TargetSession` capturing the
+    draft's layers and ``proposer`` a :class:`~draftforge.eval.speculative.DraftProposer`.
+    The anchor of the first round is the prompt's last token. A round drafts a block cut to
+    ``max_new_tokens - emitted - 1`` tokens, or the whole block once that is 0 or less
+    (``common_speculative_draft`` truncates only to a positive limit), and cut again before
+    the first slot whose confidence (sigmoid of the head's logit) is below ``p_min`` when
+    ``p_min > 0``. The loop stops after an end-of-turn token or once more than
+    ``max_new_tokens`` tokens are out."""
+    import torch
+
+    from draftforge.eval.speculative import greedy_accept
+
+    _, features = session.prefill(list(prompt[:-1]))
+    sequence, anchor = list(prompt[:-1]), prompt[-1]
+    run = Replay(len(prompt), 0, 0, 0, [])
+    while True:
+        sequence.append(anchor)
+        proposal = proposer.propose(sequence, features)
+        budget = max_new_tokens - run.predicted - 1
+        drafts = proposal.tokens[:budget] if budget > 0 else proposal.tokens
+        confidence_margin = float("inf")
+        if p_min > 0:
+            logits_c = torch.tensor(proposal.confidence_logits[: len(drafts)])
+            low = (torch.sigmoid(logits_c) < p_min).nonzero()
+            cut = int(low[0]) if len(low) else len(drafts)
+            threshold = math.log(p_min / (1 - p_min)) if p_min < 1 else math.inf
+            if len(logits_c):  # the slots kept and the one that cut the block
+                confidence_margin = float((logits_c[: cut + 1] - threshold).abs().min())
+            drafts = drafts[:cut]
+        run.confidence_margins.append(confidence_margin)
+        anchor_pos = len(sequence) - 1
+        logits, aux = session.extend([anchor] + drafts)
+        hits, bonus = greedy_accept(drafts, logits)
+        session.crop(anchor_pos + 1 + hits)
+        features = torch.cat([features, aux[: hits + 1]], dim=0)
+        top2 = logits[: hits + 1].topk(2, dim=-1).values
+        run.target_margins.append(float((top2[:, 0] - top2[:, 1]).min()))
+        decided = (proposal.margins or [])[: min(hits + 1, len(drafts))]
+        run.draft_margins.append(min(decided, default=float("inf")))
+        out = drafts[:hits] + [bonus]
+        run.drafted, run.accepted, run.predicted = run.drafted + len(drafts), run.accepted + hits, run.predicted + len(out)
+        sequence.extend(drafts[:hits])
+        ended = False
+        for token in out:
+            run.tokens.append(token)
+            if token in eos:
+                ended = True
+                break
+        run.round_log.append((hits, len(drafts), run.tokens[-1]))
+        anchor = out[-1]
+        if ended or run.predicted > max_new_tokens:
+            return run
+
+
+@dataclass
+class PromptCheck:
+    """One prompt decoded by both: ``status`` is ``agree`` (every round the same: drafted,
+    accepted, last token; and the same text), ``near-tie`` (the first round that differs is one
+    where draftforge's target or draft had two choices within ``tie_tolerance`` logits, or a
+    confidence logit that close to the ``p_min`` cut: float32 arithmetic in a different order may
+    go either way) or ``differ``."""
+
+    workload: str
+    index: int
+    llamacpp: dict
+    draftforge: dict
+    same_tokenization: bool  # transformers' token ids equal llama.cpp's (both decode llama.cpp's)
+    status: str
+    detail: str = ""
+
+
+def classify(theirs, ours: Replay, *, tie_tolerance: float, same_text: bool) -> tuple[str, str]:
+    """(status, detail) of one prompt; see :class:`PromptCheck`.
+
+    Rounds are compared in order. A differing round that is a near-tie but emits the same
+    tokens (only the number drafted differs, from a confidence cut) is noted and the
+    comparison goes on; one that emits different tokens ends it, since the texts part there."""
+    notes = []
+    for i, (a, b) in enumerate(zip(theirs.round_log, ours.round_log, strict=False)):
+        if a == b:
+            continue
+        where = f"round {i + 1} of {len(ours.round_log)}"
+        tie = _near_tie(ours, i, tie_tolerance)
+        if tie is None:
+            return "differ", (
+                f"{where}: llama.cpp {a} against draftforge {b} (accepted, drafted, last token); "
+                f"margins target {ours.target_margins[i]:.3g}, draft {ours.draft_margins[i]:.3g}"
+                + (f", confidence {ours.confidence_margins[i]:.3g}" if ours.confidence_margins else "")
+            )
+        notes.append(f"{where}: {tie}")
+        if (a[0], a[2]) != (b[0], b[2]):  # different tokens out: the texts part from here
+            return "near-tie", "; ".join(notes)
+    if len(theirs.round_log) != len(ours.round_log):
+        return "differ", f"llama.cpp decoded {len(theirs.round_log)} rounds, draftforge {len(ours.round_log)}"
+    if not same_text:
+        return "differ", "the same rounds but a different text"
+    return ("near-tie", "; ".join(notes)) if notes else ("agree", "")
+
+
+def _near_tie(ours: Replay, i: int, tolerance: float) -> str | None:
+    """What made round ``i`` a near-tie on draftforge's side, or None."""
+    margins = {
+        "target": ours.target_margins[i],
+        "draft": ours.draft_margins[i],
+        "confidence": ours.confidence_margins[i] if ours.confidence_margins else math.inf,
+    }
+    side = min(margins, key=margins.get)
+    if margins[side] >= tolerance:
+        return None
+    if side == "confidence":
+        return f"a confidence logit lies {margins[side]:.2g} from the --p-min cut"
+    return f"the {side}'s top two logits are {margins[side]:.2g} apart"
+
+
+def _counts(run) -> dict:
+    return {k: getattr(run, k) for k in ("prompt_tokens", "predicted", "drafted", "accepted")}
+
+
+def _al(checks: Sequence[PromptCheck], side: str) -> float:
+    """Acceptance length the way servers count it: tokens emitted over rounds, pooled."""
+    predicted = sum(getattr(c, side)["predicted"] for c in checks)
+    rounds = sum(getattr(c, side)["predicted"] - getattr(c, side)["accepted"] for c in checks)
+    return predicted / rounds if rounds else float("nan")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from draftforge.data.workloads import WORKLOAD_NAMES
+
+    parser = argparse.ArgumentParser(
+        prog="draftforge eval llamacpp",
+        description="Convert an export and its target with llama.cpp's converter, decode the workload "
+        "prompts greedily with llama.cpp's draft-dspark speculative decoding and with draftforge on the "
+        "same schedule, and check that outputs and accepted counts agree prompt by prompt.",
+    )
+    parser.add_argument("draft", metavar="EXPORT", help="an export folder (draftforge export --out)")
+    parser.add_argument("--recipe", required=True, help="the recipe whose target section names the target")
+    parser.add_argument("--target", help="override the recipe's target: registered name or local HF folder")
+    parser.add_argument("--workloads", type=argtypes.names(WORKLOAD_NAMES),
+                        help="comma-separated subset of humaneval,mtbench,gsm8k (default: all three)")
+    parser.add_argument("--num-prompts", type=argtypes.positive_int, default=8,
+                        help="prompts per workload, the first ones (default 8)")
+    parser.add_argument("--max-new-tokens", type=argtypes.positive_int, default=128,
+                        help="llama.cpp's -n (default 128)")
+    parser.add_argument("--p-min", type=argtypes.probability, default=0.0,
+                        help="confidence threshold: llama.cpp's --spec-draft-p-min, a block is cut "
+                        "before its first slot below it (default 0: full blocks)")
+    parser.add_argument("--llama-cpp", metavar="DIR",
+                        help="a llama.cpp checkout with build/bin/llama-speculative-simple and "
+                        "build/bin/llama-tokenize (default: the source of llama-cpp-python 0.3.36, "
+                        "fetched into the cache and built once)")
+    parser.add_argument("--work-dir", help="where the GGUF files go (default: a temporary folder, removed)")
+    parser.add_argument("--threads", type=argtypes.positive_int, default=1, help="llama.cpp threads (default 1)")
+    parser.add_argument("--tie-tolerance", type=argtypes.non_negative_float, default=0.01,
+                        help="a first difference where draftforge's target or draft had its top two "
+                        "logits closer than this, or a confidence logit this close to logit(p-min), is "
+                        "a near-tie, not a failure (default 0.01)")
+    parser.add_argument("--json", metavar="OUT.json", help="also write every prompt's counts and status here")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``draftforge eval llamacpp``."""
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    from draftforge.config import load_recipe
+    from draftforge.eval import llamacpp
+
+    draft_dir = Path(args.draft).expanduser()
+    if not (draft_dir / "config.json").is_file():
+        raise InputError(f"{draft_dir}: not an export folder (no config.json); run draftforge export first")
+    target_cfg = load_recipe(args.recipe).target
+    updates = {"dtype": "float32", "backend": "hf"} | ({"model": args.target} if args.target else {})
+    target_cfg = target_cfg.model_copy(update=updates)
+    target_dir = _target_folder(target_cfg)
+
+    if args.llama_cpp:
+        source = Path(args.llama_cpp).expanduser()
+        bin_dir = source / "build" / "bin"
+        for need in (source / llamacpp.CONVERTER, bin_dir / llamacpp.TOOL, bin_dir / llamacpp.TOKENIZER):
+            if not need.is_file():
+                raise InputError(f"--llama-cpp {source}: no {need.relative_to(source)}")
+    else:
+        source = llamacpp.fetch_source(target_cfg.cache_dir)
+        bin_dir = llamacpp.build_tool(source)
+
+    with tempfile.TemporaryDirectory(prefix="draftforge-llamacpp-") as scratch:
+        work = Path(args.work_dir).expanduser() if args.work_dir else Path(scratch)
+        print(f"eval llamacpp: converting the target {target_dir} and the draft {draft_dir} (f32 GGUF, in {work})",
+              flush=True)
+        target_gguf = llamacpp.convert(source, target_dir, work / "target-f32.gguf")
+        draft_gguf = llamacpp.convert(source, draft_dir, work / "draft-f32.gguf", target_dir=target_dir)
+        checks = _check_all(args, target_cfg, draft_dir, bin_dir, target_gguf, draft_gguf)
+
+    print(_table(checks))
+    for c in checks:
+        if c.status != "agree":
+            print(f"  {c.status}: {c.workload} prompt {c.index}: {c.detail}")
+    retokenized = [c for c in checks if not c.same_tokenization]
+    if retokenized:
+        print(
+            f"  {len(retokenized)} prompt(s) tokenized differently by transformers and llama.cpp: "
+            + ", ".join(f"{c.workload} {c.index}" for c in retokenized)
+            + " (both sides decoded llama.cpp's token ids)"
+        )
+    if args.json:
+        from draftforge.files import write_atomic
+
+        records = [asdict(c) for c in checks]
+        write_atomic(Path(args.json), (json.dumps(records, indent=2) + "\n").encode())
+    count = {status: sum(c.status == status for c in checks) for status in ("agree", "near-tie", "differ")}
+    print(
+        f"llamacpp_prompts={len(checks)} agree={count['agree']} near_tie={count['near-tie']} "
+        f"differ={count['differ']} same_tokenization={len(checks) - len(retokenized)} "
+        f"al_llamacpp={_al(checks, 'llamacpp'):.3f} al_draftforge={_al(checks, 'draftforge'):.3f}"
+    )
+    return 1 if count["differ"] else 0
+
+
+def _target_folder(target_cfg) -> Path:
+    """The target's Hugging Face folder, which llama.cpp's converter reads."""
+    from draftforge.splitserve import smollm2
+
+    if target_cfg.model == smollm2.NAME:
+        return smollm2.ensure_smollm2(target_cfg.cache_dir)
+    folder = Path(target_cfg.model).expanduser()
+    if not (folder / "config.json").is_file():
+        raise InputError(
+            f"target {target_cfg.model!r}: llama.cpp's converter needs a local Hugging Face folder "
+            "(config.json, tokenizer, safetensors weights); pass one with --target"
+        )
+    return folder
+
+
+def _check_all(args, target_cfg, draft_dir: Path, bin_dir: Path, target_gguf: Path, draft_gguf: Path):
+    import torch
+
+    from draftforge.eval.cli import workload_texts
+    from draftforge.eval.llamacpp import run_speculative, tokenize
+    from draftforge.eval.speculative import DraftProposer, TargetSession
+    from draftforge.splitserve.target import build_target
+    from draftforge.train.hf_load import (
+        config_from_serving,
+        load_exported_draft,
+        read_serving_config,
+    )
+
+    draft_cfg = config_from_serving(read_serving_config(draft_dir), where=str(draft_dir / "config.json"))
+    target = build_target(target_cfg, draft_cfg.target_layer_ids)
+    draft = load_exported_draft(draft_dir, target=target, dtype=torch.float32)
+    tokenizer, eos = target.tokenizer, set(target.eos_token_ids())
+    session = TargetSession(target.model, draft_cfg.target_layer_ids)
+    proposer = DraftProposer(draft, temperature=0.0, generator=torch.Generator().manual_seed(0))
+    checks = []
+    for name in args.workloads or ["humaneval", "mtbench", "gsm8k"]:
+        texts = workload_texts(name, tokenizer, target_cfg.generation, args.num_prompts)
+        for index, text in enumerate(texts):
+            prompt = tokenize(bin_dir, target_gguf, text)  # what llama.cpp decodes, on both sides
+            theirs = run_speculative(
+                bin_dir, target_gguf, draft_gguf, text, max_new_tokens=args.max_new_tokens,
+                block_size=draft_cfg.block_size, p_min=args.p_min, threads=args.threads,
+                context=len(prompt) + args.max_new_tokens + 2 * draft_cfg.block_size + 16,
+            )  # fmt: skip
+            ours = replay(session, proposer, prompt, max_new_tokens=args.max_new_tokens, eos=eos, p_min=args.p_min)
+            shown = ours.tokens[:-1] if ours.tokens and ours.tokens[-1] in eos else ours.tokens
+            status, detail = classify(
+                theirs, ours, tie_tolerance=args.tie_tolerance, same_text=theirs.text == tokenizer.decode(shown)
+            )
+            check = PromptCheck(
+                workload=name, index=index, llamacpp=_counts(theirs), draftforge=_counts(ours),
+                same_tokenization=tokenizer(text, add_special_tokens=False)["input_ids"] == prompt,
+                status=status, detail=detail,
+            )  # fmt: skip
+            checks.append(check)
+            print(
+                f"  {name} {index + 1}/{len(texts)}: llama.cpp {theirs.predicted} tokens, "
+                f"{theirs.accepted}/{theirs.drafted} drafts accepted; draftforge {ours.predicted}, "
+                f"{ours.accepted}/{ours.drafted}: {status}{' (' + detail + ')' if detail else ''}",
+                flush=True,
+            )
+    return checks
+
+
+def _table(checks: Sequence[PromptCheck]) -> str:
+    rows = [
+        "| workload | prompts | agree | near-tie | differ | llama.cpp AL | draftforge AL |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    names = list(dict.fromkeys(c.workload for c in checks))
+    for name in [*names, "all"]:
+        group = [c for c in checks if name in ("all", c.workload)]
+        counts = [sum(c.status == s for c in group) for s in ("agree", "near-tie", "differ")]
+        rows.append(
+            f"| {name} | {len(group)} | {' | '.join(map(str, counts))} "
+            f"| {_al(group, 'llamacpp'):.3f} | {_al(group, 'draftforge'):.3f} |"
+        )
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
