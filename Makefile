@@ -62,7 +62,8 @@ gpu-check:
 # llama.cpp serves the export as draftforge does: its converter and its draft-dspark decoding
 # (llama-speculative-simple, built once from the llama.cpp source make install fetched: about 5
 # minutes on 2 cores, needs cmake and a C++ compiler) against draftforge on the same schedule,
-# prompt by prompt. About 30 s a prompt here; exit status 0 when every prompt agrees.
+# round by round. About 30 s a prompt here; exit status 0 when no prompt differs beyond a
+# float32 near-tie, 1 when one does.
 # LLAMACPP_EXPORT and LLAMACPP_RECIPE name the export and its recipe (the demo's by default);
 # options go in LLAMACPP_ARGS, e.g. LLAMACPP_ARGS="--num-prompts 2 --p-min 0.5".
 LLAMACPP_EXPORT ?= runs/smollm2-cpu/export

@@ -97,6 +97,11 @@ def test_default_export_writes_no_embeddings_and_a_model_card(tmp_path):
     assert names == set(tensor_table(tiny_draft().config, with_embeddings=False))
     card = (out / "README.md").read_text()
     assert "--speculative-algorithm DSPARK" in card and "--speculative-num-draft-tokens 5" in card
+    assert "--spec-type draft-dspark --spec-draft-n-max 4" in card
+    assert "--spec-draft-p-min P" in card  # tiny_draft has a confidence head
+    plain = export_draft(tiny_draft(enable_confidence_head=False, confidence_head_with_markov=False),
+                         tmp_path / "plain", progress=lambda _: None)  # fmt: skip
+    assert "--spec-draft-p-min" not in (plain / "README.md").read_text()
 
 
 def test_export_refuses_a_missing_tensor(tmp_path):

@@ -318,6 +318,15 @@ def model_card(config: dict, card: ModelCard, state: Mapping[str, torch.Tensor])
         f"llama-server -m TARGET.gguf -md THIS.gguf --spec-type draft-dspark --spec-draft-n-max {gamma}",
         "```",
         "",
+        *(
+            [
+                "The draft has a confidence head: llama.cpp's `--spec-draft-p-min P` verifies a "
+                "block only up to its first slot whose predicted acceptance is below P.",
+                "",
+            ]
+            if config["enable_confidence_head"]
+            else []
+        ),
         "## Measured acceptance",
         "",
         card.acceptance_table
