@@ -116,7 +116,7 @@ def convert(
     return out
 
 
-def build_tool(source: Path, *, jobs: int | None = None, progress: Callable[[str], None] = print) -> Path:
+def build_tools(source: Path, *, jobs: int | None = None, progress: Callable[[str], None] = print) -> Path:
     """Build ``llama-speculative-simple`` and ``llama-tokenize`` from ``source`` with CMake, once
     (about 5 minutes on 2 cores); returns the folder holding both."""
     bin_dir = source / "build" / "bin"

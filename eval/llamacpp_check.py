@@ -143,7 +143,8 @@ def classify(theirs, ours: Replay, *, tie_tolerance: float, same_text: bool) -> 
 
     Rounds are compared in order. A differing round that is a near-tie but emits the same
     tokens (only the number drafted differs, from a confidence cut) is noted and the
-    comparison goes on; one that emits different tokens ends it, since the texts part there."""
+    comparison goes on; one that accepts or emits differently ends it, since the rounds no
+    longer line up from there."""
     notes = []
     for i, (a, b) in enumerate(zip(theirs.round_log, ours.round_log, strict=False)):
         if a == b:
@@ -157,7 +158,7 @@ def classify(theirs, ours: Replay, *, tie_tolerance: float, same_text: bool) -> 
                 + (f", confidence {ours.confidence_margins[i]:.3g}" if ours.confidence_margins else "")
             )
         notes.append(f"{where}: {tie}")
-        if (a[0], a[2]) != (b[0], b[2]):  # different tokens out: the texts part from here
+        if (a[0], a[2]) != (b[0], b[2]):  # accepted or emitted differently: rounds part here
             return "near-tie", "; ".join(notes)
     if len(theirs.round_log) != len(ours.round_log):
         return "differ", f"llama.cpp decoded {len(theirs.round_log)} rounds, draftforge {len(ours.round_log)}"
@@ -199,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="draftforge eval llamacpp",
         description="Convert an export and its target with llama.cpp's converter, decode the workload "
         "prompts greedily with llama.cpp's draft-dspark speculative decoding and with draftforge on the "
-        "same schedule, and check that outputs and accepted counts agree prompt by prompt.",
+        "same schedule, and check that every round (drafted, accepted, last token) agrees. Exit status "
+        "0 when no prompt differs beyond a float32 near-tie, 1 when one does.",
     )
     parser.add_argument("draft", metavar="EXPORT", help="an export folder (draftforge export --out)")
     parser.add_argument("--recipe", required=True, help="the recipe whose target section names the target")
@@ -217,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a llama.cpp checkout with build/bin/llama-speculative-simple and "
                         "build/bin/llama-tokenize (default: the source of llama-cpp-python 0.3.36, "
                         "fetched into the cache and built once)")
-    parser.add_argument("--work-dir", help="where the GGUF files go (default: a temporary folder, removed)")
+    parser.add_argument("--work-dir", help="where the f32 GGUF files go, the target's at 4 bytes a parameter "
+                        "(default: a temporary folder, removed)")
     parser.add_argument("--threads", type=argtypes.positive_int, default=1, help="llama.cpp threads (default 1)")
     parser.add_argument("--tie-tolerance", type=argtypes.non_negative_float, default=0.01,
                         help="a first difference where draftforge's target or draft had its top two "
@@ -249,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise InputError(f"--llama-cpp {source}: no {need.relative_to(source)}")
     else:
         source = llamacpp.fetch_source(target_cfg.cache_dir)
-        bin_dir = llamacpp.build_tool(source)
+        bin_dir = llamacpp.build_tools(source)
 
     with tempfile.TemporaryDirectory(prefix="draftforge-llamacpp-") as scratch:
         work = Path(args.work_dir).expanduser() if args.work_dir else Path(scratch)

@@ -124,7 +124,7 @@ def test_fetch_failure_is_clear_and_leaves_nothing(tmp_path, monkeypatch):
 def test_build_without_a_compiler_says_what_is_missing(tmp_path, monkeypatch):
     monkeypatch.setattr(llamacpp.shutil, "which", lambda tool: None if tool == "cmake" else "/usr/bin/" + tool)
     with pytest.raises(InputError, match="needs cmake .*--llama-cpp DIR"):
-        llamacpp.build_tool(tmp_path, progress=lambda _: None)
+        llamacpp.build_tools(tmp_path, progress=lambda _: None)
 
 
 # ----------------------------------------------------------------------------- the schedule
