@@ -52,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated subset of none,ngram (default: the recipe's "
                         "eval.baselines, else both)")
     parser.add_argument("--calibrate", metavar="OUT.json", help="fit per-position confidence temperatures")
-    parser.add_argument("--out", default="runs/eval", help="report folder (default runs/eval)")
+    parser.add_argument("--out", default="runs/eval",
+                        help="report folder (default runs/eval); a report already there is replaced, "
+                        "and the run says so before it starts")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"],
                         help="target dtype (default: float32, or the recipe's with --recipe); the "
                         "lossless check needs float32 to be exact")  # fmt: skip
@@ -102,6 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.prompts_file and not Path(args.prompts_file).is_file():
         raise InputError(f"--prompts-file {args.prompts_file}: no such file")
 
+    _warn_replacing(Path(args.out))
     draft_cfg, load_draft = _draft_loader(args.draft)
     _check_fit(draft_cfg, target_cfg, args.draft)
     print(f"eval: loading target {target_cfg.model!r} (layers {draft_cfg.target_layer_ids})", flush=True)
@@ -179,6 +182,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"eval: report in {Path(args.out)} ({', '.join(p.name for p in paths.values())})")
     print(f"eval_dir={Path(args.out)} {summary}")
     return 0
+
+
+def _warn_replacing(out: Path) -> None:
+    """Say up front (before minutes of decoding) that ``--out`` holds a report this run replaces."""
+    earlier = out / "report.json"
+    if not earlier.is_file():
+        return
+    try:
+        draft = json.loads(earlier.read_text()).get("draft", "?")
+    except (OSError, ValueError, AttributeError):
+        draft = "unreadable"
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(earlier.stat().st_mtime))
+    print(f"eval: {out} holds a report of draft {draft} from {when}; this run replaces it "
+          "(another --out keeps both)", flush=True)
 
 
 def _draft_loader(path: str):

@@ -204,3 +204,20 @@ def test_eval_cli_fails_loudly_when_greedy_is_not_lossless(recipe_path, tmp_path
     assert status == 3
     assert "LOSSLESS CHECK FAILED" in capsys.readouterr().err
     assert not (tmp_path / "r" / "report.json").exists()
+
+
+def test_eval_says_up_front_that_it_replaces_an_earlier_report(tmp_path, capsys):
+    from draftforge.eval.cli import _warn_replacing
+
+    out = tmp_path / "report"
+    _warn_replacing(out)  # no folder yet: nothing to say
+    out.mkdir()
+    _warn_replacing(out)  # a folder without a report: nothing either
+    assert capsys.readouterr().out == ""
+    (out / "report.json").write_text(json.dumps({"draft": "runs/a/export"}))
+    _warn_replacing(out)
+    said = capsys.readouterr().out
+    assert f"eval: {out} holds a report of draft runs/a/export from " in said and "this run replaces it" in said
+    (out / "report.json").write_text("{cut")
+    _warn_replacing(out)
+    assert "report of draft unreadable" in capsys.readouterr().out
