@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftforge.errors import InputError
+from draftforge.errors import InputError, last_lines
 
 PACKAGE = "llama-cpp-python"
 VERSION = "0.3.36"
@@ -67,7 +67,7 @@ def fetch_source(cache_dir: str | os.PathLike[str] | None = None, *, progress: C
         if done.returncode != 0 or not archives:
             raise InputError(
                 f"could not download {PACKAGE}=={VERSION} from the package index (offline?): "
-                f"{_tail(done.stderr) or 'no source archive came back'}"
+                f"{last_lines(done.stderr) or 'no source archive came back'}"
             )
         staging = Path(tmp) / "llama.cpp"
         with tarfile.open(archives[0]) as tar:
@@ -111,7 +111,7 @@ def convert(
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         tmp.unlink(missing_ok=True)
-        raise InputError(f"llama.cpp's {CONVERTER} refused {model_dir}: {_tail(done.stderr)}")
+        raise InputError(f"llama.cpp's {CONVERTER} refused {model_dir}: {last_lines(done.stderr)}")
     os.replace(tmp, out)
     return out
 
@@ -142,7 +142,7 @@ def build_tools(source: Path, *, jobs: int | None = None, progress: Callable[[st
             sink.write("$ " + " ".join(step) + "\n")
             sink.flush()
             if subprocess.run(step, stdout=sink, stderr=subprocess.STDOUT).returncode != 0:
-                raise InputError(f"building llama.cpp failed: {_tail(log.read_text())} (whole log: {log})")
+                raise InputError(f"building llama.cpp failed: {last_lines(log.read_text())} (whole log: {log})")
     return bin_dir
 
 
@@ -156,7 +156,7 @@ def tokenize(bin_dir: Path, model_gguf: Path, text: str) -> list[int]:
         done = subprocess.run(command, capture_output=True, text=True)
     found = re.findall(r"^\[[\d, ]*\]$", done.stdout, flags=re.MULTILINE)
     if done.returncode != 0 or not found:
-        raise InputError(f"{TOKENIZER} failed (exit {done.returncode}): {_tail(done.stderr or done.stdout)}")
+        raise InputError(f"{TOKENIZER} failed (exit {done.returncode}): {last_lines(done.stderr or done.stdout)}")
     return json.loads(found[-1])
 
 
@@ -201,7 +201,7 @@ def parse_run(stdout: str, stderr: str, prompt: str) -> SpecRun:
     for key, pattern in _STATS.items():
         found = re.findall(pattern, stderr)
         if not found:
-            raise InputError(f"{TOOL} printed no {pattern!r} line; its log ends: {_tail(stderr)}")
+            raise InputError(f"{TOOL} printed no {pattern!r} line; its log ends: {last_lines(stderr)}")
         stats[key] = int(found[-1])
     head, tail = "\n\n" + prompt, "\n\n\n\n"
     if not stdout.startswith(head) or not stdout.endswith(tail):
@@ -245,12 +245,9 @@ def run_speculative(
     stdout = done.stdout.decode("utf-8", errors="replace")
     stderr = done.stderr.decode("utf-8", errors="replace")
     if done.returncode != 0:
-        raise InputError(f"{TOOL} failed (exit {done.returncode}): {_tail(stderr)}")
+        raise InputError(f"{TOOL} failed (exit {done.returncode}): {last_lines(stderr)}")
     return parse_run(stdout, stderr, prompt)
 
-
-def _tail(text: str, lines: int = 6) -> str:
-    return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

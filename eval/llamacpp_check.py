@@ -68,7 +68,8 @@ def replay(session, proposer, prompt: Sequence[int], *, max_new_tokens: int, eos
     """Greedy speculative decoding of ``prompt`` on llama-speculative-simple's schedule.
 
     ``session`` is a :class:`~draftforge.eval.speculative.TargetSession` capturing the
-    draft's layers and ``proposer`` a :class:`~draftforge.eval.speculative.DraftProposer`.
+    draft's layers and ``proposer`` a :class:`~draftforge.eval.speculative.DraftProposer`
+    (with ``record_margins``, so that a near-tie in the draft can be told apart).
     The anchor of the first round is the prompt's last token. A round drafts a block cut to
     ``max_new_tokens - emitted - 1`` tokens, or the whole block once that is 0 or less
     (``common_speculative_draft`` truncates only to a positive limit), and cut again before
@@ -77,7 +78,7 @@ def replay(session, proposer, prompt: Sequence[int], *, max_new_tokens: int, eos
     ``max_new_tokens`` tokens are out."""
     import torch
 
-    from draftforge.eval.speculative import greedy_accept
+    from draftforge.eval.speculative import confidence_cut, greedy_accept, top2_margins
 
     _, features = session.prefill(list(prompt[:-1]))
     sequence, anchor = list(prompt[:-1]), prompt[-1]
@@ -89,12 +90,11 @@ def replay(session, proposer, prompt: Sequence[int], *, max_new_tokens: int, eos
         drafts = proposal.tokens[:budget] if budget > 0 else proposal.tokens
         confidence_margin = float("inf")
         if p_min > 0:
-            logits_c = torch.tensor(proposal.confidence_logits[: len(drafts)])
-            low = (torch.sigmoid(logits_c) < p_min).nonzero()
-            cut = int(low[0]) if len(low) else len(drafts)
+            logits_c = proposal.confidence_logits[: len(drafts)]
+            cut = confidence_cut(logits_c, p_min)
             threshold = math.log(p_min / (1 - p_min)) if p_min < 1 else math.inf
-            if len(logits_c):  # the slots kept and the one that cut the block
-                confidence_margin = float((logits_c[: cut + 1] - threshold).abs().min())
+            if logits_c:  # the slots kept and the one that cut the block
+                confidence_margin = min(abs(z - threshold) for z in logits_c[: cut + 1])
             drafts = drafts[:cut]
         run.confidence_margins.append(confidence_margin)
         anchor_pos = len(sequence) - 1
@@ -102,8 +102,7 @@ def replay(session, proposer, prompt: Sequence[int], *, max_new_tokens: int, eos
         hits, bonus = greedy_accept(drafts, logits)
         session.crop(anchor_pos + 1 + hits)
         features = torch.cat([features, aux[: hits + 1]], dim=0)
-        top2 = logits[: hits + 1].topk(2, dim=-1).values
-        run.target_margins.append(float((top2[:, 0] - top2[:, 1]).min()))
+        run.target_margins.append(float(top2_margins(logits[: hits + 1]).min()))
         decided = (proposal.margins or [])[: min(hits + 1, len(drafts))]
         run.draft_margins.append(min(decided, default=float("inf")))
         out = drafts[:hits] + [bonus]
@@ -305,6 +304,7 @@ def _target_folder(target_cfg) -> Path:
 def _check_all(args, target_cfg, draft_dir: Path, bin_dir: Path, target_gguf: Path, draft_gguf: Path):
     import torch
 
+    from draftforge.data.workloads import WORKLOAD_NAMES
     from draftforge.eval.cli import workload_texts
     from draftforge.eval.llamacpp import run_speculative, tokenize
     from draftforge.eval.speculative import DraftProposer, TargetSession
@@ -320,9 +320,10 @@ def _check_all(args, target_cfg, draft_dir: Path, bin_dir: Path, target_gguf: Pa
     draft = load_exported_draft(draft_dir, target=target, dtype=torch.float32)
     tokenizer, eos = target.tokenizer, set(target.eos_token_ids())
     session = TargetSession(target.model, draft_cfg.target_layer_ids)
-    proposer = DraftProposer(draft, temperature=0.0, generator=torch.Generator().manual_seed(0))
+    proposer = DraftProposer(draft, temperature=0.0, generator=torch.Generator().manual_seed(0),
+                             record_margins=True)
     checks = []
-    for name in args.workloads or ["humaneval", "mtbench", "gsm8k"]:
+    for name in args.workloads or WORKLOAD_NAMES:
         texts = workload_texts(name, tokenizer, target_cfg.generation, args.num_prompts)
         for index, text in enumerate(texts):
             prompt = tokenize(bin_dir, target_gguf, text)  # what llama.cpp decodes, on both sides

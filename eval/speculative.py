@@ -195,11 +195,13 @@ class DraftProposer(Proposer):
     name = "dspark"
     needs_features = True
 
-    def __init__(self, draft, *, temperature: float, generator: torch.Generator) -> None:
+    def __init__(self, draft, *, temperature: float, generator: torch.Generator,
+                 record_margins: bool = False) -> None:
         self.draft = draft.eval()
         self.temperature = temperature
         self.generator = generator
         self.block_size = draft.config.block_size
+        self.record_margins = record_margins  # greedy: keep each slot's top-2 margin (Proposal.margins)
 
     @torch.no_grad()
     def propose(self, sequence: list[int], features: torch.Tensor | None) -> Proposal:
@@ -216,17 +218,14 @@ class DraftProposer(Proposer):
 
             tokens, logits, conf = self.draft.draft_block(hidden, anchor, sample=sample)
             probs = torch.softmax(logits[0].float() / self.temperature, dim=-1).cpu()
-            margins = None
         else:
             tokens, logits, conf = self.draft.draft_block(hidden, anchor)
             probs = None
-            top2 = logits[0].topk(2, dim=-1).values
-            margins = (top2[:, 0] - top2[:, 1]).tolist()
         return Proposal(
             tokens=tokens[0].tolist(),
             probs=probs,
             confidence_logits=None if conf is None else conf[0].float().tolist(),
-            margins=margins,
+            margins=top2_margins(logits[0]).tolist() if self.record_margins and probs is None else None,
         )
 
 
@@ -256,10 +255,16 @@ def _verified_prefix(proposal: Proposal, settings: DecodeSettings) -> int:
         raise ValueError(f"verify mode {settings.verify!r} is not one of 'full', 'threshold'")
     if proposal.confidence_logits is None:
         raise ValueError("verify mode 'threshold' needs a draft with a confidence head")
-    for k, z in enumerate(proposal.confidence_logits):
-        if torch.sigmoid(torch.tensor(z)).item() < settings.threshold:
+    return confidence_cut(proposal.confidence_logits[: len(proposal.tokens)], settings.threshold)
+
+
+def confidence_cut(confidence_logits: Sequence[float], threshold: float) -> int:
+    """How many slots a static confidence threshold verifies: those before the first whose
+    predicted acceptance (sigmoid of its confidence logit) is below ``threshold``."""
+    for k, z in enumerate(confidence_logits):
+        if torch.sigmoid(torch.tensor(z)).item() < threshold:
             return k
-    return len(proposal.tokens)
+    return len(confidence_logits)
 
 
 @torch.no_grad()
@@ -338,9 +343,14 @@ def speculative_decode(
     )
 
 
+def top2_margins(logits: torch.Tensor) -> torch.Tensor:
+    """Top-1 minus top-2 logit along the last dimension: how close a greedy choice was."""
+    top = logits.topk(2, dim=-1).values
+    return top[..., 0] - top[..., 1]
+
+
 def _margin(logits: torch.Tensor) -> float:
-    top = logits.topk(2).values
-    return float(top[0] - top[1])
+    return float(top2_margins(logits))
 
 
 def check_lossless(

@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from draftforge.errors import last_lines
+
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 EXIT_OK, EXIT_FAIL, EXIT_NO_CUDA = 0, 1, 77
 RESULT_TAG = "GPU_CHECK_RESULT "  # a child's last stdout line: this tag, then the result as JSON
@@ -165,10 +167,10 @@ def stop_group(proc: subprocess.Popen, *, grace_s: float = 15.0) -> None:
 def log_tail(path: Path, lines: int = 6) -> str:
     """The last lines of a log, joined with `` | `` for a one-line reason."""
     try:
-        text = path.read_text(errors="replace").strip().splitlines()
+        text = path.read_text(errors="replace")
     except OSError:
         return f"(no log at {path})"
-    return " | ".join(line.strip() for line in text[-lines:] if line.strip())
+    return last_lines(text, lines)
 
 
 @dataclass
