@@ -208,7 +208,7 @@ def parse_run(stdout: str, stderr: str, prompt: str) -> SpecRun:
         raise InputError(f"{TOOL} did not echo the prompt as expected; its output starts {stdout[:120]!r}")
     rounds = [tuple(int(x) for x in m) for m in _ROUND.findall(stderr)]
     run = SpecRun(text=stdout[len(head) : -len(tail)], round_log=rounds, **stats)
-    if rounds and len(rounds) != run.rounds:
+    if len(rounds) != run.rounds:  # also when the per-round lines (-v) are missing
         raise InputError(f"{TOOL} logged {len(rounds)} rounds but its totals imply {run.rounds}")
     return run
 
@@ -247,7 +247,6 @@ def run_speculative(
     if done.returncode != 0:
         raise InputError(f"{TOOL} failed (exit {done.returncode}): {last_lines(stderr)}")
     return parse_run(stdout, stderr, prompt)
-
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -65,6 +65,9 @@ def test_parse_run_refuses_output_it_does_not_recognise():
         llamacpp.parse_run("\n\nOTHER\n\n\n\n", STDERR, "PROMPT")
     with pytest.raises(InputError, match="logged 2 rounds but its totals imply 3"):
         llamacpp.parse_run("\n\nP\n\n\n\n", STDERR.replace("accepted 0/8", "skipped 0/8"), "P")
+    without_rounds = "\n".join(line for line in STDERR.splitlines() if " D accepted " not in line)
+    with pytest.raises(InputError, match="logged 0 rounds but its totals imply 3"):  # run without -v
+        llamacpp.parse_run("\n\nP\n\n\n\n", without_rounds, "P")
 
 
 def _replay(log, target_margins, draft_margins):
