@@ -358,6 +358,32 @@ def regenerate(
     return report
 
 
+def target_placement(choice: str, cfg, *, cuda_available: bool | None = None) -> tuple[str, int]:
+    """The device and tensor-parallel width ``--device`` gives the recipe's target: on a GPU
+    the recipe's own group (``split.target_tensor_parallel`` GPUs, SGLang only), on CPU one."""
+    import torch
+
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    if choice == "auto":
+        if not cuda_available:
+            return "cpu", 1
+        devices = cfg.split.target_devices
+        choice = f"cuda:{devices[0] if devices else 0}"
+    try:
+        device = torch.device(choice)
+    except RuntimeError:
+        raise RegenerationError(f"--device {choice!r} is not a device: give auto, cpu, cuda or "
+                                "cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise RegenerationError(f"--device {choice!r}: the target runs on cpu or cuda")
+    if device.type == "cuda" and not cuda_available:
+        raise RegenerationError(f"--device {choice!r}: no CUDA GPU is visible")
+    if device.type == "cpu" or cfg.target.backend != "sglang":
+        return str(device), 1
+    return str(device), cfg.split.target_tensor_parallel
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``draftforge data regenerate RECIPE [key=value ...]``: write the recipe's regenerated data."""
     parser = argparse.ArgumentParser(
@@ -370,6 +396,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "overrides", nargs="*", default=[], metavar="key=value", help="e.g. data.num_samples=64"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--device", default="auto",
+        help="where the target runs: auto (default) is the recipe's first target GPU "
+        "(split.target_devices[0], else GPU 0) when CUDA is visible, else cpu; or cpu, cuda, "
+        "cuda:N. On a GPU an SGLang target runs as one tensor-parallel group of "
+        "split.target_tensor_parallel GPUs from that one, as in training",
+    )
     parser.add_argument(
         "--threads", type=int, default=None,
         help="intra-op threads of the target (default: every core this process may use; "
@@ -403,9 +436,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from draftforge.splitserve.target import build_target
 
         threads = args.threads or usable_cores()
-        print(f"draftforge data regenerate: {threads} thread(s)", file=sys.stderr)
+        device, tensor_parallel = target_placement(args.device, cfg)
+        where = f"{device}" + (f" (tensor parallel {tensor_parallel})" if tensor_parallel > 1 else "")
+        print(f"draftforge data regenerate: target on {where}, {threads} thread(s)",
+              file=sys.stderr)
         target = cfg.target.model_copy(update={"num_threads": threads})
-        engine = build_target(target, cfg.draft.target_layer_ids)
+        engine = build_target(target, cfg.draft.target_layer_ids, device=device,
+                              tensor_parallel=tensor_parallel)
         regenerate(prompts, engine, cfg.target.generation, out, progress=not args.no_progress)
     except (DataFormatError, OverlapError, RegenerationError, WorkloadUnavailableError) as exc:
         print(f"draftforge data regenerate: {exc}", file=sys.stderr)

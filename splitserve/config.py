@@ -134,7 +134,10 @@ class SplitConfig(Section):
     target_devices: list[int] | None = Field(default=None, description="GPU ids of the target group")
     trainer_devices: list[int] | None = Field(default=None, description="GPU ids of the trainers")
     target_tensor_parallel: int = Field(
-        default=1, gt=0, description="target ranks per engine (sglang only; hf needs 1)"
+        default=1, gt=0,
+        description="target ranks per SGLang tensor-parallel group: its first rank runs the "
+        "engine and feature runner over the group's consecutive GPUs, the others wait "
+        "(sglang only; hf needs 1)",
     )
     max_in_flight: int = Field(
         default=4,

@@ -124,10 +124,14 @@ def sglang_pool_note(cfg: RecipeConfig) -> str:
     """What the SGLang backend's target estimate leaves out: the KV pools SGLang sizes itself."""
     if cfg.target.backend != "sglang":
         return ""
-    return (f"  (target.backend sglang: on its GPU the two SGLang instances hold "
+    tp = cfg.split.target_tensor_parallel
+    where = "on its GPU" if tp == 1 else f"on each of a group's {tp} GPUs"
+    leader = "" if tp == 1 else (
+        "; features and send buffers are the group leader's alone, the rank that sends")
+    return (f"  (target.backend sglang: {where} the two SGLang instances hold "
             f"target.sglang_mem_fraction = {cfg.target.sglang_mem_fraction:g} of its memory in "
             "all, half each: their weights above, and KV pools that fill the rest of each half; "
-            "the run refuses to start where the weights alone fill a half)")
+            f"the run refuses to start where the weights alone fill a half{leader})")
 
 
 def trainer_estimate(cfg: RecipeConfig, with_emb: int, without_emb: int) -> Estimate:
@@ -233,6 +237,12 @@ def dry_run(cfg: RecipeConfig) -> str:
         f"  trainer ranks {split.trainer_ranks} (strategy {cfg.train.strategy}, devices "
         f"{split.trainer_devices or auto})"
     )
+    if split.target_tensor_parallel > 1:
+        from draftforge.splitserve.roles import tensor_parallel_groups
+
+        for group in tensor_parallel_groups(split):
+            lines.append(f"  target ranks {group}: one SGLang tensor-parallel group, led by rank "
+                         f"{group[0]} (its engine and feature runner span the group's GPUs)")
     for producer in topology.producers:
         lines.append(f"  target rank {producer} feeds trainer ranks {topology.dests(producer)}")
     lines.append(
@@ -253,9 +263,4 @@ def dry_run(cfg: RecipeConfig) -> str:
     note = short_sample_note(cfg)
     if note:
         lines.append(note)
-    if split.target_tensor_parallel > 1:
-        from draftforge.splitserve.roles import TP_NOT_BUILT
-
-        lines += ["", "NOTE: the plan above is what the recipe asks for; a run stops at its target "
-                      "ranks: " + TP_NOT_BUILT.format(tp=split.target_tensor_parallel)]
     return "\n".join(lines)

@@ -35,6 +35,7 @@ from draftforge.splitserve import transport as T
 from draftforge.splitserve.producer import Topology, build_topology
 
 EXIT_PEER_DIED = 3
+MEMBER_WAIT = datetime.timedelta(days=30)
 EXIT_BAD_INPUT = 2
 TOKENIZER_VOCAB = 49152  # random targets borrow SmolLM2's tokenizer only at this vocabulary size
 
@@ -107,6 +108,7 @@ def split_problems(
         bad = [d for d in devices if d < 0 or (cuda_devices and d >= cuda_devices)]
         if bad and cuda_devices:
             problems.append(f"split.{key}: devices {bad} do not exist ({cuda_devices} GPUs visible)")
+    problems += tensor_parallel_problems(split, per_node=per_node)
     both = sorted(set(split.target_devices or []) & set(split.trainer_devices or []))
     if both:
         problems.append(
@@ -126,6 +128,46 @@ def split_problems(
             f"split.max_in_flight: {split.max_in_flight} is less than the number of target ranks "
             "feeding one trainer; every link needs at least one credit"
         )
+    return problems
+
+
+def tensor_parallel_groups(split) -> list[list[int]]:
+    """The target ranks in tensor-parallel groups of ``split.target_tensor_parallel``,
+    in order; each group's first rank leads it (the producer, see ``build_topology``)."""
+    tp = split.target_tensor_parallel
+    ranks = list(split.target_ranks)
+    return [ranks[i:i + tp] for i in range(0, len(ranks), tp)]
+
+
+def tensor_parallel_problems(split, *, per_node: int) -> list[str]:
+    """Groups SGLang cannot place: its tensor-parallel ranks run on GPUs ``base_gpu_id``,
+    ``base_gpu_id + 1``, ... of one machine, so a group's ranks must sit on one node and
+    their GPUs (``target_devices``, or the node-local rank) must follow each other."""
+    if split.target_tensor_parallel == 1:
+        return []
+    problems = []
+    for group in tensor_parallel_groups(split):
+        nodes = sorted({rank // per_node for rank in group})
+        if len(nodes) > 1:
+            problems.append(
+                f"split.target_tensor_parallel: the tensor-parallel group of target ranks {group} "
+                f"spans nodes {nodes}; SGLang runs a group on one machine, so list target ranks "
+                "so that each group of target_tensor_parallel lies on one node"
+            )
+            continue
+        if split.target_devices is not None:
+            gpus = [split.target_devices[split.target_ranks.index(rank)] for rank in group]
+            where = "split.target_devices gives them GPUs"
+        else:
+            gpus = [rank % per_node for rank in group]
+            where = "they take their node-local GPUs"
+        if gpus != list(range(gpus[0], gpus[0] + len(gpus))):
+            problems.append(
+                f"split.target_tensor_parallel: target ranks {group} form one tensor-parallel "
+                f"group and {where} {gpus}, but SGLang places a group on consecutive GPUs from "
+                f"its first ({list(range(gpus[0], gpus[0] + len(gpus)))}); reorder "
+                "split.target_devices or split.target_ranks"
+            )
     return problems
 
 
@@ -186,6 +228,14 @@ class RankContext:
         self.target_group = dist.new_group(list(cfg.split.target_ranks), timeout=timeout)
         self.trainer_group = dist.new_group(list(cfg.split.trainer_ranks), timeout=timeout)
         self.ack_group = dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
+        # A tensor-parallel target group's members wait on their leader for the whole run: a
+        # gloo group of their own whose timeout no run reaches (a leader that dies closes it).
+        self.tp_group, self.tp_leader = None, None
+        if cfg.split.target_tensor_parallel > 1:
+            for group in tensor_parallel_groups(cfg.split):
+                handle = dist.new_group(group, backend="gloo", timeout=MEMBER_WAIT)
+                if rank in group:
+                    self.tp_group, self.tp_leader = handle, group[0]
 
 
 def run_rank(cfg: RecipeConfig, *, mode: str = "train", bench: dict | None = None) -> int:
@@ -244,14 +294,6 @@ def _finish(ctx: RankContext) -> None:
 # --------------------------------------------------------------------------- target
 
 
-TP_NOT_BUILT = (
-    "split.target_tensor_parallel: {tp} is not built yet: the SGLang backend starts one "
-    "single-GPU engine and feature runner per target rank, so every rank of a tensor-parallel "
-    "group would load a whole copy of the target. Use target_tensor_parallel: 1 with a target "
-    "that fits one GPU"
-)
-
-
 def build_engine(ctx: RankContext):
     from draftforge.splitserve.target import build_target
 
@@ -260,7 +302,8 @@ def build_engine(ctx: RankContext):
         torch.set_num_threads(cfg.target.num_threads)
     ctx.log(f"loading target {cfg.target.model!r} ({cfg.target.dtype}) on {ctx.device}")
     begin = time.perf_counter()
-    engine = build_target(cfg.target, cfg.draft.target_layer_ids, device=ctx.device)
+    engine = build_target(cfg.target, cfg.draft.target_layer_ids, device=ctx.device,
+                          tensor_parallel=cfg.split.target_tensor_parallel)
     ctx.log(f"target ready in {time.perf_counter() - begin:.1f} s")
     if engine.trained:  # a random target's ids are all equally unused (and it may lack a tokenizer)
         from draftforge.splitserve.target import check_mask_token
@@ -273,17 +316,14 @@ def build_engine(ctx: RankContext):
 def _run_target(ctx: RankContext, bench: dict | None) -> None:
     from draftforge.splitserve.producer import embedding_dests, run_producer, send_embeddings
 
-    if ctx.cfg.split.target_tensor_parallel > 1:
-        raise RuntimeError(TP_NOT_BUILT.format(tp=ctx.cfg.split.target_tensor_parallel))
+    if ctx.rank not in ctx.topology.producers:
+        wait_for_leader(ctx)
+        return
     # While the target loads, the trainers it sends the embeddings wait for them: beat to them.
     pulse = T.Pulse(every_s=ctx.cfg.split.peer_timeout_s / 4, group=ctx.data_group,
                     device=ctx.device)
-    if ctx.rank in ctx.topology.producers:
-        pulse.expect(embedding_dests(ctx.topology, ctx.rank))
+    pulse.expect(embedding_dests(ctx.topology, ctx.rank))
     engine = build_engine(ctx)
-    if ctx.rank not in ctx.topology.producers:
-        ctx.log("tensor-parallel member: nothing to send")  # unreachable with the hf backend
-        return
     send_embeddings(engine, ctx.topology, ctx.rank, data_group=ctx.data_group, device=ctx.device,
                     pulse=pulse)
     if bench is not None:
@@ -291,6 +331,7 @@ def _run_target(ctx: RankContext, bench: dict | None) -> None:
 
         pulse.close()  # the bench sends without the pulse's lock
         bench_target_rank(ctx, engine, bench)
+        release_members(ctx)
         return
     summary = run_producer(
         ctx.cfg, engine, ctx.topology, ctx.rank, data_group=ctx.data_group,
@@ -301,6 +342,28 @@ def _run_target(ctx: RankContext, bench: dict | None) -> None:
         f"{summary['tokens']} tokens {summary['rate_tok_s']:.0f} tok/s; at most "
         f"{summary['max_outstanding']} samples in flight per trainer (credits {summary['credits']})"
     )
+    release_members(ctx)
+
+
+def wait_for_leader(ctx: RankContext) -> None:
+    """A tensor-parallel member: its GPU serves the group through the leader's SGLang
+    instances, so this rank only waits until the leader is done (or dies)."""
+    ctx.log(f"tensor-parallel member of target rank {ctx.tp_leader}'s group: its SGLang engine "
+            f"and feature runner use this rank's GPU; waiting for it to finish")
+    done = torch.zeros(1)
+    try:
+        dist.recv(done, src=ctx.tp_leader, group=ctx.tp_group)
+    except RuntimeError as exc:
+        raise T.PeerDied(ctx.tp_leader, "target", "serving this tensor-parallel group", exc) from None
+    ctx.log("the group's leader is done")
+
+
+def release_members(ctx: RankContext) -> None:
+    """The leader of a tensor-parallel group tells its members that it is done."""
+    if ctx.tp_group is None:
+        return
+    for member in tensor_parallel_groups(ctx.cfg.split)[ctx.topology.producers.index(ctx.rank)][1:]:
+        dist.send(torch.ones(1), dst=member, group=ctx.tp_group)
 
 
 # --------------------------------------------------------------------------- trainer

@@ -325,15 +325,17 @@ def runner_args(
     convention: str,
     memory: GpuMemory | None = None,
     weight_bytes: int = 0,
+    tp_size: int = 1,
 ) -> dict[str, Any]:
     """``ServerArgs`` fields for the feature runner: aux capture of ``layer_ids`` under the
     model class's ``convention`` (:func:`capture_convention`), no draft, no CUDA graphs.
 
-    On a GPU, ``memory`` (free and total as it starts) is required: the runner's static
-    memory is held to its share of ``target.sglang_mem_fraction`` (:func:`gpu_shares`).
+    On a GPU, ``memory`` (free and total as it starts; under tensor parallelism the
+    tightest of the group's GPUs) is required: the runner's static memory is held to its
+    share of ``target.sglang_mem_fraction`` (:func:`gpu_shares`) on each of its GPUs.
     """
     return {
-        **_common_args(cfg, model_path, device, "runner", memory, weight_bytes),
+        **_common_args(cfg, model_path, device, "runner", memory, weight_bytes, tp_size),
         "enable_return_aux_hidden_states": True,
         "speculative_algorithm": convention,
         "return_aux_hidden_state_layer_ids": sglang_layer_ids(layer_ids),
@@ -350,14 +352,16 @@ def engine_args(
     device: torch.device,
     memory: GpuMemory | None = None,
     weight_bytes: int = 0,
+    tp_size: int = 1,
 ) -> dict[str, Any]:
     """``ServerArgs`` fields of the generation engine: token ids in and out, seeded from the recipe.
 
-    On a GPU, ``memory`` (free and total as it starts) is required: the engine's static
-    memory is held to its share of ``target.sglang_mem_fraction`` (:func:`gpu_shares`).
+    On a GPU, ``memory`` (free and total as it starts; under tensor parallelism the
+    tightest of the group's GPUs) is required: the engine's static memory is held to its
+    share of ``target.sglang_mem_fraction`` (:func:`gpu_shares`) on each of its GPUs.
     """
     return {
-        **_common_args(cfg, model_path, device, "engine", memory, weight_bytes),
+        **_common_args(cfg, model_path, device, "engine", memory, weight_bytes, tp_size),
         "skip_tokenizer_init": True,
         "random_seed": cfg.generation.seed,
     }
@@ -373,13 +377,19 @@ def _common_args(
     instance: str,
     memory: GpuMemory | None,
     weight_bytes: int,
+    tp_size: int,
 ) -> dict[str, Any]:
+    """Arguments both instances share. Under tensor parallelism (``tp_size`` GPUs from
+    ``device``'s index on, SGLang's own placement) each GPU holds about 1/tp_size of the
+    weights (``weight_bytes`` is the whole checkpoint)."""
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be at least 1, got {tp_size}")
     args: dict[str, Any] = {
         "model_path": model_path,
         "dtype": cfg.dtype,
         "trust_remote_code": cfg.trust_remote_code,
         "device": device.type,
-        "tp_size": 1,
+        "tp_size": tp_size,
         "log_level": "error",
     }
     if device.type == "cuda":
@@ -392,7 +402,7 @@ def _common_args(
             )
         share = gpu_shares(cfg.sglang_mem_fraction)[instance]
         args["mem_fraction_static"] = mem_fraction_static(
-            share, memory, who=who, weight_bytes=weight_bytes
+            share, memory, who=who, weight_bytes=weight_bytes // tp_size
         )
     return args
 
@@ -424,6 +434,25 @@ def read_weight(folder: Path, names: Sequence[str]) -> torch.Tensor:
     raise ValueError(f"target folder {folder}: none of {list(names)} in its safetensors files")
 
 
+def tensor_parallel_gpus(device: torch.device, tensor_parallel: int) -> list[int]:
+    """The GPUs a target group of ``tensor_parallel`` ranks led from ``device`` runs on:
+    ``device``'s index and the ones after it, as SGLang places a group from its
+    ``base_gpu_id`` (empty on CPU). Refuses a group that runs past the visible GPUs."""
+    if tensor_parallel < 1:
+        raise ValueError(f"split.target_tensor_parallel must be at least 1, got {tensor_parallel}")
+    if device.type != "cuda":
+        return []
+    first = 0 if device.index is None else device.index
+    gpus = list(range(first, first + tensor_parallel))
+    visible = torch.cuda.device_count()
+    if tensor_parallel > 1 and gpus[-1] >= visible:
+        raise ValueError(
+            f"a tensor-parallel target group of {tensor_parallel} from GPU {first} needs GPUs "
+            f"{gpus}, but {visible} are visible"
+        )
+    return gpus
+
+
 # ---------------------------------------------------------------- the engine
 
 
@@ -434,6 +463,11 @@ class SGLangTarget:
     ``close()`` (or let the object be collected) to stop them. Both stay up side
     by side on the one GPU, each within its share of ``target.sglang_mem_fraction``
     (:func:`gpu_shares`), whichever starts first.
+
+    ``tensor_parallel`` > 1 serves the target from that many GPUs, ``device``'s index
+    and the ones after it: both instances are SGLang tensor-parallel groups over them
+    (the engine through ``tp_size``, the feature runner as one child process per rank),
+    and each instance's share holds on every GPU of the group.
     """
 
     def __init__(
@@ -445,6 +479,7 @@ class SGLangTarget:
         name: str | None = None,
         device: str | torch.device = "cpu",
         max_total_tokens: int = 65536,
+        tensor_parallel: int = 1,
     ) -> None:
         require_sglang()
         from transformers import AutoConfig, AutoTokenizer
@@ -456,6 +491,8 @@ class SGLangTarget:
         self.name = name or self.folder.name
         self.trained = True
         self.device = torch.device(device)
+        self.tensor_parallel = int(tensor_parallel)
+        self.gpus = tensor_parallel_gpus(self.device, self.tensor_parallel)
         self.dtype = DTYPES[cfg.dtype]
         config = AutoConfig.from_pretrained(
             str(self.folder), trust_remote_code=cfg.trust_remote_code
@@ -555,12 +592,14 @@ class SGLangTarget:
             os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
     def _gpu_memory(self) -> GpuMemory | None:
-        """The target GPU's free and total memory now, just before an SGLang instance starts
-        (None on CPU): each instance's share is converted against what is free at its start."""
+        """The target GPUs' free and total memory now, just before an SGLang instance starts
+        (None on CPU): each instance's share is converted against what is free at its start,
+        on the group's tightest GPU under tensor parallelism."""
         if self.device.type != "cuda":
             return None
-        free, total = torch.cuda.mem_get_info(self.device)
-        return GpuMemory(free=int(free), total=int(total))
+        measured = [torch.cuda.mem_get_info(torch.device("cuda", gpu)) for gpu in self.gpus]
+        return min((GpuMemory(free=int(f), total=int(t)) for f, t in measured),
+                   key=lambda memory: memory.free)
 
     def _generation_engine(self) -> Any:
         if self._engine is None:
@@ -574,6 +613,7 @@ class SGLangTarget:
                     device=self.device,
                     memory=self._gpu_memory(),
                     weight_bytes=checkpoint_bytes(self.folder),
+                    tp_size=self.tensor_parallel,
                 )
             )
         return self._engine
@@ -593,6 +633,7 @@ class SGLangTarget:
                     convention=capture_convention(sglang_model_class(str(self.folder))),
                     memory=self._gpu_memory(),
                     weight_bytes=checkpoint_bytes(self.folder),
+                    tp_size=self.tensor_parallel,
                 ),
                 num_threads=self.cfg.num_threads,
             )

@@ -13,16 +13,26 @@ call). All of it is internal API of SGLang 0.5.23: ``FeatureRunner`` refuses
 any other version, and a new release must pass the GPU parity test in
 ``tests/test_sglang_backend.py`` before the pin moves.
 
-The runner lives in a spawned child process (``FeatureRunnerProcess``): SGLang
+The runner lives in spawned child processes (``FeatureRunnerProcess``): SGLang
 builds its own ``torch.distributed`` world and process-wide state, which must
 not meet a draftforge rank's. Token ids go in and states come back through a
 ``torch.multiprocessing`` pipe (shared memory on CPU, CUDA IPC on GPU).
+
+Under tensor parallelism (``tp_size`` > 1 in the server arguments) there is one
+child per tensor-parallel rank, on GPUs ``base_gpu_id`` .. ``base_gpu_id +
+tp_size - 1`` (SGLang's own placement), joined into SGLang's world on the
+``nccl_port`` the parent chose. Every child runs the same prefill in lockstep
+(the layers all-reduce between them); the residual stream, and so every
+captured state, is whole on each rank after those all-reduces, so only rank 0
+sends its states back and the others answer with ``None``.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import traceback
+from multiprocessing.connection import wait
 from typing import Any
 
 import torch
@@ -34,7 +44,7 @@ from draftforge.splitserve.sglang_backend import SGLANG_VERSION, require_sglang
 class FeatureRunner:
     """An SGLang ``ModelRunner`` with auxiliary-state capture, in this process (call it in a fresh one)."""
 
-    def __init__(self, server_args: dict[str, Any]) -> None:
+    def __init__(self, server_args: dict[str, Any], *, tp_rank: int = 0) -> None:
         require_sglang()
         from sglang.srt.arg_groups.model_override_base import resolving_view
         from sglang.srt.configs.model_config import ModelConfig
@@ -52,12 +62,12 @@ class FeatureRunner:
         args.resolve_once()
         _set_envs_and_config(args)
         port_args = PortArgs.init_new(args)
-        gpu_id = int(server_args.get("base_gpu_id", 0))
+        gpu_id = int(server_args.get("base_gpu_id", 0)) + tp_rank  # SGLang's placement, step 1
         publish(
             args,
             role="scheduler",
             ranks=SpawnRanks(
-                world_rank=spawn_world_rank(args, tp_rank=0, pp_rank=0), gpu_id=gpu_id
+                world_rank=spawn_world_rank(args, tp_rank=tp_rank, pp_rank=0), gpu_id=gpu_id
             ),
         )
         for initialize in (
@@ -184,14 +194,35 @@ class _NoPrefixCache:
         """No sessions."""
 
 
-def _serve(conn: Any, server_args: dict[str, Any], num_threads: int) -> None:
-    """Child process: build the runner, then answer ``("features", rows)`` until ``("stop",)``."""
+def free_port(low: int = 22000, high: int = 29999) -> int:
+    """A loopback port free now, below the kernel's ephemeral range (which outgoing
+    connections draw from), for SGLang's world of tensor-parallel children to meet on."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            high = min(high, int(handle.read().split()[0]) - 1)
+    except (OSError, ValueError, IndexError):
+        high = min(high, 32767)
+    for port in range(low + os.getpid() % 997, high + 1):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in {low}..{high} for the SGLang feature runner")
+
+
+def _serve(
+    conn: Any, server_args: dict[str, Any], num_threads: int, tp_rank: int, runner_cls: type
+) -> None:
+    """Child process of tensor-parallel rank ``tp_rank``: build the runner, then answer
+    ``("features", rows)`` (states on rank 0, ``None`` on the others) until ``("stop",)``."""
     torch.set_num_threads(num_threads)
     if server_args.get("device") == "cpu":
         # SGLang picks its CPU kernels only under this switch, read once at import
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
     try:
-        runner = FeatureRunner(server_args)
+        runner = runner_cls(server_args, tp_rank=tp_rank)
     except BaseException:  # reported to the parent, which raises
         conn.send(("error", traceback.format_exc()))
         return
@@ -204,52 +235,116 @@ def _serve(conn: Any, server_args: dict[str, Any], num_threads: int) -> None:
         if message[0] == "stop":
             return
         try:
-            conn.send(("ok", runner.features(message[1])))
+            states = runner.features(message[1])
+            conn.send(("ok", states if tp_rank == 0 else None))
         except Exception:  # reported to the parent, which raises
             conn.send(("error", traceback.format_exc()))
 
 
 class FeatureRunnerProcess:
-    """The parent's handle on a ``FeatureRunner`` in a spawned child process."""
+    """The parent's handle on a ``FeatureRunner`` in spawned child processes, one per
+    tensor-parallel rank (``server_args["tp_size"]``, default 1).
 
-    def __init__(self, server_args: dict[str, Any], *, num_threads: int = 1) -> None:
+    A child that fails or exits stops them all, with its traceback in the error: the
+    others may be waiting in a collective for it and would never answer.
+    ``runner_cls`` replaces ``FeatureRunner`` in tests (a module-level class).
+    """
+
+    def __init__(
+        self,
+        server_args: dict[str, Any],
+        *,
+        num_threads: int = 1,
+        runner_cls: type = FeatureRunner,
+    ) -> None:
+        self.tp_size = int(server_args.get("tp_size", 1))
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be at least 1, got {self.tp_size}")
+        args = dict(server_args)
+        if self.tp_size > 1 and args.get("nccl_port") is None:
+            args["nccl_port"] = free_port()  # one meeting point for every rank's world
         context = tmp.get_context("spawn")
-        self._conn, child = context.Pipe()
-        self._process = context.Process(
-            target=_serve, args=(child, server_args, num_threads), daemon=True
-        )
-        self._process.start()
-        child.close()
-        kind, payload = self._receive()
-        if kind != "ready":
-            self.close()
-            raise RuntimeError(f"the SGLang feature runner failed to start:\n{payload}")
-        self.max_total_tokens = int(payload)
+        self._conns: list[Any] = []
+        self._processes: list[Any] = []
+        for tp_rank in range(self.tp_size):
+            conn, child = context.Pipe()
+            process = context.Process(
+                target=_serve, args=(child, args, num_threads, tp_rank, runner_cls), daemon=True
+            )
+            process.start()
+            child.close()
+            self._conns.append(conn)
+            self._processes.append(process)
+        try:
+            replies = self._gather("starting")
+        except RuntimeError:
+            self.close(force=True)
+            raise
+        self.max_total_tokens = min(int(payload) for payload in replies)
 
     def features(self, rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Packed aux ``[T, K*H]`` and final ``[T, H]`` states for ``rows``, computed in the child."""
-        self._conn.send(("features", rows))
-        kind, payload = self._receive()
-        if kind != "ok":
-            raise RuntimeError(f"the SGLang feature runner failed:\n{payload}")
-        return payload
-
-    def close(self) -> None:
-        """Stop the child process."""
-        if self._process.is_alive():
+        """Packed aux ``[T, K*H]`` and final ``[T, H]`` states for ``rows``, computed in the children."""
+        if not self._conns:
+            raise RuntimeError("the SGLang feature runner was stopped (close() or a failure)")
+        for conn in self._conns:
             try:
-                self._conn.send(("stop",))
+                conn.send(("features", rows))
             except (BrokenPipeError, OSError):
-                pass
-            self._process.join(timeout=30)
-            if self._process.is_alive():
-                self._process.terminate()
-        self._conn.close()
-
-    def _receive(self) -> tuple[str, Any]:
+                pass  # that child is gone: _gather reports how it ended
         try:
-            return self._conn.recv()
-        except EOFError as exc:
-            raise RuntimeError(
-                f"the SGLang feature runner exited (exit code {self._process.exitcode})"
-            ) from exc
+            return self._gather("computing features")[0]
+        except RuntimeError:
+            self.close(force=True)
+            raise
+
+    def close(self, *, force: bool = False) -> None:
+        """Stop the child processes: asked to, or at once with ``force`` (after a failure,
+        when the others may be stuck in a collective with the one that failed)."""
+        for conn, process in zip(self._conns, self._processes, strict=True):
+            if process.is_alive() and not force:
+                try:
+                    conn.send(("stop",))
+                except (BrokenPipeError, OSError):
+                    pass
+        for process in self._processes:
+            if not force:
+                process.join(timeout=30)
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=10)
+        for conn in self._conns:
+            conn.close()
+        self._conns, self._processes = [], []
+
+    def _gather(self, phase: str) -> list[Any]:
+        """Every child's answer, in rank order; the first failure or exit raises at once."""
+        expected = "ready" if phase == "starting" else "ok"
+        answers: dict[int, Any] = {}
+        waiting = {conn: rank for rank, conn in enumerate(self._conns)}
+        sentinels = {process.sentinel: rank for rank, process in enumerate(self._processes)}
+        while waiting:
+            for ready in wait([*waiting, *sentinels]):
+                if ready in sentinels:
+                    rank = sentinels.pop(ready)
+                    conn = self._conns[rank]
+                    if conn in waiting and not conn.poll():  # gone without a word
+                        raise RuntimeError(self._failure(rank, phase))
+                    continue
+                rank = waiting.pop(ready)
+                try:
+                    kind, payload = ready.recv()
+                except EOFError:
+                    raise RuntimeError(self._failure(rank, phase)) from None
+                if kind != expected:
+                    raise RuntimeError(self._failure(rank, phase, payload))
+                answers[rank] = payload
+        return [answers[rank] for rank in range(len(self._conns))]
+
+    def _failure(self, rank: int, phase: str, error: str | None = None) -> str:
+        """What went wrong in child ``rank``: its traceback, or that it exited without one."""
+        where = f" (tensor-parallel rank {rank} of {self.tp_size})" if self.tp_size > 1 else ""
+        if error is None:
+            self._processes[rank].join(timeout=10)  # its pipe may close before it is reaped
+            code = self._processes[rank].exitcode
+            return f"the SGLang feature runner{where} exited (exit code {code}) while {phase}"
+        return f"the SGLang feature runner{where} failed while {phase}:\n{error}"

@@ -260,18 +260,29 @@ def target_name(cfg: TargetConfig) -> str:
 
 
 def build_target(
-    cfg: TargetConfig, layer_ids: Sequence[int], *, device: str | torch.device = "cpu"
+    cfg: TargetConfig,
+    layer_ids: Sequence[int],
+    *,
+    device: str | torch.device = "cpu",
+    tensor_parallel: int = 1,
 ) -> TargetEngine:
     """Build the target engine the recipe's ``target`` section names.
 
     ``cfg.model``: a registered name (``smollm2-135m-instruct``), ``random`` (a
     seeded random Llama of ``cfg.shape``, features only unless its vocabulary is
     SmolLM2's) or a local Hugging Face folder with safetensors weights.
+    ``tensor_parallel`` > 1 (SGLang only) serves it from that many GPUs, ``device``'s
+    index and the ones after it.
     """
     if cfg.backend == "sglang":
-        return _build_sglang_target(cfg, layer_ids, device=device)
+        return _build_sglang_target(cfg, layer_ids, device=device, tensor_parallel=tensor_parallel)
     if cfg.backend != "hf":
         raise ValueError(f"unknown target.backend {cfg.backend!r}; valid: 'hf', 'sglang'")
+    if tensor_parallel != 1:
+        raise ValueError(
+            f"split.target_tensor_parallel: {tensor_parallel} needs target.backend: sglang; the "
+            "hf backend runs one whole target per rank"
+        )
 
     from draftforge.splitserve import smollm2
     from draftforge.splitserve.hf_backend import HFTarget
@@ -292,7 +303,11 @@ def build_target(
 
 
 def _build_sglang_target(
-    cfg: TargetConfig, layer_ids: Sequence[int], *, device: str | torch.device
+    cfg: TargetConfig,
+    layer_ids: Sequence[int],
+    *,
+    device: str | torch.device,
+    tensor_parallel: int,
 ) -> TargetEngine:
     """An ``SGLangTarget`` for a registered name or a local folder (SGLang needs real weights)."""
     from draftforge.splitserve import smollm2
@@ -305,7 +320,8 @@ def _build_sglang_target(
             "use target.backend: hf for random targets"
         )
     folder = smollm2.ensure_smollm2(cfg.cache_dir) if cfg.model == smollm2.NAME else cfg.model
-    engine = SGLangTarget(folder, layer_ids, cfg, name=target_name(cfg), device=device)
+    engine = SGLangTarget(folder, layer_ids, cfg, name=target_name(cfg), device=device,
+                          tensor_parallel=tensor_parallel)
     _check_declared_shape(cfg, engine)
     return engine
 

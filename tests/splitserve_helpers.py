@@ -254,6 +254,43 @@ def backpressure_worker(out: str, credits: int = 3, count: int = 24) -> None:
     _finish()
 
 
+def tensor_parallel_member_worker(out: str) -> None:
+    """Ranks 0-1 are one tensor-parallel target group (0 leads), rank 2 a trainer. The member
+    waits in ``wait_for_leader`` until the leader's ``release_members``; in a folder named
+    ``dies`` the leader exits instead, and the member must stop with PeerDied."""
+    import time
+
+    from draftforge.config import load_recipe
+    from draftforge.splitserve import roles
+    from draftforge.splitserve import transport as T
+
+    tmp = Path(out).parent / f"recipe-{os.environ['RANK']}"
+    tmp.mkdir(exist_ok=True)
+    recipe = tiny_recipe(tmp, overrides={"split.target_ranks": [0, 1], "split.trainer_ranks": [2],
+                                         "split.target_tensor_parallel": 2})
+    ctx = roles.RankContext(load_recipe(recipe), int(os.environ["RANK"]), 3)
+    dies = Path(out).parent.name == "dies"
+    result: dict = {"role": ctx.role, "producers": list(ctx.topology.producers),
+                    "leader": ctx.tp_leader, "in_group": ctx.tp_group is not None}
+    if ctx.rank == 0:
+        time.sleep(2.0)
+        if dies:
+            os._exit(7)
+        roles.release_members(ctx)
+    elif ctx.rank == 1:
+        begin = time.monotonic()
+        try:
+            roles.wait_for_leader(ctx)
+            result["outcome"] = "released"
+        except T.PeerDied as exc:
+            result["outcome"] = f"PeerDied: {exc}"
+        result["waited_s"] = time.monotonic() - begin
+    Path(out).with_suffix(f".{ctx.rank}.json").write_text(json.dumps(result))
+    if not dies:
+        roles._finish(ctx)
+    os._exit(0)
+
+
 def run_workers(worker: str, out: Path, world: int = 2, timeout: float = 60) -> list[dict]:
     """Run ``worker`` on ``world`` ranks; the result each rank wrote."""
     port = free_port()

@@ -321,8 +321,9 @@ def test_cli_main_writes_default_path(tmp_path, monkeypatch):
 
     built = {}
 
-    def fake_build_target(cfg, layer_ids):
+    def fake_build_target(cfg, layer_ids, *, device, tensor_parallel):
         built["model"], built["threads"] = cfg.model, cfg.num_threads
+        built["device"], built["tp"] = device, tensor_parallel
         return FakeEngine()
 
     monkeypatch.setattr(target_module, "build_target", fake_build_target)
@@ -339,8 +340,33 @@ def test_cli_main_writes_default_path(tmp_path, monkeypatch):
     assert regen_module.main([str(recipe), f"train.output_dir={tmp_path}", "data.num_samples=7",
                               "--no-progress", "--threads", "3"]) == 0
     assert built["threads"] == 3
+    assert (built["device"], built["tp"]) == ("cpu", 1)  # no GPU here: auto is the CPU
     with pytest.raises(SystemExit):
         regen_module.main([str(recipe), "--threads", "0"])
+
+
+def test_regeneration_runs_where_the_recipe_puts_its_target():
+    """--device auto: the recipe's first target GPU when CUDA is visible, and an SGLang target
+    keeps its tensor-parallel group there; on CPU, or with the hf backend, one rank."""
+    from draftforge.config import load_recipe
+    from draftforge.data.regenerate import RegenerationError, target_placement
+
+    recipes = Path(__file__).resolve().parents[1] / "recipes"
+    ling = load_recipe(recipes / "ling3-flash-dspark.yaml")  # sglang, tp 4, target GPUs 0-3
+    assert target_placement("auto", ling, cuda_available=True) == ("cuda:0", 4)
+    assert target_placement("auto", ling, cuda_available=False) == ("cpu", 1)
+    assert target_placement("cuda:4", ling, cuda_available=True) == ("cuda:4", 4)
+    moved = load_recipe(recipes / "ling3-flash-dspark.yaml", ["split.target_devices=[4,5,6,7]",
+                                                             "split.trainer_devices=[0,1,2,3]"])
+    assert target_placement("auto", moved, cuda_available=True) == ("cuda:4", 4)
+    tiny = load_recipe(recipes / "tiny-debug.yaml")  # hf backend
+    assert target_placement("auto", tiny, cuda_available=True) == ("cuda:0", 1)
+    with pytest.raises(RegenerationError, match="no CUDA GPU is visible"):
+        target_placement("cuda", tiny, cuda_available=False)
+    with pytest.raises(RegenerationError, match="'tpu' is not a device"):
+        target_placement("tpu", tiny, cuda_available=True)
+    with pytest.raises(RegenerationError, match="runs on cpu or cuda"):
+        target_placement("meta", tiny, cuda_available=True)
 
 
 def test_cli_main_reports_data_errors(tmp_path, capsys):

@@ -265,9 +265,10 @@ class SimulatedGpu:
     def mem_get_info(self, device=None):
         return self.total - self.used, self.total
 
-    def start(self, name, fraction):
+    def start(self, name, fraction, pre=None):
+        """``pre``: the memory SGLang sizes from, when not this GPU's own free memory."""
         self.used += self.CONTEXT
-        pre = self.total - self.used
+        pre = self.total - self.used if pre is None else pre
         if self.weights > pre:
             raise MemoryError(f"{name}: CUDA out of memory loading the weights")
         static = fraction * pre
@@ -411,6 +412,72 @@ def test_sglang_target_sizes_each_instance_from_memory_free_at_its_start(
     assert runner["speculative_algorithm"] == "EAGLE3" and runner["base_gpu_id"] == 0
     assert sum(gpu.static.values()) <= 0.8 * gpu.total
     assert gpu.static["runner"] == pytest.approx(0.4 * gpu.total, rel=0.02)
+
+
+
+def test_tensor_parallel_target_spans_consecutive_gpus_within_each_share(monkeypatch, folder):
+    """A group of 2 led from cuda:2: both instances get tp_size 2 and base_gpu_id 2 (SGLang
+    places rank i on GPU 2 + i), their fractions come from the tighter GPU (cuda:3, where
+    something else holds 6 GiB), each GPU holds half the weights, and every GPU keeps within
+    target.sglang_mem_fraction."""
+    import sys
+    import types
+
+    from draftforge.splitserve import sglang_runner
+
+    half = sglang_backend.checkpoint_bytes(folder) // 2
+    gpus = {2: SimulatedGpu(total=80 * GIB, weights=half),
+            3: SimulatedGpu(total=80 * GIB, weights=half)}
+    gpus[3].used = 6 * GIB
+    started = {}
+
+    def start_on_group(name, args):
+        """SGLang sizes every rank of a group from the group's least free memory
+        (``measure_pre_model_load_memory``: ``get_available_gpu_memory(distributed=True)``)."""
+        started[name] = args
+        group = [gpus[i] for i in range(args["base_gpu_id"], args["base_gpu_id"] + args["tp_size"])]
+        pre = min(gpu.total - gpu.used - gpu.CONTEXT for gpu in group)
+        for gpu in group:
+            gpu.start(name, args["mem_fraction_static"], pre=pre)
+
+    class FakeEngine:
+        def __init__(self, **kwargs):
+            start_on_group("engine", kwargs)
+
+    class FakeRunnerProcess:
+        def __init__(self, server_args, *, num_threads=1):
+            start_on_group("runner", server_args)
+
+    class Qwen2ForCausalLM:
+        def set_eagle3_layers_to_capture(self, ids=None): ...
+
+    monkeypatch.setattr(sglang_backend, "require_sglang", lambda: SGLANG_VERSION)
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=FakeEngine))
+    monkeypatch.setattr(sglang_runner, "FeatureRunnerProcess", FakeRunnerProcess)
+    monkeypatch.setattr(sglang_backend, "sglang_model_class", lambda path: Qwen2ForCausalLM)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: gpus[device.index].mem_get_info())
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    cfg = TargetConfig(model=str(folder), backend="sglang", dtype="bfloat16",
+                       sglang_mem_fraction=0.8)
+    target = build_target(cfg, LAYERS, device="cuda:2", tensor_parallel=2)
+    assert target.gpus == [2, 3]
+    target._generation_engine()
+    target._feature_runner()
+    for name in ("engine", "runner"):
+        assert started[name]["tp_size"] == 2 and started[name]["base_gpu_id"] == 2
+    # the engine's fraction is of the free memory on cuda:3: 32 GiB of 80 - 6 free
+    assert started["engine"]["mem_fraction_static"] == pytest.approx(32 / 74, abs=1e-4)
+    for gpu in gpus.values():
+        assert sum(gpu.static.values()) <= 0.8 * gpu.total
+    assert gpus[3].static["runner"] == pytest.approx(0.4 * gpus[3].total, rel=0.02)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    with pytest.raises(ValueError, match=r"group of 2 from GPU 2 needs GPUs \[2, 3\], but 3 are visible"):
+        build_target(cfg, LAYERS, device="cuda:2", tensor_parallel=2)
+
+
+def test_tensor_parallel_needs_the_sglang_backend(folder):
+    with pytest.raises(ValueError, match="target_tensor_parallel: 2 needs target.backend: sglang"):
+        build_target(TargetConfig(model=str(folder)), [0], tensor_parallel=2)
 
 
 # ---------------------------------------------------------------- install and version checks

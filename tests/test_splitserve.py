@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import random
 from collections import Counter
 from pathlib import Path
@@ -299,22 +301,69 @@ def test_dry_run_says_how_much_more_short_samples_can_take(tmp_path):
     assert short_sample_note(longest) == ""  # no shorter sample fits more anchors
 
 
-def test_tensor_parallel_target_groups_are_said_to_be_unbuilt(tmp_path, capsys):
-    """The SGLang backend runs one single-GPU engine per target rank: a tensor-parallel group
-    would load a whole copy on every rank. A run stops before loading anything; the dry run
-    still shows the plan and says so."""
-    from types import SimpleNamespace
-
-    from draftforge.splitserve import roles
+def test_tensor_parallel_groups_must_sit_on_consecutive_gpus_of_one_node(tmp_path, capsys):
+    """SGLang places a tensor-parallel group on GPUs base_gpu_id, base_gpu_id + 1, ... of one
+    machine: a split whose groups cannot be placed so is refused before anything starts."""
     from draftforge.splitserve.launch import main
+    from draftforge.splitserve.roles import tensor_parallel_groups, tensor_parallel_problems
 
-    ctx = SimpleNamespace(cfg=SimpleNamespace(split=SimpleNamespace(target_tensor_parallel=4)))
-    with pytest.raises(RuntimeError, match="split.target_tensor_parallel: 4 is not built yet"):
-        roles._run_target(ctx, None)
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "ling3-flash-dspark.yaml"
+    cfg = load_recipe(recipe)
+    assert tensor_parallel_groups(cfg.split) == [[0, 1, 2, 3]]
+    assert tensor_parallel_problems(cfg.split, per_node=8) == []
+    shuffled = load_recipe(recipe, ["split.target_devices=[0,2,1,3]"])
+    problem, = tensor_parallel_problems(shuffled.split, per_node=8)
+    assert "target ranks [0, 1, 2, 3] form one tensor-parallel group" in problem
+    assert "GPUs [0, 2, 1, 3]" in problem and "[0, 1, 2, 3]" in problem
+    split = load_recipe(recipe, ["split.target_ranks=[0,1,4,5]", "split.trainer_ranks=[2,3,6,7]",
+                                 "split.target_devices=null", "split.trainer_devices=null",
+                                 "split.target_tensor_parallel=2"]).split
+    assert tensor_parallel_groups(split) == [[0, 1], [4, 5]]
+    assert tensor_parallel_problems(split, per_node=8) == []  # node-local GPUs 0-1 and 4-5
+    spans = tensor_parallel_problems(split.model_copy(update={"target_ranks": [0, 4, 1, 5]}),
+                                     per_node=4)
+    assert len(spans) == 2 and "group of target ranks [0, 4] spans nodes [0, 1]" in spans[0]
+    gaps, = [p for p in split_problems(
+        load_recipe(recipe, ["split.target_ranks=[0,2,1,3]", "split.trainer_ranks=[4,5,6,7]",
+                             "split.target_devices=null", "split.trainer_devices=null"]),
+        cuda_devices=8) if "tensor-parallel" in p]
+    assert "they take their node-local GPUs [0, 2, 1, 3]" in gaps
     assert main([str(recipe), "--dry-run"]) == 0
-    assert "a run stops at its target ranks: split.target_tensor_parallel: 4 is not built yet" in (
-        capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert "tensor parallel 4" in out and "not built" not in out
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_member_waits_for_its_leader(tmp_path):
+    """Rank 1, a member of rank 0's group, waits (no engine of its own) until rank 0 is done;
+    when rank 0 dies instead, rank 1 stops with PeerDied at once, not after a timeout."""
+    import subprocess
+
+    from splitserve_helpers import PYTHON, ROOT, free_port, rank_env, wait_all
+
+    for name, leader_code in (("done", 0), ("dies", 7)):
+        out = tmp_path / name / "result.json"
+        out.parent.mkdir()
+        port = free_port()
+        procs = []
+        for rank in range(3):
+            env = rank_env(rank, 3, port)
+            env["PYTHONPATH"] = str(ROOT / "tests") + os.pathsep + env.get("PYTHONPATH", "")
+            procs.append(subprocess.Popen(
+                [PYTHON, "-c", "import splitserve_helpers as h; "
+                 f"h.tensor_parallel_member_worker({str(out)!r})"],
+                env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        assert wait_all(procs, 120) == [leader_code, 0, 0], [p.stdout.read() for p in procs]
+        result = [json.loads(out.with_suffix(f".{r}.json").read_text()) for r in (1, 2)]
+        member, trainer = result
+        assert member["role"] == "target" and member["producers"] == [0]
+        assert member["leader"] == 0 and member["in_group"] and not trainer["in_group"]
+        assert member["waited_s"] >= 1.5  # the leader worked 2 s before releasing or dying
+        if leader_code == 0:
+            assert member["outcome"] == "released"
+        else:
+            assert member["outcome"].startswith("PeerDied: target rank 0 died or closed its")
+            assert member["waited_s"] < 30
 
 
 def test_train_refuses_wrong_nproc(tmp_path):
