@@ -35,8 +35,8 @@ from draftforge.splitserve import transport as T
 from draftforge.splitserve.producer import Topology, build_topology
 
 EXIT_PEER_DIED = 3
-MEMBER_WAIT = datetime.timedelta(days=30)
 EXIT_BAD_INPUT = 2
+MEMBER_WAIT = datetime.timedelta(days=30)  # a tensor-parallel member's wait for its leader
 TOKENIZER_VOCAB = 49152  # random targets borrow SmolLM2's tokenizer only at this vocabulary size
 
 
