@@ -434,6 +434,26 @@ def read_weight(folder: Path, names: Sequence[str]) -> torch.Tensor:
     raise ValueError(f"target folder {folder}: none of {list(names)} in its safetensors files")
 
 
+def numa_node_count() -> int:
+    """NUMA nodes of this machine, as Linux lists them (1 where it lists none)."""
+    nodes = Path("/sys/devices/system/node")
+    return max(1, len(list(nodes.glob("node[0-9]*"))) if nodes.is_dir() else 0)
+
+
+def cpu_threads_bind(tp_size: int, *, cpus: Sequence[int], numa_nodes: int) -> str | None:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` for ``tp_size`` SGLang ranks on the CPU: ``cpus`` split
+    into ``tp_size`` contiguous groups ("0,1|2,3"), or None where SGLang's default of one NUMA
+    node per rank applies. SGLang 0.5.23 refuses more CPU ranks than NUMA nodes unless the
+    variable is set (``init_threads_binding``, ``sglang/srt/utils/numa_utils.py``)."""
+    if tp_size <= max(1, numa_nodes):
+        return None
+    cpus = sorted(cpus)
+    bounds = [rank * len(cpus) // tp_size for rank in range(tp_size + 1)]
+    # with fewer CPUs than ranks, neighbouring ranks share one
+    groups = [cpus[bounds[r]:bounds[r + 1]] or [cpus[bounds[r]]] for r in range(tp_size)]
+    return "|".join(",".join(str(cpu) for cpu in group) for group in groups)
+
+
 def tensor_parallel_gpus(device: torch.device, tensor_parallel: int) -> list[int]:
     """The GPUs a target group of ``tensor_parallel`` ranks led from ``device`` runs on:
     ``device``'s index and the ones after it, as SGLang places a group from its
@@ -590,6 +610,11 @@ class SGLangTarget:
         (by the engine or, for the feature runner, by the model registry)."""
         if self.device.type == "cpu":
             os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+            if self.tensor_parallel > 1 and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
+                bind = cpu_threads_bind(self.tensor_parallel, cpus=os.sched_getaffinity(0),
+                                        numa_nodes=numa_node_count())
+                if bind is not None:  # inherited by every rank the engine or runner spawns
+                    os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = bind
 
     def _gpu_memory(self) -> GpuMemory | None:
         """The target GPUs' free and total memory now, just before an SGLang instance starts
@@ -614,7 +639,10 @@ class SGLangTarget:
                     memory=self._gpu_memory(),
                     weight_bytes=checkpoint_bytes(self.folder),
                     tp_size=self.tensor_parallel,
-                )
+                ),
+                # on the CPU each SGLang rank sizes its KV pool from all the RAM free at its
+                # start (two ranks of SmolLM2 took 11 GB each, and one was killed): bound it
+                **({"max_total_tokens": self.max_total_tokens} if self.device.type == "cpu" else {}),
             )
         return self._engine
 

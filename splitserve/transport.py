@@ -86,7 +86,9 @@ class PeerDied(RuntimeError):
     def __init__(self, rank: int, role: str, doing: str, cause: BaseException | str):
         self.rank = rank
         text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-        if "Timed out" in text or "timed out" in text:
+        # gloo says "Timed out" where the op waited, and "Application timeout caused pair
+        # closure" on a later op over the pair that the timeout closed (a silent peer both times)
+        if "timed out" in text.lower() or "application timeout" in text.lower():
             why = f"sent nothing within the timeout (split.peer_timeout_s): {text}"
         else:
             why = f"died or closed its connection: {text}"

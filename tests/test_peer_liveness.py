@@ -204,3 +204,22 @@ def test_hung_trainer_is_still_reported_by_the_target(tmp_path):
     finally:
         procs[1].send_signal(signal.SIGKILL)
         procs[1].wait()
+
+
+def test_peer_died_tells_a_silent_peer_from_a_closed_one():
+    """gloo's own messages, as ranks here met them: an op that waited out the timeout, a later
+    op over the pair that timeout closed (a SIGSTOPped target, seen under load), and a peer
+    process that exited."""
+    from draftforge.splitserve.transport import PeerDied
+
+    waited = "[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 6000ms for recv"
+    closed_by_timeout = "Application timeout caused pair closure"
+    exited = ("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:7069. "
+              "This is typically caused by a remote worker crashing.")
+    for cause in (waited, closed_by_timeout):
+        text = str(PeerDied(0, "target", "returning credits", RuntimeError(cause)))
+        assert text.startswith("target rank 0 sent nothing within the timeout "
+                               "(split.peer_timeout_s)"), text
+        assert text.endswith("(while returning credits)")
+    text = str(PeerDied(0, "target", "receiving a sample", RuntimeError(exited)))
+    assert text.startswith("target rank 0 died or closed its connection: [gloo"), text

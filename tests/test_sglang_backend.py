@@ -631,3 +631,18 @@ def test_sglang_greedy_generation_matches_hf_on_smollm2(smol_pair):
     got, want = sgl.generate(conversations, settings), hf.generate(conversations, settings)
     assert [str(r) for r in got] == [str(r) for r in want]
     assert [r.finished for r in got] == [r.finished for r in want]
+
+
+def test_cpu_ranks_beyond_the_numa_nodes_get_an_explicit_thread_binding():
+    """SGLang 0.5.23 refuses more CPU ranks than NUMA nodes unless SGLANG_CPU_OMP_THREADS_BIND
+    names each rank's CPUs: a tensor-parallel target on a one-node CPU failed to start
+    without it (run with SGLang 0.5.23 on this machine)."""
+    from draftforge.splitserve.sglang_backend import cpu_threads_bind, numa_node_count
+
+    assert cpu_threads_bind(2, cpus=[0, 1], numa_nodes=1) == "0|1"
+    assert cpu_threads_bind(2, cpus={5, 4, 7, 6}, numa_nodes=1) == "4,5|6,7"
+    assert cpu_threads_bind(3, cpus=[0, 1, 2, 3, 4, 5, 6], numa_nodes=1) == "0,1|2,3|4,5,6"
+    assert cpu_threads_bind(4, cpus=[0, 1], numa_nodes=1) == "0|0|1|1"  # fewer CPUs than ranks
+    assert cpu_threads_bind(2, cpus=[0, 1, 2, 3], numa_nodes=2) is None  # SGLang's default holds
+    assert cpu_threads_bind(1, cpus=[0], numa_nodes=0) is None
+    assert numa_node_count() >= 1
