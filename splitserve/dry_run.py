@@ -242,7 +242,7 @@ def dry_run(cfg: RecipeConfig) -> str:
 
         for group in tensor_parallel_groups(split):
             lines.append(f"  target ranks {group}: one SGLang tensor-parallel group, led by rank "
-                         f"{group[0]} (its engine and feature runner span the group's GPUs)")
+                         f"{group[0]} (its engine and feature runner run tensor-parallel over the group)")
     for producer in topology.producers:
         lines.append(f"  target rank {producer} feeds trainer ranks {topology.dests(producer)}")
     lines.append(

@@ -348,8 +348,9 @@ def _run_target(ctx: RankContext, bench: dict | None) -> None:
 def wait_for_leader(ctx: RankContext) -> None:
     """A tensor-parallel member: its GPU serves the group through the leader's SGLang
     instances, so this rank only waits until the leader is done (or dies)."""
+    where = f"GPU {ctx.device.index}" if ctx.device.type == "cuda" else "share of the CPU"
     ctx.log(f"tensor-parallel member of target rank {ctx.tp_leader}'s group: its SGLang engine "
-            f"and feature runner use this rank's GPU; waiting for it to finish")
+            f"and feature runner run on this rank's {where} too; waiting for it to finish")
     done = torch.zeros(1)
     try:
         dist.recv(done, src=ctx.tp_leader, group=ctx.tp_group)

@@ -33,11 +33,12 @@ here, tested on CPU without SGLang.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -434,6 +435,26 @@ def read_weight(folder: Path, names: Sequence[str]) -> torch.Tensor:
     raise ValueError(f"target folder {folder}: none of {list(names)} in its safetensors files")
 
 
+# torchrun tells its ranks to use the launcher's rendezvous store, and torch.distributed
+# obeys it in every process that inherits the variable: SGLang's own ranks then all
+# wait as clients of a store nobody hosts (seen with SGLang 0.5.23 under draftforge
+# train: both scheduler ranks hung in _create_c10d_store). SGLang instances start
+# without it.
+TORCHRUN_STORE_VARIABLE = "TORCHELASTIC_USE_AGENT_STORE"
+
+
+@contextlib.contextmanager
+def without_torchrun_store() -> Iterator[None]:
+    """Starts processes (SGLang's ranks) that build their own ``torch.distributed`` world
+    without torchrun's agent-store variable, restoring it afterwards."""
+    saved = os.environ.pop(TORCHRUN_STORE_VARIABLE, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[TORCHRUN_STORE_VARIABLE] = saved
+
+
 def numa_node_count() -> int:
     """NUMA nodes of this machine, as Linux lists them (1 where it lists none)."""
     nodes = Path("/sys/devices/system/node")
@@ -631,19 +652,20 @@ class SGLangTarget:
             self._select_sglang_device()
             import sglang
 
-            self._engine = sglang.Engine(
-                **engine_args(
-                    self.cfg,
-                    str(self.folder),
-                    device=self.device,
-                    memory=self._gpu_memory(),
-                    weight_bytes=checkpoint_bytes(self.folder),
-                    tp_size=self.tensor_parallel,
-                ),
+            args = engine_args(
+                self.cfg,
+                str(self.folder),
+                device=self.device,
+                memory=self._gpu_memory(),
+                weight_bytes=checkpoint_bytes(self.folder),
+                tp_size=self.tensor_parallel,
+            )
+            if self.device.type == "cpu":
                 # on the CPU each SGLang rank sizes its KV pool from all the RAM free at its
                 # start (two ranks of SmolLM2 took 11 GB each, and one was killed): bound it
-                **({"max_total_tokens": self.max_total_tokens} if self.device.type == "cpu" else {}),
-            )
+                args["max_total_tokens"] = self.max_total_tokens
+            with without_torchrun_store():
+                self._engine = sglang.Engine(**args)
         return self._engine
 
     def _feature_runner(self) -> Any:
@@ -651,18 +673,17 @@ class SGLangTarget:
             from draftforge.splitserve.sglang_runner import FeatureRunnerProcess
 
             self._select_sglang_device()
-            self._runner = FeatureRunnerProcess(
-                runner_args(
-                    self.cfg,
-                    str(self.folder),
-                    self.layer_ids,
-                    device=self.device,
-                    max_total_tokens=self.max_total_tokens,
-                    convention=capture_convention(sglang_model_class(str(self.folder))),
-                    memory=self._gpu_memory(),
-                    weight_bytes=checkpoint_bytes(self.folder),
-                    tp_size=self.tensor_parallel,
-                ),
-                num_threads=self.cfg.num_threads,
+            args = runner_args(
+                self.cfg,
+                str(self.folder),
+                self.layer_ids,
+                device=self.device,
+                max_total_tokens=self.max_total_tokens,
+                convention=capture_convention(sglang_model_class(str(self.folder))),
+                memory=self._gpu_memory(),
+                weight_bytes=checkpoint_bytes(self.folder),
+                tp_size=self.tensor_parallel,
             )
+            with without_torchrun_store():
+                self._runner = FeatureRunnerProcess(args, num_threads=self.cfg.num_threads)
         return self._runner

@@ -24,6 +24,7 @@ The ``gpu`` tests run the real SGLang against ``HFTarget`` on SmolLM2.
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -429,12 +430,16 @@ def test_tensor_parallel_target_spans_consecutive_gpus_within_each_share(monkeyp
     gpus = {2: SimulatedGpu(total=80 * GIB, weights=half),
             3: SimulatedGpu(total=80 * GIB, weights=half)}
     gpus[3].used = 6 * GIB
-    started = {}
+    started, seen_store = {}, {}
+    # as in a torchrun rank: SGLang's ranks must not inherit it, or they all wait as clients
+    # of a rendezvous store nobody hosts (SGLang 0.5.23 under draftforge train hung so)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
 
     def start_on_group(name, args):
         """SGLang sizes every rank of a group from the group's least free memory
         (``measure_pre_model_load_memory``: ``get_available_gpu_memory(distributed=True)``)."""
         started[name] = args
+        seen_store[name] = os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
         group = [gpus[i] for i in range(args["base_gpu_id"], args["base_gpu_id"] + args["tp_size"])]
         pre = min(gpu.total - gpu.used - gpu.CONTEXT for gpu in group)
         for gpu in group:
@@ -465,6 +470,8 @@ def test_tensor_parallel_target_spans_consecutive_gpus_within_each_share(monkeyp
     target._feature_runner()
     for name in ("engine", "runner"):
         assert started[name]["tp_size"] == 2 and started[name]["base_gpu_id"] == 2
+    assert seen_store == {"engine": None, "runner": None}
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # restored for this rank
     # the engine's fraction is of the free memory on cuda:3: 32 GiB of 80 - 6 free
     assert started["engine"]["mem_fraction_static"] == pytest.approx(32 / 74, abs=1e-4)
     for gpu in gpus.values():
@@ -574,7 +581,18 @@ def test_sglang_target_generate_renders_and_decodes(fake_target):
     assert [r.finished for r in replies] == [True, False]
 
 
-# ---------------------------------------------------------------- the real SGLang (GPU)
+# ---------------------------------------------------------------- the real SGLang
+#
+# On a GPU: ``pytest -m gpu``. On the CPU, opt-in with DRAFTFORGE_SGLANG_CPU=1 in a venv
+# where SGLang 0.5.23 runs there (a minute or two per case). Measured on a 2-core AMD EPYC
+# (2026-12-02): tensor parallel 1 and 2 both pass. The venv: the one in
+# tests/test_sglang_loader.py's docstring, plus ``pip install --no-deps uvicorn fastapi
+# uvloop`` (the runner's imports need them), ``pip install tqdm accelerate`` (draftforge's),
+# and tests/sglang_shims.py installed in every process, the spawned ones too, by a
+# ``sitecustomize.py`` in the venv's site-packages::
+#
+#     import sys; sys.path.insert(0, "/path/to/draftforge/tests")
+#     import sglang_shims; sglang_shims.install()
 
 
 def gpu_sglang(test):
@@ -586,24 +604,46 @@ def gpu_sglang(test):
     return pytest.mark.gpu(test)
 
 
+def cpu_sglang(test):
+    """Marks a test that runs the real SGLang on the CPU: opt-in, see above."""
+    test = pytest.mark.skipif(
+        SGLANG_MISSING, reason=f"needs sglang=={SGLANG_VERSION}: {INSTALL_COMMAND}"
+    )(test)
+    return pytest.mark.skipif(
+        os.environ.get("DRAFTFORGE_SGLANG_CPU") != "1",
+        reason="SGLang on the CPU is opt-in: DRAFTFORGE_SGLANG_CPU=1 (see the comment above)",
+    )(test)
+
+
 SMOL_LAYERS = [20, 1, 14]  # unsorted on purpose; SmolLM2-135M has 30 decoder layers
 
 
-@pytest.fixture(scope="module")
-def smol_pair():
+def smol_targets(device, tensor_parallel=1):
     from draftforge.splitserve.smollm2 import NAME, ensure_smollm2
 
     folder = ensure_smollm2()
     cfg = TargetConfig(model=NAME, dtype="float32")
-    hf = HFTarget.from_folder(folder, SMOL_LAYERS, cfg, name=NAME, device="cuda")
-    sgl = SGLangTarget(folder, SMOL_LAYERS, cfg, name=NAME, device="cuda")
+    hf = HFTarget.from_folder(folder, SMOL_LAYERS, cfg, name=NAME, device=device)
+    sgl = SGLangTarget(folder, SMOL_LAYERS, cfg, name=NAME, device=device,
+                       tensor_parallel=tensor_parallel)
+    return hf, sgl
+
+
+@pytest.fixture(scope="module")
+def smol_pair():
+    hf, sgl = smol_targets("cuda")
     yield hf, sgl
     sgl.close()
 
 
-@gpu_sglang
-def test_sglang_features_match_hf_on_smollm2(smol_pair):
-    hf, sgl = smol_pair
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def smol_pair_cpu(request):
+    hf, sgl = smol_targets("cpu", tensor_parallel=request.param)
+    yield hf, sgl
+    sgl.close()
+
+
+def check_features_match(hf, sgl):
     prompt = [{"role": "user", "content": "Name three prime numbers."}]
     text = hf.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     first = hf.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
@@ -612,17 +652,17 @@ def test_sglang_features_match_hf_on_smollm2(smol_pair):
     mask = torch.zeros_like(ids)
     ids[0], mask[0] = first, 1
     ids[1, : len(second)], mask[1, : len(second)] = second, 1
-    got, want = sgl.features(ids, mask), hf.features(ids.cuda(), mask.cuda())
+    got, want = sgl.features(ids, mask), hf.features(ids.to(hf.device), mask.to(hf.device))
     assert got.aux.shape == want.aux.shape and got.final.shape == want.final.shape
     # different kernels (SGLang's attention vs transformers' sdpa): float32 agreement, not bitwise
     torch.testing.assert_close(got.aux, want.aux, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(got.final, want.final, rtol=1e-3, atol=1e-3)
     assert got.aux[1, len(second) :].abs().sum() == 0
+    again = sgl.features(ids[1:], mask[1:])  # a second call: nothing carried over
+    torch.testing.assert_close(again.aux[0], got.aux[1], rtol=1e-5, atol=1e-5)
 
 
-@gpu_sglang
-def test_sglang_greedy_generation_matches_hf_on_smollm2(smol_pair):
-    hf, sgl = smol_pair
+def check_greedy_generation_matches(hf, sgl):
     conversations = [
         [{"role": "user", "content": "What is the capital of France?"}],
         [{"role": "user", "content": "Write one sentence about the sea."}],
@@ -631,6 +671,27 @@ def test_sglang_greedy_generation_matches_hf_on_smollm2(smol_pair):
     got, want = sgl.generate(conversations, settings), hf.generate(conversations, settings)
     assert [str(r) for r in got] == [str(r) for r in want]
     assert [r.finished for r in got] == [r.finished for r in want]
+
+
+@gpu_sglang
+def test_sglang_features_match_hf_on_smollm2(smol_pair):
+    check_features_match(*smol_pair)
+
+
+@gpu_sglang
+def test_sglang_greedy_generation_matches_hf_on_smollm2(smol_pair):
+    check_greedy_generation_matches(*smol_pair)
+
+
+@cpu_sglang
+def test_sglang_on_cpu_features_match_hf_on_smollm2(smol_pair_cpu):
+    """Tensor parallel 2: two SGLang ranks, each a child process, all-reducing over gloo."""
+    check_features_match(*smol_pair_cpu)
+
+
+@cpu_sglang
+def test_sglang_on_cpu_greedy_generation_matches_hf_on_smollm2(smol_pair_cpu):
+    check_greedy_generation_matches(*smol_pair_cpu)
 
 
 def test_cpu_ranks_beyond_the_numa_nodes_get_an_explicit_thread_binding():
