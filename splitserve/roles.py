@@ -331,7 +331,7 @@ def _run_target(ctx: RankContext, bench: dict | None) -> None:
 
         pulse.close()  # the bench sends without the pulse's lock
         bench_target_rank(ctx, engine, bench)
-        release_members(ctx)
+        release_members(ctx, engine)
         return
     summary = run_producer(
         ctx.cfg, engine, ctx.topology, ctx.rank, data_group=ctx.data_group,
@@ -342,7 +342,7 @@ def _run_target(ctx: RankContext, bench: dict | None) -> None:
         f"{summary['tokens']} tokens {summary['rate_tok_s']:.0f} tok/s; at most "
         f"{summary['max_outstanding']} samples in flight per trainer (credits {summary['credits']})"
     )
-    release_members(ctx)
+    release_members(ctx, engine)
 
 
 def wait_for_leader(ctx: RankContext) -> None:
@@ -359,8 +359,12 @@ def wait_for_leader(ctx: RankContext) -> None:
     ctx.log("the group's leader is done")
 
 
-def release_members(ctx: RankContext) -> None:
-    """The leader of a tensor-parallel group tells its members that it is done."""
+def release_members(ctx: RankContext, engine) -> None:
+    """The target is done: its SGLang instances stop (they would otherwise be killed at exit,
+    leaving their shared memory behind), then a tensor-parallel leader tells its members."""
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
     if ctx.tp_group is None:
         return
     for member in tensor_parallel_groups(ctx.cfg.split)[ctx.topology.producers.index(ctx.rank)][1:]:

@@ -276,7 +276,7 @@ def tensor_parallel_member_worker(out: str) -> None:
         time.sleep(2.0)
         if dies:
             os._exit(7)
-        roles.release_members(ctx)
+        roles.release_members(ctx, engine=None)
     elif ctx.rank == 1:
         begin = time.monotonic()
         try:
