@@ -372,28 +372,21 @@ def test_both_instances_fit_one_gpu_in_either_order(engine_first, total_gib, wei
     assert sum(gpu.static.values()) <= 0.8 * gpu.total
 
 
-def test_sglang_target_sizes_each_instance_from_memory_free_at_its_start(
-    monkeypatch, folder, model
-):
-    """The wiring: engine and feature runner, started lazily on a (simulated) GPU, each get
-    SGLang arguments computed from the memory free when that one starts."""
+def fake_sglang(monkeypatch, start):
+    """SGLang faked for SGLangTarget: its engine and the feature runner call
+    ``start(name, server_args)`` as they start, and the target is a Qwen2 (EAGLE3 capture)."""
     import sys
     import types
 
     from draftforge.splitserve import sglang_runner
 
-    gpu = SimulatedGpu(total=80 * GIB, weights=sglang_backend.checkpoint_bytes(folder))
-    started = {}
-
     class FakeEngine:
         def __init__(self, **kwargs):
-            started["engine"] = kwargs
-            gpu.start("engine", kwargs["mem_fraction_static"])
+            start("engine", kwargs)
 
     class FakeRunnerProcess:
         def __init__(self, server_args, *, num_threads=1):
-            started["runner"] = server_args
-            gpu.start("runner", server_args["mem_fraction_static"])
+            start("runner", server_args)
 
     class Qwen2ForCausalLM:
         def set_eagle3_layers_to_capture(self, ids=None): ...
@@ -402,6 +395,23 @@ def test_sglang_target_sizes_each_instance_from_memory_free_at_its_start(
     monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=FakeEngine))
     monkeypatch.setattr(sglang_runner, "FeatureRunnerProcess", FakeRunnerProcess)
     monkeypatch.setattr(sglang_backend, "sglang_model_class", lambda path: Qwen2ForCausalLM)
+
+
+def test_sglang_target_sizes_each_instance_from_memory_free_at_its_start(
+    monkeypatch, folder, model
+):
+    """The wiring: engine and feature runner, started lazily on a (simulated) GPU, each get
+    SGLang arguments computed from the memory free when that one starts."""
+
+
+    gpu = SimulatedGpu(total=80 * GIB, weights=sglang_backend.checkpoint_bytes(folder))
+    started = {}
+
+    def start(name, args):
+        started[name] = args
+        gpu.start(name, args["mem_fraction_static"])
+
+    fake_sglang(monkeypatch, start)
     monkeypatch.setattr(torch.cuda, "mem_get_info", gpu.mem_get_info)
     cfg = TargetConfig(model=str(folder), dtype="bfloat16", sglang_mem_fraction=0.8)
     target = SGLangTarget(folder, LAYERS, cfg, device="cuda:0")
@@ -421,10 +431,7 @@ def test_tensor_parallel_target_spans_consecutive_gpus_within_each_share(monkeyp
     places rank i on GPU 2 + i), their fractions come from the tighter GPU (cuda:3, where
     something else holds 6 GiB), each GPU holds half the weights, and every GPU keeps within
     target.sglang_mem_fraction."""
-    import sys
-    import types
 
-    from draftforge.splitserve import sglang_runner
 
     half = sglang_backend.checkpoint_bytes(folder) // 2
     gpus = {2: SimulatedGpu(total=80 * GIB, weights=half),
@@ -445,21 +452,7 @@ def test_tensor_parallel_target_spans_consecutive_gpus_within_each_share(monkeyp
         for gpu in group:
             gpu.start(name, args["mem_fraction_static"], pre=pre)
 
-    class FakeEngine:
-        def __init__(self, **kwargs):
-            start_on_group("engine", kwargs)
-
-    class FakeRunnerProcess:
-        def __init__(self, server_args, *, num_threads=1):
-            start_on_group("runner", server_args)
-
-    class Qwen2ForCausalLM:
-        def set_eagle3_layers_to_capture(self, ids=None): ...
-
-    monkeypatch.setattr(sglang_backend, "require_sglang", lambda: SGLANG_VERSION)
-    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=FakeEngine))
-    monkeypatch.setattr(sglang_runner, "FeatureRunnerProcess", FakeRunnerProcess)
-    monkeypatch.setattr(sglang_backend, "sglang_model_class", lambda path: Qwen2ForCausalLM)
+    fake_sglang(monkeypatch, start_on_group)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: gpus[device.index].mem_get_info())
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     cfg = TargetConfig(model=str(folder), backend="sglang", dtype="bfloat16",
