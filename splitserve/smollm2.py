@@ -86,12 +86,16 @@ def ensure_smollm2(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     the folder appears only by an atomic rename of a finished temporary folder.
     """
     final = converted_dir(cache_dir)
+    root = final.parent
     if is_converted(final):
+        if _stale_folders(root):  # a converter killed before its cleanup ran
+            with _exclusive_lock(root / f"{NAME}.lock"):
+                _remove_stale(root)
         return final
     source = gguf_path()
-    root = final.parent
     root.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(root / f"{NAME}.lock"):
+        _remove_stale(root)
         if is_converted(final):  # another process finished while we waited
             return final
         if final.exists():  # left by something that is not us; never written in place
@@ -108,6 +112,18 @@ def ensure_smollm2(cache_dir: str | os.PathLike[str] | None = None) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return final
+
+
+def _stale_folders(root: Path) -> list[Path]:
+    return sorted(root.glob(f".{NAME}.tmp-*"))
+
+
+def _remove_stale(root: Path) -> None:
+    """Delete the temporary folders of conversions that were killed (SIGKILL, power loss) before
+    they could remove their own. Call with the lock held: no conversion is running then."""
+    for folder in _stale_folders(root):
+        print(f"draftforge: removing {folder}, left by an interrupted SmolLM2 conversion", flush=True)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @contextmanager

@@ -207,6 +207,24 @@ def test_failed_conversion_leaves_nothing(monkeypatch, tmp_path):
     assert [p.name for p in cache.iterdir()] == [f"{smollm2.NAME}.lock"]
 
 
+@pytest.mark.parametrize("finished", [False, True])
+def test_killed_conversions_leftovers_are_removed(monkeypatch, tmp_path, capsys, finished):
+    # A converter killed by SIGKILL never reaches its cleanup; the next call, holding the lock
+    # (so no conversion is running), removes what it left, whether or not a conversion exists.
+    calls = fake_conversion(monkeypatch, tmp_path)
+    cache = tmp_path / "cache"
+    if finished:
+        smollm2.ensure_smollm2(cache)
+    stale = cache / f".{smollm2.NAME}.tmp-killed"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half")
+    assert smollm2.ensure_smollm2(cache) == cache / smollm2.NAME
+    assert not stale.exists()
+    assert sorted(p.name for p in cache.iterdir()) == [smollm2.NAME, f"{smollm2.NAME}.lock"]
+    assert len(calls) == 1
+    assert "interrupted SmolLM2 conversion" in capsys.readouterr().out
+
+
 def test_half_written_folder_is_not_trusted(monkeypatch, tmp_path):
     fake_conversion(monkeypatch, tmp_path)
     folder = tmp_path / "cache" / smollm2.NAME
