@@ -361,27 +361,16 @@ def regenerate(
 def target_placement(choice: str, cfg, *, cuda_available: bool | None = None) -> tuple[str, int]:
     """The device and tensor-parallel width ``--device`` gives the recipe's target: on a GPU
     the recipe's own group (``split.target_tensor_parallel`` GPUs, SGLang only), on CPU one."""
-    import torch
+    from draftforge.splitserve.target import resolve_device
 
-    if cuda_available is None:
-        cuda_available = torch.cuda.is_available()
-    if choice == "auto":
-        if not cuda_available:
-            return "cpu", 1
-        devices = cfg.split.target_devices
-        choice = f"cuda:{devices[0] if devices else 0}"
+    devices = cfg.split.target_devices
     try:
-        device = torch.device(choice)
-    except RuntimeError:
-        raise RegenerationError(f"--device {choice!r} is not a device: give auto, cpu, cuda or "
-                                "cuda:N") from None
-    if device.type not in ("cpu", "cuda"):
-        raise RegenerationError(f"--device {choice!r}: the target runs on cpu or cuda")
-    if device.type == "cuda" and not cuda_available:
-        raise RegenerationError(f"--device {choice!r}: no CUDA GPU is visible")
-    if device.type == "cpu" or cfg.target.backend != "sglang":
-        return str(device), 1
-    return str(device), cfg.split.target_tensor_parallel
+        device = resolve_device(choice, devices[0] if devices else 0, cuda_available=cuda_available)
+    except InputError as err:
+        raise RegenerationError(str(err)) from None
+    if device == "cpu" or cfg.target.backend != "sglang":
+        return device, 1
+    return device, cfg.split.target_tensor_parallel
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"],
                         help="target dtype (default: float32, or the recipe's with --recipe); the "
                         "lossless check needs float32 to be exact")  # fmt: skip
+    parser.add_argument("--device", default="auto",
+                        help="where the target and the draft run: auto (default) is the recipe's "
+                        "first target GPU (split.target_devices[0], else GPU 0) when CUDA is visible, "
+                        "else cpu; or cpu, cuda, cuda:N. The target runs whole on that one device")
     parser.add_argument("--tie-tolerance", type=float, default=1e-3,
                         help="greedy divergences where the target's top-2 logit margin is below this "
                         "are counted as numerical near-ties, not failures (default 1e-3)")  # fmt: skip
@@ -76,14 +80,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from draftforge.eval.report import write_report
     from draftforge.eval.speculative import LosslessCheckError
     from draftforge.splitserve.config import TargetConfig
-    from draftforge.splitserve.target import build_target
+    from draftforge.splitserve.target import build_target, resolve_device
 
-    eval_cfg, target_cfg = EvalConfig(), None
+    eval_cfg, target_cfg, first_gpu = EvalConfig(), None, 0
     if args.recipe:
         from draftforge.config import load_recipe
 
         recipe = load_recipe(args.recipe)
         eval_cfg, target_cfg = recipe.eval, recipe.target
+        first_gpu = recipe.split.target_devices[0] if recipe.split.target_devices else 0
         if args.target:
             target_cfg = target_cfg.model_copy(update={"model": args.target})
         if args.dtype:
@@ -104,12 +109,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.prompts_file and not Path(args.prompts_file).is_file():
         raise InputError(f"--prompts-file {args.prompts_file}: no such file")
 
+    device = resolve_device(args.device, first_gpu)
+    if target_cfg.backend != "hf":
+        # the verifier steps a KV cache token by token and reads the layers it captures in
+        # place: it drives the model itself, so the target runs in transformers here
+        print(f"eval: target.backend {target_cfg.backend!r} is for training; the evaluator runs "
+              "the same weights in transformers", flush=True)
+        target_cfg = target_cfg.model_copy(update={"backend": "hf"})
     _warn_replacing(Path(args.out))
     draft_cfg, load_draft = _draft_loader(args.draft)
     _check_fit(draft_cfg, target_cfg, args.draft)
-    print(f"eval: loading target {target_cfg.model!r} (layers {draft_cfg.target_layer_ids})", flush=True)
-    target = build_target(target_cfg, draft_cfg.target_layer_ids)
-    draft = load_draft(target)
+    print(f"eval: loading target {target_cfg.model!r} on {device} (layers {draft_cfg.target_layer_ids})",
+          flush=True)
+    target = build_target(target_cfg, draft_cfg.target_layer_ids, device=device)
+    draft = load_draft(target, device)
     print(f"eval: draft {args.draft} (block {draft_cfg.block_size}, markov rank {draft_cfg.markov_rank})")
 
     settings = EvalSettings(
@@ -154,6 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "shape": target_cfg.shape.model_dump() if target_cfg.shape is not None else None,
         },
         "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(settings).items()},
+        "device": device,
         "block_size": draft_cfg.block_size,
         "wall_s": time.perf_counter() - started,
     }
@@ -199,7 +213,8 @@ def _warn_replacing(out: Path) -> None:
 
 
 def _draft_loader(path: str):
-    """(DSparkConfig, loader(target) -> DSparkDraft) for an export folder or a training checkpoint."""
+    """(DSparkConfig, loader(target, device) -> DSparkDraft) for an export folder or a training
+    checkpoint."""
     from draftforge.train.export import CONFIG_FILE, load_training_checkpoint
     from draftforge.train.hf_load import (
         config_from_serving,
@@ -211,15 +226,16 @@ def _draft_loader(path: str):
     folder = Path(path).expanduser()
     if (folder / CONFIG_FILE).is_file():
         cfg = config_from_serving(read_serving_config(folder), where=str(folder / CONFIG_FILE))
-        return cfg, lambda target: load_exported_draft(folder, target=target, dtype=_float32())
+        return cfg, lambda target, device: load_exported_draft(folder, target=target, dtype=_float32(),
+                                                               device=device)
     cfg, state = load_training_checkpoint(folder)
 
-    def load(target):
+    def load(target, device):
         model = DSparkDraft(cfg)
         model.load_target_embeddings(target.embed_tokens_weight(), target.lm_head_weight())
         full = {**model.state_dict(), **state}
         model.load_state_dict({k: v.to(model.fc.weight.dtype) for k, v in full.items()}, strict=True)
-        return model.eval()
+        return model.to(device).eval()
 
     return cfg, load
 

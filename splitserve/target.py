@@ -259,6 +259,27 @@ def target_name(cfg: TargetConfig) -> str:
     return Path(cfg.model).expanduser().name
 
 
+def resolve_device(choice: str, first_gpu: int = 0, *, cuda_available: bool | None = None) -> str:
+    """The device a command's ``--device`` names: ``auto`` is ``cuda:<first_gpu>`` when CUDA is
+    visible, else ``cpu``; ``cpu``, ``cuda`` and ``cuda:N`` as given. Raises
+    :class:`~draftforge.errors.InputError` for anything else, or a GPU that is not visible."""
+    from draftforge.errors import InputError
+
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    if choice == "auto":
+        return f"cuda:{first_gpu}" if cuda_available else "cpu"
+    try:
+        device = torch.device(choice)
+    except RuntimeError:
+        raise InputError(f"--device {choice!r} is not a device: give auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise InputError(f"--device {choice!r}: the target runs on cpu or cuda")
+    if device.type == "cuda" and not cuda_available:
+        raise InputError(f"--device {choice!r}: no CUDA GPU is visible")
+    return str(device)
+
+
 def build_target(
     cfg: TargetConfig,
     layer_ids: Sequence[int],

@@ -101,6 +101,70 @@ def test_eval_from_training_checkpoint(recipe_path, tmp_path, capsys):
     assert report["workloads"]["w"]["methods"]["dspark"]["acceptance_length"] >= 1.0
 
 
+def _tiny_export_and_prompts(recipe_path, tmp_path):
+    recipe = load_recipe(recipe_path)
+    target = build_target(recipe.target, recipe.draft.target_layer_ids)
+    export_dir = export_draft(tiny_eval_draft(target), tmp_path / "export", progress=lambda _: None)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"workload": "w", "input_ids": random_prompts(1)[0]}))
+    return export_dir, prompts
+
+
+def test_eval_runs_an_sglang_recipes_target_in_transformers(recipe_path, tmp_path, capsys):
+    """A GPU recipe trains with target.backend sglang; the verifier drives the model's KV cache
+    itself, so eval loads the same weights in transformers, says so and records it."""
+    from draftforge.eval.cli import main
+
+    export_dir, prompts = _tiny_export_and_prompts(recipe_path, tmp_path)
+    sglang_recipe = tmp_path / "sglang.yaml"
+    sglang_recipe.write_text(recipe_path.read_text().replace("target:\n", "target:\n  backend: sglang\n", 1))
+    assert load_recipe(sglang_recipe).target.backend == "sglang"
+    assert main([str(export_dir), "--recipe", str(sglang_recipe), "--prompts-file", str(prompts),
+                 "--max-new-tokens", "6", "--out", str(tmp_path / "r"), "--no-estimate",
+                 "--device", "cpu"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "target.backend 'sglang' is for training; the evaluator runs the same weights in transformers" in out
+    assert "on cpu" in out
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert report["target_config"]["backend"] == "hf" and report["device"] == "cpu"
+
+
+@pytest.mark.parametrize("device,message", [
+    ("cuda:1", "--device 'cuda:1': no CUDA GPU is visible"),
+    ("tpu", "--device 'tpu' is not a device"),
+])
+def test_eval_refuses_a_device_it_cannot_use(recipe_path, tmp_path, capsys, monkeypatch, device, message):
+    import torch
+
+    from draftforge.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["eval", str(tmp_path), "--recipe", str(recipe_path), "--device", device]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_eval_on_the_gpu_is_lossless_and_counts_as_on_the_cpu(recipe_path, tmp_path):
+    """--device cuda: the target and the draft on the GPU, every greedy output checked against
+    plain decoding there (a mismatch exits 3). The acceptance lengths stay near the CPU run's:
+    float32 throughout, but the GPU's kernels may break a near-tie of the random draft otherwise."""
+    from draftforge.eval.cli import main
+
+    export_dir, prompts = _tiny_export_and_prompts(recipe_path, tmp_path)
+    reports = {}
+    for device in ("cpu", "cuda"):
+        out = tmp_path / device
+        assert main([str(export_dir), "--recipe", str(recipe_path), "--prompts-file", str(prompts),
+                     "--max-new-tokens", "16", "--out", str(out), "--dtype", "float32",
+                     "--device", device]) == 0  # fmt: skip
+        reports[device] = json.loads((out / "report.json").read_text())["workloads"]["w"]["methods"]
+    assert reports["cuda"]["none"]["acceptance_length"] == 1.0
+    for method in ("dspark", "ngram"):
+        assert reports["cuda"][method]["acceptance_length"] == pytest.approx(
+            reports["cpu"][method]["acceptance_length"], abs=0.25)
+
+
 @pytest.mark.integration
 def test_eval_cli_on_smollm2_workloads(recipe_path, tmp_path, capsys):
     """Real workloads, chat template and EOS through SmolLM2 (float32): greedy stays lossless."""
