@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import sys
 import time
 import traceback
@@ -249,6 +250,7 @@ def run_rank(cfg: RecipeConfig, *, mode: str = "train", bench: dict | None = Non
             "-m draftforge.train RECIPE'"
         ])
     check_split(cfg, world_size=world)
+    interrupt_once()
     ctx = RankContext(cfg, rank, world, mode=mode)
     restarts = int(os.environ.get("DRAFTFORGE_RESTART", "0") or 0)
     if restarts:
@@ -281,6 +283,24 @@ def run_rank(cfg: RecipeConfig, *, mode: str = "train", bench: dict | None = Non
         os._exit(1)
     _finish(ctx)
     return 0
+
+
+def interrupt_once() -> None:
+    """Make the first SIGINT a KeyboardInterrupt and ignore the ones after it.
+
+    A rank often gets two: a group-wide SIGINT (``kill -INT -PGID``, a scheduler) reaches
+    it directly and again through the launcher, which cannot tell it from one sent to itself
+    alone. A second KeyboardInterrupt landing in the first one's handler printed a traceback
+    instead of 'interrupted'. No-op outside the main thread, where signals cannot be handled.
+    """
+    def first(_signum, _frame):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    try:
+        signal.signal(signal.SIGINT, first)
+    except ValueError:
+        pass
 
 
 def _finish(ctx: RankContext) -> None:

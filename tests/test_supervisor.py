@@ -217,3 +217,21 @@ def test_parent_death_hook_imports_nothing_in_the_child():
                           timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "ok"
+
+
+def test_a_rank_turns_the_first_sigint_into_an_interrupt_and_ignores_the_next():
+    """A group-wide SIGINT reaches a rank directly and again through the launcher; the
+    second one used to land in the first one's handler and print a traceback."""
+    from draftforge.splitserve.roles import interrupt_once
+
+    saved = signal.getsignal(signal.SIGINT)
+    try:
+        interrupt_once()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler raises as soon as the main thread runs Python again
+        os.kill(os.getpid(), signal.SIGINT)  # the launcher's copy: ignored
+        time.sleep(0.2)
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, saved)
