@@ -60,7 +60,7 @@ def test_without_cuda_every_check_skips_with_status_77(tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(
         [sys.executable, "-m", "draftforge.splitserve.gpu_check", "--work-dir", str(tmp_path / "w")],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=120,
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=240,
     )
     assert proc.returncode == 77, proc.stderr
     lines = proc.stdout.strip().splitlines()
