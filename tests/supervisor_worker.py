@@ -5,8 +5,8 @@ it saw; ``hold`` does the same, then waits for a release file (so the test can
 inspect the job's sockets while every rank is connected); ``fail`` makes rank 1
 exit 3 while rank 0 blocks in a collective that can never finish; ``stubborn``
 ignores SIGINT and SIGTERM and sleeps (a rank stuck in C code); ``race`` has rank 1
-kill itself with SIGKILL and rank 0 exit 3 at the same moment (its reaction, as a
-trainer's to a dead target).
+kill itself with SIGKILL and rank 0 exit 3 at the same moment, once both are ready (its
+reaction, as a trainer's to a dead target).
 """
 
 from __future__ import annotations
@@ -37,10 +37,17 @@ def main(mode: str, out_dir: str) -> int:
     if mode == "race":
         import signal
 
-        time.sleep(0.3)
+        # meet first: the two ranks finish importing torch seconds apart on a loaded machine,
+        # and rank 0 must exit within the launcher's grace after rank 1's death
+        (out / f"rank{rank}.ready").touch()
+        deadline = time.monotonic() + 60
+        while not all((out / f"rank{r}.ready").exists() for r in (0, 1)):
+            if time.monotonic() > deadline:
+                return 4
+            time.sleep(0.01)
         if rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
-        return 3
+        os._exit(3)  # at once, as the real ranks leave (interpreter teardown takes seconds)
     dist.init_process_group("gloo")
     value = torch.tensor([float(rank)])
     if mode == "fail":
