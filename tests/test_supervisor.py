@@ -122,7 +122,9 @@ def test_ctrl_c_stops_ranks_that_ignore_it_and_a_second_one_kills_at_once(tmp_pa
     for second in (False, True):
         for r in range(2):
             (tmp_path / f"rank{r}.ready").unlink(missing_ok=True)
-        proc = _launcher(tmp_path, "stubborn", term_s=2.0)
+        # the second case's term_s is long, so that waiting for it and not waiting differ by
+        # far more than a loaded machine's start-up and teardown times
+        proc = _launcher(tmp_path, "stubborn", term_s=30.0 if second else 2.0)
         deadline = time.monotonic() + 60
         while not all((tmp_path / f"rank{r}.ready").exists() for r in range(2)):
             assert proc.poll() is None and time.monotonic() < deadline
@@ -137,7 +139,7 @@ def test_ctrl_c_stops_ranks_that_ignore_it_and_a_second_one_kills_at_once(tmp_pa
         assert proc.returncode == 130, err
         assert "stopped on SIGINT; rerun the same command to continue" in err
         if second:
-            assert took < 2.0 and "SIGTERM" not in err, (took, err)
+            assert took < 15.0 and "SIGTERM" not in err, (took, err)
         else:
             assert "ignored SIGTERM; SIGKILL" in err and 4.0 <= took < 30, (took, err)
 
