@@ -265,10 +265,15 @@ def resolve_device(choice: str, first_gpu: int = 0, *, cuda_available: bool | No
     :class:`~draftforge.errors.InputError` for anything else, or a GPU that is not visible."""
     from draftforge.errors import InputError
 
+    given = choice
+    visible = None  # how many GPUs, when asked here (tests pass cuda_available instead)
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
+        visible = torch.cuda.device_count() if cuda_available else 0
     if choice == "auto":
-        return f"cuda:{first_gpu}" if cuda_available else "cpu"
+        if not cuda_available:
+            return "cpu"
+        choice = f"cuda:{first_gpu}"
     try:
         device = torch.device(choice)
     except RuntimeError:
@@ -277,6 +282,10 @@ def resolve_device(choice: str, first_gpu: int = 0, *, cuda_available: bool | No
         raise InputError(f"--device {choice!r}: the target runs on cpu or cuda")
     if device.type == "cuda" and not cuda_available:
         raise InputError(f"--device {choice!r}: no CUDA GPU is visible")
+    if device.type == "cuda" and visible is not None and (device.index or 0) >= visible:
+        origin = "the recipe's first target GPU" if given == "auto" else "--device"
+        raise InputError(f"device {device} ({origin}): only {visible} GPU(s) are visible; give "
+                         "--device cuda:N with N below that")
     return str(device)
 
 

@@ -285,3 +285,19 @@ def test_eval_says_up_front_that_it_replaces_an_earlier_report(tmp_path, capsys)
     (out / "report.json").write_text("{cut")
     _warn_replacing(out)
     assert "report of draft unreadable" in capsys.readouterr().out
+
+
+def test_a_gpu_index_beyond_the_visible_ones_is_named(monkeypatch):
+    import torch
+
+    from draftforge.errors import InputError
+    from draftforge.splitserve.target import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == "cuda:1"
+    assert resolve_device("auto", 1) == "cuda:1"
+    with pytest.raises(InputError, match=r"device cuda:2 \(--device\): only 2 GPU"):
+        resolve_device("cuda:2")
+    with pytest.raises(InputError, match=r"device cuda:4 \(the recipe's first target GPU\): only 2 GPU"):
+        resolve_device("auto", 4)  # a recipe whose target GPUs start at 4
