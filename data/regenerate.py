@@ -363,9 +363,8 @@ def target_placement(choice: str, cfg, *, cuda_available: bool | None = None) ->
     the recipe's own group (``split.target_tensor_parallel`` GPUs, SGLang only), on CPU one."""
     from draftforge.splitserve.target import resolve_device
 
-    devices = cfg.split.target_devices
     try:
-        device = resolve_device(choice, devices[0] if devices else 0, cuda_available=cuda_available)
+        device = resolve_device(choice, cfg.split.target_devices, cuda_available=cuda_available)
     except InputError as err:
         raise RegenerationError(str(err)) from None
     if device == "cpu" or cfg.target.backend != "sglang":

@@ -82,13 +82,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from draftforge.splitserve.config import TargetConfig
     from draftforge.splitserve.target import build_target, resolve_device
 
-    eval_cfg, target_cfg, first_gpu = EvalConfig(), None, 0
+    eval_cfg, target_cfg, target_gpus = EvalConfig(), None, None
     if args.recipe:
         from draftforge.config import load_recipe
 
         recipe = load_recipe(args.recipe)
         eval_cfg, target_cfg = recipe.eval, recipe.target
-        first_gpu = recipe.split.target_devices[0] if recipe.split.target_devices else 0
+        target_gpus = recipe.split.target_devices
         if args.target:
             target_cfg = target_cfg.model_copy(update={"model": args.target})
         if args.dtype:
@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.prompts_file and not Path(args.prompts_file).is_file():
         raise InputError(f"--prompts-file {args.prompts_file}: no such file")
 
-    device = resolve_device(args.device, first_gpu)
+    device = resolve_device(args.device, target_gpus)
     if target_cfg.backend != "hf":
         # the verifier steps a KV cache token by token and reads the layers it captures in
         # place: it drives the model itself, so the target runs in transformers here

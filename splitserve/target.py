@@ -259,9 +259,11 @@ def target_name(cfg: TargetConfig) -> str:
     return Path(cfg.model).expanduser().name
 
 
-def resolve_device(choice: str, first_gpu: int = 0, *, cuda_available: bool | None = None) -> str:
-    """The device a command's ``--device`` names: ``auto`` is ``cuda:<first_gpu>`` when CUDA is
-    visible, else ``cpu``; ``cpu``, ``cuda`` and ``cuda:N`` as given. Raises
+def resolve_device(choice: str, target_gpus: Sequence[int] | None = None, *,
+                   cuda_available: bool | None = None) -> str:
+    """The device a command's ``--device`` names: ``auto`` is the first of the recipe's
+    ``target_gpus`` (``split.target_devices``; GPU 0 when unset) when CUDA is visible, else
+    ``cpu``; ``cpu``, ``cuda`` and ``cuda:N`` as given. Raises
     :class:`~draftforge.errors.InputError` for anything else, or a GPU that is not visible."""
     from draftforge.errors import InputError
 
@@ -273,7 +275,7 @@ def resolve_device(choice: str, first_gpu: int = 0, *, cuda_available: bool | No
     if choice == "auto":
         if not cuda_available:
             return "cpu"
-        choice = f"cuda:{first_gpu}"
+        choice = f"cuda:{target_gpus[0] if target_gpus else 0}"
     try:
         device = torch.device(choice)
     except RuntimeError:

@@ -254,11 +254,7 @@ def test_eval_cli_fails_loudly_when_greedy_is_not_lossless(recipe_path, tmp_path
     from draftforge.eval import speculative
     from draftforge.eval.cli import main
 
-    recipe = load_recipe(recipe_path)
-    target = build_target(recipe.target, recipe.draft.target_layer_ids)
-    export_dir = export_draft(tiny_eval_draft(target), tmp_path / "export", progress=lambda _: None)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"workload": "w", "input_ids": random_prompts(1)[0]}))
+    export_dir, prompts = _tiny_export_and_prompts(recipe_path, tmp_path)
     monkeypatch.setattr(
         speculative, "greedy_accept", lambda drafts, logits: (len(drafts), int(logits[len(drafts)].argmax()))
     )
@@ -296,8 +292,8 @@ def test_a_gpu_index_beyond_the_visible_ones_is_named(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert resolve_device("cuda:1") == "cuda:1"
-    assert resolve_device("auto", 1) == "cuda:1"
+    assert resolve_device("auto", [1, 2]) == "cuda:1"
     with pytest.raises(InputError, match=r"device cuda:2 \(--device\): only 2 GPU"):
         resolve_device("cuda:2")
     with pytest.raises(InputError, match=r"device cuda:4 \(the recipe's first target GPU\): only 2 GPU"):
-        resolve_device("auto", 4)  # a recipe whose target GPUs start at 4
+        resolve_device("auto", [4, 5])  # a recipe whose target GPUs start at 4
