@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from draftforge.splitserve.kv_cache import growing_cache
+
 if TYPE_CHECKING:
     from draftforge.splitserve.config import GenerationConfig
 
@@ -72,7 +74,8 @@ def decode(
     """Generate up to ``settings.max_new_tokens`` after left-padded ``input_ids`` [B, S].
 
     Returns the new tokens [B, T]; a row that has produced an end-of-sequence id is
-    padded with ``pad_id`` after it. Rows that have ended leave the batch (their KV cache
+    padded with ``pad_id`` after it. The KV cache is a ``GrowingCache`` where the model
+    allows it (see ``kv_cache``). Rows that have ended leave the batch (their KV cache
     rows are dropped, when the cache supports it), so the remaining steps compute only
     the rows still generating; decoding stops once every row has ended.
     """
@@ -82,8 +85,9 @@ def decode(
     cache_arg = kv_cache_argument(model)
     mask = attention_mask.to(torch.long)
     positions = (mask.cumsum(-1) - 1).clamp_(min=0)
+    cache = growing_cache(model, input_ids.shape[1] + settings.max_new_tokens)
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                logits_to_keep=1)
+                logits_to_keep=1, **({} if cache is None else {cache_arg: cache}))
     cache, logits = getattr(out, cache_arg), out.logits[:, -1]
     next_position = positions[:, -1:] + 1
     result = torch.full((batch, settings.max_new_tokens), pad_id, dtype=torch.long, device=device)
