@@ -34,11 +34,18 @@ Resumable and crash-safe:
 
 So an interrupted run followed by a rerun writes exactly the same file as an
 uninterrupted run (given a deterministic engine, which the transformers backend is).
+
+On a CPU with the transformers backend, ``--workers`` processes (default: one per
+core, at most one per batch) answer whole batches side by side, each with its own
+target (``data/answer_workers.py``); batches are written as they finish, and since a
+batch's answers depend only on the batch, the file is the same for any number of
+workers.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -123,6 +130,19 @@ def answer_batch(
                 unfinished[i].append(len(histories[i]))
             histories[i].append({"role": "assistant", "content": str(reply)})
     return histories, unfinished
+
+
+def answered_batches(pending: Sequence[tuple[int, list[Conversation]]], engine: ReplyEngine,
+                     settings: GenerationConfig):
+    """``(batch index, conversations, unfinished)`` for every pending batch: in order from
+    ``engine`` itself, or in the order they finish from an engine that answers batches
+    itself (``answer_workers.WorkerPool``)."""
+    if hasattr(engine, "answer_batches"):
+        yield from engine.answer_batches(pending, settings)
+        return
+    for b, todo in pending:
+        conversations, unfinished = answer_batch(todo, engine, settings)
+        yield b, conversations, unfinished
 
 
 def _row_line(row: dict[str, Any]) -> bytes:
@@ -321,11 +341,11 @@ def regenerate(
     generated = 0
     try:
         with open(partial, "ab") as handle:
-            for batch in batches:
-                todo = [p for p in batch if p.id not in done]
-                if not todo:
-                    continue
-                conversations, unfinished = answer_batch(todo, engine, settings)
+            pending = [(b, [p for p in batch if p.id not in done]) for b, batch in enumerate(batches)]
+            pending = [(b, todo) for b, todo in pending if todo]
+            todo_of = dict(pending)
+            for b, conversations, unfinished in answered_batches(pending, engine, settings):
+                todo = todo_of[b]
                 payload = b"".join(
                     _row_line(
                         {
@@ -372,6 +392,24 @@ def target_placement(choice: str, cfg, *, cuda_available: bool | None = None) ->
     return device, cfg.split.target_tensor_parallel
 
 
+def worker_plan(workers: int | None, threads: int | None, *, device: str, backend: str,
+                cores: int, num_batches: int) -> tuple[int, int]:
+    """``(workers, threads per worker)`` for ``--workers`` and ``--threads`` (None = default).
+
+    Several workers only on a CPU with the transformers backend; by default one per core,
+    at most one per batch, sharing the cores; refused elsewhere, where one target already
+    has the device (a GPU, an SGLang engine)."""
+    if device != "cpu" or backend == "sglang":
+        if workers is not None and workers > 1:
+            raise RegenerationError(
+                f"--workers {workers}: several workers run on a CPU with target.backend hf; "
+                f"here the target runs on {device} with backend {backend}, one engine")
+        return 1, threads or cores
+    if workers is None:
+        workers = max(1, min(cores, num_batches))
+    return workers, threads or max(1, cores // workers)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``draftforge data regenerate RECIPE [key=value ...]``: write the recipe's regenerated data."""
     parser = argparse.ArgumentParser(
@@ -392,13 +430,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "split.target_tensor_parallel GPUs from that one, as in training",
     )
     parser.add_argument(
+        "--workers", type=int, default=None,
+        help="processes answering batches side by side on a CPU, each with its own copy of the "
+        "target (default: one per core this process may use, at most one per batch; 1 on a "
+        "GPU or with target.backend sglang, which allow only 1). Each holds the whole target "
+        "in memory: use fewer for a large target. The answers do not depend on it",
+    )
+    parser.add_argument(
         "--threads", type=int, default=None,
-        help="intra-op threads of the target (default: every core this process may use; "
-        "target.num_threads is for the target rank of a training job, which shares the machine)",
+        help="intra-op threads of each worker's target (default: the cores this process may "
+        "use divided among the workers; target.num_threads is for the target rank of a "
+        "training job, which shares the machine)",
     )
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    if args.threads is not None and args.threads < 1:
-        parser.error(f"--threads must be at least 1, got {args.threads}")
+    for flag in ("workers", "threads"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
 
     from draftforge.config import load_recipe
     from draftforge.data.loading import load_prompts, regenerated_path
@@ -421,16 +468,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                                     f"({err.strerror})") from None
         print(f"draftforge data regenerate: {len(prompts)} prompts -> {out}", file=sys.stderr)
 
-        from draftforge.splitserve.target import build_target
+        from draftforge.splitserve.target import build_target, target_name
 
-        threads = args.threads or usable_cores()
         device, tensor_parallel = target_placement(args.device, cfg)
+        num_batches = -(-len(prompts) // cfg.target.generation.batch_size)
+        workers, threads = worker_plan(args.workers, args.threads, device=device,
+                                       backend=cfg.target.backend, cores=usable_cores(),
+                                       num_batches=num_batches)
         where = f"{device}" + (f" (tensor parallel {tensor_parallel})" if tensor_parallel > 1 else "")
-        print(f"draftforge data regenerate: target on {where}, {threads} thread(s)",
-              file=sys.stderr)
+        print(f"draftforge data regenerate: target on {where}, "
+              + (f"{workers} workers of {threads} thread(s) each" if workers > 1
+                 else f"{threads} thread(s)"), file=sys.stderr)
         target = cfg.target.model_copy(update={"num_threads": threads})
-        engine = build_target(target, cfg.draft.target_layer_ids, device=device,
-                              tensor_parallel=tensor_parallel)
+        if workers > 1:
+            from draftforge.data.answer_workers import WorkerPool
+
+            build = functools.partial(build_target, target, list(cfg.draft.target_layer_ids))
+            engine = WorkerPool(build, workers, name=target_name(target))
+        else:
+            engine = build_target(target, cfg.draft.target_layer_ids, device=device,
+                                  tensor_parallel=tensor_parallel)
         regenerate(prompts, engine, cfg.target.generation, out, progress=not args.no_progress)
     except (DataFormatError, OverlapError, RegenerationError, WorkloadUnavailableError) as exc:
         print(f"draftforge data regenerate: {exc}", file=sys.stderr)

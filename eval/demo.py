@@ -657,8 +657,7 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
     elif paths.data_file.is_file():
         stages.skip(f"{paths.data_file} already answers the recipe's prompts")
     else:
-        # The recipe's thread count: on a shared machine more threads than free cores
-        # slow decoding down by an order of magnitude.
+        # Its defaults: on a CPU one worker process per usable core, one thread each.
         run_stage("data regenerate", ["data", "regenerate", recipe])
         stages.done(since)
 

@@ -497,3 +497,212 @@ def test_rows_are_read_line_by_line_with_every_kind_of_cut(tmp_path):
     path.write_bytes(whole + b'["p5"]\n' + whole)
     with pytest.raises(RegenerationError, match="line 5: .*not a row object"):
         _read_rows(path)
+
+
+# --- several workers (data/answer_workers.py) ---------------------------------------------
+# Builders are module-level so that spawned workers can unpickle them.
+
+
+def build_fake_engine():
+    return FakeEngine()
+
+
+class FailingOnBatch(FakeEngine):
+    def generate(self, conversations, settings):
+        if any(c[-1]["content"] == "question 7" for c in conversations):
+            raise RuntimeError("no answer for question 7")
+        return super().generate(conversations, settings)
+
+
+def build_failing_engine():
+    return FailingOnBatch()
+
+
+def build_broken_engine():
+    raise ValueError("weights not found at /nowhere")
+
+
+class DyingOnBatch(FakeEngine):
+    def generate(self, conversations, settings):
+        if any(c[-1]["content"] == "question 7" for c in conversations):
+            os._exit(9)
+        return super().generate(conversations, settings)
+
+
+def build_dying_engine():
+    return DyingOnBatch()
+
+
+def test_several_workers_write_the_same_file_as_one(tmp_path):
+    from draftforge.data.answer_workers import WorkerPool
+
+    reference, _ = run(tmp_path, "one.jsonl")
+    pooled, report = run(tmp_path, "pool.jsonl", engine=WorkerPool(build_fake_engine, 3, "fake-target"))
+    assert pooled.read_bytes() == reference.read_bytes()
+    assert (report.num_generated, report.num_reused) == (11, 0)
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (build_broken_engine, r"worker \d failed while building its target: ValueError: weights not "
+                              r"found at /nowhere"),
+        (build_failing_engine, r"worker \d failed while answering batch 2: RuntimeError: no answer "
+                               r"for question 7"),
+        (build_dying_engine, r"worker \d exited with status 9 without a message"),
+    ],
+)
+def test_a_failing_worker_stops_the_run_and_a_rerun_finishes_it_identically(tmp_path, build, message):
+    from draftforge.data.answer_workers import WorkerError, WorkerPool
+
+    reference, _ = run(tmp_path, "one.jsonl")
+    out = tmp_path / "pool.jsonl"
+    with pytest.raises(WorkerError, match=message):
+        regenerate(make_prompts(), WorkerPool(build, 2, "fake-target"), SETTINGS, out,
+                   progress=False)
+    assert not out.exists()
+    kept = Path(str(out) + ".partial")
+    assert kept.exists()  # batches finished before the failure stay
+    report = regenerate(make_prompts(), WorkerPool(build_fake_engine, 2, "fake-target"), SETTINGS,
+                        out, progress=False)
+    assert out.read_bytes() == reference.read_bytes()
+    assert report.num_reused + report.num_generated == 11
+
+
+def test_a_worker_whose_target_has_another_name_is_refused(tmp_path):
+    from draftforge.data.answer_workers import WorkerError, WorkerPool
+
+    with pytest.raises(WorkerError, match="built target 'fake-target', expected 'other'"):
+        regenerate(make_prompts(), WorkerPool(build_fake_engine, 2, "other"), SETTINGS,
+                   tmp_path / "x.jsonl", progress=False)
+
+
+def test_worker_plan():
+    from draftforge.data.regenerate import worker_plan
+
+    cpu = dict(device="cpu", backend="hf")
+    assert worker_plan(None, None, cores=2, num_batches=40, **cpu) == (2, 1)
+    assert worker_plan(None, None, cores=8, num_batches=3, **cpu) == (3, 2)  # one per batch
+    assert worker_plan(1, None, cores=4, num_batches=40, **cpu) == (1, 4)
+    assert worker_plan(2, 3, cores=4, num_batches=40, **cpu) == (2, 3)
+    assert worker_plan(None, None, device="cuda:0", backend="hf", cores=16, num_batches=9) == (1, 16)
+    assert worker_plan(None, 2, device="cpu", backend="sglang", cores=16, num_batches=9) == (1, 2)
+    with pytest.raises(RegenerationError, match="--workers 2: several workers run on a CPU"):
+        worker_plan(2, None, device="cuda:0", backend="sglang", cores=16, num_batches=9)
+
+
+def test_cli_main_starts_workers_on_a_cpu(tmp_path, monkeypatch):
+    from draftforge.data import regenerate as regen_module
+    from draftforge.data.answer_workers import WorkerPool
+
+    seen = {}
+    monkeypatch.setattr(regen_module, "regenerate",
+                        lambda prompts, engine, settings, out, progress: seen.update(engine=engine))
+    monkeypatch.setattr(regen_module, "usable_cores", lambda: 4)
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
+    args = [str(recipe), f"train.output_dir={tmp_path}", "data.num_samples=7",
+            "target.generation.batch_size=2", "--no-progress"]
+    assert regen_module.main(args) == 0
+    pool = seen["engine"]
+    assert isinstance(pool, WorkerPool) and pool.workers == 4 and pool.name == "random"
+    assert pool.build.args[0].num_threads == 1  # 4 cores among 4 workers
+    assert regen_module.main(args + ["--workers", "2", "--threads", "3"]) == 0
+    assert (seen["engine"].workers, seen["engine"].build.args[0].num_threads) == (2, 3)
+    assert regen_module.main(args + ["--workers", "1"]) == 0
+    assert not isinstance(seen["engine"], WorkerPool)
+
+
+@pytest.mark.integration
+def test_smollm2_answers_do_not_depend_on_the_number_of_workers(tmp_path):
+    """Two one-thread workers write the file one two-thread process writes, byte for byte."""
+    import functools
+
+    from draftforge.data.answer_workers import WorkerPool
+    from draftforge.splitserve.config import TargetConfig
+    from draftforge.splitserve.target import build_target
+
+    settings = GenerationConfig(batch_size=2, max_new_tokens=16, temperature=0.7, seed=3)
+    prompts = [Conversation(f"q{i}", [{"role": "user", "content": text}]) for i, text in enumerate(
+        ["Name a fruit.", "What is 12 + 30?", "Say hello in French.", "Write a haiku about rain.",
+         "List three colours."])]
+    one = tmp_path / "one.jsonl"
+    regenerate(prompts, build_target(TargetConfig(model="smollm2-135m-instruct", dtype="float32",
+                                                  num_threads=2), [1]),
+               settings, one, progress=False)
+    two = tmp_path / "two.jsonl"
+    target = TargetConfig(model="smollm2-135m-instruct", dtype="float32", num_threads=1)
+    regenerate(prompts, WorkerPool(functools.partial(build_target, target, [1]), 2,
+                                   "smollm2-135m-instruct"), settings, two, progress=False)
+    assert two.read_bytes() == one.read_bytes()
+    assert len(one.read_text().splitlines()) == 5
+
+
+class SlowEngine(FakeEngine):
+    def generate(self, conversations, settings):
+        import time
+
+        time.sleep(0.5)
+        return super().generate(conversations, settings)
+
+
+WORKER_LOCKS = []
+
+
+def build_slow_engine():
+    import multiprocessing
+
+    # a named semaphore, as tqdm's progress bars make in a real worker: it is reported
+    # leaked unless the worker's exit handlers run when it is stopped
+    WORKER_LOCKS.append(multiprocessing.get_context("spawn").Lock())
+    return SlowEngine()
+
+
+CTRL_C_DRIVER = """
+import sys
+sys.path.insert(0, {tests!r})
+from test_data_regenerate import SETTINGS, build_slow_engine, make_prompts
+from draftforge.data.answer_workers import WorkerPool
+from draftforge.data.regenerate import regenerate
+if __name__ == "__main__":
+    try:
+        regenerate(make_prompts(40), WorkerPool(build_slow_engine, 2, "fake-target"), SETTINGS,
+                   {out!r}, progress=False)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+"""
+
+
+def test_ctrl_c_stops_the_workers_keeps_finished_batches_and_leaks_nothing(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "x.jsonl"
+    partial = Path(str(out) + ".partial")
+    driver = tmp_path / "driver.py"
+    driver.write_text(CTRL_C_DRIVER.format(tests=str(Path(__file__).parent), out=str(out)))
+    process = subprocess.Popen([sys.executable, str(driver)], start_new_session=True,
+                               stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 120
+    while not (partial.exists() and partial.read_text().count("\n") >= 6):
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+        time.sleep(0.1)
+    os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole group
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130 and "interrupted" in err, err
+    assert "leaked" not in err and "Traceback" not in err, err
+    assert not out.exists()
+    rows = [json.loads(line) for line in partial.read_text().splitlines()]
+    assert len(rows) % 3 == 0 and 6 <= len(rows) < 40  # whole batches of 3 only
+    deadline = time.monotonic() + 15  # the workers, and multiprocessing's resource tracker
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("processes of the run are still alive 15 s after it ended")
