@@ -8,12 +8,21 @@ so the "same file" tests would catch that.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 
 import pytest
+from regenerate_helpers import (
+    SETTINGS,
+    FakeEngine,
+    Interrupted,
+    build_broken_engine,
+    build_dying_engine,
+    build_failing_engine,
+    build_fake_engine,
+    make_prompts,
+)
 
 from draftforge.data.formats import Conversation
 from draftforge.data.regenerate import (
@@ -23,45 +32,6 @@ from draftforge.data.regenerate import (
     regenerate,
 )
 from draftforge.splitserve.config import GenerationConfig
-
-
-class Interrupted(Exception):
-    pass
-
-
-class FakeEngine:
-    name = "fake-target"
-
-    def __init__(self, fail_on_call: int | None = None):
-        self.calls: list[tuple[list[list[dict[str, str]]], int]] = []
-        self.fail_on_call = fail_on_call
-
-    def generate(self, conversations, settings):
-        if self.fail_on_call is not None and len(self.calls) + 1 == self.fail_on_call:
-            raise Interrupted
-        self.calls.append(([list(c) for c in conversations], settings.seed))
-        replies = []
-        for conv in conversations:
-            assert conv[-1]["role"] == "user"
-            key = json.dumps(conv) + f"|{settings.seed}|{settings.temperature}"
-            replies.append("reply " + hashlib.sha256(key.encode()).hexdigest()[:10])
-        return replies
-
-
-def make_prompts(n: int = 11) -> list[Conversation]:
-    prompts = []
-    for i in range(n):
-        msgs = []
-        if i % 4 == 0:
-            msgs.append({"role": "system", "content": f"system {i}"})
-        msgs.append({"role": "user", "content": f"question {i}"})
-        if i % 3 == 0:
-            msgs.append({"role": "user", "content": f"follow-up {i}"})
-        prompts.append(Conversation(f"p{i:02d}", msgs))
-    return prompts
-
-
-SETTINGS = GenerationConfig(batch_size=3, temperature=0.7, seed=5)
 
 
 def run(tmp_path: Path, name: str, engine=None, prompts=None, settings=SETTINGS):
@@ -500,39 +470,7 @@ def test_rows_are_read_line_by_line_with_every_kind_of_cut(tmp_path):
 
 
 # --- several workers (data/answer_workers.py) ---------------------------------------------
-# Builders are module-level so that spawned workers can unpickle them.
-
-
-def build_fake_engine():
-    return FakeEngine()
-
-
-class FailingOnBatch(FakeEngine):
-    def generate(self, conversations, settings):
-        if any(c[-1]["content"] == "question 7" for c in conversations):
-            raise RuntimeError("no answer for question 7")
-        return super().generate(conversations, settings)
-
-
-def build_failing_engine():
-    return FailingOnBatch()
-
-
-def build_broken_engine():
-    raise ValueError("weights not found at /nowhere")
-
-
-class DyingOnBatch(FakeEngine):
-    def generate(self, conversations, settings):
-        if any(c[-1]["content"] == "question 7" for c in conversations):
-            os._exit(9)
-        return super().generate(conversations, settings)
-
-
-def build_dying_engine():
-    return DyingOnBatch()
-
-
+# Their engine builders are in regenerate_helpers.py, importable in spawned workers.
 def test_several_workers_write_the_same_file_as_one(tmp_path):
     from draftforge.data.answer_workers import WorkerPool
 
@@ -637,30 +575,10 @@ def test_smollm2_answers_do_not_depend_on_the_number_of_workers(tmp_path):
     assert len(one.read_text().splitlines()) == 5
 
 
-class SlowEngine(FakeEngine):
-    def generate(self, conversations, settings):
-        import time
-
-        time.sleep(0.5)
-        return super().generate(conversations, settings)
-
-
-WORKER_LOCKS = []
-
-
-def build_slow_engine():
-    import multiprocessing
-
-    # a named semaphore, as tqdm's progress bars make in a real worker: it is reported
-    # leaked unless the worker's exit handlers run when it is stopped
-    WORKER_LOCKS.append(multiprocessing.get_context("spawn").Lock())
-    return SlowEngine()
-
-
 CTRL_C_DRIVER = """
 import sys
 sys.path.insert(0, {tests!r})
-from test_data_regenerate import SETTINGS, build_slow_engine, make_prompts
+from regenerate_helpers import SETTINGS, build_slow_engine, make_prompts
 from draftforge.data.answer_workers import WorkerPool
 from draftforge.data.regenerate import regenerate
 if __name__ == "__main__":
