@@ -1,4 +1,7 @@
-"""A KV cache for the decoding loop that fills a buffer instead of growing by concatenation.
+"""A KV cache that fills a buffer instead of growing by concatenation.
+
+Used by the decoding loop (``splitserve/sampling.py``) and by the evaluator's verifier
+(``eval/speculative.py``, where each round appends a block and crops the rejected part).
 
 ``transformers``' ``DynamicCache`` appends every new token's keys and values with
 ``torch.cat``, which copies the layer's whole cache at every step. On a CPU at batch 16
