@@ -11,9 +11,11 @@ run keeps every finished batch, as with one process.
 
 A batch's answers depend only on the batch (its seed comes from its ids), not on
 which process answered it or when, so the file is the same for any number of
-workers, given a target whose results do not depend on its thread count (true of
-the transformers backend in float32 on the machine measured; a test compares one
-two-thread process with two one-thread workers on SmolLM2)."""
+workers with the same threads each. Across thread counts it is the same only where
+the target's arithmetic does not depend on them: true of the transformers backend in
+float32 on the machines measured (a test compares one two-thread process with two
+one-thread workers on SmolLM2), not in native bfloat16 (on an avx512_bf16 CPU a
+quarter of the rows differed between one and two threads per target)."""
 
 from __future__ import annotations
 

@@ -39,7 +39,9 @@ On a CPU with the transformers backend, ``--workers`` processes (default: one pe
 core, at most one per batch) answer whole batches side by side, each with its own
 target (``data/answer_workers.py``); batches are written as they finish, and since a
 batch's answers depend only on the batch, the file is the same for any number of
-workers.
+workers with the same ``--threads`` each (in float32 for any thread count too; in native
+bfloat16 the thread count changes some answers, so a rerun that resumes a file should
+keep it).
 """
 
 from __future__ import annotations
@@ -434,13 +436,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="processes answering batches side by side on a CPU, each with its own copy of the "
         "target (default: one per core this process may use, at most one per batch; 1 on a "
         "GPU or with target.backend sglang, which allow only 1). Each holds the whole target "
-        "in memory: use fewer for a large target. The answers do not depend on it",
+        "in memory: use fewer for a large target. The answers do not depend on it (in native "
+        "bfloat16 they depend on --threads)",
     )
     parser.add_argument(
         "--threads", type=int, default=None,
         help="intra-op threads of each worker's target (default: the cores this process may "
-        "use divided among the workers; target.num_threads is for the target rank of a "
-        "training job, which shares the machine)",
+        "use divided among the workers, so 1 when there are at least as many batches as cores; "
+        "target.num_threads is for the target rank of a training job, which shares the "
+        "machine). In native bfloat16 the thread count changes some answers; float32 does not",
     )
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     for flag in ("workers", "threads"):
