@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from draftforge.splitserve.hf_backend import captured_outputs, decoder_layers_and_norm
-from draftforge.splitserve.kv_cache import growing_cache
 from draftforge.splitserve.sampling import kv_cache_argument
 
 
@@ -107,18 +106,9 @@ class TargetSession:
             aux = torch.cat([captured[i][0] for i in self.layer_ids], dim=-1)
         return out.logits[0].float(), aux
 
-    def prefill(self, token_ids: Sequence[int], capacity: int | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Start a new sequence: next-token logits [L, V] fp32 and aux features [L, K*H_t].
-
-        ``capacity``: the positions the sequence is expected to reach. Given, the cache is
-        a preallocated :class:`~draftforge.splitserve.kv_cache.GrowingCache` of that size
-        (doubled if a round runs past it), where the model allows one: verification then
-        writes each round into it and cropping only moves its end, where transformers'
-        cache copies itself at every round. Bit-identical logits either way.
-        """
-        self.cache = growing_cache(self.model, capacity) if capacity else None
-        self.length = 0
+    def prefill(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Start a new sequence: next-token logits [L, V] fp32 and aux features [L, K*H_t]."""
+        self.cache, self.length = None, 0
         return self._run(token_ids)
 
     def extend(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -296,9 +286,7 @@ def speculative_decode(
     plain = proposer.name == "none"  # plain decoding: record the lossless reference margins
     start = time.perf_counter()
 
-    # the answer's length, plus one verification block past it at most (a buffer that fills
-    # up is doubled, so this only sizes the first allocation)
-    logits, aux = session.prefill(list(prompt), capacity=len(prompt) + settings.max_new_tokens + 16)
+    logits, aux = session.prefill(list(prompt))
     sequence = list(prompt)
     features = aux if proposer.needs_features else None
     anchor = _choose(logits[-1], settings, generator)

@@ -1,7 +1,4 @@
-"""A KV cache that fills a buffer instead of growing by concatenation.
-
-Used by the decoding loop (``splitserve/sampling.py``) and by the evaluator's verifier
-(``eval/speculative.py``, where each round appends a block and crops the rejected part).
+"""A KV cache for the decoding loop that fills a buffer instead of growing by concatenation.
 
 ``transformers``' ``DynamicCache`` appends every new token's keys and values with
 ``torch.cat``, which copies the layer's whole cache at every step. On a CPU at batch 16

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from eval_helpers import LAYER_IDS, random_prompts, tiny_eval_draft, tiny_target
+from eval_helpers import random_prompts, tiny_eval_draft, tiny_target
 
 from draftforge.eval import speculative as spec
 from draftforge.eval.baselines import NgramProposer, NoDraft, ngram_lookup
@@ -14,7 +14,6 @@ from draftforge.eval.calibration import round_samples
 from draftforge.eval.harness import EvalSettings, run_workload, summarize
 from draftforge.eval.speculative import (
     DecodeSettings,
-    DraftProposer,
     LosslessCheckError,
     Proposal,
     Proposer,
@@ -108,62 +107,6 @@ def test_oracle_drafts_exercise_acceptance_and_cache_cropping(target, wrong_from
     full_rounds = [r for r in result.rounds if r.num_proposed == gamma]
     expected = {None: gamma + 1, 2: 3, 0: 1}[wrong_from]
     assert full_rounds and all(r.acceptance_length == expected for r in full_rounds)
-
-
-class RecordingDraft(DraftProposer):
-    """The draft proposer, keeping a copy of the features it was handed each round."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.seen = []
-
-    def propose(self, sequence, features):
-        self.seen.append(features.clone())
-        return super().propose(sequence, features)
-
-
-def test_the_preallocated_cache_changes_no_round(target, draft, monkeypatch):
-    """The verifier's GrowingCache gives the same rounds, tokens and features as transformers' cache."""
-    prompts = random_prompts(2, seed=9)
-    settings = DecodeSettings(max_new_tokens=40)
-
-    def run():
-        results, caches = [], []
-        for prompt in prompts:
-            session = TargetSession(target.model, draft.config.target_layer_ids)
-            proposer = RecordingDraft(draft, temperature=0.0, generator=torch.Generator().manual_seed(0))
-            results.append((speculative_decode(session, prompt, proposer, settings), proposer.seen))
-            caches.append(type(session.cache).__name__)
-        return results, caches
-
-    growing, caches = run()
-    assert caches == ["GrowingCache"] * len(prompts)
-    monkeypatch.setattr(spec, "growing_cache", lambda model, capacity: None)
-    own, caches = run()
-    assert caches == ["DynamicCache"] * len(prompts)
-    for (ours, our_features), (theirs, their_features) in zip(growing, own, strict=True):
-        assert ours.tokens == theirs.tokens and ours.rounds == theirs.rounds
-        assert len(our_features) == len(their_features) > 1
-        assert all(torch.equal(a, b) for a, b in zip(our_features, their_features, strict=True))
-    assert any(r.num_accepted < r.num_verified for res, _ in growing for r in res.rounds), "no rejection: cropping untested"
-
-
-def test_a_session_whose_cache_fills_up_doubles_it_and_keeps_its_logits(target):
-    """A capacity below the prompt's length forces the buffer to grow; logits stay bit-identical."""
-    prompt = random_prompts(1, seed=3)[0]
-    small = TargetSession(target.model, LAYER_IDS)
-    plain = TargetSession(target.model, LAYER_IDS)
-    steps = [small.prefill(prompt, capacity=4), plain.prefill(prompt)]
-    assert type(small.cache).__name__ == "GrowingCache" and type(plain.cache).__name__ == "DynamicCache"
-    torch.testing.assert_close(steps[0], steps[1], rtol=0, atol=0)
-    rng = random.Random(0)
-    for _ in range(12):
-        block = [rng.randrange(2, 512) for _ in range(5)]
-        torch.testing.assert_close(small.extend(block), plain.extend(block), rtol=0, atol=0)
-        keep = small.length - rng.randrange(0, 5)
-        small.crop(keep)
-        plain.crop(keep)
-    assert small.cache.layers[0]._buffers[0].shape[-2] > len(prompt) + 4 * 12
 
 
 def test_round_accepting_eos_counts_up_to_the_eos(target):
