@@ -436,8 +436,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="processes answering batches side by side on a CPU, each with its own copy of the "
         "target (default: one per core this process may use, at most one per batch; 1 on a "
         "GPU or with target.backend sglang, which allow only 1). Each holds the whole target "
-        "in memory: use fewer for a large target. The answers do not depend on it (in native "
-        "bfloat16 they depend on --threads)",
+        "in memory: use fewer for a large target. At a given --threads the answers do not "
+        "depend on it (in native bfloat16 they depend on --threads, whose default follows it)",
     )
     parser.add_argument(
         "--threads", type=int, default=None,
