@@ -46,14 +46,16 @@ def _exit_cleanly(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def _work(build: Callable[[], Any], settings: GenerationConfig, conn: Connection) -> None:
+def _work(build: Callable[[], Any], settings: GenerationConfig, conn: Connection, quiet: bool) -> None:
     """A worker: build the target, then answer each batch the parent sends until it sends None."""
-    from draftforge.data.regenerate import answer_batch
+    from draftforge.data.regenerate import answer_batch, quiet_loading
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops us
     signal.signal(signal.SIGTERM, _exit_cleanly)
     batch = None  # None until the target is built and a batch taken
     try:
+        if quiet:
+            quiet_loading()
         engine = build()
         conn.send(("ready", engine.name))
         while (task := conn.recv()) is not None:
@@ -73,12 +75,13 @@ class WorkerPool:
     one) and is called once in each worker. ``name`` is the engine's name, written into
     every row; a worker whose engine has another name is an error. Each worker has a
     pipe of its own to the parent, which hands it the next batch when it is free.
+    ``quiet``: no weight-loading progress bars from the workers (``--no-progress``).
     """
 
-    def __init__(self, build: Callable[[], Any], workers: int, name: str) -> None:
+    def __init__(self, build: Callable[[], Any], workers: int, name: str, *, quiet: bool = False) -> None:
         if workers < 2:
             raise ValueError(f"a WorkerPool needs at least 2 workers, got {workers}")
-        self.build, self.workers, self.name = build, workers, name
+        self.build, self.workers, self.name, self.quiet = build, workers, name, quiet
 
     def answer_batches(self, pending: Sequence[Pending], settings: GenerationConfig
                        ) -> Iterator[tuple[int, list[list[dict[str, str]]], list[list[int]]]]:
@@ -92,7 +95,7 @@ class WorkerPool:
         try:
             for i in range(min(self.workers, len(queue))):
                 parent_end, child_end = context.Pipe()
-                process = context.Process(target=_work, args=(self.build, settings, child_end),
+                process = context.Process(target=_work, args=(self.build, settings, child_end, self.quiet),
                                           name=f"draftforge-answer-{i}", daemon=True)
                 process.start()
                 child_end.close()

@@ -4,7 +4,8 @@
 (``data.train_files``), answers them with the recipe's target and sampling settings
 (``target.generation``) and writes one jsonl row per prompt::
 
-    {"id": ..., "messages": [...], "unfinished_turns": [...], "generation": {settings}, "target": "<name>"}
+    {"id": ..., "messages": [...], "unfinished_turns": [...], "generation": {settings},
+     "target": "<name>", "arithmetic": {"device": ..., "backend": ..., "dtype": ..., "threads": ...}}
 
 ``unfinished_turns`` lists the message indices of replies the target did not end
 itself (cut at ``max_new_tokens``); their end-of-turn marker is not supervised.
@@ -40,8 +41,11 @@ core, at most one per batch) answer whole batches side by side, each with its ow
 target (``data/answer_workers.py``); batches are written as they finish, and since a
 batch's answers depend only on the batch, the file is the same for any number of
 workers with the same ``--threads`` each (in float32 for any thread count too; in native
-bfloat16 the thread count changes some answers, so a rerun that resumes a file should
-keep it).
+bfloat16 the thread count changes some answers). ``arithmetic`` records where the
+answers were computed (device, backend, dtype, and on a CPU the threads of each target);
+a rerun that would continue a file written with other arithmetic is refused, since the
+file would then mix two (threads are compared only outside float32). Files written before
+the record existed are continued without the check.
 """
 
 from __future__ import annotations
@@ -199,6 +203,52 @@ def _setting_differences(written: Any, wanted: dict) -> str:
     )
 
 
+def arithmetic_record(*, device: str, backend: str, dtype: str, threads: int | None,
+                      tensor_parallel: int = 1) -> dict[str, Any]:
+    """What a regeneration run computes its answers with, as written into every row: the
+    device type, the target backend, the dtype, and the intra-op threads of each target on
+    a CPU (or the tensor-parallel width on a GPU)."""
+    record: dict[str, Any] = {"device": device.split(":")[0], "backend": backend, "dtype": dtype}
+    if record["device"] == "cpu":
+        record["threads"] = threads
+    else:
+        record["tensor_parallel"] = tensor_parallel
+    return record
+
+
+def arithmetic_differences(written: Any, wanted: dict[str, Any] | None) -> str | None:
+    """``key: file X, this run Y`` for each part of the arithmetic that would change answers,
+    or None when the two may be mixed: equal, or one side unrecorded (a file written before
+    the record, or a run that has none). Threads matter only outside float32."""
+    if not isinstance(written, dict) or wanted is None:
+        return None
+    keys = sorted(set(written) | set(wanted))
+    if written.get("dtype") == wanted.get("dtype") == "float32":
+        keys = [key for key in keys if key != "threads"]
+    differences = [
+        f"{key}: file {written.get(key, '(absent)')!r}, this run {wanted.get(key, '(absent)')!r}"
+        for key in keys if written.get(key) != wanted.get(key)
+    ]
+    return "; ".join(differences) or None
+
+
+def _check_arithmetic(rows: list[dict[str, Any]], path: Path, arithmetic: dict[str, Any] | None) -> None:
+    """Refuse to continue ``path`` with other arithmetic than its rows were written with."""
+    for row in rows:
+        differences = arithmetic_differences(row.get("arithmetic"), arithmetic)
+        if differences:
+            hint = ""
+            written = row["arithmetic"]
+            if written.get("threads") not in (None, arithmetic.get("threads")):
+                hint = f" (rerun with --threads {written['threads']} to continue it)"
+            raise RegenerationError(
+                f"{path} (id {row['id']!r}) was answered with other arithmetic ({differences}); "
+                "continuing it would mix answers computed two ways, which differ in "
+                f"{written.get('dtype')}: rerun as it was written{hint}, or move it away and "
+                "rerun to answer every prompt anew"
+            )
+
+
 def _check_rows(
     rows: list[dict[str, Any]], path: Path, prompts: dict[str, Conversation], settings: dict, target: str
 ) -> None:
@@ -271,8 +321,12 @@ def regenerate(
     out_path: str | os.PathLike[str],
     *,
     progress: bool = True,
+    arithmetic: dict[str, Any] | None = None,
 ) -> RegenerateReport:
-    """Answer every prompt with ``engine`` and write ``out_path`` (see the module docstring)."""
+    """Answer every prompt with ``engine`` and write ``out_path`` (see the module docstring).
+
+    ``arithmetic`` (from :func:`arithmetic_record`) is written into every new row, and rows
+    already on disk with other arithmetic are refused instead of continued."""
     out = Path(out_path)
     partial = out.with_name(out.name + ".partial")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -304,11 +358,13 @@ def regenerate(
             )
             return RegenerateReport(out, len(order), len(ours), 0)
         _check_rows(rows, out, by_id, settings_json, engine.name)  # other ids: cannot extend it
+        _check_arithmetic(rows, out, arithmetic)
         os.replace(out, partial)  # more prompts than last time: continue from the file
     rows: list[dict[str, Any]] = []
     if partial.exists():
         rows, torn = _read_rows(partial)
         _check_rows(rows, partial, by_id, settings_json, engine.name)
+        _check_arithmetic(rows, partial, arithmetic)
         # A batch's rows go to disk in one write, so a batch with only some of its rows
         # there was cut by a crash (at a line boundary or inside a line, which _read_rows
         # dropped), or was the short last batch of a run over fewer prompts. Either way
@@ -356,6 +412,7 @@ def regenerate(
                             "unfinished_turns": cut,
                             "generation": settings_json,
                             "target": engine.name,
+                            **({"arithmetic": arithmetic} if arithmetic is not None else {}),
                         }
                     )
                     for p, msgs, cut in zip(todo, conversations, unfinished, strict=True)
@@ -378,6 +435,13 @@ def regenerate(
     report = RegenerateReport(out, len(prompts), num_reused, generated)
     print(f"draftforge data regenerate: {report.summary()}", file=sys.stderr)
     return report
+
+
+def quiet_loading() -> None:
+    """No weight-loading progress bar from transformers in this process (``--no-progress``)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def target_placement(choice: str, cfg, *, cuda_available: bool | None = None) -> tuple[str, int]:
@@ -423,7 +487,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "overrides", nargs="*", default=[], metavar="key=value", help="e.g. data.num_samples=64"
     )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars (neither regeneration's nor the target's weight loading)")
     parser.add_argument(
         "--device", default="auto",
         help="where the target runs: auto (default) is the recipe's first target GPU "
@@ -444,7 +509,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="intra-op threads of each worker's target (default: the cores this process may "
         "use divided among the workers, so 1 when there are at least as many batches as cores; "
         "target.num_threads is for the target rank of a training job, which shares the "
-        "machine). In native bfloat16 the thread count changes some answers; float32 does not",
+        "machine). In native bfloat16 the thread count changes some answers (float32 does not), so "
+        "a file is continued only with the count that started it (recorded in its rows)",
     )
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     for flag in ("workers", "threads"):
@@ -488,11 +554,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             from draftforge.data.answer_workers import WorkerPool
 
             build = functools.partial(build_target, target, list(cfg.draft.target_layer_ids))
-            engine = WorkerPool(build, workers, name=target_name(target))
+            engine = WorkerPool(build, workers, name=target_name(target), quiet=args.no_progress)
         else:
+            if args.no_progress:
+                quiet_loading()
             engine = build_target(target, cfg.draft.target_layer_ids, device=device,
                                   tensor_parallel=tensor_parallel)
-        regenerate(prompts, engine, cfg.target.generation, out, progress=not args.no_progress)
+        arithmetic = arithmetic_record(device=device, backend=cfg.target.backend,
+                                       dtype=cfg.target.dtype, threads=threads,
+                                       tensor_parallel=tensor_parallel)
+        regenerate(prompts, engine, cfg.target.generation, out, progress=not args.no_progress,
+                   arithmetic=arithmetic)
     except (DataFormatError, OverlapError, RegenerationError, WorkloadUnavailableError) as exc:
         print(f"draftforge data regenerate: {exc}", file=sys.stderr)
         return 2

@@ -91,6 +91,14 @@ def build_dying_engine():
 
 
 
+def build_engine_named_for_its_bars():
+    from transformers.utils import logging as hf_logging
+
+    engine = FakeEngine()
+    engine.name = "bars-on" if hf_logging.is_progress_bar_enabled() else "bars-off"
+    return engine
+
+
 class SlowEngine(FakeEngine):
     def generate(self, conversations, settings):
         time.sleep(0.5)

@@ -19,6 +19,7 @@ from regenerate_helpers import (
     Interrupted,
     build_broken_engine,
     build_dying_engine,
+    build_engine_named_for_its_bars,
     build_failing_engine,
     build_fake_engine,
     make_prompts,
@@ -305,6 +306,12 @@ def test_cli_main_writes_default_path(tmp_path, monkeypatch):
     rows = [json.loads(line) for line in (tmp_path / "regenerated.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == [f"train-{i:05d}" for i in range(1, 8)]
     assert rows[0]["generation"]["max_new_tokens"] == 32  # the recipe's settings
+    from draftforge.config import load_recipe
+
+    dtype = load_recipe(recipe).target.dtype  # 'auto' resolved for this CPU
+    assert dtype in ("float32", "bfloat16")
+    assert rows[0]["arithmetic"] == {"device": "cpu", "backend": "hf", "dtype": dtype,
+                                     "threads": len(os.sched_getaffinity(0))}
     # alone on the machine, the target uses every core it may run on, or --threads
     assert built["threads"] == len(os.sched_getaffinity(0))
     assert regen_module.main([str(recipe), f"train.output_dir={tmp_path}", "data.num_samples=7",
@@ -515,6 +522,79 @@ def test_a_worker_whose_target_has_another_name_is_refused(tmp_path):
                    tmp_path / "x.jsonl", progress=False)
 
 
+BF16_ON_2 = {"device": "cpu", "backend": "hf", "dtype": "bfloat16", "threads": 2}
+
+
+def test_arithmetic_record_and_which_differences_matter():
+    from draftforge.data.regenerate import arithmetic_differences, arithmetic_record
+
+    assert arithmetic_record(device="cpu", backend="hf", dtype="bfloat16", threads=2) == BF16_ON_2
+    assert arithmetic_record(device="cuda:3", backend="sglang", dtype="bfloat16", threads=16,
+                             tensor_parallel=4) == {"device": "cuda", "backend": "sglang",
+                                                    "dtype": "bfloat16", "tensor_parallel": 4}
+    one = dict(BF16_ON_2, threads=1)
+    assert arithmetic_differences(BF16_ON_2, one) == "threads: file 2, this run 1"
+    assert arithmetic_differences(BF16_ON_2, dict(BF16_ON_2)) is None
+    f32 = dict(BF16_ON_2, dtype="float32")
+    assert arithmetic_differences(f32, dict(f32, threads=1)) is None  # float32: threads do not matter
+    assert arithmetic_differences(f32, dict(f32, threads=1, backend="sglang")) == (
+        "backend: file 'hf', this run 'sglang'")
+    assert arithmetic_differences(f32, one) == "dtype: file 'float32', this run 'bfloat16'; threads: file 2, this run 1"
+    assert arithmetic_differences(None, one) is None  # a file from before the record
+    assert arithmetic_differences(BF16_ON_2, None) is None  # a run without one
+
+
+def test_resuming_with_other_arithmetic_is_refused_and_the_same_finishes_identically(tmp_path):
+    prompts = make_prompts()
+    reference = tmp_path / "ref.jsonl"
+    regenerate(prompts, FakeEngine(), SETTINGS, reference, progress=False, arithmetic=BF16_ON_2)
+    assert all(json.loads(line)["arithmetic"] == BF16_ON_2
+               for line in reference.read_text().splitlines())
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(Interrupted):
+        regenerate(prompts, FakeEngine(fail_on_call=4), SETTINGS, out, progress=False,
+                   arithmetic=BF16_ON_2)
+    partial = tmp_path / "out.jsonl.partial"
+    kept = partial.read_bytes()
+    with pytest.raises(RegenerationError, match=(
+            r"out.jsonl.partial \(id 'p00'\) was answered with other arithmetic "
+            r"\(threads: file 2, this run 1\).*rerun with --threads 2")):
+        regenerate(prompts, FakeEngine(), SETTINGS, out, progress=False,
+                   arithmetic=dict(BF16_ON_2, threads=1))
+    assert partial.read_bytes() == kept and not out.exists()  # nothing touched
+    regenerate(prompts, FakeEngine(), SETTINGS, out, progress=False, arithmetic=BF16_ON_2)
+    assert out.read_bytes() == reference.read_bytes()
+    # A finished file extended to more prompts is continued too: the same check.
+    with pytest.raises(RegenerationError, match=r"out.jsonl \(id 'p00'\) .*dtype: file 'bfloat16'"):
+        regenerate(make_prompts(14), FakeEngine(), SETTINGS, out, progress=False,
+                   arithmetic=dict(BF16_ON_2, dtype="float32"))
+    assert out.read_bytes() == reference.read_bytes()
+
+
+def test_a_file_from_before_the_arithmetic_record_is_continued(tmp_path):
+    prompts = make_prompts()
+    with pytest.raises(Interrupted):
+        run(tmp_path, "out.jsonl", FakeEngine(fail_on_call=4))  # rows without the record
+    out = tmp_path / "out.jsonl"
+    regenerate(prompts, FakeEngine(), SETTINGS, out, progress=False, arithmetic=BF16_ON_2)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert ["arithmetic" in r for r in rows] == [False] * 3 + [True] * 8
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_quiet_workers_load_without_progress_bars(tmp_path, quiet):
+    """--no-progress reaches the spawned workers: transformers' loading bars are off there
+    (the engine names itself after what it finds), and only then."""
+    from draftforge.data.answer_workers import WorkerError, WorkerPool
+
+    pool = WorkerPool(build_engine_named_for_its_bars, 2, "bars-off", quiet=quiet)
+    if quiet:
+        regenerate(make_prompts(4), pool, SETTINGS, tmp_path / "q.jsonl", progress=False)
+    else:
+        with pytest.raises(WorkerError, match="built target 'bars-on', expected 'bars-off'"):
+            regenerate(make_prompts(4), pool, SETTINGS, tmp_path / "q.jsonl", progress=False)
+
+
 def test_worker_plan():
     from draftforge.data.regenerate import worker_plan
 
@@ -535,7 +615,8 @@ def test_cli_main_starts_workers_on_a_cpu(tmp_path, monkeypatch):
 
     seen = {}
     monkeypatch.setattr(regen_module, "regenerate",
-                        lambda prompts, engine, settings, out, progress: seen.update(engine=engine))
+                        lambda prompts, engine, settings, out, progress, arithmetic:
+                        seen.update(engine=engine, arithmetic=arithmetic))
     monkeypatch.setattr(regen_module, "usable_cores", lambda: 4)
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
     args = [str(recipe), f"train.output_dir={tmp_path}", "data.num_samples=7",
@@ -546,6 +627,7 @@ def test_cli_main_starts_workers_on_a_cpu(tmp_path, monkeypatch):
     assert pool.build.args[0].num_threads == 1  # 4 cores among 4 workers
     assert regen_module.main(args + ["--workers", "2", "--threads", "3"]) == 0
     assert (seen["engine"].workers, seen["engine"].build.args[0].num_threads) == (2, 3)
+    assert seen["arithmetic"]["threads"] == 3 and seen["engine"].quiet  # --no-progress
     assert regen_module.main(args + ["--workers", "1"]) == 0
     assert not isinstance(seen["engine"], WorkerPool)
 
