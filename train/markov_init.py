@@ -3,7 +3,7 @@
 The vanilla Markov head adds ``W2 @ W1[prev]`` to every slot's logits: a rank-r table
 of next-token scores given the previous token. At the CPU recipe's budget the trained
 draft predicts its first token no better than a count table of the same answers does
-(README, "Where n-gram wins"), so this fills the table from the counts before the
+(RESULTS.md, "Where n-gram wins"), so this fills the table from the counts before the
 first step instead of learning it from random weights:
 
 - count the adjacent token pairs of the training samples, as the trainer sees them;
