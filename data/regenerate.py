@@ -243,9 +243,8 @@ def _check_arithmetic(rows: list[dict[str, Any]], path: Path, arithmetic: dict[s
                 hint = f" (rerun with --threads {written['threads']} to continue it)"
             raise RegenerationError(
                 f"{path} (id {row['id']!r}) was answered with other arithmetic ({differences}); "
-                "continuing it would mix answers computed two ways, which differ in "
-                f"{written.get('dtype')}: rerun as it was written{hint}, or move it away and "
-                "rerun to answer every prompt anew"
+                "continuing it would mix answers computed two ways, which may differ: rerun as "
+                f"it was written{hint}, or move it away and rerun to answer every prompt anew"
             )
 
 
