@@ -222,14 +222,9 @@ def arithmetic_differences(written: Any, wanted: dict[str, Any] | None) -> str |
     the record, or a run that has none). Threads matter only outside float32."""
     if not isinstance(written, dict) or wanted is None:
         return None
-    keys = sorted(set(written) | set(wanted))
     if written.get("dtype") == wanted.get("dtype") == "float32":
-        keys = [key for key in keys if key != "threads"]
-    differences = [
-        f"{key}: file {written.get(key, '(absent)')!r}, this run {wanted.get(key, '(absent)')!r}"
-        for key in keys if written.get(key) != wanted.get(key)
-    ]
-    return "; ".join(differences) or None
+        written, wanted = ({k: v for k, v in d.items() if k != "threads"} for d in (written, wanted))
+    return _setting_differences(written, wanted) if written != wanted else None
 
 
 def _check_arithmetic(rows: list[dict[str, Any]], path: Path, arithmetic: dict[str, Any] | None) -> None:
