@@ -60,8 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "lossless check needs float32 to be exact")  # fmt: skip
     parser.add_argument("--device", default="auto",
                         help="where the target and the draft run: auto (default) is the recipe's "
-                        "first target GPU (split.target_devices[0], else GPU 0) when CUDA is visible, "
-                        "else cpu; or cpu, cuda, cuda:N. The target runs whole on that one device")
+                        "target GPUs (split.target_devices, else GPU 0) when CUDA is visible, else "
+                        "cpu; or cpu, cuda:N, or a list cuda:0,cuda:1,... Over several GPUs the "
+                        "target is split by layers, filling them in order (one that fits on the "
+                        "first stays there); the draft runs on the first")
     parser.add_argument("--tie-tolerance", type=float, default=1e-3,
                         help="greedy divergences where the target's top-2 logit margin is below this "
                         "are counted as numerical near-ties, not failures (default 1e-3)")  # fmt: skip
@@ -80,7 +82,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from draftforge.eval.report import write_report
     from draftforge.eval.speculative import LosslessCheckError
     from draftforge.splitserve.config import TargetConfig
-    from draftforge.splitserve.target import build_target, resolve_device
+    from draftforge.splitserve.placement import (
+        describe_placement,
+        resolve_devices,
+        spread_placement,
+    )
+    from draftforge.splitserve.target import build_target
 
     eval_cfg, target_cfg, target_gpus = EvalConfig(), None, None
     if args.recipe:
@@ -109,7 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.prompts_file and not Path(args.prompts_file).is_file():
         raise InputError(f"--prompts-file {args.prompts_file}: no such file")
 
-    device = resolve_device(args.device, target_gpus)
+    devices = resolve_devices(args.device, target_gpus)
+    device = devices[0]  # the draft's, and where the target's inputs and features are
     if target_cfg.backend != "hf":
         # the verifier steps a KV cache token by token and reads the layers it captures in
         # place: it drives the model itself, so the target runs in transformers here
@@ -119,9 +127,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     _warn_replacing(Path(args.out))
     draft_cfg, load_draft = _draft_loader(args.draft)
     _check_fit(draft_cfg, target_cfg, args.draft)
-    print(f"eval: loading target {target_cfg.model!r} on {device} (layers {draft_cfg.target_layer_ids})",
-          flush=True)
-    target = build_target(target_cfg, draft_cfg.target_layer_ids, device=device)
+    placement = None
+    if len(devices) > 1:
+        placement = spread_placement(devices, reserve_first_bytes=_draft_bytes(draft_cfg))
+    where = device if placement is None else "over " + ", ".join(devices)
+    print(f"eval: loading target {target_cfg.model!r} {'on ' if placement is None else ''}{where} "
+          f"(layers {draft_cfg.target_layer_ids})", flush=True)
+    target = build_target(target_cfg, draft_cfg.target_layer_ids, device=device, placement=placement)
+    if placement is not None:
+        print(f"eval: target placed: {describe_placement(target.model.hf_device_map)}", flush=True)
     draft = load_draft(target, device)
     print(f"eval: draft {args.draft} (block {draft_cfg.block_size}, markov rank {draft_cfg.markov_rank})")
 
@@ -168,6 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(settings).items()},
         "device": device,
+        "target_devices": devices,
         "block_size": draft_cfg.block_size,
         "wall_s": time.perf_counter() - started,
     }
@@ -255,6 +270,16 @@ def _check_fit(draft_cfg, target_cfg, draft_path: str) -> None:
         hidden_size=shape.hidden_size, vocab_size=shape.vocab_size,
         num_hidden_layers=shape.num_hidden_layers,
     )
+
+
+def _draft_bytes(draft_cfg) -> int:
+    """Memory the draft takes on its GPU beside a spread target: its float32 weights (with its
+    own copy of the embedding and lm_head) and room for its activations."""
+    from draftforge.splitserve.dry_run import dspark_parameter_counts
+    from draftforge.splitserve.placement import DRAFT_HEADROOM_BYTES
+
+    with_embeddings, _ = dspark_parameter_counts(draft_cfg)
+    return 4 * with_embeddings + DRAFT_HEADROOM_BYTES
 
 
 def _float32():

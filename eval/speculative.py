@@ -88,7 +88,9 @@ class TargetSession:
     def __init__(self, model: nn.Module, layer_ids: Sequence[int] | None) -> None:
         self.model = model.eval()
         self.layer_ids = list(layer_ids or [])
-        self.device = next(model.parameters()).device
+        # inputs go to the embedding's device, and the captured layers are gathered there
+        # (the first device when the target is spread over several)
+        self.device = model.get_input_embeddings().weight.device
         self._layers, _ = decoder_layers_and_norm(model)
         self._cache_arg = kv_cache_argument(model)
         self.cache = None
@@ -103,7 +105,7 @@ class TargetSession:
         self.length += len(token_ids)
         aux = None
         if self.layer_ids:
-            aux = torch.cat([captured[i][0] for i in self.layer_ids], dim=-1)
+            aux = torch.cat([captured[i][0].to(self.device) for i in self.layer_ids], dim=-1)
         return out.logits[0].float(), aux
 
     def prefill(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:

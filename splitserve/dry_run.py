@@ -39,7 +39,6 @@ def draft_parameter_counts(cfg: RecipeConfig) -> tuple[int, int]:
     """(with embeddings, without) of the recipe's draft, built on the meta device."""
     from draftforge.splitserve.registry import resolve_target_shape
     from draftforge.train.config import build_dspark_config
-    from draftforge.train.model import DSparkDraft, count_parameters
 
     shape = resolve_target_shape(cfg.target)
     if shape is None:
@@ -47,13 +46,19 @@ def draft_parameter_counts(cfg: RecipeConfig) -> tuple[int, int]:
             f"the shape of target {cfg.target.model!r} is unknown without loading it; declare "
             "target.shape for a dry run"
         )
+    return dspark_parameter_counts(build_dspark_config(cfg.draft, shape))
+
+
+def dspark_parameter_counts(dspark_cfg) -> tuple[int, int]:
+    """(with embeddings, without) of a DSpark draft of ``dspark_cfg``, built on the meta device."""
+    from draftforge.train.model import DSparkDraft, count_parameters
 
     class _MetaDraft(DSparkDraft):
         def init_weights(self, *args, **kwargs) -> None:  # nothing to initialise on meta
             return None
 
     with torch.device("meta"):
-        model = _MetaDraft(build_dspark_config(cfg.draft, shape))
+        model = _MetaDraft(dspark_cfg)
     return count_parameters(model, with_embeddings=True), count_parameters(model, with_embeddings=False)
 
 

@@ -57,7 +57,9 @@ class HFTarget:
         self.vocab_size = int(config.vocab_size)
         self.layer_ids = check_layer_ids(layer_ids, self.num_hidden_layers)
         self.dtype = next(model.parameters()).dtype
-        self.device = next(model.parameters()).device
+        # where inputs go and features are gathered: the embedding's device (the first
+        # of several when the model is spread over devices)
+        self.device = model.get_input_embeddings().weight.device
         self._layers, self._final_norm = decoder_layers_and_norm(model)
         if len(self._layers) != self.num_hidden_layers:
             raise ValueError(
@@ -74,8 +76,14 @@ class HFTarget:
         *,
         name: str | None = None,
         device: str | torch.device = "cpu",
+        device_map: Mapping[str, int | str] | None = None,
     ) -> HFTarget:
-        """Load a local Hugging Face causal LM folder (safetensors weights only)."""
+        """Load a local Hugging Face causal LM folder (safetensors weights only).
+
+        ``device_map`` (module name -> device, as accelerate writes it:
+        :func:`~draftforge.splitserve.placement.plan_device_map`) spreads the model
+        over several devices; then ``device`` is not used.
+        """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = _checked_model_folder(folder)
@@ -86,6 +94,7 @@ class HFTarget:
                 dtype=DTYPES[cfg.dtype],
                 use_safetensors=True,
                 trust_remote_code=cfg.trust_remote_code,
+                device_map=None if device_map is None else dict(device_map),
             )
             tokenizer = AutoTokenizer.from_pretrained(
                 str(path), trust_remote_code=cfg.trust_remote_code
@@ -97,7 +106,8 @@ class HFTarget:
                     f"target.trust_remote_code: true only if you trust that code ({err})"
                 ) from err
             raise
-        model.to(device)
+        if device_map is None:
+            model.to(device)
         return cls(model, tokenizer, layer_ids, name=name or path.name)
 
     @property
@@ -134,8 +144,8 @@ class HFTarget:
             self.model.get_decoder()(
                 input_ids=input_ids, attention_mask=attention_mask, use_cache=False
             )
-        aux = torch.cat([captured[i] for i in self.layer_ids], dim=-1).to(self.dtype)
-        final = captured["final"].to(self.dtype)
+        aux = torch.cat([captured[i].to(self.device) for i in self.layer_ids], dim=-1).to(self.dtype)
+        final = captured["final"].to(self.device, self.dtype)
         if attention_mask is not None:
             keep_mask = attention_mask.bool().unsqueeze(-1)
             aux = aux.masked_fill(~keep_mask, 0)

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from draftforge.splitserve.config import GenerationConfig, TargetConfig
+    from draftforge.splitserve.placement import Spread
 
 
 @dataclass
@@ -297,6 +298,7 @@ def build_target(
     *,
     device: str | torch.device = "cpu",
     tensor_parallel: int = 1,
+    placement: Spread | None = None,
 ) -> TargetEngine:
     """Build the target engine the recipe's ``target`` section names.
 
@@ -304,7 +306,10 @@ def build_target(
     seeded random Llama of ``cfg.shape``, features only unless its vocabulary is
     SmolLM2's) or a local Hugging Face folder with safetensors weights.
     ``tensor_parallel`` > 1 (SGLang only) serves it from that many GPUs, ``device``'s
-    index and the ones after it.
+    index and the ones after it. ``placement`` (transformers only, not ``random``)
+    splits the model by layers over several GPUs
+    (:func:`~draftforge.splitserve.placement.spread_placement`); a model that does
+    not fit on them is refused before its weights are read.
     """
     if cfg.backend == "sglang":
         return _build_sglang_target(cfg, layer_ids, device=device, tensor_parallel=tensor_parallel)
@@ -326,10 +331,20 @@ def build_target(
         check_layer_ids(layer_ids, known.num_hidden_layers)
 
     if cfg.model == "random":
+        if placement is not None:
+            raise ValueError("a random target is built on one device; it cannot be spread over several")
         engine: TargetEngine = build_random_target(cfg, layer_ids, device=device)
     else:
         folder = smollm2.ensure_smollm2(cfg.cache_dir) if cfg.model == smollm2.NAME else cfg.model
-        engine = HFTarget.from_folder(folder, layer_ids, cfg, name=target_name(cfg), device=device)
+        device_map = None
+        if placement is not None:
+            from draftforge.splitserve.hf_backend import DTYPES
+            from draftforge.splitserve.placement import plan_device_map
+
+            device_map = plan_device_map(folder, placement, dtype=DTYPES[cfg.dtype],
+                                         trust_remote_code=cfg.trust_remote_code)
+        engine = HFTarget.from_folder(folder, layer_ids, cfg, name=target_name(cfg), device=device,
+                                      device_map=device_map)
     _check_declared_shape(cfg, engine)
     return engine
 

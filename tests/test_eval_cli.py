@@ -132,6 +132,7 @@ def test_eval_runs_an_sglang_recipes_target_in_transformers(recipe_path, tmp_pat
 @pytest.mark.parametrize("device,message", [
     ("cuda:1", "--device 'cuda:1': no CUDA GPU is visible"),
     ("tpu", "--device 'tpu' is not a device"),
+    ("cuda:0,cuda:1", "--device 'cuda:0': no CUDA GPU is visible"),
 ])
 def test_eval_refuses_a_device_it_cannot_use(recipe_path, tmp_path, capsys, monkeypatch, device, message):
     import torch
