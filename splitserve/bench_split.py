@@ -10,10 +10,12 @@ One job with the recipe's split (started like draftforge train, loopback only) r
    from an empty pipeline. Two rates come out of it:
 
    - **steady** (the end-to-end rate of the ratio): per producer link, the tokens
-     of the whole chunks trained between the step that took the first chunk's
-     last sample and the step that took the last complete chunk's last sample,
-     over the time between those two steps. Both ends sit at the same point of
-     the chunk cycle, so the pipeline's latency cancels: a chunk reaches the
+     trained by the steps after the one that took the first chunk's last sample,
+     up to and including the one that took the last complete chunk's last
+     sample, over the time those steps took. Both ends sit at the same point of
+     the chunk cycle (each boundary step also trains what follows its chunk end:
+     the window leaves it out at the start and keeps it at the end, so it counts
+     exactly what its steps trained), so the pipeline's latency cancels: a chunk reaches the
      trainer only once it is generated and featurised whole, and the trainer's
      in-order packer closes the batch holding a chunk's last sample only when the
      next chunk's first sample arrives. That latency is about one chunk's time,
@@ -162,10 +164,9 @@ def steady_rate(records: Sequence[StepRecord], min_chunks: int = MIN_STEADY_CHUN
 
     Per link, the window runs from the end of the step holding its first
     ``chunk_end`` sample to the end of the step holding its last; it counts the
-    link's tokens trained inside the window (steps after the first, up to the last
-    ``chunk_end`` sample: what the last step trains after it costs time but is not
-    counted). None when some link has fewer than ``min_chunks`` whole chunks
-    between its first and last chunk ends.
+    link's tokens trained by the steps inside it (all of each: the time of a step
+    is that of all it trains). None when some link has fewer than ``min_chunks``
+    whole chunks between its first and last chunk ends.
     """
     ends: dict[int, list[tuple[int, int]]] = {}  # link -> [(step, sample index in the step)]
     for step, record in enumerate(records):
@@ -179,10 +180,9 @@ def steady_rate(records: Sequence[StepRecord], min_chunks: int = MIN_STEADY_CHUN
     for src, marks in ends.items():
         if len(marks) - 1 < max(1, min_chunks) or marks[-1][0] <= marks[0][0]:
             return None
-        (first, _), (last, last_index) = marks[0], marks[-1]
+        first, last = marks[0][0], marks[-1][0]
         tokens = sum(count for step in range(first + 1, last + 1)
-                     for index, (link, count, _) in enumerate(records[step].samples)
-                     if link == src and (step < last or index <= last_index))
+                     for link, count, _ in records[step].samples if link == src)
         rate += tokens / (records[last].end_s - records[first].end_s)
         chunks += len(marks) - 1
         begin, end = min(begin, first), max(end, last)

@@ -80,8 +80,9 @@ def _step(end_s, *samples, wait_s=0.0, producer=(0.0, 0.0)):
 
 def test_the_steady_rate_runs_from_the_first_chunk_end_to_the_last():
     # one link, 10 tokens a sample: chunk ends in steps 1, 3 and 4. The window runs from
-    # the end of step 1 (5 s) to the end of step 4 (11 s) and counts steps 2-4 up to the
-    # last chunk end: 60 tokens (the sample after it in step 4 costs time, not counted)
+    # the end of step 1 (5 s) to the end of step 4 (11 s) and counts what steps 2-4 trained:
+    # 70 tokens (the sample after the last chunk end in step 4 too: the 6 s include its
+    # training, as the step after the first chunk end's excludes what step 1 trained after it).
     # The trainer waited 3 s before the window (the fill) and 1.5 s inside it.
     records = [
         _step(4.0, (0, 10, False), (0, 10, False), wait_s=3.0),
@@ -90,11 +91,11 @@ def test_the_steady_rate_runs_from_the_first_chunk_end_to_the_last():
         _step(10.0, (0, 10, True), (0, 10, False), (0, 10, False), wait_s=4.5),
         _step(11.0, (0, 10, True), (0, 10, False), wait_s=4.5),
     ]
-    assert steady_rate(records, min_chunks=2) == SteadyWindow(60 / 6.0, 2, 1.5 / 6.0, 0.0)
+    assert steady_rate(records, min_chunks=2) == SteadyWindow(70 / 6.0, 2, 1.5 / 6.0, 0.0)
     assert steady_rate(records, min_chunks=3) is None  # too few chunks to average over
     # what the first chunk end's step trains after it was trained before the window
     records[1] = _step(5.0, (0, 10, True), (0, 99, False), wait_s=3.0)
-    assert steady_rate(records, min_chunks=2) == SteadyWindow(60 / 6.0, 2, 1.5 / 6.0, 0.0)
+    assert steady_rate(records, min_chunks=2) == SteadyWindow(70 / 6.0, 2, 1.5 / 6.0, 0.0)
     # the target's idle share over the same steps: the producers' (idle, wall) readings at
     # the window's two ends. Before it the target never waited (the fill): 0 of 4 s idle;
     # inside it, 3 of 6 s. Over the whole phase that would read 3 of 10.
