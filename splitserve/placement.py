@@ -15,10 +15,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from draftforge.errors import InputError
+
+if TYPE_CHECKING:
+    from draftforge.splitserve.config import TargetConfig
 
 # share of each GPU's free memory the target's weights may take: the rest holds
 # the KV cache, the activations of a verification forward and CUDA's own workspace
@@ -91,19 +95,21 @@ def spread_placement(devices: Sequence[str], *, reserve_first_bytes: int,
     return Spread(devices=tuple(devices), max_memory=max_memory)
 
 
-def plan_device_map(folder: str | Path, spread: Spread, *, dtype: torch.dtype,
-                    trust_remote_code: bool = False) -> dict[str, int | str]:
+def plan_device_map(folder: str | Path, spread: Spread, cfg: TargetConfig) -> dict[str, int | str]:
     """accelerate's layer-by-layer map of the model in ``folder`` within ``spread``, worked out on
     an empty (meta) model before any weight is read: ``from_pretrained(device_map=...)`` takes it
     as it is. Raises :class:`InputError` when part of the model would fall outside
     ``spread.devices`` (onto the CPU or the disk), so a target that does not fit is refused
-    before minutes of loading."""
+    before minutes of loading. ``cfg``: the recipe's target section (dtype, trust_remote_code)."""
     from accelerate import infer_auto_device_map
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    from draftforge.splitserve.hf_backend import DTYPES
+
+    dtype = DTYPES[cfg.dtype]
+    config = AutoConfig.from_pretrained(str(folder), trust_remote_code=cfg.trust_remote_code)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
     device_map = infer_auto_device_map(
         model,
         max_memory=dict(spread.max_memory),

@@ -338,11 +338,9 @@ def build_target(
         folder = smollm2.ensure_smollm2(cfg.cache_dir) if cfg.model == smollm2.NAME else cfg.model
         device_map = None
         if placement is not None:
-            from draftforge.splitserve.hf_backend import DTYPES
             from draftforge.splitserve.placement import plan_device_map
 
-            device_map = plan_device_map(folder, placement, dtype=DTYPES[cfg.dtype],
-                                         trust_remote_code=cfg.trust_remote_code)
+            device_map = plan_device_map(folder, placement, cfg)
         engine = HFTarget.from_folder(folder, layer_ids, cfg, name=target_name(cfg), device=device,
                                       device_map=device_map)
     _check_declared_shape(cfg, engine)

@@ -101,18 +101,18 @@ def test_the_plan_splits_smollm2_over_two_gpus_before_any_weight_is_read():
     """accelerate plans on the meta device, so GPUs need not exist: SmolLM2's float32
     weights (0.54 GB) over a first GPU allowed 300 MiB and a second allowed 1 GiB split by
     whole layers, in order; allowed 100 MiB each, the rest would go to the disk, which is refused."""
+    from draftforge.splitserve.config import TargetConfig
     from draftforge.splitserve.smollm2 import ensure_smollm2
 
-    folder = ensure_smollm2()
-    split = plan_device_map(folder, Spread(("cuda:0", "cuda:1"), {0: 300 * 2**20, 1: GIB}), dtype=torch.float32)
+    folder, cfg = ensure_smollm2(), TargetConfig(model="smollm2-135m-instruct", dtype="float32")
+    split = plan_device_map(folder, Spread(("cuda:0", "cuda:1"), {0: 300 * 2**20, 1: GIB}), cfg)
     layers = [split[f"model.layers.{i}"] for i in range(30)]
     assert set(split.values()) == {0, 1} and layers == sorted(layers) and layers[0] == 0 and layers[-1] == 1
     assert split["model.embed_tokens"] == 0
     first = layers.count(0)
     assert describe_placement(split) == f"layers 0-{first - 1} on cuda:0, {first}-29 on cuda:1"
     with pytest.raises(InputError, match="the target does not fit on cuda:0, cuda:1: .* would run from .*disk"):
-        plan_device_map(folder, Spread(("cuda:0", "cuda:1"), {0: 100 * 2**20, 1: 100 * 2**20}),
-                        dtype=torch.float32)
+        plan_device_map(folder, Spread(("cuda:0", "cuda:1"), {0: 100 * 2**20, 1: 100 * 2**20}), cfg)
 
 
 @pytest.mark.integration
