@@ -130,9 +130,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     placement = None
     if len(devices) > 1:
         placement = spread_placement(devices, reserve_first_bytes=_draft_bytes(draft_cfg))
-    where = device if placement is None else "over " + ", ".join(devices)
-    print(f"eval: loading target {target_cfg.model!r} {'on ' if placement is None else ''}{where} "
-          f"(layers {draft_cfg.target_layer_ids})", flush=True)
+    where = f"on {device}" if placement is None else "over " + ", ".join(devices)
+    print(f"eval: loading target {target_cfg.model!r} {where} (layers {draft_cfg.target_layer_ids})",
+          flush=True)
     target = build_target(target_cfg, draft_cfg.target_layer_ids, device=device, placement=placement)
     if placement is not None:
         print(f"eval: target placed: {describe_placement(target.model.hf_device_map)}", flush=True)

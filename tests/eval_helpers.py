@@ -64,6 +64,22 @@ def tiny_eval_draft(target: HFTarget, seed: int = 0, **overrides) -> DSparkDraft
     return draft.eval()
 
 
+def smollm2_draft(target: HFTarget, layer_ids: list[int], seed: int = 0) -> DSparkDraft:
+    """A random one-layer draft of SmolLM2-135M's shape (block 4, Markov rank 16) reading
+    ``layer_ids`` of the real target, with its embedding and lm_head."""
+    cfg = DSparkConfig(
+        vocab_size=49152, hidden_size=576, num_hidden_layers=1, num_attention_heads=9,
+        num_key_value_heads=3, intermediate_size=1536, target_hidden_size=576,
+        num_target_layers=30, target_layer_ids=layer_ids, block_size=4, mask_token_id=16,
+        markov_rank=16, enable_confidence_head=True, confidence_head_with_markov=True,
+        rope_theta=100000.0, max_position_embeddings=8192,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    draft = DSparkDraft(cfg)
+    draft.load_target_embeddings(target.embed_tokens_weight(), target.lm_head_weight())
+    return draft.eval()
+
+
 def random_prompts(count: int, length: int = 10, seed: int = 3) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(10, SHAPE.vocab_size, (length,), generator=gen).tolist() for _ in range(count)]

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from eval_helpers import random_prompts, tiny_eval_draft
+from eval_helpers import random_prompts, smollm2_draft, tiny_eval_draft
 
 from draftforge.config import load_recipe
 from draftforge.splitserve.target import build_target
@@ -172,20 +172,10 @@ def test_eval_cli_on_smollm2_workloads(recipe_path, tmp_path, capsys):
     from draftforge.cli import main
     from draftforge.splitserve import smollm2
     from draftforge.splitserve.config import TargetConfig
-    from draftforge.train.model import DSparkConfig, DSparkDraft
 
     layers = [1, 14, 27]
     target = build_target(TargetConfig(model=smollm2.NAME, dtype="float32"), layers)
-    cfg = DSparkConfig(
-        vocab_size=49152, hidden_size=576, num_hidden_layers=1, num_attention_heads=9,
-        num_key_value_heads=3, intermediate_size=1536, target_hidden_size=576,
-        num_target_layers=30, target_layer_ids=layers, block_size=4, mask_token_id=16,
-        markov_rank=16, enable_confidence_head=True, confidence_head_with_markov=True,
-        rope_theta=100000.0, max_position_embeddings=8192,
-    )  # fmt: skip
-    draft = DSparkDraft(cfg)
-    draft.load_target_embeddings(target.embed_tokens_weight(), target.lm_head_weight())
-    export_dir = export_draft(draft, tmp_path / "export", progress=lambda _: None)
+    export_dir = export_draft(smollm2_draft(target, layers), tmp_path / "export", progress=lambda _: None)
     status = main([
         "eval", str(export_dir), "--target", smollm2.NAME, "--workloads", "humaneval,gsm8k",
         "--num-prompts", "1", "--max-new-tokens", "12", "--out", str(tmp_path / "r"),

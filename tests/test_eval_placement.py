@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from eval_helpers import smollm2_draft
 
 from draftforge.errors import InputError
 from draftforge.eval.speculative import (
@@ -134,22 +135,6 @@ def test_a_target_that_does_not_fit_is_refused_before_its_weights_load(monkeypat
 
 # ------------------------------------------------------------------ the real target under dispatch
 
-def _smollm2_draft(target):
-    from draftforge.train.model import DSparkConfig, DSparkDraft
-
-    cfg = DSparkConfig(
-        vocab_size=49152, hidden_size=576, num_hidden_layers=1, num_attention_heads=9,
-        num_key_value_heads=3, intermediate_size=1536, target_hidden_size=576,
-        num_target_layers=30, target_layer_ids=LAYERS, block_size=4, mask_token_id=16,
-        markov_rank=16, enable_confidence_head=True, confidence_head_with_markov=True,
-        rope_theta=100000.0, max_position_embeddings=8192,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    draft = DSparkDraft(cfg)
-    draft.load_target_embeddings(target.embed_tokens_weight(), target.lm_head_weight())
-    return draft.eval()
-
-
 def _same_everywhere(whole, placed, device):
     """Features, cached verification and a speculative decode of ``placed`` equal ``whole``'s."""
     ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 31, 2, 198, 1, 4093, 198]])
@@ -166,7 +151,7 @@ def _same_everywhere(whole, placed, device):
     for (logits_a, aux_a), (logits_b, aux_b) in zip(outs[::2], outs[1::2], strict=True):
         assert torch.equal(logits_a, logits_b.cpu()) and torch.equal(aux_a, aux_b.cpu())
 
-    draft = _smollm2_draft(whole)
+    draft = smollm2_draft(whole, LAYERS)
     results = []
     for target, dev in ((whole, "cpu"), (placed, device)):
         proposer = DraftProposer(draft.to(dev), temperature=0.0, generator=torch.Generator())
@@ -218,7 +203,7 @@ def test_smollm2_split_over_two_gpus_gives_the_whole_models_features_and_rounds(
     a, b = whole.features(ids), placed.features(ids)
     assert b.aux.device == torch.device("cuda:0")
     torch.testing.assert_close(a.aux, b.aux, rtol=1e-4, atol=1e-4)
-    draft = _smollm2_draft(whole).to("cuda:0")
+    draft = smollm2_draft(whole, LAYERS).to("cuda:0")
     results = [speculative_decode(TargetSession(t.model, LAYERS), ids[0].tolist(),
                                   DraftProposer(draft, temperature=0.0, generator=torch.Generator()),
                                   DecodeSettings(max_new_tokens=24)) for t in (whole, placed)]
