@@ -285,15 +285,6 @@ def send_hello(ids: Iterable[str], dst: int, *, group) -> None:
         _send(data, dst, group, "target", "sending the resume state")
 
 
-def recv_hello(src: int, *, group) -> set[str]:
-    """The consumed sample ids a trainer sent with :func:`send_hello`."""
-    head_t = torch.empty(HEADER_LEN, dtype=torch.int64)
-    _recv(head_t, src, group, "trainer", "waiting for the trainers' resume state")
-    head = head_t.tolist()
-    _check_header(head, src, (HELLO,))
-    return _hello_ids(head, src, group)
-
-
 def recv_hellos(srcs: Sequence[int], *, group) -> set[str]:
     """The consumed sample ids of every trainer in ``srcs``, in the order they come.
 

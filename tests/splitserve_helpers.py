@@ -187,7 +187,7 @@ def transport_worker(out: str) -> None:
             T.send_sample(1, sid, tok, mask, aux, final, seq_no=n, stats=(1_500_000, 250_000, 42, 2_000_000),
                           chunk_end=n % 2 == 1)
         T.send_end(1)
-        result["hello"] = sorted(T.recv_hello(1, group=acks))
+        result["hello"] = sorted(T.recv_hellos([1], group=acks))
         head = torch.empty(T.HEADER_LEN, dtype=torch.int64)
         import torch.distributed as dist
 

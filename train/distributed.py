@@ -29,10 +29,6 @@ from torch import nn
 MESH_DIM = "dp_shard"
 
 
-def is_distributed(*, group) -> bool:
-    return group is not None
-
-
 def group_rank(*, group) -> int:
     """This process's rank inside ``group`` (0 without a group)."""
     return 0 if group is None else dist.get_rank(group)
