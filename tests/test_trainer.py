@@ -269,7 +269,7 @@ def test_checkpoint_files_are_safetensors_and_state_matches(tmp_path):
     saved = load_file(str(path / "model.safetensors"))
     for name, value in trainer.model.state_dict().items():
         assert torch.equal(saved[name], value), name
-    state = ckpt.read_state(path)
+    state = ckpt.read_checked_state(path)
     assert state["step"] == 4 and len(state["consumed_ids"]) == 1
     assert not any(p.suffix in (".pt", ".bin", ".pkl") for p in path.rglob("*"))
 
@@ -291,7 +291,7 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path):
     assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
     latest = ckpt.find_resume(tmp_path, "auto")
     assert latest.name == f"step_{bad_steps[1]:08d}"
-    assert ckpt.read_state(latest)["skipped_steps"] == 2
+    assert ckpt.read_checked_state(latest)["skipped_steps"] == 2
 
 
 def test_a_skipped_step_leaves_the_weights_untouched(tmp_path):

@@ -88,11 +88,6 @@ def _write_json(path: Path, data: dict) -> None:
     write_atomic(path, json.dumps(data, indent=1, sort_keys=True))
 
 
-def read_state(path: Path) -> dict:
-    """The ``trainer_state.json`` of checkpoint ``path`` (see :func:`read_checked_state`)."""
-    return read_checked_state(path)
-
-
 # -- optimizer state <-> flat tensors (single strategy) ---------------------------------
 
 
