@@ -3,7 +3,7 @@
 On a CPU a small target decodes a batch of 16 with matrices of 16 rows, which one
 thread keeps nearly as busy as two: SmolLM2-135M-Instruct in float32 answered two
 batches 1.3x faster as two one-thread processes than as one two-thread process
-(README, Performance). ``WorkerPool`` starts ``workers`` processes (spawned, so no
+(PERFORMANCE.md). ``WorkerPool`` starts ``workers`` processes (spawned, so no
 state is shared with the parent); each builds its target once, and the parent hands
 it the next batch over its own pipe whenever it has finished one. Batches come back
 in the order they finish; the caller writes each one as it arrives, so an interrupted
