@@ -59,8 +59,8 @@ DEFAULT_RECIPE = "recipes/smollm2-cpu.yaml"
 WORKLOADS = ("humaneval", "mtbench", "gsm8k")
 # Prompts per workload when the recipe's eval.num_prompts is unset (all prompts would take
 # hours on a CPU). The recipe's eval section gives the defaults otherwise: smollm2-cpu.yaml's
-# 8 prompts x 128 tokens keep the whole demo at 30-35 minutes on 2 cores with native bf16 (regeneration ~7.5,
-# two trainings of 6-7 minutes each, the two evaluations side by side 11-13).
+# 8 prompts x 128 tokens keep the whole demo at about an hour on 2 cores with native bf16 (64 min on
+# 2026-12-03: regeneration 11, the two trainings 18 and 12, the two evaluations side by side 22).
 FALLBACK_NUM_PROMPTS = 8
 # DFlash = the same draft without the Markov and confidence heads, trained on pure
 # cross-entropy. Everything else (data, steps, anchors, lr, layers) stays the recipe's.
