@@ -45,7 +45,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-# The end-to-end demo (about 1 hour on 2 CPU cores with native bf16; about 2 hours 20
+# The end-to-end demo (about 1 hour on 2 CPU cores with native bf16; about 2 hours 5
 # minutes, from its stages' measured times, on CPUs without native bf16, which run it in float32): regenerate, train DSpark and the
 # DFlash ablation, export, evaluate, print the table. Rerunning skips finished stages;
 # extra options go in DEMO_ARGS, e.g. make demo DEMO_ARGS=--force
