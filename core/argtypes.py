@@ -30,6 +30,7 @@ port = _bounded(int, 1, 65535, "must be a TCP port, 1..65535")
 non_negative_float = _bounded(float, 0.0, None, "must be 0 or more")
 positive_float = _bounded(float, 0.0, None, "must be greater than 0", above_low=True)
 probability = _bounded(float, 0.0, 1.0, "must lie in [0, 1]")
+nucleus = _bounded(float, 0.0, 1.0, "must lie in (0, 1]", above_low=True)
 
 
 def names(valid: Sequence[str]) -> Callable[[str], list[str]]:

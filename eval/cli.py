@@ -39,6 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompts-file", help="JSONL of {'workload': name, 'input_ids': [...]} instead of --workloads")
     parser.add_argument("--temperature", type=argtypes.non_negative_float,
                         help=f"0 = greedy (default: the recipe's eval.temperature, else {defaults.temperature})")
+    parser.add_argument("--top-k", type=argtypes.non_negative_int,
+                        help="sampling only: draw from the K most likely tokens, 0 = all (default: the "
+                        f"recipe's eval.top_k, else {defaults.top_k}); the target and the draft alike")
+    parser.add_argument("--top-p", type=argtypes.nucleus,
+                        help="sampling only: then from the smallest set of those whose probability "
+                        f"reaches P, 1 = all (default: the recipe's eval.top_p, else {defaults.top_p}). "
+                        "The CPU recipe's answers were sampled at temperature 0.7, top-k 20, top-p 0.8")
     parser.add_argument("--max-new-tokens", type=argtypes.positive_int,
                         help=f"tokens generated per prompt (default: the recipe's eval.max_new_tokens, "
                         f"else {defaults.max_new_tokens})")
@@ -115,6 +122,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise InputError("draftforge eval: give --target NAME_OR_DIR (or --recipe RECIPE)")
     if args.prompts_file and not Path(args.prompts_file).is_file():
         raise InputError(f"--prompts-file {args.prompts_file}: no such file")
+    temperature = eval_cfg.temperature if args.temperature is None else args.temperature
+    filters = [f"--top-{name} {value}" for name, value in (("k", args.top_k), ("p", args.top_p)) if value is not None]
+    if temperature <= 0 and filters:
+        raise InputError(
+            f"draftforge eval: {' and '.join(filters)} filter sampling, but the temperature is 0 "
+            "(greedy, which they would not change): give --temperature above 0, or leave them out"
+        )
 
     devices = resolve_devices(args.device, target_gpus)
     device = devices[0]  # the draft's, and where the target's inputs and features are
@@ -141,7 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     settings = EvalSettings(
         max_new_tokens=args.max_new_tokens or eval_cfg.max_new_tokens,
-        temperature=eval_cfg.temperature if args.temperature is None else args.temperature,
+        temperature=temperature,
+        top_k=eval_cfg.top_k if args.top_k is None else args.top_k,
+        top_p=eval_cfg.top_p if args.top_p is None else args.top_p,
         verify=args.verify or eval_cfg.verify,
         threshold=eval_cfg.confidence_threshold if args.threshold is None else args.threshold,
         seed=eval_cfg.seed if args.seed is None else args.seed,

@@ -23,6 +23,19 @@ class EvalConfig(Section):
         description="0: greedy, every output checked identical to plain greedy decoding; above "
         "0: rejection sampling",
     )
+    top_k: int = Field(
+        default=0,
+        ge=0,
+        description="sampling only: draw from the top_k most likely tokens; 0 keeps every token",
+    )
+    top_p: float = Field(
+        default=1.0,
+        gt=0,
+        le=1,
+        description="sampling only: then from the smallest set of those whose probability reaches "
+        "top_p; 1 keeps every token. The target's and the draft's distributions are filtered "
+        "alike; target.generation holds the settings the training answers were sampled with",
+    )
     max_new_tokens: int = Field(default=256, gt=0, description="tokens generated per prompt")
     verify: Literal["full", "threshold"] = Field(
         default="full",

@@ -36,6 +36,8 @@ class EvalSettings:
 
     max_new_tokens: int = 256
     temperature: float = 0.0
+    top_k: int = 0  # sampling only: 0 keeps every token
+    top_p: float = 1.0  # sampling only: 1 keeps every token
     verify: str = "full"
     threshold: float = 0.5
     seed: int = 0
@@ -109,6 +111,8 @@ def run_workload(
     decode = DecodeSettings(
         max_new_tokens=settings.max_new_tokens,
         temperature=settings.temperature,
+        top_k=settings.top_k,
+        top_p=settings.top_p,
         verify=settings.verify,
         threshold=settings.threshold,
         eos_token_ids=tuple(eos_token_ids),
@@ -118,7 +122,8 @@ def run_workload(
     with_features = TargetSession(target.model, draft.config.target_layer_ids)
     plain_session = TargetSession(target.model, None)
     proposers = {
-        "dspark": (with_features, lambda g: DraftProposer(draft, temperature=settings.temperature, generator=g)),
+        "dspark": (with_features, lambda g: DraftProposer(draft, temperature=settings.temperature, generator=g,
+                                                          top_k=settings.top_k, top_p=settings.top_p)),
         "ngram": (plain_session, lambda g: NgramProposer(gamma, max_ngram=settings.ngram_max)),
         "none": (plain_session, lambda g: NoDraft()),
     }

@@ -12,7 +12,10 @@ One prompt at a time (batch 1), the target runs with a KV cache:
 3. The target verifies ``[x_p, d_0 .. d_{n-1}]`` (width ``n + 1``) in one
    forward with its cache: greedy accepts the longest prefix with
    ``d_k == argmax``, sampling uses standard rejection sampling; the target's
-   token after the accepted prefix is the bonus, the next anchor.
+   token after the accepted prefix is the bonus, the next anchor. Sampling
+   draws from the temperature-scaled distribution restricted to the top-k
+   tokens and then to the top-p nucleus (:func:`sampling_probs`), the target's
+   and the draft's alike.
 4. The cache is cropped to the accepted length. Acceptance length of the round
    = accepted drafts + 1 (a round whose accepted drafts contain EOS counts up to
    the EOS, without the bonus, as DeepSpec does).
@@ -198,9 +201,10 @@ class DraftProposer(Proposer):
     needs_features = True
 
     def __init__(self, draft, *, temperature: float, generator: torch.Generator,
-                 record_margins: bool = False) -> None:
+                 top_k: int = 0, top_p: float = 1.0, record_margins: bool = False) -> None:
         self.draft = draft.eval()
         self.temperature = temperature
+        self.top_k, self.top_p = top_k, top_p
         self.generator = generator
         self.block_size = draft.config.block_size
         self.record_margins = record_margins  # greedy: keep each slot's top-2 margin (Proposal.margins)
@@ -214,12 +218,14 @@ class DraftProposer(Proposer):
         hidden = self.draft.block_forward(anchor, anchor_pos, aux)
         if self.temperature > 0:
 
+            def distribution(logits):
+                return sampling_probs(logits.float(), self.temperature, self.top_k, self.top_p).cpu()
+
             def sample(logits, _k):
-                probs = torch.softmax(logits.float() / self.temperature, dim=-1)
-                return torch.multinomial(probs.cpu(), 1, generator=self.generator)[:, 0].to(device)
+                return torch.multinomial(distribution(logits), 1, generator=self.generator)[:, 0].to(device)
 
             tokens, logits, conf = self.draft.draft_block(hidden, anchor, sample=sample)
-            probs = torch.softmax(logits[0].float() / self.temperature, dim=-1).cpu()
+            probs = distribution(logits[0])
         else:
             tokens, logits, conf = self.draft.draft_block(hidden, anchor)
             probs = None
@@ -238,15 +244,40 @@ class DraftProposer(Proposer):
 class DecodeSettings:
     max_new_tokens: int = 256
     temperature: float = 0.0
+    top_k: int = 0  # sampling only; 0 keeps every token
+    top_p: float = 1.0  # sampling only; 1 keeps every token
     verify: str = "full"  # full | threshold
     threshold: float = 0.5
     eos_token_ids: tuple[int, ...] = ()
 
 
+def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """The distribution sampling draws from, over the whole vocabulary (last dimension): the
+    softmax of ``logits / temperature`` restricted to the ``top_k`` most likely tokens (all when
+    0), then to the smallest set of those, most likely first, whose mass reaches ``top_p``, and
+    renormalised. The order and the rules are transformers' (temperature, top-k, top-p: a token
+    stays while the mass before it is below ``top_p``) and the regenerating sampler's
+    (``draftforge.splitserve.sampling``), except that ties at the k-th place keep exactly k."""
+    if temperature <= 0:
+        raise ValueError(f"sampling needs a temperature above 0, got {temperature}")
+    scaled = logits.float() / temperature
+    vocab = scaled.shape[-1]
+    if (top_k <= 0 or top_k >= vocab) and top_p >= 1.0:
+        return torch.softmax(scaled, dim=-1)
+    k = vocab if top_k <= 0 else min(top_k, vocab)
+    values, indices = torch.topk(scaled, k, dim=-1)  # descending
+    kept = torch.softmax(values, dim=-1)
+    if top_p < 1.0:
+        before = torch.cumsum(kept, dim=-1) - kept
+        kept = kept.masked_fill(before >= top_p, 0.0)
+        kept = kept / kept.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(scaled).scatter(-1, indices, kept)
+
+
 def _choose(logits: torch.Tensor, settings: DecodeSettings, generator: torch.Generator) -> int:
     if settings.temperature <= 0:
         return int(logits.argmax())
-    probs = torch.softmax(logits / settings.temperature, dim=-1)
+    probs = sampling_probs(logits, settings.temperature, settings.top_k, settings.top_p)
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
@@ -305,7 +336,7 @@ def speculative_decode(
         if settings.temperature <= 0:
             accepted, bonus = accept_greedy(drafts, target_logits)
         else:
-            target_probs = torch.softmax(target_logits / settings.temperature, dim=-1).cpu()
+            target_probs = sampling_probs(target_logits, settings.temperature, settings.top_k, settings.top_p).cpu()
             probs = None if proposal.probs is None else proposal.probs[:num_verified]
             accepted, bonus = accept_sampled(drafts, probs, target_probs, generator)
         session.crop(anchor_pos + 1 + accepted)

@@ -1,7 +1,7 @@
 """``draftforge eval compare`` pairs two reports only when they were decoded alike.
 
 The prompts (digest, count) are checked in test_eval_uncertainty.py; here the decoding
-settings: target, dtype, temperature, max_new_tokens, seed when sampling, verification
+settings: target, dtype, temperature, max_new_tokens, seed, top-k and top-p when sampling, verification
 mode, and the block size wherever n-gram takes part. The drafts may differ."""
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ def _write(folder: Path, *, workloads=None, **changes) -> Path:
         "target": "smollm2-135m-instruct",
         "target_config": {"model": "smollm2-135m-instruct", "dtype": "float32", "backend": "hf",
                           "seed": 0, "shape": None},
-        "settings": {"max_new_tokens": 128, "temperature": 0.0, "verify": "full", "threshold": 0.5,
+        "settings": {"max_new_tokens": 128, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
+                     "verify": "full", "threshold": 0.5,
                      "seed": 0, "baselines": ["none", "ngram"], "ngram_max": 3,
                      "tie_tolerance": 0.001, "estimate": True, "estimate_anchors": 64},
         "block_size": 4,
@@ -84,6 +85,12 @@ def test_compare_sampled_reports_need_the_same_seed_and_threshold(tmp_path, caps
     a = _write(tmp_path / "c", **thr)
     assert main(["eval", "compare", str(a), str(_write(tmp_path / "d", **{**thr, "settings__threshold": 0.9}))]) == 2
     assert "settings.threshold is 0.5 in A, 0.9 in B" in capsys.readouterr().err
+    for key, flag in (("top_k", "--top-k"), ("top_p", "--top-p")):
+        other = {"top_k": 20, "top_p": 0.8}[key]
+        b = _write(tmp_path / f"b-{key}", **{**sampled, f"settings__{key}": other})
+        assert main(["eval", "compare", str(a), str(b)]) == 2
+        err = capsys.readouterr().err
+        assert f"settings.{key} is" in err and f"{other!r} in B" in err and flag in err
     rnd = {"target": "random", "target_config__model": "random", "target_config__seed": 0}
     a = _write(tmp_path / "e", **rnd)
     assert main(["eval", "compare", str(a), str(_write(tmp_path / "f", **{**rnd, "target_config__seed": 1}))]) == 2

@@ -20,6 +20,7 @@ from draftforge.eval.speculative import (
     TargetSession,
     check_lossless,
     rejection_accept,
+    sampling_probs,
     speculative_decode,
 )
 
@@ -168,15 +169,18 @@ def test_each_round_hands_the_draft_the_targets_features_of_exactly_the_context(
         torch.testing.assert_close(features, aux[:anchor], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("head_type", ["vanilla", "gated", "rnn"])
-def test_sampled_proposals_carry_the_markov_corrected_tempered_probabilities(target, head_type):
+@pytest.mark.parametrize(("head_type", "top_k", "top_p"),
+                         [("vanilla", 0, 1.0), ("gated", 0, 1.0), ("rnn", 0, 1.0), ("vanilla", 6, 0.8)])
+def test_sampled_proposals_carry_the_markov_corrected_tempered_probabilities(target, head_type, top_k, top_p):
     """Rejection sampling needs the distribution each draft token was drawn from: the base
-    logits plus the Markov term given the token drafted before it, divided by T."""
+    logits plus the Markov term given the token drafted before it, divided by T (and cut to
+    top-k and top-p when asked)."""
     draft = tiny_eval_draft(target, markov_head_type=head_type)
     prompt = random_prompts(1, seed=21)[0]
     session = TargetSession(target.model, draft.config.target_layer_ids)
     _, aux = session.prefill(prompt)
-    proposer = spec.DraftProposer(draft, temperature=0.7, generator=torch.Generator().manual_seed(4))
+    proposer = spec.DraftProposer(draft, temperature=0.7, generator=torch.Generator().manual_seed(4),
+                                  top_k=top_k, top_p=top_p)
     proposal = proposer.propose(prompt, aux[:-1])
     anchor = torch.tensor([prompt[-1]])
     assert proposal.probs is not None and proposal.probs.shape[0] == len(proposal.tokens)
@@ -186,8 +190,12 @@ def test_sampled_proposals_carry_the_markov_corrected_tempered_probabilities(tar
         prev = torch.cat([anchor[:, None], drawn[:, :-1]], dim=1)
         latent, _ = draft.markov_head.teacher_forced(prev, hidden)
         logits = draft.base_logits(hidden)[0] + draft.markov_head.markov_w2(latent)[0]
-    torch.testing.assert_close(proposal.probs.float(), torch.softmax(logits.float() / 0.7, dim=-1),
-                               rtol=1e-4, atol=1e-6)
+    expected = reference_distribution(logits.float(), 0.7, top_k, top_p)
+    torch.testing.assert_close(proposal.probs.float(), expected, rtol=1e-4, atol=1e-6)
+    drawn_probs = proposal.probs[torch.arange(len(proposal.tokens)), drawn[0]]
+    assert bool((drawn_probs > 0).all())  # every draft was drawn from inside its filtered support
+    if top_k:
+        assert int((proposal.probs > 0).sum(dim=-1).max()) <= top_k
 
 
 def test_positions_beyond_the_drafts_range_are_refused(target):
@@ -301,8 +309,9 @@ def _first_token_counts(draft_probs, target_probs, num_drafts, samples, accept):
     return counts
 
 
-# chi-square critical value, 5 degrees of freedom, p = 0.001
-CHI2_CRIT_DF5 = 20.52
+# chi-square critical values at p = 0.001, by degrees of freedom
+CHI2_CRIT_BY_DF = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}
+CHI2_CRIT_DF5 = CHI2_CRIT_BY_DF[5]
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -329,6 +338,54 @@ def test_the_statistical_test_catches_a_wrong_resampling_rule():
     draft_probs = torch.softmax(torch.randn(2, 6) * 1.5, dim=-1)
     counts = _first_token_counts(draft_probs, target_probs, 2, 12000, naive)
     assert _chi_square(counts, target_probs[0]) > CHI2_CRIT_DF5
+
+
+def reference_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """transformers' processors in generate's order (temperature, top-k, top-p), then softmax."""
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    scores = logits.reshape(-1, logits.shape[-1]).clone()
+    scores = TemperatureLogitsWarper(temperature)(None, scores)
+    if top_k > 0:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return torch.softmax(scores, dim=-1).reshape(logits.shape)
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"),
+                         [(0.7, 20, 0.8), (1.0, 0, 0.9), (1.3, 4, 1.0), (0.5, 0, 1.0), (0.7, 200, 0.3)])
+def test_sampling_probs_are_the_transformers_distribution(temperature, top_k, top_p):
+    logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(7)) * 3
+    ours = sampling_probs(logits, temperature, top_k, top_p)
+    torch.testing.assert_close(ours, reference_distribution(logits, temperature, top_k, top_p),
+                               rtol=1e-5, atol=1e-7)
+    assert ours.shape == logits.shape
+    with pytest.raises(ValueError, match="sampling needs a temperature above 0, got 0"):
+        sampling_probs(logits, 0.0, top_k, top_p)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_rejection_sampling_with_top_k_and_top_p_preserves_the_filtered_target(deterministic):
+    """The drafts may come from tokens the target's filters removed (the draft's own top-k
+    differs): those must always be rejected, and the output must follow the filtered target."""
+    gen = torch.Generator().manual_seed(5)
+    target_probs = sampling_probs(torch.randn(3, 10, generator=gen) * 2, 0.7, 5, 0.9)
+    draft_probs = None if deterministic else sampling_probs(torch.randn(2, 10, generator=gen) * 2, 0.7, 5, 0.9)
+    support = target_probs[0] > 0
+    assert 2 <= int(support.sum()) <= 5
+    if deterministic:
+        assert not bool(support[2])  # the fixed draft (token 2) lies outside the target's support
+    else:
+        assert bool((draft_probs[0] * ~support).sum() > 0.05)  # the draft puts mass where the target has none
+    counts = _first_token_counts(draft_probs, target_probs, 2, 12000, rejection_accept)
+    assert counts[~support].sum() == 0
+    chi2 = _chi_square(counts[support], target_probs[0][support])
+    assert chi2 < CHI2_CRIT_BY_DF[int(support.sum()) - 1], (counts, target_probs[0])
 
 
 def test_sampled_decoding_runs_and_reports(target, draft):
