@@ -46,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="sampling only: then from the smallest set of those whose probability "
                         f"reaches P, 1 = all (default: the recipe's eval.top_p, else {defaults.top_p}). "
                         "The CPU recipe's answers were sampled at temperature 0.7, top-k 20, top-p 0.8")
+    parser.add_argument("--draft-sampling", choices=["greedy", "sample"],
+                        help="sampling only: greedy, the draft proposes its most likely tokens, each "
+                        "accepted with the target's probability of it (SGLang's DSPARK and llama.cpp); "
+                        "sample, it draws them from its own distribution, accepted with "
+                        f"min(1, p_t/p_d) (default: the recipe's eval.draft_sampling, else "
+                        f"{defaults.draft_sampling})")
     parser.add_argument("--max-new-tokens", type=argtypes.positive_int,
                         help=f"tokens generated per prompt (default: the recipe's eval.max_new_tokens, "
                         f"else {defaults.max_new_tokens})")
@@ -123,11 +129,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.prompts_file and not Path(args.prompts_file).is_file():
         raise InputError(f"--prompts-file {args.prompts_file}: no such file")
     temperature = eval_cfg.temperature if args.temperature is None else args.temperature
-    filters = [f"--top-{name} {value}" for name, value in (("k", args.top_k), ("p", args.top_p)) if value is not None]
-    if temperature <= 0 and filters:
+    sampling_only = [f"{flag} {value}" for flag, value in
+                     (("--top-k", args.top_k), ("--top-p", args.top_p), ("--draft-sampling", args.draft_sampling))
+                     if value is not None]  # fmt: skip
+    if temperature <= 0 and sampling_only:
         raise InputError(
-            f"draftforge eval: {' and '.join(filters)} filter sampling, but the temperature is 0 "
-            "(greedy, which they would not change): give --temperature above 0, or leave them out"
+            f"draftforge eval: {', '.join(sampling_only)}: only for sampling, but the temperature is 0 "
+            "(greedy decoding, which they would not change): give --temperature above 0, or leave "
+            "them out"
         )
 
     devices = resolve_devices(args.device, target_gpus)
@@ -158,6 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         temperature=temperature,
         top_k=eval_cfg.top_k if args.top_k is None else args.top_k,
         top_p=eval_cfg.top_p if args.top_p is None else args.top_p,
+        draft_sampling=args.draft_sampling or eval_cfg.draft_sampling,
         verify=args.verify or eval_cfg.verify,
         threshold=eval_cfg.confidence_threshold if args.threshold is None else args.threshold,
         seed=eval_cfg.seed if args.seed is None else args.seed,

@@ -10,7 +10,7 @@ prompts (:mod:`draftforge.eval.uncertainty`). The last line is machine-readable:
 
 Two reports pair only when they were decoded alike (:func:`check_same_decoding`): the
 same target (name, dtype, backend; seed and shape for a random one), temperature,
-max_new_tokens and, when sampling, seed, top-k and top-p; for draft against draft the same verification
+max_new_tokens and, when sampling, seed, top-k, top-p and (for the draft) how it drafts; for draft against draft the same verification
 mode (and threshold); wherever n-gram takes part the same block size (its proposal
 length) and n-gram order. The drafts themselves may differ. A mismatch is refused; a
 setting that an older report does not record is named in a warning and left unchecked.
@@ -120,6 +120,7 @@ _SET_BY = {
     "settings.temperature": "--temperature",
     "settings.top_k": "--top-k",
     "settings.top_p": "--top-p",
+    "settings.draft_sampling": "--draft-sampling",
     "settings.max_new_tokens": "--max-new-tokens",
     "settings.seed": "--seed",
     "settings.verify": "--verify",
@@ -142,6 +143,8 @@ def decoding_keys(ra: dict, a_method: str, rb: dict, b_method: str) -> list[str]
         keys += ["target_config.seed", "target_config.shape"]
     if either("settings.temperature", lambda v: isinstance(v, (int, float)) and v > 0):
         keys += ["settings.seed", "settings.top_k", "settings.top_p"]  # sampling: what draws the tokens
+        if "dspark" in {a_method, b_method}:
+            keys.append("settings.draft_sampling")  # what the draft proposes (the baselines are fixed)
     methods = {a_method, b_method}
     if methods == {"dspark"}:  # the baselines always verify in full, the draft as told
         keys.append("settings.verify")

@@ -36,6 +36,12 @@ class EvalConfig(Section):
         "top_p; 1 keeps every token. The target's and the draft's distributions are filtered "
         "alike; target.generation holds the settings the training answers were sampled with",
     )
+    draft_sampling: Literal["greedy", "sample"] = Field(
+        default="greedy",
+        description="sampling only: greedy, the draft proposes its most likely tokens and each is "
+        "accepted with the target's probability of it (how SGLang's DSPARK and llama.cpp verify); "
+        "sample, it draws them from its own distribution (cut alike), accepted with min(1, p_t/p_d)",
+    )
     max_new_tokens: int = Field(default=256, gt=0, description="tokens generated per prompt")
     verify: Literal["full", "threshold"] = Field(
         default="full",

@@ -38,6 +38,7 @@ class EvalSettings:
     temperature: float = 0.0
     top_k: int = 0  # sampling only: 0 keeps every token
     top_p: float = 1.0  # sampling only: 1 keeps every token
+    draft_sampling: str = "greedy"  # sampling only: the draft proposes its argmax (greedy) or draws (sample)
     verify: str = "full"
     threshold: float = 0.5
     seed: int = 0
@@ -123,7 +124,8 @@ def run_workload(
     plain_session = TargetSession(target.model, None)
     proposers = {
         "dspark": (with_features, lambda g: DraftProposer(draft, temperature=settings.temperature, generator=g,
-                                                          top_k=settings.top_k, top_p=settings.top_p)),
+                                                          top_k=settings.top_k, top_p=settings.top_p,
+                                                          draft_sampling=settings.draft_sampling)),
         "ngram": (plain_session, lambda g: NgramProposer(gamma, max_ngram=settings.ngram_max)),
         "none": (plain_session, lambda g: NoDraft()),
     }

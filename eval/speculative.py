@@ -14,8 +14,11 @@ One prompt at a time (batch 1), the target runs with a KV cache:
    ``d_k == argmax``, sampling uses standard rejection sampling; the target's
    token after the accepted prefix is the bonus, the next anchor. Sampling
    draws from the temperature-scaled distribution restricted to the top-k
-   tokens and then to the top-p nucleus (:func:`sampling_probs`), the target's
-   and the draft's alike.
+   tokens and then to the top-p nucleus (:func:`sampling_probs`). The draft
+   proposes either its most likely tokens (``greedy``, the default: SGLang's
+   DFLASH/DSPARK and llama.cpp verify deterministic drafts, each accepted with
+   the target's probability of it) or tokens drawn from its own cut
+   distribution (``sample``, accepted with ``min(1, p_t/p_d)``).
 4. The cache is cropped to the accepted length. Acceptance length of the round
    = accepted drafts + 1 (a round whose accepted drafts contain EOS counts up to
    the EOS, without the bonus, as DeepSpec does).
@@ -194,6 +197,9 @@ class Proposer:
         return Proposal(tokens=[])
 
 
+DRAFT_SAMPLING = ("greedy", "sample")  # what the draft proposes when decoding samples
+
+
 class DraftProposer(Proposer):
     """The DSpark draft: block forward over the context features, then sequential Markov drafting."""
 
@@ -201,10 +207,14 @@ class DraftProposer(Proposer):
     needs_features = True
 
     def __init__(self, draft, *, temperature: float, generator: torch.Generator,
-                 top_k: int = 0, top_p: float = 1.0, record_margins: bool = False) -> None:
+                 top_k: int = 0, top_p: float = 1.0, draft_sampling: str = "greedy",
+                 record_margins: bool = False) -> None:
+        if draft_sampling not in DRAFT_SAMPLING:
+            raise ValueError(f"draft_sampling {draft_sampling!r} is not one of {', '.join(DRAFT_SAMPLING)}")
         self.draft = draft.eval()
         self.temperature = temperature
         self.top_k, self.top_p = top_k, top_p
+        self.draws = temperature > 0 and draft_sampling == "sample"  # else its most likely tokens
         self.generator = generator
         self.block_size = draft.config.block_size
         self.record_margins = record_margins  # greedy: keep each slot's top-2 margin (Proposal.margins)
@@ -216,7 +226,7 @@ class DraftProposer(Proposer):
         anchor = torch.tensor([sequence[-1]], dtype=torch.long, device=device)
         aux = features[:anchor_pos].unsqueeze(0).to(device)
         hidden = self.draft.block_forward(anchor, anchor_pos, aux)
-        if self.temperature > 0:
+        if self.draws:
 
             def distribution(logits):
                 return sampling_probs(logits.float(), self.temperature, self.top_k, self.top_p).cpu()

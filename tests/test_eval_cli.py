@@ -213,21 +213,23 @@ def test_report_json_marks_a_finished_evaluation_so_it_is_written_last(recipe_pa
         main([str(export_dir), "--recipe", str(recipe_path), "--prompts-file", str(macro)])
 
 
-def test_sampled_eval_records_its_top_k_and_top_p_and_greedy_refuses_them(recipe_path, tmp_path, capsys):
+def test_sampled_eval_records_its_sampling_settings_and_greedy_refuses_them(recipe_path, tmp_path, capsys):
     from draftforge.eval.cli import main
 
     export_dir, prompts = _tiny_export_and_prompts(recipe_path, tmp_path)
     base = [str(export_dir), "--recipe", str(recipe_path), "--prompts-file", str(prompts),
             "--max-new-tokens", "8", "--no-estimate", "--baselines", "ngram"]
     assert main([*base, "--temperature", "0.8", "--top-k", "8", "--top-p", "0.9",
-                 "--out", str(tmp_path / "r")]) == 0  # fmt: skip
+                 "--draft-sampling", "sample", "--out", str(tmp_path / "r")]) == 0  # fmt: skip
     settings = json.loads((tmp_path / "r" / "report.json").read_text())["settings"]
     assert (settings["temperature"], settings["top_k"], settings["top_p"]) == (0.8, 8, 0.9)
+    assert settings["draft_sampling"] == "sample"
     assert "al_dspark=" in capsys.readouterr().out
     from draftforge.errors import InputError
 
-    with pytest.raises(InputError, match=r"--top-p 0.9 filter sampling, but the temperature is 0 \(greedy"):
-        main([*base, "--top-p", "0.9", "--out", str(tmp_path / "g")])
+    with pytest.raises(InputError, match=r"--top-p 0.9, --draft-sampling sample: only for sampling, but the "
+                                         r"temperature is 0 \(greedy decoding"):
+        main([*base, "--top-p", "0.9", "--draft-sampling", "sample", "--out", str(tmp_path / "g")])
     assert not (tmp_path / "g").exists()  # refused before anything ran
 
 

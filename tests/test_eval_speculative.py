@@ -180,7 +180,7 @@ def test_sampled_proposals_carry_the_markov_corrected_tempered_probabilities(tar
     session = TargetSession(target.model, draft.config.target_layer_ids)
     _, aux = session.prefill(prompt)
     proposer = spec.DraftProposer(draft, temperature=0.7, generator=torch.Generator().manual_seed(4),
-                                  top_k=top_k, top_p=top_p)
+                                  top_k=top_k, top_p=top_p, draft_sampling="sample")
     proposal = proposer.propose(prompt, aux[:-1])
     anchor = torch.tensor([prompt[-1]])
     assert proposal.probs is not None and proposal.probs.shape[0] == len(proposal.tokens)
@@ -388,10 +388,30 @@ def test_rejection_sampling_with_top_k_and_top_p_preserves_the_filtered_target(d
     assert chi2 < CHI2_CRIT_BY_DF[int(support.sum()) - 1], (counts, target_probs[0])
 
 
-def test_sampled_decoding_runs_and_reports(target, draft):
+def test_greedy_drafting_under_sampling_proposes_the_drafts_argmax_as_deterministic_drafts(target, draft):
+    """SGLang's DSPARK verification and llama.cpp's: the draft proposes what it proposes when
+    greedy, and rejection sampling treats the drafts as certain (no draft distribution)."""
+    prompt = random_prompts(1, seed=22)[0]
+    session = TargetSession(target.model, draft.config.target_layer_ids)
+    _, aux = session.prefill(prompt)
+    greedy = spec.DraftProposer(draft, temperature=0.0, generator=torch.Generator()).propose(prompt, aux[:-1])
+    for top_k, top_p in ((0, 1.0), (3, 0.5)):
+        proposal = spec.DraftProposer(draft, temperature=0.9, generator=torch.Generator().manual_seed(1),
+                                      top_k=top_k, top_p=top_p).propose(prompt, aux[:-1])  # fmt: skip
+        assert proposal.probs is None and proposal.tokens == greedy.tokens
+    sampled = spec.DraftProposer(draft, temperature=0.9, generator=torch.Generator().manual_seed(1),
+                                 draft_sampling="sample").propose(prompt, aux[:-1])  # fmt: skip
+    assert sampled.probs is not None and sampled.tokens != greedy.tokens  # a random draft is far from peaked
+    with pytest.raises(ValueError, match="draft_sampling 'top' is not one of greedy, sample"):
+        spec.DraftProposer(draft, temperature=0.9, generator=torch.Generator(), draft_sampling="top")
+
+
+@pytest.mark.parametrize("draft_sampling", ["greedy", "sample"])
+def test_sampled_decoding_runs_and_reports(target, draft, draft_sampling):
     result = run_workload(
         "random", random_prompts(1), draft, target,
-        EvalSettings(max_new_tokens=12, temperature=1.0, estimate=False), **QUIET,
+        EvalSettings(max_new_tokens=12, temperature=1.0, top_k=50, top_p=0.95, estimate=False,
+                     draft_sampling=draft_sampling), **QUIET,
     )  # fmt: skip
     assert result.methods["dspark"]["tokens"] == 12
     assert 1.0 <= result.methods["dspark"]["acceptance_length"] <= 5.0
