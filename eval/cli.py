@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"0 = greedy (default: the recipe's eval.temperature, else {defaults.temperature})")
     parser.add_argument("--top-k", type=argtypes.non_negative_int,
                         help="sampling only: draw from the K most likely tokens, 0 = all (default: the "
-                        f"recipe's eval.top_k, else {defaults.top_k}); the target and the draft alike")
+                        f"recipe's eval.top_k, else {defaults.top_k}); the target's distribution, and the draft's with "
+                        "--draft-sampling sample")
     parser.add_argument("--top-p", type=argtypes.nucleus,
                         help="sampling only: then from the smallest set of those whose probability "
                         f"reaches P, 1 = all (default: the recipe's eval.top_p, else {defaults.top_p}). "

@@ -33,8 +33,9 @@ class EvalConfig(Section):
         gt=0,
         le=1,
         description="sampling only: then from the smallest set of those whose probability reaches "
-        "top_p; 1 keeps every token. The target's and the draft's distributions are filtered "
-        "alike; target.generation holds the settings the training answers were sampled with",
+        "top_p; 1 keeps every token. Both cut the target's distribution, and the draft's when "
+        "draft_sampling is sample; target.generation holds the settings the training answers "
+        "were sampled with",
     )
     draft_sampling: Literal["greedy", "sample"] = Field(
         default="greedy",
