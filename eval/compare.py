@@ -10,8 +10,9 @@ prompts (:mod:`draftforge.eval.uncertainty`). The last line is machine-readable:
 
 Two reports pair only when they were decoded alike (:func:`check_same_decoding`): the
 same target (name, dtype, backend; seed and shape for a random one), temperature,
-max_new_tokens and, when sampling, seed, top-k, top-p and (for the draft) how it drafts; for draft against draft the same verification
-mode (and threshold); wherever n-gram takes part the same block size (its proposal
+max_new_tokens and, when sampling, seed, top-k and top-p; for draft against draft the same
+verification mode (and threshold) and, when sampling, the same way of drafting
+(``--draft-sampling``); wherever n-gram takes part the same block size (its proposal
 length) and n-gram order. The drafts themselves may differ. A mismatch is refused; a
 setting that an older report does not record is named in a warning and left unchecked.
 """
@@ -143,10 +144,10 @@ def decoding_keys(ra: dict, a_method: str, rb: dict, b_method: str) -> list[str]
         keys += ["target_config.seed", "target_config.shape"]
     if either("settings.temperature", lambda v: isinstance(v, (int, float)) and v > 0):
         keys += ["settings.seed", "settings.top_k", "settings.top_p"]  # sampling: what draws the tokens
-        if "dspark" in {a_method, b_method}:
-            keys.append("settings.draft_sampling")  # what the draft proposes (the baselines are fixed)
     methods = {a_method, b_method}
     if methods == {"dspark"}:  # the baselines always verify in full, the draft as told
+        if either("settings.temperature", lambda v: isinstance(v, (int, float)) and v > 0):
+            keys.append("settings.draft_sampling")  # how the drafts propose (the baselines' are fixed)
         keys.append("settings.verify")
         if either("settings.verify", lambda v: v == "threshold"):
             keys.append("settings.threshold")
