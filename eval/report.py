@@ -28,15 +28,33 @@ def _fmt(value, digits: int = 2) -> str:
     return f"{value:.{digits}f}"
 
 
+def decoding_line(settings: dict) -> str:
+    """How the run decoded, in words, from report.json's ``settings``."""
+    if not settings.get("temperature"):
+        return "Decoding: greedy, every output checked identical to plain greedy decoding."
+    cuts = ""
+    if settings.get("top_k"):
+        cuts += f", top-k {settings['top_k']}"
+    if settings.get("top_p", 1.0) < 1.0:
+        cuts += f", top-p {settings['top_p']}"
+    drafting = {
+        "greedy": "the draft proposes its most likely tokens, each accepted with the target's probability of it",
+        "sample": "the draft draws its tokens from its own distribution, each accepted with min(1, p_t/p_d)",
+    }[settings["draft_sampling"]]
+    return f"Decoding: sampled at temperature {settings['temperature']}{cuts}, seed {settings.get('seed', 0)}; {drafting}."
+
+
 def markdown_table(
     results: Sequence[WorkloadResult], *, block_size: int, command: str | None = None,
-    intervals: dict | None = None,
+    intervals: dict | None = None, settings: dict | None = None,
 ) -> str:
     """Acceptance length, verification width and speed per workload and method, plus positions
     and the bootstrap ``intervals`` (:func:`uncertainty`, computed here when not given)."""
     lines = []
     if command:
         lines += [f"Command: `{command}`", ""]
+    if settings is not None:
+        lines += [decoding_line(settings), ""]
     lines += [
         "| workload | method | acceptance length | tokens verified / round | tokens/s | speed-up | wall s |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
@@ -220,7 +238,8 @@ def write_report(
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     intervals = uncertainty(results)  # once, for both files
-    table = markdown_table(results, block_size=block_size, command=meta.get("command"), intervals=intervals)
+    table = markdown_table(results, block_size=block_size, command=meta.get("command"), intervals=intervals,
+                           settings=meta.get("settings"))
     report = report_dict(results, meta, intervals=intervals)
     paths = {"markdown": _atomic_text(out / "report.md", table)}
     for path in plot(results, out, block_size=block_size):

@@ -55,6 +55,7 @@ def test_eval_cli_with_export_prompts_file_and_calibration(recipe_path, tmp_path
     assert alpha["train_time_estimate"]["tau"] >= 1.0
     table = (out / "report.md").read_text()
     assert "| alpha | dspark |" in table and "tau (c*)" in table
+    assert "Decoding: greedy, every output checked identical to plain greedy decoding." in table
     # where n-gram lookup proposes: the JSON's split, rendered in the report
     est = alpha["train_time_estimate"]
     assert 0.0 <= est["lookup_share"] <= 1.0
@@ -224,6 +225,8 @@ def test_sampled_eval_records_its_sampling_settings_and_greedy_refuses_them(reci
     settings = json.loads((tmp_path / "r" / "report.json").read_text())["settings"]
     assert (settings["temperature"], settings["top_k"], settings["top_p"]) == (0.8, 8, 0.9)
     assert settings["draft_sampling"] == "sample"
+    assert ("Decoding: sampled at temperature 0.8, top-k 8, top-p 0.9, seed 0; the draft draws its tokens "
+            "from its own distribution, each accepted with min(1, p_t/p_d).") in (tmp_path / "r" / "report.md").read_text()
     assert "al_dspark=" in capsys.readouterr().out
     from draftforge.errors import InputError
 
@@ -231,6 +234,18 @@ def test_sampled_eval_records_its_sampling_settings_and_greedy_refuses_them(reci
                                          r"temperature is 0 \(greedy decoding"):
         main([*base, "--top-p", "0.9", "--draft-sampling", "sample", "--out", str(tmp_path / "g")])
     assert not (tmp_path / "g").exists()  # refused before anything ran
+
+
+def test_the_reports_decoding_line_names_each_sampling_setting():
+    from draftforge.eval.report import decoding_line
+
+    assert decoding_line({"temperature": 0.7, "top_k": 20, "top_p": 0.8, "seed": 3, "draft_sampling": "greedy"}) == (
+        "Decoding: sampled at temperature 0.7, top-k 20, top-p 0.8, seed 3; the draft proposes its most likely "
+        "tokens, each accepted with the target's probability of it.")  # fmt: skip
+    assert decoding_line({"temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": 0, "draft_sampling": "sample"}) == (
+        "Decoding: sampled at temperature 1.0, seed 0; the draft draws its tokens from its own distribution, "
+        "each accepted with min(1, p_t/p_d).")  # fmt: skip
+    assert decoding_line({"temperature": 0.0}).startswith("Decoding: greedy")
 
 
 @pytest.mark.parametrize("argv,message", [
