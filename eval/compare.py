@@ -142,11 +142,12 @@ def decoding_keys(ra: dict, a_method: str, rb: dict, b_method: str) -> list[str]
             "settings.temperature", "settings.max_new_tokens"]  # fmt: skip
     if either("target", lambda v: v == "random"):  # a random target is its seed and shape
         keys += ["target_config.seed", "target_config.shape"]
-    if either("settings.temperature", lambda v: isinstance(v, (int, float)) and v > 0):
-        keys += ["settings.seed", "settings.top_k", "settings.top_p"]  # sampling: what draws the tokens
+    sampling = either("settings.temperature", lambda v: isinstance(v, (int, float)) and v > 0)
+    if sampling:
+        keys += ["settings.seed", "settings.top_k", "settings.top_p"]  # what draws the tokens
     methods = {a_method, b_method}
     if methods == {"dspark"}:  # the baselines always verify in full, the draft as told
-        if either("settings.temperature", lambda v: isinstance(v, (int, float)) and v > 0):
+        if sampling:
             keys.append("settings.draft_sampling")  # how the drafts propose (the baselines' are fixed)
         keys.append("settings.verify")
         if either("settings.verify", lambda v: v == "threshold"):

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from draftforge.splitserve.hf_backend import captured_outputs, decoder_layers_and_norm
-from draftforge.splitserve.sampling import kv_cache_argument
+from draftforge.splitserve.sampling import kv_cache_argument, top_k_top_p
 
 
 class LosslessCheckError(AssertionError):
@@ -270,18 +270,12 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top
     (``draftforge.splitserve.sampling``), except that ties at the k-th place keep exactly k."""
     if temperature <= 0:
         raise ValueError(f"sampling needs a temperature above 0, got {temperature}")
-    scaled = logits.float() / temperature
-    vocab = scaled.shape[-1]
-    if (top_k <= 0 or top_k >= vocab) and top_p >= 1.0:
-        return torch.softmax(scaled, dim=-1)
-    k = vocab if top_k <= 0 else min(top_k, vocab)
-    values, indices = torch.topk(scaled, k, dim=-1)  # descending
-    kept = torch.softmax(values, dim=-1)
+    if (top_k <= 0 or top_k >= logits.shape[-1]) and top_p >= 1.0:
+        return torch.softmax(logits.float() / temperature, dim=-1)  # no cut: no sort of the vocabulary
+    kept, indices = top_k_top_p(logits, temperature, top_k, top_p)
     if top_p < 1.0:
-        before = torch.cumsum(kept, dim=-1) - kept
-        kept = kept.masked_fill(before >= top_p, 0.0)
         kept = kept / kept.sum(dim=-1, keepdim=True)
-    return torch.zeros_like(scaled).scatter(-1, indices, kept)
+    return torch.zeros(logits.shape, dtype=kept.dtype, device=kept.device).scatter(-1, indices, kept)
 
 
 def _choose(logits: torch.Tensor, settings: DecodeSettings, generator: torch.Generator) -> int:

@@ -42,20 +42,31 @@ def kv_cache_argument(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def top_k_top_p(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The temperature-scaled softmax over the ``top_k`` most likely tokens of each row (all
+    when 0), most likely first, with the tokens past the ``top_p`` nucleus set to 0 (not
+    renormalised): ``(probs, token ids)``, both ``[..., k]``. The sampler here and the
+    evaluator's rejection sampling (``draftforge.eval.speculative.sampling_probs``) share it."""
+    vocab = logits.shape[-1]
+    k = vocab if top_k <= 0 else min(top_k, vocab)
+    values, indices = torch.topk(logits.float() / temperature, k, dim=-1)  # descending
+    probs = torch.softmax(values, dim=-1)
+    if top_p < 1.0:
+        # keep a token while the mass before it is below top_p: the first always stays
+        before = torch.cumsum(probs, dim=-1) - probs
+        probs = probs.masked_fill(before >= top_p, 0.0)
+    return probs, indices
+
+
 def next_tokens(logits: torch.Tensor, settings: GenerationConfig, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row of ``logits`` [B, V]: argmax at temperature 0, else a draw from the
     temperature-scaled distribution restricted to the top ``top_k`` tokens (all when 0) and
     then to the smallest set of those whose probability reaches ``top_p``."""
     if settings.temperature <= 0:
         return logits.argmax(dim=-1)
-    vocab = logits.shape[-1]
-    k = vocab if settings.top_k <= 0 else min(settings.top_k, vocab)
-    values, indices = torch.topk(logits.float() / settings.temperature, k, dim=-1)  # descending
-    probs = torch.softmax(values, dim=-1)
-    if settings.top_p < 1.0:
-        # keep a token while the mass before it is below top_p: the first always stays
-        before = torch.cumsum(probs, dim=-1) - probs
-        probs = probs.masked_fill(before >= settings.top_p, 0.0)
+    probs, indices = top_k_top_p(logits, settings.temperature, settings.top_k, settings.top_p)
     choice = torch.multinomial(probs, 1, generator=generator)
     return indices.gather(-1, choice).squeeze(-1)
 
