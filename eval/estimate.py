@@ -7,13 +7,21 @@ the evaluation prompts, so users see how far the training metric is from the
 acceptance length measured by real decoding. A second estimate, ``tau_greedy``,
 replaces ``c*_k`` by the greedy indicator ``argmax p_d,k == x_{p+k+1}`` (still
 teacher-forced): on the target's greedy outputs it is what greedy decoding
-would measure if every response position were an anchor.
+would measure if every response position were an anchor. When the evaluation
+samples, a third, ``tau_sampled``, replaces ``c*_k`` by the acceptance probability
+of the evaluator's own sampling rule at its settings (still teacher-forced):
+``pi_t(argmax p_d,k)`` for greedy drafts (SGLang's and llama.cpp's rule) or
+``sum_x min(pi_t(x), pi_d(x))`` for drawn drafts, where ``pi`` is the distribution
+at the evaluation's temperature after its top-k and top-p cut. At temperature 1
+with no cut and drawn drafts it is ``tau`` again.
 
 Known gaps (documented in the report):
 
 * ``c*`` is the acceptance probability of speculative *sampling* at temperature
   1; greedy verification accepts iff the argmax matches, which can be higher or
-  lower than ``c*`` per slot.
+  lower than ``c*`` per slot, and sampling at another temperature, with a top-k
+  or top-p cut or with greedy drafts accepts with another probability
+  (``tau_sampled`` measures it).
 * The estimate averages over every response position as an anchor; decoding
   only anchors where the previous round ended (after rejections), which are the
   harder positions, so measured AL is usually below the estimate.
@@ -34,7 +42,7 @@ from collections.abc import Sequence
 import torch
 
 from draftforge.eval.baselines import ngram_lookup
-from draftforge.eval.speculative import matching_prefix
+from draftforge.eval.speculative import DRAFT_SAMPLING, matching_prefix, sampling_probs
 from draftforge.train.blocks import sample_anchors
 
 
@@ -47,6 +55,30 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def sampled_acceptance(
+    draft_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    *,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    draft_sampling: str = "greedy",
+) -> torch.Tensor:
+    """Each slot's probability of acceptance when decoding samples, from its logits [n, V].
+
+    ``greedy``: the draft proposes its most likely token x and the target accepts it with
+    ``pi_t(x)``. ``sample``: the draft draws from ``pi_d`` and rejection sampling accepts with
+    probability ``sum_x min(pi_t(x), pi_d(x))``. Both distributions are cut as the evaluator
+    cuts them (:func:`~draftforge.eval.speculative.sampling_probs`).
+    """
+    if draft_sampling not in DRAFT_SAMPLING:
+        raise ValueError(f"draft_sampling {draft_sampling!r} is not one of {', '.join(DRAFT_SAMPLING)}")
+    target = sampling_probs(target_logits.float(), temperature, top_k, top_p)
+    if draft_sampling == "greedy":
+        return target.gather(-1, draft_logits.argmax(-1, keepdim=True))[..., 0]
+    return torch.minimum(target, sampling_probs(draft_logits.float(), temperature, top_k, top_p)).sum(-1)
+
+
 @torch.no_grad()
 def train_time_estimate(
     draft,
@@ -56,17 +88,24 @@ def train_time_estimate(
     max_anchors: int = 64,
     seed: int = 0,
     max_ngram: int = 3,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    draft_sampling: str = "greedy",
 ) -> dict:
     """``tau`` (objective c*) and ``tau_greedy`` over up to ``max_anchors`` response anchors per sequence.
 
     ``sequences``: (prompt ids, target output ids). ``target`` provides
     ``features(input_ids)`` (an HFTarget). ``max_ngram``: the n-gram baseline's largest n.
+    A ``temperature`` above 0 adds ``tau_sampled``, the estimate under the evaluator's
+    sampling rule with these ``top_k``, ``top_p`` and ``draft_sampling`` settings
+    (:func:`sampled_acceptance`).
     """
     draft = draft.eval()
     gamma = draft.config.block_size
     device = draft.fc.weight.device
     generator = torch.Generator().manual_seed(seed)
-    c_stars, valids, greedy_taus = [], [], []
+    c_stars, valids, greedy_taus, sampled_taus = [], [], [], []
     at_lookup, elsewhere, ngram_runs = [], [], []
     for prompt, output in sequences:
         ids = list(prompt) + list(output)
@@ -91,6 +130,12 @@ def train_time_estimate(
             _, logits, _ = draft.draft_block(hidden, anchor, sample=lambda _l, k, forced=forced: forced[k : k + 1])
             run = accepted_run(logits[0, : len(truth)].argmax(-1).tolist(), truth)
             greedy_taus.append(run)
+            if temperature > 0:
+                # slot k predicts token p + k + 1 from the target's final state at p + k
+                target_logits = draft.base_logits(final[0, p : p + len(truth)].to(draft.lm_head.weight.dtype))
+                accept = sampled_acceptance(logits[0, : len(truth)], target_logits, temperature=temperature,
+                                            top_k=top_k, top_p=top_p, draft_sampling=draft_sampling)
+                sampled_taus.append(float(1.0 + accept.cumprod(0).sum()))
             lookup = ngram_lookup(ids[: p + 1], gamma, max_ngram)
             if lookup:
                 at_lookup.append(run)
@@ -99,13 +144,14 @@ def train_time_estimate(
                 elsewhere.append(run)
     if not c_stars:
         nan = float("nan")
-        return {"tau": nan, "tau_greedy": nan, "slot_c_star": [], "num_blocks": 0,
-                "lookup_share": nan, "tau_greedy_at_lookup": nan, "tau_greedy_elsewhere": nan,
-                "ngram_run_at_lookup": nan}  # fmt: skip
+        empty = {"tau": nan, "tau_greedy": nan, "slot_c_star": [], "num_blocks": 0,
+                 "lookup_share": nan, "tau_greedy_at_lookup": nan, "tau_greedy_elsewhere": nan,
+                 "ngram_run_at_lookup": nan}  # fmt: skip
+        return empty | ({"tau_sampled": nan} if temperature > 0 else {})
     c_star, slot_valid = torch.cat(c_stars), torch.cat(valids)
     tau = float((1.0 + (c_star * slot_valid).cumprod(-1).sum(-1)).mean())
     slot_means = (c_star * slot_valid).sum(0) / slot_valid.sum(0).clamp_min(1)
-    return {
+    result = {
         "tau": tau,
         "tau_greedy": sum(greedy_taus) / len(greedy_taus),
         "slot_c_star": [float(x) for x in slot_means],
@@ -115,3 +161,6 @@ def train_time_estimate(
         "tau_greedy_elsewhere": _mean(elsewhere),
         "ngram_run_at_lookup": _mean(ngram_runs),
     }
+    if temperature > 0:
+        result["tau_sampled"] = _mean(sampled_taus)
+    return result

@@ -164,6 +164,8 @@ def run_workload(
         result.estimate = train_time_estimate(
             draft, target, [(p, res.tokens) for p, res in zip(prompts, reference, strict=True)],
             max_anchors=settings.estimate_anchors, seed=settings.seed, max_ngram=settings.ngram_max,
+            temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
+            draft_sampling=settings.draft_sampling,
         )  # fmt: skip
     return result
 

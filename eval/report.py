@@ -18,7 +18,11 @@ ESTIMATE_NOTE = (
     "acceptance probability of speculative sampling at temperature 1. tau_greedy replaces c* by the "
     "greedy match indicator. Both average over every response position as an anchor, while decoding "
     "anchors only where the previous round stopped (often right after a hard token), and c* is not the "
-    "greedy acceptance rule: expect measured AL below tau, and close to tau_greedy under greedy decoding."
+    "greedy acceptance rule: expect measured AL below tau, and close to tau_greedy under greedy decoding. "
+    "When decoding samples, tau_sampled replaces c* by the acceptance probability of the rule this run "
+    "verified with, at its temperature, top-k and top-p (greedy drafts: the target's probability of the "
+    "draft's most likely token; drawn drafts: sum_x min(p_t(x), p_d(x))), still teacher-forced on the "
+    "target's sampled outputs."
 )
 
 
@@ -85,11 +89,14 @@ def markdown_table(
         if m:
             lines.append(f"| {r.name} | " + " | ".join(_fmt(v) for v in m["position_acceptance"]) + " |")
     lines += ["", "Train-time estimate beside the measured acceptance length (DSpark):", ""]
-    lines += ["| workload | measured AL | tau (c*) | tau_greedy |", "| --- | ---: | ---: | ---: |"]
+    sampled = any("tau_sampled" in (r.estimate or {}) for r in results)
+    lines += ["| workload | measured AL | tau (c*) | tau_greedy |" + (" tau_sampled |" if sampled else ""),
+              "| --- | ---: | ---: | ---: |" + (" ---: |" if sampled else "")]  # fmt: skip
     for r in results:
         est = r.estimate or {}
         measured = r.methods.get("dspark", {}).get("acceptance_length")
-        lines.append(f"| {r.name} | {_fmt(measured)} | {_fmt(est.get('tau'))} | {_fmt(est.get('tau_greedy'))} |")
+        cells = [measured, est.get("tau"), est.get("tau_greedy")] + ([est.get("tau_sampled")] if sampled else [])
+        lines.append(f"| {r.name} | " + " | ".join(_fmt(v) for v in cells) + " |")
     lines += ["", ESTIMATE_NOTE, ""]
     lines += lookup_lines(results)
     lines += uncertainty_lines(uncertainty(results) if intervals is None else intervals)

@@ -219,10 +219,15 @@ def test_sampled_eval_records_its_sampling_settings_and_greedy_refuses_them(reci
 
     export_dir, prompts = _tiny_export_and_prompts(recipe_path, tmp_path)
     base = [str(export_dir), "--recipe", str(recipe_path), "--prompts-file", str(prompts),
-            "--max-new-tokens", "8", "--no-estimate", "--baselines", "ngram"]
+            "--max-new-tokens", "8", "--baselines", "ngram"]
     assert main([*base, "--temperature", "0.8", "--top-k", "8", "--top-p", "0.9",
                  "--draft-sampling", "sample", "--out", str(tmp_path / "r")]) == 0  # fmt: skip
-    settings = json.loads((tmp_path / "r" / "report.json").read_text())["settings"]
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    settings = report["settings"]
+    # the train-time estimate at these settings beside the others
+    for entry in report["workloads"].values():
+        assert 1.0 <= entry["train_time_estimate"]["tau_sampled"] <= 5.0
+    assert "| tau_greedy | tau_sampled |" in (tmp_path / "r" / "report.md").read_text()
     assert (settings["temperature"], settings["top_k"], settings["top_p"]) == (0.8, 8, 0.9)
     assert settings["draft_sampling"] == "sample"
     assert ("Decoding: sampled at temperature 0.8, top-k 8, top-p 0.9, seed 0; the draft draws its tokens "

@@ -456,6 +456,59 @@ def test_train_time_estimate_is_in_range(target, draft):
     assert sum(w * v for w, v in parts if w > 0) == pytest.approx(est["tau_greedy"])
 
 
+def test_the_sampled_estimate_reduces_to_tau_and_to_tau_greedy(target, draft):
+    """At temperature 1 with no cut and drawn drafts the acceptance probability is c*, so
+    ``tau_sampled`` must equal ``tau``, which the training objective computes by another path;
+    near temperature 0 with greedy drafts, on the target's greedy output, it is the greedy match."""
+    from draftforge.eval.estimate import train_time_estimate
+
+    prompt = random_prompts(1, seed=5)[0]
+    output = _plain(target, prompt, 16).tokens
+    sequences = [(prompt, output)]
+    at_one = train_time_estimate(draft, target, sequences, max_anchors=8, temperature=1.0, draft_sampling="sample")
+    assert at_one["tau_sampled"] == pytest.approx(at_one["tau"], rel=1e-5)
+    cold = train_time_estimate(draft, target, sequences, max_anchors=8, temperature=1e-4)
+    assert cold["tau_sampled"] == pytest.approx(cold["tau_greedy"], abs=1e-4)
+    assert "tau_sampled" not in train_time_estimate(draft, target, sequences, max_anchors=8)
+    # a cut changes it; drawn and greedy drafts are estimated apart
+    cut = [train_time_estimate(draft, target, sequences, max_anchors=8, temperature=0.7, top_k=20, top_p=0.8,
+                               draft_sampling=rule)["tau_sampled"] for rule in ("greedy", "sample")]  # fmt: skip
+    assert all(1.0 <= t <= 5.0 for t in cut) and cut[0] != cut[1] != at_one["tau_sampled"]
+
+
+@pytest.mark.parametrize("draft_sampling", ["greedy", "sample"])
+def test_sampled_acceptance_is_the_verifiers_first_slot_acceptance_rate(draft_sampling):
+    """The estimate's per-slot probability, against transformers' distributions written out by hand
+    and against how often the evaluator's own rejection step accepts a first draft."""
+    from draftforge.eval.estimate import sampled_acceptance
+
+    torch.manual_seed(8)  # slot 0 accepts with 0.38 (greedy) and 0.61 (drawn): far from 0, 1 and each other
+    temperature, top_k, top_p = 0.8, 4, 0.9
+    draft_logits, target_logits = torch.randn(2, 7) * 2, torch.randn(2, 7) * 2
+    accept = sampled_acceptance(draft_logits, target_logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                                draft_sampling=draft_sampling)  # fmt: skip
+    pi_t = reference_distribution(target_logits, temperature, top_k, top_p)
+    pi_d = reference_distribution(draft_logits, temperature, top_k, top_p)
+    if draft_sampling == "greedy":
+        expected = pi_t[torch.arange(2), draft_logits.argmax(-1)]
+    else:
+        expected = torch.minimum(pi_t, pi_d).sum(-1)
+    assert torch.allclose(accept, expected, atol=1e-6)
+    gen, samples, accepted = torch.Generator().manual_seed(0), 20000, 0
+    target_probs = torch.cat([pi_t[:1], pi_t[:1]])  # slot 0's distribution, then the bonus's
+    for _ in range(samples):
+        if draft_sampling == "greedy":
+            drafts, probs = [int(draft_logits[0].argmax())], None
+        else:
+            drafts, probs = [int(torch.multinomial(pi_d[0], 1, generator=gen))], pi_d[:1]
+        accepted += spec.rejection_accept(drafts, probs, target_probs, gen)[0]
+    rate, p = accepted / samples, float(expected[0])
+    assert 0.3 < p < 0.7
+    assert abs(rate - p) < 4 * (p * (1 - p) / samples) ** 0.5 + 1e-9
+    with pytest.raises(ValueError, match="draft_sampling 'top' is not one of greedy, sample"):
+        sampled_acceptance(draft_logits, target_logits, temperature=1.0, draft_sampling="top")
+
+
 def test_accepted_run_counts_the_matching_prefix_plus_the_bonus():
     from draftforge.eval.estimate import accepted_run
 
