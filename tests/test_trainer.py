@@ -260,7 +260,7 @@ def test_resume_ignores_incomplete_checkpoints(tmp_path):
     assert trainer.resume().step == 8
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         _trainer(tmp_path, steps=10, resume=str(tmp_path / "checkpoints" / "step_00000010")).resume()
-    assert _trainer(tmp_path, steps=10, resume="never").resume() is None
+    assert _trainer(tmp_path / "fresh", steps=10, resume="never").resume() is None
 
 
 def test_checkpoint_files_are_safetensors_and_state_matches(tmp_path):

@@ -57,31 +57,62 @@ def is_complete(path: Path) -> bool:
     return (Path(path) / COMPLETE).is_file() and (Path(path) / STATE_FILE).is_file()
 
 
+def _step_of(path: Path) -> int:
+    return int(_STEP_DIR.match(path.name).group(1))
+
+
 def complete_checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints of ``run_dir``, oldest first."""
     root = checkpoints_root(run_dir)
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and is_complete(p)]
-    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+    return sorted(found, key=_step_of)
 
 
 def find_resume(run_dir: Path, resume: str) -> Path | None:
-    """The checkpoint ``train.resume`` asks for: ``auto`` (newest complete, or none), ``never``, or a path."""
-    if resume == "never":
-        return None
+    """The checkpoint ``train.resume`` asks for: ``auto`` (newest complete, or none), ``never``, or a path.
+
+    Refuses (:class:`CheckpointError`) a run that would start below complete checkpoints
+    already in ``run_dir``: a fresh run (``never``) there, or one resumed from an earlier
+    checkpoint. Its checkpoints would sit below the abandoned ones, so ``resume: auto`` and
+    ``draftforge export RUN_DIR`` would keep picking those, and pruning to ``keep_last``
+    would delete its own.
+    """
     if resume == "auto":
         found = complete_checkpoints(run_dir)
         return found[-1] if found else None
-    path = Path(resume)
-    if not path.is_dir():
-        raise CheckpointError(f"train.resume: checkpoint folder {path} does not exist")
-    if not is_complete(path):
+    if resume == "never":
+        path, start = None, -1  # any checkpoint is another run's
+    else:
+        path = Path(resume)
+        if not path.is_dir():
+            raise CheckpointError(f"train.resume: checkpoint folder {path} does not exist")
+        if not is_complete(path):
+            raise CheckpointError(
+                f"train.resume: {path} is not a complete checkpoint (no {COMPLETE} marker); "
+                "pick another one or use train.resume=auto"
+            )
+        start = _state_step(path)
+    later = [p for p in complete_checkpoints(run_dir) if _step_of(p) > start]
+    if later:
+        what = "a fresh run (train.resume=never)" if path is None else f"a run resumed from step {start}"
+        beyond = "" if path is None else f" beyond step {start}"
         raise CheckpointError(
-            f"train.resume: {path} is not a complete checkpoint (no {COMPLETE} marker); "
-            "pick another one or use train.resume=auto"
+            f"train.output_dir {run_dir} already holds checkpoints{beyond} "
+            f"({', '.join(p.name for p in later)} in {checkpoints_root(run_dir)}); {what} there would save "
+            "below them, and train.resume=auto and export would keep picking them. Use another "
+            f"train.output_dir, or move those folders out of {checkpoints_root(run_dir)} first"
         )
     return path
+
+
+def _state_step(path: Path) -> int:
+    state_file = path / STATE_FILE
+    try:
+        return int(json.loads(state_file.read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise _corrupt(state_file, exc, path) from None
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -262,8 +293,9 @@ def save_checkpoint(
         except Exception as exc:  # noqa: BLE001
             error = f"trainer rank 0: {type(exc).__name__}: {exc}"
             shutil.rmtree(tmp, ignore_errors=True)
-        if not error:
-            for old in complete_checkpoints(run_dir)[:-keep_last]:
+        if not error:  # keep this one and the keep_last - 1 before it
+            older = [p for p in complete_checkpoints(run_dir) if _step_of(p) < step]
+            for old in older[: max(0, len(older) - (keep_last - 1))]:
                 shutil.rmtree(old, ignore_errors=True)
     if not _agree_ok(not error, group=group):
         raise _write_failed(step, run_dir, error or "on trainer rank 0")
@@ -310,8 +342,8 @@ def read_checked_state(path: Path, *, model_config: dict | None = None) -> dict:
             raise CheckpointError(
                 f"checkpoint {path} was written for a different draft:\n  "
                 + "\n  ".join(differences)
-                + "\nResume with the recipe that run used, or start a fresh run "
-                "(train.resume=never or another train.output_dir)."
+                + "\nResume with the recipe that run used, or start a fresh run in another "
+                "train.output_dir."
             )
     for file in sorted(path.rglob("*.safetensors")):
         try:

@@ -133,7 +133,8 @@ class TrainConfig(Section):
         default=200, gt=0, description="steps between checkpoints (and one at the end)"
     )
     keep_last: int = Field(default=2, gt=0, description="checkpoints kept; older ones are removed")
-    resume: str = Field(default="auto", description="auto, never, or a checkpoint path")
+    resume: str = Field(default="auto", description="auto (the newest complete checkpoint, if any), never, or a "
+                        "checkpoint path; never and a path are refused where output_dir holds later checkpoints")
     log_interval: int = Field(
         default=10, gt=0, description="steps between progress lines and accounting reports"
     )

@@ -184,16 +184,15 @@ def test_checkpoints_record_the_draft_config(saved_run):
 
 
 def _resave_step_8(run_dir):
-    """Resume from step 4 and train to step 8 again, saving step 8 over the existing one."""
-    trainer = _trainer(run_dir, steps=8, checkpoint_interval=4,
-                       resume=str(run_dir / "checkpoints" / "step_00000004"))
-    consumed = set(trainer.resume().consumed_ids)
-    return trainer.fit([b for b in _batches() if not {s.sample_id for s in b} & consumed])
+    """Resume from step 8 and save it again, over the existing folder."""
+    trainer = _trainer(run_dir, steps=8, checkpoint_interval=4, resume="auto")
+    assert trainer.resume().step == 8
+    return trainer.save()
 
 
 def test_resaving_a_step_keeps_the_old_checkpoint_until_the_new_one_is_in_place(saved_run, monkeypatch):
-    """Resuming further back re-saves a step that exists. The old folder is moved aside, not
-    deleted, before the new one is renamed in; when that rename fails it comes back whole."""
+    """A save over a step that exists moves the old folder aside, not deleted, before the new
+    one is renamed in; when that rename fails it comes back whole."""
     root = saved_run / "checkpoints"
     step8 = root / "step_00000008"
     before = {p.relative_to(step8): p.read_bytes() for p in step8.rglob("*") if p.is_file()}
@@ -212,7 +211,7 @@ def test_resaving_a_step_keeps_the_old_checkpoint_until_the_new_one_is_in_place(
     assert after == before
     assert sorted(p.name for p in root.iterdir()) == ["step_00000004", "step_00000008"]
 
-    # the same re-save without the failure: exact resume writes the same step 8 again
+    # the same re-save without the failure writes the same step 8 again
     _resave_step_8(saved_run)
     assert sorted(p.name for p in root.iterdir()) == ["step_00000004", "step_00000008"]
     resaved = {p.relative_to(step8): p for p in step8.rglob("*") if p.is_file()}
@@ -232,3 +231,45 @@ def test_resume_path_that_does_not_exist_or_is_incomplete(tmp_path):
 def test_checkpoint_errors_are_input_errors():
     """The draftforge command prints them without a traceback and exits 2 (see test_faults_cli.py)."""
     assert issubclass(ckpt.CheckpointError, InputError)
+
+
+def test_a_run_that_would_save_below_existing_checkpoints_is_refused(tmp_path):
+    """A fresh run, or one resumed from an earlier checkpoint, in an output_dir holding later
+    checkpoints: its own would rank below them (resume: auto and export pick the newest step,
+    and pruning to keep_last would delete its own), so it stops before training, naming them."""
+    _trainer(tmp_path, steps=8, checkpoint_interval=4, keep_last=5, resume="auto").fit(_batches())
+    root = tmp_path / "checkpoints"
+    assert [p.name for p in ckpt.complete_checkpoints(tmp_path)] == ["step_00000004", "step_00000008"]
+    with pytest.raises(ckpt.CheckpointError, match=(
+            r"already holds checkpoints \(step_00000004, step_00000008 in .*\); a fresh run "
+            r"\(train.resume=never\) there would save below them.*Use another train.output_dir")):
+        _trainer(tmp_path, steps=8, resume="never").resume()
+    with pytest.raises(ckpt.CheckpointError, match=r"beyond step 4 \(step_00000008 in .*\); a run resumed from step 4"):
+        _trainer(tmp_path, steps=8, resume=str(root / "step_00000004")).resume()
+    assert [p.name for p in ckpt.complete_checkpoints(tmp_path)] == ["step_00000004", "step_00000008"]
+    # resuming from there into a fresh output_dir is the way, and moving the later one aside works too
+    elsewhere = tmp_path / "branch"
+    assert _trainer(elsewhere, steps=8, resume=str(root / "step_00000004")).resume().step == 4
+    (root / "step_00000008").rename(tmp_path / "step_00000008.old")
+    assert _trainer(tmp_path, steps=8, resume=str(root / "step_00000004")).resume().step == 4
+
+
+def test_pruning_keeps_the_checkpoint_just_written(tmp_path):
+    """keep_last counts back from the step just saved: a stale later checkpoint (a folder put back
+    by hand, say) is neither counted as newer nor a reason to delete the new one."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def save(step, keep_last):
+        return ckpt.save_checkpoint(run_dir=tmp_path, step=step, strategy="single", model=model,
+                                    optimizer=optimizer, engine=None, group=None, keep_last=keep_last,
+                                    state={"step": step, "skipped_steps": 0, "consumed_ids": [[]]})  # fmt: skip
+
+    for step in (100, 200, 1000):
+        save(step, keep_last=5)
+    saved = save(300, keep_last=2)
+    assert saved.is_dir()
+    names = [p.name for p in ckpt.complete_checkpoints(tmp_path)]
+    assert names == ["step_00000200", "step_00000300", "step_00001000"]
+    save(400, keep_last=1)
+    assert [p.name for p in ckpt.complete_checkpoints(tmp_path)] == ["step_00000400", "step_00001000"]

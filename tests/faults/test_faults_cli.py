@@ -19,6 +19,7 @@ from trainer_helpers import chain_samples, target_embeddings, tiny_model_config,
 
 from draftforge.cli import main
 from draftforge.config import load_recipe
+from draftforge.train.checkpoint import is_complete
 from draftforge.train.export import export_draft
 from draftforge.train.model import DSparkConfig, DSparkDraft
 from draftforge.train.sample import pack
@@ -215,6 +216,15 @@ def test_train_refuses_a_resume_path_that_is_not_a_checkpoint(tmp_path, capsys):
     recipe = tiny_recipe(tmp_path)
     code, err = _train(recipe, capsys, f"train.resume={tmp_path}")
     assert code == 2 and f"train.resume: {tmp_path} is not a complete checkpoint" in err
+
+
+def test_train_refuses_a_fresh_run_over_existing_checkpoints(tmp_path, capsys):
+    recipe = tiny_recipe(tmp_path)
+    path = _checkpoint_for(recipe)
+    code, err = _train(recipe, capsys, "train.resume=never")
+    assert code == 2
+    assert f"already holds checkpoints ({path.name} in {path.parent}); a fresh run (train.resume=never)" in err
+    assert is_complete(path), "the refusal leaves the existing checkpoint as it was"
 
 
 # --------------------------------------------------------------------------- export and eval
