@@ -461,6 +461,29 @@ def run_producer(
             seq[dest] += 1
             block = False  # one send is progress; go on only while credits allow
 
+    def finish_links() -> None:
+        """Send each link the rest of its queue, then its END, links not waiting on each other:
+        a trainer that has run out of samples needs its END to train its last partial step
+        while another, whose link is full, waits for it in a collective."""
+        ended: set[int] = set()
+        while len(ended) < len(dests):
+            for dest in dests:
+                if pending[dest] and gate.has_stopped(dest):
+                    pending[dest].clear()
+            for dest in dests:
+                # END too needs the trainer receiving: a credit left, or its stop
+                if dest not in ended and not pending[dest] and gate.listens(dest):
+                    with pulse.lock:
+                        T.send_end(dest, group=data_group, device=device)
+                        pulse.waiting.discard(dest)
+                    ended.add(dest)
+            sent = sum(seq.values())
+            send_ready(block=False)
+            if len(ended) == len(dests) or sum(seq.values()) > sent:
+                continue
+            with meter.idle("credits"):  # nothing can go now: wait for a credit (or a stop)
+                gate.acquire([dest for dest in dests if dest not in ended])
+
     meter.start()
     try:
         for sample in source.samples():
@@ -470,17 +493,11 @@ def run_producer(
             # the one the others wait for); once every one has, wait for a credit.
             while all(pending[d] or gate.has_stopped(d) for d in dests) and any(pending.values()):
                 send_ready(block=True)
-        while any(pending.values()):
-            send_ready(block=True)
         if not gate.all_stopped():
             log(f"target rank {rank}: data finished (split.max_epochs={split.max_epochs})")
+        finish_links()
     finally:
         meter.stop()
-    for dest in dests:
-        gate.acquire([dest])  # END too needs the trainer receiving: a credit left, or its stop
-        with pulse.lock:
-            T.send_end(dest, group=data_group, device=device)
-            pulse.waiting.discard(dest)
     pulse.close()
     # The trainers still return credits for what they hold; their stop is the last message.
     if not gate.wait_all_stopped(split.peer_timeout_s):

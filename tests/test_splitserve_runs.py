@@ -129,6 +129,36 @@ def test_a_full_link_does_not_stall_the_other_trainer(tmp_path):
     assert sorted(_by_step(metrics(tmp_path / "run"))) == list(range(1, steps + 1))
 
 
+def test_uneven_trainers_finish_finite_data_without_waiting_on_each_other(tmp_path):
+    """split.max_epochs=1, one target, two trainers, answers balanced by tokens so that one
+    trainer gets 10 samples and the other 6 (training stops when one runs out: every trainer
+    takes part in every step). The producer used to send END only once every
+    link's samples were out, in rank order: the trainer out of samples waited for its END to
+    train its last step, the other, its link full, waited for it in a collective, and the
+    producer waited for that full link's credit, until the peer timeout failed the job."""
+    from draftforge.splitserve.producer import epoch_order
+
+    recipe = tiny_recipe(tmp_path, trainers=2, steps=1000, num_conversations=16, overrides={
+        "split.max_epochs": 1, "split.max_in_flight": 1, "split.peer_timeout_s": 20,
+        "split.token_budget": 96, "train.checkpoint_interval": 1000, "train.log_interval": 1})
+    # in every second chunk of 4, one long answer and three short ones: token balancing gives
+    # the three short ones to one trainer
+    lengths = {index: 50 if position in (4, 12) else 6 for position, index in enumerate(epoch_order(16, seed=0, epoch=0))}
+    with (tmp_path / "convs.jsonl").open("w") as out:
+        for i in range(16):
+            answer = " ".join(["river"] * lengths[i])
+            out.write(json.dumps({"id": f"c{i}", "messages": [
+                {"role": "user", "content": "go"}, {"role": "assistant", "content": answer}]}) + "\n")
+    procs = spawn_ranks(recipe, 3, log_dir=tmp_path / "logs")
+    assert wait_all(procs, 90) == [0, 0, 0], read_logs(tmp_path / "logs", 3)
+    final = sorted((tmp_path / "run" / "checkpoints").iterdir())[-1]
+    first, second = json.loads((final / "trainer_state.json").read_text())["consumed_ids"]
+    assert not set(first) & set(second) and set(first + second) <= {f"c{i}" for i in range(16)}
+    # the trainer given 6 samples trained them all; the other stopped with it, 2 of its 10 left
+    assert sorted((len(first), len(second))) == [6, 8]
+    assert "stop: data_exhausted" in read_logs(tmp_path / "logs", 3)[1]
+
+
 def test_three_process_run_deepspeed(tmp_path):
     """The same stream feeds a DeepSpeed ZeRO-2 trainer group."""
     pytest.importorskip("deepspeed")
