@@ -39,13 +39,16 @@ RESTART_ENV = "DRAFTFORGE_RESTART"  # which restart of the job the ranks belong 
 
 
 def launch_env(master_addr: str = LOOPBACK, *, cpu: bool = True) -> dict[str, str]:
-    """The ranks' environment: gloo's sockets on loopback unless the address is opened."""
+    """The ranks' environment: gloo's and NCCL's sockets on loopback unless the address is opened."""
     env = dict(os.environ)
     if cpu:
         # one intra-op thread per process unless told otherwise: ranks share the cores
         env.setdefault("OMP_NUM_THREADS", "1")
     if is_loopback(master_addr) and sys.platform.startswith("linux"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        # NCCL's bootstrap listens on the interface it picks, never lo unless told; one
+        # node's GPUs talk over P2P or shared memory, not that socket
+        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
     env.setdefault("MASTER_ADDR", master_addr)
     return env
 

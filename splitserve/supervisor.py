@@ -8,7 +8,8 @@ job's store on it; the ranks connect to it as clients
 (``TORCHELASTIC_USE_AGENT_STORE=True``, the protocol torchrun's own agent uses
 with its workers, so ``init_process_group("gloo"|"nccl")`` with ``env://`` works
 unchanged). With ``GLOO_SOCKET_IFNAME=lo`` gloo's data sockets bind to loopback
-too, so nothing the job opens can be reached from another machine.
+too, and with ``NCCL_SOCKET_IFNAME=lo`` NCCL's bootstrap socket, so nothing the
+job opens can be reached from another machine.
 
 Each rank gets the variables torchrun sets (``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``,

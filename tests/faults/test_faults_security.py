@@ -249,6 +249,9 @@ def test_launcher_binds_rendezvous_to_loopback_by_default():
     assert env["MASTER_ADDR"] == "127.0.0.1"
     if os.environ.get("GLOO_SOCKET_IFNAME") is None and os.sys.platform.startswith("linux"):
         assert env["GLOO_SOCKET_IFNAME"] == "lo"  # gloo's data sockets on loopback
+    if os.environ.get("NCCL_SOCKET_IFNAME") is None and os.sys.platform.startswith("linux"):
+        assert env["NCCL_SOCKET_IFNAME"] == "lo"  # and NCCL's bootstrap socket
     opened = launch_env("10.0.0.5")
     assert "--local-addr=10.0.0.5" in torchrun_command("r.yaml", [], 2, master_addr="10.0.0.5")
     assert opened.get("GLOO_SOCKET_IFNAME") == os.environ.get("GLOO_SOCKET_IFNAME")
+    assert opened.get("NCCL_SOCKET_IFNAME") == os.environ.get("NCCL_SOCKET_IFNAME")
