@@ -357,3 +357,32 @@ def test_push_to_hub_uploads_the_export_through_huggingface_hub(tmp_path, monkey
         assert status == 1 and not hub.files
         assert "push to the Hugging Face Hub (me/draft) failed" in captured.err
         assert "export itself is complete" in captured.err
+
+
+def test_a_bf16_runs_frozen_matrices_go_out_in_the_drafts_dtype(tmp_path):
+    """A single or deepspeed bf16 run keeps embed_tokens and lm_head in bf16 beside fp32
+    weights; --with-embeddings writes them in fp32, exactly their values, and loads back."""
+    model = tiny_draft()
+    state = dict(model.state_dict())
+    for name in ("embed_tokens.weight", "lm_head.weight"):
+        state[name] = state[name].to(torch.bfloat16)
+    out = export_draft((state, model.config), tmp_path / "export", with_embeddings=True, progress=lambda _: None)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
+    from safetensors.torch import load_file
+
+    written = load_file(str(out / "model.safetensors"))
+    for name in ("embed_tokens.weight", "lm_head.weight"):
+        assert written[name].dtype == torch.float32 and torch.equal(written[name], state[name].float())
+    assert load_exported_draft(out).embed_tokens.weight.dtype == torch.float32
+
+
+def test_export_flushes_every_file_before_the_folder_takes_its_name(tmp_path, monkeypatch):
+    """Atomic against a crash is not durable against a power cut: the files are fsynced
+    in the staging folder before it is renamed into place."""
+    synced, renamed = [], []
+    real_fsync, real_replace = os.fsync, export_mod.replace_dir
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    monkeypatch.setattr(export_mod, "replace_dir", lambda src, dst: (renamed.append(list(synced)), real_replace(src, dst)))
+    export_draft(tiny_draft(), tmp_path / "export", progress=lambda _: None)
+    before = {os.path.basename(p) for p in renamed[0]}
+    assert {"config.json", "model.safetensors", "README.md"} <= before

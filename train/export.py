@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from draftforge.errors import InputError
-from draftforge.files import replace_dir, shareable
+from draftforge.files import fsync_tree, replace_dir, shareable
 from draftforge.train.model import DSparkConfig, DSparkDraft
 
 ARCHITECTURES = ("Qwen3DSparkModel", "LingDSparkModel")
@@ -227,6 +227,12 @@ def export_draft(
             "and this checkpoint has none; export without --with-embeddings (servers attach the "
             "target's own) or load the target's into the draft first"
         )
+    if with_embeddings:
+        # a bf16 run keeps the frozen target matrices in bf16 beside fp32 weights (the trainer
+        # casts them to spare a cast per matmul): they go out in the draft's own dtype
+        own = {t.dtype for name, t in state.items() if name not in EMBEDDING_KEYS}
+        if len(own) == 1:
+            state.update({name: state[name].to(next(iter(own))) for name in EMBEDDING_KEYS})
     config = serving_config(cfg, arch=arch, dtype=_common_dtype(state))
     check_tensors(state, cfg, with_embeddings=with_embeddings, where="the draft's state dict")
 
@@ -239,6 +245,7 @@ def export_draft(
         files = write_safetensors(state, staging, max_shard_size_mb=max_shard_size_mb)
         (staging / "README.md").write_text(model_card(config, card or ModelCard(), state))
         shareable(staging)  # mkdtemp made it 0700: unreadable to a server running as another user
+        fsync_tree(staging)  # every file on disk before the folder takes its name
         replace_dir(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
