@@ -46,26 +46,31 @@ def round_samples(rounds: Iterable[Round]) -> list[tuple[int, float, float]]:
     return samples
 
 
-def fit_temperature(logits: torch.Tensor, labels: torch.Tensor, *, iterations: int = 100) -> float:
-    """The T minimising the mean log loss of ``sigmoid(logits / T)`` (Newton on a = 1/T, convex),
-    clamped to [MIN_TEMPERATURE, MAX_TEMPERATURE]."""
-    if logits.numel() == 0:
-        return 1.0
+def fit_temperature(logits: torch.Tensor, labels: torch.Tensor, *, iterations: int = 80) -> float:
+    """The T in [MIN_TEMPERATURE, MAX_TEMPERATURE] minimising the mean log loss of
+    ``sigmoid(logits / T)``. The loss is convex in a = 1/T, so its derivative rises with a:
+    bisection on the derivative's sign over log a finds the minimum, or the bound it lies
+    beyond, whatever the logits' scale (Newton's step stalls where saturated logits make the
+    curvature vanish while the slope does not)."""
     z, y = logits.double(), labels.double()
-    a = 1.0
+    if z.numel() == 0 or not bool(z.ne(0).any()):
+        return 1.0  # no data, or logits that no temperature changes
+
+    def slope(a: float) -> float:
+        return float(((torch.sigmoid(a * z) - y) * z).sum())
+
+    low, high = math.log(1.0 / MAX_TEMPERATURE), math.log(1.0 / MIN_TEMPERATURE)
+    if slope(math.exp(low)) >= 0:
+        return MAX_TEMPERATURE
+    if slope(math.exp(high)) <= 0:
+        return MIN_TEMPERATURE
     for _ in range(iterations):
-        s = torch.sigmoid(a * z)
-        grad = float(((s - y) * z).sum())
-        hess = float((s * (1 - s) * z * z).sum())
-        if hess <= 1e-12:
-            break
-        step = grad / hess
-        a_new = max(a - step, 1.0 / MAX_TEMPERATURE)
-        if abs(a_new - a) < 1e-10:
-            a = a_new
-            break
-        a = a_new
-    return float(min(MAX_TEMPERATURE, max(MIN_TEMPERATURE, 1.0 / a)))
+        middle = 0.5 * (low + high)
+        if slope(math.exp(middle)) < 0:
+            low = middle
+        else:
+            high = middle
+    return float(1.0 / math.exp(0.5 * (low + high)))
 
 
 def expected_calibration_error(probs: torch.Tensor, labels: torch.Tensor, *, num_bins: int = 10) -> float:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 
+from draftforge.eval import calibration
 from draftforge.eval.calibration import (
     calibrate,
     expected_calibration_error,
@@ -34,6 +36,30 @@ def test_fit_temperature_recovers_the_scale():
     z = torch.tensor([s[1] for s in samples])
     y = torch.tensor([s[2] for s in samples])
     assert fit_temperature(z, y) == pytest.approx(3.0, rel=0.08)
+
+
+def _log_loss(z, y, temperature):
+    s = torch.sigmoid(z / temperature).clamp(1e-300, 1 - 1e-16)
+    return float(-(y * s.log() + (1 - y) * (1 - s).log()).mean())
+
+
+def test_fit_temperature_finds_the_grid_minimum_and_saturated_logits_reach_the_bound():
+    """Against a brute-force search over 3,000 temperatures. Saturated logits (|z| = 40, half
+    of them wrong) have a vanishing curvature at T = 1 but a large slope: Newton's step used to
+    stop there and keep T = 1, at a log loss of 19 instead of 0.71."""
+    grid = torch.logspace(math.log10(0.05), 2, 3000, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        scale, true_t = float(torch.rand(1, generator=gen)) * 20, float(torch.rand(1, generator=gen)) * 5 + 0.1
+        z = torch.randn(120, generator=gen, dtype=torch.float64) * scale
+        y = (torch.rand(120, generator=gen, dtype=torch.float64) < torch.sigmoid(z / true_t)).double()
+        best = min(_log_loss(z, y, float(t)) for t in grid)
+        assert _log_loss(z, y, fit_temperature(z, y)) <= best + 1e-6
+    z = torch.tensor([40.0] * 50 + [-40.0] * 50, dtype=torch.float64)
+    y = torch.tensor([1.0, 0.0] * 50, dtype=torch.float64)
+    assert fit_temperature(z, y) == calibration.MAX_TEMPERATURE
+    assert _log_loss(z, y, calibration.MAX_TEMPERATURE) < 0.72 < 19 < _log_loss(z, y, 1.0)
+    assert fit_temperature(torch.zeros(10), y[:10]) == 1.0  # no temperature changes zero logits
 
 
 def test_calibration_lowers_ece_and_has_sglang_fields(tmp_path):
