@@ -246,6 +246,7 @@ class SampleSource:
         self.chunk_size = cfg.target.generation.batch_size
         self.skipped_consumed = 0
         self.dropped_short = 0
+        self.context_turns = 0  # assistant turns the chat template rewrites later: not supervised
         self._answers: dict[int, list[Conversation]] = {}
         if not self.conversations:
             raise ValueError("no training conversations: data.train_files gave no rows")
@@ -334,6 +335,11 @@ class SampleSource:
                 enable_thinking=settings.enable_thinking,
             )
         self.dropped_short += stats.num_dropped_short
+        if stats.num_context_turns and not self.context_turns:
+            self.log(f"target rank {self.producer}: the chat template rewrites earlier assistant turns "
+                     "in later prompts (e.g. drops their reasoning); those turns are context, not "
+                     "supervised; each conversation's last turn is")
+        self.context_turns += stats.num_context_turns
         if not tokenized:
             return []
         lengths = [len(t.input_ids) for t in tokenized]
@@ -509,6 +515,7 @@ def run_producer(
     summary["credits"] = credits
     summary["skipped_consumed"] = source.skipped_consumed
     summary["dropped_short"] = source.dropped_short
+    summary["context_turns"] = source.context_turns
     return summary
 
 

@@ -118,16 +118,65 @@ def test_template_override_is_used():
     assert [m for _, m in EXPECTED] == mask
 
 
-def test_template_that_rewrites_history_is_refused():
+def test_turns_a_template_rewrites_later_are_context_and_the_last_turn_is_supervised():
     tok = chatml_tokenizer()
-    # Drops every assistant turn but the last: earlier turns are not a prefix any more.
+    # Drops every assistant turn but the last: the earlier one is not in the later prompt.
     rewriting = (
         "{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}"
         "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}"
         "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
     )
-    with pytest.raises(ChatTemplateError, match="assistant turn 3"):
-        tokenize_messages(tok, CONVERSATION, chat_template=rewriting)
+    ids, mask = tokenize_messages(tok, CONVERSATION, chat_template=rewriting)
+    assert [tok.convert_ids_to_tokens(i) for i, m in zip(ids, mask, strict=True) if m] == ["Ok", "<|im_end|>"]
+    assert "Hello" not in tok.convert_ids_to_tokens(ids)
+    samples, stats = tokenize_conversations([Conversation("c", CONVERSATION)], tok, max_length=100,
+                                            min_loss_tokens=1, chat_template=rewriting)  # fmt: skip
+    assert samples[0].loss_mask == mask and stats.num_context_turns == 1
+    assert stats.summary().endswith("1 earlier assistant turns left unsupervised (the chat template "
+                                    "rewrites them in later prompts)")  # fmt: skip
+    # the last turn itself must render as an extension of its prompt
+    other_header = CHATML.replace("'<|im_start|>assistant\n'", "'<|im_start|>bot\n'")
+    with pytest.raises(ChatTemplateError, match="assistant turn 5 as an extension"):
+        tokenize_messages(tok, CONVERSATION, chat_template=other_header)
+
+
+# Qwen3's layout without thinking: an empty reasoning block in the generation prompt and in
+# the last assistant turn only, so earlier turns lose it once the conversation goes on.
+QWEN3_LIKE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
+    "{% if loop.last %}{{ '<think>\n\n</think>\n\n' }}{% endif %}{{ m['content'] + '<|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n<think>\n\n</think>\n\n' }}{% endif %}"
+)
+
+
+def test_a_qwen3_like_multi_turn_conversation_supervises_its_last_turn():
+    from draftforge.data.tokenize import assistant_spans
+
+    text, spans, context = assistant_spans(chatml_tokenizer(), CONVERSATION, chat_template=QWEN3_LIKE)
+    assert [text[a:b] for a, b in spans] == ["Ok<|im_end|>"] and context == [2]
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nOk<|im_end|>\n")
+    # one turn: the generation prompt's reasoning block is the prompt, the reply is supervised
+    _, spans, context = assistant_spans(chatml_tokenizer(), CONVERSATION[:3], chat_template=QWEN3_LIKE)
+    assert context == [] and len(spans) == 1
+
+
+def test_a_cut_reply_is_found_where_the_template_strips_it_or_puts_text_before_it():
+    from draftforge.data.tokenize import assistant_spans
+
+    tok = chatml_tokenizer()
+    stripping = CHATML.replace("m['content']", "(m['content'] | trim)")
+    for reply in ("Hello there!\n\n", " Hello there!"):
+        messages = [*CONVERSATION[:2], {"role": "assistant", "content": reply}]
+        text, spans, _ = assistant_spans(tok, messages, chat_template=stripping, unfinished_turns=(2,))
+        assert [text[a:b] for a, b in spans] == ["Hello there!"]
+    # a template that adds an empty reasoning block before a reply without one: not generated
+    inserting = QWEN3_LIKE.replace("{% if add_generation_prompt %}{{ '<|im_start|>assistant\n<think>\n\n</think>\n\n' }}",
+                                   "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}")
+    messages = [*CONVERSATION[:2], {"role": "assistant", "content": "<think>\nLet me"}]
+    text, spans, _ = assistant_spans(tok, messages, chat_template=inserting, unfinished_turns=(2,))
+    assert "<think>\n\n</think>\n\n<think>\nLet me" in text
+    assert [text[a:b] for a, b in spans] == ["<think>\nLet me"]
 
 
 def conv(cid: str, reply: str) -> Conversation:
