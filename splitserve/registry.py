@@ -34,8 +34,22 @@ def resolve_target_shape(target: TargetConfig) -> TargetShape | None:
         raw = json.loads(config_path.read_text())
         raw = raw.get("text_config", raw)
         fields = {k: raw[k] for k in TargetShape.model_fields if k in raw}
+        theta = rope_theta_of(raw)
+        if theta is not None:
+            fields["rope_theta"] = theta
         try:
             return TargetShape(**fields)
         except ValueError:
             return None
+    return None
+
+
+def rope_theta_of(config: dict) -> float | None:
+    """The RoPE base of a config.json: top-level ``rope_theta`` (transformers 4) or
+    ``rope_parameters.rope_theta`` (transformers 5 writes it there); None when neither."""
+    if "rope_theta" in config:
+        return float(config["rope_theta"])
+    parameters = config.get("rope_parameters")
+    if isinstance(parameters, dict) and "rope_theta" in parameters:
+        return float(parameters["rope_theta"])
     return None

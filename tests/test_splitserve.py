@@ -415,3 +415,24 @@ def test_drop_partial_line_cuts_only_an_unfinished_last_line(tmp_path):
         drop_partial_line(path)
         assert path.read_text() == kept, text
 
+
+
+def test_a_local_target_folder_gives_its_rope_base_wherever_transformers_wrote_it(tmp_path):
+    """transformers 5 writes the RoPE base under rope_parameters; a local folder's shape (and so
+    the draft's default rope_theta) must read it there, not fall back to 10,000."""
+    from transformers import LlamaConfig
+
+    from draftforge.splitserve.config import TargetConfig
+    from draftforge.splitserve.registry import KNOWN_TARGETS, resolve_target_shape
+
+    known = KNOWN_TARGETS["smollm2-135m-instruct"]
+    config = LlamaConfig(hidden_size=known.hidden_size, num_hidden_layers=known.num_hidden_layers,
+                         num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
+                         vocab_size=known.vocab_size, max_position_embeddings=8192,
+                         rope_parameters={"rope_type": "default", "rope_theta": 100000.0})  # fmt: skip
+    config.save_pretrained(tmp_path / "target")
+    assert resolve_target_shape(TargetConfig(model=str(tmp_path / "target"))) == known
+    old_style = {**config.to_dict(), "rope_theta": 50000.0}
+    old_style.pop("rope_parameters", None)
+    (tmp_path / "target" / "config.json").write_text(json.dumps(old_style))
+    assert resolve_target_shape(TargetConfig(model=str(tmp_path / "target"))).rope_theta == 50000.0

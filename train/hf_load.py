@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from draftforge.splitserve.registry import rope_theta_of
 from draftforge.train.export import (
     CONFIG_FILE,
     EMBEDDING_KEYS,
@@ -75,7 +76,7 @@ def config_from_serving(raw: dict, *, where: str = CONFIG_FILE) -> DSparkConfig:
             markov_head_type=str(raw.get("markov_head_type", "vanilla")),
             enable_confidence_head=bool(raw.get("enable_confidence_head", False)),
             confidence_head_with_markov=bool(raw.get("confidence_head_with_markov", False)),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rope_theta=rope_theta_of(raw) or 10000.0,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         )
