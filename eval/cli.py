@@ -110,8 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         recipe = load_recipe(args.recipe)
         eval_cfg, target_cfg = recipe.eval, recipe.target
         target_gpus = recipe.split.target_devices
-        if args.target:
-            target_cfg = target_cfg.model_copy(update={"model": args.target})
+        if args.target and args.target != target_cfg.model:
+            # another target: the recipe's declared shape was its target's ('random' needs one)
+            shape = target_cfg.shape if args.target == "random" else None
+            target_cfg = target_cfg.model_copy(update={"model": args.target, "shape": shape})
         if args.dtype:
             target_cfg = target_cfg.model_copy(update={"dtype": args.dtype})
     elif args.target:

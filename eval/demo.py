@@ -333,16 +333,47 @@ def check_same_recipe(run_dir: Path, expected_yaml: str, what: str) -> None:
         )
 
 
-def eval_is_current(eval_dir: Path, args: Sequence[str], newer_than: Path) -> bool:
-    """An evaluation report written by exactly this command after its draft was trained."""
+def _same_command(recorded: str | list | None, args: Sequence[str]) -> bool:
+    """Whether a recorded command is ``args``, however the recipe's path was spelt."""
+    if isinstance(recorded, str):
+        recorded = shlex.split(recorded)[1:] if recorded.startswith("draftforge ") else None
+    if not isinstance(recorded, list):
+        return False
+
+    def normal(argv: Sequence[str]) -> list[str]:
+        return [os.path.realpath(a) if i and argv[i - 1] == "--recipe" else a for i, a in enumerate(argv)]
+
+    return normal(recorded) == normal(list(args))
+
+
+def eval_is_current(eval_dir: Path, args: Sequence[str], newer_than: Path, settings: dict | None = None) -> bool:
+    """An evaluation report written by exactly this command after its draft was made, with
+    ``settings`` (what the command takes from the recipe's eval section) as its own."""
     report = eval_dir / "report.json"
     if not report.is_file() or _mtime(report) < _mtime(newer_than):
         return False
     try:
-        command = json.loads(report.read_text()).get("command")
+        written = json.loads(report.read_text())
     except json.JSONDecodeError:
         return False
-    return command == "draftforge eval " + shlex.join(list(args))
+    if not _same_command(written.get("command"), ["eval", *args]):
+        return False
+    recorded = written.get("settings") or {}
+    return all(recorded.get(key) == value for key, value in (settings or {}).items())
+
+
+EXPORT_STAMP = "demo-export.json"  # in the DSpark run folder: the command of the export stage
+
+
+def export_is_current(paths, export_args: Sequence[str], checkpoint: Path) -> bool:
+    """The export folder was written by exactly this command after the draft's last checkpoint."""
+    stamp = paths.run_dir / EXPORT_STAMP
+    if _mtime(paths.export_dir / "config.json") < _mtime(checkpoint / "COMPLETE"):
+        return False
+    try:
+        return _same_command(json.loads(stamp.read_text()).get("command"), export_args)
+    except (OSError, json.JSONDecodeError):
+        return False
 
 
 def _remove(path: Path, keep: Sequence[Path]) -> None:
@@ -621,8 +652,10 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
     )
     unknown = sorted(set(workloads) - set(WORKLOADS))
     if unknown or not workloads:
+        given = f"--workloads {args.workloads!r}" if args.workloads else f"the recipe's eval.workloads {workloads}"
         raise SystemExit(
-            f"draftforge demo: --workloads {args.workloads!r}: unknown {unknown}; valid: {', '.join(WORKLOADS)}"
+            f"draftforge demo: {given}: {f'unknown {unknown}' if unknown else 'none given'}; "
+            f"valid: {', '.join(WORKLOADS)}"
         )
     stages = Stages(total=6)
     print(
@@ -701,12 +734,17 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
 
     # 4. export
     since = stages.banner(f"export the DSpark draft to {paths.export_dir}")
-    exported = paths.export_dir / "config.json"
-    export_args = ["export", str(paths.run_dir), "--out", str(paths.export_dir)]
-    if _mtime(exported) >= _mtime(checkpoints["DSpark"] / "COMPLETE"):
-        stages.skip(f"{paths.export_dir} is newer than {checkpoints['DSpark']}")
+    export_args = [
+        "export", str(paths.run_dir), "--out", str(paths.export_dir), "--arch", cfg.export.arch,
+        "--max-shard-size-mb", str(cfg.export.max_shard_size_mb),
+        *(["--with-embeddings"] if cfg.export.with_embeddings else []),
+    ]  # fmt: skip
+    stamp = paths.run_dir / EXPORT_STAMP
+    if export_is_current(paths, export_args, checkpoints["DSpark"]):
+        stages.skip(f"{paths.export_dir} is this export of {checkpoints['DSpark']}")
     else:
         run_stage("export", export_args)
+        write_atomic(stamp, json.dumps({"command": export_args}))
         stages.done(since)
 
     # 5. evaluation: DSpark export + baselines, and DFlash from its checkpoint, same prompts
@@ -725,11 +763,14 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
         f"evaluate on {', '.join(workloads)}: DSpark vs no draft and n-gram, and the DFlash "
         f"ablation ({'side by side, one thread each' if parallel else 'one after the other'})"
     )
+    # what draftforge eval takes from the recipe's eval section: an edit there means another evaluation
+    from_recipe = {"verify": cfg.eval.verify, "threshold": cfg.eval.confidence_threshold, "seed": cfg.eval.seed}
     jobs = {}
-    if not eval_is_current(paths.eval_dir, eval_args[1:], checkpoints["DSpark"] / "COMPLETE"):
+    if not eval_is_current(paths.eval_dir, eval_args[1:], stamp,  # the export it evaluates
+                           {**from_recipe, "baselines": list(cfg.eval.baselines)}):  # fmt: skip
         jobs["eval-dspark"] = eval_args
     if not eval_is_current(
-        paths.dflash_eval_dir, dflash_args[1:], checkpoints["DFlash"] / "COMPLETE"
+        paths.dflash_eval_dir, dflash_args[1:], checkpoints["DFlash"] / "COMPLETE", from_recipe
     ):
         jobs["eval-dflash"] = dflash_args
     if jobs:

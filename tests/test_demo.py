@@ -128,6 +128,27 @@ def test_demo_runs_every_stage_then_skips_them(tmp_path):
     assert "not the whole demo's time: 5 of 6 stages were skipped" in again
     assert (run / "demo.md").read_text() == table
     assert seconds < 30
+    # the recipe's path spelt another way is the same recipe
+    respelt, _ = _demo(recipe.parent / "." / recipe.name)
+    assert respelt.count("skipped:") == 5, respelt
+
+    # An edit of what the evaluation reads from the recipe reruns both evaluations, nothing else;
+    # one of the export section reruns the export and the evaluation of it.
+    def edit(section, key, value):
+        data = yaml.safe_load(recipe.read_text())
+        data.setdefault(section, {})[key] = value
+        recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+
+    edit("eval", "seed", 1)
+    out, _ = _demo(recipe)
+    assert out.count("skipped:") == 4 and out.count("$ draftforge eval") == 2, out
+    assert json.loads((run / "eval" / "report.json").read_text())["settings"]["seed"] == 1
+    edit("export", "with_embeddings", True)
+    out, _ = _demo(recipe)
+    assert "--with-embeddings" in out and out.count("$ draftforge eval") == 1, out
+    with (run / "export" / "model.safetensors").open("rb") as handle:
+        header = handle.read(int.from_bytes(handle.read(8), "little"))
+    assert b"embed_tokens.weight" in header
 
 
 def test_demo_refuses_answers_written_for_other_settings(tmp_path):

@@ -330,3 +330,17 @@ def test_a_gpu_index_beyond_the_visible_ones_is_named(monkeypatch):
         resolve_device("cuda:2")
     with pytest.raises(InputError, match=r"device cuda:4 \(the recipe's first target GPU\): only 2 GPU"):
         resolve_device("auto", [4, 5])  # a recipe whose target GPUs start at 4
+
+
+def test_another_target_than_the_recipes_is_checked_against_its_own_shape(recipe_path, tmp_path):
+    """--target replaces the recipe's target, and with it the shape the recipe declared for its
+    own: a draft built for the recipe's random target is refused for SmolLM2's, before loading."""
+    from draftforge.errors import InputError
+    from draftforge.eval.cli import main
+
+    export_dir, prompts = _tiny_export_and_prompts(recipe_path, tmp_path)
+    with pytest.raises((InputError, SystemExit)) as info:
+        main([str(export_dir), "--recipe", str(recipe_path), "--target", "smollm2-135m-instruct",
+              "--prompts-file", str(prompts), "--out", str(tmp_path / "r")])  # fmt: skip
+    message = str(info.value)
+    assert "smollm2-135m-instruct" in message and "target.shape" not in message, message
