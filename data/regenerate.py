@@ -333,11 +333,17 @@ def regenerate(
     batches = [list(prompts[i : i + size]) for i in range(0, len(prompts), size)]
     batch_of = {p.id: b for b, batch in enumerate(batches) for p in batch}
 
-    if out.exists():
-        if partial.exists():
+    if out.exists() and partial.exists():
+        finished, torn_out = _read_rows(out)
+        leftover, torn_partial = _read_rows(partial)
+        same = sorted(map(_row_line, finished)) == sorted(map(_row_line, leftover))
+        if torn_out or torn_partial or not same:
             raise RegenerationError(
                 f"both {out} and {partial} exist; keep one of them (move the other away) and rerun"
             )
+        partial.unlink()  # a run that wrote the file and stopped before removing its .partial
+        fsync_dir(out.parent)
+    if out.exists():
         rows, torn = _read_rows(out)
         if torn:
             raise RegenerationError(f"{out} ends with an incomplete line; it was not written here")

@@ -91,6 +91,24 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, capsys):
     assert not partial.exists()
 
 
+def test_a_run_stopped_between_writing_the_file_and_removing_its_partial_resumes(tmp_path):
+    """The last step writes the finished file, then removes the .partial it came from; a
+    crash in between leaves both, holding the same rows. A rerun finishes the cleanup; two
+    files with different rows are still refused."""
+    reference, _ = run(tmp_path, "out.jsonl")
+    partial = tmp_path / "out.jsonl.partial"
+    lines = reference.read_bytes().splitlines(keepends=True)
+    partial.write_bytes(b"".join(reversed(lines)))  # the same rows, in the order answered
+    engine = FakeEngine()
+    out, report = run(tmp_path, "out.jsonl", engine)
+    assert not partial.exists() and out.read_bytes() == b"".join(lines)
+    assert report.num_generated == 0 and engine.calls == []
+    partial.write_bytes(b"".join(lines[:4]))
+    with pytest.raises(RegenerationError, match=r"both .*out.jsonl and .*out.jsonl.partial exist"):
+        run(tmp_path, "out.jsonl")
+    assert partial.read_bytes() == b"".join(lines[:4])
+
+
 def test_torn_last_line_is_repaired_and_result_identical(tmp_path):
     reference, _ = run(tmp_path, "ref.jsonl")
     lines = reference.read_bytes().splitlines(keepends=True)
