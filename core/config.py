@@ -217,6 +217,8 @@ def _apply_override(data: dict[str, Any], text: str) -> tuple[str, ...]:
                     f"command line {text!r}: {prefix} is a value, not a section; cannot set {'.'.join(parts)}"
                 ]
             )
+        else:  # a copy: a YAML alias shares this mapping with other keys, which keep their values
+            child = node[part] = dict(child)
         node = child
     node[parts[-1]] = value
     return parts

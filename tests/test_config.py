@@ -399,6 +399,16 @@ def test_good_override_changes_value(tmp_path):
     assert load_recipe(path).draft.block_size == 4
 
 
+def test_an_override_changes_one_key_where_a_yaml_alias_shares_its_section(tmp_path):
+    text = BASE.replace("target:\n  model: random\n", "target:\n  model: random\n"
+                        "  generation: &g {temperature: 0.7, max_new_tokens: 64}\n") + "eval: *g\n"
+    path = write(tmp_path, text)
+    cfg = load_recipe(path, ["target.generation.temperature=0.0"])
+    assert cfg.target.generation.temperature == 0.0 and cfg.eval.temperature == 0.7
+    cfg = load_recipe(path, ["eval.max_new_tokens=8"])
+    assert cfg.eval.max_new_tokens == 8 and cfg.target.generation.max_new_tokens == 64
+
+
 def test_bad_override_key(tmp_path):
     (problem,) = problems(write(tmp_path, BASE), ["draft.markov_rnk=8"])
     assert problem.startswith("command line 'draft.markov_rnk=8': draft.markov_rnk: unknown key")
