@@ -19,6 +19,7 @@ KNOWN_TARGETS: dict[str, TargetShape] = {
         intermediate_size=1536,
         max_position_embeddings=8192,
         rope_theta=100000.0,
+        num_parameters=134_515_008,  # embedding and lm_head tied: the dense estimate counts both
     ),
 }
 

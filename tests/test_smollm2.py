@@ -262,3 +262,20 @@ def test_reply_cut_at_the_limit_is_marked_unfinished(smol):
     )[0]
     assert cut.finished is False and isinstance(cut, str)
     assert whole.finished is True
+
+
+@pytest.mark.integration
+def test_the_registered_shape_is_the_converted_models():
+    """The shape recipes are checked against before any weight is converted, and the
+    parameter count the dry run's memory estimate uses (SmolLM2 ties its lm_head to the
+    embedding, which the dense estimate cannot know), equal the real model's."""
+    from transformers import AutoModelForCausalLM
+
+    from draftforge.splitserve.registry import KNOWN_TARGETS
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2.ensure_smollm2())
+    shape, config = KNOWN_TARGETS[smollm2.NAME], model.config
+    assert shape.num_parameters == sum(p.numel() for p in model.parameters())
+    for field in ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads",
+                  "num_key_value_heads", "intermediate_size", "max_position_embeddings"):
+        assert getattr(shape, field) == getattr(config, field), field
