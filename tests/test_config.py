@@ -409,6 +409,15 @@ def test_an_override_changes_one_key_where_a_yaml_alias_shares_its_section(tmp_p
     assert cfg.eval.max_new_tokens == 8 and cfg.target.generation.max_new_tokens == 64
 
 
+def test_a_string_that_reads_as_a_number_is_quoted_in_the_resolved_recipe(tmp_path):
+    """The loader reads 1e5 as a float (YAML 1.1 would not); the resolved recipe must quote a
+    string that looks so, or it would not load back."""
+    cfg = load_recipe(write(tmp_path, BASE + "name: '1e5'\n"))
+    assert cfg.name == "1e5"
+    again = write(tmp_path, cfg.to_yaml(), name="again.yaml")
+    assert load_recipe(again).name == "1e5" and load_recipe(again).train.lr == 1e-4
+
+
 def test_bad_override_key(tmp_path):
     (problem,) = problems(write(tmp_path, BASE), ["draft.markov_rnk=8"])
     assert problem.startswith("command line 'draft.markov_rnk=8': draft.markov_rnk: unknown key")
