@@ -257,11 +257,12 @@ def bench_trainer_rank(ctx, trainer, bench: dict) -> None:
                            trainer_wait, target_idle, steady_tok_s, steady_chunks,
                            float(steady is None), steady_idle], dtype=torch.float64)
     group = ctx.trainer_group if len(cfg.split.trainer_ranks) > 1 else None
-    if group is not None:
-        sums = values.clone()
+    if group is not None:  # on the rank's device: an NCCL group takes no CPU tensor
+        sums = values.to(ctx.device, copy=True)
         dist.all_reduce(sums, group=group)
-        maxes = values.clone()
+        maxes = values.to(ctx.device, copy=True)
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+        sums, maxes = sums.cpu(), maxes.cpu()
         values = torch.stack([sums[0], maxes[1], sums[2], maxes[3], sums[4], maxes[5],
                               sums[6] / len(cfg.split.trainer_ranks), maxes[7], sums[8], sums[9],
                               maxes[10], sums[11] / len(cfg.split.trainer_ranks)])

@@ -141,3 +141,19 @@ def test_specforge_step_runs_at_a_tiny_shape_and_trains(monkeypatch):
     result = step(batch)
     assert torch.isfinite(torch.as_tensor(result.metrics["loss"]))
     assert not torch.equal(before, draft.fc.weight.detach())  # AdamW stepped the draft
+
+
+def test_draftforges_side_of_the_round_steps_with_the_options_bench_peer_gives_it():
+    """bench peer hands draftforge's trainer step bench train's options; they must build a
+    trainer that steps (the device among them), without SpecForge installed."""
+    from dspark_helpers import tiny_draft
+
+    from draftforge.train.bench_train import train_steps
+
+    args = parse_args(["--seq", "64", "--anchors", "4", "--steps", "1", "--warmup", "0", "--threads", "1"])
+    train_args = bench_peer._train_args(args)
+    assert train_args.device == "cpu"
+    steps = train_steps(tiny_draft().config, None, train_args)
+    seconds, loss, anchors = next(steps)
+    steps.close()
+    assert seconds > 0 and torch.isfinite(torch.tensor(loss)) and sum(len(a) for a in anchors) == 4

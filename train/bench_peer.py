@@ -320,7 +320,7 @@ def _train_args(args) -> argparse.Namespace:
         "--seq", str(args.seq), "--anchors", str(args.anchors), "--batch", str(args.batch),
         "--threads", str(args.threads), "--dtype", "bfloat16", "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--chunk-blocks", str(args.chunk_blocks),
-        "--compile", args.compile,
+        "--compile", args.compile, "--device", "cpu",  # SpecForge's side runs on the CPU too
     ])
 
 
