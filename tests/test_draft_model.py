@@ -218,3 +218,74 @@ def test_flex_attention_agrees_with_sdpa_in_forward():
         expected = sdpa_model.packed_hidden(input_ids, aux, layout)
         actual = flex_model.packed_hidden(input_ids, aux, layout)
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+def _contract_block_hidden(sd: dict, cfg, anchor: int, p: int, aux: torch.Tensor, *,
+                           norm_ctx_again: bool = False) -> torch.Tensor:
+    """The draft's post-norm block states written out from the contract (dspark-contract.md,
+    section 1), in float64, from the state dict alone: ctx = hidden_norm(fc(aux)); Qwen3
+    layers whose keys and values are [ctx; block] (ctx not normed again), keys per-head
+    k_norm'd, RoPE (rotate-half) at absolute positions, queries from the block only, which
+    sees every context position and all of its own slots; SwiGLU MLP; final norm.
+    ``norm_ctx_again``: a plausible mistake (ctx through each layer's input norm too), for the
+    test to show it would notice one."""
+    d = {k: v.double() for k, v in sd.items()}
+    eps, hd = cfg.rms_norm_eps, cfg.head_dim
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+
+    def rms(x, w):
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
+
+    def rope(x, positions):  # x [heads, n, hd]
+        inv = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+        angles = positions.double()[:, None] * inv[None]
+        cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+        rotated = torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], -1)
+        return x * cos + rotated * sin
+
+    def heads(x, n):  # [L, n*hd] -> [n, L, hd]
+        return x.view(x.shape[0], n, hd).transpose(0, 1)
+
+    ctx = rms(aux[0, :p].double() @ d["fc.weight"].T, d["hidden_norm.weight"])
+    tokens = [anchor] + [cfg.mask_token_id] * (cfg.block_size - 1)
+    x = d["embed_tokens.weight"][tokens]
+    ctx_pos, block_pos = torch.arange(p), torch.arange(p, p + cfg.block_size)
+    for i in range(cfg.num_hidden_layers):
+        w = lambda name, i=i: d[f"layers.{i}.{name}"]  # noqa: E731
+        h = rms(x, w("input_layernorm.weight"))
+        c = rms(ctx, w("input_layernorm.weight")) if norm_ctx_again else ctx
+        q = rope(rms(heads(h @ w("self_attn.q_proj.weight").T, nh), w("self_attn.q_norm.weight")), block_pos)
+        k_ctx = rope(rms(heads(c @ w("self_attn.k_proj.weight").T, nkv), w("self_attn.k_norm.weight")), ctx_pos)
+        k_blk = rope(rms(heads(h @ w("self_attn.k_proj.weight").T, nkv), w("self_attn.k_norm.weight")), block_pos)
+        k = torch.cat([k_ctx, k_blk], 1).repeat_interleave(nh // nkv, 0)
+        v = torch.cat([heads(c @ w("self_attn.v_proj.weight").T, nkv),
+                       heads(h @ w("self_attn.v_proj.weight").T, nkv)], 1).repeat_interleave(nh // nkv, 0)
+        attn = torch.softmax(q @ k.transpose(1, 2) / hd**0.5, -1) @ v  # [nh, L, hd]
+        x = x + attn.transpose(0, 1).reshape(len(tokens), nh * hd) @ w("self_attn.o_proj.weight").T
+        h = rms(x, w("post_attention_layernorm.weight"))
+        gate, up = h @ w("mlp.gate_proj.weight").T, h @ w("mlp.up_proj.weight").T
+        x = x + (torch.nn.functional.silu(gate) * up) @ w("mlp.down_proj.weight").T
+    return rms(x, d["norm.weight"])
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_the_backbone_is_the_contracts_layer_stack_written_out_by_hand(kv_heads):
+    """The packed and per-block paths are compared with each other elsewhere; this compares
+    the stack itself (norms, per-head q/k norms, RoPE, GQA, KV injection, SwiGLU) with an
+    independent float64 rendering of the contract, so a convention error SGLang or llama.cpp
+    would not share cannot hide in code both paths use."""
+    torch.manual_seed(0)
+    model = tiny_draft(num_key_value_heads=kv_heads).double()
+    with torch.no_grad():  # norms away from 1, so that a norm applied or skipped shows
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.5 * torch.randn_like(param))
+    cfg = model.config
+    aux = torch.randn(1, 20, cfg.num_context_features, dtype=torch.float64)
+    for anchor, p in ((7, 1), (11, 13), (3, 19)):
+        got = model.block_forward(torch.tensor([anchor]), p, aux[:, :p])[0]
+        expected = _contract_block_hidden(model.state_dict(), cfg, anchor, p, aux)
+        # the norms and RoPE tables run in float32 by design (as Qwen3's do): float32 agreement
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        mistaken = _contract_block_hidden(model.state_dict(), cfg, anchor, p, aux, norm_ctx_again=True)
+        assert (mistaken - expected).abs().max() > 1e-3  # 100 times the tolerance

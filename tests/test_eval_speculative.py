@@ -408,13 +408,17 @@ def test_greedy_drafting_under_sampling_proposes_the_drafts_argmax_as_determinis
 
 @pytest.mark.parametrize("draft_sampling", ["greedy", "sample"])
 def test_sampled_decoding_runs_and_reports(target, draft, draft_sampling):
-    result = run_workload(
-        "random", random_prompts(1), draft, target,
-        EvalSettings(max_new_tokens=12, temperature=1.0, top_k=50, top_p=0.95, estimate=False,
-                     draft_sampling=draft_sampling), **QUIET,
-    )  # fmt: skip
-    assert result.methods["dspark"]["tokens"] == 12
-    assert 1.0 <= result.methods["dspark"]["acceptance_length"] <= 5.0
+    settings = EvalSettings(max_new_tokens=12, temperature=1.0, top_k=50, top_p=0.95, estimate=False,
+                            draft_sampling=draft_sampling)  # fmt: skip
+    result = run_workload("random", random_prompts(1), draft, target, settings, **QUIET)
+    dspark = result.methods["dspark"]
+    assert dspark["tokens"] == 12 and dspark["tokens_verified_per_round"] == 5  # 4 drafts + the bonus
+    # the prefill's token, then each round's accepted run: the 11 after it, the last round cut
+    al_sum = dspark["prompt_al_sum"][0]
+    assert 11 <= al_sum <= 11 + 4 and dspark["acceptance_length"] == al_sum / dspark["rounds"]
+    # seeded: the same settings decode the same rounds
+    again = run_workload("random", random_prompts(1), draft, target, settings, **QUIET).methods["dspark"]
+    assert (again["prompt_al_sum"], again["rounds"]) == (dspark["prompt_al_sum"], dspark["rounds"])
 
 
 def test_train_time_estimate_is_in_range(target, draft):

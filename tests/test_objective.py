@@ -169,15 +169,19 @@ def test_metrics_by_hand():
 
 
 @pytest.mark.parametrize("weighting", ["exp", "dpace"])
-def test_compiled_objective_matches_reference_values_and_gradients(weighting):
+def test_compiled_objective_matches_reference_values_and_gradients(weighting, monkeypatch):
     """compile=True (torch.compile of the chunks' elementwise work, last chunk padded) against
     autograd through the float64 reference: loss, c* and every gradient."""
+    from draftforge.train import objective
+
+    monkeypatch.setattr(objective, "_COMPILE_FAILED", None)
     model = tiny_draft(markov_head_type="vanilla")
     hidden, prev, labels, valid, target_hidden = _inputs(model, seed=3)
     assert hidden.shape[0] % 4 != 0  # the last chunk is short: padded for the compiled kernel
     hidden = hidden.requires_grad_()
     out = dspark_objective(model, hidden, prev, labels, valid, target_hidden, chunk_blocks=4,
                            position_weighting=weighting, compile=True)
+    assert objective._COMPILE_FAILED is None, objective._COMPILE_FAILED  # the compiled kernel ran
     out.loss.backward()
     fused = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     fused["hidden"] = hidden.grad.clone()
@@ -235,14 +239,18 @@ def test_compile_failure_falls_back_to_eager_with_one_message(monkeypatch, capsy
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_kl_term_matches_the_reference_in_value_and_gradients(compiled):
+def test_kl_term_matches_the_reference_in_value_and_gradients(compiled, monkeypatch):
     """train.loss.kl_weight: KL(p_t || p_d) summed token by token in the float64 reference,
     against the fused analytic gradient (d/dlogits = p_d - p_t), eager and compiled."""
+    from draftforge.train import objective
+
+    monkeypatch.setattr(objective, "_COMPILE_FAILED", None)
     model = tiny_draft(markov_head_type="vanilla")
     hidden, prev, labels, valid, target_hidden = _inputs(model, seed=6)
     hidden = hidden.requires_grad_()
     out = dspark_objective(model, hidden, prev, labels, valid, target_hidden, chunk_blocks=4,
                            kl_weight=0.7, compile=compiled)
+    assert objective._COMPILE_FAILED is None, objective._COMPILE_FAILED  # compiled: the kernel ran
     out.loss.backward()
     fused = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     fused["hidden"] = hidden.grad.clone()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 from trainer_helpers import tiny_model_config
@@ -74,12 +75,22 @@ def test_bench_train_runs_on_the_recipes_threads_and_reports_per_step_mfu(capsys
     from pathlib import Path
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-cpu.yaml"
-    before = torch.get_num_threads()
+    before, seen = torch.get_num_threads(), []
+    real_mm = torch.Tensor.__matmul__
+
+    def matmul(a, b):  # the threads torch computes on while the benchmark runs
+        seen.append(torch.get_num_threads())
+        return real_mm(a, b)
+
     try:
-        assert main([str(recipe), "train.num_threads=1", "--seq", "48", "--anchors", "4", "--steps", "2",
-                     "--warmup", "1", "--compile", "off"]) == 0
+        torch.set_num_threads(2)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.Tensor, "__matmul__", matmul)
+            assert main([str(recipe), "train.num_threads=1", "--seq", "48", "--anchors", "4", "--steps",
+                         "2", "--warmup", "1", "--compile", "off"]) == 0
     finally:
         torch.set_num_threads(before)
+    assert seen and set(seen) == {1}
     out = capsys.readouterr().out
     # the recipe's dtype: auto, resolved for this CPU
     from draftforge.precision import resolve_dtype
