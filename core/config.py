@@ -120,6 +120,18 @@ class _RecipeLoader(yaml.SafeLoader):
 
 _EXPONENT_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
 _RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    """Integers as YAML 1.2 reads them: a leading zero is decimal (``010`` is 10), not 1.1's octal."""
+    text = loader.construct_scalar(node).replace("_", "")
+    digits = text.lstrip("+-")
+    if len(digits) > 1 and digits.startswith("0") and digits.isdigit():
+        return int(text, 10)
+    return yaml.SafeLoader.construct_yaml_int(loader, node)
+
+
+_RecipeLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 # the writer knows the rule too, so that a string such as '1e5' is quoted and loads back a string
 _RecipeDumper.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
 

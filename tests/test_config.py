@@ -418,6 +418,14 @@ def test_a_string_that_reads_as_a_number_is_quoted_in_the_resolved_recipe(tmp_pa
     assert load_recipe(again).name == "1e5" and load_recipe(again).train.lr == 1e-4
 
 
+def test_a_leading_zero_is_decimal_not_octal(tmp_path):
+    """YAML 1.1 reads 010 as 8; a recipe means 10, in the file and on the command line."""
+    path = write(tmp_path, BASE.replace("  block_size: 4", "  block_size: 010"))
+    assert load_recipe(path).draft.block_size == 10
+    cfg = load_recipe(write(tmp_path, BASE, name="b.yaml"), ["data.max_length=0640", "draft.mask_token_id=0x1f"])
+    assert cfg.data.max_length == 640 and cfg.draft.mask_token_id == 31  # hexadecimal stays hexadecimal
+
+
 def test_bad_override_key(tmp_path):
     (problem,) = problems(write(tmp_path, BASE), ["draft.markov_rnk=8"])
     assert problem.startswith("command line 'draft.markov_rnk=8': draft.markov_rnk: unknown key")
