@@ -109,6 +109,16 @@ def split_problems(
         bad = [d for d in devices if d < 0 or (cuda_devices and d >= cuda_devices)]
         if bad and cuda_devices:
             problems.append(f"split.{key}: devices {bad} do not exist ({cuda_devices} GPUs visible)")
+    named = split.target_devices is not None or split.trainer_devices is not None
+    if named and not nccl and cuda_devices:
+        problems.append(
+            f"split.target_devices / split.trainer_devices place ranks on GPUs for NCCL, but samples "
+            f"go over gloo here (comm_backend {split.comm_backend}, train.device {train.device}), where "
+            "target ranks run on the CPU and each trainer on its current GPU: remove them, or set "
+            "split.comm_backend=nccl"
+        )
+    if named and nccl and cuda_devices:
+        problems += _shared_gpu_problems(split, per_node, cuda_devices)
     problems += tensor_parallel_problems(split, per_node=per_node)
     both = sorted(set(split.target_devices or []) & set(split.trainer_devices or []))
     if both:
@@ -187,6 +197,31 @@ def comm_backend(cfg: RecipeConfig, *, gpus_visible: bool) -> str:
     if choice == "auto":
         return "nccl" if gpus_visible and cfg.train.device != "cpu" else "gloo"
     return choice
+
+
+def _shared_gpu_problems(split, per_node: int, cuda_devices: int) -> list[str]:
+    """Each rank's GPU as :func:`_device` picks it (the group's list, else LOCAL_RANK): two
+    ranks of one node on one GPU, or a LOCAL_RANK GPU that does not exist."""
+    problems, on_gpu = [], {}
+    for ranks, devices in ((split.target_ranks, split.target_devices),
+                           (split.trainer_ranks, split.trainer_devices)):  # fmt: skip
+        for index, rank in enumerate(ranks):
+            if devices is not None and index >= len(devices):
+                continue  # the list's length is refused elsewhere
+            gpu = devices[index] if devices is not None else rank % per_node
+            if devices is None and gpu >= cuda_devices:
+                problems.append(f"split: rank {rank} has no GPU named and would take GPU {gpu} "
+                                f"(LOCAL_RANK), which does not exist ({cuda_devices} visible)")
+            on_gpu.setdefault((rank // per_node, gpu), []).append(rank)
+    for (node, gpu), ranks in sorted(on_gpu.items()):
+        if len(ranks) > 1:
+            where = f" on node {node}" if split.num_nodes > 1 else ""
+            problems.append(
+                f"split: ranks {ranks} would share GPU {gpu}{where} (a group without a device list "
+                "takes GPU LOCAL_RANK); NCCL refuses two ranks on one GPU: name each rank's GPU in "
+                "split.target_devices and split.trainer_devices"
+            )
+    return problems
 
 
 def _device(cfg: RecipeConfig, rank: int, backend: str) -> torch.device:

@@ -208,6 +208,31 @@ def test_split_checks(tmp_path):
         check_split(bad, cuda_devices=0)
 
 
+def test_every_rank_gets_its_own_gpu_or_the_split_is_refused(tmp_path):
+    """A device list for one group leaves the other on LOCAL_RANK: the two must not meet on one
+    GPU, nor may one list repeat a GPU; device lists under gloo would be ignored."""
+    recipe = tiny_recipe(tmp_path)
+
+    def problems(*overrides, gpus=2):
+        cfg = load_recipe(recipe, ["train.device=cuda", "split.comm_backend=auto", *overrides])
+        return split_problems(cfg, world_size=2, cuda_devices=gpus)
+
+    # the target named on GPU 1; the trainer (rank 1) would take LOCAL_RANK 1 too
+    shared = [p for p in problems("split.target_devices=[1]") if "share GPU" in p]
+    assert shared == [shared[0]] and "ranks [0, 1] would share GPU 1" in shared[0]
+    assert not [p for p in problems("split.target_devices=[0]") if "share GPU" in p]  # rank 1 on GPU 1
+    assert problems("split.target_devices=[1]", "split.trainer_devices=[0]") == []
+    # a group's list repeating a GPU, and a LOCAL_RANK GPU that does not exist
+    two = load_recipe(recipe, ["train.device=cuda", "split.target_ranks=[0,1]", "split.trainer_ranks=[2]",
+                               "split.target_devices=[0,0]", "split.trainer_devices=[1]"])
+    assert any("ranks [0, 1] would share GPU 0" in p for p in split_problems(two, world_size=3, cuda_devices=2))
+    assert any("would take GPU 1 (LOCAL_RANK), which does not exist" in p
+               for p in problems("split.target_devices=[0]", gpus=1))
+    # gloo: the lists would place nothing
+    ignored = problems("split.comm_backend=gloo", "split.trainer_devices=[1]")
+    assert any("samples go over gloo here" in p for p in ignored)
+
+
 def test_split_errors_name_the_recipe_line_or_the_override(tmp_path):
     """The checks made at launch (world size, GPUs, restarts) lead each problem with where its
     key was set, like the checks made while loading."""
