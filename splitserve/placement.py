@@ -32,7 +32,8 @@ DRAFT_HEADROOM_BYTES = 1 << 30  # beside the draft's weights on the first GPU: i
 
 def resolve_devices(choice: str, target_gpus: Sequence[int] | None = None, *,
                     cuda_available: bool | None = None) -> list[str]:
-    """The devices ``draftforge eval --device`` names, the first of which also runs the draft.
+    """The devices ``draftforge eval --device`` names, lowest GPU first (where accelerate puts the
+    target's first layers and the evaluator the draft).
 
     ``auto``: every GPU of the recipe's target group (``split.target_devices``; GPU 0
     when unset) when CUDA is visible, else ``cpu``. A comma-separated list of CUDA
@@ -60,13 +61,16 @@ def resolve_devices(choice: str, target_gpus: Sequence[int] | None = None, *,
         repeated = sorted({d for d in devices if devices.count(d) > 1})
         if repeated:
             raise InputError(f"--device {choice!r}: {', '.join(repeated)} named twice")
+        # accelerate fills GPUs in index order whatever order they are named in: the first
+        # (the draft's, with the target's embedding and inputs) is the lowest
+        devices.sort(key=lambda d: torch.device(d).index or 0)
     return devices
 
 
 @dataclass(frozen=True)
 class Spread:
     """A target to be split by layers over ``devices`` (GPUs), each GPU index holding at most
-    ``max_memory[index]`` bytes of weights, filled in the order given."""
+    ``max_memory[index]`` bytes of weights, filled in index order (accelerate's)."""
 
     devices: tuple[str, ...]
     max_memory: dict[int | str, int]

@@ -54,6 +54,18 @@ def test_auto_is_every_target_gpu_of_the_recipe(four_gpus):
     assert resolve_devices("auto", None) == ["cuda:0"]
     assert resolve_devices("cuda") == ["cuda:0"]
     assert resolve_devices("cuda:1, cuda:3") == ["cuda:1", "cuda:3"]
+    # accelerate fills by index, so the first device (the draft's) is the lowest, whatever the order
+    assert resolve_devices("cuda:3,cuda:1") == ["cuda:1", "cuda:3"]
+
+
+def test_accelerate_fills_gpus_in_index_order_whatever_order_they_are_given():
+    """Why resolve_devices sorts: the map puts the embedding on the lowest GPU even when the
+    max_memory dict names another first (the draft shares the first device with the inputs)."""
+    from accelerate import infer_auto_device_map
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    device_map = infer_auto_device_map(model, max_memory={1: 40_000, 0: 40_000})
+    assert device_map["0"] == 0
 
 
 @pytest.mark.parametrize("choice,message", [
