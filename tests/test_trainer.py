@@ -299,6 +299,29 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path):
     assert ckpt.read_checked_state(latest)["skipped_steps"] == 2
 
 
+def test_a_run_stopped_by_bad_steps_continues_when_rerun_with_good_data(tmp_path):
+    """max_bad_steps counts the steps of one run: resumed with data that no longer breaks it,
+    training goes on to the end (the checkpoint's lifetime count stopped it after one step)."""
+    samples = chain_samples(40, nan_ids=(6, 12))
+    first = _trainer(tmp_path, steps=12, max_bad_steps=1, checkpoint_interval=100).fit(pack(samples, 90))
+    assert first.stopped_reason == "max_bad_steps" and first.skipped_steps == 2
+    trainer = _trainer(tmp_path, steps=12, max_bad_steps=1, checkpoint_interval=100, resume="auto")
+    info = trainer.resume()
+    good = [s for s in chain_samples(40) if s.sample_id not in info.all_consumed_ids]
+    result = trainer.fit(pack(good, 90))
+    assert result.stopped_reason != "max_bad_steps" and result.step == 12
+    assert result.skipped_steps == 2  # the lifetime count is still recorded
+
+
+def test_rerunning_a_finished_run_keeps_its_summary(tmp_path):
+    _trainer(tmp_path, steps=4, checkpoint_interval=100).fit(pack(chain_samples(20), 90))
+    summary = (tmp_path / "summary.json").read_text()
+    trainer = _trainer(tmp_path, steps=4, checkpoint_interval=100, resume="auto")
+    trainer.resume()
+    assert trainer.fit(pack(chain_samples(20), 90)).steps_run == 0
+    assert (tmp_path / "summary.json").read_text() == summary
+
+
 def test_a_skipped_step_leaves_the_weights_untouched(tmp_path):
     samples = chain_samples(10, nan_ids=tuple(range(10)))
     trainer = _trainer(tmp_path, steps=3, max_bad_steps=5)
@@ -366,3 +389,44 @@ def test_wandb_offline_and_tensorboard_receive_every_step(tmp_path, monkeypatch)
     assert {"loss", "tau", "tokens_s", "wait_s"} <= set(calls["log"][0][1])
     assert ("train/loss", 3) in calls["scalars"] and calls["log_dir"].endswith("tensorboard")
     assert calls["closed"] == 2
+
+
+DEEPSPEED_INF_GRAD = """
+import os, sys
+from pathlib import Path
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", rank=0, world_size=1)
+from trainer_helpers import chain_samples, target_embeddings, tiny_model_config, train_config
+from draftforge.train.sample import pack
+from draftforge.train.trainer import Trainer
+run = Path(sys.argv[1])
+trainer = Trainer(model_config=tiny_model_config(), train=train_config(output_dir=str(run), strategy="deepspeed",
+                  zero_stage=2, steps=4, max_bad_steps=0), embeddings=target_embeddings(), run_dir=run,
+                  recipe_yaml="name: t\\n", group=dist.group.WORLD)
+param = next(p for p in trainer.model.parameters() if p.requires_grad)
+param.register_hook(lambda g: g * float("inf") if trainer.step == 1 else g)  # step 2: loss finite, gradient not
+result = trainer.fit(pack(chain_samples(40), 90))
+print("RESULT", result.stopped_reason, result.skipped_steps, result.step,
+      all(torch.isfinite(p).all().item() for p in trainer.model.parameters()))
+dist.destroy_process_group()
+"""
+
+
+def test_deepspeed_counts_a_step_whose_gradient_is_not_finite_as_skipped(tmp_path):
+    """DeepSpeed drops such an update itself and reports an infinite norm; the trainer must
+    count the step as skipped (here max_bad_steps=0 stops the run at it), as the other
+    strategies do, not log it as applied."""
+    import os
+    import subprocess
+
+    pytest.importorskip("deepspeed")
+    from splitserve_helpers import PYTHON, ROOT, free_port
+
+    script = tmp_path / "ds_inf.py"
+    script.write_text(DEEPSPEED_INF_GRAD)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "tests"))
+    done = subprocess.run([PYTHON, str(script), str(tmp_path / "run"), str(free_port())], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "RESULT max_bad_steps 1 2 True" in done.stdout, done.stdout[-2000:]

@@ -146,7 +146,7 @@ class TrainConfig(Section):
         default=False, description="also write TensorBoard scalars to <output_dir>/tensorboard"
     )
     max_bad_steps: int = Field(
-        default=10, ge=0, description="steps skipped for a non-finite loss before the run stops"
+        default=10, ge=0, description="steps of one run skipped for a non-finite loss or gradient before it stops"
     )
 
     @model_validator(mode="after")

@@ -360,9 +360,10 @@ class Trainer:
             self._zero_grad()
             return float("nan"), False
         if self.engine is not None:
-            self.engine.step()
+            self.engine.step()  # DeepSpeed skips the update itself when the norm is not finite
             norm = self.engine.get_global_grad_norm()
-            return float(norm) if norm is not None else float("nan"), True
+            norm = float(norm) if norm is not None else float("nan")
+            return norm, math.isfinite(norm)
         norm = D.clip_grad_norm(parameters=self.parameters, max_norm=self.train.max_grad_norm).item()
         if not math.isfinite(norm):
             self._zero_grad()
@@ -423,6 +424,7 @@ class Trainer:
         first_slots: list[float] | None = None
         started = time.perf_counter()
         total_tokens = 0
+        bad_at_start = self.skipped_steps  # max_bad_steps counts this run's: a resumed run starts afresh
         self.model.train()
         try:
             while self.step < train.steps:
@@ -460,12 +462,13 @@ class Trainer:
                         progress.write(self._log_line(record))
                 if on_step is not None:
                     on_step(record)
-                stop = self.skipped_steps > train.max_bad_steps
+                bad = self.skipped_steps - bad_at_start
+                stop = not applied and bad > train.max_bad_steps
                 if stop:
                     result.stopped_reason = "max_bad_steps"
                     if self.is_main:
                         progress.write(
-                            f"stopping: {self.skipped_steps} steps had a non-finite loss or gradient "
+                            f"stopping: {bad} steps of this run had a non-finite loss or gradient "
                             f"(train.max_bad_steps={train.max_bad_steps}); the checkpoint holds the "
                             "last good weights. Check the data and lower train.lr."
                         )
@@ -599,7 +602,7 @@ class Trainer:
             "checkpoint": str(result.checkpoint) if result.checkpoint else None,
             "trainer_ranks": self.world, "strategy": self.train.strategy,
         }
-        if self.is_main:
+        if self.is_main and result.steps_run:  # a rerun of a finished run keeps its summary
             write_summary(self.run_dir, summary)
             if window:
                 from draftforge.train.plots import plot_slot_acceptance

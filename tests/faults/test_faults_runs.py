@@ -197,7 +197,7 @@ def test_non_finite_loss_stops_the_cli_run_with_its_message_and_a_usable_checkpo
     assert job.wait(timeout=240) == 0
     out = (tmp_path / "out.log").read_text()
     assert "SKIPPED (non-finite)" in out
-    assert ("stopping: 2 steps had a non-finite loss or gradient (train.max_bad_steps=1); the "
+    assert ("stopping: 2 steps of this run had a non-finite loss or gradient (train.max_bad_steps=1); the "
             "checkpoint holds the last good weights. Check the data and lower train.lr.") in out
     assert "(max_bad_steps); checkpoint" in out
     checkpoints = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))
