@@ -17,8 +17,10 @@ Each rank gets the variables torchrun sets (``RANK``, ``LOCAL_RANK``,
 notice and explain themselves (the trainers name a dead target rank), then
 SIGTERM and, after ``term_s`` more, SIGKILL. The job's status is 0 when every
 rank exited 0, else that of the rank taken for the cause (128 + signal when it
-was killed): one killed by a signal before one that exited with an error, since
-the others' errors are usually their reaction to it; every failed rank is named.
+was killed): the first to fail, except that one killed by a signal at about the same
+moment (within a poll, at least half a second) goes before one that exited with an
+error, since the others' errors are usually their reaction to it; every failed rank
+is named.
 
 Ctrl-C or a SIGTERM to the launcher stops the job, which is never restarted then:
 the ranks get the signal (once: a terminal's Ctrl-C already reached them), ``term_s``
@@ -172,12 +174,14 @@ def run_ranks(
                                                                      host=host, port=port),
                                           preexec_fn=_die_with(os.getpid())))
         failures: dict[int, int] = {}  # rank -> status, in the order they were seen
+        seen_at: dict[int, float] = {}
         deadline = None
         while True:
             codes = [proc.poll() for proc in procs]
             new = {r: c for r, c in enumerate(codes) if c not in (None, 0) and r not in failures}
             for rank in sorted(new, key=lambda r: new[r] >= 0):  # signal deaths first
                 failures[rank] = new[rank]
+                seen_at[rank] = time.monotonic()
                 if deadline is None and not asked:
                     say(f"{name(rank)} failed ({describe_status(new[rank])}); waiting up to "
                         f"{grace_s:g} s for the other ranks to stop")
@@ -195,7 +199,12 @@ def run_ranks(
             raise JobInterrupted(asked[0])
         if not failures:
             return 0
-        cause = next((r for r, c in failures.items() if c < 0), next(iter(failures)))
+        # a rank killed by a signal at about the moment of the first failure (the others' errors
+        # are usually their reaction to it); one killed later (an NCCL watchdog's abort after its
+        # peer vanished) is a reaction itself, and the first failure seen is the cause
+        first = next(iter(failures))
+        at_once = max(poll_s, 0.5)
+        cause = next((r for r, c in failures.items() if c < 0 and seen_at[r] - seen_at[first] <= at_once), first)
         if len(failures) > 1:
             say("failed: " + ", ".join(f"{name(r)} ({describe_status(c)})" for r, c in failures.items())
                 + f"; the first cause is most likely {name(cause)}")

@@ -6,7 +6,8 @@ inspect the job's sockets while every rank is connected); ``fail`` makes rank 1
 exit 3 while rank 0 blocks in a collective that can never finish; ``stubborn``
 ignores SIGINT and SIGTERM and sleeps (a rank stuck in C code); ``race`` has rank 1
 kill itself with SIGKILL and rank 0 exit 3 at the same moment, once both are ready (its
-reaction, as a trainer's to a dead target).
+reaction, as a trainer's to a dead target); ``late_abort`` has rank 0 exit 2 and rank 1
+abort (SIGABRT) 2 s later, as an NCCL watchdog does after a peer vanished.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ def main(mode: str, out_dir: str) -> int:
         (out / f"rank{rank}.ready").touch()
         time.sleep(600)
         return 0
+    if mode == "late_abort":  # rank 0 fails; rank 1 aborts 2 s later, as a watchdog would
+        import signal
+
+        if rank == 0:
+            return 2
+        time.sleep(2.0)
+        os.kill(os.getpid(), signal.SIGABRT)
     if mode == "race":
         import signal
 

@@ -155,6 +155,17 @@ def test_a_rank_killed_by_a_signal_is_the_cause_over_one_that_exited_with_an_err
             "the first cause is most likely target rank 1") in err
 
 
+def test_a_signal_death_well_after_the_first_failure_is_not_the_cause(tmp_path):
+    """Rank 0 exits 2; rank 1 aborts (SIGABRT) 2 s later, as an NCCL watchdog does after its
+    peer vanished: the first failure is the cause and sets the status."""
+    proc = _launcher(tmp_path, "late_abort", labels={0: "target rank 0", 1: "trainer rank 1"},
+                     grace_s=10.0, term_s=1.0)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2, err
+    assert ("failed: target rank 0 (exit status 2), trainer rank 1 (killed by SIGABRT); "
+            "the first cause is most likely target rank 0") in err
+
+
 def test_rank_env_and_status_descriptions():
     env = rank_env({"KEEP": "1", "RANK": "9"}, rank=2, world=4, host="127.0.0.1", port=1234)
     assert env["KEEP"] == "1" and env["RANK"] == "2" and env["LOCAL_RANK"] == "2"
