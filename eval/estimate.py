@@ -42,7 +42,7 @@ from collections.abc import Sequence
 import torch
 
 from draftforge.eval.baselines import ngram_lookup
-from draftforge.eval.speculative import DRAFT_SAMPLING, matching_prefix, sampling_probs
+from draftforge.eval.speculative import check_draft_sampling, matching_prefix, sampling_probs
 from draftforge.train.blocks import sample_anchors
 
 
@@ -71,8 +71,7 @@ def sampled_acceptance(
     probability ``sum_x min(pi_t(x), pi_d(x))``. Both distributions are cut as the evaluator
     cuts them (:func:`~draftforge.eval.speculative.sampling_probs`).
     """
-    if draft_sampling not in DRAFT_SAMPLING:
-        raise ValueError(f"draft_sampling {draft_sampling!r} is not one of {', '.join(DRAFT_SAMPLING)}")
+    check_draft_sampling(draft_sampling)
     target = sampling_probs(target_logits.float(), temperature, top_k, top_p)
     if draft_sampling == "greedy":
         return target.gather(-1, draft_logits.argmax(-1, keepdim=True))[..., 0]

@@ -200,6 +200,12 @@ class Proposer:
 DRAFT_SAMPLING = ("greedy", "sample")  # what the draft proposes when decoding samples
 
 
+def check_draft_sampling(draft_sampling: str) -> None:
+    """Raise ValueError unless ``draft_sampling`` is one of :data:`DRAFT_SAMPLING`."""
+    if draft_sampling not in DRAFT_SAMPLING:
+        raise ValueError(f"draft_sampling {draft_sampling!r} is not one of {', '.join(DRAFT_SAMPLING)}")
+
+
 class DraftProposer(Proposer):
     """The DSpark draft: block forward over the context features, then sequential Markov drafting."""
 
@@ -209,8 +215,7 @@ class DraftProposer(Proposer):
     def __init__(self, draft, *, temperature: float, generator: torch.Generator,
                  top_k: int = 0, top_p: float = 1.0, draft_sampling: str = "greedy",
                  record_margins: bool = False) -> None:
-        if draft_sampling not in DRAFT_SAMPLING:
-            raise ValueError(f"draft_sampling {draft_sampling!r} is not one of {', '.join(DRAFT_SAMPLING)}")
+        check_draft_sampling(draft_sampling)
         self.draft = draft.eval()
         self.temperature = temperature
         self.top_k, self.top_p = top_k, top_p

@@ -93,7 +93,7 @@ def find_resume(run_dir: Path, resume: str) -> Path | None:
                 f"train.resume: {path} is not a complete checkpoint (no {COMPLETE} marker); "
                 "pick another one or use train.resume=auto"
             )
-        start = _state_step(path)
+        start = int(_read_state(path)["step"])
     later = [p for p in complete_checkpoints(run_dir) if _step_of(p) > start]
     if later:
         what = "a fresh run (train.resume=never)" if path is None else f"a run resumed from step {start}"
@@ -107,12 +107,16 @@ def find_resume(run_dir: Path, resume: str) -> Path | None:
     return path
 
 
-def _state_step(path: Path) -> int:
+def _read_state(path: Path) -> dict:
+    """``trainer_state.json`` of checkpoint ``path``; :class:`CheckpointError` when it does not parse."""
     state_file = path / STATE_FILE
     try:
-        return int(json.loads(state_file.read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        state = json.loads(state_file.read_text())
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+            raise ValueError("no integer 'step' field")
+    except (OSError, ValueError) as exc:
         raise _corrupt(state_file, exc, path) from None
+    return state
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -323,13 +327,7 @@ def read_checked_state(path: Path, *, model_config: dict | None = None) -> dict:
     from draftforge.train.compat import config_differences
 
     path = Path(path)
-    state_file = path / STATE_FILE
-    try:
-        state = json.loads(state_file.read_text())
-        if not isinstance(state, dict) or "step" not in state:
-            raise ValueError("no 'step' field")
-    except (OSError, ValueError) as exc:
-        raise _corrupt(state_file, exc, path) from None
+    state = _read_state(path)
     draft_file = path / DRAFT_CONFIG_FILE
     if model_config is not None and draft_file.is_file():
         try:
