@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from draftforge.hf_config import rope_theta_of
 from draftforge.splitserve.config import TargetConfig, TargetShape
 
 # Shapes of the named targets, read off their config.json files, so recipes can
@@ -44,13 +45,3 @@ def resolve_target_shape(target: TargetConfig) -> TargetShape | None:
             return None
     return None
 
-
-def rope_theta_of(config: dict) -> float | None:
-    """The RoPE base of a config.json: top-level ``rope_theta`` (transformers 4) or
-    ``rope_parameters.rope_theta`` (transformers 5 writes it there); None when neither."""
-    if "rope_theta" in config:
-        return float(config["rope_theta"])
-    parameters = config.get("rope_parameters")
-    if isinstance(parameters, dict) and "rope_theta" in parameters:
-        return float(parameters["rope_theta"])
-    return None

@@ -48,7 +48,8 @@ def _check_learns(run_dir: Path, steps: int) -> dict[int, dict]:
 
 def test_two_process_run_trains_and_accounts(tmp_path):
     steps = 16
-    recipe = tiny_recipe(tmp_path, steps=steps)
+    # 24 conversations (3-5 a step) run out before step 16: the run reaches a second epoch.
+    recipe = tiny_recipe(tmp_path, steps=steps, num_conversations=24)
     procs = spawn_ranks(recipe, 2, log_dir=tmp_path / "logs")
     assert wait_all(procs, 90) == [0, 0], read_logs(tmp_path / "logs", 2)
     records = _check_learns(tmp_path / "run", steps)
@@ -57,9 +58,10 @@ def test_two_process_run_trains_and_accounts(tmp_path):
     conversations = {json.loads(line)["id"] for line in (tmp_path / "convs.jsonl").open()}
     assert {i.split("#e")[0] for i in ids} <= conversations
     later = [n for n, i in enumerate(ids) if "#e" in i]
-    if later:  # epoch 0 is complete before epoch 1 starts
-        assert max(n for n, i in enumerate(ids) if "#e" not in i) < min(later)
-        assert {i for i in ids if "#e" not in i} == conversations
+    assert later, "the run reaches a second epoch"
+    # epoch 0 is complete before epoch 1 starts
+    assert max(n for n, i in enumerate(ids) if "#e" not in i) < min(later)
+    assert {i for i in ids if "#e" not in i} == conversations
     target_log, trainer_log = read_logs(tmp_path / "logs", 2)
     assert "split (last interval): target busy" in trainer_log and "recommended split for 2 ranks" in trainer_log
     assert "at most 4 samples in flight per trainer (credits 4)" in target_log

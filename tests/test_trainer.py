@@ -370,8 +370,9 @@ def test_wandb_offline_and_tensorboard_receive_every_step(tmp_path, monkeypatch)
     fake_tb = types.ModuleType("torch.utils.tensorboard")
 
     class SummaryWriter:
-        def __init__(self, log_dir):
+        def __init__(self, log_dir, purge_step=None):
             calls["log_dir"] = log_dir
+            calls.setdefault("purge_step", []).append(purge_step)
 
         def add_scalar(self, tag, value, step):
             calls["scalars"].append((tag, step))
@@ -389,6 +390,12 @@ def test_wandb_offline_and_tensorboard_receive_every_step(tmp_path, monkeypatch)
     assert {"loss", "tau", "tokens_s", "wait_s"} <= set(calls["log"][0][1])
     assert ("train/loss", 3) in calls["scalars"] and calls["log_dir"].endswith("tensorboard")
     assert calls["closed"] == 2
+    assert calls["purge_step"] == [None], "a fresh run purges nothing"
+    from draftforge.train.metrics import MetricsLog
+
+    resumed = MetricsLog(tmp_path, train=train_config(tensorboard=True), recipe_yaml=None, resume_step=2)
+    resumed.close()
+    assert calls["purge_step"] == [None, 3], "a run resumed at step 2 drops the events of steps 3 on"
 
 
 DEEPSPEED_INF_GRAD = """

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from draftforge.splitserve.registry import rope_theta_of
+from draftforge.hf_config import rope_theta_of
 from draftforge.train.export import (
     CONFIG_FILE,
     EMBEDDING_KEYS,

@@ -79,7 +79,7 @@ class MetricsLog:
         if train.wandb:
             self._wandb = _start_wandb(run_dir, train=train, recipe_yaml=recipe_yaml)
         if train.tensorboard:
-            self._tensorboard = _start_tensorboard(run_dir)
+            self._tensorboard = _start_tensorboard(run_dir, resume_step=resume_step)
 
     def _truncate_after(self, step: int) -> None:
         """Drop records of steps a resumed run will redo (written after its checkpoint)."""
@@ -131,7 +131,7 @@ def _start_wandb(run_dir: Path, *, train, recipe_yaml: str | None):
                       name=run_dir.name, reinit="finish_previous")
 
 
-def _start_tensorboard(run_dir: Path):
+def _start_tensorboard(run_dir: Path, *, resume_step: int):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as exc:
@@ -139,7 +139,10 @@ def _start_tensorboard(run_dir: Path):
             "train.tensorboard is true but tensorboard is not installed: "
             ".venv/bin/pip install 'tensorboard>=2.16', or set train.tensorboard=false"
         ) from exc
-    return SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+    # A resumed run redoes the steps after its checkpoint: purge_step drops the events
+    # of the steps the interrupted run wrote past it, as the JSONL log drops its records.
+    return SummaryWriter(log_dir=str(run_dir / "tensorboard"),
+                         purge_step=resume_step + 1 if resume_step else None)
 
 
 class Progress:
