@@ -397,7 +397,7 @@ def _check_target(cfg: RecipeConfig) -> tuple[TargetShape | None, list[Problem]]
         if known is not None:
             for field in sorted(target.shape.model_fields_set):
                 declared, real = getattr(target.shape, field), getattr(known, field)
-                if declared != real:
+                if real is not None and declared != real:
                     problems.append(
                         (
                             ("target", "shape", field),
@@ -405,6 +405,9 @@ def _check_target(cfg: RecipeConfig) -> tuple[TargetShape | None, list[Problem]]
                             "remove it or fix it",
                         )
                     )
+            # The resolved recipe (config.yaml of a run) records the whole shape the run
+            # used, so that reloading it, as export does, compares real values only.
+            target.shape = shape
     if target.model == "random" and shape is not None:
         if shape.hidden_size % shape.num_attention_heads:
             problems.append(

@@ -26,12 +26,29 @@ KNOWN_TARGETS: dict[str, TargetShape] = {
 
 
 def resolve_target_shape(target: TargetConfig) -> TargetShape | None:
-    """The target's shape without loading weights, or None when it cannot be known yet."""
-    if target.shape is not None:
+    """The target's shape without loading weights, or None when it cannot be known yet.
+
+    A declared ``target.shape`` overrides only the fields it sets: the rest come from the
+    target's own config (registered, or its folder's config.json) when that can be read,
+    and from the section's defaults only when it cannot (a dry run without the weights).
+    """
+    if target.shape is None:
+        return _known_shape(target.model)
+    try:
+        known = _known_shape(target.model)
+    except (OSError, ValueError):
+        known = None
+    if known is None:
         return target.shape
-    if target.model in KNOWN_TARGETS:
-        return KNOWN_TARGETS[target.model]
-    config_path = Path(target.model) / "config.json"
+    declared = {field: getattr(target.shape, field) for field in target.shape.model_fields_set}
+    return known.model_copy(update=declared)
+
+
+def _known_shape(model: str) -> TargetShape | None:
+    """The shape of a registered target or of a local folder's config.json; None otherwise."""
+    if model in KNOWN_TARGETS:
+        return KNOWN_TARGETS[model]
+    config_path = Path(model) / "config.json"
     if config_path.is_file():
         raw = json.loads(config_path.read_text())
         raw = raw.get("text_config", raw)
@@ -44,4 +61,3 @@ def resolve_target_shape(target: TargetConfig) -> TargetShape | None:
         except ValueError:
             return None
     return None
-

@@ -247,6 +247,23 @@ def test_declared_shape_must_match_known_target(tmp_path):
     )
 
 
+def test_a_partly_declared_shape_takes_the_rest_from_the_known_target(tmp_path):
+    """A recipe may declare a few shape fields (the Ling recipes declare four, for dry runs
+    without the weights); where the target's config is known, the fields it leaves out come
+    from it, not from the random target's defaults, and the resolved recipe reloads."""
+    text = "target:\n  shape:\n    num_hidden_layers: 30\n    hidden_size: 576\n    vocab_size: 49152\n"
+    cfg = load_recipe(write(tmp_path, text))
+    plain = load_recipe(write(tmp_path, "target:\n  model: smollm2-135m-instruct\n", "plain.yaml"))
+    assert cfg.draft.rope_theta == plain.draft.rope_theta == 100000.0
+    assert cfg.draft.max_position_embeddings == plain.draft.max_position_embeddings == 8192
+    assert cfg.target.shape.num_attention_heads == 9 and cfg.target.shape.intermediate_size == 1536
+    saved = dump_recipe(cfg, tmp_path / "run" / "config.yaml")
+    again = load_recipe(saved)  # as export reloads a run's config.yaml: no made-up mismatches
+    assert again.target.shape == cfg.target.shape and again.draft == cfg.draft
+    # and the data limit is the target's 8192 positions, not the default 2048
+    assert load_recipe(write(tmp_path, text + "data:\n  max_length: 4096\n")).data.max_length == 4096
+
+
 def test_mask_token_outside_vocab(tmp_path):
     (problem,) = problems(write(tmp_path, replace("mask_token_id", "mask_token_id: 512")))
     assert (
