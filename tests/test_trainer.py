@@ -322,6 +322,47 @@ def test_rerunning_a_finished_run_keeps_its_summary(tmp_path):
     assert (tmp_path / "summary.json").read_text() == summary
 
 
+def test_a_resumed_run_summarises_the_same_last_steps_as_an_uninterrupted_run(tmp_path):
+    """The summary's loss, tau and per-slot acceptance average the last log_interval steps and
+    its plot starts from step 1's acceptance, whether or not the run was resumed in between."""
+    samples = chain_samples(60)
+    _run(tmp_path / "full", samples, steps=10, log_interval=8)
+    _run(tmp_path / "cut", samples, steps=10, log_interval=8, crash_at=6)  # checkpoint at 4
+    _run(tmp_path / "cut", samples, steps=10, log_interval=8, resume="auto")  # steps 5-10 only
+    full, cut = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("full", "cut"))
+    assert cut["steps_this_run"] == 6
+    for key in ("loss", "tau", "slot_acceptance"):
+        assert cut[key] == full[key], key
+    records = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert full["tau"] == pytest.approx(sum(r["tau"] for r in records[-8:]) / 8, rel=1e-12)
+
+
+def test_a_rerun_that_finds_no_summary_writes_it_from_the_logged_steps(tmp_path):
+    """Stopped between its final checkpoint and its summary (finite data ends there and the
+    trainer waits for the end), a run's rerun trains no step and still writes the summary."""
+    _trainer(tmp_path, steps=4, checkpoint_interval=100).fit(pack(chain_samples(20), 90))
+    written = json.loads((tmp_path / "summary.json").read_text())
+    (tmp_path / "summary.json").unlink()
+    trainer = _trainer(tmp_path, steps=4, checkpoint_interval=100, resume="auto")
+    trainer.resume()
+    assert trainer.fit(pack(chain_samples(20), 90)).steps_run == 0
+    again = json.loads((tmp_path / "summary.json").read_text())
+    assert again["steps_this_run"] == 0 and again["step"] == 4
+    for key in ("loss", "tau", "slot_acceptance", "checkpoint"):
+        assert again[key] == written[key], key
+
+
+def test_a_refused_rerun_leaves_the_run_records_as_they_were(tmp_path):
+    _trainer(tmp_path, steps=4, checkpoint_interval=100).fit(pack(chain_samples(20), 90))
+    records = {name: (tmp_path / name).read_text() for name in ("config.yaml", "run.json")}
+    other = Trainer(model_config=tiny_model_config(num_hidden_layers=1),
+                    train=train_config(steps=4, checkpoint_interval=100, resume="auto"),
+                    embeddings=target_embeddings(), run_dir=tmp_path, recipe_yaml="name: other\n")
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        other.resume()
+    assert {name: (tmp_path / name).read_text() for name in records} == records
+
+
 def test_a_skipped_step_leaves_the_weights_untouched(tmp_path):
     samples = chain_samples(10, nan_ids=tuple(range(10)))
     trainer = _trainer(tmp_path, steps=3, max_bad_steps=5)

@@ -68,11 +68,22 @@ def _finite(value):
     return value
 
 
+def _unfinite(record: dict) -> dict:
+    """A logged record as the trainer made it: the nulls ``_finite`` wrote are NaN again."""
+    def back(value):
+        if value is None:
+            return float("nan")
+        return [back(v) for v in value] if isinstance(value, list) else value
+
+    return {k: back(v) if k in ("loss", "tau", "slot_acceptance") else v for k, v in record.items()}
+
+
 class MetricsLog:
     """Per-step records: always JSONL; wandb and TensorBoard when the recipe enables them."""
 
     def __init__(self, run_dir: Path, *, train, recipe_yaml: str | None, resume_step: int = 0) -> None:
         self.path = run_dir / METRICS_FILE
+        self.earlier: list[dict] = []  # the records a resumed run keeps, oldest first
         self._truncate_after(resume_step)
         self._file = self.path.open("a")
         self._wandb = self._tensorboard = None
@@ -88,10 +99,12 @@ class MetricsLog:
         kept = []
         for line in self.path.read_text().splitlines():
             try:
-                if json.loads(line).get("step", 0) <= step:
-                    kept.append(line)
+                record = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if record.get("step", 0) <= step:
+                kept.append(line)
+                self.earlier.append(_unfinite(record))
         write_atomic(self.path, "".join(line + "\n" for line in kept))
 
     def log(self, record: dict) -> None:

@@ -35,6 +35,7 @@ from draftforge.train import distributed as D
 from draftforge.train.blocks import build_layout, sample_anchors
 from draftforge.train.config import TrainConfig, warmup_steps
 from draftforge.train.metrics import (
+    SUMMARY_FILE,
     MetricsLog,
     Progress,
     format_summary,
@@ -158,12 +159,13 @@ class Trainer:
         self.skipped_steps = 0
         self.consumed_ids: list[str] = []
         self.resumed: ResumeInfo | None = None
-        if self.is_main:
-            write_run_records(self.run_dir, recipe_yaml=recipe_yaml, details={
-                "strategy": train.strategy, "trainer_ranks": self.world, "device": str(self.device),
-                "dtype": train.dtype, "trainable_parameters": self.num_trainable,
-                "model_config": model_config.to_dict(),
-            })
+        # Written when training starts, after resume() accepted the run directory: a rerun it
+        # refuses (another trainer count, strategy or draft) leaves the run's records as they were.
+        self._run_details = {
+            "strategy": train.strategy, "trainer_ranks": self.world, "device": str(self.device),
+            "dtype": train.dtype, "trainable_parameters": self.num_trainable,
+            "model_config": model_config.to_dict(),
+        }
 
     def _build(self, model_config: DSparkConfig, embeddings):
         """The draft (same initial weights on every rank), placed and wrapped for the
@@ -415,13 +417,18 @@ class Trainer:
         result = FitResult(step=self.step, steps_run=0, skipped_steps=self.skipped_steps,
                            stopped_reason="steps_done", checkpoint=None)
         log = progress = None
+        window: list[dict] = []
+        first_slots: list[float] | None = None
         if self.is_main:
+            write_run_records(self.run_dir, recipe_yaml=self.recipe_yaml, details=self._run_details)
             log = MetricsLog(self.run_dir, train=train, recipe_yaml=self.recipe_yaml,
                              resume_step=self.step)
             progress = Progress(total=train.steps, initial=self.step)
+            # A resumed run's summary covers the same last steps as an uninterrupted run's.
+            applied = [r for r in log.earlier if not r.get("skipped") and "slot_acceptance" in r]
+            window = applied[-train.log_interval:]
+            first_slots = applied[0]["slot_acceptance"] if applied else None
         iterator = iter(batches)
-        window: list[dict] = []
-        first_slots: list[float] | None = None
         started = time.perf_counter()
         total_tokens = 0
         bad_at_start = self.skipped_steps  # max_bad_steps counts this run's: a resumed run starts afresh
@@ -602,7 +609,9 @@ class Trainer:
             "checkpoint": str(result.checkpoint) if result.checkpoint else None,
             "trainer_ranks": self.world, "strategy": self.train.strategy,
         }
-        if self.is_main and result.steps_run:  # a rerun of a finished run keeps its summary
+        # A rerun of a finished run keeps its summary; one that finds none (stopped between
+        # its last checkpoint and the summary) writes it from the logged steps.
+        if self.is_main and (result.steps_run or not (self.run_dir / SUMMARY_FILE).exists()):
             write_summary(self.run_dir, summary)
             if window:
                 from draftforge.train.plots import plot_slot_acceptance
