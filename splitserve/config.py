@@ -47,7 +47,8 @@ class GenerationConfig(Section):
     seed: int = Field(
         default=0,
         description="sampling seed; each batch is reseeded from it, its prompt ids and the turn, "
-        "so a resumed regeneration writes the same answers",
+        "so a resumed regeneration writes the same answers (backend hf; SGLang seeds its engine "
+        "from it once and applies per-batch seeds only in its deterministic inference mode)",
     )
     enable_thinking: bool = Field(
         default=False, description="passed to the chat template; must match serving"

@@ -10,7 +10,8 @@ sees exactly the samples an uninterrupted run would have:
   conversations. Epoch 0 walks the chunks in order, epoch ``e`` in a permutation
   seeded by ``(data.shuffle_seed, e)``;
 - a chunk is regenerated in one call (seeded by its ids and the recipe seed, so
-  its answers are the same whenever it is computed; they are kept in memory and
+  with the hf backend its answers are the same whenever it is computed; SGLang
+  applies that seed only in its deterministic mode; they are kept in memory and
   reused by later epochs), tokenised with the target's chat template, its
   features computed in batches of ``split.feature_batch_size``, and its samples
   assigned to the producer's trainers by token count (longest first to the least

@@ -134,6 +134,10 @@ def sampling_params(settings: GenerationConfig, stop_token_ids: Sequence[int]) -
             temperature=settings.temperature,
             top_p=settings.top_p,
             top_k=settings.top_k if settings.top_k > 0 else -1,
+            # The batch's own seed (draftforge reseeds every batch). SGLang 0.5 applies a
+            # request's sampling_seed only in deterministic inference
+            # (--enable-deterministic-inference); otherwise its sampler's state decides.
+            sampling_seed=int(settings.seed),
         )
     return params
 
@@ -567,8 +571,10 @@ class SGLangTarget:
         Prompts are rendered exactly as the transformers backend renders them
         and sent as token ids; replies are decoded without special tokens.
         SGLang seeds its sampler once, at engine start, from
-        ``target.generation.seed``; batching on a GPU makes sampled replies
-        reproducible only up to SGLang's own determinism (greedy is exact).
+        ``target.generation.seed``, and ignores each batch's seed unless the engine runs
+        deterministic inference: sampled replies then depend on the calls made before
+        them, so a resumed regeneration samples the answers it redoes afresh (greedy is
+        exact). No sample is lost or repeated; the answers differ.
         """
         prompts: list[list[int]] = []
         for index, conversation in enumerate(conversations):

@@ -188,6 +188,7 @@ def test_sampling_params_greedy_and_sampled():
     }
     sampled = sampling_params(GenerationConfig(temperature=0.7, top_p=0.8, top_k=0), [2])
     assert (sampled["temperature"], sampled["top_p"], sampled["top_k"]) == (0.7, 0.8, -1)
+    assert sampling_params(GenerationConfig(seed=1234), [2])["sampling_seed"] == 1234
     assert sampling_params(GenerationConfig(top_k=20), [2])["top_k"] == 20
 
 
