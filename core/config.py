@@ -32,7 +32,7 @@ from draftforge.eval.config import EvalConfig
 from draftforge.files import write_atomic
 from draftforge.section import Section
 from draftforge.splitserve.config import SplitConfig, TargetConfig, TargetShape
-from draftforge.splitserve.registry import resolve_target_shape
+from draftforge.splitserve.registry import KNOWN_TARGETS, resolve_target_shape
 from draftforge.train.config import DraftConfig, ExportConfig, TrainConfig, warmup_steps
 
 __all__ = [
@@ -231,8 +231,24 @@ def _apply_override(data: dict[str, Any], text: str) -> tuple[str, ...]:
         else:  # a copy: a YAML alias shares this mapping with other keys, which keep their values
             child = node[part] = dict(child)
         node = child
-    node[parts[-1]] = value
+    current = node.get(parts[-1])
+    if isinstance(value, dict) and isinstance(current, dict):
+        # a mapping merges into the section it names: train.loss={ce_weight: 1} changes
+        # ce_weight and keeps the recipe's other loss settings
+        node[parts[-1]] = _merged(current, value)
+    else:
+        node[parts[-1]] = value
     return parts
+
+
+def _merged(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 # --------------------------------------------------------------------------- errors
@@ -389,6 +405,12 @@ def _check_target(cfg: RecipeConfig) -> tuple[TargetShape | None, list[Problem]]
         shape = resolve_target_shape(target)
     except (OSError, ValueError) as exc:
         return None, [(("target", "model"), f"cannot read the target's config.json: {exc}")]
+    if (target.shape is None and target.model != "random" and target.model not in KNOWN_TARGETS
+            and not Path(target.model).expanduser().is_dir()):
+        names = ", ".join([*KNOWN_TARGETS, "random"])
+        return None, [(("target", "model"), (
+            f"{target.model!r} is neither a registered name ({names}) nor an existing local "
+            "folder; for a dry run without the target's weights, declare target.shape"))]
     if target.shape is not None and target.model != "random":
         try:
             known = resolve_target_shape(target.model_copy(update={"shape": None}))
@@ -684,7 +706,11 @@ def validate_recipe(
             data[section] = {}
     override_paths: dict[KeyPath, str] = {}
     for text in overrides:
-        override_paths[_apply_override(data, text)] = text
+        path = _apply_override(data, text)
+        if path in override_paths:  # the last would win silently
+            raise RecipeError([f"command line {text!r}: {'.'.join(path)} is already set by "
+                               f"{override_paths[path]!r}; give each key once"])
+        override_paths[path] = text
     if name is not None:
         data.setdefault("name", name)
     locator = _Locator(source, lines or {}, override_paths)

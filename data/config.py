@@ -14,6 +14,7 @@ class DataConfig(Section):
 
     train_files: list[str] = Field(
         default_factory=lambda: ["builtin:train-prompts"],
+        min_length=1,
         description="local jsonl/json/parquet files, or builtin:train-prompts",
     )
     format: Literal["auto", "messages", "sharegpt", "prompt"] = Field(

@@ -14,6 +14,7 @@ class EvalConfig(Section):
 
     workloads: list[Literal["humaneval", "mtbench", "gsm8k"]] = Field(
         default_factory=lambda: ["humaneval", "mtbench", "gsm8k"],
+        min_length=1,
         description="held-out workloads, from the offline evaluation packages",
     )
     num_prompts: int | None = Field(default=None, gt=0, description="per workload; default all")

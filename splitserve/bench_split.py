@@ -342,7 +342,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from draftforge.splitserve.supervisor import run_ranks
 
     with tempfile.TemporaryDirectory(prefix="draftforge-bench-split-") as tmp:
-        overrides = [*args.overrides, f"train.output_dir={tmp}/run", "train.resume=never"]
+        mine = ("train.output_dir=", "train.resume=")  # the benchmark's own, in a scratch folder
+        overrides = [*(o for o in args.overrides if not o.startswith(mine)),
+                     f"train.output_dir={tmp}/run", "train.resume=never"]
         cfg = load_recipe(args.recipe, overrides)
         check_split(cfg)
         out = Path(tmp) / "result.json"

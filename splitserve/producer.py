@@ -170,6 +170,14 @@ def load_source_conversations(cfg: RecipeConfig) -> tuple[list[Conversation], bo
         return load_training_conversations(data, cfg.train.output_dir).conversations, False
     path = regenerated_path(data, cfg.train.output_dir)
     if not path.is_file():
+        if data.regenerated_file is not None:  # named, so meant to exist: never answer silently
+            from draftforge.errors import InputError
+
+            raise InputError(
+                f"data.regenerated_file {path}: no such file. Write it first with 'draftforge data "
+                "regenerate RECIPE' (same overrides), or leave data.regenerated_file unset to "
+                "answer the prompts during training"
+            )
         return load_prompts(data).conversations, True
     prompts = load_prompts(data.model_copy(update={"overlap_check": False})).conversations
     check_answers(path, prompts, cfg.target.generation, target_name(cfg.target))

@@ -264,6 +264,22 @@ def test_a_partly_declared_shape_takes_the_rest_from_the_known_target(tmp_path):
     assert load_recipe(write(tmp_path, text + "data:\n  max_length: 4096\n")).data.max_length == 4096
 
 
+def test_an_unknown_target_name_is_refused_at_its_line(tmp_path):
+    (problem,) = problems(write(tmp_path, "target:\n  model: smollm2-135m\n"))
+    assert "r.yaml:2: target.model: 'smollm2-135m' is neither a registered name" in problem
+    assert "smollm2-135m-instruct, random" in problem and "declare target.shape" in problem
+    # a folder that is not here is fine once its shape is declared (a dry run without weights)
+    declared = load_recipe(write(tmp_path, BASE.replace("model: random", "model: /no/such/model")))
+    assert declared.target.shape.hidden_size == 64
+
+
+def test_empty_workloads_and_train_files_are_refused(tmp_path):
+    """An empty eval.workloads made 'eval --recipe' print an empty table and al_dspark=nan."""
+    found = problems(write(tmp_path, BASE + "eval:\n  workloads: []\ndata:\n  train_files: []\n"))
+    assert any("eval.workloads: List should have at least 1 item" in p for p in found)
+    assert any("data.train_files: List should have at least 1 item" in p for p in found)
+
+
 def test_mask_token_outside_vocab(tmp_path):
     (problem,) = problems(write(tmp_path, replace("mask_token_id", "mask_token_id: 512")))
     assert (
@@ -441,6 +457,15 @@ def test_a_leading_zero_is_decimal_not_octal(tmp_path):
     assert load_recipe(path).draft.block_size == 10
     cfg = load_recipe(write(tmp_path, BASE, name="b.yaml"), ["data.max_length=0640", "draft.mask_token_id=0x1f"])
     assert cfg.data.max_length == 640 and cfg.draft.mask_token_id == 31  # hexadecimal stays hexadecimal
+
+
+def test_a_mapping_override_merges_into_its_section_and_a_key_is_given_once(tmp_path):
+    path = write(tmp_path, BASE + "  loss:\n    chunk_blocks: 8\n    decay: 2.0\n")
+    cfg = load_recipe(path, ["train.loss={ce_weight: 1.0, decay: 3.0}"])
+    assert (cfg.train.loss.ce_weight, cfg.train.loss.decay, cfg.train.loss.chunk_blocks) == (1.0, 3.0, 8)
+    with pytest.raises(RecipeError, match=r"command line 'draft.block_size=8': draft.block_size is "
+                                          r"already set by 'draft.block_size=2'; give each key once"):
+        load_recipe(path, ["draft.block_size=2", "draft.block_size=8"])
 
 
 def test_bad_override_key(tmp_path):

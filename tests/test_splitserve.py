@@ -470,3 +470,23 @@ def test_a_local_target_folder_gives_its_rope_base_wherever_transformers_wrote_i
     old_style.pop("rope_parameters", None)
     (tmp_path / "target" / "config.json").write_text(json.dumps(old_style))
     assert resolve_target_shape(TargetConfig(model=str(tmp_path / "target"))).rope_theta == 50000.0
+
+
+def test_a_named_regenerated_file_that_is_missing_is_refused_not_answered_silently(tmp_path):
+    """data.regenerated_file names answers written ahead; mistyped, training used to answer
+    the prompts itself during training (other answers, slower) without a word."""
+    from splitserve_helpers import tiny_recipe
+
+    from draftforge.config import load_recipe
+    from draftforge.errors import InputError
+    from draftforge.splitserve.launch import preflight
+    from draftforge.splitserve.producer import load_source_conversations
+
+    recipe = tiny_recipe(tmp_path, overrides={"data.regenerate": True})
+    cfg = load_recipe(recipe, [f"data.regenerated_file={tmp_path / 'answres.jsonl'}"])
+    for check in (preflight, load_source_conversations):
+        with pytest.raises(InputError, match=r"answres\.jsonl: no such file.*draftforge data regenerate"):
+            check(cfg)
+    # unset, the default place is answered during training when it has no file
+    conversations, regenerate_now = load_source_conversations(load_recipe(recipe))
+    assert regenerate_now and conversations

@@ -327,7 +327,7 @@ def time_train_steps(cfg, recipe, args, *, dtype) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)
     import torch
 
     cfg, recipe = _model_config(args)
