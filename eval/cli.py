@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "The CPU recipe's answers were sampled at temperature 0.7, top-k 20, top-p 0.8")
     parser.add_argument("--draft-sampling", choices=["greedy", "sample"],
                         help="sampling only: greedy, the draft proposes its most likely tokens, each "
-                        "accepted with the target's probability of it (SGLang's DSPARK and llama.cpp); "
+                        "accepted with the target's probability of it (as llama.cpp verifies); "
                         "sample, it draws them from its own distribution, accepted with "
                         f"min(1, p_t/p_d) (default: the recipe's eval.draft_sampling, else "
                         f"{defaults.draft_sampling})")
@@ -131,6 +131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise InputError("draftforge eval: give --target NAME_OR_DIR (or --recipe RECIPE)")
     if args.prompts_file and not Path(args.prompts_file).is_file():
         raise InputError(f"--prompts-file {args.prompts_file}: no such file")
+    num_prompts = args.num_prompts or eval_cfg.num_prompts
+    # read before the target loads: a bad row is found in seconds, not after minutes
+    file_prompts = _prompts_from_file(args.prompts_file, num_prompts) if args.prompts_file else None
     temperature = eval_cfg.temperature if args.temperature is None else args.temperature
     sampling_only = [f"{flag} {value}" for flag, value in
                      (("--top-k", args.top_k), ("--top-p", args.top_p), ("--draft-sampling", args.draft_sampling))
@@ -153,6 +156,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     _warn_replacing(Path(args.out))
     draft_cfg, load_draft = _draft_loader(args.draft)
     _check_fit(draft_cfg, target_cfg, args.draft)
+    if not draft_cfg.enable_confidence_head:
+        needs_head = [what for what, wanted in (
+            (f"--verify threshold{'' if args.verify else ' (the recipe eval.verify)'}",
+             (args.verify or eval_cfg.verify) == "threshold"),
+            ("--calibrate", bool(args.calibrate))) if wanted]
+        if needs_head:
+            raise InputError(
+                f"draftforge eval {args.draft}: {' and '.join(needs_head)} need the draft's "
+                "confidence head, and this draft has none (enable_confidence_head false, as in "
+                "the DFlash ablation); use --verify full and leave out --calibrate"
+            )
     placement = None
     if len(devices) > 1:
         placement = spread_placement(devices, reserve_first_bytes=_draft_bytes(draft_cfg))
@@ -178,9 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         estimate=not args.no_estimate,
         tie_tolerance=args.tie_tolerance,
     )
-    num_prompts = args.num_prompts or eval_cfg.num_prompts
-    if args.prompts_file:
-        workloads = _prompts_from_file(args.prompts_file, num_prompts)
+    if file_prompts is not None:
+        workloads = file_prompts
     else:
         names = args.workloads or list(eval_cfg.workloads)
         workloads = {name: _workload_prompts(name, target, target_cfg, num_prompts) for name in names}
@@ -218,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.calibrate:
         samples = [s for r in results for s in r.confidence_samples]
         if not samples:
-            raise SystemExit("draftforge eval --calibrate: the draft has no confidence head (no samples)")
+            raise SystemExit("draftforge eval --calibrate: no confidence samples were recorded")
         calibration = calibrate(samples, draft_cfg.block_size, dataset=",".join(workloads))
         write_calibration(args.calibrate, calibration)
         held_out = calibration.pop("held_out")  # ECE on what the temperatures were not fitted on
@@ -346,16 +359,22 @@ def _prompts_from_file(path: str, num_prompts: int | None) -> dict[str, list[lis
     for line_no, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
             continue
+        expected = "expected {'workload': str, 'input_ids': [int, ...]}"
         try:
             row = json.loads(line)
-            ids = [int(t) for t in row["input_ids"]]
-            name = str(row.get("workload", "prompts"))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-            raise SystemExit(f"{path}:{line_no}: expected {{'workload': str, 'input_ids': [int]}} ({err})") from err
+        except json.JSONDecodeError as err:
+            raise InputError(f"{path}:{line_no}: not JSON ({err}); {expected}") from None
+        ids = row.get("input_ids") if isinstance(row, dict) else None
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InputError(f"{path}:{line_no}: input_ids must be a list of token ids (integers), "
+                             f"got {json.dumps(ids)[:80]}; {expected}")
         if not ids:
-            raise SystemExit(f"{path}:{line_no}: empty input_ids")
+            raise InputError(f"{path}:{line_no}: empty input_ids")
+        name = row.get("workload", "prompts")
+        if not isinstance(name, str):
+            raise InputError(f"{path}:{line_no}: workload must be a string, got {json.dumps(name)}")
         if name == "macro":  # the reports' name for the mean over workloads
-            raise SystemExit(f"{path}:{line_no}: workload name 'macro' is reserved for the mean over workloads")
+            raise InputError(f"{path}:{line_no}: workload name 'macro' is reserved for the mean over workloads")
         bucket = workloads.setdefault(name, [])
         if num_prompts is None or len(bucket) < num_prompts:
             bucket.append(ids)

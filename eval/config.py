@@ -41,14 +41,18 @@ class EvalConfig(Section):
     draft_sampling: Literal["greedy", "sample"] = Field(
         default="greedy",
         description="sampling only: greedy, the draft proposes its most likely tokens and each is "
-        "accepted with the target's probability of it (how SGLang's DSPARK and llama.cpp verify); "
-        "sample, it draws them from its own distribution (cut alike), accepted with min(1, p_t/p_d)",
+        "accepted with the target's probability of it (how llama.cpp verifies); sample, it draws "
+        "them from its own distribution (cut alike), accepted with min(1, p_t/p_d) (how SGLang's "
+        "DSPARK verifies sampled requests, from the draft's temperature-scaled distribution; "
+        "some SGLang versions cut it by top-k and top-p as this does, others do not)",
     )
     max_new_tokens: int = Field(default=256, gt=0, description="tokens generated per prompt")
     verify: Literal["full", "threshold"] = Field(
         default="full",
         description="full: verify the whole block; threshold: cut it at the first slot whose "
-        "confidence is below confidence_threshold",
+        "confidence is below confidence_threshold (the contract's static rule; SGLang serves no "
+        "static threshold: it ranks the cumulative product of the confidences against a token "
+        "budget, so threshold-mode figures do not predict its served acceptance)",
     )
     confidence_threshold: float = Field(
         default=0.5, ge=0, le=1, description="the cut of verify threshold"

@@ -10,6 +10,7 @@ import pytest
 from eval_helpers import random_prompts, smollm2_draft, tiny_eval_draft
 
 from draftforge.config import load_recipe
+from draftforge.errors import InputError
 from draftforge.splitserve.target import build_target
 from draftforge.train.export import export_draft
 
@@ -210,8 +211,48 @@ def test_report_json_marks_a_finished_evaluation_so_it_is_written_last(recipe_pa
     assert (tmp_path / "r" / "report.md").exists() and not (tmp_path / "r" / "report.json").exists()
     macro = tmp_path / "macro.jsonl"
     macro.write_text(json.dumps({"workload": "macro", "input_ids": [1, 2]}))
-    with pytest.raises(SystemExit, match="macro.jsonl:1: workload name 'macro' is reserved"):
+    with pytest.raises(InputError, match="macro.jsonl:1: workload name 'macro' is reserved"):
         main([str(export_dir), "--recipe", str(recipe_path), "--prompts-file", str(macro)])
+
+
+def test_a_malformed_prompts_file_is_refused_before_the_target_loads(recipe_path, tmp_path, monkeypatch):
+    """input_ids given as a string or a mapping used to be read digit by digit or key by key."""
+    import draftforge.splitserve.target as target_module
+    from draftforge.eval.cli import main
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded before the prompts file was checked")
+
+    monkeypatch.setattr(target_module, "build_target", no_target)
+    for row, message in (({"input_ids": "1234"}, 'got "1234"'), ({"input_ids": {"7": 1}}, 'got {"7": 1}'),
+                         ({"input_ids": [1, True]}, "got \\[1, true\\]"),
+                         ({"input_ids": [1], "workload": 3}, "workload must be a string, got 3"),
+                         ([1, 2], "input_ids must be a list")):  # fmt: skip
+        path = tmp_path / "bad.jsonl"
+        path.write_text(json.dumps({"input_ids": [5, 6]}) + "\n" + json.dumps(row) + "\n")
+        with pytest.raises(InputError, match=f"bad.jsonl:2: .*{message}"):
+            main([str(tmp_path / "nodraft"), "--recipe", str(recipe_path), "--prompts-file", str(path)])
+
+
+def test_threshold_verification_and_calibration_need_a_confidence_head(recipe_path, tmp_path, capsys):
+    """The DFlash ablation has no confidence head: asking to verify by it or calibrate it is refused
+    at once (it failed with a traceback after the first prompt, or after the whole evaluation)."""
+    from draftforge.eval.cli import main
+
+    recipe = load_recipe(recipe_path)
+    target = build_target(recipe.target, recipe.draft.target_layer_ids)
+    headless = tiny_eval_draft(target, enable_confidence_head=False, confidence_head_with_markov=False)
+    export_dir = export_draft(headless, tmp_path / "export", progress=lambda _: None)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"workload": "w", "input_ids": random_prompts(1)[0]}))
+    base = [str(export_dir), "--recipe", str(recipe_path), "--prompts-file", str(prompts),
+            "--max-new-tokens", "6", "--out", str(tmp_path / "r"), "--baselines", "none"]
+    for extra, what in ((["--verify", "threshold"], "--verify threshold"),
+                        (["--calibrate", str(tmp_path / "c.json")], "--calibrate")):  # fmt: skip
+        with pytest.raises(InputError, match=f"{what} need the draft's confidence head"):
+            main([*base, *extra])
+    assert not (tmp_path / "r").exists() and not (tmp_path / "c.json").exists()
+    assert main(base) == 0  # full verification needs none
 
 
 def test_sampled_eval_records_its_sampling_settings_and_greedy_refuses_them(recipe_path, tmp_path, capsys):

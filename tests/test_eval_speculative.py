@@ -389,7 +389,7 @@ def test_rejection_sampling_with_top_k_and_top_p_preserves_the_filtered_target(d
 
 
 def test_greedy_drafting_under_sampling_proposes_the_drafts_argmax_as_deterministic_drafts(target, draft):
-    """SGLang's DSPARK verification and llama.cpp's: the draft proposes what it proposes when
+    """llama.cpp's verification: the draft proposes what it proposes when
     greedy, and rejection sampling treats the drafts as certain (no draft distribution)."""
     prompt = random_prompts(1, seed=22)[0]
     session = TargetSession(target.model, draft.config.target_layer_ids)
