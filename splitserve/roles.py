@@ -364,7 +364,9 @@ def build_engine(ctx: RankContext):
         from draftforge.splitserve.target import check_mask_token
 
         ctx.log(check_mask_token(engine.tokenizer, cfg.draft.mask_token_id,
-                                 vocab_size=engine.vocab_size, eos_ids=engine.eos_token_ids()))
+                                 vocab_size=engine.vocab_size, eos_ids=engine.eos_token_ids(),
+                                 chat_template=cfg.target.generation.chat_template,
+                                 enable_thinking=cfg.target.generation.enable_thinking))
     return engine
 
 

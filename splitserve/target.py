@@ -137,7 +137,13 @@ def render_prompt(
 
 
 def check_mask_token(
-    tokenizer: PreTrainedTokenizerBase, mask_token_id: int, *, vocab_size: int, eos_ids: Sequence[int]
+    tokenizer: PreTrainedTokenizerBase,
+    mask_token_id: int,
+    *,
+    vocab_size: int,
+    eos_ids: Sequence[int],
+    chat_template: str | None = None,
+    enable_thinking: bool = False,
 ) -> str:
     """Refuse a ``draft.mask_token_id`` the target's text can produce; describe an accepted one.
 
@@ -145,7 +151,11 @@ def check_mask_token(
     (an ordinary piece of text, an end-of-turn id, a chat-template marker), the draft
     cannot tell a masked slot from that token. Accepted: a special or added token that a
     rendered chat does not contain, or an embedding row past the tokenizer's tokens.
-    Raises :class:`~draftforge.errors.InputError` naming the token and some usable ids.
+    The chat is rendered as the data is (``chat_template`` and ``enable_thinking``: the
+    recipe's ``target.generation``; the tokenizer's template when ``chat_template`` is
+    None), and with the other thinking setting as well, since serving may use it.
+    Raises :class:`~draftforge.errors.InputError` naming the token and some usable ids,
+    or when there is no chat template at all.
     """
     from draftforge.errors import InputError
 
@@ -159,7 +169,7 @@ def check_mask_token(
         return f"{where}: an embedding row past the tokenizer's {len(tokenizer)} tokens (text never produces it)"
     token = tokenizer.convert_ids_to_tokens(mask_token_id)
     special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
-    chat = _rendered_chat_ids(tokenizer)
+    chat = _rendered_chat_ids(tokenizer, chat_template=chat_template, enable_thinking=enable_thinking)
     unusable = set(eos_ids) | set(chat) | {tokenizer.pad_token_id, tokenizer.bos_token_id}
     candidates = sorted(i for i in special if i not in unusable and i < vocab_size)[:6]
     hint = (f"; special tokens a chat does not contain: {candidates}" if candidates else
@@ -174,19 +184,40 @@ def check_mask_token(
     return f"{where}: {token!r}, a special token the chat template does not use"
 
 
-def _rendered_chat_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """Token ids of a short rendered chat (system, user, assistant, user + generation prompt)."""
+def _rendered_chat_ids(
+    tokenizer: PreTrainedTokenizerBase, *, chat_template: str | None, enable_thinking: bool
+) -> set[int]:
+    """Token ids of a short rendered chat (system, user, assistant, user + generation prompt),
+    with ``enable_thinking`` and, where the template renders it too, the other setting."""
+    from draftforge.errors import InputError
+
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise InputError(
+            "draft.mask_token_id cannot be checked: the target's tokenizer has no chat template "
+            "and target.generation.chat_template is not set (the data cannot be rendered either); "
+            "set target.generation.chat_template"
+        )
     turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
              {"role": "user", "content": "Bye"}]
-    if getattr(tokenizer, "chat_template", None) is None:
-        return []
-    for conversation in ([{"role": "system", "content": "Be brief."}, *turns], turns):
-        try:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        except Exception:  # noqa: BLE001 - templates raise their own errors (e.g. no system role)
-            continue
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return []
+    ids: set[int] = set()
+    for thinking in (enable_thinking, not enable_thinking):
+        for conversation in ([{"role": "system", "content": "Be brief."}, *turns], turns):
+            try:
+                text = tokenizer.apply_chat_template(
+                    conversation, tokenize=False, add_generation_prompt=True,
+                    chat_template=chat_template, enable_thinking=thinking,
+                )  # fmt: skip
+            except Exception:  # noqa: BLE001 - templates raise their own errors (e.g. no system role)
+                continue
+            ids.update(tokenizer(text, add_special_tokens=False)["input_ids"])
+            break
+        if not ids:  # the setting the data is rendered with must render
+            source = "target.generation.chat_template" if chat_template else "the tokenizer's chat template"
+            raise InputError(
+                f"draft.mask_token_id cannot be checked: {source} renders no short chat "
+                f"(user/assistant turns, enable_thinking {thinking}); fix the template"
+            )
+    return ids
 
 
 def merge_eos_ids(sources: Sequence[object], *, where: str) -> list[int]:

@@ -104,6 +104,50 @@ def test_default_export_writes_no_embeddings_and_a_model_card(tmp_path):
     assert "--spec-draft-p-min" not in (plain / "README.md").read_text()
 
 
+@pytest.mark.parametrize(
+    "overrides,reason",
+    [
+        (dict(markov_head_type="gated"), "its Markov head is 'gated' and llama.cpp's converter supports only 'vanilla'"),
+        (dict(markov_head_type="rnn"), "its Markov head is 'rnn' and llama.cpp's converter supports only 'vanilla'"),
+        (dict(confidence_head_with_markov=False), "its confidence head reads the hidden state alone"),
+    ],
+)
+def test_drafts_llamacpp_cannot_run_get_an_sglang_only_card_and_a_warning(tmp_path, overrides, reason):
+    """llama.cpp's converter refuses non-vanilla heads; its runtime refuses a confidence head
+    without the Markov input ([1, H] where it expects [H + r, 1]): no llama.cpp commands."""
+    logged: list[str] = []
+    out = export_draft(tiny_draft(**overrides), tmp_path / "export", progress=logged.append)
+    card = (out / "README.md").read_text()
+    assert "--speculative-algorithm DSPARK" in card
+    assert "convert_hf_to_gguf" not in card and "llama-server" not in card
+    assert "--spec-draft-p-min" not in card
+    assert "SGLang only: llama.cpp cannot run this draft (" + reason in card
+    warnings = [line for line in logged if line.startswith("warning: llama.cpp cannot run this draft")]
+    assert len(warnings) == 1 and reason in warnings[0]
+
+
+def test_with_embeddings_of_an_untied_target_keeps_the_embedding_out_of_llamacpp(tmp_path):
+    """llama.cpp's converter drops a full-vocabulary lm_head and would keep embed_tokens as the
+    draft's (tied) output head: an untied export says has_embed_tokens false, a tied one need not."""
+    untied = tiny_draft()
+    assert not torch.equal(untied.embed_tokens.weight, untied.lm_head.weight)
+    logged: list[str] = []
+    out = export_draft(untied, tmp_path / "untied", with_embeddings=True, progress=logged.append)
+    config = json.loads((out / "config.json").read_text())
+    assert config["has_embed_tokens"] is False
+    assert config_from_serving(config) == untied.config
+    assert "`has_embed_tokens: false` makes llama.cpp's converter leave both out" in (out / "README.md").read_text()
+    assert any("has_embed_tokens false" in line for line in logged)
+
+    tied = tiny_draft()
+    with torch.no_grad():
+        tied.lm_head.weight.copy_(tied.embed_tokens.weight)
+    for model, name, with_embeddings in ((tied, "tied", True), (untied, "plain", False)):
+        out = export_draft(model, tmp_path / name, with_embeddings=with_embeddings, progress=lambda _: None)
+        assert "has_embed_tokens" not in json.loads((out / "config.json").read_text()), name
+        assert "has_embed_tokens" not in (out / "README.md").read_text(), name
+
+
 def test_export_refuses_a_missing_tensor(tmp_path):
     model = tiny_draft()
     state = dict(model.state_dict())
@@ -290,6 +334,25 @@ def test_export_cli_end_to_end(tmp_path, capsys):
     )
     for a, b in zip(_block_outputs(model), _block_outputs(loaded), strict=True):
         assert torch.equal(a, b)
+
+
+def test_export_cli_on_a_full_disk_says_where_and_why_in_one_line(tmp_path, monkeypatch, capsys):
+    """safetensors reports a failed write as its own SafetensorError, not an OSError."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    from draftforge.cli import main
+
+    def full_disk(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    _write_checkpoint(tmp_path / "ckpt", tiny_draft())
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"draftforge export: error: writing the export to {tmp_path / 'out'} failed ("), err
+    assert "No space left on device" in err and "Traceback" not in err
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no partial folder left
 
 
 def test_push_to_hub_offline_fails_clearly(tmp_path, monkeypatch, capsys):

@@ -224,15 +224,15 @@ def _gguf_name(name: str) -> str:
     return GGUF_NAMES[name]
 
 
-def _smollm2_shaped_draft() -> DSparkDraft:
+def _smollm2_shaped_draft(**overrides) -> DSparkDraft:
     torch.manual_seed(0)
-    cfg = DSparkConfig(
+    fields = dict(
         vocab_size=49152, hidden_size=576, num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3,
         intermediate_size=96, target_hidden_size=576, num_target_layers=30, target_layer_ids=[1, 14, 27],
         block_size=4, mask_token_id=16, markov_rank=8, enable_confidence_head=True,
         confidence_head_with_markov=True, max_position_embeddings=2048,
     )  # fmt: skip
-    draft = DSparkDraft(cfg)
+    draft = DSparkDraft(DSparkConfig(**{**fields, **overrides}))
     with torch.no_grad():
         for param in draft.parameters():
             param.normal_(0, 0.5)  # every tensor distinct from its initial value
@@ -269,6 +269,64 @@ def test_llamacpp_converter_takes_the_export_as_it_is(tmp_path):
         got = converted[_gguf_name(name)]
         assert tuple(int(d) for d in reversed(got.shape)) == tuple(tensor.shape), name  # GGUF lists dims inner first
         np.testing.assert_array_equal(np.asarray(got.data).reshape(-1), tensor.float().numpy().reshape(-1), err_msg=name)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("tied", [False, True])
+def test_llamacpp_converter_never_makes_the_embedding_an_untied_drafts_output_head(tmp_path, tied):
+    """--with-embeddings: the converter drops a full-vocabulary lm_head, and llama.cpp's runtime uses
+    a kept token_embd as the output head. Untied (the embedding is not the lm_head): the GGUF must
+    hold neither, so llama.cpp uses the target's. Tied: token_embd is the lm_head, so it may stay."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from draftforge.splitserve.smollm2 import ensure_smollm2
+
+    source = llamacpp.fetch_source()
+    draft = _smollm2_shaped_draft(num_hidden_layers=1)
+    if tied:
+        with torch.no_grad():
+            draft.lm_head.weight.copy_(draft.embed_tokens.weight)
+    assert torch.equal(draft.embed_tokens.weight, draft.lm_head.weight) == tied
+    export = export_draft(draft, tmp_path / "export", with_embeddings=True, progress=lambda _: None)
+    out = llamacpp.convert(source, export, tmp_path / "draft.gguf", target_dir=ensure_smollm2())
+
+    converted = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    exported = load_file(export / "model.safetensors")
+    own = sorted(_gguf_name(name) for name in exported if name not in ("embed_tokens.weight", "lm_head.weight"))
+    assert "output.weight" not in converted
+    if not tied:
+        assert sorted(converted) == own  # the GGUF of the export without embeddings
+        return
+    assert sorted(converted) == sorted([*own, "token_embd.weight"])
+    np.testing.assert_array_equal(np.asarray(converted["token_embd.weight"].data).reshape(-1),
+                                  exported["lm_head.weight"].numpy().reshape(-1))  # fmt: skip
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("overrides", [dict(markov_head_type="gated"), dict(markov_head_type="rnn"),
+                                       dict(confidence_head_with_markov=False)])  # fmt: skip
+def test_drafts_llamacpp_cannot_run_are_carded_sglang_only(tmp_path, overrides):
+    """What llama.cpp does with the drafts whose model card says SGLang only: its converter
+    refuses other Markov heads; a confidence head without the Markov input converts, but as
+    [1, H], where the runtime (src/models/dflash.cpp) loads conf_proj.weight as [H + rank, 1]."""
+    import gguf
+
+    from draftforge.splitserve.smollm2 import ensure_smollm2
+
+    source = llamacpp.fetch_source()
+    draft = _smollm2_shaped_draft(num_hidden_layers=1, **overrides)
+    export = export_draft(draft, tmp_path / "export", progress=lambda _: None)
+    card = (export / "README.md").read_text()
+    assert "SGLang only: llama.cpp cannot run this draft" in card and "llama-server" not in card
+    if "markov_head_type" in overrides:
+        with pytest.raises(InputError, match="only 'vanilla' is supported"):
+            llamacpp.convert(source, export, tmp_path / "draft.gguf", target_dir=ensure_smollm2())
+        return
+    out = llamacpp.convert(source, export, tmp_path / "draft.gguf", target_dir=ensure_smollm2())
+    conf = {t.name: t for t in gguf.GGUFReader(out).tensors}["conf_proj.weight"]
+    hidden, rank = draft.config.hidden_size, draft.config.markov_rank
+    assert [int(d) for d in conf.shape] == [hidden, 1] != [hidden + rank, 1]  # GGUF: inner dim first
 
 
 def test_converter_refusal_is_reported_with_its_reason(tmp_path):

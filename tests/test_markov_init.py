@@ -53,6 +53,32 @@ def test_head_holds_the_table_when_the_rank_allows_it():
     assert torch.equal(again.markov_head.markov_w2.weight, head.markov_w2.weight)
 
 
+def test_gated_head_starts_as_the_table_whatever_the_hidden_state():
+    """sigmoid(gate_proj([h; W1[prev]])) scales the latent: at about 1/2 from a random gate the
+    head would start at half the table. The bigram init makes the correction the table itself."""
+    model = tiny_draft(markov_rank=8, markov_head_type="gated")
+    init_markov_bigram(model, SEQUENCES)
+    rows, cols, scores = bigram_scores(SEQUENCES)
+    head = model.markov_head
+    hidden = torch.randn(len(rows), model.config.hidden_size, generator=torch.Generator().manual_seed(0)) * 3
+    latent, _, _ = head.step(rows, hidden, None)
+    correction = head.markov_w2(latent)
+    torch.testing.assert_close(correction[:, cols].double(), scores, atol=1e-5, rtol=0)
+    others = torch.ones(correction.shape[1], dtype=torch.bool)
+    others[cols] = False
+    assert torch.count_nonzero(correction[:, others]) == 0
+    correction.square().sum().backward()  # the gate still learns (not saturated)
+    assert head.gate_proj.weight.grad.abs().sum() > 0 and head.gate_proj.bias.grad.abs().sum() > 0
+
+
+def test_too_little_data_for_a_table_is_refused_clearly():
+    # every previous token occurs once: no row of the table is kept
+    with pytest.raises(ValueError, match=r"too little data for a bigram table.*train\.markov_init=random"):
+        init_markov_bigram(tiny_draft(markov_rank=8), [[1, 2, 3]])
+    rows, cols, _ = bigram_scores([[1, 2, 1, 3]])  # one row: long ids, usable as an index
+    assert rows.dtype == cols.dtype == torch.long and rows.tolist() == [1]
+
+
 def test_low_rank_keeps_the_largest_structure():
     # 6 previous tokens, each always followed by its own next token: rank 2 cannot hold all
     sequences = [[p, p + 10] * 3 for p in range(20, 26)] + [[20, 31, 20, 32, 21, 33, 22, 31]]

@@ -48,6 +48,46 @@ def test_a_chat_template_marker_is_refused(tokenizer):
         check_mask_token(tokenizer, 1, vocab_size=49152, eos_ids=[2])
 
 
+@pytest.fixture()
+def untemplated():
+    """SmolLM2's tokenizer without a chat template of its own, as a base model's."""
+    from transformers import AutoTokenizer
+
+    from draftforge.splitserve import smollm2
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2.ensure_smollm2())
+    template, tokenizer.chat_template = tokenizer.chat_template, None
+    return tokenizer, template
+
+
+def test_the_recipes_chat_template_is_the_one_checked(untemplated):
+    # the data is rendered with target.generation.chat_template: its markers are refused
+    tokenizer, template = untemplated
+    with pytest.raises(InputError, match=r"1 is '<\|im_start\|>', which the chat template writes"):
+        check_mask_token(tokenizer, 1, vocab_size=49152, eos_ids=[2], chat_template=template)
+    assert "special token" in check_mask_token(tokenizer, 16, vocab_size=49152, eos_ids=[2],
+                                               chat_template=template)  # fmt: skip
+
+
+def test_no_chat_template_at_all_is_refused(untemplated):
+    tokenizer, _ = untemplated
+    with pytest.raises(InputError, match="no chat template and target.generation.chat_template is not set"):
+        check_mask_token(tokenizer, 16, vocab_size=49152, eos_ids=[2])
+
+
+def test_both_thinking_settings_are_rendered(tokenizer):
+    # id 16 (<empty_output>) appears only when thinking is on: serving may turn it on
+    template = ("{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}"
+                "{% if add_generation_prompt and enable_thinking %}<empty_output>{% endif %}")  # fmt: skip
+    for thinking in (False, True):
+        with pytest.raises(InputError, match=r"16 is '<empty_output>', which the chat template writes"):
+            check_mask_token(tokenizer, 16, vocab_size=49152, eos_ids=[2], chat_template=template,
+                             enable_thinking=thinking)  # fmt: skip
+    broken = "{{ raise_exception('no such role') }}"
+    with pytest.raises(InputError, match="target.generation.chat_template renders no short chat"):
+        check_mask_token(tokenizer, 16, vocab_size=49152, eos_ids=[2], chat_template=broken)
+
+
 def test_an_end_of_turn_id_is_refused(tokenizer):
     with pytest.raises(InputError, match="end-of-turn token of the target"):
         check_mask_token(tokenizer, 2, vocab_size=49152, eos_ids=[2])

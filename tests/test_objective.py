@@ -238,6 +238,43 @@ def test_compile_failure_falls_back_to_eager_with_one_message(monkeypatch, capsy
     assert "InvalidCxxCompiler: No working C++ compiler found" in err
 
 
+def test_out_of_memory_and_errors_after_compiling_propagate(monkeypatch, capsys):
+    """Only a failure of the compiling (first) call falls back to eager: an out-of-memory error
+    is the run's at any call, and an error of a kernel that has run is not a compile failure."""
+    from draftforge.train import objective
+
+    calls = []
+
+    def kernel(*args):
+        calls.append(len(calls))
+        if failure[0] is not None:
+            raise failure[0]
+        return objective.chunk_terms(*args)
+
+    monkeypatch.setattr(objective, "_COMPILED_CHUNK_TERMS", kernel)
+    monkeypatch.setattr(objective, "_COMPILE_FAILED", None)
+    monkeypatch.setattr(objective, "_KERNEL_THAT_RAN", None)
+    model = tiny_draft(markov_head_type="vanilla")
+    inputs = _inputs(model, seed=6)
+    failure = [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")]
+    for _ in range(2):  # on the first call too: eager would need the same memory
+        with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
+            dspark_objective(model, *inputs, chunk_blocks=4, compile=True)
+    wrapped = RuntimeError("backend compiler failed")
+    wrapped.__cause__ = torch.OutOfMemoryError("out of memory while autotuning")
+    failure[0] = wrapped
+    with pytest.raises(RuntimeError, match="backend compiler failed"):
+        dspark_objective(model, *inputs, chunk_blocks=4, compile=True)
+    failure[0] = None
+    eager = dspark_objective(model, *inputs, chunk_blocks=4, compile=False).loss
+    torch.testing.assert_close(dspark_objective(model, *inputs, chunk_blocks=4, compile=True).loss, eager)
+    failure[0] = RuntimeError("device-side assert triggered")  # after the kernel has run
+    with pytest.raises(RuntimeError, match="device-side assert"):
+        dspark_objective(model, *inputs, chunk_blocks=4, compile=True)
+    assert objective._COMPILE_FAILED is None and objective._KERNEL_THAT_RAN is kernel
+    assert "torch.compile of the objective failed" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_kl_term_matches_the_reference_in_value_and_gradients(compiled, monkeypatch):
     """train.loss.kl_weight: KL(p_t || p_d) summed token by token in the float64 reference,

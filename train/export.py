@@ -14,7 +14,19 @@ This module is the only writer of the serving format (contract section 4):
   without prefix, checked against an explicit key table: a missing, an
   unexpected or a mis-shaped tensor stops the export (SGLang silently skips
   unknown keys, so nothing downstream would notice).
-* ``README.md``: a generated model card.
+* ``README.md``: a generated model card. It gives llama.cpp's commands only for
+  drafts llama.cpp (llama-cpp-python 0.3.36) can run: its converter takes the
+  ``vanilla`` Markov head only, and its runtime loads a confidence head only when it
+  reads the Markov embedding too (``[n_embd + markov_rank, 1]``); other drafts are
+  SGLang only (:func:`llamacpp_blockers`), and the export warns.
+
+``with_embeddings`` and llama.cpp: the converter drops a full-vocabulary
+``lm_head.weight`` and keeps ``embed_tokens.weight`` as ``token_embd``, which the
+runtime then uses as a tied output head. That is right for a tied target only; for an
+untied one (embedding != lm_head) config.json carries ``has_embed_tokens: false``,
+which makes the converter drop the embedding too, so the GGUF uses the target's
+embedding and output head. SGLang reads that key only to recognise one quantised
+Nemotron layout, where ``false`` is its default.
 
 DSpark needs the Markov head: SGLang refuses ``markov_rank: 0``, so the DFlash
 ablation (``markov_rank 0``) is not exportable; evaluate it from its training
@@ -140,8 +152,15 @@ def check_tensors(
         )
 
 
-def serving_config(cfg: DSparkConfig, *, arch: str, dtype: torch.dtype) -> dict:
-    """The exported config.json for ``cfg`` (contract section 4)."""
+def serving_config(
+    cfg: DSparkConfig, *, arch: str, dtype: torch.dtype, untied_embeddings: bool = False
+) -> dict:
+    """The exported config.json for ``cfg`` (contract section 4).
+
+    ``untied_embeddings``: the export holds an embedding and an lm_head that differ;
+    ``has_embed_tokens: false`` then keeps llama.cpp's converter from turning the
+    embedding into the draft's output head (module docstring).
+    """
     if arch not in ARCHITECTURES:
         raise ExportError(f"unknown architecture {arch!r}; valid: {', '.join(ARCHITECTURES)}")
     if cfg.markov_rank <= 0:
@@ -157,7 +176,7 @@ def serving_config(cfg: DSparkConfig, *, arch: str, dtype: torch.dtype) -> dict:
     dtype_name = _DTYPE_NAMES.get(dtype)
     if dtype_name is None:
         raise ExportError(f"unsupported export dtype {dtype}; valid: {', '.join(_DTYPE_NAMES.values())}")
-    return {
+    config = {
         "architectures": [arch],
         "model_type": "qwen3",
         "hidden_size": cfg.hidden_size,
@@ -196,6 +215,27 @@ def serving_config(cfg: DSparkConfig, *, arch: str, dtype: torch.dtype) -> dict:
             "mask_token_id": cfg.mask_token_id,
         },
     }
+    if untied_embeddings:
+        config["has_embed_tokens"] = False
+    return config
+
+
+def llamacpp_blockers(config: Mapping) -> list[str]:
+    """Why llama.cpp (llama-cpp-python 0.3.36) cannot run the draft of this exported config;
+    empty when it can."""
+    reasons = []
+    if config["markov_head_type"] != "vanilla":
+        reasons.append(
+            f"its Markov head is {config['markov_head_type']!r} and llama.cpp's converter "
+            "supports only 'vanilla'"
+        )
+    if config["enable_confidence_head"] and not config["confidence_head_with_markov"]:
+        reasons.append(
+            "its confidence head reads the hidden state alone, and llama.cpp's runtime refuses "
+            "the GGUF: it expects a confidence head that also reads the Markov embedding "
+            "(confidence_head_with_markov: true)"
+        )
+    return reasons
 
 
 def export_draft(
@@ -233,8 +273,17 @@ def export_draft(
         own = {t.dtype for name, t in state.items() if name not in EMBEDDING_KEYS}
         if len(own) == 1:
             state.update({name: state[name].to(next(iter(own))) for name in EMBEDDING_KEYS})
-    config = serving_config(cfg, arch=arch, dtype=_common_dtype(state))
+    untied = with_embeddings and not torch.equal(state["embed_tokens.weight"], state["lm_head.weight"])
+    config = serving_config(cfg, arch=arch, dtype=_common_dtype(state), untied_embeddings=untied)
     check_tensors(state, cfg, with_embeddings=with_embeddings, where="the draft's state dict")
+    blockers = llamacpp_blockers(config)
+    if blockers:
+        progress(f"warning: llama.cpp cannot run this draft ({'; '.join(blockers)}); serve it with "
+                 "SGLang (the model card gives no llama.cpp commands)")
+    elif untied:
+        progress("with_embeddings: the target's embedding and lm_head differ (untied); config.json "
+                 "sets has_embed_tokens false so llama.cpp's converter leaves both out of the GGUF "
+                 "and llama.cpp uses the target's own")
 
     out = Path(out_dir).expanduser().resolve()
     _check_destination(out)
@@ -318,22 +367,7 @@ def model_card(config: dict, card: ModelCard, state: Mapping[str, torch.Tensor])
         "",
         "## Serving",
         "",
-        "```bash",
-        f"sglang serve --model-path TARGET --speculative-algorithm DSPARK \\\n"
-        f"  --speculative-draft-model-path THIS_DIR --speculative-num-draft-tokens {gamma + 1}",
-        "python convert_hf_to_gguf.py THIS_DIR --target-model-dir TARGET   # llama.cpp",
-        f"llama-server -m TARGET.gguf -md THIS.gguf --spec-type draft-dspark --spec-draft-n-max {gamma}",
-        "```",
-        "",
-        *(
-            [
-                "The draft has a confidence head: llama.cpp's `--spec-draft-p-min P` verifies a "
-                "block only up to its first slot whose predicted acceptance is below P.",
-                "",
-            ]
-            if config["enable_confidence_head"]
-            else []
-        ),
+        *_serving_section(config),
         "## Measured acceptance",
         "",
         card.acceptance_table
@@ -347,6 +381,40 @@ def model_card(config: dict, card: ModelCard, state: Mapping[str, torch.Tensor])
     if card.recipe:
         lines += ["## Recipe", "", "```yaml", card.recipe.rstrip(), "```", ""]
     return "\n".join(lines)
+
+
+def _serving_section(config: dict) -> list[str]:
+    """The model card's serving commands: SGLang always, llama.cpp where it can run the draft."""
+    gamma = config["block_size"]
+    blockers = llamacpp_blockers(config)
+    lines = [
+        "```bash",
+        f"sglang serve --model-path TARGET --speculative-algorithm DSPARK \\\n"
+        f"  --speculative-draft-model-path THIS_DIR --speculative-num-draft-tokens {gamma + 1}",
+    ]
+    if not blockers:
+        lines += [
+            "python convert_hf_to_gguf.py THIS_DIR --target-model-dir TARGET   # llama.cpp",
+            f"llama-server -m TARGET.gguf -md THIS.gguf --spec-type draft-dspark --spec-draft-n-max {gamma}",
+        ]
+    lines += ["```", ""]
+    if blockers:
+        lines += [f"SGLang only: llama.cpp cannot run this draft ({'; '.join(blockers)}).", ""]
+        return lines
+    if config["enable_confidence_head"]:
+        lines += [
+            "The draft has a confidence head: llama.cpp's `--spec-draft-p-min P` verifies a "
+            "block only up to its first slot whose predicted acceptance is below P.",
+            "",
+        ]
+    if config.get("has_embed_tokens") is False:
+        lines += [
+            "The export holds the target's untied embedding and lm_head; `has_embed_tokens: false` "
+            "makes llama.cpp's converter leave both out, so the GGUF uses the target's own (it "
+            "would otherwise use the embedding as the draft's output head).",
+            "",
+        ]
+    return lines
 
 
 def load_training_checkpoint(path: str | os.PathLike[str]) -> tuple[DSparkConfig, dict[str, torch.Tensor]]:

@@ -15,6 +15,10 @@ first step instead of learning it from random weights:
 - write its best rank-r approximation (randomised truncated SVD, seeded) into ``W1``
   and ``W2``; rows and columns of other tokens are zero, so those tokens get no
   correction.
+- a ``gated`` head multiplies ``W1[prev]`` by ``sigmoid(gate_proj([h; W1[prev]]))``:
+  its ``gate_proj`` is zeroed, so the gate is exactly 1/2 whatever the hidden state,
+  and ``W2`` is doubled, so the head starts as the same table with the gate still in
+  the steep part of the sigmoid, free to learn.
 
 Every rank computes the same weights from the same samples, so FSDP2 shards agree.
 """
@@ -47,6 +51,12 @@ def bigram_scores(
     if not pairs:
         raise ValueError("train.markov_init: bigram: the training samples hold no token pair")
     rows = sorted(a for a, c in prev_count.most_common(max_tokens) if c >= 2)
+    if not rows:
+        raise ValueError(
+            f"train.markov_init: bigram: too little data for a bigram table: no previous token occurs "
+            f"twice in the {sum(pairs.values())} token pair(s) of the training samples; use more "
+            "samples or train.markov_init=random"
+        )
     cols = sorted(b for b, _ in next_count.most_common(max_tokens))
     row_index = {a: i for i, a in enumerate(rows)}
     col_index = {b: j for j, b in enumerate(cols)}
@@ -60,7 +70,7 @@ def bigram_scores(
     row_totals = torch.tensor([prev_count[a] for a in rows], dtype=torch.float64)[:, None]
     scores = torch.log((counts + unigram) / (row_totals + 1.0))
     scores -= scores.mean(dim=1, keepdim=True)
-    return torch.tensor(rows), torch.tensor(cols), scores
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long), scores
 
 
 @torch.no_grad()
@@ -85,6 +95,10 @@ def init_markov_bigram(model, sequences: Iterable[Sequence[int]]) -> str:
     w2.zero_()
     w1[rows, :rank] = (u * root).to(w1.dtype)
     w2[cols, :rank] = (v * root).to(w2.dtype)
+    if head.head_type == "gated":  # gate exactly 1/2 everywhere, W2 doubled: the same table
+        head.gate_proj.weight.zero_()
+        head.gate_proj.bias.zero_()
+        w2.mul_(2.0)
     kept = float((s**2).sum() / (scores**2).sum())
     return (
         f"markov head initialised as a rank-{rank} bigram of the training samples: "

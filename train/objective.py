@@ -113,6 +113,7 @@ def chunk_terms(logits, target_logits, labels, valid, base_weights, ce_weight: f
 
 _COMPILED_CHUNK_TERMS = None
 _COMPILE_FAILED: str | None = None
+_KERNEL_THAT_RAN = None  # the compiled kernel once a call of it succeeded: compiling is over
 
 
 def compiled_chunk_terms():
@@ -127,18 +128,40 @@ def compiled_chunk_terms():
 
 def _chunk_terms_compiled_or_eager(*args):
     """The compiled kernel; if compiling fails (no C++ compiler, an unsupported backend), say
-    why once and run eagerly for the rest of the process: same results, only slower."""
-    global _COMPILE_FAILED
+    why once and run eagerly for the rest of the process: same results, only slower.
+
+    Only failures before the kernel's first successful call (the one that compiles) fall
+    back. An error of a kernel that has already run, and an out-of-memory error at any
+    call, belong to the run and propagate: eager mode would not cure them."""
+    global _COMPILE_FAILED, _KERNEL_THAT_RAN
     if _COMPILE_FAILED is None:
+        kernel = compiled_chunk_terms()
+        if kernel is _KERNEL_THAT_RAN:
+            return kernel(*args)
         try:
-            return compiled_chunk_terms()(*args)
+            out = kernel(*args)
+            _KERNEL_THAT_RAN = kernel
+            return out
         except Exception as exc:  # noqa: BLE001 - inductor raises many types; eager is always right
+            if _out_of_memory(exc):
+                raise
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             _COMPILE_FAILED = f"{type(exc).__name__}: {first}"
             print(f"train.loss.compile: torch.compile of the objective failed ({_COMPILE_FAILED[:300]}); "
                   "running it eagerly (same results, slower). Set train.loss.compile: false to skip "
                   "the attempt.", file=sys.stderr, flush=True)
     return chunk_terms(*args)
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """An out-of-memory error, raised directly or wrapped (inductor wraps errors of the compile)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, torch.OutOfMemoryError):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 class _FusedVocabLoss(torch.autograd.Function):
