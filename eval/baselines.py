@@ -5,7 +5,11 @@
   speed-up reference and its greedy output the lossless reference.
 * ``NgramProposer``: prompt lookup decoding, the standard model-free drafter:
   the tokens that followed the latest earlier occurrence of the sequence's
-  last n-gram, verified exactly like the draft's tokens.
+  last n-gram, verified exactly like the draft's tokens. As vLLM's ``ngram``
+  proposer: the most recent match, its continuation cut where the sequence ends
+  (so in a loop shorter than the block it proposes one period). transformers'
+  prompt lookup takes the earliest match instead, and SGLang's ``NGRAM`` keeps a
+  trie over every request and proposes trees: a stronger drafter than either.
 """
 
 from __future__ import annotations
