@@ -312,12 +312,36 @@ def run_rank(cfg: RecipeConfig, *, mode: str = "train", bench: dict | None = Non
         ctx.log("interrupted")
         sys.stdout.flush()
         os._exit(130)
+    except RuntimeError as exc:
+        if ctx.role == "trainer" and lost_peer(exc):  # a trainer-group collective lost a rank
+            ctx.log(f"stopping: {T.PeerDied(-1, 'trainer', 'in a collective of the trainer group', exc)}")
+            ctx.log(
+                f"the run can be resumed: rerun the same command (train.resume={cfg.train.resume}) "
+                f"to continue from the newest checkpoint in {cfg.train.output_dir}"
+            )
+            sys.stdout.flush()
+            os._exit(EXIT_PEER_DIED)
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
     _finish(ctx)
     return 0
+
+
+# What gloo and NCCL say when a collective loses a rank (it exited, was killed, or hung).
+_LOST_PEER = ("connection reset by peer", "connection closed by peer", "broken pipe", "timed out",
+              "application timeout caused pair closure", "communicator was aborted",
+              "remote process exited")
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective failing because another rank of its group went away."""
+    text = str(exc).lower()
+    return any(marker in text for marker in _LOST_PEER)
 
 
 def interrupt_once() -> None:

@@ -297,3 +297,23 @@ def test_bigram_markov_init_at_the_start_and_not_on_resume(tmp_path):
     resumed = read_logs(tmp_path / "logs2", 2)[1]
     assert "resum" in resumed.lower() and "markov head initialised" not in resumed
     assert sorted(_by_step(metrics(tmp_path / "run"))) == list(range(1, 7))
+
+
+def test_a_trainer_that_dies_stops_the_other_trainer_with_a_message(tmp_path):
+    """A trainer killed mid-run breaks the trainer group's collectives: the surviving trainer
+    stops with the peer-death status and the resume hint, not a gloo traceback (exit 1)."""
+    recipe = tiny_recipe(tmp_path, trainers=2, steps=400)
+    procs = spawn_ranks(recipe, 3, log_dir=tmp_path / "logs")
+    try:
+        _wait_for(tmp_path / "run" / "checkpoints" / "step_00000004", procs, 90)
+        procs[2].send_signal(signal.SIGKILL)
+        assert wait_all(procs[1:2], 60) == [3]
+        log = read_logs(tmp_path / "logs", 3)[1]
+        assert "stopping: a trainer rank died or closed its connection" in log, log[-2000:]
+        assert "in a collective of the trainer group" in log and "rerun the same command" in log
+        assert "Traceback" not in log
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+            proc.wait()
