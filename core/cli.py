@@ -212,6 +212,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         from draftforge.errors import InputError
 
+        if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+            # a full disk, a read-only or missing folder: the path and the cause, no traceback
+            sys.stderr.write(f"draftforge {command.name}: error: {exc.filename}: {exc.strerror}\n")
+            return 2
         if not isinstance(exc, InputError):
             raise
         # A file or argument that cannot be used: the message says which and what to do.

@@ -63,21 +63,31 @@ def fsync_tree(folder: Path) -> None:
 
 def write_atomic(path: Path, payload: bytes | str) -> None:
     """Write ``payload`` (text as UTF-8) to ``path`` through a temporary file in the same
-    folder, fsynced, then renamed over it: readers see the old file or the whole new one."""
+    folder, fsynced, then renamed over it: readers see the old file or the whole new one.
+
+    A failure (a full disk, an unwritable folder) leaves no temporary file and raises an
+    ``OSError`` with the failing call's errno whose ``filename`` is ``path``."""
     if isinstance(payload, str):
         payload = payload.encode("utf-8")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    path.parent.mkdir(parents=True, exist_ok=True)  # its error names the folder
     try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(payload)
-            handle.flush()
-            os.fsync(handle.fileno())
-        shareable(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(payload)
+                handle.flush()
+                os.fsync(handle.fileno())
+            shareable(Path(tmp))
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as err:
+        if err.errno is None:
+            raise
+        # a write or fsync on a full disk says only "[Errno 28] No space left on device", and
+        # mkstemp names its temporary file: name the file the caller asked for instead
+        raise OSError(err.errno, err.strerror, str(path)) from err
     fsync_dir(path.parent)
 
 

@@ -7,7 +7,9 @@ batches 1.3x faster as two one-thread processes than as one two-thread process
 state is shared with the parent); each builds its target once, and the parent hands
 it the next batch over its own pipe whenever it has finished one. Batches come back
 in the order they finish; the caller writes each one as it arrives, so an interrupted
-run keeps every finished batch, as with one process.
+run keeps every finished batch, as with one process. The workers never outlive the parent:
+it stops them when it stops (an error, Ctrl-C, SIGTERM), and the kernel sends them
+SIGTERM when it dies without a chance to (SIGKILL, out of memory).
 
 A batch's answers depend only on the batch (its seed comes from its ids), not on
 which process answered it or when, so the file is the same for any number of
@@ -20,6 +22,7 @@ quarter of the rows differed between one and two threads per target)."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -27,6 +30,7 @@ from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
 from draftforge.data.regenerate import RegenerationError
+from draftforge.splitserve.supervisor import die_with
 
 if TYPE_CHECKING:
     from draftforge.data.formats import Conversation
@@ -46,26 +50,55 @@ def _exit_cleanly(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def _work(build: Callable[[], Any], settings: GenerationConfig, conn: Connection, quiet: bool) -> None:
+class _ParentGone(Exception):
+    """The parent closed our pipe or died: nobody to answer or to tell."""
+
+
+def _send(conn: Connection, message: tuple) -> None:
+    try:
+        conn.send(message)
+    except (BrokenPipeError, ConnectionResetError) as exc:
+        raise _ParentGone from exc
+
+
+def _receive(conn: Connection) -> Any:
+    try:
+        return conn.recv()
+    except (EOFError, ConnectionResetError) as exc:
+        raise _ParentGone from exc
+
+
+def _work(build: Callable[[], Any], settings: GenerationConfig, conn: Connection, quiet: bool,
+          parent_pid: int) -> None:
     """A worker: build the target, then answer each batch the parent sends until it sends None."""
     from draftforge.data.regenerate import answer_batch, quiet_loading
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops us
     signal.signal(signal.SIGTERM, _exit_cleanly)
+    # The parent killed (SIGKILL, out of memory) gets no chance to stop us: the kernel's SIGTERM
+    # does, instead of a worker answering batches nobody will read
+    die_with_parent = die_with(parent_pid)
+    if die_with_parent is not None:
+        die_with_parent()
     batch = None  # None until the target is built and a batch taken
     try:
         if quiet:
             quiet_loading()
         engine = build()
-        conn.send(("ready", engine.name))
-        while (task := conn.recv()) is not None:
+        _send(conn, ("ready", engine.name))
+        while (task := _receive(conn)) is not None:
             batch, prompts = task
             conversations, unfinished = answer_batch(prompts, engine, settings)
-            conn.send(("done", batch, conversations, unfinished))
+            _send(conn, ("done", batch, conversations, unfinished))
     except SystemExit:
         raise
+    except _ParentGone:
+        return  # it stops the run itself (or is dead): exit without a traceback
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
-        conn.send(("error", batch, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        try:
+            _send(conn, ("error", batch, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        except _ParentGone:
+            pass
 
 
 class WorkerPool:
@@ -95,8 +128,8 @@ class WorkerPool:
         try:
             for i in range(min(self.workers, len(queue))):
                 parent_end, child_end = context.Pipe()
-                process = context.Process(target=_work, args=(self.build, settings, child_end, self.quiet),
-                                          name=f"draftforge-answer-{i}", daemon=True)
+                process = context.Process(target=_work, name=f"draftforge-answer-{i}", daemon=True,
+                                          args=(self.build, settings, child_end, self.quiet, os.getpid()))
                 process.start()
                 child_end.close()
                 conns.append(parent_end)

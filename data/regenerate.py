@@ -55,6 +55,7 @@ import functools
 import hashlib
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -65,6 +66,7 @@ from draftforge.cores import usable_cores
 from draftforge.data.formats import Conversation, DataFormatError
 from draftforge.errors import InputError
 from draftforge.files import fsync_dir, write_atomic
+from draftforge.splitserve.supervisor import JobInterrupted, stop_on_sigterm
 
 if TYPE_CHECKING:
     from draftforge.splitserve.config import GenerationConfig
@@ -523,6 +525,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from draftforge.data.workloads import WorkloadUnavailableError
 
     cfg = load_recipe(args.recipe, args.overrides)
+    # SIGTERM (a scheduler, a demo being stopped) unwinds like Ctrl-C: the worker pool's
+    # cleanup stops its processes, and the batches written so far stay for a rerun
+    previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:
         prompts = load_prompts(cfg.data).conversations
         if not prompts:
@@ -568,6 +573,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (DataFormatError, OverlapError, RegenerationError, WorkloadUnavailableError) as exc:
         print(f"draftforge data regenerate: {exc}", file=sys.stderr)
         return 2
+    except JobInterrupted as stop:
+        print(f"draftforge data regenerate: stopped on {signal.Signals(stop.signum).name}; rerun "
+              "the same command to continue", file=sys.stderr)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 

@@ -42,6 +42,7 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -54,6 +55,11 @@ from pathlib import Path
 from draftforge.cores import usable_cores
 from draftforge.files import write_atomic
 from draftforge.precision import cpu_bf16_flags
+from draftforge.splitserve.supervisor import (
+    JobInterrupted,
+    stop_on_sigterm,
+    terminal_sent_it_to_the_group,
+)
 
 DEFAULT_RECIPE = "recipes/smollm2-cpu.yaml"
 WORKLOADS = ("humaneval", "mtbench", "gsm8k")
@@ -184,12 +190,34 @@ def run_stage(name: str, args: Sequence[str], *, env: dict[str, str] | None = No
     """Run ``draftforge ARGS`` with its output on the terminal; a failure raises DemoError."""
     command = draftforge_command(*args)
     print(f"    $ draftforge {shlex.join(args)}", flush=True)
-    status = subprocess.call(command, env=env)
+    proc = subprocess.Popen(command, env=env)
+    try:
+        status = proc.wait()
+    except BaseException as stop:  # Ctrl-C, SIGTERM (JobInterrupted)
+        _stop_stage(proc, stop)
+        raise
     if status != 0:
         raise DemoError(
             f"stage '{name}' failed (exit status {status}): draftforge {shlex.join(args)}\n"
             "The messages above say why; fix it and rerun the demo (finished stages are skipped)."
         )
+
+
+def _stop_stage(proc: subprocess.Popen, why: BaseException) -> None:
+    """Stop a stage the way the demo was stopped and wait for it to end: a training stage's
+    launcher then stops its ranks, where a SIGKILL (``subprocess.call`` on Ctrl-C) or no
+    signal at all (SIGTERM) would leave them running."""
+    if proc.poll() is None:
+        if not isinstance(why, KeyboardInterrupt):
+            proc.terminate()
+        elif not terminal_sent_it_to_the_group():  # else the stage has had the SIGINT already
+            proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait()
+    except BaseException:  # asked again while waiting: no more waiting
+        proc.kill()
+        proc.wait()
+        raise
 
 
 def run_side_by_side(jobs: dict[str, Sequence[str]], log_dir: Path, *, parallel: bool) -> None:
@@ -615,11 +643,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.max_new_tokens is not None and args.max_new_tokens <= 0
     ):
         raise SystemExit("draftforge demo: --num-prompts and --max-new-tokens must be positive")
+    # SIGTERM unwinds like Ctrl-C, so the running stage (a whole training job) is stopped too
+    previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:
         return run_demo(args, command=" ".join(["draftforge demo", *map(shlex.quote, argv)]))
     except DemoError as err:
         print(f"\ndraftforge demo: {err}", file=sys.stderr)
         return 1
+    except JobInterrupted as stop:
+        print(f"\ndraftforge demo: stopped on {signal.Signals(stop.signum).name}; rerun the same "
+              "command to continue (finished stages are skipped)", file=sys.stderr)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _check_answers_file(cfg) -> None:

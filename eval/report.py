@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -271,7 +272,7 @@ def _atomic_text(path: Path, text: str) -> Path:
 
 
 def _save(fig, path: Path) -> Path:
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
+    image = io.BytesIO()  # rendered in memory: a failed write leaves no temporary beside path
+    fig.savefig(image, format="png", dpi=120)
+    write_atomic(path, image.getvalue())
     return path

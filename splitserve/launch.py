@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from draftforge import argtypes
 from draftforge.splitserve.multinode import (
@@ -32,7 +33,12 @@ from draftforge.splitserve.multinode import (
     node_layout,
     rank_command,
 )
-from draftforge.splitserve.supervisor import run_ranks
+from draftforge.splitserve.supervisor import (
+    JobInterrupted,
+    die_with,
+    run_ranks,
+    terminal_sent_it_to_the_group,
+)
 
 DEFAULT_RESTARTS = 3  # with split.restart_target
 RESTART_ENV = "DRAFTFORGE_RESTART"  # which restart of the job the ranks belong to
@@ -180,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"draftforge train: {' '.join(command[1:])}", file=sys.stderr, flush=True)
 
         def start() -> int:
-            return subprocess.call(command, env=env)
+            return run_torchrun(command, env=env)
     else:
         command = rank_command(args.recipe, args.overrides)
         labels = {r: f"target rank {r}" for r in cfg.split.target_ranks}
@@ -216,6 +222,52 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{cfg.train.output_dir} (train.resume={cfg.train.resume}).",
             file=sys.stderr,
         )
+    return status
+
+
+def run_torchrun(command: Sequence[str], *, env: Mapping[str, str]) -> int:
+    """Run this node's torchrun and wait for it; returns its exit status.
+
+    Ctrl-C and SIGTERM go to torchrun (once: a terminal's Ctrl-C reached it already), which
+    stops the ranks it started (each in a session of its own, out of reach of a signal to
+    this process group) and exits; :class:`JobInterrupted` then says so. A second signal
+    kills torchrun at once (its first act on the first was to pass it to the ranks). torchrun
+    dies with this process (SIGKILL, out of memory): the kernel sends it SIGTERM, and it
+    stops its ranks.
+    """
+    proc: subprocess.Popen | None = None
+    asked: list[int] = []
+
+    def forward(signum, _frame):
+        asked.append(signum)
+        if proc is None or proc.poll() is not None:
+            return  # not started yet: it gets the signal once Popen returns
+        if len(asked) > 1:
+            proc.kill()
+        elif not (signum == signal.SIGINT and terminal_sent_it_to_the_group()):
+            proc.send_signal(signum)
+
+    previous = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[signum] = signal.signal(signum, forward)
+        except ValueError:  # not the main thread: the caller handles signals
+            pass
+    try:
+        proc = subprocess.Popen(list(command), env=dict(env), preexec_fn=die_with(os.getpid()))
+        if asked:  # a signal came while it started
+            forward(asked.pop(), None)
+        status = proc.wait()
+    finally:
+        if proc is not None and proc.poll() is None:  # an exception other than the signals above
+            proc.terminate()
+            proc.wait()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if asked:
+        print(f"draftforge train: stopped on {signal.Signals(asked[0]).name}; rerun the same command "
+              "on every node to continue from the newest checkpoint", file=sys.stderr, flush=True)
+        raise JobInterrupted(asked[0])
     return status
 
 

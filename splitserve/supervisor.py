@@ -49,6 +49,11 @@ class JobInterrupted(SystemExit):
         super().__init__(128 + signum)
         self.signum = signum
 
+
+def stop_on_sigterm(signum: int, frame: object) -> None:
+    """A SIGTERM handler that unwinds like Ctrl-C, so ``finally`` blocks stop child processes."""
+    raise JobInterrupted(signum)
+
 DEFAULT_GRACE_S = 15.0
 DEFAULT_TERM_S = 5.0
 
@@ -98,7 +103,7 @@ def describe_status(code: int) -> str:
     return f"exit status {code}"
 
 
-def _die_with(launcher_pid: int):
+def die_with(launcher_pid: int):
     """A ``preexec_fn`` (Linux) that has the kernel SIGTERM the rank when the launcher dies,
     even by SIGKILL or an out-of-memory kill, so no rank outlives its job holding memory and
     ports. ``None`` elsewhere (no such kernel feature)."""
@@ -157,7 +162,7 @@ def run_ranks(
                 if proc.poll() is None:
                     proc.kill()
             return
-        if signum == signal.SIGINT and _terminal_sent_it_to_the_group():
+        if signum == signal.SIGINT and terminal_sent_it_to_the_group():
             return  # the ranks share the terminal's process group: they have it already
         for proc in procs:
             if proc.poll() is None:
@@ -172,7 +177,7 @@ def run_ranks(
         for rank in range(nproc):
             procs.append(subprocess.Popen(list(command), env=rank_env(base, rank=rank, world=nproc,
                                                                      host=host, port=port),
-                                          preexec_fn=_die_with(os.getpid())))
+                                          preexec_fn=die_with(os.getpid())))
         failures: dict[int, int] = {}  # rank -> status, in the order they were seen
         seen_at: dict[int, float] = {}
         deadline = None
@@ -220,7 +225,7 @@ def run_ranks(
         del store  # closes the listening socket
 
 
-def _terminal_sent_it_to_the_group() -> bool:
+def terminal_sent_it_to_the_group() -> bool:
     """Whether this process runs in the foreground of a terminal, where Ctrl-C reaches
     its whole process group, ranks included."""
     for stream in (sys.stdin, sys.stdout, sys.stderr):

@@ -43,3 +43,23 @@ def test_rank_entry_point_without_recipe_names_only_the_recipe(capsys):
         main([])
     assert exc.value.code == 2
     assert capsys.readouterr().err.rstrip().endswith("the following arguments are required: RECIPE")
+
+
+def test_a_file_that_cannot_be_written_or_read_gives_its_path_and_cause(monkeypatch, capsys):
+    """A full disk or an unusable folder ends a command with one line naming the path and the
+    cause, status 2, instead of a traceback (write_atomic names the file it failed on)."""
+    import errno
+
+    import draftforge.config
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", "/runs/x/config.yaml")
+
+    monkeypatch.setattr(draftforge.config, "load_recipe", full_disk)
+    assert cli.main(["config", "show", "recipe.yaml"]) == 2
+    assert capsys.readouterr().err == (
+        "draftforge config show: error: /runs/x/config.yaml: No space left on device\n")
+    # an OSError without a path is a bug to see in full
+    monkeypatch.setattr(draftforge.config, "load_recipe", lambda *a, **k: (_ for _ in ()).throw(OSError("?")))
+    with pytest.raises(OSError):
+        cli.main(["config", "show", "recipe.yaml"])

@@ -280,17 +280,18 @@ def test_training_refuses_answers_that_are_not_the_recipes(tmp_path):
     from draftforge.splitserve.producer import load_source_conversations
 
     recipe, prompts = _tiny_answers(tmp_path)
-    base = [f"train.output_dir={tmp_path}", "data.num_samples=8"]
-    conversations, regenerate_now = load_source_conversations(load_recipe(recipe, base))
+    base = [f"train.output_dir={tmp_path}"]
+    conversations, regenerate_now = load_source_conversations(load_recipe(recipe, [*base, "data.num_samples=8"]))
     assert not regenerate_now and [c.id for c in conversations] == [p.id for p in prompts]
     assert conversations[0].messages[-1]["content"].startswith("reply ")  # the file's answers
     # fewer prompts than the file answers: its first rows, as they are
     fewer, _ = load_source_conversations(load_recipe(recipe, [*base, "data.num_samples=5"]))
     assert [c.id for c in fewer] == [p.id for p in prompts[:5]]
     # other sampling settings, or more prompts than it answers: refused, before torchrun too
-    for extra, message in (("target.generation.temperature=0.1", "temperature: file 0.7, this run 0.1"),
-                           ("data.num_samples=10", "answers 8 of this run's 10 prompts")):  # fmt: skip
-        cfg = load_recipe(recipe, [*base, extra])
+    for extra, message in ((["data.num_samples=8", "target.generation.temperature=0.1"],
+                            "temperature: file 0.7, this run 0.1"),
+                           (["data.num_samples=10"], "answers 8 of this run's 10 prompts")):  # fmt: skip
+        cfg = load_recipe(recipe, [*base, *extra])
         with pytest.raises(RegenerationError, match=message):
             load_source_conversations(cfg)
         with pytest.raises(InputError, match=message):
@@ -301,7 +302,7 @@ def test_training_refuses_answers_that_are_not_the_recipes(tmp_path):
     foreign = json.loads(lines[0]) | {"id": "elsewhere-1"}
     path.write_text("\n".join([json.dumps(foreign), *lines]) + "\n")
     with pytest.raises(RegenerationError, match="other rows come first"):
-        load_source_conversations(load_recipe(recipe, base))
+        load_source_conversations(load_recipe(recipe, [*base, "data.num_samples=8"]))
 
 
 def test_cli_main_writes_default_path(tmp_path, monkeypatch):

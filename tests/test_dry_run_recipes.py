@@ -127,7 +127,8 @@ def test_two_node_mistakes_are_refused_before_anything_starts(args, messages, mo
 
     monkeypatch.chdir(ROOT)
     started = []
-    monkeypatch.setattr("subprocess.call", lambda *a, **k: started.append(a) or 0)
+    monkeypatch.setattr("draftforge.splitserve.launch.run_torchrun", lambda *a, **k: started.append(a) or 0)
+    monkeypatch.setattr("subprocess.Popen", lambda *a, **k: started.append(a))
     with pytest.raises(RecipeError) as err:
         train_main([TWO_NODE, *args])
     for message in messages:

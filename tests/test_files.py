@@ -40,6 +40,49 @@ def test_write_atomic_failure_keeps_the_old_file_and_no_temporary(tmp_path, monk
     assert os.listdir(tmp_path) == ["state.json"]
 
 
+@pytest.mark.parametrize("failing", ["write", "fsync", "mkstemp"])
+def test_write_atomic_failure_names_the_file_and_keeps_the_errno(tmp_path, monkeypatch, failing):
+    """A full disk fails the final write or fsync with no file name, and mkstemp names its
+    temporary: the error names the file asked for, so a user sees which one could not be written."""
+    path = tmp_path / "state.json"
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    if failing == "write":
+        class FullFile:
+            def __init__(self, fd, mode):
+                self.raw = open(fd, mode)
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self.raw.close()
+
+            write = flush = staticmethod(full)
+
+            def fileno(self):
+                return self.raw.fileno()
+
+        monkeypatch.setattr(files.os, "fdopen", FullFile)
+    elif failing == "fsync":
+        monkeypatch.setattr(files.os, "fsync", full)
+    else:
+        def mkstemp(*, prefix, suffix, dir):
+            raise PermissionError(errno.EACCES, "Permission denied", os.path.join(dir, prefix + "x" + suffix))
+
+        monkeypatch.setattr(files.tempfile, "mkstemp", mkstemp)
+    with pytest.raises(OSError) as caught:
+        files.write_atomic(path, b"new")
+    monkeypatch.undo()
+    wanted = errno.EACCES if failing == "mkstemp" else errno.ENOSPC
+    assert caught.value.errno == wanted and caught.value.filename == str(path)
+    assert str(caught.value) == f"[Errno {wanted}] {os.strerror(wanted)}: {str(path)!r}"
+    assert isinstance(caught.value, PermissionError) == (failing == "mkstemp")
+    assert os.listdir(tmp_path) == []  # no temporary left behind
+
+
 def test_shareable_walks_a_folder(tmp_path, umask_027):
     folder = tmp_path / "export"
     (folder / "nested").mkdir(parents=True)
@@ -95,3 +138,48 @@ def test_fsync_tree_reads_every_file_it_flushes(tmp_path, monkeypatch):
     names = {os.path.relpath(p, tmp_path) for p in synced}
     assert {"a/x", "a/b/y", "z"} <= names
     assert {".", "a", "a/b"} <= names  # each folder's entries too
+
+
+def _full_disk_on_rename(monkeypatch):
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "replace", full)
+
+
+def test_the_training_plot_on_a_full_disk_leaves_no_temporary(tmp_path, monkeypatch):
+    from draftforge.train.plots import plot_slot_acceptance
+
+    path = tmp_path / "slot_acceptance.png"
+    _full_disk_on_rename(monkeypatch)
+    with pytest.raises(OSError) as caught:
+        plot_slot_acceptance(path, final=[0.9, 0.7, 0.5], tau=2.1)
+    monkeypatch.undo()
+    assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(path)
+    assert os.listdir(tmp_path) == []
+    assert plot_slot_acceptance(path, final=[0.9, 0.7, 0.5], tau=2.1) == path
+    assert path.read_bytes().startswith(b"\x89PNG") and os.listdir(tmp_path) == [path.name]
+
+
+def test_the_evaluation_plots_on_a_full_disk_leave_no_temporary(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from draftforge.eval.report import _save
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    path = tmp_path / "acceptance_length.png"
+    try:
+        _full_disk_on_rename(monkeypatch)
+        with pytest.raises(OSError) as caught:
+            _save(fig, path)
+        monkeypatch.undo()
+        assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(path)
+        assert os.listdir(tmp_path) == []
+        assert _save(fig, path) == path
+    finally:
+        plt.close(fig)
+    assert path.read_bytes().startswith(b"\x89PNG") and os.listdir(tmp_path) == [path.name]

@@ -218,8 +218,8 @@ def test_parent_death_hook_imports_nothing_in_the_child():
     Checked in a throwaway process (the hook sets a death signal on whoever calls it)."""
     script = (
         "import builtins, os, sys\n"
-        "from draftforge.splitserve.supervisor import _die_with\n"
-        "hook = _die_with(os.getppid())\n"
+        "from draftforge.splitserve.supervisor import die_with\n"
+        "hook = die_with(os.getppid())\n"
         "def refuse(name, *args, **kwargs):\n"
         "    raise AssertionError(f'the hook imported {name}')\n"
         "builtins.__import__ = refuse\n"

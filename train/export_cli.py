@@ -81,6 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if report is not None and report.is_file():
         card.acceptance_table = report.read_text()
 
+    from safetensors import SafetensorError
+
     cfg, state = load_training_checkpoint(source)
     print(f"export: {source} -> {out}", flush=True)
     try:
@@ -92,7 +94,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_shard_size_mb=args.max_shard_size_mb or export_cfg.max_shard_size_mb,
             card=card,
         )
-    except OSError as err:  # a full disk, a read-only folder: export_draft left nothing partial
+    except (OSError, SafetensorError) as err:
+        # a full disk, a read-only folder: export_draft left nothing partial. safetensors
+        # reports its own write failing as "Error while serializing: I/O error: No space left
+        # on device (os error 28)", a SafetensorError, not an OSError
         raise InputError(
             f"writing the export to {out} failed ({err}); no partial folder was left and an older "
             "export there is untouched. Free space (or choose another --out) and rerun"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-import os
+import io
 from pathlib import Path
+
+from draftforge.files import write_atomic
 
 
 def running_product(values: list[float]) -> list[float]:
@@ -55,9 +57,11 @@ def plot_slot_acceptance(
     ax.set_title(title or acceptance_title(clean, tau))
     ax.legend(loc="upper right", fontsize="small")
     fig.tight_layout()
+    image = io.BytesIO()  # rendered in memory: a failed write leaves no temporary beside path
+    try:
+        fig.savefig(image, format="png")
+    finally:
+        plt.close(fig)
     path = Path(path)
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, path)
+    write_atomic(path, image.getvalue())
     return path
