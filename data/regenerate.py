@@ -514,7 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine). In native bfloat16 the thread count changes some answers (float32 does not), so "
         "a file is continued only with the count that started it (recorded in its rows)",
     )
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
     for flag in ("workers", "threads"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")

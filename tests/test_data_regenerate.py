@@ -333,8 +333,9 @@ def test_cli_main_writes_default_path(tmp_path, monkeypatch):
                                      "threads": len(os.sched_getaffinity(0))}
     # alone on the machine, the target uses every core it may run on, or --threads
     assert built["threads"] == len(os.sched_getaffinity(0))
-    assert regen_module.main([str(recipe), f"train.output_dir={tmp_path}", "data.num_samples=7",
-                              "--no-progress", "--threads", "3"]) == 0
+    # overrides after an option are taken too, as train takes them
+    assert regen_module.main([str(recipe), f"train.output_dir={tmp_path}", "--no-progress",
+                              "data.num_samples=7", "--threads", "3"]) == 0
     assert built["threads"] == 3
     assert (built["device"], built["tp"]) == ("cpu", 1)  # no GPU here: auto is the CPU
     with pytest.raises(SystemExit):
