@@ -214,7 +214,8 @@ def test_every_rank_gets_its_own_gpu_or_the_split_is_refused(tmp_path):
     recipe = tiny_recipe(tmp_path)
 
     def problems(*overrides, gpus=2):
-        cfg = load_recipe(recipe, ["train.device=cuda", "split.comm_backend=auto", *overrides])
+        backend = [] if any(o.startswith("split.comm_backend=") for o in overrides) else ["split.comm_backend=auto"]
+        cfg = load_recipe(recipe, ["train.device=cuda", *backend, *overrides])
         return split_problems(cfg, world_size=2, cuda_devices=gpus)
 
     # the target named on GPU 1; the trainer (rank 1) would take LOCAL_RANK 1 too
