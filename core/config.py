@@ -151,7 +151,11 @@ def _parse_yaml(text: str, source: str) -> tuple[Any, dict[KeyPath, int], list[s
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{source}:{mark.line + 1}" if mark is not None else source
-        problem = ": ".join(p for p in (exc.context, exc.problem) if p)
+        context = exc.context
+        if context and exc.context_mark is not None and mark is not exc.context_mark \
+                and exc.context_mark.line != mark.line:  # an unclosed quote: where it opened
+            context = f"{context} (line {exc.context_mark.line + 1})"
+        problem = ": ".join(p for p in (context, exc.problem) if p)
         raise RecipeError([f"{where}: YAML syntax error: {problem}"]) from None
     except yaml.YAMLError as exc:
         raise RecipeError([f"{source}: YAML syntax error: {exc}"]) from None
@@ -350,8 +354,12 @@ def _describe(error: dict[str, Any]) -> tuple[KeyPath, str]:
             listed = ", ".join(repr(c) for c in choices)
             hint = ""
             if isinstance(value, str):
-                close = difflib.get_close_matches(value, [str(c) for c in choices], n=1, cutoff=0.6)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                quoted = [c for c in choices if not isinstance(c, str) and str(c) == value]
+                if quoted:  # '2' for the integer 2: the quotes made it a string
+                    hint = f" (write it without quotes: {quoted[0]!r})"
+                else:
+                    close = difflib.get_close_matches(value, [str(c) for c in choices], n=1, cutoff=0.6)
+                    hint = f" (did you mean {close[0]!r}?)" if close else ""
             return path, f"{value!r} is not one of {listed}{hint}"
         return path, f"{value!r} is not one of {error.get('ctx', {}).get('expected', '?')}"
     if kind == "missing":

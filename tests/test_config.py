@@ -468,6 +468,11 @@ def test_a_mapping_override_merges_into_its_section_and_a_key_is_given_once(tmp_
         load_recipe(path, ["draft.block_size=2", "draft.block_size=8"])
 
 
+def test_a_quoted_number_where_a_number_is_expected_says_to_drop_the_quotes(tmp_path):
+    (problem,) = problems(write(tmp_path, BASE), ["train.zero_stage='2'"])
+    assert "train.zero_stage: '2' is not one of 2, 3 (write it without quotes: 2)" in problem
+
+
 def test_bad_override_key(tmp_path):
     (problem,) = problems(write(tmp_path, BASE), ["draft.markov_rnk=8"])
     assert problem.startswith("command line 'draft.markov_rnk=8': draft.markov_rnk: unknown key")
@@ -518,6 +523,9 @@ def test_file_level_errors(tmp_path):
     )
     (problem,) = problems(write(tmp_path, "draft:\n  block_size: [1,\n  x: 2\n"))
     assert "r.yaml:" in problem and "YAML syntax error" in problem
+    # an unclosed quote is found at the end of the file: the message names where it opened
+    (problem,) = problems(write(tmp_path, 'train:\n  output_dir: "runs/x\n' + "# more\n" * 20))
+    assert "YAML syntax error: while scanning a quoted scalar (line 2)" in problem, problem
     (problem,) = problems(write(tmp_path, "draft: 5\n"))
     assert problem.endswith("r.yaml:1: draft: expected a mapping of keys, got int 5")
 
