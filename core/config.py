@@ -655,6 +655,10 @@ def _check_split(cfg: RecipeConfig) -> list[Problem]:
                 f"exactly ({'; '.join(detail)})",
             )
         )
+    if not problems:
+        from draftforge.splitserve.multinode import node_problems
+
+        problems += node_problems(split)
     if len(target) % split.target_tensor_parallel:
         problems.append(
             (

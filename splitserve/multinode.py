@@ -51,30 +51,30 @@ class NodeLayout:
         return range(node * self.nproc_per_node, (node + 1) * self.nproc_per_node)
 
 
-def node_layout(cfg) -> NodeLayout:
-    """The split's :class:`NodeLayout`; :class:`RecipeError` naming the key when it cannot be laid out."""
-    from draftforge.config import RecipeError
-
-    split = cfg.split
+def node_problems(split) -> list[tuple[tuple[str, ...], str]]:
+    """What keeps ``split`` from being laid out over its nodes, as (key path, problem) pairs;
+    the recipe loader reports them at the keys' lines."""
     nodes = split.num_nodes
     problems = []
     if split.world_size % nodes:
-        problems.append(
-            f"split.num_nodes: {nodes} nodes cannot share world_size {split.world_size} ranks "
-            f"evenly (every node runs the same number of processes); make world_size a multiple "
-            f"of num_nodes"
-        )
+        problems.append((("split", "num_nodes"), (
+            f"{nodes} nodes cannot share world_size {split.world_size} ranks evenly (every node "
+            "runs the same number of processes); make world_size a multiple of num_nodes")))
     if nodes > 1:
         for key in ("target_devices", "trainer_devices"):
             if getattr(split, key) is not None:
-                problems.append(
-                    f"split.{key}: with split.num_nodes {nodes} every rank uses its node-local GPU "
-                    f"LOCAL_RANK (rank - node * ranks per node); remove split.{key}, which names "
-                    "the GPUs of one machine"
-                )
-    if problems:
-        raise RecipeError(problems)
-    return NodeLayout(num_nodes=nodes, nproc_per_node=split.world_size // nodes)
+                problems.append((("split", key), (
+                    f"with split.num_nodes {nodes} every rank uses its node-local GPU LOCAL_RANK "
+                    f"(rank - node * ranks per node); remove split.{key}, which names the GPUs "
+                    "of one machine")))
+    return problems
+
+
+def node_layout(cfg) -> NodeLayout:
+    """The split's :class:`NodeLayout` (a loaded recipe's split always has one: the loader
+    refuses what :func:`node_problems` finds)."""
+    split = cfg.split
+    return NodeLayout(num_nodes=split.num_nodes, nproc_per_node=split.world_size // split.num_nodes)
 
 
 def multinode_torchrun_command(recipe: str, overrides: Sequence[str], layout: NodeLayout, *,

@@ -136,6 +136,22 @@ def test_two_node_mistakes_are_refused_before_anything_starts(args, messages, mo
     assert not started
 
 
+def test_a_split_no_node_layout_fits_is_refused_when_the_recipe_loads(tmp_path):
+    """config show, the dry run and train all refuse it, at the key's line or override."""
+    from draftforge.config import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError) as err:
+        load_recipe(ROOT / TWO_NODE, ["split.num_nodes=3"])
+    assert "command line 'split.num_nodes=3': split.num_nodes: 3 nodes cannot share world_size 16" in str(err.value)
+    lines = (ROOT / TWO_NODE).read_text().splitlines()
+    at = lines.index("split:") + 1
+    lines.insert(at, "  target_devices: [0, 1, 2, 3, 4, 5, 6, 7]")
+    path = tmp_path / "two.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(RecipeError, match=f"two.yaml:{at + 1}: split.target_devices: with split.num_nodes 2"):
+        load_recipe(path)
+
+
 def test_node_rank_on_a_one_node_recipe_is_refused(monkeypatch):
     from draftforge.config import RecipeError
 
