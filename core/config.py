@@ -385,10 +385,13 @@ class _Locator:
         for end in range(len(path), 0, -1):
             if path[:end] in self.overrides:
                 return f"command line {self.overrides[path[:end]]!r}"
-        if path and path not in self.lines:
-            # a section or key that only an override created (``foo.bar=1``)
+        # a section or key that only an override created (``foo.bar=1``), or a key missing
+        # from a section an override created (``target.shape.hidden_size=576`` alone)
+        for end in range(len(path), 0, -1):
+            if path[:end] in self.lines:
+                break
             for override_path, text in self.overrides.items():
-                if override_path[: len(path)] == path:
+                if override_path[:end] == path[:end]:
                     return f"command line {text!r}"
         for end in range(len(path), 0, -1):
             if path[:end] in self.lines:

@@ -473,6 +473,13 @@ def test_a_quoted_number_where_a_number_is_expected_says_to_drop_the_quotes(tmp_
     assert "train.zero_stage: '2' is not one of 2, 3 (write it without quotes: 2)" in problem
 
 
+def test_a_key_missing_from_a_section_an_override_created_is_located_at_the_override(tmp_path):
+    path = write(tmp_path, "target:\n  model: random\n" + BASE.split("  num_key_value_heads: 2\n", 1)[1])
+    found = problems(path, ["target.shape.hidden_size=64"])
+    assert any(p.startswith("command line 'target.shape.hidden_size=64': target.shape.num_hidden_layers: "
+                            "required key missing") for p in found), found
+
+
 def test_bad_override_key(tmp_path):
     (problem,) = problems(write(tmp_path, BASE), ["draft.markov_rnk=8"])
     assert problem.startswith("command line 'draft.markov_rnk=8': draft.markov_rnk: unknown key")
