@@ -344,6 +344,18 @@ def lost_peer(exc: BaseException) -> bool:
     return any(marker in text for marker in _LOST_PEER)
 
 
+def _rotation_start(sources: list[int], info) -> int:
+    """Where a trainer's receive rotation over its ``sources`` starts: after the source of the
+    last sample its checkpoint consumed. Sources that have ended since end again at once on
+    resume and drop out of the rotation where the interrupted run dropped them."""
+    if info is None:
+        return 0
+    last = info.extra.get("last_source")
+    if last in sources:
+        return (sources.index(last) + 1) % len(sources)
+    return len(info.consumed_ids) % len(sources)  # a checkpoint without it: strict rotation
+
+
 def interrupt_once() -> None:
     """Make the first SIGINT a KeyboardInterrupt and ignore the ones after it.
 
@@ -533,10 +545,23 @@ def _run_trainer(ctx: RankContext, bench: dict | None) -> None:
     )
     accounting.begin(info.step if info is not None else 0)
     receiver = T.SampleReceiver(sources, credits=credits, group=ctx.data_group,
-                                device=ctx.device, start=mine % len(sources))
+                                device=ctx.device, start=_rotation_start(sources, info))
     stream = ConsumerStream(receiver, ack_group=ctx.ack_group, accounting=accounting,
                             provenance=_provenance(cfg), acks=acks)
-    batches = stream_pack(stream.samples(), cfg.split.token_budget)
+    source_of: dict[str, int] = {}  # sample id -> the target rank that sent it
+
+    def tracked(samples):
+        for sample in samples:
+            source_of[sample.sample_id] = sample.provenance["target_rank"]
+            yield sample
+
+    def rotation_state() -> dict:
+        # where the receive rotation stands in consumption order: after the last consumed
+        # sample's source (a resume cannot assume strict rotation: a source may have ended)
+        last = trainer.consumed_ids[-1] if trainer.consumed_ids else None
+        return {"last_source": source_of.get(last)} if last is not None else {}
+
+    batches = stream_pack(tracked(stream.samples()), cfg.split.token_budget)
 
     def on_step(record: dict) -> None:
         accounting.on_step(record)
@@ -544,7 +569,7 @@ def _run_trainer(ctx: RankContext, bench: dict | None) -> None:
             ctx.log(accounting.line())
             accounting.write("interval", record["step"])
 
-    result = trainer.fit(batches, on_step=on_step)
+    result = trainer.fit(batches, on_step=on_step, extra_state=rotation_state)
     dropped = stream.stop(timeout_s=cfg.split.peer_timeout_s)
     if is_main:
         accounting.write("summary", result.step)

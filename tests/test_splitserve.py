@@ -491,3 +491,35 @@ def test_a_named_regenerated_file_that_is_missing_is_refused_not_answered_silent
     # unset, the default place is answered during training when it has no file
     conversations, regenerate_now = load_source_conversations(load_recipe(recipe))
     assert regenerate_now and conversations
+
+
+def test_a_resumed_receive_rotation_continues_where_the_checkpoint_left_it(monkeypatch):
+    """Three producers feed one trainer and the middle one runs out first: after that the
+    rotation skips it, so a resume cannot start at (consumed % sources). It starts after the
+    source of the last consumed sample, and every cut point then continues the same order."""
+    import types
+
+    from draftforge.splitserve import transport as T
+    from draftforge.splitserve.roles import _rotation_start
+
+    streams = {10: [f"a{i}" for i in range(6)], 11: [f"b{i}" for i in range(3)],
+               12: [f"c{i}" for i in range(6)]}  # fmt: skip
+    source = {x: src for src, xs in streams.items() for x in xs}
+
+    def order(start, consumed):
+        left = {src: [x for x in xs if x not in consumed] for src, xs in streams.items()}
+        monkeypatch.setattr(T, "recv_sample", lambda src, **kw: left[src].pop(0) if left[src] else None)
+        receiver, out = T.SampleReceiver(list(streams), credits=100, start=start), []
+        while (item := receiver.get()) is not None:
+            out.append(item[1])
+        return out
+
+    full = order(0, set())
+    assert full[:9] == ["a0", "b0", "c0", "a1", "b1", "c1", "a2", "b2", "c2"] and "b3" not in full
+    strict = 0
+    for k in range(1, len(full)):
+        info = types.SimpleNamespace(extra={"last_source": source[full[k - 1]]}, consumed_ids=full[:k])
+        assert full[:k] + order(_rotation_start(list(streams), info), set(full[:k])) == full, k
+        old = types.SimpleNamespace(extra={}, consumed_ids=full[:k])  # a checkpoint without it
+        strict += full[:k] + order(_rotation_start(list(streams), old), set(full[:k])) == full
+    assert strict < len(full) - 1  # strict rotation gets some cut points wrong
