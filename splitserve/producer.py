@@ -298,7 +298,9 @@ class SampleSource:
                     continue
                 if self.should_stop():
                     return
-                for sample in self._chunk_samples(chunk_index, chunk, epoch, rotation):
+                samples, consumed_rows = self._chunk_samples(chunk_index, chunk, epoch, rotation)
+                produced += consumed_rows
+                for sample in samples:
                     produced += 1
                     if sample.sample_id in self.consumed:
                         self.skipped_consumed += 1
@@ -315,7 +317,14 @@ class SampleSource:
 
     def _chunk_samples(
         self, chunk_index: int, chunk: list[Conversation], epoch: int, rotation: int
-    ) -> list[ProducedSample]:
+    ) -> tuple[list[ProducedSample], int]:
+        """The chunk's samples, and how many of its samples were not computed because a resumed
+        run's trainers consumed their whole feature batch (counted in ``skipped_consumed``).
+
+        A chunk that holds a sample dropped for ``data.min_loss_tokens`` is never wholly
+        consumed; skipping whole feature batches keeps a resume from featurising every such
+        chunk of every past epoch again, and keeps the other batches' rows, so their features
+        are the ones the uninterrupted run computed."""
         from draftforge.data.formats import Conversation
         from draftforge.data.tokenize import tokenize_conversations
 
@@ -350,13 +359,17 @@ class SampleSource:
                      "supervised; each conversation's last turn is")
         self.context_turns += stats.num_context_turns
         if not tokenized:
-            return []
+            return [], 0
         lengths = [len(t.input_ids) for t in tokenized]
         bins = assign_by_tokens(lengths, len(self.dests), rotation=rotation)
         out: list[ProducedSample] = []
+        skipped = 0
         batch = cfg.split.feature_batch_size
         for start in range(0, len(tokenized), batch):
             group = tokenized[start : start + batch]
+            if all(epoch_id(t.id, epoch) in self.consumed for t in group):
+                skipped += len(group)
+                continue
             longest = max(len(t.input_ids) for t in group)
             ids = torch.zeros(len(group), longest, dtype=torch.long)
             mask = torch.zeros(len(group), longest, dtype=torch.long)
@@ -380,7 +393,8 @@ class SampleSource:
                 )
         for last in {sample.dest: i for i, sample in enumerate(out)}.values():
             out[last].chunk_end = True  # the chunk's last sample on each link
-        return out
+        self.skipped_consumed += skipped
+        return out, skipped
 
 
 def embedding_dests(topology: Topology, rank: int) -> list[int]:

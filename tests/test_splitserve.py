@@ -523,3 +523,65 @@ def test_a_resumed_receive_rotation_continues_where_the_checkpoint_left_it(monke
         old = types.SimpleNamespace(extra={}, consumed_ids=full[:k])  # a checkpoint without it
         strict += full[:k] + order(_rotation_start(list(streams), old), set(full[:k])) == full
     assert strict < len(full) - 1  # strict rotation gets some cut points wrong
+
+
+def test_a_resumed_producer_skips_consumed_feature_batches_and_keeps_the_rest_identical(tmp_path):
+    """Chunks holding a sample dropped for data.min_loss_tokens are never wholly consumed; a
+    resume featurised every such chunk of every past epoch again. It now skips each feature
+    batch whose samples were all consumed, and the rest keep their batches, so their features
+    (which depend on the batch's padded length) are the uninterrupted run's."""
+    import types
+
+    from splitserve_helpers import tiny_recipe
+
+    from draftforge.config import load_recipe
+    from draftforge.splitserve.producer import (
+        SampleSource,
+        build_topology,
+        load_source_conversations,
+    )
+    from draftforge.splitserve.target import load_tokenizer
+
+    cfg = load_recipe(tiny_recipe(tmp_path, num_conversations=64, overrides={
+        "data.min_loss_tokens": 30, "data.regenerate": True, "target.generation.batch_size": 8}))
+
+    class Engine:
+        name = "fake"
+
+        def __init__(self):
+            self.tokenizer, self.feature_rows = load_tokenizer(cfg.target), 0
+
+        def features(self, ids, mask):
+            self.feature_rows += ids.shape[0]
+            padded = ids.float()[..., None] + 0.001 * ids.shape[1]  # depends on the batch
+            return types.SimpleNamespace(aux=padded.repeat(1, 1, 8), final=padded.repeat(1, 1, 4))
+
+        def generate(self, conversations, settings):  # a third of the answers too short to train on
+            return [("word " * (5 if len(c[-1]["content"]) % 3 == 0 else 60)).strip() for c in conversations]
+
+    topology = build_topology(cfg.split)
+    conversations, regenerate = load_source_conversations(cfg)
+
+    def source(consumed=frozenset()):
+        engine = Engine()
+        return engine, SampleSource(cfg, engine, topology, 0, conversations=conversations,
+                                    regenerate=regenerate, consumed=consumed)  # fmt: skip
+
+    engine, full = source()
+    stream, seen = full.samples(), []
+    for sample in stream:
+        seen.append(sample)
+        if len(seen) > 1 and seen[-1].sample_id.endswith("#e3") and not seen[-2].sample_id.endswith("#e3"):
+            break
+    assert full.dropped_short > 0
+    later = [next(stream) for _ in range(5)]
+    consumed = {s.sample_id for s in seen[:-1]}  # three epochs consumed, the fourth not begun
+    resumed_engine, resumed = source(consumed)
+    again = resumed.samples()
+    for expected in [seen[-1], *later]:
+        got = next(again)
+        assert got.sample_id == expected.sample_id
+        assert torch.equal(got.aux, expected.aux) and torch.equal(got.final, expected.final)
+    # before its first new sample it featurised at most one batch of each chunk's last epoch
+    assert resumed_engine.feature_rows < engine.feature_rows / 4
+    assert resumed.skipped_consumed == len(consumed)
