@@ -554,7 +554,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"draftforge data regenerate: target on {where}, "
               + (f"{workers} workers of {threads} thread(s) each" if workers > 1
                  else f"{threads} thread(s)"), file=sys.stderr)
-        target = cfg.target.model_copy(update={"num_threads": threads})
+        # an auto dtype was resolved for CUDA when there is one; on the CPU it is the CPU's rule
+        target = cfg.target.model_copy(update={"num_threads": threads, "dtype": cfg.target.dtype_on(device)})
         if workers > 1:
             from draftforge.data.answer_workers import WorkerPool
 
@@ -566,7 +567,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             engine = build_target(target, cfg.draft.target_layer_ids, device=device,
                                   tensor_parallel=tensor_parallel)
         arithmetic = arithmetic_record(device=device, backend=cfg.target.backend,
-                                       dtype=cfg.target.dtype, threads=threads,
+                                       dtype=target.dtype, threads=threads,
                                        tensor_parallel=tensor_parallel)
         regenerate(prompts, engine, cfg.target.generation, out, progress=not args.no_progress,
                    arithmetic=arithmetic)

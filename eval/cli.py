@@ -147,6 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     devices = resolve_devices(args.device, target_gpus)
     device = devices[0]  # the draft's, and where the target's inputs and features are
+    if not args.dtype:  # an auto dtype was resolved for CUDA when there is one
+        target_cfg = target_cfg.model_copy(update={"dtype": target_cfg.dtype_on(device)})
     if target_cfg.backend != "hf":
         # the verifier steps a KV cache token by token and reads the layers it captures in
         # place: it drives the model itself, so the target runs in transformers here

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from draftforge.precision import resolve_auto
 from draftforge.section import Section
@@ -100,11 +100,22 @@ class TargetConfig(Section):
     )
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
 
+    _auto_dtype: bool = PrivateAttr(default=False)  # dtype was auto, resolved for CUDA if any
+
     @model_validator(mode="after")
     def _resolve_dtype(self) -> TargetConfig:
         if self.dtype == "auto":  # the target runs on CUDA wherever there is one
+            self._auto_dtype = True
             self.dtype = resolve_auto(self.dtype)
         return self
+
+    def __eq__(self, other: object) -> bool:  # the settings, not how dtype was written
+        return isinstance(other, TargetConfig) and self.model_dump() == other.model_dump()
+
+    def dtype_on(self, device: str) -> str:
+        """The dtype for a target placed on ``device``: an ``auto`` dtype resolved there (a
+        target put on the CPU of a CUDA machine takes the CPU's rule), else the recipe's."""
+        return resolve_auto("auto", "cpu" if device == "cpu" else "cuda") if self._auto_dtype else self.dtype
 
     @model_validator(mode="after")
     def _random_needs_shape(self) -> TargetConfig:

@@ -342,6 +342,37 @@ def test_cli_main_writes_default_path(tmp_path, monkeypatch):
         regen_module.main([str(recipe), "--threads", "0"])
 
 
+def test_an_auto_target_dtype_follows_the_device_the_target_is_put_on(tmp_path, monkeypatch):
+    """On a CUDA machine 'auto' resolves to bfloat16 for the GPU; a target put on a CPU without
+    native bf16 (--device cpu) must run float32 there, not bfloat16 emulated at 1/70 speed."""
+    import torch
+
+    import draftforge.precision as precision
+    import draftforge.splitserve.target as target_module
+    from draftforge.config import load_recipe
+    from draftforge.data import regenerate as regen_module
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(precision, "cpu_bf16_flags", lambda *a, **k: [])
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
+    target = load_recipe(recipe, ["target.dtype=auto"]).target
+    assert target.dtype == "bfloat16" and target.dtype_on("cuda:0") == "bfloat16"
+    assert target.dtype_on("cpu") == "float32"
+    built = {}
+
+    def fake_build_target(cfg, layer_ids, *, device, tensor_parallel):
+        built["dtype"], built["device"] = cfg.dtype, device
+        return FakeEngine()
+
+    monkeypatch.setattr(target_module, "build_target", fake_build_target)
+    assert regen_module.main([str(recipe), f"train.output_dir={tmp_path}", "data.num_samples=3",
+                              "target.dtype=auto", "--no-progress", "--device", "cpu", "--workers", "1"]) == 0
+    assert built == {"dtype": "float32", "device": "cpu"}
+    row = json.loads((tmp_path / "regenerated.jsonl").read_text().splitlines()[0])
+    assert row["arithmetic"]["dtype"] == "float32"
+
+
 def test_regeneration_runs_where_the_recipe_puts_its_target():
     """--device auto: the recipe's first target GPU when CUDA is visible, and an SGLang target
     keeps its tensor-parallel group there; on CPU, or with the hf backend, one rank."""
