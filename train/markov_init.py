@@ -6,7 +6,9 @@ draft predicts its first token no better than a count table of the same answers 
 (RESULTS.md, "Where n-gram wins"), so this fills the table from the counts before the
 first step instead of learning it from random weights:
 
-- count the adjacent token pairs of the training samples, as the trainer sees them;
+- count the adjacent token pairs of the training samples' token ids, tokenised as the
+  producer tokenises them: every pair, the prompts' and the chat template's included,
+  not only the supervised ones the objective trains on;
 - keep the :data:`MAX_TOKENS` most frequent previous tokens (seen at least twice) and
   next tokens;
 - score ``log((c(a, b) + P(b)) / (c(a) + 1))``: the next-token probability with one
