@@ -20,19 +20,22 @@ from __future__ import annotations
 import functools
 import math
 import re
+import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from draftforge.data.formats import Conversation
+from draftforge.errors import InputError
 
 NGRAM = 5
 _NON_ALNUM = re.compile(r"[\W_]+")
 
 
 def normalize(text: str) -> str:
-    """Case-folded text with every run of non-alphanumeric characters replaced by one space."""
-    return _NON_ALNUM.sub(" ", text.casefold()).strip()
+    """Case-folded text (after NFKC, so full-width and other compatibility forms read as
+    their plain letters) with every run of non-alphanumeric characters replaced by one space."""
+    return _NON_ALNUM.sub(" ", unicodedata.normalize("NFKC", text).casefold()).strip()
 
 
 def shingles(normalized: str, n: int = NGRAM) -> frozenset[str]:
@@ -53,7 +56,7 @@ class OverlapHit:
     where: str = ""
 
 
-class OverlapError(ValueError):
+class OverlapError(InputError):
     """Training prompts overlap the evaluation sets; ``hits`` lists every offending pair."""
 
     def __init__(self, hits: Sequence[OverlapHit], max_lines: int = 20):
@@ -132,10 +135,11 @@ def eval_index(workloads: tuple[str, ...], threshold: float) -> OverlapIndex:
 
 
 def find_overlaps(conversations: Iterable[Conversation], index: OverlapIndex) -> list[OverlapHit]:
-    """Every (conversation, evaluation text) pair where a user turn of the conversation overlaps."""
+    """Every (conversation, evaluation text) pair where a user turn or the system prompt of
+    the conversation overlaps (an eval prompt placed in the system prompt is seen all the same)."""
     hits = []
     for conv in conversations:
-        for turn in conv.user_turns:
+        for turn in [*conv.user_turns, *([conv.system] if conv.system else [])]:
             found = index.query(turn)
             if found is not None:
                 hits.append(OverlapHit(conv.id, found[0], found[1], found[2], conv.source))

@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from draftforge.data.formats import Conversation
+from draftforge.errors import InputError
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(InputError):
     """The chat template cannot be used to locate assistant turns."""
 
 

@@ -17,6 +17,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftforge.errors import InputError
+
 WORKLOAD_NAMES = ("humaneval", "mtbench", "gsm8k")
 
 _PACKAGES = {
@@ -36,7 +38,7 @@ HUMANEVAL_INSTRUCTION = (
 )
 
 
-class WorkloadUnavailableError(RuntimeError):
+class WorkloadUnavailableError(InputError):
     """The package that ships a workload's data is not installed, or its file moved."""
 
 

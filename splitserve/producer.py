@@ -181,15 +181,19 @@ def load_source_conversations(cfg: RecipeConfig) -> tuple[list[Conversation], bo
         return load_prompts(data).conversations, True
     prompts = load_prompts(data.model_copy(update={"overlap_check": False})).conversations
     check_answers(path, prompts, cfg.target.generation, target_name(cfg.target))
-    conversations = load_training_conversations(data, cfg.train.output_dir).conversations
-    if {c.id for c in conversations} != {p.id for p in prompts}:
+    # the file may answer more prompts than this run's (written for a larger data.num_samples
+    # or more train_files, which 'data regenerate' accepts): take this run's, in prompt order
+    every = load_training_conversations(data.model_copy(update={"num_samples": None}),
+                                        cfg.train.output_dir).conversations
+    by_id = {c.id: c for c in every}
+    missing = [p.id for p in prompts if p.id not in by_id]
+    if missing:
         raise RegenerationError(
-            f"{path} answers this run's {len(prompts)} prompts, but the {len(conversations)} "
-            "conversations read from it (its first data.num_samples rows, invalid rows "
-            "skipped) are not those answers: other rows come first; write this recipe's own "
-            "file with 'draftforge data regenerate'"
+            f"{path} does not hold a readable answer to {len(missing)} of this run's "
+            f"{len(prompts)} prompts (first: {missing[0]!r}; invalid rows skipped); rewrite it "
+            "with 'draftforge data regenerate'"
         )
-    return conversations, False
+    return [by_id[p.id] for p in prompts], False
 
 
 MARKOV_INIT_CONVERSATIONS = 20000  # the first ones: enough for a bigram table, quick to tokenise

@@ -121,3 +121,27 @@ def test_index_finds_exactly_what_brute_force_finds():
         assert found.keys() == expected.keys()
         assert all(abs(found[i] - expected[i]) < 1e-12 for i in found)
         assert 0 < len(expected) < len(train)  # both outcomes occur
+
+
+def test_full_width_copies_and_system_prompts_are_checked_too():
+    """NFKC makes a full-width copy read as the plain text; an eval prompt placed in the system
+    prompt is the eval prompt all the same."""
+    question = load_workload("gsm8k")[0].text
+    full_width = "".join(chr(ord(c) + 0xFEE0) if "!" <= c <= "~" else c for c in question)
+    assert normalize(full_width) == normalize(question)
+    with pytest.raises(OverlapError):
+        check_no_overlap([prompt("wide", full_width)], workloads=["gsm8k"])
+    in_system = Conversation("sys", [{"role": "system", "content": question},
+                                     {"role": "user", "content": "Solve the problem above."}], source="t")
+    with pytest.raises(OverlapError):
+        check_no_overlap([in_system], workloads=["gsm8k"])
+    check_no_overlap([prompt("plain", "Write a haiku about autumn leaves.")], workloads=["gsm8k"])
+
+
+def test_an_overlap_is_an_input_error_a_target_rank_reports_without_a_traceback():
+    """Target ranks turn an InputError into one line and exit status 2 (not 1 and a restart)."""
+    from draftforge.data.tokenize import ChatTemplateError
+    from draftforge.data.workloads import WorkloadUnavailableError
+    from draftforge.errors import InputError
+
+    assert all(issubclass(e, InputError) for e in (OverlapError, ChatTemplateError, WorkloadUnavailableError))

@@ -296,13 +296,16 @@ def test_training_refuses_answers_that_are_not_the_recipes(tmp_path):
             load_source_conversations(cfg)
         with pytest.raises(InputError, match=message):
             preflight(cfg)
-    # every prompt answered, but other rows come first: what training would read is not them
+    # every prompt answered, and other prompts too (a file written for more prompts, which
+    # 'data regenerate' accepts as answering these): training takes this run's, in order
     path = tmp_path / "regenerated.jsonl"
     lines = path.read_text().splitlines()
     foreign = json.loads(lines[0]) | {"id": "elsewhere-1"}
-    path.write_text("\n".join([json.dumps(foreign), *lines]) + "\n")
-    with pytest.raises(RegenerationError, match="other rows come first"):
-        load_source_conversations(load_recipe(recipe, [*base, "data.num_samples=8"]))
+    path.write_text("\n".join([json.dumps(foreign), *lines[::-1]]) + "\n")
+    for count in ("data.num_samples=8", "data.num_samples=5"):
+        taken, _ = load_source_conversations(load_recipe(recipe, [*base, count]))
+        assert [c.id for c in taken] == [p.id for p in prompts[: int(count.split("=")[1])]]
+        assert taken[0].messages[-1]["content"].startswith("reply ")
 
 
 def test_cli_main_writes_default_path(tmp_path, monkeypatch):
