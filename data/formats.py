@@ -21,6 +21,7 @@ wrong. What a row must contain depends on what it is read for (``expect``):
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -254,4 +255,22 @@ def parse_row(
         messages = [m for m in messages if m["role"] != "assistant"]
     ident = row_id(row, where, default_id)
     extra = {k: v for k, v in row.items() if k not in ("id", "messages", "conversations", "prompt")}
+    if "unfinished_turns" in extra:  # written by 'data regenerate': replies cut at the limit
+        extra["unfinished_turns"] = _unfinished_turns(extra["unfinished_turns"], messages, where)
     return Conversation(id=ident, messages=messages, source=str(where), extra=extra)
+
+
+def _unfinished_turns(value: Any, messages: list[dict[str, str]], where: str) -> list[int]:
+    """The message indices of replies cut at the generation limit; null (a parquet column
+    other rows fill) is none. Anything but assistant message indices is refused."""
+    if value is None:
+        return []
+    assistant = {i for i, m in enumerate(messages) if m["role"] == "assistant"}
+    if (not isinstance(value, list)
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i in assistant for i in value)):
+        raise DataFormatError(
+            f"{where}: unfinished_turns must list the indices of assistant messages (replies "
+            f"cut at the generation limit), got {json.dumps(value)[:80]}; assistant messages "
+            f"here: {sorted(assistant)}"
+        )
+    return value

@@ -236,7 +236,9 @@ def _check_arithmetic(rows: list[dict[str, Any]], path: Path, arithmetic: dict[s
         if differences:
             hint = ""
             written = row["arithmetic"]
-            if written.get("threads") not in (None, arithmetic.get("threads")):
+            only_threads = {k: v for k, v in written.items() if k != "threads"} == \
+                {k: v for k, v in arithmetic.items() if k != "threads"}
+            if only_threads and written.get("threads") not in (None, arithmetic.get("threads")):
                 hint = f" (rerun with --threads {written['threads']} to continue it)"
             raise RegenerationError(
                 f"{path} (id {row['id']!r}) was answered with other arithmetic ({differences}); "

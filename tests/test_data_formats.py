@@ -203,3 +203,15 @@ def test_row_number_counts_blank_lines(tmp_path):
     path = write_jsonl(tmp_path / "x.jsonl", rows)
     with pytest.raises(DataFormatError, match=r"x.jsonl, line 3: the conversation is empty"):
         load_conversations([path])
+
+
+def test_unfinished_turns_must_index_assistant_replies():
+    """Written by 'data regenerate'; a parquet column other rows fill with null means none. A
+    string or null used to crash tokenising with a bare TypeError naming no row."""
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    assert parse({"messages": msgs, "unfinished_turns": [1]}, expect="conversation").extra["unfinished_turns"] == [1]
+    assert parse({"messages": msgs, "unfinished_turns": None}, expect="conversation").extra["unfinished_turns"] == []
+    for bad in ("1", [0], [True], {"1": 1}):
+        with pytest.raises(DataFormatError, match=r"chats.jsonl, line 7: unfinished_turns must list the "
+                                                  r"indices of assistant messages.*assistant messages here: \[1\]"):
+            parse({"messages": msgs, "unfinished_turns": bad}, expect="conversation")

@@ -616,6 +616,11 @@ def test_resuming_with_other_arithmetic_is_refused_and_the_same_finishes_identic
         regenerate(prompts, FakeEngine(), SETTINGS, out, progress=False,
                    arithmetic=dict(BF16_ON_2, threads=1))
     assert partial.read_bytes() == kept and not out.exists()  # nothing touched
+    # another dtype too: --threads alone cannot fix it, so it is not suggested
+    with pytest.raises(RegenerationError) as err:
+        regenerate(prompts, FakeEngine(), SETTINGS, out, progress=False,
+                   arithmetic=dict(BF16_ON_2, threads=1, dtype="float32"))
+    assert "dtype: file 'bfloat16'" in str(err.value) and "--threads" not in str(err.value)
     regenerate(prompts, FakeEngine(), SETTINGS, out, progress=False, arithmetic=BF16_ON_2)
     assert out.read_bytes() == reference.read_bytes()
     # A finished file extended to more prompts is continued too: the same check.
