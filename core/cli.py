@@ -59,7 +59,7 @@ COMMANDS: tuple[Command, ...] = (
     Command(
         ("bench", "train"),
         "draftforge.train.bench_train:main",
-        "one trainer step on synthetic features: step time, tokens/s, MFU against the bf16 peak",
+        "one trainer step on synthetic features: step time, tokens/s, MFU against the matmul peak of its dtype",
         "[RECIPE] [key=value ...] [options]",
     ),
     Command(

@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"else {defaults.max_new_tokens})")
     parser.add_argument("--num-prompts", type=argtypes.positive_int,
                         help="per workload (default: the recipe's eval.num_prompts, else all)")
-    parser.add_argument("--verify", choices=["full", "threshold"], help="verification mode (default full)")
+    parser.add_argument("--verify", choices=["full", "threshold"], help="verification mode (default: the recipe's eval.verify, else full)")
     parser.add_argument("--threshold", type=argtypes.probability,
                         help="confidence threshold for --verify threshold, in [0, 1] (default: the "
                         f"recipe's eval.confidence_threshold, else {defaults.confidence_threshold})")

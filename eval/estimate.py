@@ -22,7 +22,8 @@ Known gaps (documented in the report):
   lower than ``c*`` per slot, and sampling at another temperature, with a top-k
   or top-p cut or with greedy drafts accepts with another probability
   (``tau_sampled`` measures it).
-* The estimate averages over every response position as an anchor; decoding
+* The estimate averages over up to 64 randomly drawn response positions a prompt as
+  anchors; decoding
   only anchors where the previous round ended (after rejections), which are the
   harder positions, so measured AL is usually below the estimate.
 * Blocks near the end of a response are cut (fewer valid slots) in the estimate.

@@ -17,7 +17,7 @@ ESTIMATE_NOTE = (
     "tau (train-time estimate) is the training metric 1 + sum_k prod_{i<=k} c*_i computed through the "
     "training objective, teacher-forced on the target's own outputs for these prompts; c* is the "
     "acceptance probability of speculative sampling at temperature 1. tau_greedy replaces c* by the "
-    "greedy match indicator. Both average over every response position as an anchor, while decoding "
+    "greedy match indicator. Both average over up to 64 randomly drawn response positions a prompt as anchors, while decoding "
     "anchors only where the previous round stopped (often right after a hard token), and c* is not the "
     "greedy acceptance rule: expect measured AL below tau, and close to tau_greedy under greedy decoding. "
     "When decoding samples, tau_sampled replaces c* by the acceptance probability of the rule this run "

@@ -2,8 +2,8 @@
 
 Runs :meth:`Trainer.train_step` (strategy ``single``: forward, the fused
 objective, backward, clipping, AdamW) on random features at the draft's
-shapes and reports its achieved FLOP/s against the bf16 matmul peak measured
-in the same process, on the same threads.
+shapes and reports its achieved FLOP/s against the matmul peak of the step's
+dtype (bf16 or float32) measured in the same process, on the same threads.
 
 Shapes come from the recipe (``draft`` section, target shape); without a
 recipe, the peer comparison of issue 4: hidden 576, 2 layers, 9/3 heads, FFN
