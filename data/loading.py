@@ -126,17 +126,22 @@ def _open_text(path: Path, suffix: str):
 
 
 def _read_jsonl(path: Path, suffix: str) -> Iterator[RawRow]:
-    try:
-        with _open_text(path, suffix) as handle:
-            for number, line in enumerate(handle, start=1):
+    try:  # bytes, decoded line by line: invalid UTF-8 is that row's error, with its line
+        with gzip.open(path, "rb") if suffix.endswith(".gz") else open(path, "rb") as handle:
+            for number, raw in enumerate(handle, start=1):
+                where = RowLocation(str(path), number, "line")
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    yield RawRow(where, error=f"invalid UTF-8 at column {exc.start + 1}")
+                    continue
                 if not line.strip():
                     continue
-                where = RowLocation(str(path), number, "line")
                 try:
                     yield RawRow(where, json.loads(line))
                 except json.JSONDecodeError as exc:
                     yield RawRow(where, error=f"invalid JSON: {exc.msg} (column {exc.colno})")
-    except (OSError, EOFError, UnicodeDecodeError) as exc:
+    except (OSError, EOFError) as exc:
         raise DataFormatError(f"{path}: cannot be read: {exc}") from None
 
 

@@ -257,3 +257,20 @@ def test_load_training_conversations_as_is(tmp_path):
     cfg = DataConfig(train_files=[str(path)], regenerate=False)
     result = load_training_conversations(cfg, tmp_path)
     assert [c.id for c in result.conversations] == ["c1", "chats-2"]
+
+
+def test_invalid_utf8_is_the_error_of_its_line(tmp_path):
+    """A Latin-1 byte failed the whole file with a buffer offset; it is its row's error now,
+    with the line, and skip_invalid skips that row alone."""
+    import gzip
+
+    rows = [json.dumps({"prompt": "good one"}).encode(), b'{"prompt": "caf\xe9"}',
+            json.dumps({"prompt": "good two"}).encode()]  # fmt: skip
+    for name, write in (("bad.jsonl", lambda p, b: p.write_bytes(b)),
+                        ("bad.jsonl.gz", lambda p, b: p.write_bytes(gzip.compress(b)))):  # fmt: skip
+        path = tmp_path / name
+        write(path, b"\n".join(rows) + b"\n")
+        with pytest.raises(DataFormatError, match=rf"{name}, line 2: invalid UTF-8 at column 16"):
+            load_conversations([str(path)])
+        result = load_conversations([str(path)], skip_invalid=True)
+        assert len(result.conversations) == 2 and result.skipped[0].where == f"{path}, line 2"
