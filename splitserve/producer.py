@@ -5,7 +5,9 @@ sees exactly the samples an uninterrupted run would have:
 
 - the conversations are permuted once, seeded by ``data.shuffle_seed``; position
   ``n`` of that order belongs to one producer (:meth:`Topology.producer_of`), so
-  producers share the data in proportion to the trainers they feed;
+  every trainer gets the same share of the data, and producers share it in
+  proportion to the trainers they feed (or, with more producers than trainers,
+  share their trainer's part);
 - a producer cuts its share into fixed chunks of ``target.generation.batch_size``
   conversations. Epoch 0 walks the chunks in order, epoch ``e`` in a permutation
   seeded by ``(data.shuffle_seed, e)``;
@@ -83,11 +85,14 @@ class Topology:
         return [p for i, p in enumerate(self.producers) if i % num_r == j]
 
     def producer_of(self, position: int) -> int:
-        """The producer owning position ``position`` of an epoch's order."""
-        num_p, num_r = len(self.producers), len(self.trainers)
-        if num_p <= num_r:
-            return self.producers[(position % num_r) % num_p]
-        return self.producers[position % num_p]
+        """The producer owning position ``position`` of an epoch's order.
+
+        Positions go round the trainers first, so every trainer gets the same share whatever
+        the numbers (trainers step in lockstep: a smaller share would end a finite run early
+        and leave the rest untrained); a trainer's share goes round its producers."""
+        num_r = len(self.trainers)
+        sources = self.sources(self.trainers[position % num_r])
+        return sources[(position // num_r) % len(sources)]
 
 
 def build_topology(split: SplitConfig) -> Topology:

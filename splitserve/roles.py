@@ -25,6 +25,7 @@ import signal
 import sys
 import time
 import traceback
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -548,11 +549,15 @@ def _run_trainer(ctx: RankContext, bench: dict | None) -> None:
                                 device=ctx.device, start=_rotation_start(sources, info))
     stream = ConsumerStream(receiver, ack_group=ctx.ack_group, accounting=accounting,
                             provenance=_provenance(cfg), acks=acks)
-    source_of: dict[str, int] = {}  # sample id -> the target rank that sent it
+    # sample id -> the target rank that sent it, for the samples taken lately: the packer
+    # holds at most a few batches beyond the last trained step, so the newest ids suffice
+    source_of: OrderedDict[str, int] = OrderedDict()
 
     def tracked(samples):
         for sample in samples:
             source_of[sample.sample_id] = sample.provenance["target_rank"]
+            if len(source_of) > 65536:
+                source_of.popitem(last=False)
             yield sample
 
     def rotation_state() -> dict:
