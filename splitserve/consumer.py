@@ -38,8 +38,7 @@ class ConsumerStream:
         self.receiver = receiver
         self.ack_group = ack_group
         if acks is None:
-            acks = T.AckLink(receiver.sources, group=ack_group, every_s=heartbeat_s,
-                             hello_sent=True)
+            acks = T.AckLink(receiver.sources, group=ack_group, every_s=heartbeat_s)
         self.acks = acks
         self.accounting = accounting
         self.provenance = dict(provenance or {})

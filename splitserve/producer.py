@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from draftforge.data.formats import Conversation
     from draftforge.splitserve.config import SplitConfig
     from draftforge.splitserve.target import TargetEngine
-    from draftforge.splitserve.transport import Pulse
+    from draftforge.splitserve.transport import HelloWaiter, Pulse
 
 
 # --------------------------------------------------------------------------- topology
@@ -439,10 +439,13 @@ def run_producer(
     device: torch.device | str = "cpu",
     log: Callable[[str], None],
     pulse: Pulse | None = None,
+    hellos: HelloWaiter | None = None,
 ) -> dict:
     """Serve this target rank's trainers until they all stop; returns the accounting summary.
 
-    ``pulse``: the rank's heartbeat on the data links (one is started when None).
+    ``pulse``: the rank's heartbeat on the data links (one is started when None);
+    ``hellos``: the trainers' resume states, received since the rank started (received
+    here when None).
     """
     from draftforge.splitserve import transport as T
 
@@ -450,7 +453,8 @@ def run_producer(
     split = cfg.split
     if pulse is None:
         pulse = T.Pulse(every_s=split.peer_timeout_s / 4, group=data_group, device=device)
-    consumed = T.recv_hellos(dests, group=ack_group)  # the trainers' heartbeats come meanwhile
+    # the trainers' resume states; their heartbeats come meanwhile
+    consumed = hellos.result() if hellos is not None else T.recv_hellos(dests, group=ack_group)
     credits = max(1, split.max_in_flight // len(topology.sources(dests[0])))
     gate = T.CreditGate(dests, credits, group=ack_group, timeout_s=split.peer_timeout_s)
     # A trainer fed by several producers receives from them in turn, so it may not be

@@ -417,6 +417,8 @@ def _run_target(ctx: RankContext, bench: dict | None) -> None:
     pulse = T.Pulse(every_s=ctx.cfg.split.peer_timeout_s / 4, group=ctx.data_group,
                     device=ctx.device)
     pulse.expect(embedding_dests(ctx.topology, ctx.rank))
+    # listen for the trainers' heartbeats and resume states from now on, while the target loads
+    hellos = None if bench is not None else T.HelloWaiter(ctx.topology.dests(ctx.rank), group=ctx.ack_group)
     engine = build_engine(ctx)
     send_embeddings(engine, ctx.topology, ctx.rank, data_group=ctx.data_group, device=ctx.device,
                     pulse=pulse)
@@ -429,7 +431,7 @@ def _run_target(ctx: RankContext, bench: dict | None) -> None:
         return
     summary = run_producer(
         ctx.cfg, engine, ctx.topology, ctx.rank, data_group=ctx.data_group,
-        ack_group=ctx.ack_group, device=ctx.device, log=ctx.log, pulse=pulse,
+        ack_group=ctx.ack_group, device=ctx.device, log=ctx.log, pulse=pulse, hellos=hellos,
     )
     ctx.log(
         f"done: busy {summary['busy_share']:.1%} idle {summary['idle_share']:.1%} "
@@ -517,11 +519,11 @@ def _run_trainer(ctx: RankContext, bench: dict | None) -> None:
 
     cfg = ctx.cfg
     sources = ctx.topology.sources(ctx.rank)
+    acks = None
+    if bench is None:  # every producer listens from its start: beat to them all until the hello
+        acks = T.AckLink(sources, group=ctx.ack_group, every_s=cfg.split.peer_timeout_s / 4)
     embed = T.recv_tensor(sources[0], group=ctx.data_group, device=ctx.device)
     head = T.recv_tensor(sources[0], group=ctx.data_group, device=ctx.device)
-    acks = None
-    if bench is None:  # the first producer now waits for the resume state: beat to it meanwhile
-        acks = T.AckLink(sources, group=ctx.ack_group, every_s=cfg.split.peer_timeout_s / 4)
     trainer = build_trainer(ctx, (embed, head))
     del embed, head
     if bench is not None:

@@ -309,6 +309,33 @@ def recv_hellos(srcs: Sequence[int], *, group) -> set[str]:
     return ids
 
 
+class HelloWaiter:
+    """:func:`recv_hellos` on a thread, posted when the target rank starts: while its
+    target loads (minutes, for a large one) and sends embeddings, the trainers' heartbeats
+    and resume states are received at once, so a trainer never waits on a send to it and
+    it never waits for beats that could not come. :meth:`result` joins it."""
+
+    def __init__(self, srcs: Sequence[int], *, group) -> None:
+        self._ids: set[str] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(list(srcs), group),
+                                        name="draftforge-hellos", daemon=True)
+        self._thread.start()
+
+    def _run(self, srcs: list[int], group) -> None:
+        try:
+            self._ids = recv_hellos(srcs, group=group)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by result()
+            self._error = exc
+
+    def result(self) -> set[str]:
+        """The trainers' consumed sample ids (what :func:`recv_hellos` returns)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._ids
+
+
 def _hello_ids(head: list[int], src: int, group) -> set[str]:
     """The rest of the HELLO whose header is ``head``: its sample ids."""
     count, nbytes = head[2], head[3]
@@ -379,23 +406,22 @@ class AckLink(_Heartbeat):
 
     A thread repeats each producer's credit count every ``every_s`` (an unchanged count
     tells a producer only that this trainer lives), so a trainer busy longer than
-    ``split.peer_timeout_s`` (building and resuming its draft, one step, one checkpoint
-    save) is not reported dead. It beats only to producers that listen on the ack group:
-    the first source from the start (it sent this trainer its embeddings and waits for
-    its resume state), the others once they have it (``hello_sent``: all of them at
-    once). Messages go one at a time (a HELLO is three sends).
+    ``split.peer_timeout_s`` (waiting for its embeddings, building and resuming its
+    draft, one step, one checkpoint save) is not reported dead. It beats to every
+    source from the start: each producer listens on the ack group from its own start
+    (:class:`HelloWaiter`, posted before its target loads). Messages go one at a time
+    (a HELLO is three sends).
     """
 
-    def __init__(self, sources: Sequence[int], *, group, every_s: float, hello_sent: bool = False):
+    def __init__(self, sources: Sequence[int], *, group, every_s: float):
         super().__init__(every_s=every_s, name="draftforge-heartbeat")
         self.sources = list(sources)
         self.consumed = dict.fromkeys(self.sources, 0)
-        self._listening = list(self.sources if hello_sent else self.sources[:1])
         self._group = group
         self._start()
 
     def _send_beats(self) -> None:
-        for src in self._listening:
+        for src in self.sources:
             send_ack(src, self.consumed[src], group=self._group)
 
     def check(self) -> None:
@@ -409,8 +435,6 @@ class AckLink(_Heartbeat):
         for src in self.sources:
             with self.lock:
                 send_hello(ids, src, group=self._group)
-                if src not in self._listening:
-                    self._listening.append(src)
 
     def ack(self, src: int, consumed: int) -> None:
         """Return credits to ``src``: ``consumed`` samples taken off its link so far."""

@@ -106,26 +106,26 @@ def _recipe(tmp: Path, **overrides) -> Path:
         "split.peer_timeout_s": TIMEOUT_S, "train.checkpoint_interval": 4, **overrides})
 
 
-def _spawn(recipe: Path, patches: dict[int, str], log_dir: Path) -> list[subprocess.Popen]:
-    """Both ranks of ``recipe`` as ``python -m draftforge.train`` would run them, each after
+def _spawn(recipe: Path, patches: dict[int, str], log_dir: Path, world: int = 2) -> list[subprocess.Popen]:
+    """Every rank of ``recipe`` as ``python -m draftforge.train`` would run it, each after
     its patch (rank -> code)."""
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     procs = []
-    for rank in range(2):
+    for rank in range(world):
         code = LAUNCH.format(patch=patches.get(rank, ""))
         out = open(log_dir / f"rank{rank}.log", "w")
         procs.append(subprocess.Popen([PYTHON, "-c", code, str(recipe)],
-                                      env=rank_env(rank, 2, port), stdout=out,
+                                      env=rank_env(rank, world, port), stdout=out,
                                       stderr=subprocess.STDOUT, cwd=ROOT))
     return procs
 
 
-def _run(tmp: Path, recipe: Path, patches: dict[int, str], timeout: float = 150) -> list[str]:
+def _run(tmp: Path, recipe: Path, patches: dict[int, str], timeout: float = 150, world: int = 2) -> list[str]:
     log_dir = tmp / "logs"
-    codes = wait_all(_spawn(recipe, patches, log_dir), timeout)
-    logs = read_logs(log_dir, 2)
-    assert codes == [0, 0], "\n\n".join(log[-3000:] for log in logs)
+    codes = wait_all(_spawn(recipe, patches, log_dir, world), timeout)
+    logs = read_logs(log_dir, world)
+    assert codes == [0] * world, "\n\n".join(log[-3000:] for log in logs)
     return logs
 
 
@@ -223,3 +223,13 @@ def test_peer_died_tells_a_silent_peer_from_a_closed_one():
         assert text.endswith("(while returning credits)")
     text = str(PeerDied(0, "target", "receiving a sample", RuntimeError(exited)))
     assert text.startswith("target rank 0 died or closed its connection: [gloo"), text
+
+
+def test_a_slow_resume_is_not_silence_to_a_second_target(tmp_path):
+    """Two target ranks feed one trainer. Its resume takes three timeouts: the second target,
+    which does not send it the embeddings, heard no heartbeat before the resume state and
+    reported it dead; every target now listens from its start and every one gets the beats."""
+    recipe = _recipe(tmp_path, steps=4, **{"split.target_ranks": [0, 1], "split.trainer_ranks": [2]})
+    logs = _run(tmp_path, recipe, {2: SLOW_RESUME.format(busy=BUSY_S)}, world=3)
+    assert "[test] resuming slowly" in logs[2]
+    assert _steps(tmp_path / "run") == [1, 2, 3, 4]

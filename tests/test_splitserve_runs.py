@@ -309,9 +309,11 @@ def test_a_trainer_that_dies_stops_the_other_trainer_with_a_message(tmp_path):
         procs[2].send_signal(signal.SIGKILL)
         assert wait_all(procs[1:2], 60) == [3]
         log = read_logs(tmp_path / "logs", 3)[1]
-        assert "stopping: a trainer rank died or closed its connection" in log, log[-2000:]
-        assert "in a collective of the trainer group" in log and "rerun the same command" in log
-        assert "Traceback" not in log
+        # which it meets first is a race: the collective with the dead trainer, or the target
+        # that stopped on seeing that trainer gone
+        assert re.search(r"stopping: (a trainer rank died or closed its connection.*in a collective "
+                         r"of the trainer group|target rank 0 died or closed its connection)", log), log[-2000:]
+        assert "rerun the same command" in log and "Traceback" not in log
     finally:
         for proc in procs:
             if proc.poll() is None:
