@@ -492,12 +492,12 @@ def run_producer(
                     continue
                 return
             sample = pending[dest].popleft()
-            with meter.busy("send"), pulse.lock:
+            with pulse.lock:
                 T.send_sample(
                     dest, sample.sample_id, sample.input_ids, sample.loss_mask,
                     sample.aux, sample.final, seq_no=seq[dest],
                     stats=meter.wire_stats(), chunk_end=sample.chunk_end,
-                    group=data_group, device=device,
+                    group=data_group, device=device, meter=meter,
                 )
                 gate.note_sent(dest)
             seq[dest] += 1

@@ -51,6 +51,7 @@ there, a producer busy past the timeout is still reported.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -197,14 +198,21 @@ def send_sample(
     chunk_end: bool = False,
     group=None,
     device: torch.device | str = "cpu",
+    meter=None,
 ) -> None:
-    """Send one sample to trainer ``dst`` (header, ints, bf16 features)."""
+    """Send one sample to trainer ``dst`` (header, ints, bf16 features).
+
+    ``meter`` (an accounting ``Meter``): the header's send counts as idle ("turn"), since it
+    waits until the trainer posts the matching receive (a trainer fed by several producers
+    receives from them in turn); the ints and features as busy ("send")."""
     fields, ints, feats = encode_sample(sample_id, input_ids, loss_mask, aux, final)
     doing = f"sending sample {sample_id!r}"
     head = _header(SAMPLE, [*fields, seq_no, *stats, int(chunk_end)], device)
-    _send(head, dst, group, "trainer", doing)
-    _send(ints.to(device), dst, group, "trainer", doing)
-    _send(feats.to(device), dst, group, "trainer", doing)
+    with meter.idle("turn") if meter is not None else contextlib.nullcontext():
+        _send(head, dst, group, "trainer", doing)
+    with meter.busy("send") if meter is not None else contextlib.nullcontext():
+        _send(ints.to(device), dst, group, "trainer", doing)
+        _send(feats.to(device), dst, group, "trainer", doing)
 
 
 def send_end(dst: int, *, group=None, device: torch.device | str = "cpu") -> None:

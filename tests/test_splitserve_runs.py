@@ -14,7 +14,9 @@ import pytest
 from splitserve_helpers import (
     PYTHON,
     ROOT,
+    free_port,
     metrics,
+    rank_env,
     read_logs,
     spawn_ranks,
     tiny_recipe,
@@ -319,3 +321,53 @@ def test_a_trainer_that_dies_stops_the_other_trainer_with_a_message(tmp_path):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
             proc.wait()
+
+
+WAITING_FOR_ITS_TURN = """
+import datetime, json, sys, time
+import torch, torch.distributed as dist
+from draftforge.splitserve import transport as T
+from draftforge.splitserve.accounting import Meter
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+rank = dist.get_rank()
+acks = dist.new_group([0, 1, 2], backend="gloo")
+if rank < 2:  # two producers feed trainer 2 in turn; rank 0 takes 1 s a sample, rank 1 nothing
+    gate, meter = T.CreditGate([2], 2, group=acks, timeout_s=60), Meter()
+    meter.start()
+    for n in range(4):
+        if rank == 0:
+            with meter.busy("features"):
+                time.sleep(1.0)
+        with meter.idle("credits"):
+            gate.acquire([2])
+        T.send_sample(2, f"s{rank}-{n}", torch.arange(8), torch.ones(8, dtype=torch.bool),
+                      torch.zeros(8, 4), torch.zeros(8, 4), seq_no=n, meter=meter)
+        gate.note_sent(2)
+    T.send_end(2)
+    gate.wait_all_stopped(60)
+    meter.stop()
+    print(json.dumps(meter.summary()), flush=True)
+else:
+    from draftforge.splitserve.consumer import ConsumerStream
+    stream = ConsumerStream(T.SampleReceiver([0, 1], credits=2), ack_group=acks)
+    print(json.dumps([s.sample_id for s in stream.samples()]), flush=True)
+    stream.stop(timeout_s=60)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_a_producer_waiting_for_its_turn_in_the_rotation_is_idle_not_busy(tmp_path):
+    """A gloo send waits for the matching receive; a trainer fed by two producers posts it for
+    one at a time. The fast producer's wait for its turn was booked as busy 'send' (busy 100 %,
+    capacity far too low, the slower side and the recommended split wrong)."""
+    port = free_port()
+    procs = [subprocess.Popen([PYTHON, "-c", WAITING_FOR_ITS_TURN], env=rank_env(rank, 3, port),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+             for rank in range(3)]  # fmt: skip
+    outs = [proc.communicate(timeout=90)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0, 0], outs
+    slow, fast = (json.loads(out.strip().splitlines()[-1]) for out in outs[:2])
+    assert json.loads(outs[2].strip().splitlines()[-1])[:4] == ["s0-0", "s1-0", "s0-1", "s1-1"]
+    assert fast["idle_share"] > 0.8 and fast["busy_by_part_s"].get("send", 0.0) < 0.5, fast
+    assert slow["busy_share"] > 0.8 and slow["busy_by_part_s"]["features"] > 3.5, slow
