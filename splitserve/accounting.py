@@ -107,14 +107,17 @@ def side_summary(busy_s: float, idle_s: float, wall_s: float, tokens: float) -> 
 
 
 def recommend_split(
-    world: int, producer_capacity: float, consumer_capacity: float
+    world: int, producer_capacity: float, consumer_capacity: float, *, tensor_parallel: int = 1
 ) -> tuple[int, int, float]:
-    """``(target_ranks, trainer_ranks, expected tokens/s)`` maximising the slower side."""
+    """``(target_ranks, trainer_ranks, expected tokens/s)`` maximising the slower side.
+
+    ``producer_capacity`` is one producer's: a tensor-parallel group of ``tensor_parallel``
+    target ranks, so target groups come in multiples of it."""
     if world < 2:
         raise ValueError("a split needs at least 2 ranks")
-    best = (1, world - 1, 0.0)
-    for num_t in range(1, world):
-        rate = min(num_t * producer_capacity, (world - num_t) * consumer_capacity)
+    best = (tensor_parallel, world - tensor_parallel, 0.0)
+    for num_t in range(tensor_parallel, world, tensor_parallel):
+        rate = min(num_t // tensor_parallel * producer_capacity, (world - num_t) * consumer_capacity)
         if rate > best[2]:
             best = (num_t, world - num_t, rate)
     return best
@@ -124,12 +127,14 @@ class ConsumerAccounting:
     """Trainer-side accounting: its own busy/idle, its producers' (from the wire), the queue."""
 
     def __init__(self, *, world: int, num_target: int, credits: int, num_sources: int = 1,
-                 path: Path | None = None):
+                 path: Path | None = None, tensor_parallel: int = 1):
         """``credits``: the most samples the trainer's queue can hold, over all its links;
-        ``num_sources``: the target ranks feeding it (producer figures are their mean)."""
+        ``num_sources``: the producers feeding it (producer figures are their mean);
+        ``tensor_parallel``: target ranks per producer (its figures are the group's)."""
         self.world = world
         self.num_sources = num_sources
         self.num_target = num_target
+        self.tensor_parallel = tensor_parallel
         self.credits = credits
         self.path = path
         self.started = time.perf_counter()
@@ -202,7 +207,8 @@ class ConsumerAccounting:
             "credits": self.credits,
         }
         num_t, num_r, expected = recommend_split(
-            self.world, producer["capacity_tok_s"], consumer["capacity_tok_s"]
+            self.world, producer["capacity_tok_s"], consumer["capacity_tok_s"],
+            tensor_parallel=self.tensor_parallel,
         )
         return {
             "time_s": round(now["wall"], 3),
@@ -236,10 +242,11 @@ class ConsumerAccounting:
         advice = f"{rec['target_ranks']} target + {rec['trainer_ranks']} trainer"
         # the groups' capacities, not one rank's: 1 target at 100 tok/s feeds 3 trainers at 50 slower
         num_trainers = self.world - self.num_target
-        slower = "target" if self.num_target * p["capacity_tok_s"] < num_trainers * c["capacity_tok_s"] else "trainer"
+        producers = self.num_target // self.tensor_parallel
+        slower = "target" if producers * p["capacity_tok_s"] < num_trainers * c["capacity_tok_s"] else "trainer"
         return "\n".join([
             "split accounting:",
-            f"  target  (per rank): busy {p['busy_share']:.1%}  idle {p['idle_share']:.1%}  "
+            f"  target  (per producer): busy {p['busy_share']:.1%}  idle {p['idle_share']:.1%}  "
             f"{p['tokens']} tokens  {p['rate_tok_s']:.0f} tok/s  capacity {p['capacity_tok_s']:.0f} tok/s",
             f"  trainer (this rank): busy {c['busy_share']:.1%}  idle {c['idle_share']:.1%}  "
             f"{c['tokens']} tokens  {c['rate_tok_s']:.0f} tok/s  capacity {c['capacity_tok_s']:.0f} tok/s",

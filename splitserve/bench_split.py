@@ -229,6 +229,7 @@ def bench_trainer_rank(ctx, trainer, bench: dict) -> None:
         T.send_hello(set(), src, group=ctx.ack_group)
     credits = max(1, cfg.split.max_in_flight // len(sources))
     accounting = ConsumerAccounting(world=ctx.world, num_target=len(cfg.split.target_ranks),
+                                    tensor_parallel=cfg.split.target_tensor_parallel,
                                     credits=credits * len(sources), num_sources=len(sources))
     receiver = T.SampleReceiver(sources, credits=credits, group=ctx.data_group,
                                 device=ctx.device)

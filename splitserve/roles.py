@@ -543,6 +543,7 @@ def _run_trainer(ctx: RankContext, bench: dict | None) -> None:
     is_main = ctx.rank == cfg.split.trainer_ranks[0]
     accounting = ConsumerAccounting(
         world=ctx.world, num_target=len(cfg.split.target_ranks),
+        tensor_parallel=cfg.split.target_tensor_parallel,
         credits=credits * len(sources), num_sources=len(sources),  # the queue's bound: every link's credits
         path=Path(cfg.train.output_dir) / "accounting.jsonl" if is_main else None,
     )

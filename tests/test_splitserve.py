@@ -119,6 +119,22 @@ def test_recommend_split_hand_values():
     assert recommend_split(4, 100.0, 300.0) == (3, 1, 300.0)
     assert recommend_split(4, 300.0, 100.0) == (1, 3, 300.0)
     assert recommend_split(2, 5.0, 1.0) == (1, 1, 1.0)
+    # one producer is a tensor-parallel group: world 8, 100 tok/s a group of 2, trainers 100 each.
+    # T=2 -> min(100, 600); T=4 -> min(200, 400); T=6 -> min(300, 200): 4 + 4 at 200 (counting
+    # target ranks as producers said 6 + 2 at 200, or 4 + 4 at 400 with the target the faster side)
+    assert recommend_split(8, 100.0, 100.0, tensor_parallel=2) == (4, 4, 200.0)
+    assert recommend_split(8, 100.0, 25.0, tensor_parallel=2) == (2, 6, 100.0)
+
+
+def test_slower_side_counts_producers_not_target_ranks():
+    """4 target ranks in tensor-parallel pairs are 2 producers: 2 x 100 against 4 trainers x 100."""
+    from draftforge.splitserve.accounting import ConsumerAccounting
+
+    acc = ConsumerAccounting(world=8, num_target=4, credits=4, tensor_parallel=2)
+    acc.on_producer_stats(0, {"busy_s": 1.0, "idle_s": 0.0, "wall_s": 1.0, "tokens": 100})
+    acc.on_take(depth=2, tokens=100, waited_s=0.0)
+    acc.on_step({"compute_s": 1.0, "wait_s": 0.0})
+    assert "slower side: target; recommended split for 8 ranks: 4 target + 4 trainer" in acc.summary_text()
 
 
 def test_slower_side_compares_the_groups_not_one_rank_of_each():
