@@ -567,7 +567,8 @@ def _run_trainer(ctx: RankContext, bench: dict | None) -> None:
         # where the receive rotation stands in consumption order: after the last consumed
         # sample's source (a resume cannot assume strict rotation: a source may have ended)
         last = trainer.consumed_ids[-1] if trainer.consumed_ids else None
-        return {"last_source": source_of.get(last)} if last is not None else {}
+        earlier = info.extra.get("last_source") if info is not None else None  # nothing new yet
+        return {"last_source": source_of.get(last, earlier)} if last is not None else {}
 
     batches = stream_pack(tracked(stream.samples()), cfg.split.token_budget)
 
