@@ -55,7 +55,6 @@ import functools
 import hashlib
 import json
 import os
-import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -66,7 +65,7 @@ from draftforge.cores import usable_cores
 from draftforge.data.formats import Conversation, DataFormatError
 from draftforge.errors import InputError
 from draftforge.files import fsync_dir, write_atomic
-from draftforge.splitserve.supervisor import JobInterrupted, stop_on_sigterm
+from draftforge.splitserve.supervisor import unwinding_on_sigterm
 
 if TYPE_CHECKING:
     from draftforge.splitserve.config import GenerationConfig
@@ -529,59 +528,53 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = load_recipe(args.recipe, args.overrides)
     # SIGTERM (a scheduler, a demo being stopped) unwinds like Ctrl-C: the worker pool's
     # cleanup stops its processes, and the batches written so far stay for a rerun
-    previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
-    try:
-        prompts = load_prompts(cfg.data).conversations
-        if not prompts:
-            raise RegenerationError(f"data.train_files {cfg.data.train_files} hold no prompts; "
-                                    "nothing to answer")
-        out = regenerated_path(cfg.data, cfg.train.output_dir)
-        if out.is_dir():
-            raise RegenerationError(f"data.regenerated_file {out} is a folder; give a .jsonl file path")
+    with unwinding_on_sigterm("draftforge data regenerate", "rerun the same command to continue"):
         try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise RegenerationError(f"data.regenerated_file {out}: its folder cannot be made "
-                                    f"({err.strerror})") from None
-        print(f"draftforge data regenerate: {len(prompts)} prompts -> {out}", file=sys.stderr)
+            prompts = load_prompts(cfg.data).conversations
+            if not prompts:
+                raise RegenerationError(f"data.train_files {cfg.data.train_files} hold no prompts; "
+                                        "nothing to answer")
+            out = regenerated_path(cfg.data, cfg.train.output_dir)
+            if out.is_dir():
+                raise RegenerationError(f"data.regenerated_file {out} is a folder; give a .jsonl file path")
+            try:
+                out.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise RegenerationError(f"data.regenerated_file {out}: its folder cannot be made "
+                                        f"({err.strerror})") from None
+            print(f"draftforge data regenerate: {len(prompts)} prompts -> {out}", file=sys.stderr)
 
-        from draftforge.splitserve.target import build_target, target_name
+            from draftforge.splitserve.target import build_target, target_name
 
-        device, tensor_parallel = target_placement(args.device, cfg)
-        num_batches = -(-len(prompts) // cfg.target.generation.batch_size)
-        workers, threads = worker_plan(args.workers, args.threads, device=device,
-                                       backend=cfg.target.backend, cores=usable_cores(),
-                                       num_batches=num_batches)
-        where = f"{device}" + (f" (tensor parallel {tensor_parallel})" if tensor_parallel > 1 else "")
-        print(f"draftforge data regenerate: target on {where}, "
-              + (f"{workers} workers of {threads} thread(s) each" if workers > 1
-                 else f"{threads} thread(s)"), file=sys.stderr)
-        # an auto dtype was resolved for CUDA when there is one; on the CPU it is the CPU's rule
-        target = cfg.target.model_copy(update={"num_threads": threads, "dtype": cfg.target.dtype_on(device)})
-        if workers > 1:
-            from draftforge.data.answer_workers import WorkerPool
+            device, tensor_parallel = target_placement(args.device, cfg)
+            num_batches = -(-len(prompts) // cfg.target.generation.batch_size)
+            workers, threads = worker_plan(args.workers, args.threads, device=device,
+                                           backend=cfg.target.backend, cores=usable_cores(),
+                                           num_batches=num_batches)
+            where = f"{device}" + (f" (tensor parallel {tensor_parallel})" if tensor_parallel > 1 else "")
+            print(f"draftforge data regenerate: target on {where}, "
+                  + (f"{workers} workers of {threads} thread(s) each" if workers > 1
+                     else f"{threads} thread(s)"), file=sys.stderr)
+            # an auto dtype was resolved for CUDA when there is one; on the CPU it is the CPU's rule
+            target = cfg.target.model_copy(update={"num_threads": threads, "dtype": cfg.target.dtype_on(device)})
+            if workers > 1:
+                from draftforge.data.answer_workers import WorkerPool
 
-            build = functools.partial(build_target, target, list(cfg.draft.target_layer_ids))
-            engine = WorkerPool(build, workers, name=target_name(target), quiet=args.no_progress)
-        else:
-            if args.no_progress:
-                quiet_loading()
-            engine = build_target(target, cfg.draft.target_layer_ids, device=device,
-                                  tensor_parallel=tensor_parallel)
-        arithmetic = arithmetic_record(device=device, backend=cfg.target.backend,
-                                       dtype=target.dtype, threads=threads,
-                                       tensor_parallel=tensor_parallel)
-        regenerate(prompts, engine, cfg.target.generation, out, progress=not args.no_progress,
-                   arithmetic=arithmetic)
-    except (DataFormatError, OverlapError, RegenerationError, WorkloadUnavailableError) as exc:
-        print(f"draftforge data regenerate: {exc}", file=sys.stderr)
-        return 2
-    except JobInterrupted as stop:
-        print(f"draftforge data regenerate: stopped on {signal.Signals(stop.signum).name}; rerun "
-              "the same command to continue", file=sys.stderr)
-        raise
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+                build = functools.partial(build_target, target, list(cfg.draft.target_layer_ids))
+                engine = WorkerPool(build, workers, name=target_name(target), quiet=args.no_progress)
+            else:
+                if args.no_progress:
+                    quiet_loading()
+                engine = build_target(target, cfg.draft.target_layer_ids, device=device,
+                                      tensor_parallel=tensor_parallel)
+            arithmetic = arithmetic_record(device=device, backend=cfg.target.backend,
+                                           dtype=target.dtype, threads=threads,
+                                           tensor_parallel=tensor_parallel)
+            regenerate(prompts, engine, cfg.target.generation, out, progress=not args.no_progress,
+                       arithmetic=arithmetic)
+        except (DataFormatError, OverlapError, RegenerationError, WorkloadUnavailableError) as exc:
+            print(f"draftforge data regenerate: {exc}", file=sys.stderr)
+            return 2
     return 0
 
 

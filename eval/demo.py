@@ -55,11 +55,7 @@ from pathlib import Path
 from draftforge.cores import usable_cores
 from draftforge.files import write_atomic
 from draftforge.precision import cpu_bf16_flags
-from draftforge.splitserve.supervisor import (
-    JobInterrupted,
-    stop_on_sigterm,
-    terminal_sent_it_to_the_group,
-)
+from draftforge.splitserve.supervisor import terminal_sent_it_to_the_group, unwinding_on_sigterm
 
 DEFAULT_RECIPE = "recipes/smollm2-cpu.yaml"
 WORKLOADS = ("humaneval", "mtbench", "gsm8k")
@@ -644,18 +640,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):
         raise SystemExit("draftforge demo: --num-prompts and --max-new-tokens must be positive")
     # SIGTERM unwinds like Ctrl-C, so the running stage (a whole training job) is stopped too
-    previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
-    try:
-        return run_demo(args, command=" ".join(["draftforge demo", *map(shlex.quote, argv)]))
-    except DemoError as err:
-        print(f"\ndraftforge demo: {err}", file=sys.stderr)
-        return 1
-    except JobInterrupted as stop:
-        print(f"\ndraftforge demo: stopped on {signal.Signals(stop.signum).name}; rerun the same "
-              "command to continue (finished stages are skipped)", file=sys.stderr)
-        raise
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with unwinding_on_sigterm("\ndraftforge demo",
+                              "rerun the same command to continue (finished stages are skipped)"):
+        try:
+            return run_demo(args, command=" ".join(["draftforge demo", *map(shlex.quote, argv)]))
+        except DemoError as err:
+            print(f"\ndraftforge demo: {err}", file=sys.stderr)
+            return 1
 
 
 def _check_answers_file(cfg) -> None:

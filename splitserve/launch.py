@@ -35,9 +35,9 @@ from draftforge.splitserve.multinode import (
 )
 from draftforge.splitserve.supervisor import (
     JobInterrupted,
+    SignalForwarder,
     die_with,
     run_ranks,
-    terminal_sent_it_to_the_group,
 )
 
 DEFAULT_RESTARTS = 3  # with split.restart_target
@@ -235,35 +235,19 @@ def run_torchrun(command: Sequence[str], *, env: Mapping[str, str]) -> int:
     dies with this process (SIGKILL, out of memory): the kernel sends it SIGTERM, and it
     stops its ranks.
     """
-    proc: subprocess.Popen | None = None
-    asked: list[int] = []
-
-    def forward(signum, _frame):
-        asked.append(signum)
-        if proc is None or proc.poll() is not None:
-            return  # not started yet: it gets the signal once Popen returns
-        if len(asked) > 1:
-            proc.kill()
-        elif not (signum == signal.SIGINT and terminal_sent_it_to_the_group()):
-            proc.send_signal(signum)
-
-    previous = {}
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    procs: list[subprocess.Popen] = []
+    with SignalForwarder(procs) as forward:
         try:
-            previous[signum] = signal.signal(signum, forward)
-        except ValueError:  # not the main thread: the caller handles signals
-            pass
-    try:
-        proc = subprocess.Popen(list(command), env=dict(env), preexec_fn=die_with(os.getpid()))
-        if asked:  # a signal came while it started
-            forward(asked.pop(), None)
-        status = proc.wait()
-    finally:
-        if proc is not None and proc.poll() is None:  # an exception other than the signals above
-            proc.terminate()
-            proc.wait()
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+            procs.append(subprocess.Popen(list(command), env=dict(env),
+                                          preexec_fn=die_with(os.getpid())))
+            if forward.asked:  # a signal came while it started: it gets it now
+                forward(forward.asked.pop())
+            status = procs[0].wait()
+        finally:
+            if procs and procs[0].poll() is None:  # an exception other than the signals above
+                procs[0].terminate()
+                procs[0].wait()
+    asked = forward.asked
     if asked:
         print(f"draftforge train: stopped on {signal.Signals(asked[0]).name}; rerun the same command "
               "on every node to continue from the newest checkpoint", file=sys.stderr, flush=True)

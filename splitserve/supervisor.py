@@ -30,6 +30,7 @@ seconds later SIGTERM, then SIGKILL; a second signal kills them at once.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import signal
@@ -37,7 +38,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 LOOPBACK = "127.0.0.1"
 
@@ -50,9 +51,56 @@ class JobInterrupted(SystemExit):
         self.signum = signum
 
 
-def stop_on_sigterm(signum: int, frame: object) -> None:
-    """A SIGTERM handler that unwinds like Ctrl-C, so ``finally`` blocks stop child processes."""
+def _stop_on_sigterm(signum: int, frame: object) -> None:
     raise JobInterrupted(signum)
+
+
+@contextlib.contextmanager
+def unwinding_on_sigterm(lead: str, hint: str) -> Iterator[None]:
+    """Within it, SIGTERM unwinds like Ctrl-C (:class:`JobInterrupted`), so ``finally`` blocks
+    stop child processes; a stop prints ``LEAD: stopped on SIGNAL; HINT`` and propagates."""
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    try:
+        yield
+    except JobInterrupted as stop:
+        print(f"{lead}: stopped on {signal.Signals(stop.signum).name}; {hint}", file=sys.stderr, flush=True)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class SignalForwarder:
+    """While entered, Ctrl-C and SIGTERM go to ``procs`` (the list as it grows): once, and not
+    a Ctrl-C the terminal already sent their whole process group; a second signal kills them.
+    :attr:`asked` holds the signals received. Outside the main thread it installs nothing
+    (the caller handles signals)."""
+
+    def __init__(self, procs: list[subprocess.Popen]) -> None:
+        self.procs = procs
+        self.asked: list[int] = []
+        self._previous: dict[int, object] = {}
+
+    def __call__(self, signum: int, _frame: object = None) -> None:
+        self.asked.append(signum)
+        live = [proc for proc in self.procs if proc.poll() is None]
+        if len(self.asked) > 1:  # asked twice: no more waiting
+            for proc in live:
+                proc.kill()
+        elif not (signum == signal.SIGINT and terminal_sent_it_to_the_group()):
+            for proc in live:
+                proc.send_signal(signum)
+
+    def __enter__(self) -> SignalForwarder:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[signum] = signal.signal(signum, self)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
 
 DEFAULT_GRACE_S = 15.0
 DEFAULT_TERM_S = 5.0
@@ -152,77 +200,57 @@ def run_ranks(
     def say(message: str) -> None:
         print(f"{prefix}: {message}", file=sys.stderr, flush=True)
 
-    previous = {}
-    asked: list[int] = []  # the signals the launcher received
-
-    def forward(signum, _frame):  # Ctrl-C or a scheduler's SIGTERM
-        asked.append(signum)
-        if len(asked) > 1:  # asked twice: no more waiting
+    # Ctrl-C or a scheduler's SIGTERM; the handlers are restored after the ranks are gone
+    with SignalForwarder(procs) as forwarder:
+        asked = forwarder.asked
+        try:
+            for rank in range(nproc):
+                procs.append(subprocess.Popen(list(command), env=rank_env(base, rank=rank, world=nproc,
+                                                                         host=host, port=port),
+                                              preexec_fn=die_with(os.getpid())))
+            failures: dict[int, int] = {}  # rank -> status, in the order they were seen
+            seen_at: dict[int, float] = {}
+            deadline = None
+            while True:
+                codes = [proc.poll() for proc in procs]
+                new = {r: c for r, c in enumerate(codes) if c not in (None, 0) and r not in failures}
+                for rank in sorted(new, key=lambda r: new[r] >= 0):  # signal deaths first
+                    failures[rank] = new[rank]
+                    seen_at[rank] = time.monotonic()
+                    if deadline is None and not asked:
+                        say(f"{name(rank)} failed ({describe_status(new[rank])}); waiting up to "
+                            f"{grace_s:g} s for the other ranks to stop")
+                if deadline is None and (failures or asked):
+                    deadline = time.monotonic() + (term_s if asked else grace_s)
+                if all(code is not None for code in codes):
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    _stop(procs, term_s=term_s, say=say, name=name)
+                    break
+                time.sleep(poll_s)
+            if asked:
+                say(f"stopped on {signal.Signals(asked[0]).name}; rerun the same command to continue "
+                    "from the newest checkpoint")
+                raise JobInterrupted(asked[0])
+            if not failures:
+                return 0
+            # a rank killed by a signal at about the moment of the first failure (the others' errors
+            # are usually their reaction to it); one killed later (an NCCL watchdog's abort after its
+            # peer vanished) is a reaction itself, and the first failure seen is the cause
+            first = next(iter(failures))
+            at_once = max(poll_s, 0.5)
+            cause = next((r for r, c in failures.items() if c < 0 and seen_at[r] - seen_at[first] <= at_once), first)
+            if len(failures) > 1:
+                say("failed: " + ", ".join(f"{name(r)} ({describe_status(c)})" for r, c in failures.items())
+                    + f"; the first cause is most likely {name(cause)}")
+            code = failures[cause]
+            return code if code > 0 else 128 - code
+        finally:
             for proc in procs:
                 if proc.poll() is None:
                     proc.kill()
-            return
-        if signum == signal.SIGINT and terminal_sent_it_to_the_group():
-            return  # the ranks share the terminal's process group: they have it already
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signum)
-
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        try:
-            previous[signum] = signal.signal(signum, forward)
-        except ValueError:  # not the main thread: the caller handles signals
-            pass
-    try:
-        for rank in range(nproc):
-            procs.append(subprocess.Popen(list(command), env=rank_env(base, rank=rank, world=nproc,
-                                                                     host=host, port=port),
-                                          preexec_fn=die_with(os.getpid())))
-        failures: dict[int, int] = {}  # rank -> status, in the order they were seen
-        seen_at: dict[int, float] = {}
-        deadline = None
-        while True:
-            codes = [proc.poll() for proc in procs]
-            new = {r: c for r, c in enumerate(codes) if c not in (None, 0) and r not in failures}
-            for rank in sorted(new, key=lambda r: new[r] >= 0):  # signal deaths first
-                failures[rank] = new[rank]
-                seen_at[rank] = time.monotonic()
-                if deadline is None and not asked:
-                    say(f"{name(rank)} failed ({describe_status(new[rank])}); waiting up to "
-                        f"{grace_s:g} s for the other ranks to stop")
-            if deadline is None and (failures or asked):
-                deadline = time.monotonic() + (term_s if asked else grace_s)
-            if all(code is not None for code in codes):
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                _stop(procs, term_s=term_s, say=say, name=name)
-                break
-            time.sleep(poll_s)
-        if asked:
-            say(f"stopped on {signal.Signals(asked[0]).name}; rerun the same command to continue "
-                "from the newest checkpoint")
-            raise JobInterrupted(asked[0])
-        if not failures:
-            return 0
-        # a rank killed by a signal at about the moment of the first failure (the others' errors
-        # are usually their reaction to it); one killed later (an NCCL watchdog's abort after its
-        # peer vanished) is a reaction itself, and the first failure seen is the cause
-        first = next(iter(failures))
-        at_once = max(poll_s, 0.5)
-        cause = next((r for r, c in failures.items() if c < 0 and seen_at[r] - seen_at[first] <= at_once), first)
-        if len(failures) > 1:
-            say("failed: " + ", ".join(f"{name(r)} ({describe_status(c)})" for r, c in failures.items())
-                + f"; the first cause is most likely {name(cause)}")
-        code = failures[cause]
-        return code if code > 0 else 128 - code
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        del store  # closes the listening socket
+                    proc.wait()
+            del store  # closes the listening socket
 
 
 def terminal_sent_it_to_the_group() -> bool:
