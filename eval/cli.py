@@ -158,11 +158,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     _warn_replacing(Path(args.out))
     draft_cfg, load_draft = _draft_loader(args.draft)
     _check_fit(draft_cfg, target_cfg, args.draft)
+    verify = args.verify or eval_cfg.verify
     if not draft_cfg.enable_confidence_head:
-        needs_head = [what for what, wanted in (
-            (f"--verify threshold{'' if args.verify else ' (the recipe eval.verify)'}",
-             (args.verify or eval_cfg.verify) == "threshold"),
-            ("--calibrate", bool(args.calibrate))) if wanted]
+        needs_head = []
+        if verify == "threshold":
+            needs_head.append("--verify threshold" + ("" if args.verify else " (the recipe eval.verify)"))
+        if args.calibrate:
+            needs_head.append("--calibrate")
         if needs_head:
             raise InputError(
                 f"draftforge eval {args.draft}: {' and '.join(needs_head)} need the draft's "
@@ -187,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         top_k=eval_cfg.top_k if args.top_k is None else args.top_k,
         top_p=eval_cfg.top_p if args.top_p is None else args.top_p,
         draft_sampling=args.draft_sampling or eval_cfg.draft_sampling,
-        verify=args.verify or eval_cfg.verify,
+        verify=verify,
         threshold=eval_cfg.confidence_threshold if args.threshold is None else args.threshold,
         seed=eval_cfg.seed if args.seed is None else args.seed,
         baselines=tuple(args.baselines) if args.baselines else tuple(eval_cfg.baselines),
