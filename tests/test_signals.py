@@ -31,16 +31,19 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
 
 
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _descendants(pid: int) -> dict[int, str]:
     """Every living process below ``pid`` (torchrun's ranks too, in sessions of their own),
     with its command line."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
+        if entry.isdigit() and (ppid := _parent(int(entry))) is not None:
             children.setdefault(ppid, []).append(int(entry))
     found, todo = {}, list(children.get(pid, []))
     while todo:
@@ -51,6 +54,13 @@ def _descendants(pid: int) -> dict[int, str]:
             continue
         todo += children.get(child, [])
     return {p: cmd for p, cmd in found.items() if _alive(p)}
+
+
+def _training_ranks(pid: int) -> list[int]:
+    """The ``draftforge.train`` ranks below ``pid``: not the processes a rank forks itself
+    (torch.compile's workers carry the rank's command line)."""
+    train = {p for p, cmd in _descendants(pid).items() if "-m draftforge.train " in cmd}
+    return [p for p in train if _parent(p) not in train]
 
 
 @pytest.fixture()
@@ -190,9 +200,8 @@ def test_sigterm_to_the_demo_stops_its_training_job(tmp_path, reap):
     # no regeneration: the demo goes straight to training, for longer than the test waits
     recipe = tiny_recipe(tmp_path, steps=10_000)
     process = _start([PYTHON, "-m", "draftforge", "demo", str(recipe)], tmp_path)
-    ranks = _wait_for("training ranks", lambda: [
-        p for p, cmd in _descendants(process.pid).items() if "-m draftforge.train " in cmd
-    ] if (tmp_path / "run" / "config.yaml").exists() else None, process, 90)
+    ranks = _wait_for("training ranks", lambda: _training_ranks(process.pid)
+                      if (tmp_path / "run" / "config.yaml").exists() else None, process, 90)
     assert len(ranks) == 2, ranks
     started = _descendants(process.pid)  # the train launcher too
     reap(started)
