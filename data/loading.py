@@ -256,9 +256,16 @@ def load_conversations(
                     expect=expect,
                 )
                 if conv.id in seen:
+                    hint = ""
+                    if conv.id == f"{stem}-{raw.where.number}":
+                        hint = (
+                            f" (a default id, <file name>-<{raw.where.unit} number>: two data files "
+                            f"named {stem!r} give the same ones; rename one or give its rows "
+                            "an 'id' field)"
+                        )
                     raise DataFormatError(
                         f"{raw.where}: id {conv.id!r} is already used at {seen[conv.id]}; "
-                        "ids must be unique across data files"
+                        f"ids must be unique across data files{hint}"
                     )
                 if RESERVED_ID_MARK in conv.id:
                     raise DataFormatError(

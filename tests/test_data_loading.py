@@ -193,6 +193,24 @@ def test_error_duplicate_ids_across_files(tmp_path):
     )
 
 
+def test_error_same_file_name_in_two_folders_says_why(tmp_path):
+    """Default ids are <file name>-<line>: two files named alike collide on them, and the
+    error says so and what to do, instead of only naming the clash."""
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    a = tmp_path / "one" / "chat.jsonl"
+    b = tmp_path / "two" / "chat.jsonl"
+    a.write_text(jsonl_text([{"prompt": "first"}]))
+    b.write_text(jsonl_text([{"prompt": "second"}]))
+    with pytest.raises(DataFormatError) as err:
+        load_conversations([str(a), str(b)])
+    assert str(err.value) == (
+        f"{b}, line 1: id 'chat-1' is already used at {a}, line 1; ids must be unique across "
+        "data files (a default id, <file name>-<line number>: two data files named 'chat' "
+        "give the same ones; rename one or give its rows an 'id' field)"
+    )
+
+
 def test_error_id_with_the_epoch_mark(tmp_path):
     """SplitServe names a later epoch's samples conv#e1, conv#e2: an id 'a#e1' in the data
     would be taken for conversation 'a' in epoch 1."""
