@@ -190,10 +190,11 @@ def trainer_estimate(cfg: RecipeConfig, with_emb: int, without_emb: int) -> Esti
 
 def anchors_per_micro_batch(cfg: RecipeConfig, sample_tokens: int) -> int:
     """Anchors in one micro-batch of samples ``sample_tokens`` long: as many samples as the
-    token budget holds, each with up to train.num_anchors (one per supervised token at most)."""
+    token budget holds, each with train.num_anchors or, when the samples are shorter, one
+    per token with a supervised successor (the trainer runs no block that only pads)."""
     budget = cfg.split.token_budget
     sequences = max(1, budget // max(1, sample_tokens))
-    return min(sequences * cfg.train.num_anchors, max(1, budget))
+    return sequences * min(cfg.train.num_anchors, max(1, sample_tokens - 1))
 
 
 def activation_bytes(cfg: RecipeConfig, shape, anchors: int) -> tuple[float, float]:

@@ -93,6 +93,24 @@ def test_anchor_sampling_supervises_anchor_and_next_token_and_pads():
     assert torch.equal(again, anchors) and not torch.equal(other[0], anchors[0])
 
 
+def test_anchor_sampling_runs_no_block_that_only_pads():
+    """When no sequence has num_anchors candidates, the width is the most any has (hand
+    counted), so a batch of short samples does not run num_anchors blocks a sequence."""
+    loss_mask = torch.zeros(3, 40, dtype=torch.bool)
+    loss_mask[0, 5:10] = True  # anchors 5..8: 4 candidates
+    loss_mask[1, 20:27] = True  # anchors 20..25: 6 candidates
+    loss_mask[2, 0:2] = True  # anchor 0: 1 candidate
+    anchors, valid = sample_anchors(loss_mask, 512, generator=torch.Generator().manual_seed(0))
+    assert anchors.shape == valid.shape == (3, 6)
+    assert anchors[0, :4].tolist() == [5, 6, 7, 8] and valid.sum(dim=1).tolist() == [4, 6, 1]
+    assert anchors[1].tolist() == [20, 21, 22, 23, 24, 25] and anchors[2, 0].item() == 0
+    # a batch without any candidate keeps one dummy column; more candidates than asked cap it
+    none, none_valid = sample_anchors(torch.zeros(2, 8, dtype=torch.bool), 16)
+    assert none.shape == (2, 1) and not none_valid.any()
+    capped, _ = sample_anchors(loss_mask, 3, generator=torch.Generator().manual_seed(0))
+    assert capped.shape == (3, 3)
+
+
 @pytest.mark.parametrize("head_type", ["vanilla", "gated", "rnn"])
 def test_markov_teacher_forced_equals_sequential_loop(head_type):
     model = tiny_draft(markov_head_type=head_type).eval()

@@ -340,17 +340,17 @@ def test_dry_run_ling_scale_on_meta(tmp_path):
 
 def test_dry_run_says_how_much_more_short_samples_can_take(tmp_path):
     """Budget 256, samples up to 96 tokens, 8 anchors each: 2 full-length samples make 16
-    anchors; samples of min_loss_tokens + 1 = 5 tokens could pack 51, capped at one anchor
-    per token of the budget (256). An audit's run packed 4-5 short samples where the
-    estimate assumed 2."""
+    anchors; 51 samples of min_loss_tokens + 1 = 5 tokens fit, each with at most 4 anchors
+    (a token with a supervised successor), so 204. An audit's run packed 4-5 short samples
+    where the estimate assumed 2."""
     from draftforge.splitserve.dry_run import anchors_per_micro_batch, short_sample_note
 
     cfg = load_recipe(tiny_recipe(tmp_path, overrides={"data.min_loss_tokens": 4}))
     assert (cfg.split.token_budget, cfg.data.max_length, cfg.train.num_anchors) == (256, 96, 8)
     assert anchors_per_micro_batch(cfg, 96) == 16
-    assert anchors_per_micro_batch(cfg, 5) == 256
+    assert anchors_per_micro_batch(cfg, 5) == 204
     note = short_sample_note(cfg)
-    assert "samples of data.max_length, 16 anchors a micro-batch" in note and "could pack 256" in note
+    assert "samples of data.max_length, 16 anchors a micro-batch" in note and "could pack 204" in note
     longest = load_recipe(tiny_recipe(tmp_path, overrides={"data.min_loss_tokens": 95}))
     assert short_sample_note(longest) == ""  # no shorter sample fits more anchors
 

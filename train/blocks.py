@@ -44,19 +44,22 @@ def sample_anchors(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random anchors per sequence: positions p with loss_mask[p] and loss_mask[p + 1].
 
-    Returns (anchors [B, A] sorted, valid [B, A]); sequences with fewer than A
-    candidates are padded with dummy anchors (position 0, valid False).
+    Returns (anchors [B, A] sorted, valid [B, A]) with A = ``num_anchors`` or, when no
+    sequence has that many candidates, the most any sequence has (at least 1): a batch of
+    short samples runs no block that only pads. Sequences with fewer than A candidates
+    are padded with dummy anchors (position 0, valid False).
     """
     batch, seq_len = loss_mask.shape
     mask = loss_mask.bool()
     candidates = torch.zeros_like(mask)
     candidates[:, :-1] = mask[:, :-1] & mask[:, 1:]
-    anchors = torch.zeros(batch, num_anchors, dtype=torch.long)
-    valid = torch.zeros(batch, num_anchors, dtype=torch.bool)
+    width = max(1, min(num_anchors, int(candidates.sum(dim=1).max())))
+    anchors = torch.zeros(batch, width, dtype=torch.long)
+    valid = torch.zeros(batch, width, dtype=torch.bool)
     for b in range(batch):
         positions = candidates[b].nonzero().flatten().cpu()
-        if positions.numel() > num_anchors:
-            chosen = torch.randperm(positions.numel(), generator=generator)[:num_anchors]
+        if positions.numel() > width:
+            chosen = torch.randperm(positions.numel(), generator=generator)[:width]
             positions = positions[chosen].sort().values
         anchors[b, : positions.numel()] = positions
         valid[b, : positions.numel()] = True
