@@ -88,9 +88,10 @@ class RecipeConfig(Section):
 
     def to_yaml(self, header: bool = True) -> str:
         """The resolved recipe (derived values filled in) as YAML that loads back unchanged."""
-        body = yaml.dump(
-            self.model_dump(mode="json"), Dumper=_RecipeDumper, sort_keys=False, width=100
-        )
+        data = self.model_dump(mode="json")
+        if self.target.shape is not None:  # what is declared or read, not the section's defaults
+            data["target"]["shape"] = self.target.shape.model_dump(mode="json", exclude_unset=True)
+        body = yaml.dump(data, Dumper=_RecipeDumper, sort_keys=False, width=100)
         if not header:
             return body
         return f"# draftforge resolved recipe '{self.name}'\n{body}"
@@ -461,6 +462,18 @@ def _check_target(cfg: RecipeConfig) -> tuple[TargetShape | None, list[Problem]]
     return shape, problems
 
 
+def _rope_theta_known(target) -> bool:
+    """Whether the resolved shape's rope_theta is the target's: false when its config.json
+    cannot be read here (a node without the target's folder) and target.shape does not
+    declare it, where it is only the section's default."""
+    if target.model == "random" or target.shape is None or "rope_theta" in target.shape.model_fields_set:
+        return True
+    try:
+        return resolve_target_shape(target.model_copy(update={"shape": None})) is not None
+    except (OSError, ValueError):
+        return False
+
+
 def _check_draft(cfg: RecipeConfig, shape: TargetShape | None) -> list[Problem]:
     """Check the draft against itself and the target; derive head_dim, rope and positions."""
     draft = cfg.draft
@@ -506,8 +519,8 @@ def _check_draft(cfg: RecipeConfig, shape: TargetShape | None) -> list[Problem]:
                     "so they must match",
                 )
             )
-        if draft.rope_theta is None:
-            draft.rope_theta = shape.rope_theta
+        if draft.rope_theta is None and _rope_theta_known(cfg.target):
+            draft.rope_theta = shape.rope_theta  # else None: splitserve.registry.rope_theta_problem
         if draft.max_position_embeddings is None:
             draft.max_position_embeddings = shape.max_position_embeddings
         if cfg.data.max_length > shape.max_position_embeddings:

@@ -226,6 +226,14 @@ def short_sample_note(cfg: RecipeConfig) -> str:
             f"data.min_loss_tokens + 1 tokens could pack {short}: up to {extra / GIB:.3f} GiB more)")
 
 
+def _rope_note(cfg: RecipeConfig) -> str | None:
+    """A dry run plans the job without the target's files; training needs the RoPE base."""
+    from draftforge.splitserve.registry import rope_theta_problem
+
+    problem = rope_theta_problem(cfg)
+    return None if problem is None else f"note: training would refuse: {problem}"
+
+
 def dry_run(cfg: RecipeConfig) -> str:
     """The dry-run report."""
     split = cfg.split
@@ -259,6 +267,7 @@ def dry_run(cfg: RecipeConfig) -> str:
         "",
         f"draft parameters: {with_emb:,} with embeddings, {without_emb:,} without "
         f"(trainable; embed_tokens and lm_head are the target's, frozen)",
+        *filter(None, [_rope_note(cfg)]),
         "",
         "memory estimate per target rank:",
         *target_estimate(cfg).lines(),

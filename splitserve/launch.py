@@ -92,6 +92,19 @@ def preflight(cfg) -> None:
         )
 
 
+def _check_trainer_node(cfg, layout, node_rank: int | None) -> None:
+    """Refuse to start trainer ranks on a machine where the draft's RoPE base is unknown
+    (:func:`~draftforge.splitserve.registry.rope_theta_problem`)."""
+    from draftforge.config import RecipeError
+    from draftforge.splitserve.registry import rope_theta_problem
+
+    node = node_rank or 0
+    ranks = range(node * layout.nproc_per_node, (node + 1) * layout.nproc_per_node)
+    problem = rope_theta_problem(cfg)
+    if problem is not None and any(rank in cfg.split.trainer_ranks for rank in ranks):
+        raise RecipeError([problem])
+
+
 def _model_config(cfg) -> dict | None:
     """The draft's DSparkConfig as a dict when the target's shape is known without loading it."""
     from draftforge.splitserve.registry import resolve_target_shape
@@ -151,6 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                f"node(s), 0..{layout.num_nodes - 1}"])
     else:
         layout = check_node_args(cfg, node_rank=args.node_rank, master_addr=args.master_addr)
+        _check_trainer_node(cfg, layout, args.node_rank)
     if args.nproc is not None and args.nproc != layout.nproc_per_node:
         raise RecipeError([
             f"--nproc {args.nproc}: the recipe's split has world_size {cfg.split.world_size} "

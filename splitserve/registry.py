@@ -61,3 +61,19 @@ def _known_shape(model: str) -> TargetShape | None:
         except ValueError:
             return None
     return None
+
+
+def rope_theta_problem(cfg) -> str | None:
+    """Why a trainer cannot build the draft here, or None: the draft takes the target's RoPE
+    base unless draft.rope_theta sets one, and the recipe loader leaves it unset where the
+    target's config.json cannot be read and target.shape does not declare it (a trainer
+    node of a multi-node job without the target's folder would otherwise train with the
+    section's default, 10000, and export that)."""
+    if cfg.draft.rope_theta is not None:
+        return None
+    return (
+        f"draft.rope_theta: the target's RoPE base is not known on this machine "
+        f"({cfg.target.model}/config.json cannot be read here and target.shape does not "
+        "declare rope_theta); copy the target's config.json to that path, or declare "
+        "target.shape.rope_theta (or draft.rope_theta) in the recipe"
+    )

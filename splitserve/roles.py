@@ -516,8 +516,11 @@ def _provenance(cfg: RecipeConfig) -> dict:
 def _run_trainer(ctx: RankContext, bench: dict | None) -> None:
     from draftforge.splitserve.accounting import ConsumerAccounting
     from draftforge.splitserve.consumer import ConsumerStream, stream_pack
+    from draftforge.splitserve.registry import rope_theta_problem
 
     cfg = ctx.cfg
+    if (problem := rope_theta_problem(cfg)) is not None:  # torchrun started it directly
+        raise InputError(problem)
     sources = ctx.topology.sources(ctx.rank)
     acks = None
     if bench is None:  # every producer listens from its start: beat to them all until the hello

@@ -205,3 +205,37 @@ def test_two_nodes_started_with_the_printed_commands_train(tmp_path):
     assert "[rank 1 trainer]" in node1 and "[rank 0" not in node1
     steps = [r["step"] for r in metrics(tmp_path / "run") if "loss" in r]
     assert steps[-1] == 3
+
+
+def test_a_trainer_node_without_the_targets_config_refuses_to_guess_its_rope_base(capsys, monkeypatch):
+    """Node 1 of the 2-node recipe runs every trainer and has no /models/Ling-3.0-flash: the
+    draft's RoPE base (the target's unless draft.rope_theta sets one) used to come out as
+    target.shape's default, 10000, so the two nodes resolved different drafts and node 1
+    trained and exported the wrong one. Now a trainer node refuses, node 0 (targets only)
+    does not, and a declared rope_theta is taken as given."""
+    from draftforge.config import RecipeError, load_recipe
+
+    monkeypatch.chdir(ROOT)
+    assert load_recipe(ROOT / TWO_NODE).draft.rope_theta is None
+    declared = load_recipe(ROOT / TWO_NODE, ["target.shape.rope_theta=6e6"])
+    assert declared.draft.rope_theta == 6e6
+    assert load_recipe(ROOT / TWO_NODE, ["draft.rope_theta=5e5"]).draft.rope_theta == 5e5
+    started = []
+    monkeypatch.setattr("draftforge.splitserve.launch.run_torchrun", lambda *a, **k: started.append(a) or 0)
+    rendezvous = ["--master-addr", "10.0.0.5"]
+    with pytest.raises(RecipeError) as err:
+        train_main([TWO_NODE, "--node-rank", "1", *rendezvous])
+    assert str(err.value) == (
+        "draft.rope_theta: the target's RoPE base is not known on this machine "
+        "(/models/Ling-3.0-flash/config.json cannot be read here and target.shape does not "
+        "declare rope_theta); copy the target's config.json to that path, or declare "
+        "target.shape.rope_theta (or draft.rope_theta) in the recipe")
+    # node 0 and a declared base get past that check (to the next: no GPU on this machine)
+    for args in (["--node-rank", "0"], ["--node-rank", "1", "target.shape.rope_theta=6e6"]):
+        with pytest.raises(RecipeError) as err:
+            train_main([TWO_NODE, *args, *rendezvous])
+        assert "rope_theta" not in str(err.value) and "need CUDA GPUs" in str(err.value)
+    assert not started
+    # the dry run plans the job anyway and says what training would do
+    assert train_main([TWO_NODE, "--dry-run"]) == 0
+    assert "note: training would refuse: draft.rope_theta: the target's RoPE base" in capsys.readouterr().out
