@@ -4,8 +4,10 @@ Definitions (the same everywhere, printed at every log interval and in the summa
 
 - producer (a target rank): *busy* is time inside generate, tokenise, features and
   send; *idle* is time blocked waiting for a trainer's credit (the trainer is the
-  slow side). Its *rate* is tokens produced per wall second; its *capacity* is
-  tokens per busy second (what it could do if never held back).
+  slow side, or the credits hold less than a step: see ``credit_advice``) or for a
+  trainer to take a sample's header (its "turn" among the producers feeding it).
+  Its *rate* is tokens produced per wall second; its *capacity* is tokens per busy
+  second (what it could do if never held back).
 - consumer (a trainer rank): *busy* is the trainer's own ``compute_s`` per step
   (forward, backward, optimizer), *idle* its ``wait_s`` (blocked on the next
   batch, i.e. on the producers). Capacity: tokens per busy second.
@@ -19,6 +21,7 @@ The recommended split puts ``T`` of the ``N`` ranks on the target so that
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections import defaultdict
@@ -143,6 +146,7 @@ class ConsumerAccounting:
         self.wait_s = 0.0  # blocked on the receiver (the producers)
         self.compute_s = 0.0  # the trainer's own compute, from its step records
         self.step_wait_s = 0.0  # the trainer's wait_s, from its step records
+        self.steps = 0
         self.depths: list[tuple[float, int]] = []
         self.producers: dict[int, dict] = {}
         self._last: dict | None = None
@@ -162,6 +166,7 @@ class ConsumerAccounting:
     def on_step(self, record: dict) -> None:
         self.compute_s += float(record.get("compute_s", 0.0))
         self.step_wait_s += float(record.get("wait_s", 0.0))
+        self.steps += 1
 
     # -- reading
     def producer_idle_wall(self) -> tuple[float, float]:
@@ -253,7 +258,23 @@ class ConsumerAccounting:
             f"  queue depth: mean {q['mean']:.2f}, max {q['max']} (credits {q['credits']})",
             f"  slower side: {slower}; recommended split for {self.world} ranks: {advice} "
             f"(now {current})",
+            *filter(None, [self.credit_advice(s)]),
         ])
+
+    def credit_advice(self, s: dict) -> str | None:
+        """Both sides idle at once while a step packs more samples than the credits hold: the
+        target stops after ``credits`` samples, the trainer then waits for the rest of its
+        next step, and neither rate is the limit (no split advice helps; more credits do)."""
+        p, c = s["producer"], s["consumer"]
+        if not self.steps or p["idle_share"] <= 0.1 or c["idle_share"] <= 0.1:
+            return None
+        per_step = self.samples / self.steps
+        if per_step < self.credits:
+            return None
+        return (f"  both sides waited (target idle {p['idle_share']:.0%}, trainer idle "
+                f"{c['idle_share']:.0%}): a step took {per_step:.1f} samples and the trainer's "
+                f"credits hold {self.credits}, so the target cannot work a step ahead; raise "
+                f"split.max_in_flight to about {2 * math.ceil(per_step)}")
 
     def depth_series(self, points: int = 200) -> list[list[float]]:
         """Queue depth over time, ``[[seconds, depth], ...]``, thinned to at most ``points``."""

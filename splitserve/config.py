@@ -151,11 +151,13 @@ class SplitConfig(Section):
         "engine and feature runner over the group's consecutive GPUs, the others wait "
         "(sglang only; hf needs 1)",
     )
-    max_in_flight: int = Field(
-        default=4,
+    max_in_flight: int | None = Field(
+        default=None,
         gt=0,
         description="samples in flight per trainer (backpressure credits, shared among the "
-        "target ranks that feed it)",
+        "target ranks that feed it); default: twice the samples of data.max_length one "
+        "optimizer step packs (token_budget // max_length x train.grad_accum), at least 4 "
+        "and at least the target ranks feeding it, so the target can work a step ahead",
     )
     token_budget: int = Field(
         default=4096,

@@ -157,6 +157,51 @@ def test_slower_side_compares_the_groups_not_one_rank_of_each():
     assert "slower side: trainer" in acc.summary_text()  # 2 x 100 against 2 x 50
 
 
+def test_the_accounting_says_when_the_credits_hold_less_than_a_step():
+    """Target and trainer each idle a quarter of 10 s while a step takes 32 samples against
+    4 credits: the summary says the credits keep the target from working ahead and how
+    many to give; with each side busy (or credits above a step) it says nothing of it."""
+    from draftforge.splitserve.accounting import ConsumerAccounting
+
+    def accounting(credits: int, trainer_wait: float) -> ConsumerAccounting:
+        acc = ConsumerAccounting(world=2, num_target=1, credits=credits)
+        acc.started -= 10.0  # ten seconds of wall
+        acc.on_producer_stats(0, {"busy_s": 7.5, "idle_s": 2.5, "wall_s": 10.0, "tokens": 6400})
+        for _ in range(64):
+            acc.on_take(depth=1, tokens=100, waited_s=0.0)
+        acc.on_step({"compute_s": 5.0, "wait_s": trainer_wait})
+        acc.on_step({"compute_s": 2.5, "wait_s": trainer_wait})
+        return acc
+
+    text = accounting(4, 1.25).summary_text()
+    assert text.splitlines()[-1] == (
+        "  both sides waited (target idle 25%, trainer idle 25%): a step took 32.0 samples and "
+        "the trainer's credits hold 4, so the target cannot work a step ahead; raise "
+        "split.max_in_flight to about 64")
+    assert "both sides waited" not in accounting(4, 0.25).summary_text()  # trainer idle 5 %
+    assert "both sides waited" not in accounting(40, 1.25).summary_text()  # 40 credits > 32
+
+
+def test_max_in_flight_defaults_to_twice_a_steps_samples(tmp_path):
+    """Unset, the credits are twice the full-length samples an optimizer step packs
+    (token_budget // max_length x grad_accum), at least 4 and at least the producers;
+    tiny-debug (4096 // 128 = 32 a step) had 4 and its trainer idled 20 %."""
+    from splitserve_helpers import tiny_recipe
+
+    def credits(overrides: dict) -> int:
+        recipe = tiny_recipe(tmp_path, overrides={"split.max_in_flight": None, **overrides})
+        return load_recipe(recipe).split.max_in_flight
+
+    assert credits({}) == 2 * (256 // 96)  # 4: at least 4 either way
+    assert credits({"split.token_budget": 960, "data.max_length": 96}) == 20
+    assert credits({"split.token_budget": 960, "data.max_length": 96, "train.grad_accum": 3}) == 60
+    assert credits({"split.token_budget": 96, "data.max_length": 96}) == 4
+    assert credits({"split.target_ranks": [0, 1, 2, 3, 4, 5], "split.trainer_ranks": [6]}) == 6
+    assert credits({"split.max_in_flight": 7}) == 7  # given: kept
+    tiny_debug = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
+    assert load_recipe(tiny_debug).split.max_in_flight == 64
+
+
 def test_a_source_reporting_late_does_not_make_an_interval_negative():
     """Two targets feed a trainer; the second first reports after the first interval. The
     producer figures are means over both from the start, so the next interval's busy time
