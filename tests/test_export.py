@@ -296,6 +296,34 @@ def test_export_refuses_to_replace_a_folder_that_is_not_an_export(tmp_path):
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 
+def test_export_replaces_only_an_earlier_export_and_nothing_added_to_it(tmp_path):
+    """A Hugging Face model folder has a config.json too: exporting into one deleted its
+    tokenizer and weights. Only a folder whose config.json names a DSpark architecture and
+    that holds only what an export writes is replaced."""
+    model = tmp_path / "hf-model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (model / "tokenizer.json").write_text("{}")
+    (model / "model-00001-of-00004.safetensors").write_bytes(b"weights")
+    before = {path.name: path.read_bytes() for path in model.iterdir()}
+    with pytest.raises(ExportError) as err:
+        export_draft(tiny_draft(), model, progress=lambda _: None)
+    assert str(err.value) == (
+        f"export destination {model} is a non-empty folder that is not an export (its config.json "
+        "names ['LlamaForCausalLM'], not Qwen3DSparkModel or LingDSparkModel); refusing to "
+        f"replace it; choose another --out or empty {model} first")
+    assert {path.name: path.read_bytes() for path in model.iterdir()} == before
+    # an earlier export is replaced, also when it was sharded; one with a file added is not
+    out = export_draft(tiny_draft(), tmp_path / "export", progress=lambda _: None, max_shard_size_mb=0.01)
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 1
+    export_draft(tiny_draft(), out, progress=lambda _: None)
+    assert sorted(path.name for path in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    (out / "calibration.json").write_text("{}")
+    with pytest.raises(ExportError, match=r"holds files an export does not write \(calibration\.json\)"):
+        export_draft(tiny_draft(), out, progress=lambda _: None)
+    assert (out / "calibration.json").read_text() == "{}"
+
+
 def test_load_without_embeddings_needs_the_target(tmp_path):
     out = export_draft(tiny_draft(), tmp_path / "export", progress=lambda _: None)
     with pytest.raises(ValueError, match="pass the target"):

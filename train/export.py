@@ -503,14 +503,32 @@ def _contiguous(state: Mapping[str, torch.Tensor], names: list[str]) -> dict[str
     return {name: state[name].detach().to("cpu").contiguous().clone() for name in names}
 
 
+_EXPORT_FILE = re.compile(r"(config\.json|README\.md|model\.safetensors(\.index\.json)?"
+                          r"|model-\d{5}-of-\d{5}\.safetensors)")
+
+
 def _check_destination(out: Path) -> None:
+    """An export replaces only an earlier export: a folder whose config.json names a DSpark
+    architecture and which holds nothing an export does not write (a Hugging Face model
+    folder has a config.json too, and its tokenizer and weights would be deleted)."""
     if out.exists() and not out.is_dir():
         raise ExportError(f"export destination {out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not (out / CONFIG_FILE).is_file():
-        raise ExportError(
-            f"export destination {out} is a non-empty folder that is not an export (no {CONFIG_FILE}); "
-            "refusing to replace it, choose another --out"
-        )
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    refuse = f"refusing to replace it; choose another --out or empty {out} first"
+    try:
+        architectures = json.loads((out / CONFIG_FILE).read_text()).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        architectures = None
+    if not isinstance(architectures, list) or not set(architectures) & set(ARCHITECTURES):
+        found = f"its {CONFIG_FILE} names {architectures}" if (out / CONFIG_FILE).is_file() else f"no {CONFIG_FILE}"
+        raise ExportError(f"export destination {out} is a non-empty folder that is not an export "
+                          f"({found}, not {' or '.join(ARCHITECTURES)}); {refuse}")
+    foreign = sorted(path.name for path in out.iterdir() if not _EXPORT_FILE.fullmatch(path.name))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ExportError(f"export destination {out} holds files an export does not write "
+                          f"({shown}), which replacing it would delete; {refuse}")
 
 
 def _write_json(path: Path, value) -> None:
