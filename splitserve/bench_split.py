@@ -263,14 +263,40 @@ def bench_trainer_rank(ctx, trainer, bench: dict) -> None:
         dist.all_reduce(sums, group=group)
         maxes = values.to(ctx.device, copy=True)
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
-        sums, maxes = sums.cpu(), maxes.cpu()
-        values = torch.stack([sums[0], maxes[1], sums[2], maxes[3], sums[4], maxes[5],
-                              sums[6] / len(cfg.split.trainer_ranks), maxes[7], sums[8], sums[9],
-                              maxes[10], sums[11] / len(cfg.split.trainer_ranks)])
+        merged = merge_rank_values(sums.cpu().tolist(), maxes.cpu().tolist(),
+                                   len(cfg.split.trainer_ranks))
+    else:
+        merged = values.tolist()
     if ctx.rank != cfg.split.trainer_ranks[0]:
         return
+    result = bench_result(steps, merged)
+    out = os.environ.get(RESULT_ENV)
+    if out:
+        write_atomic(Path(out), json.dumps(result))
+
+
+# The values each trainer rank contributes to the result, in order, and how they combine over
+# the trainer ranks: token counts and rates add up, walls are the slowest rank's, the trainer's
+# wait and idle share are the ranks' mean, the target's idle share and "no steady window" the
+# worst rank's.
+RANK_VALUES = (
+    ("prod_tokens", "sum"), ("prod_wall", "max"), ("cons_tokens", "sum"), ("cons_wall", "max"),
+    ("both_tokens", "sum"), ("both_wall", "max"), ("trainer_wait", "mean"), ("target_idle", "max"),
+    ("steady_tok_s", "sum"), ("steady_chunks", "sum"), ("no_steady", "max"), ("steady_idle", "mean"),
+)
+
+
+def merge_rank_values(sums: Sequence[float], maxes: Sequence[float], num_ranks: int) -> list[float]:
+    """The trainer ranks' :data:`RANK_VALUES` combined, from their elementwise sums and maxima."""
+    pick = {"sum": lambda i: sums[i], "max": lambda i: maxes[i], "mean": lambda i: sums[i] / num_ranks}
+    return [pick[how](i) for i, (_, how) in enumerate(RANK_VALUES)]
+
+
+def bench_result(steps: int, values: Sequence[float]) -> dict:
+    """The result of the three phases from the (merged) :data:`RANK_VALUES`: the rates, the
+    idle shares and end-to-end / min(producer, consumer)."""
     (p_tok, p_wall, c_tok, c_wall, e_tok, e_wall, wait, target_idle, s_rate, s_chunks,
-     no_steady, s_idle) = values.tolist()
+     no_steady, s_idle) = values
     result = {
         "steps": steps,
         "producer_tok_s": p_tok / max(p_wall, 1e-9),
@@ -288,9 +314,7 @@ def bench_trainer_rank(ctx, trainer, bench: dict) -> None:
     result["split_efficiency"] = result["end_to_end_tok_s"] / slower
     result["trainer_idle"] = (result["from_empty_trainer_idle"] if no_steady
                               else result["steady_trainer_idle"])
-    out = os.environ.get(RESULT_ENV)
-    if out:
-        write_atomic(Path(out), json.dumps(result))
+    return result
 
 
 # --------------------------------------------------------------------------- command

@@ -4,6 +4,7 @@ job and ends with its machine-readable line."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,14 @@ from pathlib import Path
 import pytest
 
 from draftforge.config import load_recipe
-from draftforge.splitserve.bench_split import SteadyWindow, StepRecord, report, steady_rate
+from draftforge.splitserve.bench_split import (
+    SteadyWindow,
+    StepRecord,
+    bench_result,
+    merge_rank_values,
+    report,
+    steady_rate,
+)
 from draftforge.splitserve.producer import (
     EPOCH_MARK,
     SampleSource,
@@ -115,6 +123,44 @@ def test_the_steady_rate_runs_from_the_first_chunk_end_to_the_last():
     assert steady_rate([], min_chunks=1) is None
 
 
+def _all_reduce(*ranks):
+    """What the trainer ranks' two all_reduce calls (SUM, MAX) hand every rank."""
+    return [sum(v) for v in zip(*ranks, strict=True)], [max(v) for v in zip(*ranks, strict=True)]
+
+
+def test_two_trainer_ranks_combine_into_the_ratio_against_the_slower_side():
+    # (prod tokens, prod wall, cons tokens, cons wall, both tokens, both wall, trainer wait,
+    #  target idle, steady tok/s, steady chunks, no steady, steady trainer idle). The producer
+    # is counted on its first destination only: rank 2 saw no producer tokens.
+    rank1 = [600.0, 2.0, 800.0, 1.0, 300.0, 2.5, 0.5, 0.1, 120.0, 5.0, 0.0, 0.25]
+    rank2 = [0.0, 0.0, 1000.0, 2.0, 300.0, 3.0, 1.5, 0.3, 150.0, 4.0, 0.0, 0.75]
+    merged = merge_rank_values(*_all_reduce(rank1, rank2), num_ranks=2)
+    # tokens and rates add up, walls are the slowest rank's, the trainer's wait and idle averaged
+    assert merged == [600.0, 2.0, 1800.0, 2.0, 600.0, 3.0, 1.0, 0.3, 270.0, 9.0, 0.0, 0.5]
+    result = bench_result(7, merged)
+    assert result == pytest.approx({
+        "steps": 7, "producer_tok_s": 300.0, "consumer_tok_s": 900.0,
+        "from_empty_tok_s": 200.0, "steady_tok_s": 270.0, "steady_chunks": 9,
+        "from_empty_trainer_idle": 1.0 / 3.0, "steady_trainer_idle": 0.5, "target_idle": 0.3,
+        "from_empty_efficiency": 200.0 / 300.0, "end_to_end_tok_s": 270.0,
+        "split_efficiency": 0.9, "trainer_idle": 0.5,
+    })  # fmt: skip
+    # rank 2 found no steady window: the ratio falls back to the from-empty rate; and with the
+    # producer now the faster side (600 tok/s), it is taken against the consumers' 300
+    rank1[0], rank1[2], rank1[3] = 1200.0, 200.0, 2.0
+    rank2[2], rank2[10] = 400.0, 1.0
+    result = bench_result(7, merge_rank_values(*_all_reduce(rank1, rank2), num_ranks=2))
+    assert (result["producer_tok_s"], result["consumer_tok_s"]) == (600.0, 300.0)
+    assert result["steady_tok_s"] is None and result["end_to_end_tok_s"] == 200.0
+    assert result["split_efficiency"] == result["from_empty_efficiency"] == pytest.approx(200.0 / 300.0)
+    assert result["trainer_idle"] == result["from_empty_trainer_idle"] == pytest.approx(1.0 / 3.0)
+    # a single trainer rank: its own values
+    single = bench_result(3, [400.0, 2.0, 500.0, 1.0, 300.0, 2.0, 0.5, 0.2, 180.0, 4.0, 0.0, 0.25])
+    assert (single["producer_tok_s"], single["consumer_tok_s"], single["steady_tok_s"]) == (200.0, 500.0, 180.0)
+    assert single["split_efficiency"] == pytest.approx(0.9) and single["trainer_idle"] == 0.25
+    assert single["from_empty_efficiency"] == pytest.approx(150.0 / 200.0)
+
+
 def test_the_report_says_which_rate_the_ratio_uses():
     result = {"steps": 40, "producer_tok_s": 200.0, "consumer_tok_s": 800.0,
               "from_empty_tok_s": 176.0, "steady_tok_s": 190.0, "steady_chunks": 9,
@@ -142,6 +188,19 @@ def test_bench_split_runs_the_three_phases(tmp_path):
     assert any(line.startswith("both together, from empty") for line in lines)
     ratio = next(line for line in lines if line.startswith("end-to-end / min"))
     assert ratio.endswith("(steady)") or "no steady window" in ratio, ratio
+
+    def rate(label):  # printed with one decimal
+        line = next(line for line in lines if line.startswith(label))
+        return float(re.search(r":\s*([0-9.]+) tok/s", line).group(1))
+
+    producer, consumer = rate("producer alone"), rate("consumer alone")
+    end_to_end = rate("both together, steady" if ratio.endswith("(steady)") else "both together, from empty")
+    printed = float(re.search(r"= ([0-9.]+)", ratio).group(1))
+    slower = min(producer, consumer)
+    assert slower > 0.05, result.stdout
+    # the printed ratio (3 decimals) against the one the printed rates (1 decimal) allow
+    low, high = (end_to_end - 0.05) / (slower + 0.05), (end_to_end + 0.05) / (slower - 0.05)
+    assert low - 5e-4 <= printed <= high + 5e-4, (printed, end_to_end, producer, consumer)
     fields = dict(item.split("=") for item in lines[-1].split())
     assert set(fields) == {"split_efficiency", "trainer_idle", "target_idle"}
     assert float(fields["split_efficiency"]) > 0

@@ -96,6 +96,27 @@ def test_a_broken_verifier_is_caught(target, draft, monkeypatch):
         )  # fmt: skip
 
 
+def test_a_wrong_ngram_output_is_caught(target, draft, monkeypatch):
+    """The n-gram baseline's greedy output is checked against plain decoding too, not only the
+    draft's: an n-gram path whose output differs stops the run, naming the method."""
+    from draftforge.eval import harness
+
+    real_decode = harness.speculative_decode
+
+    def decode(session, prompt, proposer, settings, **kwargs):
+        result = real_decode(session, prompt, proposer, settings, **kwargs)
+        if proposer.name == "ngram":  # as if its verification had accepted a wrong token
+            result.tokens[3] = (result.tokens[3] + 1) % 512
+        return result
+
+    monkeypatch.setattr(harness, "speculative_decode", decode)
+    with pytest.raises(LosslessCheckError, match=r"random prompt 0 \(ngram\): .* output token 3 is"):
+        run_workload(
+            "random", random_prompts(1), draft, target,
+            EvalSettings(max_new_tokens=12, estimate=False, tie_tolerance=0.0), **QUIET,
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize("wrong_from", [None, 2, 0])
 def test_oracle_drafts_exercise_acceptance_and_cache_cropping(target, wrong_from):
     """Long accepted prefixes (and rejections mid-block) must still reproduce plain greedy decoding."""
@@ -256,17 +277,21 @@ def test_threshold_mode_leaves_the_baselines_on_full_verification(target, draft)
 
 def test_threshold_mode_verifies_only_confident_prefixes(target, draft):
     prompts = random_prompts(1)
-    for bias, width in ((-50.0, 1.0), (50.0, 5.0)):
+    bias = draft.confidence_head.proj.bias
+    original = bias.detach().clone()  # the draft fixture is shared by the whole module
+    try:
+        for value, width in ((-50.0, 1.0), (50.0, 5.0)):
+            with torch.no_grad():
+                bias.fill_(value)
+            result = run_workload(
+                "random", prompts, draft, target,
+                EvalSettings(max_new_tokens=10, verify="threshold", threshold=0.5, estimate=False,
+                             baselines=("none",), tie_tolerance=0.0), **QUIET,
+            )  # fmt: skip
+            assert result.methods["dspark"]["tokens_verified_per_round"] == width
+    finally:
         with torch.no_grad():
-            draft.confidence_head.proj.bias.fill_(bias)
-        result = run_workload(
-            "random", prompts, draft, target,
-            EvalSettings(max_new_tokens=10, verify="threshold", threshold=0.5, estimate=False,
-                         baselines=("none",), tie_tolerance=0.0), **QUIET,
-        )  # fmt: skip
-        assert result.methods["dspark"]["tokens_verified_per_round"] == width
-    with torch.no_grad():
-        draft.confidence_head.proj.bias.zero_()
+            bias.copy_(original)
 
 
 def test_ngram_lookup_finds_the_latest_repeated_span():
@@ -296,48 +321,107 @@ def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
-def _first_token_counts(draft_probs, target_probs, num_drafts, samples, accept):
+def _emitted_counts(draft_probs, target_probs, samples, accept, fixed_drafts=None):
+    """Counts [n + 1, V] of the token emitted at each output index j of a round
+    (``drafts[:accepted] + [bonus]``). The toy target rows do not depend on the prefix and the
+    drafts of different slots are drawn independently, so whenever index j is reached its token
+    must follow ``target_probs[j]``: the first token checks the acceptance and residual rule of
+    slot 0, the later ones each slot's row and the bonus's row."""
     gen = torch.Generator().manual_seed(0)
-    counts = torch.zeros(target_probs.shape[-1])
+    num_drafts = target_probs.shape[0] - 1
+    counts = torch.zeros(target_probs.shape)
     for _ in range(samples):
-        if draft_probs is None:
-            drafts = [2] * num_drafts  # a deterministic (n-gram) draft
+        if fixed_drafts is not None:
+            drafts = list(fixed_drafts)  # a deterministic (n-gram) draft
         else:
             drafts = [int(torch.multinomial(draft_probs[k], 1, generator=gen)) for k in range(num_drafts)]
         accepted, bonus = accept(drafts, draft_probs, target_probs, gen)
-        counts[drafts[0] if accepted > 0 else bonus] += 1
+        for index, token in enumerate(drafts[:accepted] + [bonus]):
+            counts[index, token] += 1
     return counts
 
 
 # chi-square critical values at p = 0.001, by degrees of freedom
 CHI2_CRIT_BY_DF = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}
-CHI2_CRIT_DF5 = CHI2_CRIT_BY_DF[5]
+MIN_REACHED = 500  # an output index checked on fewer samples would prove little
+
+
+def _chi_square_by_position(counts, target_probs):
+    """(chi-square, critical value at p = 0.001) of each output index over the target's support."""
+    stats = []
+    for index in range(counts.shape[0]):
+        support = target_probs[index] > 0
+        chi2 = _chi_square(counts[index][support], target_probs[index][support])
+        df = int(support.sum()) - 1  # a one-token row: the support check is the whole test
+        stats.append((chi2, CHI2_CRIT_BY_DF[df] if df else float("inf")))
+    return stats
+
+
+def _assert_every_position_follows_the_target(counts, target_probs):
+    for index, (chi2, crit) in enumerate(_chi_square_by_position(counts, target_probs)):
+        reached = int(counts[index].sum())
+        assert reached >= MIN_REACHED, f"output index {index} reached in {reached} rounds only"
+        outside = counts[index][target_probs[index] == 0]
+        assert outside.sum() == 0, f"output index {index} emitted tokens outside the target's support"
+        assert chi2 < crit, (f"output index {index} does not follow target row {index}: chi2 {chi2:.1f} "
+                             f">= {crit}; counts {counts[index].tolist()}, probs {target_probs[index].tolist()}")
+
+
+def _toy_rows(deterministic):
+    torch.manual_seed(1)
+    target_probs = torch.softmax(torch.randn(3, 6) * 1.5, dim=-1)
+    draft_probs = torch.softmax(torch.randn(2, 6) * 1.5, dim=-1)
+    if deterministic:  # an n-gram draft that is often right: each slot's most likely token
+        return target_probs, None, target_probs[:2].argmax(dim=-1).tolist()
+    return target_probs, draft_probs, None
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_rejection_sampling_preserves_the_target_distribution(deterministic):
-    torch.manual_seed(1)
-    target_probs = torch.softmax(torch.randn(3, 6) * 1.5, dim=-1)
-    draft_probs = None if deterministic else torch.softmax(torch.randn(2, 6) * 1.5, dim=-1)
-    counts = _first_token_counts(draft_probs, target_probs, 2, 12000, rejection_accept)
-    assert _chi_square(counts, target_probs[0]) < CHI2_CRIT_DF5
+    target_probs, draft_probs, fixed = _toy_rows(deterministic)
+    counts = _emitted_counts(draft_probs, target_probs, 12000, rejection_accept, fixed)
+    _assert_every_position_follows_the_target(counts, target_probs)
 
 
-def test_the_statistical_test_catches_a_wrong_resampling_rule():
-    """Resampling from p_t instead of the residual biases the output: the same test must fail."""
+def _resample_from_the_target(drafts, draft_probs, target_probs, gen):
+    """Resamples from p_t instead of the residual."""
+    for k, token in enumerate(drafts):
+        ratio = float(target_probs[k, token] / draft_probs[k, token])
+        if torch.rand((), generator=gen).item() >= min(1.0, ratio):
+            return k, int(torch.multinomial(target_probs[k], 1, generator=gen))
+    return len(drafts), int(torch.multinomial(target_probs[len(drafts)], 1, generator=gen))
 
-    def naive(drafts, draft_probs, target_probs, gen):
-        for k, token in enumerate(drafts):
-            ratio = float(target_probs[k, token] / draft_probs[k, token])
-            if torch.rand((), generator=gen).item() >= min(1.0, ratio):
-                return k, int(torch.multinomial(target_probs[k], 1, generator=gen))
-        return len(drafts), int(torch.multinomial(target_probs[len(drafts)], 1, generator=gen))
 
-    torch.manual_seed(1)
-    target_probs = torch.softmax(torch.randn(3, 6) * 1.5, dim=-1)
-    draft_probs = torch.softmax(torch.randn(2, 6) * 1.5, dim=-1)
-    counts = _first_token_counts(draft_probs, target_probs, 2, 12000, naive)
-    assert _chi_square(counts, target_probs[0]) > CHI2_CRIT_DF5
+def _bonus_from_the_first_row(drafts, draft_probs, target_probs, gen):
+    """Draws the bonus after a fully accepted block from row 0 instead of row n."""
+    accepted, token = rejection_accept(drafts, draft_probs, target_probs, gen)
+    if accepted == len(drafts):
+        token = int(torch.multinomial(target_probs[0], 1, generator=gen))
+    return accepted, token
+
+
+def _every_slot_against_the_first_row(drafts, draft_probs, target_probs, gen):
+    """Judges (and resamples) every slot against row 0."""
+    rows = target_probs.clone()
+    rows[: len(drafts)] = target_probs[0]
+    return rejection_accept(drafts, draft_probs, rows, gen)
+
+
+@pytest.mark.parametrize(("wrong_rule", "deterministic", "biased_index"), [
+    (_resample_from_the_target, False, 0),
+    (_bonus_from_the_first_row, False, 2),
+    (_bonus_from_the_first_row, True, 2),
+    (_every_slot_against_the_first_row, False, 1),
+    (_every_slot_against_the_first_row, True, 1),
+])  # fmt: skip
+def test_the_statistical_test_catches_a_wrong_rule(wrong_rule, deterministic, biased_index):
+    """Each wrong rule biases one output index: the same test must fail there."""
+    target_probs, draft_probs, fixed = _toy_rows(deterministic)
+    counts = _emitted_counts(draft_probs, target_probs, 12000, wrong_rule, fixed)
+    chi2, crit = _chi_square_by_position(counts, target_probs)[biased_index]
+    assert chi2 > crit
+    with pytest.raises(AssertionError, match=f"output index {biased_index} does not follow"):
+        _assert_every_position_follows_the_target(counts, target_probs)
 
 
 def reference_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -380,12 +464,15 @@ def test_rejection_sampling_with_top_k_and_top_p_preserves_the_filtered_target(d
     assert 2 <= int(support.sum()) <= 5
     if deterministic:
         assert not bool(support[2])  # the fixed draft (token 2) lies outside the target's support
+        reached = 1  # so slot 0 always rejects it
     else:
         assert bool((draft_probs[0] * ~support).sum() > 0.05)  # the draft puts mass where the target has none
-    counts = _first_token_counts(draft_probs, target_probs, 2, 12000, rejection_accept)
-    assert counts[~support].sum() == 0
-    chi2 = _chi_square(counts[support], target_probs[0][support])
-    assert chi2 < CHI2_CRIT_BY_DF[int(support.sum()) - 1], (counts, target_probs[0])
+        assert float((draft_probs[1] * (target_probs[1] > 0)).sum()) == 0  # slot 1's drafts: none at all
+        reached = 2
+    counts = _emitted_counts(draft_probs, target_probs, 12000, rejection_accept,
+                             [2, 2] if deterministic else None)  # fmt: skip
+    assert counts[reached:].sum() == 0, counts  # past a draft the target never emits, nothing
+    _assert_every_position_follows_the_target(counts[:reached], target_probs[:reached])
 
 
 def test_greedy_drafting_under_sampling_proposes_the_drafts_argmax_as_deterministic_drafts(target, draft):

@@ -7,9 +7,18 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from trainer_helpers import tiny_model_config
 
+from draftforge.train import bench_train as bt
 from draftforge.train.bench_train import main, step_flops
 from draftforge.train.model import DSparkDraft
 from draftforge.train.objective import dspark_objective
+
+
+@pytest.fixture
+def keep_threads():
+    """The benchmark sets torch's process-wide intra-op threads: give the next test its own back."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
 
 
 def test_vocabulary_flops_match_what_the_fused_objective_executes():
@@ -44,12 +53,10 @@ def test_backbone_flops_by_hand():
     assert flops["step"] == 3 * flops["forward"] - fc  # fc's input (the features) has no gradient
 
 
-def test_a_whole_step_executes_the_counted_flops_but_attention():
+def test_a_whole_step_executes_the_counted_flops_but_attention(keep_threads):
     """torch's FLOP counter on one real trainer step (float32, eager objective) sees every
     matmul; its total is the count's, less attention, which the counter does not see in
     CPU SDPA. fc counts twice, not three times: the features need no gradient."""
-    from draftforge.train import bench_train as bt
-
     torch.set_num_threads(1)
     args = bt._parser().parse_args(["--seq", "64", "--anchors", "4", "--steps", "1", "--warmup", "0",
                                     "--compile", "off", "--threads", "1", "--dtype", "float32",
@@ -63,12 +70,39 @@ def test_a_whole_step_executes_the_counted_flops_but_attention():
     assert executed == counted["step"] - 3 * counted["attention"]
 
 
-def test_bench_train_prints_a_machine_readable_last_line(capsys):
+def test_bench_train_prints_a_machine_readable_last_line(capsys, keep_threads):
     assert main(["--seq", "48", "--anchors", "4", "--steps", "1", "--warmup", "1", "--threads", "1"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     fields = dict(item.split("=") for item in last.split())
     assert set(fields) == {"train_mfu", "step_tokens_s"}
     assert 0 < float(fields["train_mfu"]) < 1.5 and float(fields["step_tokens_s"]) > 0
+
+
+def test_train_mfu_is_the_step_flops_over_seconds_over_the_neighbouring_peak(capsys, keep_threads, monkeypatch):
+    """Fixed step times and matmul peaks: each timed step's MFU is its whole step's FLOPs
+    (forward and backward) / its seconds / the higher of the peaks measured just before and
+    just after it, and train_mfu is their median."""
+    anchors = [[3, 10]]  # one sequence, 2 anchors of block 8: 16 block tokens a step
+    cfg, _ = bt._model_config(bt._parser().parse_args([]))
+    flops = step_flops(cfg, seq=48, anchors=anchors)["step"]
+    assert flops > step_flops(cfg, seq=48, anchors=anchors)["forward"] * 2  # the forward alone: ~1/3
+    seconds = [9.0, 0.5, 1.0, 2.0]  # one warm-up step, then three timed ones
+    peaks = iter([flops, 4 * flops, 2 * flops, 0.8 * flops])  # before the first timed step, after each
+
+    def steps(cfg, recipe, args):
+        for s in seconds:
+            yield s, 1.0, anchors
+
+    monkeypatch.setattr(bt, "train_steps", steps)
+    monkeypatch.setattr(bt, "matmul_peak", lambda **_: next(peaks))
+    assert main(["--seq", "48", "--anchors", "2", "--steps", "3", "--warmup", "1", "--threads", "1",
+                 "--device", "cpu", "--dtype", "float32"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # step peaks max(1, 4) = 4, max(4, 2) = 4, max(2, 0.8) = 2 (x FLOPs): MFU F / 0.5 s / 4F = 0.5,
+    # F / 1 s / 4F = 0.25, F / 2 s / 2F = 0.25; the median 0.25; 16 tokens in the median 1 s
+    assert [line.rsplit("MFU ", 1)[1] for line in lines if line.startswith("  step") and "MFU" in line] == [
+        "0.500", "0.250", "0.250"]
+    assert lines[-1] == "train_mfu=0.250 step_tokens_s=16.0"
 
 
 def test_bench_train_runs_on_the_recipes_threads_and_reports_per_step_mfu(capsys):
