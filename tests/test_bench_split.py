@@ -205,3 +205,24 @@ def test_bench_split_runs_the_three_phases(tmp_path):
     assert set(fields) == {"split_efficiency", "trainer_idle", "target_idle"}
     assert float(fields["split_efficiency"]) > 0
     assert all(0 <= float(fields[k]) <= 1 for k in ("trainer_idle", "target_idle"))
+
+
+def test_a_stream_that_ends_before_phase_3_is_done_says_so():
+    """split.max_epochs can end the data before phase 3's steps: the rank used to die with a
+    bare StopIteration from inside a list comprehension."""
+    from draftforge.errors import InputError
+    from draftforge.splitserve.bench_split import _recorded_steps
+
+    class Trainer:
+        steps = 0
+
+        def train_step(self, micro):
+            self.steps += 1
+
+    trainer = Trainer()
+    with pytest.raises(InputError) as err:
+        _recorded_steps(trainer, iter([[], [], []]), steps=3, grad_accum=2)
+    assert trainer.steps == 1
+    assert str(err.value) == (
+        "bench split: the data ended after 1 of the 3 steps phase 3 needs (split.max_epochs, or "
+        "too few samples); add data, drop split.max_epochs or lower --steps")
