@@ -72,7 +72,14 @@ def preflight(cfg) -> None:
     from draftforge.splitserve.producer import load_source_conversations
     from draftforge.train import checkpoint as ckpt
 
-    found = ckpt.find_resume(Path(cfg.train.output_dir), cfg.train.resume)
+    run_dir = Path(cfg.train.output_dir)
+    existing = next((p for p in (run_dir, *run_dir.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        from draftforge.errors import InputError
+
+        where = "is a file" if existing == run_dir else f"is under {existing}, a file"
+        raise InputError(f"train.output_dir: {run_dir} {where}; name a folder for the run")
+    found = ckpt.find_resume(run_dir, cfg.train.resume)
     if found is not None:
         model_config = _model_config(cfg)
         ckpt.read_checked_state(found, model_config=model_config)
@@ -230,12 +237,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         env[RESTART_ENV] = str(attempt)
         status = start()
     if status != 0:
-        print(
-            f"draftforge train: the job failed (exit status {status}); the messages above name "
-            f"the failing rank. Rerun the same command to resume from the newest checkpoint in "
-            f"{cfg.train.output_dir} (train.resume={cfg.train.resume}).",
-            file=sys.stderr,
-        )
+        from pathlib import Path
+
+        from draftforge.train import checkpoint as ckpt
+
+        if ckpt.find_resume(Path(cfg.train.output_dir), "auto") is not None:
+            then = (f"Rerun the same command to resume from the newest checkpoint in "
+                    f"{cfg.train.output_dir} (train.resume={cfg.train.resume}).")
+        else:
+            then = "No checkpoint was written: once the cause is fixed, the same command starts over."
+        print(f"draftforge train: the job failed (exit status {status}); the messages above name "
+              f"the failing rank. {then}", file=sys.stderr)
     return status
 
 

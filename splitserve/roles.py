@@ -94,6 +94,11 @@ def split_problems(
             "split: comm_backend nccl / target_devices / trainer_devices need CUDA GPUs and none "
             "is visible; remove them to run on CPU (gloo)"
         )
+    if train.device == "cuda" and cuda_devices == 0:
+        problems.append(
+            "train.device: cuda, but no CUDA GPU is visible on this machine; use train.device=cpu "
+            "(or auto, which takes a GPU when there is one)"
+        )
     nccl = comm_backend(cfg, gpus_visible=cuda_devices > 0) == "nccl"
     per_node = (world_size or split.world_size) // split.num_nodes
     if nccl and cuda_devices and split.target_devices is None and split.trainer_devices is None \

@@ -117,7 +117,15 @@ def host_store(host: str = LOOPBACK):
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
-    listener.bind((host, 0))
+    try:
+        listener.bind((host, 0))
+    except OSError as exc:  # an unknown name, or an address of another machine
+        listener.close()
+        from draftforge.errors import InputError
+
+        raise InputError(
+            f"--master-addr {host}: the rendezvous cannot listen there ({exc.strerror or exc}); "
+            "give an address of this machine (default 127.0.0.1)") from None
     listener.listen(1024)
     port = listener.getsockname()[1]
     store = dist.TCPStore(

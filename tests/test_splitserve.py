@@ -322,6 +322,60 @@ def test_split_errors_name_the_recipe_line_or_the_override(tmp_path):
     assert caught.value.problems[0].startswith(f"{recipe}:{line_of['split']}: split.world_size: ")
 
 
+def test_setup_mistakes_are_refused_before_any_rank_starts(tmp_path, capsys):
+    """Each of these ended in a rank's or the launcher's traceback, followed by advice to
+    rerun the same command to resume: a trainer on cuda without a GPU, an output_dir that is
+    a file or under one, and a --master-addr this machine cannot listen on."""
+    from draftforge.cli import main as cli_main
+    from draftforge.errors import InputError
+    from draftforge.splitserve.launch import preflight
+    from draftforge.splitserve.supervisor import host_store
+
+    recipe = tiny_recipe(tmp_path)
+    with pytest.raises(RecipeError) as caught:
+        check_split(load_recipe(recipe, ["train.device=cuda"]), world_size=2, cuda_devices=0)
+    assert caught.value.problems == [
+        "command line 'train.device=cuda': train.device: cuda, but no CUDA GPU is visible on this "
+        "machine; use train.device=cpu (or auto, which takes a GPU when there is one)"]
+    check_split(load_recipe(recipe, ["train.device=cuda"]), world_size=2, cuda_devices=2)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a run")
+    for out, where in ((a_file, "is a file"), (a_file / "run", f"is under {a_file}, a file")):
+        with pytest.raises(InputError) as err:
+            preflight(load_recipe(recipe, [f"train.output_dir={out}"]))
+        assert str(err.value) == f"train.output_dir: {out} {where}; name a folder for the run"
+    for host in ("no-such-host.invalid", "192.0.2.1"):  # unresolvable; TEST-NET, not this machine
+        with pytest.raises(InputError, match=f"^--master-addr {host}: the rendezvous cannot listen "
+                           r"there \(.+\); give an address of this machine \(default 127.0.0.1\)$"):
+            host_store(host)
+    assert cli_main(["train", str(recipe), "--master-addr", "no-such-host.invalid"]) == 2
+    err = capsys.readouterr().err
+    assert "--master-addr no-such-host.invalid: the rendezvous cannot listen there" in err
+    assert "Traceback" not in err
+
+
+def test_a_failed_job_offers_to_resume_only_from_a_checkpoint(tmp_path, capsys, monkeypatch):
+    """A job that failed before its first checkpoint has nothing to resume from: the launcher
+    says the command starts over; with a checkpoint it says where it resumes."""
+    from draftforge.splitserve.launch import main as train_main
+
+    recipe = tiny_recipe(tmp_path)
+    monkeypatch.setattr("draftforge.splitserve.launch.run_ranks", lambda *a, **k: 1)
+    assert train_main([str(recipe)]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "draftforge train: the job failed (exit status 1); the messages above name the failing "
+        "rank. No checkpoint was written: once the cause is fixed, the same command starts over.")
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000004"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "COMPLETE").write_text("")
+    (checkpoint / "trainer_state.json").write_text("{}")
+    monkeypatch.setattr("draftforge.splitserve.launch.preflight", lambda cfg: None)
+    assert train_main([str(recipe)]) == 1
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"Rerun the same command to resume from the newest checkpoint in {tmp_path / 'run'} "
+        "(train.resume=auto).")
+
+
 # --------------------------------------------------------------------------- dry run
 
 
