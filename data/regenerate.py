@@ -534,6 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not prompts:
                 raise RegenerationError(f"data.train_files {cfg.data.train_files} hold no prompts; "
                                         "nothing to answer")
+            device, tensor_parallel = target_placement(args.device, cfg)  # before any folder
             out = regenerated_path(cfg.data, cfg.train.output_dir)
             if out.is_dir():
                 raise RegenerationError(f"data.regenerated_file {out} is a folder; give a .jsonl file path")
@@ -546,7 +547,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             from draftforge.splitserve.target import build_target, target_name
 
-            device, tensor_parallel = target_placement(args.device, cfg)
             num_batches = -(-len(prompts) // cfg.target.generation.batch_size)
             workers, threads = worker_plan(args.workers, args.threads, device=device,
                                            backend=cfg.target.backend, cores=usable_cores(),

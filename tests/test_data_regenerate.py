@@ -424,6 +424,13 @@ def test_cli_main_reports_data_errors(tmp_path, capsys):
     status = regen_module.main([str(recipe), f"data.train_files=['{data}']",
                                 f"data.regenerated_file={blocked}/sub/out.jsonl"])
     assert status == 2 and "its folder cannot be made" in capsys.readouterr().err
+    # a device that cannot be used is refused before the output's folder is made
+    out = tmp_path / "made" / "answers.jsonl"
+    status = regen_module.main([str(recipe), f"data.train_files=['{data}']", "--device", "tpu",
+                                f"data.regenerated_file={out}"])
+    err = capsys.readouterr().err
+    assert status == 2 and "'tpu' is not a device" in err and "prompts ->" not in err, err
+    assert not out.parent.exists()
 
 
 @pytest.mark.integration
