@@ -383,6 +383,24 @@ def test_export_cli_on_a_full_disk_says_where_and_why_in_one_line(tmp_path, monk
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no partial folder left
 
 
+def test_a_checkpoint_exports_into_its_own_run_wherever_the_command_runs(tmp_path, monkeypatch):
+    """Without --out, a checkpoint folder exports to <its run>/export: the recipe's
+    train.output_dir (runs/tiny-debug, relative) would put it under whatever folder the
+    command runs from."""
+    from pathlib import Path
+
+    from draftforge.cli import main
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000004"
+    _write_checkpoint(checkpoint, tiny_draft())
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert main(["export", str(checkpoint), "--recipe", str(recipe)]) == 0
+    assert (tmp_path / "run" / "export" / "config.json").is_file()
+    assert not (tmp_path / "elsewhere" / "runs").exists()
+
+
 def test_push_to_hub_offline_fails_clearly(tmp_path, monkeypatch, capsys):
     from draftforge.cli import main
 

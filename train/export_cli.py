@@ -73,7 +73,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     out = args.out or export_cfg.out_dir
     if out is None:
-        base = run_dir or (Path(output_dir) if output_dir else None)
+        # a checkpoint's run is the folder above its checkpoints/, wherever this runs from
+        # (train.output_dir may be relative to where training ran)
+        of_checkpoint = source.parent.parent if source.is_dir() and source.parent.name == "checkpoints" else None
+        base = run_dir or of_checkpoint or (Path(output_dir) if output_dir else None)
         if base is None:
             raise InputError("draftforge export: give --out DIR (no recipe or run directory to derive it from)")
         out = base / "export"
