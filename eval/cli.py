@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
@@ -155,6 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"eval: target.backend {target_cfg.backend!r} is for training; the evaluator runs "
               "the same weights in transformers", flush=True)
         target_cfg = target_cfg.model_copy(update={"backend": "hf"})
+    # refused now, not after minutes of decoding, when the report or calibration is written
+    _check_output_paths(args.out, args.calibrate)
     _warn_replacing(Path(args.out))
     draft_cfg, load_draft = _draft_loader(args.draft)
     _check_fit(draft_cfg, target_cfg, args.draft)
@@ -257,6 +260,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"eval: report in {Path(args.out)} ({', '.join(p.name for p in paths.values())})")
     print(f"eval_dir={Path(args.out)} {summary}")
     return 0
+
+
+def _check_output_paths(out: str, calibrate: str | None) -> None:
+    """Refuse an ``--out`` folder or a ``--calibrate`` file that cannot be written, naming the
+    option, the path and what is wrong."""
+    out_path = Path(out).expanduser()
+    if out_path.is_symlink() and not out_path.exists():
+        raise InputError(f"--out {out}: a symbolic link to nothing ({os.readlink(out_path)}); give a folder")
+    if out_path.exists() and not out_path.is_dir():
+        raise InputError(f"--out {out}: is a file, not a folder; give a folder for the report")
+    _check_folder_writable(out_path, "--out", out)
+    if calibrate is not None:
+        cal_path = Path(calibrate).expanduser()
+        if cal_path.is_dir():
+            raise InputError(f"--calibrate {calibrate}: is a folder; give the path of the JSON file "
+                             f"to write, e.g. {cal_path / 'calibration.json'}")
+        _check_folder_writable(cal_path.parent, "--calibrate", calibrate)
+
+
+def _check_folder_writable(folder: Path, option: str, given: str) -> None:
+    """``folder``, or the nearest existing one above it (where the missing ones would be made),
+    is a folder this process may write in."""
+    existing = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise InputError(f"{option} {given}: {existing} is a file, not a folder, so nothing can be "
+                         "written under it")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"{option} {given}: cannot write in {existing} (no permission)")
 
 
 def _warn_replacing(out: Path) -> None:

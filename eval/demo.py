@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from draftforge import argtypes
 from draftforge.cores import usable_cores
 from draftforge.files import write_atomic
 from draftforge.precision import cpu_bf16_flags
@@ -77,7 +78,15 @@ DFLASH_OVERRIDES = (
 
 
 class DemoError(RuntimeError):
-    """A stage failed or the outputs on disk belong to another run; the message says what to do."""
+    """A stage failed or the outputs on disk belong to another run; the message says what to do.
+
+    ``exit_status`` is the demo's: 2 when the input is at fault (outputs of another run or
+    recipe, an option that cannot apply, a stage that itself refused its input with 2), as for
+    every draftforge command; 1 for a failure."""
+
+    def __init__(self, message: str, *, exit_status: int = 1):
+        super().__init__(message)
+        self.exit_status = exit_status
 
 
 @dataclass(frozen=True)
@@ -195,8 +204,15 @@ def run_stage(name: str, args: Sequence[str], *, env: dict[str, str] | None = No
     if status != 0:
         raise DemoError(
             f"stage '{name}' failed (exit status {status}): draftforge {shlex.join(args)}\n"
-            "The messages above say why; fix it and rerun the demo (finished stages are skipped)."
+            "The messages above say why; fix it and rerun the demo (finished stages are skipped).",
+            exit_status=_passed_on(status),
         )
+
+
+def _passed_on(*statuses: int) -> int:
+    """The demo's exit status for failed stages: 2 when every one refused its input (status 2),
+    else 1."""
+    return 2 if all(status == 2 for status in statuses) else 1
 
 
 def _stop_stage(proc: subprocess.Popen, why: BaseException) -> None:
@@ -271,7 +287,8 @@ def run_side_by_side(jobs: dict[str, Sequence[str]], log_dir: Path, *, parallel:
             f"log {log_dir / (label + '.log')}"
             for label, status in failures
         )
-        raise DemoError(f"evaluation failed: {details}")
+        raise DemoError(f"evaluation failed: {details}",
+                        exit_status=_passed_on(*(status for _, status in failures)))
 
 
 def _finish(label: str, proc: subprocess.Popen, thread: threading.Thread, failures: list) -> None:
@@ -353,7 +370,8 @@ def check_same_recipe(run_dir: Path, expected_yaml: str, what: str) -> None:
         raise DemoError(
             f"{run_dir} holds a {what} run of a different recipe ({saved} resolved, line {first + 1}: "
             f"{line(old)!r}; this demo: {line(new)!r}). Rerun with --force to train again from "
-            "scratch (it deletes that run), or move the folder away."
+            "scratch (it deletes that run), or move the folder away.",
+            exit_status=2,
         )
 
 
@@ -408,7 +426,7 @@ def _remove(path: Path, keep: Sequence[Path]) -> None:
     for other in keep:
         other = other.resolve()
         if resolved == other or resolved in other.parents:
-            raise DemoError(f"--force would delete {path}, which holds {other}; refusing")
+            raise DemoError(f"--force would delete {path}, which holds {other}; refusing", exit_status=2)
     print(f"    --force: removing {path}")
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
@@ -600,16 +618,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--num-prompts",
-        type=int,
+        type=argtypes.positive_int,
         help="prompts per workload (default: the recipe's eval.num_prompts, "
         f"or {FALLBACK_NUM_PROMPTS} when it is unset)",
     )
     parser.add_argument(
         "--max-new-tokens",
-        type=int,
+        type=argtypes.positive_int,
         help="tokens generated per prompt (default: the recipe's eval.max_new_tokens)",
     )
-    parser.add_argument("--workloads",
+    parser.add_argument("--workloads", type=argtypes.names(WORKLOADS),
                         help=f"comma-separated subset of {','.join(WORKLOADS)} (default: the recipe's "
                         "eval.workloads)")  # fmt: skip
     parser.add_argument(
@@ -634,11 +652,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``draftforge demo``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    if (args.num_prompts is not None and args.num_prompts <= 0) or (
-        args.max_new_tokens is not None and args.max_new_tokens <= 0
-    ):
-        raise SystemExit("draftforge demo: --num-prompts and --max-new-tokens must be positive")
+    args = build_parser().parse_args(argv)  # a wrong option: argparse's usage error, status 2
     # SIGTERM unwinds like Ctrl-C, so the running stage (a whole training job) is stopped too
     with unwinding_on_sigterm("\ndraftforge demo",
                               "rerun the same command to continue (finished stages are skipped)"):
@@ -646,7 +660,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_demo(args, command=" ".join(["draftforge demo", *map(shlex.quote, argv)]))
         except DemoError as err:
             print(f"\ndraftforge demo: {err}", file=sys.stderr)
-            return 1
+            return err.exit_status
 
 
 def _check_answers_file(cfg) -> None:
@@ -657,7 +671,7 @@ def _check_answers_file(cfg) -> None:
     try:
         load_source_conversations(cfg)
     except RegenerationError as err:
-        raise DemoError(f"{err}\n(or rerun the demo with --force to start over)") from None
+        raise DemoError(f"{err}\n(or rerun the demo with --force to start over)", exit_status=2) from None
 
 
 def run_demo(args: argparse.Namespace, *, command: str) -> int:
@@ -672,18 +686,7 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
     dflash_cfg = load_recipe(recipe, dflash_overrides(paths))
     args.num_prompts = args.num_prompts or cfg.eval.num_prompts or FALLBACK_NUM_PROMPTS
     args.max_new_tokens = args.max_new_tokens or cfg.eval.max_new_tokens
-    workloads = (
-        [w.strip() for w in args.workloads.split(",") if w.strip()]
-        if args.workloads
-        else list(cfg.eval.workloads)
-    )
-    unknown = sorted(set(workloads) - set(WORKLOADS))
-    if unknown or not workloads:
-        given = f"--workloads {args.workloads!r}" if args.workloads else f"the recipe's eval.workloads {workloads}"
-        raise SystemExit(
-            f"draftforge demo: {given}: {f'unknown {unknown}' if unknown else 'none given'}; "
-            f"valid: {', '.join(WORKLOADS)}"
-        )
+    workloads = args.workloads or list(cfg.eval.workloads)  # checked by argparse, the recipe by its schema
     stages = Stages(total=6)
     print(
         f"draftforge demo: recipe {recipe} (target {cfg.target.model} in {cfg.target.dtype}, "
@@ -744,7 +747,8 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
             found = complete_checkpoints(run_dir)
             if not found:
                 raise DemoError(
-                    f"--skip-train: {run_dir} has no complete checkpoint; train it first"
+                    f"--skip-train: {run_dir} has no complete checkpoint; train it first",
+                    exit_status=2,
                 )
             done = found[-1]
             stages.skip(f"--skip-train: using the unfinished run's newest checkpoint {done}")

@@ -151,7 +151,11 @@ def test_demo_runs_every_stage_then_skips_them(tmp_path):
     assert b"embed_tokens.weight" in header
 
 
-def test_demo_refuses_answers_written_for_other_settings(tmp_path):
+@pytest.mark.parametrize("setting,old_value,says", [
+    ("temperature", 1.0, "temperature: file 1.0, this run 0.7"),
+    ("max_new_tokens", 8, "max_new_tokens: file 8, this run 16"),
+])
+def test_demo_refuses_answers_written_for_other_settings(tmp_path, setting, old_value, says):
     from draftforge.config import load_recipe
     from draftforge.data.loading import load_prompts
     from draftforge.data.regenerate import regenerate
@@ -167,7 +171,7 @@ def test_demo_refuses_answers_written_for_other_settings(tmp_path):
         "data.num_samples": 4,
     })  # fmt: skip
     cfg = load_recipe(recipe)
-    old = cfg.target.generation.model_copy(update={"temperature": 1.0})
+    old = cfg.target.generation.model_copy(update={setting: old_value})
     answers = tmp_path / "run" / "regenerated.jsonl"
     regenerate(load_prompts(cfg.data).conversations, Engine(), old, answers, progress=False)
     before = answers.read_bytes()
@@ -176,8 +180,9 @@ def test_demo_refuses_answers_written_for_other_settings(tmp_path):
         cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
         timeout=120,
     )  # fmt: skip
-    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
-    assert "temperature: file 1.0, this run 0.7" in done.stderr
+    # another run's answers are an input error, as draftforge train says of them (status 2)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert says in done.stderr
     assert "--force" in done.stderr
     assert "$ draftforge" not in done.stdout  # no stage ran
     assert answers.read_bytes() == before and not (tmp_path / "run" / "checkpoints").exists()
@@ -197,8 +202,9 @@ def test_a_run_saved_before_an_option_existed_is_the_same_recipe(tmp_path, monke
     demo.check_same_recipe(tmp_path, expected, "DSpark")
     # a value that differs is another recipe
     saved.write_text(expected.replace("  markov_init: random\n", "  markov_init: bigram\n"))
-    with pytest.raises(demo.DemoError, match="markov_init: bigram"):
+    with pytest.raises(demo.DemoError, match="markov_init: bigram") as info:
         demo.check_same_recipe(tmp_path, expected, "DSpark")
+    assert info.value.exit_status == 2  # another recipe's run in the way: an input error
     # how it is evaluated or exported is not what it was trained as
     evaluated = load_recipe(ROOT / "recipes" / "smollm2-cpu.yaml", ["eval.num_prompts=20",
                                                                    "export.with_embeddings=true"])
@@ -242,3 +248,65 @@ def test_the_table_dates_both_evaluations_when_they_ran_apart():
     assert measured_when(stamp("2026-12-01 23:25"), stamp("2026-12-02 00:59")) == (
         "2026-12-01 23:25 UTC (DSpark evaluation), 2026-12-02 00:59 UTC (DFlash evaluation)"
     )
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--workloads", "humanevl"], "argument --workloads: unknown 'humanevl'; valid: humaneval, mtbench, gsm8k"),
+    (["--workloads", ","], "argument --workloads: unknown empty list"),
+    (["--num-prompts", "0"], "argument --num-prompts: must be at least 1, got 0"),
+    (["--max-new-tokens", "-2"], "argument --max-new-tokens: must be at least 1, got -2"),
+])
+def test_demo_refuses_a_wrong_option_with_status_2(tmp_path, capsys, argv, message):
+    """They exited 1, the status of a failure, where every draftforge command says 2."""
+    from draftforge.cli import main
+
+    recipe = tiny_recipe(tmp_path, steps=STEPS)
+    with pytest.raises(SystemExit) as info:
+        main(["demo", str(recipe), *argv])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_demo_options_that_cannot_apply_exit_2(tmp_path, capsys):
+    from draftforge.cli import main
+
+    recipe = tiny_recipe(tmp_path, steps=STEPS)
+    assert main(["demo", str(recipe), "--skip-train"]) == 2
+    assert f"--skip-train: {tmp_path / 'run'} has no complete checkpoint" in capsys.readouterr().err
+    # --force would delete the run folder, which holds the recipe
+    inside = tiny_recipe(tmp_path, steps=STEPS, overrides={"train.output_dir": str(tmp_path)})
+    assert main(["demo", str(inside), "--force"]) == 2
+    assert f"--force would delete {tmp_path}, which holds {inside}; refusing" in capsys.readouterr().err
+    assert inside.is_file()
+
+
+def test_a_stage_that_refuses_its_input_makes_the_demo_exit_2(tmp_path):
+    """The stage's status 2 (here: draftforge train, a data file that does not exist) is the
+    demo's too; it was 1."""
+    recipe = tiny_recipe(tmp_path, steps=STEPS, overrides={"data.train_files": [str(tmp_path / "nosuch.jsonl")]})
+    done = subprocess.run(
+        [PYTHON, "-m", "draftforge", "demo", str(recipe), "--num-prompts", "1", "--max-new-tokens", "4"],
+        cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"data file not found: {tmp_path / 'nosuch.jsonl'}" in done.stderr
+    assert "stage 'train DSpark' failed (exit status 2)" in done.stderr
+
+
+@pytest.mark.parametrize("statuses,demo_status", [((2,), 2), ((1,), 1), ((3,), 1), ((2, 2), 2), ((2, 3), 1)])
+def test_a_stages_status_2_passes_through_and_any_other_failure_is_1(tmp_path, monkeypatch, statuses, demo_status):
+    """Status 2 (the stage refused its input) is passed on; a real failure (1, or 3: greedy
+    output not lossless) stays 1, also when it ran beside a refusal."""
+    import sys
+
+    from draftforge.eval import demo
+
+    monkeypatch.setattr(demo, "draftforge_command",
+                        lambda *args: [sys.executable, "-c", f"import sys; sys.exit({args[0]})"])
+    with pytest.raises(demo.DemoError) as info:
+        demo.run_stage("a stage", [str(statuses[0])])
+    assert info.value.exit_status == (2 if statuses[0] == 2 else 1)
+    jobs = {f"job{i}": [str(status)] for i, status in enumerate(statuses)}
+    with pytest.raises(demo.DemoError, match="evaluation failed") as info:
+        demo.run_side_by_side(jobs, tmp_path / "logs", parallel=True)
+    assert info.value.exit_status == demo_status

@@ -385,3 +385,53 @@ def test_another_target_than_the_recipes_is_checked_against_its_own_shape(recipe
               "--prompts-file", str(prompts), "--out", str(tmp_path / "r")])  # fmt: skip
     message = str(info.value)
     assert "smollm2-135m-instruct" in message and "target.shape" not in message, message
+
+
+def test_unwritable_out_and_calibrate_paths_are_refused_before_the_target_loads(
+        recipe_path, tmp_path, capsys, monkeypatch):
+    """They were refused only when written, after every workload was decoded, by an OSError
+    that named neither option."""
+    import draftforge.splitserve.target as target_module
+    from draftforge.cli import main
+    from draftforge.eval import cli
+
+    export_dir, prompts = _tiny_export_and_prompts(recipe_path, tmp_path)
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded before --out and --calibrate were checked")
+
+    monkeypatch.setattr(target_module, "build_target", no_target)
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    a_folder = tmp_path / "folder"
+    a_folder.mkdir()
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "gone")
+    base = ["eval", str(export_dir), "--recipe", str(recipe_path), "--prompts-file", str(prompts),
+            "--max-new-tokens", "4"]
+    cases = [
+        (["--out", str(a_file)], f"--out {a_file}: is a file, not a folder"),
+        (["--out", str(a_file / "sub")], f"--out {a_file / 'sub'}: {a_file} is a file, not a folder"),
+        (["--out", str(dangling)], f"--out {dangling}: a symbolic link to nothing"),
+        (["--out", str(tmp_path / "r"), "--calibrate", str(a_folder)],
+         f"--calibrate {a_folder}: is a folder; give the path of the JSON file"),
+        (["--out", str(tmp_path / "r"), "--calibrate", str(a_file / "cal.json")],
+         f"--calibrate {a_file / 'cal.json'}: {a_file} is a file, not a folder"),
+    ]
+    for extra, message in cases:
+        assert main([*base, *extra]) == 2, extra
+        assert f"draftforge eval: error: {message}" in capsys.readouterr().err, extra
+    assert a_file.read_text() == "x" and not (tmp_path / "r").exists()
+
+    # a folder it may not write in (checked by permission, which root has everywhere)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = cli.os.access
+    monkeypatch.setattr(cli.os, "access", lambda p, mode: Path(p) != locked and real_access(p, mode))
+    assert main([*base, "--out", str(locked / "new" / "report")]) == 2
+    assert f"--out {locked / 'new' / 'report'}: cannot write in {locked} (no permission)" in capsys.readouterr().err
+    assert main([*base, "--out", str(tmp_path / "r"), "--calibrate", str(locked / "cal.json")]) == 2
+    assert f"--calibrate {locked / 'cal.json'}: cannot write in {locked}" in capsys.readouterr().err
+    # folders that do not exist yet are made when written: accepted
+    cli._check_output_paths(str(tmp_path / "a" / "b"), str(tmp_path / "c" / "d" / "cal.json"))
+    cli._check_output_paths(str(a_folder), str(a_file))  # an existing report folder, a calibration replaced
