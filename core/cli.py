@@ -96,13 +96,13 @@ COMMANDS: tuple[Command, ...] = (
         ("export",),
         "draftforge.train.export_cli:main",
         "write the SGLang / llama.cpp DSpark folder from a checkpoint",
-        "RUN_DIR_OR_CHECKPOINT --out DIR",
+        "RUN_DIR_OR_CHECKPOINT [--out DIR]",
     ),
     Command(
         ("eval",),
         "draftforge.eval.cli:main",
         "speculative decoding with the target vs no-draft and n-gram baselines",
-        "DRAFT_DIR --target NAME_OR_DIR",
+        "DRAFT_DIR [--target NAME_OR_DIR] [--recipe RECIPE]",
     ),
     Command(
         ("eval", "compare"),

@@ -1,4 +1,4 @@
-"""``draftforge export RUN_DIR_OR_CHECKPOINT --out DIR``: write the folder SGLang and llama.cpp load.
+"""``draftforge export RUN_DIR_OR_CHECKPOINT [--out DIR]``: write the folder SGLang and llama.cpp load.
 
 ``--arch`` chooses between the two DSpark architectures only (Qwen3DSparkModel,
 LingDSparkModel). The DFlash ablation (markov_rank 0) has no DSpark export:
