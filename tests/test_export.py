@@ -98,6 +98,7 @@ def test_default_export_writes_no_embeddings_and_a_model_card(tmp_path):
     card = (out / "README.md").read_text()
     assert "--speculative-algorithm DSPARK" in card and "--speculative-num-draft-tokens 5" in card
     assert "--spec-type draft-dspark --spec-draft-n-max 4" in card
+    assert "Add the flags the target itself needs to be served" in card  # tp size, remote code
     assert "--spec-draft-p-min P" in card  # tiny_draft has a confidence head
     plain = export_draft(tiny_draft(enable_confidence_head=False, confidence_head_with_markov=False),
                          tmp_path / "plain", progress=lambda _: None)  # fmt: skip

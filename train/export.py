@@ -397,7 +397,9 @@ def _serving_section(config: dict) -> list[str]:
             "python convert_hf_to_gguf.py THIS_DIR --target-model-dir TARGET   # llama.cpp",
             f"llama-server -m TARGET.gguf -md THIS.gguf --spec-type draft-dspark --spec-draft-n-max {gamma}",
         ]
-    lines += ["```", ""]
+    lines += ["```", "",
+              "Add the flags the target itself needs to be served (its tensor-parallel size, "
+              "`--trust-remote-code` where its model code ships with the checkpoint).", ""]
     if blockers:
         lines += [f"SGLang only: llama.cpp cannot run this draft ({'; '.join(blockers)}).", ""]
         return lines
