@@ -255,6 +255,26 @@ def test_resume_repeats_an_uninterrupted_run_exactly(tmp_path):
     assert [json.loads(line)["step"] for line in lines] == list(range(1, 11))
 
 
+def test_resume_refuses_another_rope_theta_or_rms_norm_eps_and_accepts_a_longer_context(tmp_path):
+    """rope_theta and rms_norm_eps change what the trained weights predict, so a checkpoint
+    resumed under other values is refused with both named (another rope_theta used to be
+    accepted silently); max_position_embeddings changes no weight or prediction and may grow."""
+    _run(tmp_path, chain_samples(30), steps=4)  # checkpoint at step 4
+
+    def resume(**model):
+        return Trainer(model_config=tiny_model_config(**model), embeddings=target_embeddings(),
+                       train=train_config(steps=8, resume="auto", checkpoint_interval=4),
+                       run_dir=tmp_path, recipe_yaml="name: test\n").resume()
+
+    with pytest.raises(ckpt.CheckpointError) as info:
+        resume(rope_theta=1e6, rms_norm_eps=1e-5)
+    message = str(info.value)
+    assert "was written for a different draft" in message
+    assert "rope_theta: checkpoint 10000.0, this recipe 1000000.0" in message
+    assert "rms_norm_eps: checkpoint 1e-06, this recipe 1e-05" in message
+    assert resume(max_position_embeddings=1024).step == 4
+
+
 def test_resume_ignores_incomplete_checkpoints(tmp_path):
     samples = chain_samples(60)
     _run(tmp_path, samples, steps=10)  # checkpoints 4, 8, 10

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import socket
 import subprocess
@@ -72,9 +73,9 @@ def launch(tmp_path: Path, name: str, *, world: int, trainer_ranks: list[int], t
     return result
 
 
-def _single_on_union(tmp_path: Path, train: dict, num_trainers: int):
+def _single_on_union(tmp_path: Path, train: dict, num_trainers: int, *, nan_ids: tuple[int, ...] = ()):
     """One process, each step on the union of what the trainers saw at that step."""
-    batches = pack(chain_samples(NUM_SAMPLES), BUDGET)
+    batches = pack(chain_samples(NUM_SAMPLES, nan_ids=nan_ids), BUDGET)
     merged = [sum(batches[i:i + num_trainers], []) for i in range(0, len(batches), num_trainers)]
     merged = [m for m in merged if len(m) > 0]
     records = []
@@ -176,6 +177,39 @@ def test_deepspeed_skips_a_step_where_one_rank_saw_a_non_finite_loss(tmp_path):
     assert losses[1].isnan() and losses[[0, 2, 3]].isfinite().all()
     state = load_file(str(tmp_path / "ds-nan.json") + ".safetensors")
     assert all(torch.isfinite(v).all() for v in state.values())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                    reason="deepspeed is not installed (DS_BUILD_OPS=0 pip install deepspeed==0.19.8)")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_with_accumulation_skips_only_the_step_with_a_non_finite_loss(tmp_path, stage):
+    """grad_accum 2, a NaN feature in rank 0's second micro-batch of step 2: that step is skipped
+    and counted, the run goes on and ends with a checkpoint (it used to stop with a RuntimeError,
+    and a resume met the same sample again), and the other steps equal one process on the union,
+    which skips the same step: nothing of the bad step leaks into the next one (ZeRO-3 used to
+    accumulate step 3 onto its NaN gradient and skip that step too)."""
+    from draftforge.train import checkpoint as ckpt
+
+    train = dict(strategy="deepspeed", zero_stage=stage, dtype="float32", steps=4,
+                 num_anchors=ALL_ANCHORS, grad_accum=2, max_bad_steps=3)
+    poisoned = pack(chain_samples(NUM_SAMPLES), BUDGET)[6][0].sample_id  # rank 0, step 2, micro 2
+    nan_ids = (int(poisoned[1:]),)
+    multi = launch(tmp_path, f"zero{stage}-nan", world=2, trainer_ranks=[0, 1], train=train,
+                   timeout=240, nan_ids=list(nan_ids))
+    records, state = _single_on_union(tmp_path, dict(train, strategy="single"), 2, nan_ids=nan_ids)
+    assert multi["skipped"] == [False, True, False, False] == [r["skipped"] for r in records]
+    assert multi["stopped_reason"] == "steps_done" and multi["steps"] == [1, 2, 3, 4]
+    assert math.isnan(multi["losses"][1]) and poisoned in multi["sample_ids"][1]
+    good = [0, 2, 3]
+    torch.testing.assert_close(torch.tensor([multi["losses"][i] for i in good]),
+                               torch.tensor([records[i]["loss"] for i in good]), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.tensor([multi["grad_norms"][i] for i in good]),
+                               torch.tensor([records[i]["grad_norm"] for i in good]), rtol=1e-4, atol=1e-5)
+    for name, value in state.items():
+        torch.testing.assert_close(multi["state"][name].float(), value.float(), rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    final = tmp_path / f"zero{stage}-nan" / "checkpoints" / "step_00000004"
+    assert ckpt.read_checked_state(final)["skipped_steps"] == 1
 
 
 def test_fsdp2_resume_refuses_metadata_that_would_run_code(tmp_path):

@@ -10,12 +10,17 @@ from __future__ import annotations
 from draftforge.errors import InputError
 
 # Fields of a draft's DSparkConfig that must agree for weights to be reused:
-# everything that shapes a tensor or changes what the draft predicts.
+# everything that shapes a tensor or changes what the draft predicts (rope_theta sets
+# the RoPE frequencies, rms_norm_eps every norm). Left out: max_position_embeddings,
+# which changes no weight and no prediction (RoPE is computed from the positions, there
+# is no position table); it only bounds the anchor positions inference accepts, so a
+# run may resume with a longer limit.
 SHAPE_FIELDS = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "intermediate_size", "target_hidden_size", "num_target_layers",
     "target_layer_ids", "head_dim", "block_size", "mask_token_id", "markov_rank",
     "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
+    "rope_theta", "rms_norm_eps",
 )  # fmt: skip
 
 

@@ -296,8 +296,8 @@ class Trainer:
         """Forward + backward of one micro-batch; adds its metrics (a non-finite loss as a
         flag) to ``sums``.
 
-        Nothing here waits for the device except DeepSpeed's finiteness vote: the
-        non-finite flag stays a device tensor until the optimizer step reads ``sums``.
+        Nothing here waits for the device: the non-finite flag stays a device tensor
+        until the optimizer step reads ``sums``.
         """
         batch, anchors, anchor_valid = prepared
         batch = batch.to(self.device)
@@ -314,8 +314,8 @@ class Trainer:
             # Backward even when non-finite: every rank must join the gradient
             # collectives; the optimizer step then discards the gradients.
             scaled.backward()
-        elif self._deepspeed_backward(scaled, not bool(nonfinite), micro):
-            nonfinite = torch.ones_like(nonfinite)
+        else:
+            self._deepspeed_backward(scaled, sums[8] + nonfinite.to(sums.device), micro)
         valid = out.valid.float()
         gamma = valid.shape[1]
         blocks = out.valid[:, 0]
@@ -329,43 +329,50 @@ class Trainer:
         ]).to(sums.device)
         sums[: STEP_SCALARS + 2 * gamma] += parts.detach()
 
-    def _deepspeed_backward(self, scaled: torch.Tensor, finite: bool, micro: int) -> bool:
-        """DeepSpeed backward; returns True when some rank's loss is not finite (no backward then).
+    def _deepspeed_backward(self, scaled: torch.Tensor, bad_so_far: torch.Tensor, micro: int) -> None:
+        """DeepSpeed backward of one micro-batch; ``bad_so_far`` (a device scalar) is > 0 when this
+        rank's loss was not finite at this or an earlier micro-batch of the step.
 
-        DeepSpeed reduces gradients inside backward and cannot discard them
-        afterwards, so the ranks agree on finiteness first. A non-finite
-        micro-batch is skipped cleanly only without accumulation.
+        DeepSpeed reduces and accumulates gradients inside backward and cannot discard them
+        afterwards; what it can do is drop an update whose gradient norm is not finite, and
+        then clear everything it accumulated for the step (ZeRO-2 and ZeRO-3 alike). So every
+        micro-batch runs its backward (every rank joins every collective), and at the last one
+        the ranks agree whether any loss of the step was non-finite: if so, every rank
+        backwards that micro-batch's loss times NaN, which makes the step's gradient
+        non-finite everywhere, and :meth:`_optimizer_step` lets ``engine.step()`` drop it. A
+        finite step is multiplied by exactly 1.0 (bit for bit the same). The vote is one small
+        all-reduce a step on a device tensor: nothing waits for the host.
         """
-        bad = torch.tensor([0.0 if finite else 1.0], device=self._comm_device())
-        D.all_reduce(bad, group=self.group, op=dist.ReduceOp.MAX)
-        if bad.item() > 0:
-            if self.train.grad_accum > 1:
-                raise RuntimeError(
-                    f"non-finite loss at step {self.step + 1} under train.strategy=deepspeed with "
-                    "train.grad_accum > 1, which cannot skip a step; resume from the last checkpoint "
-                    "with a lower train.lr, or use fsdp2"
-                )
-            return True
-        self.engine.set_gradient_accumulation_boundary(micro == self.train.grad_accum - 1)
+        last = micro == self.train.grad_accum - 1
+        if last:
+            bad = bad_so_far.detach().clone()
+            D.all_reduce(bad, group=self.group, op=dist.ReduceOp.MAX)
+            scaled = scaled * torch.where(bad > 0, float("nan"), 1.0).to(scaled.device)
+        self.engine.set_gradient_accumulation_boundary(last)
         self.engine.backward(scaled, scale_wrt_gas=False)
-        return False
 
-    def _zero_grad(self) -> None:
-        if self.engine is not None:
-            self.engine.zero_grad()
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
+    def _zero_grad(self) -> None:  # single and fsdp2; DeepSpeed clears its own in engine.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def _optimizer_step(self, sums: torch.Tensor) -> tuple[float, bool]:
         """Clip and step unless a rank saw a non-finite loss or the norm is not finite."""
-        if sums[8].item() > 0:
-            self._zero_grad()
-            return float("nan"), False
+        loss_bad = sums[8].item() > 0
         if self.engine is not None:
-            self.engine.step()  # DeepSpeed skips the update itself when the norm is not finite
+            # Always through DeepSpeed: it drops an update whose norm is not finite and clears
+            # the step's accumulated gradients. A step with a non-finite loss arrives here with a
+            # non-finite gradient (see _deepspeed_backward).
+            self.engine.step()
             norm = self.engine.get_global_grad_norm()
             norm = float(norm) if norm is not None else float("nan")
-            return norm, math.isfinite(norm)
+            if loss_bad and math.isfinite(norm):
+                raise RuntimeError(
+                    f"internal error at step {self.step + 1}: a rank's loss was not finite, but "
+                    f"DeepSpeed reported a finite gradient norm ({norm}) and applied the update"
+                )
+            return (float("nan"), False) if loss_bad else (norm, math.isfinite(norm))
+        if loss_bad:
+            self._zero_grad()
+            return float("nan"), False
         norm = D.clip_grad_norm(parameters=self.parameters, max_norm=self.train.max_grad_norm).item()
         if not math.isfinite(norm):
             self._zero_grad()
@@ -560,7 +567,9 @@ class Trainer:
         )
 
     def full_state_dict(self, *, every_rank: bool = True) -> dict[str, torch.Tensor]:
-        """The full (unsharded) model state on CPU, fp32 master weights (collective).
+        """The full (unsharded) model state on CPU (collective): the trainable weights are the
+        fp32 masters under every strategy; the frozen embedding and lm_head are bf16 under bf16
+        single and deepspeed (they have no master), fp32 under fsdp2.
 
         Every trainer rank gets it, or with ``every_rank=False`` trainer rank 0 only (the
         others join the gather and return ``{}``: no full CPU copy on ranks that discard it).
@@ -582,13 +591,36 @@ class Trainer:
             # cpu_offload would keep the result on global rank 0 only, which may not train.
             options = StateDictOptions(full_state_dict=True, cpu_offload=False)
             return on_cpu(get_model_state_dict(self.model, options=options), fresh=True)
-        if self.engine is not None and self.train.zero_stage == 3:
-            import deepspeed
-
-            params = list(self.model.parameters())
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                return on_cpu(self.model.state_dict())
+        if self.engine is not None:
+            return self._deepspeed_full_state(on_cpu)
         return on_cpu(self.model.state_dict())
+
+    def _deepspeed_full_state(self, on_cpu) -> dict[str, torch.Tensor]:
+        """The frozen weights as the module holds them, the trainable ones from the optimizer's
+        fp32 masters (under bf16 the module holds only bf16 copies of them). One collective
+        per trainable parameter, in the same order on every rank (ZeRO-2 and ZeRO-3)."""
+        import deepspeed
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        masters: dict[str, torch.Tensor] = {}
+        by_id: dict[int, torch.Tensor] = {}
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            if not param.requires_grad:
+                continue
+            if id(param) not in by_id:
+                full = safe_get_full_fp32_param(param)
+                if full is None:
+                    raise RuntimeError(f"internal error: DeepSpeed holds no fp32 master weight for {name}")
+                by_id[id(param)] = full
+            masters[name] = by_id[id(param)]
+        if self.train.zero_stage == 3:  # the frozen weights are partitioned too
+            frozen = [p for p in self.model.parameters() if not p.requires_grad]
+            with deepspeed.zero.GatheredParameters(frozen, modifier_rank=None):
+                state = on_cpu({k: v for k, v in self.model.state_dict().items() if k not in masters})
+        else:
+            state = on_cpu({k: v for k, v in self.model.state_dict().items() if k not in masters})
+        state.update(on_cpu(masters, fresh=True))
+        return state
 
     def _summary(self, result: FitResult, window: list[dict], first_slots, tokens: int, elapsed: float) -> dict:
         def mean(key):
