@@ -109,7 +109,9 @@ class TrainConfig(Section):
         default=0.04, ge=0, lt=1, description="linear warmup, as a fraction of steps; then cosine"
     )
     min_lr_ratio: float = Field(default=0.0, ge=0, le=1, description="cosine floor, as a fraction of lr")
-    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay")
+    weight_decay: float = Field(
+        default=0.0, ge=0, description="AdamW weight decay of the matrices (norm gains and other vectors are not decayed)"
+    )
     adam_beta1: float = Field(default=0.9, ge=0, lt=1, description="AdamW beta1")
     adam_beta2: float = Field(default=0.999, ge=0, lt=1, description="AdamW beta2")
     adam_eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon")
