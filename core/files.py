@@ -16,6 +16,14 @@ from pathlib import Path
 
 
 def _umask() -> int:
+    """The process's umask, read where Linux shows it; setting it to read it (the fallback)
+    would leave umask 0 for a moment to any thread creating a file meanwhile."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     mask = os.umask(0)
     os.umask(mask)
     return mask

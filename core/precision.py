@@ -50,5 +50,8 @@ def resolve_dtype(setting: str, *, cuda: bool, cpuinfo: str | None = None) -> st
     if cuda:
         import torch
 
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+        # without emulation: torch's default also says yes on GPUs older than Ampere, which
+        # can hold a bf16 tensor but multiply it only emulated
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+        return "bfloat16" if native else "float32"
     return "bfloat16" if cpu_bf16_flags(cpuinfo) else "float32"

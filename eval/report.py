@@ -33,10 +33,17 @@ def _fmt(value, digits: int = 2) -> str:
     return f"{value:.{digits}f}"
 
 
-def decoding_line(settings: dict) -> str:
-    """How the run decoded, in words, from report.json's ``settings``."""
+def decoding_line(settings: dict, near_ties: int = 0) -> str:
+    """How the run decoded, in words, from report.json's ``settings``; ``near_ties``: the
+    greedy outputs whose lossless check stopped at a numerical near-tie."""
     if not settings.get("temperature"):
-        return "Decoding: greedy, every output checked identical to plain greedy decoding."
+        if not near_ties:
+            return "Decoding: greedy, every output checked identical to plain greedy decoding."
+        tolerance = settings.get("tie_tolerance")
+        below = f" (top-2 logit margin below {tolerance})" if tolerance is not None else ""
+        return (f"Decoding: greedy, every output checked identical to plain greedy decoding up to "
+                f"the end, except {near_ties} that diverged at a numerical near-tie{below} and are "
+                "identical up to it (not checked after it; report.json: lossless_near_ties).")
     cuts = ""
     if settings.get("top_k"):
         cuts += f", top-k {settings['top_k']}"
@@ -59,7 +66,7 @@ def markdown_table(
     if command:
         lines += [f"Command: `{command}`", ""]
     if settings is not None:
-        lines += [decoding_line(settings), ""]
+        lines += [decoding_line(settings, sum(r.near_ties for r in results)), ""]
     lines += [
         "| workload | method | acceptance length | tokens verified / round | tokens/s | speed-up | wall s |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",

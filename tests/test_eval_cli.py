@@ -294,6 +294,23 @@ def test_the_reports_decoding_line_names_each_sampling_setting():
     assert decoding_line({"temperature": 0.0}).startswith("Decoding: greedy")
 
 
+def test_the_report_does_not_call_outputs_identical_that_diverged_at_a_near_tie(monkeypatch):
+    """check_lossless stops at a divergence where plain decoding's top-2 margin is below the
+    tolerance; report.md said every output was identical all the same."""
+    from draftforge.eval.harness import WorkloadResult
+    from draftforge.eval.report import decoding_line, markdown_table
+
+    greedy = {"temperature": 0.0, "tie_tolerance": 0.001}
+    assert decoding_line(greedy) == "Decoding: greedy, every output checked identical to plain greedy decoding."
+    line = ("Decoding: greedy, every output checked identical to plain greedy decoding up to the end, "
+            "except 3 that diverged at a numerical near-tie (top-2 logit margin below 0.001) and are "
+            "identical up to it (not checked after it; report.json: lossless_near_ties).")
+    assert decoding_line(greedy, 3) == line
+    results = [WorkloadResult(name=name, num_prompts=0, near_ties=ties) for name, ties in (("a", 1), ("b", 2))]
+    monkeypatch.setattr("draftforge.eval.report.uncertainty_lines", lambda u: [])  # no rounds here
+    assert line in markdown_table(results, block_size=4, settings=greedy, intervals={})
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--top-p", "0"], "argument --top-p: must lie in (0, 1], got 0"),
     (["--top-k", "-1"], "argument --top-k: must be 0 or more, got -1"),

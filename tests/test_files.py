@@ -183,3 +183,15 @@ def test_the_evaluation_plots_on_a_full_disk_leave_no_temporary(tmp_path, monkey
     finally:
         plt.close(fig)
     assert path.read_bytes().startswith(b"\x89PNG") and os.listdir(tmp_path) == [path.name]
+
+
+def test_the_umask_is_read_without_changing_it(umask_027, monkeypatch):
+    """Setting the umask to read it leaves it 0 for a moment to other threads: on Linux it is
+    read from /proc/self/status, never set."""
+    from draftforge import files
+
+    def no_setting(mask):
+        raise AssertionError(f"os.umask({mask:o}) called")
+
+    monkeypatch.setattr(files.os, "umask", no_setting)
+    assert files._umask() == 0o027

@@ -50,7 +50,23 @@ def test_sections_made_in_code_resolve_auto_too():
     want = "bfloat16" if cpu_bf16_flags() else "float32"
     import torch
 
-    cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
     assert TargetConfig().dtype == ("bfloat16" if cuda_bf16 else want)  # on CUDA where there is one
     assert TrainConfig(device="cpu").dtype == want  # a CPU trainer: the CPU decides
     assert TrainConfig(device="cpu", dtype="bfloat16").dtype == "bfloat16"
+
+
+def test_auto_on_a_gpu_that_only_emulates_bf16_is_float32(monkeypatch):
+    """torch.cuda.is_bf16_supported() says yes on a pre-Ampere GPU (it can hold a bf16
+    tensor); auto must ask whether it multiplies bf16 natively."""
+    import torch
+
+    from draftforge.precision import resolve_dtype
+
+    def supported(including_emulation: bool = True) -> bool:  # a T4 (compute capability 7.5)
+        return including_emulation
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", supported)
+    assert resolve_dtype("auto", cuda=True) == "float32"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert resolve_dtype("auto", cuda=True) == "bfloat16"  # an A100, an H200
