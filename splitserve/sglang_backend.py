@@ -65,11 +65,15 @@ INSTALL_COMMAND = "pip install 'draftforge[sglang]'"
 # Ling-3.0-flash's BailingMoeV3 has only this one) or else set_dflash_layers_to_capture
 # (the input of layer i + 1, the same state); EAGLE3 uses set_eagle3_layers_to_capture
 # (also the input of layer i + 1), the only hook of Qwen2 and a dozen other classes.
-# Every one of them gives transformers' hidden_states[i + 1] for id i.
+# They give transformers' hidden_states[i + 1] for id i, except in the classes below, whose
+# DFlash hook captures before layer i (hidden_states[i], one layer early: SGLang maps the
+# ids of such a target itself in its own speculative code); they are refused. Some classes
+# refuse unsorted ids, so the runner asks for them ascending and reorders what comes back.
 CAPTURE_HOOKS = (
     ("DSPARK", ("set_dspark_layers_to_capture", "set_dflash_layers_to_capture")),
     ("EAGLE3", ("set_eagle3_layers_to_capture",)),
 )
+PRE_LAYER_CAPTURE = ("MuseGlimmerForCausalLM", "MuseGlimmerForConditionalGeneration")
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # The generation engine and the feature runner run side by side on the target rank's GPU,
 # each with its own copy of the weights and its own KV pool. SGLang makes an instance's
@@ -259,7 +263,14 @@ def features_from_packed(
 
 def capture_convention(model_cls: type) -> str:
     """The ``speculative_algorithm`` that makes SGLang's ``model_cls`` capture auxiliary
-    hidden states (see ``CAPTURE_HOOKS``); a clear error when it implements no hook."""
+    hidden states (see ``CAPTURE_HOOKS``); a clear error when it implements no hook, or
+    captures at other layers than the transformers backend does."""
+    if model_cls.__name__ in PRE_LAYER_CAPTURE:
+        raise RuntimeError(
+            f"SGLang's {model_cls.__name__} captures the state entering layer i, not leaving it "
+            "(one layer earlier than transformers' hidden_states[i + 1] that draftforge trains "
+            "on); use target.backend: hf for this model"
+        )
     for convention, hooks in CAPTURE_HOOKS:
         if any(hasattr(model_cls, hook) for hook in hooks):
             return convention
@@ -343,7 +354,7 @@ def runner_args(
         **_common_args(cfg, model_path, device, "runner", memory, weight_bytes, tp_size),
         "enable_return_aux_hidden_states": True,
         "speculative_algorithm": convention,
-        "return_aux_hidden_state_layer_ids": sglang_layer_ids(layer_ids),
+        "return_aux_hidden_state_layer_ids": captured_order(layer_ids),  # some classes refuse unsorted
         "max_total_tokens": max_total_tokens,
         "disable_cuda_graph": True,  # prefill only: no decode graphs to capture
         "disable_radix_cache": True,
@@ -624,13 +635,19 @@ class SGLangTarget:
         return read_weight(self.folder, ["model.embed_tokens.weight"]).to(self.device, self.dtype)
 
     def close(self) -> None:
-        """Stop the generation engine and the feature runner (both restart on next use)."""
-        if self._engine is not None:
-            self._engine.shutdown()
-            self._engine = None
-        if self._runner is not None:
-            self._runner.close()
-            self._runner = None
+        """Stop the feature runner, then the generation engine (both restart on next use).
+
+        In this order: SGLang's ``Engine.shutdown`` SIGKILLs every child of this process,
+        the runner's too, which then never stops cleanly. The engine is shut down even when
+        stopping the runner fails."""
+        runner, engine = self._runner, self._engine
+        self._runner = self._engine = None
+        try:
+            if runner is not None:
+                runner.close()
+        finally:
+            if engine is not None:
+                engine.shutdown()
 
     def _select_sglang_device(self) -> None:
         """SGLang's CPU path is chosen by this switch, read when sglang is first imported

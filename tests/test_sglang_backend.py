@@ -228,12 +228,47 @@ def test_the_capture_convention_is_the_one_the_model_class_implements():
     with pytest.raises(RuntimeError, match="SGLang's Bare implements none of set_dspark_layers_to_capture"):
         capture_convention(Bare)
 
+    class MuseGlimmerForCausalLM:  # its DFlash hook captures entering layer i: one layer early
+        def set_dflash_layers_to_capture(self, ids): ...
+
+    with pytest.raises(RuntimeError, match="captures the state entering layer i, not leaving it"):
+        capture_convention(MuseGlimmerForCausalLM)
+
+
+def test_close_stops_the_runner_before_the_engine_kills_its_children():
+    """SGLang's Engine.shutdown SIGKILLs every child of the process, the feature runner's
+    too: the runner is stopped first, and the engine is shut down even if that fails."""
+    from draftforge.splitserve.sglang_backend import SGLangTarget
+
+    calls = []
+
+    class Part:
+        def __init__(self, name, fail=False):
+            self.name, self.fail = name, fail
+
+        def close(self):
+            calls.append(self.name)
+            if self.fail:
+                raise RuntimeError("runner would not stop")
+
+        shutdown = close
+
+    target = SGLangTarget.__new__(SGLangTarget)
+    target._runner, target._engine = Part("runner"), Part("engine")
+    target.close()
+    assert calls == ["runner", "engine"] and target._runner is None and target._engine is None
+    calls.clear()
+    target._runner, target._engine = Part("runner", fail=True), Part("engine")
+    with pytest.raises(RuntimeError, match="would not stop"):
+        target.close()
+    assert calls == ["runner", "engine"] and target._runner is None and target._engine is None
+
 
 def test_server_args_from_config():
     cfg = TargetConfig(model="/m", dtype="float32", generation=GenerationConfig(seed=4))
     args = runner_args(cfg, "/m", LAYERS, device=torch.device("cuda", 3), max_total_tokens=4096,
                        convention="DSPARK", memory=GpuMemory(free=80 * GIB, total=80 * GIB))
-    assert args["return_aux_hidden_state_layer_ids"] == LAYERS  # SGLang reorders; we undo it
+    assert args["return_aux_hidden_state_layer_ids"] == [0, 2, 3]  # ascending; we reorder back
     assert args["enable_return_aux_hidden_states"] is True
     assert args["speculative_algorithm"] == "DSPARK"
     assert (args["base_gpu_id"], args["device"], args["dtype"]) == (3, "cuda", "float32")
