@@ -65,6 +65,15 @@ def split_problems(
             f"{len(trainers)} trainer ranks {trainers}; use train.strategy fsdp2 or deepspeed, or "
             "list one trainer rank"
         )
+    if cfg.target.backend == "sglang":
+        from draftforge.splitserve.sglang_backend import RUNNER_TOKENS
+
+        if split.feature_batch_size * cfg.data.max_length > RUNNER_TOKENS:
+            problems.append(
+                f"split.feature_batch_size: {split.feature_batch_size} rows of up to "
+                f"data.max_length {cfg.data.max_length} tokens exceed the SGLang feature "
+                f"runner's KV pool of {RUNNER_TOKENS} tokens; lower one of them"
+            )
     if split.target_tensor_parallel > 1 and cfg.target.backend == "hf":
         problems.append(
             f"split.target_tensor_parallel: {split.target_tensor_parallel} needs a tensor-parallel "

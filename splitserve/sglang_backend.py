@@ -74,6 +74,9 @@ CAPTURE_HOOKS = (
     ("EAGLE3", ("set_eagle3_layers_to_capture",)),
 )
 PRE_LAYER_CAPTURE = ("MuseGlimmerForCausalLM", "MuseGlimmerForConditionalGeneration")
+# The feature runner's KV pool in tokens: a features batch (split.feature_batch_size rows of
+# up to data.max_length) must fit in it whole; the recipe check refuses a split that would not.
+RUNNER_TOKENS = 65536
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # The generation engine and the feature runner run side by side on the target rank's GPU,
 # each with its own copy of the weights and its own KV pool. SGLang makes an instance's
@@ -534,7 +537,7 @@ class SGLangTarget:
         *,
         name: str | None = None,
         device: str | torch.device = "cpu",
-        max_total_tokens: int = 65536,
+        max_total_tokens: int = RUNNER_TOKENS,
         tensor_parallel: int = 1,
     ) -> None:
         require_sglang()

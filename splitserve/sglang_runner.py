@@ -111,7 +111,8 @@ class FeatureRunner:
         if total > self.max_total_tokens:
             raise ValueError(
                 f"a features batch of {total} tokens exceeds the SGLang runner's KV pool of "
-                f"{self.max_total_tokens} tokens; send smaller batches"
+                f"{self.max_total_tokens} tokens; lower split.feature_batch_size (rows per batch) "
+                "or data.max_length"
             )
         runner = self.runner
         reqs = []

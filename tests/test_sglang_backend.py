@@ -737,3 +737,21 @@ def test_cpu_ranks_beyond_the_numa_nodes_get_an_explicit_thread_binding():
     assert cpu_threads_bind(2, cpus=[0, 1, 2, 3], numa_nodes=2) is None  # SGLang's default holds
     assert cpu_threads_bind(1, cpus=[0], numa_nodes=0) is None
     assert numa_node_count() >= 1
+
+
+def test_a_features_batch_larger_than_the_runners_pool_is_refused_with_the_recipe():
+    """The runner's KV pool holds 65,536 tokens: 9 rows of 8192 (the Ling recipe with one
+    more row a batch) failed only when the first batch reached it, on the GPUs."""
+    from pathlib import Path
+
+    from draftforge.config import RecipeError, load_recipe
+    from draftforge.splitserve.roles import check_split
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "ling3-flash-dspark.yaml"
+    check_split(load_recipe(recipe), cuda_devices=8)  # 8 x 8192: exactly the pool
+    with pytest.raises(RecipeError) as err:
+        check_split(load_recipe(recipe, ["split.feature_batch_size=9"]), cuda_devices=8)
+    assert err.value.problems == [
+        "command line 'split.feature_batch_size=9': split.feature_batch_size: 9 rows of up to "
+        "data.max_length 8192 tokens exceed the SGLang feature runner's KV pool of 65536 tokens; "
+        "lower one of them"]
