@@ -67,14 +67,18 @@ WORKLOADS = ("humaneval", "mtbench", "gsm8k")
 FALLBACK_NUM_PROMPTS = 8
 # DFlash = the same draft without the Markov and confidence heads, trained on pure
 # cross-entropy. Everything else (data, steps, anchors, lr, layers) stays the recipe's.
+# (No Markov head, so no bigram start either; and no KL term, whatever the recipe sets.)
 DFLASH_OVERRIDES = (
     "draft.markov_rank=0",
     "draft.enable_confidence_head=false",
     "draft.confidence_head_with_markov=false",
+    "train.markov_init=random",
     "train.loss.ce_weight=1",
     "train.loss.tv_weight=0",
     "train.loss.bce_weight=0",
+    "train.loss.kl_weight=0",
 )
+ANSWERS_STAMP = "demo-answers.json"  # in each run folder: the digest of the answers it trained on
 
 
 class DemoError(RuntimeError):
@@ -407,6 +411,34 @@ def eval_is_current(eval_dir: Path, args: Sequence[str], newer_than: Path, setti
 EXPORT_STAMP = "demo-export.json"  # in the DSpark run folder: the command of the export stage
 
 
+def checkpoint_step(checkpoint: Path) -> int:
+    """The step of a ``step_00000360`` checkpoint folder."""
+    return int(checkpoint.name.removeprefix("step_"))
+
+
+def _digest(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _check_trained_on(run_dir: Path, answers: str | None, what: str) -> None:
+    """Refuse a run trained (or being trained) on other answers than the file holds now: the
+    file was regenerated since (another machine's threads give other answers in bf16). Runs
+    from before the record are not checked."""
+    try:
+        recorded = json.loads((run_dir / ANSWERS_STAMP).read_text()).get("sha256")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return
+    if answers is not None and recorded != answers:
+        raise DemoError(
+            f"{run_dir}: the {what} draft was trained on other answers than the regenerated file "
+            "holds now (it was written again since); rerun the demo with --force to train on "
+            "these answers",
+            exit_status=2,
+        )
+
+
 def export_is_current(paths, export_args: Sequence[str], checkpoint: Path) -> bool:
     """The export folder was written by exactly this command after the draft's last checkpoint."""
     stamp = paths.run_dir / EXPORT_STAMP
@@ -563,8 +595,16 @@ def demo_markdown(
     num_prompts: int,
     max_new_tokens: int,
     block_size: int,
+    trained: dict[str, int] | None = None,
 ) -> str:
-    """demo.md: the table with the command, date, machine and what the numbers mean."""
+    """demo.md: the table with the command, date, machine and what the numbers mean;
+    ``trained``: the steps of the checkpoint each draft was evaluated at (``--skip-train``
+    may evaluate an unfinished run)."""
+    steps = cfg.train.steps
+    budget = f"Both drafts: {steps} steps of the recipe"
+    if trained and any(n != steps for n in trained.values()):
+        budget = ("Drafts evaluated at " + ", ".join(f"{what} step {n}" for what, n in trained.items())
+                  + f" of the recipe's {steps} (--skip-train: an unfinished run; not the full budget)")
     taus = (_training_tau(paths.run_dir), _training_tau(paths.dflash_dir))
     # when the evaluations finished (a rerun that skips every stage keeps those dates)
     measured = measured_when(_mtime(paths.eval_dir / "report.json"),
@@ -578,7 +618,7 @@ def demo_markdown(
             "",
             f"Target `{cfg.target.model}` (evaluated in float32), greedy decoding (checked lossless "
             f"against plain decoding), {num_prompts} prompts per workload, up to {max_new_tokens} new "
-            f"tokens, blocks of {block_size}. Both drafts: {cfg.train.steps} steps of the recipe in "
+            f"tokens, blocks of {block_size}. {budget} in "
             f"{cfg.train.dtype} (target features in {cfg.target.dtype}); "
             f"DFlash = the same recipe with `{' '.join(DFLASH_OVERRIDES)}`"
             + (
@@ -730,6 +770,7 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
         ("DFlash", paths.dflash_dir, dflash_cfg, dflash_overrides(paths)),
     )
     checkpoints: dict[str, Path] = {}
+    answers = _digest(paths.data_file) if paths.data_file is not None and paths.data_file.is_file() else None
     for what, run_dir, run_cfg, overrides in trainings:
         title = f"train the {what} draft ({run_cfg.train.steps} steps) into {run_dir}" + (
             " -- the ablation: no Markov or confidence head, cross-entropy only"
@@ -739,6 +780,8 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
         since = stages.banner(title)
         check_same_recipe(run_dir, run_cfg.to_yaml(), what)
         done = final_checkpoint(run_dir, run_cfg.train.steps)
+        if done is not None or args.skip_train:
+            _check_trained_on(run_dir, answers, what)
         if done is not None:
             stages.skip(f"finished: {done}")
         elif args.skip_train:
@@ -753,6 +796,10 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
             done = found[-1]
             stages.skip(f"--skip-train: using the unfinished run's newest checkpoint {done}")
         else:
+            if answers is not None:  # before it starts: a resumed training must not switch files
+                _check_trained_on(run_dir, answers, what)
+                run_dir.mkdir(parents=True, exist_ok=True)
+                write_atomic(run_dir / ANSWERS_STAMP, json.dumps({"sha256": answers}))
             run_stage(f"train {what}", ["train", recipe, *overrides])
             done = final_checkpoint(run_dir, run_cfg.train.steps)
             if done is None:
@@ -765,8 +812,9 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
 
     # 4. export
     since = stages.banner(f"export the DSpark draft to {paths.export_dir}")
-    export_args = [
-        "export", str(paths.run_dir), "--out", str(paths.export_dir), "--arch", cfg.export.arch,
+    export_args = [  # --recipe: the run's own config.yaml would keep what an edit since changed
+        "export", str(paths.run_dir), "--recipe", recipe, "--out", str(paths.export_dir),
+        "--arch", cfg.export.arch,
         "--max-shard-size-mb", str(cfg.export.max_shard_size_mb),
         *(["--with-embeddings"] if cfg.export.with_embeddings else []),
     ]  # fmt: skip
@@ -785,24 +833,25 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
         "--max-new-tokens", str(args.max_new_tokens),
     ]  # fmt: skip
     eval_args = ["eval", str(paths.export_dir), *common, "--out", str(paths.eval_dir)]
-    dflash_args = [
+    dflash_args = [  # no confidence head: a recipe's eval.verify threshold cannot apply
         "eval", str(paths.dflash_dir), *common, "--baselines", "none", "--no-estimate",
-        "--out", str(paths.dflash_eval_dir),
+        "--verify", "full", "--out", str(paths.dflash_eval_dir),
     ]  # fmt: skip
     parallel = usable_cores() >= 2
     since = stages.banner(
         f"evaluate on {', '.join(workloads)}: DSpark vs no draft and n-gram, and the DFlash "
         f"ablation ({'side by side, one thread each' if parallel else 'one after the other'})"
     )
-    # what draftforge eval takes from the recipe's eval section: an edit there means another evaluation
-    from_recipe = {"verify": cfg.eval.verify, "threshold": cfg.eval.confidence_threshold, "seed": cfg.eval.seed}
+    # what draftforge eval takes from the recipe's eval section and uses here: an edit there
+    # means another evaluation (the threshold only under threshold verification; the seed
+    # only where something is drawn: greedy DFlash without the estimate draws nothing)
+    from_recipe = {"verify": cfg.eval.verify, "seed": cfg.eval.seed, "baselines": list(cfg.eval.baselines)}
+    if cfg.eval.verify == "threshold":
+        from_recipe["threshold"] = cfg.eval.confidence_threshold
     jobs = {}
-    if not eval_is_current(paths.eval_dir, eval_args[1:], stamp,  # the export it evaluates
-                           {**from_recipe, "baselines": list(cfg.eval.baselines)}):  # fmt: skip
+    if not eval_is_current(paths.eval_dir, eval_args[1:], stamp, from_recipe):  # stamp: the export
         jobs["eval-dspark"] = eval_args
-    if not eval_is_current(
-        paths.dflash_eval_dir, dflash_args[1:], checkpoints["DFlash"] / "COMPLETE", from_recipe
-    ):
+    if not eval_is_current(paths.dflash_eval_dir, dflash_args[1:], checkpoints["DFlash"] / "COMPLETE"):
         jobs["eval-dflash"] = dflash_args
     if jobs:
         run_side_by_side(jobs, paths.log_dir, parallel=parallel and len(jobs) > 1)
@@ -825,6 +874,7 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
     text = demo_markdown(
         table, command=command, cfg=cfg, paths=paths, num_prompts=args.num_prompts,
         max_new_tokens=args.max_new_tokens, block_size=cfg.draft.block_size,
+        trained={what: checkpoint_step(path) for what, path in checkpoints.items()},
     )  # fmt: skip
     write_atomic(paths.table, text)
     stages.done(since)

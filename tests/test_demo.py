@@ -60,6 +60,12 @@ def test_demo_runs_every_stage_then_skips_them(tmp_path):
     # DSpark's Markov head started as the answers' bigram table; the ablation has none
     assert "markov_init: bigram" in (run / "config.yaml").read_text()
     assert "markov_init: random" in dflash_cfg
+    # each run records the answers it trained on (a rerun refuses them once rewritten)
+    import hashlib
+
+    digest = hashlib.sha256((run / "regenerated.jsonl").read_bytes()).hexdigest()
+    for run_dir in (run, dflash):
+        assert json.loads((run_dir / "demo-answers.json").read_text()) == {"sha256": digest}
     assert "DSpark's Markov head starts as the regenerated answers' bigram table" in out
     assert f"in float32, {STEPS} training steps per draft in float32)" in out  # the dtypes that ran
     # (d) the export, its model card holding the measured table
@@ -139,16 +145,32 @@ def test_demo_runs_every_stage_then_skips_them(tmp_path):
         data.setdefault(section, {})[key] = value
         recipe.write_text(yaml.safe_dump(data, sort_keys=False))
 
+    # the seed draws DSpark's estimate anchors; greedy DFlash without the estimate draws nothing
     edit("eval", "seed", 1)
     out, _ = _demo(recipe)
-    assert out.count("skipped:") == 4 and out.count("$ draftforge eval") == 2, out
+    assert out.count("skipped:") == 4 and out.count("$ draftforge eval") == 1, out
     assert json.loads((run / "eval" / "report.json").read_text())["settings"]["seed"] == 1
+    edit("eval", "confidence_threshold", 0.3)  # applies to threshold verification only
+    out, _ = _demo(recipe)
+    assert "$ draftforge" not in out, out
     edit("export", "with_embeddings", True)
     out, _ = _demo(recipe)
     assert "--with-embeddings" in out and out.count("$ draftforge eval") == 1, out
-    with (run / "export" / "model.safetensors").open("rb") as handle:
-        header = handle.read(int.from_bytes(handle.read(8), "little"))
-    assert b"embed_tokens.weight" in header
+
+    def exported():
+        with (run / "export" / "model.safetensors").open("rb") as handle:
+            return handle.read(int.from_bytes(handle.read(8), "little"))
+
+    assert b"embed_tokens.weight" in exported()
+    edit("export", "with_embeddings", False)  # back: the run's saved recipe still says true
+    out, _ = _demo(recipe)
+    assert "--with-embeddings" not in out and out.count("$ draftforge eval") == 1, out
+    assert b"embed_tokens.weight" not in exported()
+    # threshold verification: DSpark's evaluation takes it, DFlash (no confidence head) not
+    edit("eval", "verify", "threshold")
+    out, _ = _demo(recipe)
+    assert out.count("$ draftforge eval") == 1 and "--verify full" not in out.split("$ draftforge eval")[1], out
+    assert json.loads((run / "eval-dflash" / "report.json").read_text())["settings"]["verify"] == "full"
 
 
 @pytest.mark.parametrize("setting,old_value,says", [
@@ -231,6 +253,65 @@ def test_the_bigram_start_applies_only_where_the_draft_and_the_data_allow_it(tmp
     assert overrides == [] and "no regenerated answers" in why
     # what it returns is a recipe the checks accept
     assert load_recipe(recipe, ["train.markov_init=bigram"]).train.markov_init == "bigram"
+
+
+def test_the_dflash_ablation_is_pure_cross_entropy_whatever_the_recipe_adds(tmp_path):
+    """A recipe with the bigram start and a KL term: the ablation used to be refused (a
+    bigram start needs a Markov head) or to keep the KL term the demo calls absent."""
+    from draftforge.config import load_recipe
+    from draftforge.eval import demo
+
+    recipe = tiny_recipe(tmp_path, steps=STEPS, overrides={
+        "data.train_files": ["builtin:train-prompts"], "data.regenerate": True,
+        "train.markov_init": "bigram", "train.loss.kl_weight": 0.5,
+    })  # fmt: skip
+    cfg = load_recipe(recipe)
+    ablation = load_recipe(recipe, demo.dflash_overrides(demo.demo_paths(cfg)))
+    loss = ablation.train.loss
+    assert (loss.ce_weight, loss.tv_weight, loss.bce_weight, loss.kl_weight) == (1.0, 0.0, 0.0, 0.0)
+    assert ablation.train.markov_init == "random" and ablation.draft.markov_rank == 0
+    assert (ablation.train.steps, ablation.train.lr, ablation.train.seed) == (
+        cfg.train.steps, cfg.train.lr, cfg.train.seed)
+
+
+def test_a_run_trained_on_answers_written_again_since_is_refused(tmp_path):
+    """The answers file regenerated after a training (deleted, another machine's threads):
+    the finished training was skipped and its draft evaluated as if trained on them."""
+    from draftforge.eval import demo
+
+    run = tmp_path / "run"
+    run.mkdir()
+    demo._check_trained_on(run, "abc", "DSpark")  # a run from before the record: not checked
+    (run / demo.ANSWERS_STAMP).write_text(json.dumps({"sha256": "abc"}))
+    demo._check_trained_on(run, "abc", "DSpark")
+    with pytest.raises(demo.DemoError) as err:
+        demo._check_trained_on(run, "def", "DSpark")
+    assert err.value.exit_status == 2
+    assert str(err.value).startswith(f"{run}: the DSpark draft was trained on other answers")
+
+
+def test_the_table_says_when_a_draft_was_evaluated_before_the_end_of_its_training(monkeypatch):
+    """--skip-train evaluates an unfinished run's newest checkpoint: demo.md said 'Both
+    drafts: N steps' all the same."""
+    from pathlib import Path
+
+    from draftforge.config import load_recipe
+    from draftforge.eval import demo
+
+    cfg = load_recipe(ROOT / "recipes" / "tiny-debug.yaml")  # 20 steps
+    paths = demo.demo_paths(cfg.model_copy(update={"train": cfg.train.model_copy(
+        update={"output_dir": "/nonexistent/run"})}))
+
+    monkeypatch.setattr(demo, "measured_when", lambda *stamps: "then")  # no reports here
+
+    def text(trained):
+        return demo.demo_markdown("TABLE", command="c", cfg=cfg, paths=paths, num_prompts=2,
+                                  max_new_tokens=8, block_size=4, trained=trained)
+
+    assert "Both drafts: 20 steps of the recipe in" in text({"DSpark": 20, "DFlash": 20})
+    assert ("Drafts evaluated at DSpark step 20, DFlash step 10 of the recipe's 20 (--skip-train: "
+            "an unfinished run; not the full budget) in") in text({"DSpark": 20, "DFlash": 10})
+    assert demo.checkpoint_step(Path("run/checkpoints/step_00000360")) == 360
 
 
 def test_the_table_dates_both_evaluations_when_they_ran_apart():
