@@ -16,7 +16,10 @@ first step instead of learning it from random weights:
   row constant);
 - write its best rank-r approximation (randomised truncated SVD, seeded) into ``W1``
   and ``W2``; rows and columns of other tokens are zero, so those tokens get no
-  correction.
+  correction: a next token outside the table sits at its row's mean score (the
+  centring's zero), above the kept tokens that are rarer than average after that
+  previous token. Over the kept columns the centring changes nothing (softmax ignores
+  a row constant).
 - a ``gated`` head multiplies ``W1[prev]`` by ``sigmoid(gate_proj([h; W1[prev]]))``:
   its ``gate_proj`` is zeroed, so the gate is exactly 1/2 whatever the hidden state,
   and ``W2`` is doubled, so the head starts as the same table with the gate still in
