@@ -375,16 +375,12 @@ def _workload_prompts(name: str, target, target_cfg, num_prompts: int | None) ->
 def workload_texts(name: str, tokenizer, generation, num_prompts: int | None) -> list[str]:
     """The first ``num_prompts`` prompts of a workload (all when None), chat-templated as text
     with the recipe's ``target.generation`` settings (template, thinking mode)."""
+    from draftforge.data.tokenize import render
     from draftforge.data.workloads import load_workload
 
-    return [
-        tokenizer.apply_chat_template(
-            prompt.messages,
-            tokenize=False,
-            add_generation_prompt=True,
-            enable_thinking=generation.enable_thinking,
-            chat_template=generation.chat_template,
-        )
+    return [  # as training renders prompts: a tokenizer without a template is a clear error
+        render(tokenizer, prompt.messages, add_generation_prompt=True,
+               chat_template=generation.chat_template, enable_thinking=generation.enable_thinking)
         for prompt in load_workload(name)[: num_prompts or None]
     ]
 

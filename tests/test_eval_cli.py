@@ -452,3 +452,28 @@ def test_unwritable_out_and_calibrate_paths_are_refused_before_the_target_loads(
     # folders that do not exist yet are made when written: accepted
     cli._check_output_paths(str(tmp_path / "a" / "b"), str(tmp_path / "c" / "d" / "cal.json"))
     cli._check_output_paths(str(a_folder), str(a_file))  # an existing report folder, a calibration replaced
+
+
+def test_workload_prompts_need_a_chat_template_as_training_prompts_do():
+    """A tokenizer without a chat template: eval said what transformers says; now the same
+    input error as training (status 2), naming the setting to give."""
+    from draftforge.data.tokenize import ChatTemplateError
+    from draftforge.eval.cli import workload_texts
+    from draftforge.splitserve.config import GenerationConfig
+
+    class NoTemplate:
+        chat_template = None
+
+        def apply_chat_template(self, *args, **kwargs):
+            raise ValueError("Cannot use chat template functions because tokenizer.chat_template is not set")
+
+    with pytest.raises(ChatTemplateError, match="set target.generation.chat_template"):
+        workload_texts("gsm8k", NoTemplate(), GenerationConfig(), 1)
+
+    class Template(NoTemplate):
+        chat_template = "{{ messages[0]['content'] }}"
+
+        def apply_chat_template(self, messages, **kwargs):
+            return "<" + messages[0]["content"][:10] + ">"
+
+    assert workload_texts("gsm8k", Template(), GenerationConfig(), 2)[0].startswith("<")
