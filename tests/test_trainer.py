@@ -499,19 +499,3 @@ def test_deepspeed_counts_a_step_whose_gradient_is_not_finite_as_skipped(tmp_pat
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "RESULT max_bad_steps 1 2 True" in done.stdout, done.stdout[-2000:]
 
-
-def test_weight_decay_spares_norm_gains_and_other_vectors():
-    """AdamW decays the matrices only; without decay there is one group, as in checkpoints
-    written before the groups existed."""
-    from draftforge.train.trainer import decay_groups
-
-    matrix, table, gain = (torch.nn.Parameter(torch.ones(shape)) for shape in ((3, 4), (5, 2), (4,)))
-    groups = decay_groups([matrix, gain, table], 0.1)
-    assert [[id(p) for p in g["params"]] for g in groups] == [[id(matrix), id(table)], [id(gain)]]
-    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
-    optimizer = torch.optim.AdamW(groups, lr=0.5)
-    for p in (matrix, table, gain):
-        p.grad = torch.zeros_like(p)
-    optimizer.step()  # zero gradients: only the decay moves a weight, by lr * wd = 5 %
-    assert torch.allclose(matrix, torch.full_like(matrix, 0.95)) and torch.equal(gain, torch.ones(4))
-    assert len(decay_groups([matrix, gain], 0.0)) == 1

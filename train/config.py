@@ -110,7 +110,9 @@ class TrainConfig(Section):
     )
     min_lr_ratio: float = Field(default=0.0, ge=0, le=1, description="cosine floor, as a fraction of lr")
     weight_decay: float = Field(
-        default=0.0, ge=0, description="AdamW weight decay of the matrices (norm gains and other vectors are not decayed)"
+        default=0.0, ge=0,
+        description="AdamW weight decay, of every trainable parameter (norm gains included: "
+        "one parameter group, which checkpoints hold)",
     )
     adam_beta1: float = Field(default=0.9, ge=0, lt=1, description="AdamW beta1")
     adam_beta2: float = Field(default=0.999, ge=0, lt=1, description="AdamW beta2")

@@ -111,15 +111,6 @@ def _pick_device(setting: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def decay_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict]:
-    """AdamW's parameter groups: with weight decay, matrices decay and vectors (norm gains,
-    biases) do not, as usual; without it one group (the layout earlier checkpoints hold)."""
-    if weight_decay == 0:
-        return [{"params": params}]
-    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-
-
 class Trainer:
     """Builds the draft for one trainer rank and trains it; see the module docstring."""
 
@@ -200,8 +191,7 @@ class Trainer:
             D.shard_fsdp2(model=model, mesh=mesh,
                           param_dtype=torch.bfloat16 if self.bf16 else torch.float32)
         optimizer = torch.optim.AdamW(
-            decay_groups([p for p in model.parameters() if p.requires_grad], train.weight_decay),
-            lr=lr_at(0, train=train),
+            [p for p in model.parameters() if p.requires_grad], lr=lr_at(0, train=train),
             betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps,
             weight_decay=train.weight_decay,
             # One fused kernel per step on plain tensors; FSDP2/DeepSpeed keep their default.
