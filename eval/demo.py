@@ -422,6 +422,17 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def stamp_answers(run_dir: Path, answers: str, what: str) -> None:
+    """Record the answers a training is about to train on; a run that already has
+    checkpoints must have trained on these (a resume), one without any may start afresh."""
+    from draftforge.train.checkpoint import complete_checkpoints
+
+    if complete_checkpoints(run_dir):
+        _check_trained_on(run_dir, answers, what)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(run_dir / ANSWERS_STAMP, json.dumps({"sha256": answers}))
+
+
 def _check_trained_on(run_dir: Path, answers: str | None, what: str) -> None:
     """Refuse a run trained (or being trained) on other answers than the file holds now: the
     file was regenerated since (another machine's threads give other answers in bf16). Runs
@@ -797,9 +808,7 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
             stages.skip(f"--skip-train: using the unfinished run's newest checkpoint {done}")
         else:
             if answers is not None:  # before it starts: a resumed training must not switch files
-                _check_trained_on(run_dir, answers, what)
-                run_dir.mkdir(parents=True, exist_ok=True)
-                write_atomic(run_dir / ANSWERS_STAMP, json.dumps({"sha256": answers}))
+                stamp_answers(run_dir, answers, what)
             run_stage(f"train {what}", ["train", recipe, *overrides])
             done = final_checkpoint(run_dir, run_cfg.train.steps)
             if done is None:

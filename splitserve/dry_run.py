@@ -211,19 +211,23 @@ def activation_bytes(cfg: RecipeConfig, shape, anchors: int) -> tuple[float, flo
 
 
 def short_sample_note(cfg: RecipeConfig) -> str:
-    """How much more a trainer may need when micro-batches pack many short samples: the
-    estimate assumes samples of data.max_length, the packing allows ones of
-    data.min_loss_tokens + 1 tokens."""
+    """How much more a trainer may need when micro-batches pack many shorter samples: the
+    estimate assumes samples of data.max_length, the packing allows any from
+    data.min_loss_tokens + 1 tokens; the note gives the length that packs the most anchors."""
     from draftforge.splitserve.registry import resolve_target_shape
 
     shape = resolve_target_shape(cfg.target)
     full = anchors_per_micro_batch(cfg, cfg.data.max_length)
-    short = anchors_per_micro_batch(cfg, cfg.data.min_loss_tokens + 1)
+    # the most over every sample length the packing allows: it peaks near num_anchors + 1
+    # tokens (as many samples as fit, each with all its anchors), not at the shortest
+    lengths = range(cfg.data.min_loss_tokens + 1, cfg.data.max_length + 1)
+    short_len = max(lengths, key=lambda n: anchors_per_micro_batch(cfg, n), default=cfg.data.max_length)
+    short = anchors_per_micro_batch(cfg, short_len)
     if short <= full:
         return ""
     extra = sum(activation_bytes(cfg, shape, short)) - sum(activation_bytes(cfg, shape, full))
     return (f"    (above: samples of data.max_length, {full} anchors a micro-batch; samples of "
-            f"data.min_loss_tokens + 1 tokens could pack {short}: up to {extra / GIB:.3f} GiB more)")
+            f"{short_len} tokens could pack {short}: up to {extra / GIB:.3f} GiB more)")
 
 
 def _rope_note(cfg: RecipeConfig) -> str | None:

@@ -118,7 +118,7 @@ def _model_config(cfg) -> dict | None:
     from draftforge.train.config import build_dspark_config
 
     shape = resolve_target_shape(cfg.target)
-    if shape is None:
+    if shape is None or cfg.draft.rope_theta is None:  # unknown here: no guess to compare
         return None
     return build_dspark_config(cfg.draft, shape, vocab_size=shape.vocab_size).to_dict()
 
@@ -241,7 +241,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         from draftforge.train import checkpoint as ckpt
 
-        if ckpt.find_resume(Path(cfg.train.output_dir), "auto") is not None:
+        node = args.node_rank or 0
+        here = range(node * layout.nproc_per_node, (node + 1) * layout.nproc_per_node)
+        if not any(rank in cfg.split.trainer_ranks for rank in here):  # the trainers' node has them
+            then = (f"Rerun the same command on every node to resume from the newest checkpoint "
+                    f"in {cfg.train.output_dir} on the trainers' node (train.resume={cfg.train.resume}).")
+        elif ckpt.find_resume(Path(cfg.train.output_dir), "auto") is not None:
             then = (f"Rerun the same command to resume from the newest checkpoint in "
                     f"{cfg.train.output_dir} (train.resume={cfg.train.resume}).")
         else:

@@ -288,6 +288,17 @@ def test_a_run_trained_on_answers_written_again_since_is_refused(tmp_path):
         demo._check_trained_on(run, "def", "DSpark")
     assert err.value.exit_status == 2
     assert str(err.value).startswith(f"{run}: the DSpark draft was trained on other answers")
+    # before a training (re)starts: without a checkpoint nothing was trained, so the new
+    # answers are recorded; with one, a resume on other answers is refused
+    demo.stamp_answers(run, "def", "DSpark")
+    assert json.loads((run / demo.ANSWERS_STAMP).read_text()) == {"sha256": "def"}
+    checkpoint = run / "checkpoints" / "step_00000002"
+    checkpoint.mkdir(parents=True)
+    for name in ("COMPLETE", "trainer_state.json"):
+        (checkpoint / name).write_text("{}")
+    with pytest.raises(demo.DemoError, match="trained on other answers"):
+        demo.stamp_answers(run, "ghi", "DSpark")
+    demo.stamp_answers(run, "def", "DSpark")  # the same answers: a resume
 
 
 def test_the_table_says_when_a_draft_was_evaluated_before_the_end_of_its_training(monkeypatch):

@@ -236,6 +236,27 @@ def test_a_trainer_node_without_the_targets_config_refuses_to_guess_its_rope_bas
             train_main([TWO_NODE, *args, *rendezvous])
         assert "rope_theta" not in str(err.value) and "need CUDA GPUs" in str(err.value)
     assert not started
-    # the dry run plans the job anyway and says what training would do
+    # the dry run plans the job anyway and says what training would do; it compares a
+    # checkpoint with no guessed draft (10000 would call node 1's own checkpoints foreign)
+    from draftforge.splitserve.launch import _model_config
+
+    assert _model_config(load_recipe(ROOT / TWO_NODE)) is None
+    assert _model_config(declared)["rope_theta"] == 6e6
     assert train_main([TWO_NODE, "--dry-run"]) == 0
     assert "note: training would refuse: draft.rope_theta: the target's RoPE base" in capsys.readouterr().out
+
+
+def test_a_failed_node_without_trainers_points_to_the_trainers_checkpoints(tmp_path, capsys, monkeypatch):
+    """Checkpoints are written on the trainers' node: node 0 (the target here) has none of
+    them, and used to say the same command would start over."""
+    from splitserve_helpers import tiny_recipe
+
+    recipe = tiny_recipe(tmp_path, steps=3, overrides={"split.num_nodes": 2})
+    monkeypatch.setattr("draftforge.splitserve.launch.run_torchrun", lambda *a, **k: 1)
+    last = {}
+    for node in (0, 1):
+        assert train_main([str(recipe), "--node-rank", str(node), "--master-addr", "10.0.0.5"]) == 1
+        last[node] = capsys.readouterr().err.splitlines()[-1]
+    assert last[0].endswith(f"Rerun the same command on every node to resume from the newest "
+                            f"checkpoint in {tmp_path / 'run'} on the trainers' node (train.resume=auto).")
+    assert last[1].endswith("No checkpoint was written: once the cause is fixed, the same command starts over.")

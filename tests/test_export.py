@@ -99,6 +99,9 @@ def test_default_export_writes_no_embeddings_and_a_model_card(tmp_path):
     assert "--speculative-algorithm DSPARK" in card and "--speculative-num-draft-tokens 5" in card
     assert "--spec-type draft-dspark --spec-draft-n-max 4" in card
     assert "Add the flags the target itself needs to be served" in card  # tp size, remote code
+    # the GGUF goes outside the folder (the converter's default is inside, where a later
+    # export into the folder would refuse it as a file an export does not write)
+    assert "--target-model-dir TARGET --outfile THIS.gguf" in card
     assert "--spec-draft-p-min P" in card  # tiny_draft has a confidence head
     plain = export_draft(tiny_draft(enable_confidence_head=False, confidence_head_with_markov=False),
                          tmp_path / "plain", progress=lambda _: None)  # fmt: skip

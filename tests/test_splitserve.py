@@ -440,8 +440,9 @@ def test_dry_run_ling_scale_on_meta(tmp_path):
 def test_dry_run_says_how_much_more_short_samples_can_take(tmp_path):
     """Budget 256, samples up to 96 tokens, 8 anchors each: 2 full-length samples make 16
     anchors; 51 samples of min_loss_tokens + 1 = 5 tokens fit, each with at most 4 anchors
-    (a token with a supervised successor), so 204. An audit's run packed 4-5 short samples
-    where the estimate assumed 2."""
+    (a token with a supervised successor), so 204; the most is at 8 tokens: 32 samples of 7
+    anchors, 224 (9 tokens: 28 x 8, as many), which the note gives. An audit's run packed
+    4-5 short samples where the estimate assumed 2."""
     from draftforge.splitserve.dry_run import anchors_per_micro_batch, short_sample_note
 
     cfg = load_recipe(tiny_recipe(tmp_path, overrides={"data.min_loss_tokens": 4}))
@@ -449,7 +450,8 @@ def test_dry_run_says_how_much_more_short_samples_can_take(tmp_path):
     assert anchors_per_micro_batch(cfg, 96) == 16
     assert anchors_per_micro_batch(cfg, 5) == 204
     note = short_sample_note(cfg)
-    assert "samples of data.max_length, 16 anchors a micro-batch" in note and "could pack 204" in note
+    assert anchors_per_micro_batch(cfg, 8) == anchors_per_micro_batch(cfg, 9) == 224
+    assert "samples of data.max_length, 16 anchors a micro-batch; samples of 8 tokens could pack 224" in note
     longest = load_recipe(tiny_recipe(tmp_path, overrides={"data.min_loss_tokens": 95}))
     assert short_sample_note(longest) == ""  # no shorter sample fits more anchors
 

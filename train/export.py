@@ -394,7 +394,7 @@ def _serving_section(config: dict) -> list[str]:
     ]
     if not blockers:
         lines += [
-            "python convert_hf_to_gguf.py THIS_DIR --target-model-dir TARGET   # llama.cpp",
+            "python convert_hf_to_gguf.py THIS_DIR --target-model-dir TARGET --outfile THIS.gguf   # llama.cpp",
             f"llama-server -m TARGET.gguf -md THIS.gguf --spec-type draft-dspark --spec-draft-n-max {gamma}",
         ]
     lines += ["```", "",
