@@ -423,7 +423,11 @@ def _check_target(cfg: RecipeConfig) -> tuple[TargetShape | None, list[Problem]]
         return None, [(("target", "model"), (
             f"{target.model!r} is neither a registered name ({names}) nor an existing local "
             "folder; for a dry run without the target's weights, declare target.shape"))]
-    if target.shape is not None and target.model != "random":
+    if target.shape is None and shape is not None and target.model not in KNOWN_TARGETS:
+        # a local folder's shape, recorded like a declared one: a run's config.yaml then
+        # reloads (export, eval) on a machine without that folder
+        target.shape = shape
+    elif target.shape is not None and target.model != "random":
         try:
             known = resolve_target_shape(target.model_copy(update={"shape": None}))
         except (OSError, ValueError):

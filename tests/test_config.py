@@ -597,3 +597,33 @@ def test_bench_objective_delegates(monkeypatch):
     monkeypatch.setitem(sys.modules, "draftforge.train.bench_objective", fake)
     assert cli.main(["bench", "objective", "--chunk", "64", "--help"]) == 0
     assert seen == [["--chunk", "64", "--help"]]
+
+
+def test_a_local_target_folders_shape_is_recorded_so_the_run_reloads_without_it(tmp_path):
+    """A recipe naming a local target folder and declaring no shape wrote `shape: null`: its
+    run's config.yaml then failed to load (export, eval) where the folder is not."""
+    import shutil
+
+    import yaml
+    from transformers import LlamaConfig
+
+    from draftforge.config import load_recipe, validate_recipe
+
+    folder = tmp_path / "target"
+    LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, vocab_size=49152, max_position_embeddings=512,
+                rope_theta=50000.0).save_pretrained(folder)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "target": {"model": str(folder)},
+        "draft": {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "intermediate_size": 128, "target_layer_ids": [0, 1],
+                  "block_size": 4, "mask_token_id": 16, "markov_rank": 8},
+        "data": {"train_files": ["builtin:train-prompts"], "max_length": 96},
+    }))
+    cfg = load_recipe(recipe)
+    assert cfg.target.shape.rope_theta == 50000.0 and cfg.draft.rope_theta == 50000.0
+    saved = cfg.to_yaml()
+    shutil.rmtree(folder)
+    again = validate_recipe(yaml.safe_load(saved), source="config.yaml")
+    assert again == cfg and again.target.shape.max_position_embeddings == 512
