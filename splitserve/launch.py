@@ -99,16 +99,21 @@ def preflight(cfg) -> None:
         )
 
 
+def _runs_trainers(cfg, layout, node_rank: int | None) -> bool:
+    """Whether this machine (node ``node_rank``, 0 on one node) runs a trainer rank."""
+    node = node_rank or 0
+    ranks = range(node * layout.nproc_per_node, (node + 1) * layout.nproc_per_node)
+    return any(rank in cfg.split.trainer_ranks for rank in ranks)
+
+
 def _check_trainer_node(cfg, layout, node_rank: int | None) -> None:
     """Refuse to start trainer ranks on a machine where the draft's RoPE base is unknown
     (:func:`~draftforge.splitserve.registry.rope_theta_problem`)."""
     from draftforge.config import RecipeError
     from draftforge.splitserve.registry import rope_theta_problem
 
-    node = node_rank or 0
-    ranks = range(node * layout.nproc_per_node, (node + 1) * layout.nproc_per_node)
     problem = rope_theta_problem(cfg)
-    if problem is not None and any(rank in cfg.split.trainer_ranks for rank in ranks):
+    if problem is not None and _runs_trainers(cfg, layout, node_rank):
         raise RecipeError([problem])
 
 
@@ -241,9 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         from draftforge.train import checkpoint as ckpt
 
-        node = args.node_rank or 0
-        here = range(node * layout.nproc_per_node, (node + 1) * layout.nproc_per_node)
-        if not any(rank in cfg.split.trainer_ranks for rank in here):  # the trainers' node has them
+        if not _runs_trainers(cfg, layout, args.node_rank):  # the trainers' node has them
             then = (f"Rerun the same command on every node to resume from the newest checkpoint "
                     f"in {cfg.train.output_dir} on the trainers' node (train.resume={cfg.train.resume}).")
         elif ckpt.find_resume(Path(cfg.train.output_dir), "auto") is not None:
