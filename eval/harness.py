@@ -77,7 +77,7 @@ def summarize(results: Sequence[DecodeResult], block_size: int) -> dict:
         "acceptance_length": (sum(r.acceptance_length for r in rounds) / len(rounds)) if rounds else float("nan"),
         "position_acceptance": [a / n if n else None for a, n in zip(accepted, reached, strict=True)],
         "position_reached": reached,
-        "tokens_verified_per_round": (sum(r.num_verified + 1 for r in rounds) / len(rounds)) if rounds else float("nan"),
+        "tokens_verified_per_round": (sum(r.tokens_run for r in rounds) / len(rounds)) if rounds else float("nan"),
         "drafts_proposed_per_round": (sum(r.num_proposed for r in rounds) / len(rounds)) if rounds else float("nan"),
         "rounds": len(rounds),
         # per prompt, for the bootstrap intervals (draftforge.eval.uncertainty)

@@ -60,10 +60,17 @@ class Round:
     """One verification round."""
 
     num_proposed: int
-    num_verified: int  # drafts sent to the target (the round verifies num_verified + 1 tokens)
+    num_verified: int  # drafts counted as verified: sent to the target, up to an accepted EOS
     num_accepted: int
     acceptance_length: int  # accepted + 1, or up to the EOS
     confidence_logits: list[float] | None = None
+    num_sent: int | None = None  # drafts the target ran (it runs num_sent + 1 tokens); None: num_verified
+
+    @property
+    def tokens_run(self) -> int:
+        """Tokens the target ran this round: the anchor and every draft sent, the ones after an
+        accepted EOS included (the acceptance counts stop at the EOS, the work does not)."""
+        return (self.num_verified if self.num_sent is None else self.num_sent) + 1
 
 
 @dataclass
@@ -367,6 +374,7 @@ def speculative_decode(
             Round(
                 num_proposed=len(proposal.tokens),
                 num_verified=counted_verified,
+                num_sent=num_verified,
                 num_accepted=counted_accepted,
                 acceptance_length=len(emitted),
                 confidence_logits=proposal.confidence_logits,

@@ -258,6 +258,9 @@ def test_drafts_after_an_accepted_eos_count_as_neither_verified_nor_accepted(tar
     full = len(result.rounds) - 1
     assert summary["position_reached"] == [full + (k <= eos_draft) for k in range(gamma)]
     assert full >= 1 and summary["position_acceptance"] == [1.0] * gamma
+    # the target ran every draft of that round all the same: the cost counts them
+    assert last.num_sent == gamma and last.tokens_run == gamma + 1
+    assert summary["tokens_verified_per_round"] == gamma + 1  # every round ran 1 + 4 tokens
     last.confidence_logits = [0.0] * gamma
     assert round_samples([last]) == [(k, 0.0, 1.0) for k in range(eos_draft + 1)]
 
