@@ -29,6 +29,13 @@ def _umask() -> int:
     return mask
 
 
+def nearest_existing(path: Path) -> Path | None:
+    """``path`` made absolute, or the nearest folder above it that exists: where the missing
+    part would be made (a file there means it cannot be); None only if nothing exists."""
+    path = Path(path).absolute()
+    return next((p for p in (path, *path.parents) if p.exists()), None)
+
+
 def shareable(path: Path) -> None:
     """Give ``path`` (and, for a folder, everything in it) the mode that ``mkdir``/``open``
     would have: 0o777 or 0o666 less the umask."""

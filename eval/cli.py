@@ -282,7 +282,9 @@ def _check_output_paths(out: str, calibrate: str | None) -> None:
 def _check_folder_writable(folder: Path, option: str, given: str) -> None:
     """``folder``, or the nearest existing one above it (where the missing ones would be made),
     is a folder this process may write in."""
-    existing = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
+    from draftforge.files import nearest_existing
+
+    existing = nearest_existing(folder)
     if not existing.is_dir():
         raise InputError(f"{option} {given}: {existing} is a file, not a folder, so nothing can be "
                          "written under it")

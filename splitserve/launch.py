@@ -69,15 +69,16 @@ def preflight(cfg) -> None:
     """
     from pathlib import Path
 
+    from draftforge.files import nearest_existing
     from draftforge.splitserve.producer import load_source_conversations
     from draftforge.train import checkpoint as ckpt
 
     run_dir = Path(cfg.train.output_dir)
-    existing = next((p for p in (run_dir, *run_dir.parents) if p.exists()), None)
+    existing = nearest_existing(run_dir)
     if existing is not None and not existing.is_dir():
         from draftforge.errors import InputError
 
-        where = "is a file" if existing == run_dir else f"is under {existing}, a file"
+        where = "is a file" if existing == run_dir.absolute() else f"is under {existing}, a file"
         raise InputError(f"train.output_dir: {run_dir} {where}; name a folder for the run")
     found = ckpt.find_resume(run_dir, cfg.train.resume)
     if found is not None:
