@@ -59,6 +59,7 @@ EMBEDDING_KEYS = ("embed_tokens.weight", "lm_head.weight")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
+CARD_FILE = "README.md"
 TRAINING_CONFIG_FILE = "draft_config.json"
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -292,7 +293,7 @@ def export_draft(
     try:
         _write_json(staging / CONFIG_FILE, config)
         files = write_safetensors(state, staging, max_shard_size_mb=max_shard_size_mb)
-        (staging / "README.md").write_text(model_card(config, card or ModelCard(), state))
+        (staging / CARD_FILE).write_text(model_card(config, card or ModelCard(), state))
         shareable(staging)  # mkdtemp made it 0700: unreadable to a server running as another user
         fsync_tree(staging)  # every file on disk before the folder takes its name
         replace_dir(staging, out)
@@ -505,8 +506,10 @@ def _contiguous(state: Mapping[str, torch.Tensor], names: list[str]) -> dict[str
     return {name: state[name].detach().to("cpu").contiguous().clone() for name in names}
 
 
-_EXPORT_FILE = re.compile(r"(config\.json|README\.md|model\.safetensors(\.index\.json)?"
-                          r"|model-\d{5}-of-\d{5}\.safetensors)")
+# what an export writes (write_safetensors names the shards model-0000i-of-0000n.safetensors)
+_EXPORT_FILE = re.compile("|".join(
+    [*(re.escape(name) for name in (CONFIG_FILE, CARD_FILE, SINGLE_FILE, INDEX_FILE)),
+     r"model-\d{5}-of-\d{5}\.safetensors"]))
 
 
 def _check_destination(out: Path) -> None:
