@@ -19,7 +19,7 @@ from pathlib import Path
 
 from draftforge import argtypes
 from draftforge.errors import InputError
-from draftforge.eval.config import EvalConfig
+from draftforge.eval.config import NGRAM_MATCHES, EvalConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="draftforge eval",
         description="Speculative decoding with the target: the DSpark draft beside no-draft and "
         "n-gram baselines, on the same prompts. Greedy runs are checked lossless.",
+        epilog="Exit status: 0 done; 2 refused input (the message says what and where); 3 the "
+        "greedy lossless check failed (an output differs from plain greedy decoding).",
     )
     parser.add_argument("draft", help="export folder, run directory or training checkpoint")
     parser.add_argument("--target", help="registered target name, 'random' (needs --recipe) or local HF folder")
@@ -66,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--baselines", type=argtypes.names(("none", "ngram")),
                         help="comma-separated subset of none,ngram (default: the recipe's "
                         "eval.baselines, else both)")
+    parser.add_argument("--ngram-match", choices=NGRAM_MATCHES, default="latest",
+                        help="which earlier occurrence of the suffix n-gram the n-gram baseline copies "
+                        "from: latest (default) or earliest (vLLM's and transformers' rule)")
     parser.add_argument("--calibrate", metavar="OUT.json", help="fit per-position confidence temperatures")
     parser.add_argument("--out", default="runs/eval",
                         help="report folder (default runs/eval); a report already there is replaced, "
@@ -134,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise InputError(f"--prompts-file {args.prompts_file}: no such file")
     num_prompts = args.num_prompts or eval_cfg.num_prompts
     # read before the target loads: a bad row is found in seconds, not after minutes
-    file_prompts = _prompts_from_file(args.prompts_file, num_prompts) if args.prompts_file else None
+    file_prompts, file_lines = _prompts_from_file(args.prompts_file, num_prompts) if args.prompts_file else (None, {})
     temperature = eval_cfg.temperature if args.temperature is None else args.temperature
     sampling_only = [f"{flag} {value}" for flag, value in
                      (("--top-k", args.top_k), ("--top-p", args.top_p), ("--draft-sampling", args.draft_sampling))
@@ -198,8 +203,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         baselines=tuple(args.baselines) if args.baselines else tuple(eval_cfg.baselines),
         estimate=not args.no_estimate,
         tie_tolerance=args.tie_tolerance,
+        ngram_match=args.ngram_match,
     )
     if file_prompts is not None:
+        _check_vocabulary(args.prompts_file, file_prompts, file_lines, target.model.get_input_embeddings().num_embeddings)
         workloads = file_prompts
     else:
         names = args.workloads or list(eval_cfg.workloads)
@@ -387,8 +394,13 @@ def workload_texts(name: str, tokenizer, generation, num_prompts: int | None) ->
     ]
 
 
-def _prompts_from_file(path: str, num_prompts: int | None) -> dict[str, list[list[int]]]:
+def _prompts_from_file(
+    path: str, num_prompts: int | None
+) -> tuple[dict[str, list[list[int]]], dict[str, list[int]]]:
+    """The file's prompts by workload, and each prompt's line number (for
+    :func:`_check_vocabulary`, which runs once the target and its vocabulary are known)."""
     workloads: dict[str, list[list[int]]] = {}
+    lines: dict[str, list[int]] = {}
     for line_no, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
             continue
@@ -403,6 +415,8 @@ def _prompts_from_file(path: str, num_prompts: int | None) -> dict[str, list[lis
                              f"got {json.dumps(ids)[:80]}; {expected}")
         if not ids:
             raise InputError(f"{path}:{line_no}: empty input_ids")
+        if min(ids) < 0:
+            raise InputError(f"{path}:{line_no}: token id {min(ids)} is negative")
         name = row.get("workload", "prompts")
         if not isinstance(name, str):
             raise InputError(f"{path}:{line_no}: workload must be a string, got {json.dumps(name)}")
@@ -411,7 +425,25 @@ def _prompts_from_file(path: str, num_prompts: int | None) -> dict[str, list[lis
         bucket = workloads.setdefault(name, [])
         if num_prompts is None or len(bucket) < num_prompts:
             bucket.append(ids)
-    return workloads
+            lines.setdefault(name, []).append(line_no)
+    if not workloads:
+        raise InputError(f"{path}: no prompts, every line is blank; expected one "
+                         "{'workload': str, 'input_ids': [int, ...]} per line")
+    return workloads, lines
+
+
+def _check_vocabulary(
+    path: str, workloads: dict[str, list[list[int]]], lines: dict[str, list[int]], vocab_size: int
+) -> None:
+    """Refuse a --prompts-file token id the target's embedding has no row for (on a GPU it
+    would be a device-side assert, on the CPU an IndexError naming nothing)."""
+    for name, prompts in workloads.items():
+        for ids, line_no in zip(prompts, lines[name], strict=True):
+            if max(ids) >= vocab_size:
+                raise InputError(
+                    f"{path}:{line_no}: token id {max(ids)} is outside the target's vocabulary "
+                    f"({vocab_size} ids, 0 to {vocab_size - 1})"
+                )
 
 
 def _eos_ids(target) -> list[int]:

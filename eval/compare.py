@@ -128,6 +128,7 @@ _SET_BY = {
     "settings.threshold": "--threshold",
     "block_size": "a draft of the same block size (n-gram proposes block_size tokens a round)",
     "settings.ngram_max": "the same draftforge version (the n-gram order is fixed in it)",
+    "settings.ngram_match": "--ngram-match",
 }
 
 
@@ -155,7 +156,7 @@ def decoding_keys(ra: dict, a_method: str, rb: dict, b_method: str) -> list[str]
     if "ngram" in methods:  # n-gram proposes as many tokens as the report's draft block
         keys.append("block_size")
         if methods == {"ngram"}:
-            keys.append("settings.ngram_max")
+            keys += ["settings.ngram_max", "settings.ngram_match"]
     return keys
 
 

@@ -8,6 +8,9 @@ from pydantic import Field
 
 from draftforge.section import Section
 
+# Which earlier occurrence of the suffix n-gram the n-gram baseline copies from.
+NGRAM_MATCHES = ("latest", "earliest")
+
 
 class EvalConfig(Section):
     """Workloads and decoding settings for the lossless verifier."""

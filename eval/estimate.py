@@ -88,6 +88,7 @@ def train_time_estimate(
     max_anchors: int = 64,
     seed: int = 0,
     max_ngram: int = 3,
+    ngram_match: str = "latest",
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
@@ -96,7 +97,7 @@ def train_time_estimate(
     """``tau`` (objective c*) and ``tau_greedy`` over up to ``max_anchors`` response anchors per sequence.
 
     ``sequences``: (prompt ids, target output ids). ``target`` provides
-    ``features(input_ids)`` (an HFTarget). ``max_ngram``: the n-gram baseline's largest n.
+    ``features(input_ids)`` (an HFTarget). ``max_ngram``, ``ngram_match``: the n-gram baseline's largest n and match rule.
     A ``temperature`` above 0 adds ``tau_sampled``, the estimate under the evaluator's
     sampling rule with these ``top_k``, ``top_p`` and ``draft_sampling`` settings
     (:func:`sampled_acceptance`).
@@ -136,7 +137,7 @@ def train_time_estimate(
                 accept = sampled_acceptance(logits[0, : len(truth)], target_logits, temperature=temperature,
                                             top_k=top_k, top_p=top_p, draft_sampling=draft_sampling)
                 sampled_taus.append(float(1.0 + accept.cumprod(0).sum()))
-            lookup = ngram_lookup(ids[: p + 1], gamma, max_ngram)
+            lookup = ngram_lookup(ids[: p + 1], gamma, max_ngram, match=ngram_match)
             if lookup:
                 at_lookup.append(run)
                 ngram_runs.append(accepted_run(lookup, truth))

@@ -44,6 +44,7 @@ class EvalSettings:
     seed: int = 0
     baselines: Sequence[str] = ("none", "ngram")
     ngram_max: int = 3
+    ngram_match: str = "latest"  # which earlier match of the n-gram: latest or earliest (vLLM's)
     tie_tolerance: float = 1e-3
     estimate: bool = True
     estimate_anchors: int = 64
@@ -126,7 +127,8 @@ def run_workload(
         "dspark": (with_features, lambda g: DraftProposer(draft, temperature=settings.temperature, generator=g,
                                                           top_k=settings.top_k, top_p=settings.top_p,
                                                           draft_sampling=settings.draft_sampling)),
-        "ngram": (plain_session, lambda g: NgramProposer(gamma, max_ngram=settings.ngram_max)),
+        "ngram": (plain_session, lambda g: NgramProposer(gamma, max_ngram=settings.ngram_max,
+                                                         match=settings.ngram_match)),
         "none": (plain_session, lambda g: NoDraft()),
     }
     # Plain decoding always runs when greedy: it is the lossless reference (and the estimate's data).
@@ -164,6 +166,7 @@ def run_workload(
         result.estimate = train_time_estimate(
             draft, target, [(p, res.tokens) for p, res in zip(prompts, reference, strict=True)],
             max_anchors=settings.estimate_anchors, seed=settings.seed, max_ngram=settings.ngram_max,
+            ngram_match=settings.ngram_match,
             temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
             draft_sampling=settings.draft_sampling,
         )  # fmt: skip

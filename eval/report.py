@@ -35,7 +35,29 @@ def _fmt(value, digits: int = 2) -> str:
 
 def decoding_line(settings: dict, near_ties: int = 0) -> str:
     """How the run decoded, in words, from report.json's ``settings``; ``near_ties``: the
-    greedy outputs whose lossless check stopped at a numerical near-tie."""
+    greedy outputs whose lossless check stopped at a numerical near-tie. A threshold
+    verification and the n-gram baseline's match rule follow as sentences of their own."""
+    return " ".join([_sampling_sentence(settings, near_ties)] + _method_sentences(settings))
+
+
+def _method_sentences(settings: dict) -> list[str]:
+    sentences = []
+    if settings.get("verify") == "threshold":
+        sentences.append(
+            f"The draft's blocks are cut at a static confidence threshold of {settings.get('threshold')}: "
+            "only the slots before the first whose confidence is below it are verified (SGLang "
+            "serves no static threshold, so these figures do not predict its acceptance)."
+        )
+    if "ngram" in settings.get("baselines", ()) and "ngram_match" in settings:
+        rule = {"latest": "the most recent", "earliest": "the earliest (vLLM's rule)"}[settings["ngram_match"]]
+        sentences.append(
+            f"n-gram: the longest suffix n-gram (up to {settings.get('ngram_max', 3)}) first, "
+            f"copied from {rule} earlier match."
+        )
+    return sentences
+
+
+def _sampling_sentence(settings: dict, near_ties: int) -> str:
     if not settings.get("temperature"):
         if not near_ties:
             return "Decoding: greedy, every output checked identical to plain greedy decoding."

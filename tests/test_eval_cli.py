@@ -227,11 +227,32 @@ def test_a_malformed_prompts_file_is_refused_before_the_target_loads(recipe_path
     for row, message in (({"input_ids": "1234"}, 'got "1234"'), ({"input_ids": {"7": 1}}, 'got {"7": 1}'),
                          ({"input_ids": [1, True]}, "got \\[1, true\\]"),
                          ({"input_ids": [1], "workload": 3}, "workload must be a string, got 3"),
-                         ([1, 2], "input_ids must be a list")):  # fmt: skip
+                         ([1, 2], "input_ids must be a list"),
+                         ({"input_ids": [4, -1, 2]}, "token id -1 is negative")):  # fmt: skip
         path = tmp_path / "bad.jsonl"
         path.write_text(json.dumps({"input_ids": [5, 6]}) + "\n" + json.dumps(row) + "\n")
         with pytest.raises(InputError, match=f"bad.jsonl:2: .*{message}"):
             main([str(tmp_path / "nodraft"), "--recipe", str(recipe_path), "--prompts-file", str(path)])
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n  \n")  # it used to load the target and write a report of nan
+    with pytest.raises(InputError, match="blank.jsonl: no prompts, every line is blank"):
+        main([str(tmp_path / "nodraft"), "--recipe", str(recipe_path), "--prompts-file", str(blank)])
+
+
+def test_a_prompts_file_token_outside_the_vocabulary_is_named_before_decoding(recipe_path, tmp_path):
+    """An id the target's embedding has no row for failed as a bare IndexError inside decoding."""
+    from draftforge.eval.cli import main
+
+    export_dir, prompts = _tiny_export_and_prompts(recipe_path, tmp_path)
+    vocab = load_recipe(recipe_path).target.shape.vocab_size
+    rows = [json.dumps({"workload": "w", "input_ids": [3, 4]}), "",
+            json.dumps({"workload": "w", "input_ids": [3, vocab]})]
+    prompts.write_text("\n".join(rows) + "\n")
+    with pytest.raises(InputError, match=f"prompts.jsonl:3: token id {vocab} is outside the target's "
+                                         f"vocabulary \\({vocab} ids, 0 to {vocab - 1}\\)"):
+        main([str(export_dir), "--recipe", str(recipe_path), "--prompts-file", str(prompts),
+              "--max-new-tokens", "4", "--out", str(tmp_path / "r")])
+    assert not (tmp_path / "r").exists()
 
 
 def test_threshold_verification_and_calibration_need_a_confidence_head(recipe_path, tmp_path, capsys):
@@ -292,6 +313,31 @@ def test_the_reports_decoding_line_names_each_sampling_setting():
         "Decoding: sampled at temperature 1.0, seed 0; the draft draws its tokens from its own distribution, "
         "each accepted with min(1, p_t/p_d).")  # fmt: skip
     assert decoding_line({"temperature": 0.0}).startswith("Decoding: greedy")
+
+
+def test_eval_help_names_its_exit_statuses(capsys):
+    from draftforge.eval.cli import build_parser
+
+    help_text = " ".join(build_parser().format_help().split())
+    assert "Exit status: 0 done; 2 refused input" in help_text
+    assert "3 the greedy lossless check failed" in help_text
+
+
+def test_the_reports_decoding_line_names_threshold_verification_and_the_ngram_rule():
+    from draftforge.eval.report import decoding_line
+
+    greedy = "Decoding: greedy, every output checked identical to plain greedy decoding."
+    threshold = {"temperature": 0.0, "verify": "threshold", "threshold": 0.7, "baselines": ["none"]}
+    assert decoding_line(threshold) == (
+        f"{greedy} The draft's blocks are cut at a static confidence threshold of 0.7: only the slots "
+        "before the first whose confidence is below it are verified (SGLang serves no static threshold, "
+        "so these figures do not predict its acceptance).")  # fmt: skip
+    ngram = {"temperature": 0.0, "verify": "full", "baselines": ["ngram"], "ngram_max": 3}
+    assert decoding_line(ngram | {"ngram_match": "earliest"}) == (
+        f"{greedy} n-gram: the longest suffix n-gram (up to 3) first, copied from the earliest (vLLM's "
+        "rule) earlier match.")  # fmt: skip
+    assert decoding_line(ngram | {"ngram_match": "latest"}).endswith("copied from the most recent earlier match.")
+    assert decoding_line(ngram) == greedy  # a report from before the rule was recorded says nothing of it
 
 
 def test_the_report_does_not_call_outputs_identical_that_diverged_at_a_near_tie(monkeypatch):

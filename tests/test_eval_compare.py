@@ -28,7 +28,7 @@ def _write(folder: Path, *, workloads=None, **changes) -> Path:
                           "seed": 0, "shape": None},
         "settings": {"max_new_tokens": 128, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
                      "verify": "full", "threshold": 0.5,
-                     "seed": 0, "baselines": ["none", "ngram"], "ngram_max": 3,
+                     "seed": 0, "baselines": ["none", "ngram"], "ngram_max": 3, "ngram_match": "latest",
                      "tie_tolerance": 0.001, "estimate": True, "estimate_anchors": 64},
         "block_size": 4,
         "workloads": workloads or {"w": {
@@ -62,6 +62,7 @@ def _write(folder: Path, *, workloads=None, **changes) -> Path:
         ({"block_size": 8}, ("dspark", "ngram"), "block_size is 4 in A, 8 in B", "block size"),
         ({"block_size": 8}, ("ngram", "ngram"), "block_size is 4 in A, 8 in B", "block size"),
         ({"settings__ngram_max": 4}, ("ngram", "ngram"), "settings.ngram_max is 3 in A, 4 in B", "n-gram order"),
+        ({"settings__ngram_match": "earliest"}, ("ngram", "ngram"), "settings.ngram_match is 'latest' in A, 'earliest' in B", "--ngram-match"),
     ],
 )  # fmt: skip
 def test_compare_refuses_reports_decoded_differently(tmp_path, capsys, change, methods, named, flag):

@@ -305,6 +305,38 @@ def test_ngram_lookup_finds_the_latest_repeated_span():
     assert NgramProposer(2).propose([5, 6, 7, 5, 6]).tokens == [7, 5]
 
 
+def _first_match_lookup(tokens, k, max_ngram, min_ngram=1):
+    """vLLM's rule, restated slowly from its documentation: the longest n in
+    [min_ngram, max_ngram] whose suffix n-gram occurs earlier, that n-gram's FIRST
+    occurrence, and the up to k tokens after it (fewer where the sequence ends)."""
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if n >= len(tokens):
+            continue
+        suffix = tuple(tokens[-n:])
+        firsts = [i for i in range(len(tokens) - n) if tuple(tokens[i : i + n]) == suffix]
+        if firsts:
+            return list(tokens[firsts[0] + n : firsts[0] + n + k])
+    return []
+
+
+def test_ngram_lookup_earliest_is_vllms_rule_and_latest_differs_from_it():
+    sequence = [1, 2, 3, 1, 2, 4, 1, 2]
+    assert ngram_lookup(sequence, 4, match="earliest") == [3, 1, 2, 4]  # vLLM's documented pick
+    assert ngram_lookup(sequence, 4, match="latest") == [4, 1, 2]
+    assert NgramProposer(4, match="earliest").propose(sequence).tokens == [3, 1, 2, 4]
+    rng = random.Random(7)
+    differs = 0
+    for _ in range(2000):
+        tokens = [rng.randrange(6) for _ in range(rng.randrange(2, 40))]
+        k, max_ngram = rng.randrange(1, 6), rng.randrange(1, 4)
+        expected = _first_match_lookup(tokens, k, max_ngram)
+        assert ngram_lookup(tokens, k, max_ngram, match="earliest") == expected, tokens
+        differs += ngram_lookup(tokens, k, max_ngram, match="latest") != expected
+    assert differs > 100  # the two rules are really different proposers
+    with pytest.raises(ValueError, match="match must be one of latest, earliest"):
+        NgramProposer(4, match="first")
+
+
 def test_ngram_baseline_accepts_a_repeated_span(target):
     """This prompt sends the random target into a loop (a repeated 4-token span): prompt lookup
     drafts the span from the earlier occurrence and the target accepts whole blocks."""
