@@ -62,8 +62,13 @@ def dspark_parameter_counts(dspark_cfg) -> tuple[int, int]:
     return count_parameters(model, with_embeddings=True), count_parameters(model, with_embeddings=False)
 
 
-def target_parameters(shape) -> int:
-    """Parameters of the target: ``shape.num_parameters`` when declared, else a dense estimate.
+DENSE_FIELDS = ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads",
+                "num_key_value_heads", "intermediate_size")
+
+
+def target_parameters(shape) -> int | None:
+    """Parameters of the target: ``shape.num_parameters`` when declared, else a dense estimate,
+    else None (some field the estimate needs is only the section's placeholder default).
 
     The estimate is a Llama/Qwen-style dense model of ``shape`` (untied embedding
     and lm_head); for a MoE target it counts one MLP per layer instead of every
@@ -71,6 +76,8 @@ def target_parameters(shape) -> int:
     """
     if shape.num_parameters is not None:
         return shape.num_parameters
+    if _placeholder_fields(shape):
+        return None
     hidden, inter, layers = shape.hidden_size, shape.intermediate_size, shape.num_hidden_layers
     head_dim = hidden // shape.num_attention_heads
     attn = hidden * head_dim * (2 * shape.num_attention_heads + 2 * shape.num_key_value_heads)
@@ -78,9 +85,18 @@ def target_parameters(shape) -> int:
     return 2 * shape.vocab_size * hidden + layers * per_layer + hidden
 
 
+def _placeholder_fields(shape) -> list[str]:
+    """The dense estimate's fields that neither the recipe nor the target's config set."""
+    return [name for name in DENSE_FIELDS if name not in shape.model_fields_set]
+
+
 def _weights_source(shape) -> str:
     if shape.num_parameters is not None:
         return f"{shape.num_parameters:,} declared params"
+    missing = _placeholder_fields(shape)
+    if missing:
+        return (f"unknown, not counted: declare target.shape.num_parameters (a dense estimate "
+                f"would need {', '.join(missing)})")
     return f"{target_parameters(shape):,} params, dense estimate"
 
 
@@ -105,7 +121,7 @@ def target_estimate(cfg: RecipeConfig) -> Estimate:
           * gen.batch_size * (seq + gen.max_new_tokens) * dtype)
     logits = gen.batch_size * shape.vocab_size * 4
     wire = cfg.split.max_in_flight * seq * (k + 1) * hidden * 2
-    weights = target_parameters(shape) * dtype / tp
+    weights = (target_parameters(shape) or 0) * dtype / tp
     label = f"weights ({cfg.target.dtype}, tp {tp}, {_weights_source(shape)})"
     if cfg.target.backend == "sglang":
         # two SGLang instances, each with its own copy: the engine and the feature runner;
