@@ -238,6 +238,20 @@ def test_flex_attention_agrees_with_sdpa_in_forward():
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
 
 
+def test_flex_attention_training_on_cpu_is_refused_naming_the_setting():
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from draftforge.errors import InputError
+
+    model = tiny_draft(attention_backend="flex")
+    input_ids, loss_mask, aux, final = random_batch(model.config)
+    anchors, valid = sample_anchors(loss_mask, 6, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(InputError, match=r"draft\.attention_backend: flex cannot train on CPU.*"
+                       r"draft\.attention_backend: sdpa"):
+        model(input_ids, loss_mask, aux, final, anchors, valid)
+    with torch.no_grad():  # forward only (eval) still runs
+        assert torch.isfinite(model(input_ids, loss_mask, aux, final, anchors, valid).loss)
+
+
 def _contract_block_hidden(sd: dict, cfg, anchor: int, p: int, aux: torch.Tensor, *,
                            norm_ctx_again: bool = False) -> torch.Tensor:
     """The draft's post-norm block states written out from the contract (dspark-contract.md,

@@ -46,11 +46,50 @@ def test_head_holds_the_table_when_the_rank_allows_it():
     assert "rank-2 bigram" in message and "2 previous x 4 next tokens" in message
     # the greedy next token after 2 is 3 (seen twice), as the counts say
     assert int(logits[2].argmax()) == 3
-    # the same samples give the same weights (every FSDP2 rank initialises alone)
-    again = tiny_draft(seed=1, markov_rank=8)
+    # the same samples give the same weights (every FSDP2 rank initialises alone, from the
+    # same seeded init): whatever the global random state, and the table's columns whatever
+    # the init
+    again, other_init = tiny_draft(seed=0, markov_rank=8), tiny_draft(seed=1, markov_rank=8)
+    torch.manual_seed(123)
     init_markov_bigram(again, SEQUENCES)
+    init_markov_bigram(other_init, SEQUENCES)
     assert torch.equal(again.markov_head.markov_w1.weight, head.markov_w1.weight)
     assert torch.equal(again.markov_head.markov_w2.weight, head.markov_w2.weight)
+    assert torch.equal(other_init.markov_head.markov_w1.weight[:, :2], head.markov_w1.weight[:, :2])
+    assert torch.equal(other_init.markov_head.markov_w2.weight, head.markov_w2.weight)
+
+
+def test_spare_rank_keeps_the_table_exact_and_still_learns():
+    """A rank-8 head over a rank-2 table: zero spare columns in both W1 and W2 would never get
+    a gradient (the confidence head does not read W1 here). W2's are zero, W1's random: the
+    product is the table's rank-2 SVD, and one AdamW step moves W2's spare columns."""
+    from dspark_helpers import random_batch
+
+    from draftforge.train.blocks import sample_anchors
+
+    model = tiny_draft(markov_rank=8, confidence_head_with_markov=False)
+    head = model.markov_head
+    init_markov_bigram(model, SEQUENCES)
+    rows, cols, scores = bigram_scores(SEQUENCES)
+    u, s, vh = torch.linalg.svd(scores)
+    best = (u[:, :2] * s[:2]) @ vh[:2]  # the rank-2 approximation, independently
+    assert torch.linalg.matrix_rank(scores) == 2
+    w1, w2 = head.markov_w1.weight, head.markov_w2.weight
+    with torch.no_grad():
+        table = torch.zeros(w1.shape[0], w2.shape[0], dtype=torch.float64)
+        table[rows[:, None], cols] = best
+        torch.testing.assert_close((w1 @ w2.T).double(), table, atol=1e-5, rtol=0)
+    assert torch.count_nonzero(w2[:, 2:]) == 0 and torch.count_nonzero(w1[:, 2:]) == w1[:, 2:].numel()
+    spare_w1 = w1[:, 2:].detach().clone()
+    input_ids, loss_mask, aux, final = random_batch(model.config)
+    anchors, valid = sample_anchors(loss_mask, 6, generator=torch.Generator().manual_seed(0))
+    optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=1e-2, weight_decay=0.0)
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(input_ids, loss_mask, aux, final, anchors, valid).loss.backward()
+        optimizer.step()
+        assert torch.count_nonzero(w2[:, 2:]) > 0  # from the first step on
+    assert not torch.equal(w1[:, 2:], spare_w1)  # and W1's, once W2's are no longer zero
 
 
 def test_gated_head_starts_as_the_table_whatever_the_hidden_state():

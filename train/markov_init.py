@@ -19,13 +19,17 @@ first step instead of learning it from random weights:
   correction: a next token outside the table sits at its row's mean score (the
   centring's zero), above the kept tokens that are rarer than average after that
   previous token. Over the kept columns the centring changes nothing (softmax ignores
-  a row constant).
+  a row constant). Where the table's rank is below the head's, ``W2``'s spare columns
+  are zero and ``W1``'s keep the draft's seeded random init: the product is still the
+  table, and those columns learn (zero in both factors, neither would ever get a
+  gradient).
 - a ``gated`` head multiplies ``W1[prev]`` by ``sigmoid(gate_proj([h; W1[prev]]))``:
   its ``gate_proj`` is zeroed, so the gate is exactly 1/2 whatever the hidden state,
   and ``W2`` is doubled, so the head starts as the same table with the gate still in
   the steep part of the sigmoid, free to learn.
 
-Every rank computes the same weights from the same samples, so FSDP2 shards agree.
+Every rank computes the same weights from the same samples (and the same seeded init), so
+FSDP2 shards agree.
 """
 
 from __future__ import annotations
@@ -96,7 +100,10 @@ def init_markov_bigram(model, sequences: Iterable[Sequence[int]]) -> str:
     u, s, v = u[:, :rank], s[:rank], v[:, :rank]
     root = s.sqrt()
     w1, w2 = head.markov_w1.weight, head.markov_w2.weight
-    w1.zero_()
+    # Below the head's rank, W1's spare columns keep their random init and W2's are zero:
+    # the table stays exact, and W2's spare columns still get a gradient (W1[prev] is not
+    # zero there), so the head can grow past the table's rank.
+    w1[:, :rank] = 0.0
     w2.zero_()
     w1[rows, :rank] = (u * root).to(w1.dtype)
     w2[cols, :rank] = (v * root).to(w2.dtype)

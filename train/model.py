@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftforge.errors import InputError
 from draftforge.train.blocks import (
     BlockLayout,
     block_input_ids,
@@ -320,13 +321,19 @@ def flex_attend(block_mask):
     materialises the full score matrix) and shape-generic (``dynamic=True``): a
     batch's length is its longest sequence, so a static kernel would recompile for
     every new length and, past dynamo's recompile limit, fall back to the eager
-    path. On CPU it runs eager, forward only.
+    path. On CPU it runs eager, forward only: training there is refused, naming the setting
+    (torch's own error does not).
     """
     from torch.nn.attention.flex_attention import flex_attention
 
     def attend(q, k, v):
         global _COMPILED_FLEX
         kernel = flex_attention
+        if q.device.type in ("cpu", "mps") and any(x.requires_grad for x in (q, k, v)):
+            raise InputError(
+                f"draft.attention_backend: flex cannot train on {q.device.type.upper()} (torch's "
+                "flex attention has no backward there); use draft.attention_backend: sdpa, or "
+                "train on a GPU.")
         if q.is_cuda:
             if q.shape[-1] < FLEX_MIN_HEAD_DIM:
                 raise ValueError(

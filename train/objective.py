@@ -72,14 +72,14 @@ def dpace_weights(valid: torch.Tensor, c_star: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_terms(logits, target_logits, labels, valid, base_weights, ce_weight: float,
-                tv_weight: float, dpace: bool, kl_weight: float = 0.0):
+                tv_weight: float, dpace: bool, kl_weight: float = 0.0, with_grad: bool = True):
     """The vocabulary-sized, elementwise part of one chunk: CE, TV, KL, c*, weights and d/dlogits.
 
     ``logits`` / ``target_logits`` [n, γ, V] (the draft's and the target's),
     ``labels`` / ``valid`` / ``base_weights`` [n, γ]. Returns ``(ce, tv, kl, c*, w,
     grad)`` with ``grad = d(ce_weight * sum w CE + tv_weight * sum w TV + kl_weight *
-    sum w KL) / dlogits`` in the logits' dtype (``kl`` is zeros when ``kl_weight`` is 0:
-    not computed). Written with in-place ops on its own temporaries, so
+    sum w KL) / dlogits`` in the logits' dtype, or None when not ``with_grad`` (``kl`` is
+    zeros when ``kl_weight`` is 0: not computed). Written with in-place ops on its own temporaries, so
     eager mode makes few passes over the vocabulary, and ``torch.compile`` (see
     :func:`compiled_chunk_terms`) fuses them into a handful of loops.
     """
@@ -97,6 +97,8 @@ def chunk_terms(logits, target_logits, labels, valid, base_weights, ce_weight: f
     tv = torch.linalg.vector_norm(resid, 1, dim=-1)
     c = (1.0 - 0.5 * tv).clamp(0.0, 1.0) * valid
     w = dpace_weights(valid, c) if dpace else base_weights
+    if not with_grad:
+        return ce, tv, kl, c, w, None
     # d KL / dlogits = p_d - p_t = -r
     kl_grad = resid * (-kl_weight * w).unsqueeze(-1) if kl_weight else None
     # d/dlogits: CE -> w (p - onehot); L1 -> w p (s - <s, p>) with s = sign(p_d - p_t) = -sign(r),
@@ -164,6 +166,60 @@ def _out_of_memory(exc: BaseException) -> bool:
     return False
 
 
+def _chunked_vocab_sums(hidden, latent, markov_w2, lm_head, target_hidden, labels, valid,
+                        base_weights, ce_weight: float, tv_weight: float, chunk_blocks: int,
+                        dpace: bool, compiled: bool, kl_weight: float, with_grad: bool):
+    """The chunk loop of :class:`_FusedVocabLoss`: ``(total, sum w*CE, sum w*TV, sum w*KL, c*,
+    w, (d total/d hidden, d/d latent, d/d W2 in fp32))``; the gradients are None when not
+    ``with_grad`` (no grad wanted: half the vocabulary-sized matmuls and no buffers)."""
+    num_blocks, block_size, _ = hidden.shape
+    dtype = lm_head.dtype
+    grad_hidden = grad_latent = grad_w2 = None
+    if with_grad:
+        grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+        grad_latent = None if latent is None else torch.empty_like(latent)
+        grad_w2 = None if latent is None else torch.zeros_like(markov_w2, dtype=torch.float32)
+    # One matmul for both logit terms: [h, latent] @ [lm_head, W2]^T. A single
+    # vocabulary-sized product (and conversion) instead of two, in both directions.
+    head = lm_head if latent is None else _vocab_head(lm_head, markov_w2.to(dtype))
+    width = hidden.shape[-1]
+    terms = _chunk_terms_compiled_or_eager if compiled else chunk_terms
+    c_star = torch.zeros(num_blocks, block_size, dtype=torch.float32, device=hidden.device)
+    weights = torch.zeros_like(c_star)
+    sum_ce = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    sum_tv = torch.zeros_like(sum_ce)
+    sum_kl = torch.zeros_like(sum_ce)
+    for start in range(0, num_blocks, chunk_blocks):
+        sl = slice(start, min(start + chunk_blocks, num_blocks))
+        h = hidden[sl].to(dtype)
+        if latent is not None:
+            lat = latent[sl].to(dtype)
+            h = torch.cat([h, lat], dim=-1)
+        th, lab, val, base = target_hidden[sl].to(dtype), labels[sl], valid[sl], base_weights[sl]
+        rows = h.shape[0]
+        if compiled and rows < chunk_blocks:  # one shape for the compiled kernel: pad with invalid rows
+            h, th, lab, val, base = (_pad_rows(x, chunk_blocks) for x in (h, th, lab, val, base))
+        ce, tv, kl, c, w, grad = terms(h @ head.t(), th @ lm_head.t(), lab, val, base,
+                                       ce_weight, tv_weight, dpace, kl_weight, with_grad)
+        if rows < h.shape[0]:
+            ce, tv, kl, c, w = (x[:rows] for x in (ce, tv, kl, c, w))
+            grad = None if grad is None else grad[:rows]
+        c_star[sl], weights[sl] = c, w
+        sum_ce += (w * ce).sum()
+        sum_tv += (w * tv).sum()
+        sum_kl += (w * kl).sum()
+        if not with_grad:
+            continue
+        grad_in = grad @ head  # [rows, H (+ r)]: both input gradients in one product
+        grad_hidden[sl] = grad_in[..., :width].to(hidden.dtype)
+        if latent is not None:
+            grad_latent[sl] = grad_in[..., width:].to(latent.dtype)
+            grad_w2 += (grad.flatten(0, 1).t() @ lat.flatten(0, 1)).float()
+        del grad, grad_in
+    total = ce_weight * sum_ce + tv_weight * sum_tv + kl_weight * sum_kl
+    return total, sum_ce, sum_tv, sum_kl, c_star, weights, (grad_hidden, grad_latent, grad_w2)
+
+
 class _FusedVocabLoss(torch.autograd.Function):
     """Chunked CE + TV (+ KL) over the vocabulary with gradients computed in the forward pass.
 
@@ -172,63 +228,24 @@ class _FusedVocabLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, latent, markov_w2, lm_head, target_hidden, labels, valid,
-                base_weights, ce_weight: float, tv_weight: float, chunk_blocks: int, dpace: bool,
-                compiled: bool, kl_weight: float):
-        num_blocks, block_size, _ = hidden.shape
-        dtype = lm_head.dtype
-        grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
-        grad_latent = None if latent is None else torch.empty_like(latent)
-        grad_w2 = None if latent is None else torch.zeros_like(markov_w2, dtype=torch.float32)
-        # One matmul for both logit terms: [h, latent] @ [lm_head, W2]^T. A single
-        # vocabulary-sized product (and conversion) instead of two, in both directions.
-        head = lm_head if latent is None else _vocab_head(lm_head, markov_w2.to(dtype))
-        width = hidden.shape[-1]
-        terms = _chunk_terms_compiled_or_eager if compiled else chunk_terms
-        c_star = torch.zeros(num_blocks, block_size, dtype=torch.float32, device=hidden.device)
-        weights = torch.zeros_like(c_star)
-        sum_ce = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        sum_tv = torch.zeros_like(sum_ce)
-        sum_kl = torch.zeros_like(sum_ce)
-        for start in range(0, num_blocks, chunk_blocks):
-            sl = slice(start, min(start + chunk_blocks, num_blocks))
-            h = hidden[sl].to(dtype)
-            if latent is not None:
-                lat = latent[sl].to(dtype)
-                h = torch.cat([h, lat], dim=-1)
-            th, lab, val, base = target_hidden[sl].to(dtype), labels[sl], valid[sl], base_weights[sl]
-            rows = h.shape[0]
-            if compiled and rows < chunk_blocks:  # one shape for the compiled kernel: pad with invalid rows
-                h, th, lab, val, base = (_pad_rows(x, chunk_blocks) for x in (h, th, lab, val, base))
-            ce, tv, kl, c, w, grad = terms(h @ head.t(), th @ lm_head.t(), lab, val, base,
-                                           ce_weight, tv_weight, dpace, kl_weight)
-            if rows < h.shape[0]:
-                ce, tv, kl, c, w, grad = (x[:rows] for x in (ce, tv, kl, c, w, grad))
-            c_star[sl], weights[sl] = c, w
-            sum_ce += (w * ce).sum()
-            sum_tv += (w * tv).sum()
-            sum_kl += (w * kl).sum()
-            grad_in = grad @ head  # [rows, H (+ r)]: both input gradients in one product
-            grad_hidden[sl] = grad_in[..., :width].to(hidden.dtype)
-            if latent is not None:
-                grad_latent[sl] = grad_in[..., width:].to(latent.dtype)
-                grad_w2 += (grad.flatten(0, 1).t() @ lat.flatten(0, 1)).float()
-            del grad, grad_in
-        ctx.save_for_backward(grad_hidden, grad_latent, grad_w2)
+    def forward(ctx, hidden, latent, markov_w2, *args):
+        *sums, grads = _chunked_vocab_sums(hidden, latent, markov_w2, *args, with_grad=True)
+        ctx.save_for_backward(*grads)
         ctx.has_latent = latent is not None
         ctx.w2_dtype = None if markov_w2 is None else markov_w2.dtype
-        ctx.mark_non_differentiable(sum_ce, sum_tv, sum_kl, c_star, weights)
-        total = ce_weight * sum_ce + tv_weight * sum_tv + kl_weight * sum_kl
-        return total, sum_ce, sum_tv, sum_kl, c_star, weights
+        ctx.mark_non_differentiable(*sums[1:])
+        return tuple(sums)
 
     @staticmethod
     def backward(ctx, grad_total, *unused):
         grad_hidden, grad_latent, grad_w2 = ctx.saved_tensors
-        scale = grad_total
-        out_hidden = grad_hidden * scale.to(grad_hidden.dtype)
+        # In fp32, rounded once: a bf16 copy of the scale (loss scale / denominator) would be
+        # off by up to 0.4 % for the whole backbone's gradient.
+        scale = grad_total.float()
+        out_hidden = (grad_hidden.float() * scale).to(grad_hidden.dtype)
         out_latent = out_w2 = None
         if ctx.has_latent:
-            out_latent = grad_latent * scale.to(grad_latent.dtype)
+            out_latent = (grad_latent.float() * scale).to(grad_latent.dtype)
             out_w2 = (grad_w2 * scale).to(ctx.w2_dtype)
         return (out_hidden, out_latent, out_w2) + (None,) * 11
 
@@ -265,12 +282,13 @@ def vocab_terms(
     ce_weight: float, tv_weight: float, chunk_blocks: int, dpace: bool, compiled: bool = False,
     kl_weight: float = 0.0,
 ):
-    """CE/TV/KL sums over all blocks, chunked; see :class:`_FusedVocabLoss`."""
-    return _FusedVocabLoss.apply(
-        hidden, latent, markov_w2, lm_head, target_hidden, labels, valid.float(), base_weights,
-        float(ce_weight), float(tv_weight), int(chunk_blocks), bool(dpace), bool(compiled),
-        float(kl_weight),
-    )
+    """CE/TV/KL sums over all blocks, chunked; see :class:`_FusedVocabLoss`. Without a
+    gradient to compute (``torch.no_grad()``, or no input that requires one) the sums only."""
+    args = (lm_head, target_hidden, labels, valid.float(), base_weights, float(ce_weight),
+            float(tv_weight), int(chunk_blocks), bool(dpace), bool(compiled), float(kl_weight))
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, latent, markov_w2)):
+        return _FusedVocabLoss.apply(hidden, latent, markov_w2, *args)
+    return _chunked_vocab_sums(hidden, latent, markov_w2, *args, with_grad=False)[:6]
 
 
 def vocab_terms_unchunked(
