@@ -441,16 +441,52 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, folder: Path) -> list[int]
     return merge_eos_ids(sources, where=f"target folder {folder}")
 
 
-def read_weight(folder: Path, names: Sequence[str]) -> torch.Tensor:
-    """The first of ``names`` found in the folder's ``*.safetensors`` files."""
+# The input embedding's name: Llama/Qwen-style checkpoints, and Bailing/Ling (BailingMoeV3,
+# loaded by SGLang's bailing_moe_v3.py under model.word_embeddings).
+EMBEDDING_NAMES = ("model.embed_tokens.weight", "model.word_embeddings.weight")
+OUTPUT_HEAD_NAMES = ("lm_head.weight",)
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def weight_files(folder: Path) -> dict[str, str]:
+    """Tensor name -> safetensors file of a checkpoint folder: its index's ``weight_map``, or
+    the keys of its ``*.safetensors`` files where it has no index."""
     from safetensors import safe_open
 
+    from draftforge.errors import InputError
+
+    index = folder / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise InputError(f"{index}: not a valid safetensors index ({type(err).__name__}: {err})") from None
+        if not isinstance(weight_map, dict):
+            raise InputError(f"{index}: 'weight_map' is not an object")
+        return {str(name): str(file) for name, file in weight_map.items()}
+    files: dict[str, str] = {}
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
-            for name in names:
-                if name in handle.keys():
-                    return handle.get_tensor(name)
-    raise ValueError(f"target folder {folder}: none of {list(names)} in its safetensors files")
+            files.update(dict.fromkeys(handle.keys(), file.name))
+    return files
+
+
+def read_weight(folder: Path, names: Sequence[str], *, what: str = "weight") -> torch.Tensor:
+    """The first of ``names`` the folder's safetensors hold (``what`` names it in the error)."""
+    from safetensors import safe_open
+
+    from draftforge.errors import InputError
+
+    files = weight_files(folder)
+    for name in names:
+        if name in files:
+            if not (folder / files[name]).is_file():
+                raise InputError(f"target folder {folder}: {SAFETENSORS_INDEX} puts {name} in "
+                                 f"{files[name]}, which is missing")
+            with safe_open(str(folder / files[name]), framework="pt") as handle:
+                return handle.get_tensor(name)
+    where = SAFETENSORS_INDEX if (folder / SAFETENSORS_INDEX).is_file() else "*.safetensors files"
+    raise InputError(f"target folder {folder}: no {what} tensor; looked for {', '.join(names)} in its {where}")
 
 
 # torchrun tells its ranks to use the launcher's rendezvous store, and torch.distributed
@@ -628,14 +664,12 @@ class SGLangTarget:
 
     def lm_head_weight(self) -> torch.Tensor:
         """The output projection [V, H_t], read from the folder's safetensors (tied: the embedding)."""
-        names = ["lm_head.weight"]
-        if self.tie_word_embeddings:
-            names.append("model.embed_tokens.weight")
-        return read_weight(self.folder, names).to(self.device, self.dtype)
+        names = [*OUTPUT_HEAD_NAMES, *(EMBEDDING_NAMES if self.tie_word_embeddings else ())]
+        return read_weight(self.folder, names, what="output head").to(self.device, self.dtype)
 
     def embed_tokens_weight(self) -> torch.Tensor:
         """The input embedding [V, H_t], read from the folder's safetensors."""
-        return read_weight(self.folder, ["model.embed_tokens.weight"]).to(self.device, self.dtype)
+        return read_weight(self.folder, EMBEDDING_NAMES, what="input embedding").to(self.device, self.dtype)
 
     def close(self) -> None:
         """Stop the feature runner, then the generation engine (both restart on next use).

@@ -1,9 +1,11 @@
 """A Hugging Face Hub stand-in on 127.0.0.1 for upload tests: the endpoints that
 ``huggingface_hub``'s ``create_repo`` and ``upload_folder`` use (repository creation,
-model-card metadata validation, pre-upload, commit), nothing more.
+model-card metadata validation, the file listing ``delete_patterns`` reads, pre-upload,
+commit), nothing more.
 
 Every file is accepted as a "regular" (inline, base64) upload, so the commit
-carries the bytes themselves; ``files`` holds them per repository.
+carries the bytes themselves; ``files`` holds them per repository, and a commit's
+deleted files leave it.
 """
 
 from __future__ import annotations
@@ -36,6 +38,19 @@ class FakeHub:
                 self.wfile.write(data)
 
             def do_GET(self) -> None:
+                # /api/models/<org>/<name>/tree/<revision>?recursive=...: one page, every file
+                parts = self.path.split("?")[0].split("/")
+                if len(parts) == 7 and parts[:3] == ["", "api", "models"] and parts[5] == "tree":
+                    stored = hub.files.get(f"{parts[3]}/{parts[4]}", {})
+                    listing = [{"type": "file", "path": path, "size": len(data), "oid": f"{i:040x}"}
+                               for i, (path, data) in enumerate(sorted(stored.items()))]
+                    data = json.dumps(listing).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    return None
                 self._reply(404)
 
             def do_POST(self) -> None:
@@ -59,13 +74,18 @@ class FakeHub:
                             {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
                             for f in files]})
                     if action == "commit":
-                        stored = hub.files.setdefault(repo, {})
+                        stored = dict(hub.files.get(repo, {}))  # the commit applies whole or not at all
                         for line in body.decode().splitlines():
                             item = json.loads(line)
                             if item["key"] == "header":
                                 hub.commits.append(item["value"])
                             elif item["key"] == "file":
                                 stored[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+                            elif item["key"] == "deletedFile":
+                                if item["value"]["path"] not in stored:  # as the Hub refuses it
+                                    return self._reply(404, {"error": f"no {item['value']['path']}"})
+                                del stored[item["value"]["path"]]
+                        hub.files[repo] = stored
                         oid = f"{len(hub.commits):040x}"
                         return self._reply(200, {"commitUrl": f"{hub.endpoint}/{repo}/commit/{oid}",
                                                  "commitOid": oid, "pullRequestUrl": None})

@@ -9,6 +9,7 @@ import pytest
 import torch
 from dspark_helpers import tiny_draft
 
+from draftforge.errors import InputError
 from draftforge.train import export as export_mod
 from draftforge.train.export import (
     ExportError,
@@ -64,6 +65,35 @@ def test_round_trip_logits_bit_identical(tmp_path, head_type, with_embeddings, d
     assert next(loaded.parameters()).dtype == dtype
     for original, reloaded in zip(_block_outputs(model), _block_outputs(loaded), strict=True):
         assert torch.equal(original, reloaded)
+
+
+def test_unsorted_target_layers_export_ascending_with_fc_permuted_to_match(tmp_path):
+    """SGLang hands its DSpark fc the layers ascending whatever config.json lists; the export
+    lists them ascending and reorders fc's column blocks, so the served draft is the trained one."""
+    from draftforge.splitserve.sglang_backend import captured_order
+
+    model = tiny_draft(target_layer_ids=[4, 0, 2]).eval()
+    out = export_draft(model, tmp_path / "export", progress=lambda _: None)
+    config = json.loads((out / "config.json").read_text())
+    assert config["target_layer_ids"] == config["dflash_config"]["target_layer_ids"] == [0, 2, 4]
+    assert captured_order([4, 0, 2]) == [0, 2, 4]
+    loaded = load_exported_draft(out, embed_tokens=model.embed_tokens.weight, lm_head=model.lm_head.weight)
+    width = model.config.target_hidden_size
+    block = {layer: model.fc.weight[:, k * width : (k + 1) * width] for k, layer in enumerate([4, 0, 2])}
+    assert torch.equal(loaded.fc.weight, torch.cat([block[0], block[2], block[4]], dim=1))
+    gen = torch.Generator().manual_seed(3)
+    per_layer = {layer: torch.randn(2, 20, width, generator=gen) for layer in (4, 0, 2)}
+    trained_order = torch.cat([per_layer[i] for i in (4, 0, 2)], dim=-1)
+    served_order = torch.cat([per_layer[i] for i in (0, 2, 4)], dim=-1)
+    anchor = torch.randint(0, model.config.vocab_size, (2,), generator=gen)
+    with torch.no_grad():
+        for pos in (1, 9, 20):
+            want = model.draft_block(model.block_forward(anchor, pos, trained_order[:, :pos]), anchor)
+            got = loaded.draft_block(loaded.block_forward(anchor, pos, served_order[:, :pos]), anchor)
+            assert torch.equal(want[0], got[0])
+            # fc sums its inputs in another order: equal up to float32 rounding
+            torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-5)
 
 
 def test_config_json_has_every_contract_field(tmp_path):
@@ -330,8 +360,40 @@ def test_export_replaces_only_an_earlier_export_and_nothing_added_to_it(tmp_path
 
 def test_load_without_embeddings_needs_the_target(tmp_path):
     out = export_draft(tiny_draft(), tmp_path / "export", progress=lambda _: None)
-    with pytest.raises(ValueError, match="pass the target"):
+    with pytest.raises(InputError, match="pass the target"):
         load_exported_draft(out)
+
+
+def _edit_weight_map(out, edit):
+    index_path = out / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    edit(index["weight_map"])
+    index_path.write_text(json.dumps(index))
+    return index_path
+
+
+def test_a_sharded_export_whose_index_disagrees_with_its_shards_is_an_input_error(tmp_path):
+    out = export_draft(tiny_draft(), tmp_path / "export", max_shard_size_mb=0.01, progress=lambda _: None)
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    shard_of_norm, other = weight_map["norm.weight"], weight_map["fc.weight"]
+    assert shard_of_norm != other
+    kwargs = {"embed_tokens": torch.zeros(64, 32), "lm_head": torch.zeros(64, 32)}
+
+    index = _edit_weight_map(out, lambda m: m.update({"norm.weight": other}))
+    with pytest.raises(InputError) as err:
+        load_exported_draft(out, **kwargs)
+    assert str(err.value) == (f"{out / shard_of_norm}: holds tensor norm.weight, but {index} lists it "
+                              f"in {other}; export the draft again")
+
+    _edit_weight_map(out, lambda m: m.update({"norm.weight": shard_of_norm, "ghost.weight": other}))
+    with pytest.raises(InputError) as err:
+        load_exported_draft(out, **kwargs)
+    assert str(err.value) == (f"{index}: tensors listed but absent from their shards: ghost.weight "
+                              f"(in {other}); export the draft again")
+
+    _edit_weight_map(out, lambda m: [m.pop("ghost.weight"), m.pop("norm.weight")])
+    with pytest.raises(InputError, match=r"holds tensor norm\.weight, but .*index\.json does not list it"):
+        load_exported_draft(out, **kwargs)
 
 
 def _write_checkpoint(folder, model):
@@ -440,6 +502,83 @@ def test_export_cli_model_card_carries_recipe_and_acceptance_table(tmp_path):
     assert "## Recipe" in card and "markov_rank: 16" in card and "## Training data" in card
 
 
+def _run_with_report(root, draft):
+    """A run with one complete checkpoint and an eval report (report.md + report.json of ``draft``)."""
+    run = root / "run"
+    checkpoint = run / "checkpoints" / "step_00000010"
+    _write_checkpoint(checkpoint, tiny_draft(seed=3))
+    (checkpoint / "COMPLETE").touch()
+    (run / "eval").mkdir()
+    (run / "eval" / "report.md").write_text("| workload | dspark AL |\n| gsm8k | 4.99 |\n")
+    (run / "eval" / "report.json").write_text(json.dumps({"draft": draft}))
+    return run, checkpoint
+
+
+@pytest.mark.parametrize("measured", ["another draft", "this run", "its checkpoint", "its export",
+                                      "an earlier checkpoint"])
+def test_a_runs_eval_report_goes_into_the_card_only_if_it_measured_this_draft(tmp_path, capsys, measured):
+    from draftforge.train.export_cli import main
+
+    drafts = {"another draft": "/elsewhere/other-draft", "this run": "{run}",
+              "its checkpoint": "{run}/checkpoints/step_00000010", "its export": "{run}/export",
+              "an earlier checkpoint": "{run}"}
+    run, checkpoint = _run_with_report(tmp_path, drafts[measured].format(run=tmp_path / "run"))
+    if measured == "an earlier checkpoint":  # measured before this checkpoint was complete
+        done = (checkpoint / "COMPLETE").stat().st_mtime
+        os.utime(run / "eval" / "report.json", (done - 60, done - 60))
+    assert main([str(run)]) == 0
+    card = (run / "export" / "README.md").read_text()
+    out = capsys.readouterr().out
+    report = run / "eval" / "report.md"
+    if measured in ("this run", "its checkpoint", "its export"):
+        assert "| gsm8k | 4.99 |" in card and "Not measured" not in card
+        assert f"model card: acceptance table from {report}\n" in out
+    else:
+        assert "| gsm8k | 4.99 |" not in card and "Not measured at export time" in card
+        why = ("measured draft /elsewhere/other-draft, not this run, its checkpoint step_00000010 or its export"
+               if measured == "another draft" else "is older than checkpoint step_00000010")
+        assert f"model card: {report} not used ({run / 'eval' / 'report.json'} {why}" in out
+        assert "acceptance table from" not in out
+
+
+def test_an_explicit_eval_report_is_used_and_named(tmp_path, capsys):
+    from draftforge.train.export_cli import main
+
+    run, _ = _run_with_report(tmp_path, "/elsewhere/other-draft")
+    table = tmp_path / "mine.md"
+    table.write_text("| gsm8k | 3.21 |\n")
+    assert main([str(run), "--eval-report", str(table)]) == 0
+    assert "| gsm8k | 3.21 |" in (run / "export" / "README.md").read_text()
+    out = capsys.readouterr().out
+    assert f"model card: acceptance table from {table}\n" in out and "not used" not in out
+
+
+@pytest.mark.parametrize("regenerate", [True, False])
+def test_the_cards_training_data_line_gives_sampling_settings_only_for_regenerated_data(tmp_path, regenerate):
+    from pathlib import Path
+
+    from draftforge.config import load_recipe
+    from draftforge.train.export_cli import main
+
+    tiny = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
+    loaded = load_recipe(tiny, [f"data.regenerate={str(regenerate).lower()}"])
+    assert loaded.data.regenerate is regenerate
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(loaded.to_yaml())
+    _write_checkpoint(tmp_path / "ckpt", tiny_draft())
+    assert main([str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--recipe", str(recipe)]) == 0
+    card = (tmp_path / "out" / "README.md").read_text()
+    data = card.split("## Training data\n\n")[1].split("\n")[0]
+    files, length = loaded.data.train_files, loaded.data.max_length
+    if regenerate:
+        g = loaded.target.generation
+        assert data == (f"Files {files}, answers regenerated by the target (temperature {g.temperature}, "
+                        f"top_p {g.top_p}, top_k {g.top_k}, thinking {g.enable_thinking}), max length {length}.")
+    else:
+        assert data == f"Files {files}, answers as the files give them (not regenerated by the target), max length {length}."
+        assert "temperature" not in data and "thinking" not in data
+
+
 @pytest.mark.parametrize("refuse", [None, 401])
 def test_push_to_hub_uploads_the_export_through_huggingface_hub(tmp_path, monkeypatch, capsys, refuse):
     """The real huggingface_hub client against a loopback stand-in of the Hub's upload API."""
@@ -470,6 +609,31 @@ def test_push_to_hub_uploads_the_export_through_huggingface_hub(tmp_path, monkey
         assert status == 1 and not hub.files
         assert "push to the Hugging Face Hub (me/draft) failed" in captured.err
         assert "export itself is complete" in captured.err
+
+
+def test_a_push_replaces_an_earlier_pushs_shards_and_index(tmp_path, monkeypatch):
+    """A sharded export pushed, then a single-file one to the same repo: the repo holds the new
+    files only (a stale index left there would make SGLang load the old shards)."""
+    from fake_hub import FakeHub
+    from huggingface_hub import constants
+
+    from draftforge.train.export import push_to_hub
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")
+    sharded = export_draft(tiny_draft(seed=1), tmp_path / "sharded", max_shard_size_mb=0.01,
+                           progress=lambda _: None)
+    single = export_draft(tiny_draft(seed=2), tmp_path / "single", progress=lambda _: None)
+    with FakeHub() as hub:
+        monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint)
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # the suite sets it at import
+        push_to_hub(sharded, "me/draft")
+        assert "model.safetensors.index.json" in hub.files["me/draft"]
+        hub.files["me/draft"][".gitattributes"] = b"*.safetensors filter=lfs\n"  # the Hub's own
+        push_to_hub(single, "me/draft")
+    expected = {p.name: p.read_bytes() for p in single.iterdir()}
+    assert hub.files["me/draft"] == {**expected, ".gitattributes": b"*.safetensors filter=lfs\n"}
+    assert len(hub.commits) == 2
 
 
 def test_a_bf16_runs_frozen_matrices_go_out_in_the_drafts_dtype(tmp_path):

@@ -24,6 +24,7 @@ The ``gpu`` tests run the real SGLang against ``HFTarget`` on SmolLM2.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -570,6 +571,55 @@ def test_sglang_target_protocol_and_weights(fake_target, model):
     assert (fake_target.num_hidden_layers, fake_target.hidden_size) == (5, 64)
     assert torch.equal(fake_target.embed_tokens_weight(), model.model.embed_tokens.weight)
     assert torch.equal(fake_target.lm_head_weight(), model.lm_head.weight)
+
+
+def _bailing_style_folder(folder, tmp_path, *, tied=False):
+    """The tiny target's files with its embedding named as Bailing/Ling name it
+    (model.word_embeddings.weight), in two shards and an index; ``tied``: no lm_head."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    ling = tmp_path / "ling"
+    shutil.copytree(folder, ling, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    state = {}
+    for file in folder.glob("*.safetensors"):
+        state.update(load_file(str(file)))
+    state["model.word_embeddings.weight"] = state.pop("model.embed_tokens.weight")
+    if tied:
+        del state["lm_head.weight"]
+    names = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    for file, shard in shards.items():
+        save_file({name: state[name].contiguous() for name in shard}, str(ling / file))
+    weight_map = {name: file for file, shard in shards.items() for name in shard}
+    (ling / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return ling
+
+
+def test_sglang_target_reads_a_bailing_checkpoints_word_embeddings(monkeypatch, folder, model, tmp_path):
+    monkeypatch.setattr(sglang_backend, "require_sglang", lambda: SGLANG_VERSION)
+    ling = _bailing_style_folder(folder, tmp_path)
+    target = SGLangTarget(ling, LAYERS, TargetConfig(model=str(ling), dtype="float32"))
+    assert torch.equal(target.embed_tokens_weight(), model.model.embed_tokens.weight)
+    assert torch.equal(target.lm_head_weight(), model.lm_head.weight)
+    # a tied target without lm_head.weight: its output head is the embedding
+    target.folder = _bailing_style_folder(folder, tmp_path / "tied", tied=True)
+    target.tie_word_embeddings = True
+    assert torch.equal(target.lm_head_weight(), model.model.embed_tokens.weight)
+
+
+def test_a_target_without_an_embedding_is_an_input_error_naming_the_folder(tmp_path):
+    from safetensors.torch import save_file
+
+    from draftforge.errors import InputError
+
+    save_file({"model.norm.weight": torch.ones(4)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(InputError) as err:
+        sglang_backend.read_weight(tmp_path, sglang_backend.EMBEDDING_NAMES, what="input embedding")
+    assert str(err.value) == (f"target folder {tmp_path}: no input embedding tensor; looked for "
+                              "model.embed_tokens.weight, model.word_embeddings.weight in its *.safetensors files")
 
 
 def test_sglang_target_features_skip_empty_rows(fake_target, model):

@@ -45,7 +45,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -221,6 +221,31 @@ def serving_config(
     return config
 
 
+def ascending_target_layers(
+    state: Mapping[str, torch.Tensor], cfg: DSparkConfig, *, progress=print
+) -> tuple[dict[str, torch.Tensor], DSparkConfig]:
+    """``state`` and ``cfg`` with ``target_layer_ids`` ascending and ``fc.weight``'s column
+    blocks (one per target layer, ``target_hidden_size`` wide) permuted to match.
+
+    Training concatenates the layers in the recipe's order, and llama.cpp in the order
+    config.json lists them, but SGLang's capture always returns them ascending and its DSpark
+    ``fc`` reads them as they come: an export with ascending ids means the same draft to
+    every consumer. A mis-shaped ``fc.weight`` is left alone for :func:`check_tensors` to report.
+    """
+    ids = list(cfg.target_layer_ids)
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    width = cfg.target_hidden_size
+    fc = state.get("fc.weight")
+    expected = (cfg.hidden_size, cfg.num_context_features)
+    if order == list(range(len(ids))) or fc is None or tuple(fc.shape) != expected:
+        return dict(state), cfg
+    blocks = [fc[:, i * width : (i + 1) * width] for i in order]
+    ascending = [ids[i] for i in order]
+    progress(f"target_layer_ids {ids} written ascending as {ascending}, with fc.weight's column "
+             "blocks permuted to match (SGLang captures the layers in ascending order)")
+    return {**state, "fc.weight": torch.cat(blocks, dim=1)}, replace(cfg, target_layer_ids=ascending)
+
+
 def llamacpp_blockers(config: Mapping) -> list[str]:
     """Why llama.cpp (llama-cpp-python 0.3.36) cannot run the draft of this exported config;
     empty when it can."""
@@ -275,6 +300,7 @@ def export_draft(
         if len(own) == 1:
             state.update({name: state[name].to(next(iter(own))) for name in EMBEDDING_KEYS})
     untied = with_embeddings and not torch.equal(state["embed_tokens.weight"], state["lm_head.weight"])
+    state, cfg = ascending_target_layers(state, cfg, progress=progress)
     config = serving_config(cfg, arch=arch, dtype=_common_dtype(state), untied_embeddings=untied)
     check_tensors(state, cfg, with_embeddings=with_embeddings, where="the draft's state dict")
     blockers = llamacpp_blockers(config)
@@ -540,8 +566,13 @@ def _write_json(path: Path, value) -> None:
     path.write_text(json.dumps(value, indent=2) + "\n")
 
 
+# what a push replaces on the Hub: everything an export writes, whatever an earlier push left
+PUSH_REPLACES = ("*.safetensors", INDEX_FILE, CARD_FILE, CONFIG_FILE)
+
+
 def push_to_hub(folder: str | os.PathLike[str], repo_id: str, *, private: bool = True) -> str:
-    """Upload an export folder to the Hugging Face Hub; a clear error when offline or not logged in."""
+    """Upload an export folder to the Hugging Face Hub in one commit that also deletes the files
+    of an earlier export there (:data:`PUSH_REPLACES`); a clear error when offline or not logged in."""
     if os.environ.get("HF_HUB_OFFLINE") == "1":
         raise RuntimeError(
             f"cannot push to {repo_id}: HF_HUB_OFFLINE=1 is set. The export is complete at {folder}; "
@@ -555,7 +586,10 @@ def push_to_hub(folder: str | os.PathLike[str], repo_id: str, *, private: bool =
     api = HfApi()
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
-        api.upload_folder(folder_path=str(folder), repo_id=repo_id, commit_message="draftforge export")
+        # an earlier push's shards and index would otherwise stay beside the new files, and
+        # servers would load the stale index's shards
+        api.upload_folder(folder_path=str(folder), repo_id=repo_id, commit_message="draftforge export",
+                          delete_patterns=list(PUSH_REPLACES))
     except Exception as err:  # network, auth, permission: the hub client raises many kinds
         raise RuntimeError(
             f"push to the Hugging Face Hub ({repo_id}) failed: {err.__class__.__name__}: {err}. "

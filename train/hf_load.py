@@ -140,11 +140,17 @@ def read_safetensors_folder(folder: str | os.PathLike[str]) -> dict[str, torch.T
             shard = read_safetensors_file(folder / filename)
             for name, tensor in shard.items():
                 if weight_map.get(name) != filename:
-                    raise ValueError(f"{folder / filename}: tensor {name} is not listed for it in {index.name}")
+                    listed = f"lists it in {weight_map[name]}" if name in weight_map else "does not list it"
+                    raise ExportError(f"{folder / filename}: holds tensor {name}, but {index} {listed}; "
+                                      "export the draft again")
                 state[name] = tensor
         missing = sorted(set(weight_map) - set(state))
         if missing:
-            raise ValueError(f"{index}: tensors listed but absent from their shards: {', '.join(missing)}")
+            raise ExportError(
+                f"{index}: tensors listed but absent from their shards: "
+                + ", ".join(f"{name} (in {weight_map[name]})" for name in missing)
+                + "; export the draft again"
+            )
         return state
     if single.is_file():
         return read_safetensors_file(single)
@@ -179,7 +185,7 @@ def load_exported_draft(
             embed_tokens = target.embed_tokens_weight()
             lm_head = target.lm_head_weight()
         if embed_tokens is None or lm_head is None:
-            raise ValueError(
+            raise ExportError(
                 f"{folder} holds no embed_tokens/lm_head (exported without --with-embeddings); "
                 "pass the target (or its embedding and lm_head) to load it"
             )
