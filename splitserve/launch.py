@@ -20,7 +20,9 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from draftforge import argtypes
 from draftforge.splitserve.multinode import (
@@ -42,6 +44,9 @@ from draftforge.splitserve.supervisor import (
 
 DEFAULT_RESTARTS = 3  # with split.restart_target
 RESTART_ENV = "DRAFTFORGE_RESTART"  # which restart of the job the ranks belong to
+# Where a rank of this node that refused its input (exit status 2) says so: torchrun exits 1
+# whatever its ranks' statuses were, and a restart would fail the same way.
+INPUT_ERROR_ENV = "DRAFTFORGE_INPUT_ERROR_FILE"
 
 
 def launch_env(master_addr: str = LOOPBACK, *, cpu: bool = True) -> dict[str, str]:
@@ -67,8 +72,6 @@ def preflight(cfg) -> None:
     ranks will read it (the overlap check is left to them). Raises
     :class:`~draftforge.errors.InputError` (exit status 2) naming the file.
     """
-    from pathlib import Path
-
     from draftforge.files import nearest_existing
     from draftforge.splitserve.producer import load_source_conversations
     from draftforge.train import checkpoint as ckpt
@@ -149,7 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true",
                         help="print the resolved config, split, parameter count and memory estimate")
     parser.add_argument("--nproc", type=int, default=None,
-                        help="processes to start; must equal split.world_size (default: that)")
+                        help="processes to start on this node; must equal split.world_size / "
+                        "split.num_nodes (default: that)")
     parser.add_argument("--max-restarts", type=argtypes.non_negative_int, default=None,
                         help=f"restarts of the whole job after it fails (default {DEFAULT_RESTARTS} with "
                         "split.restart_target: true, else 0)")
@@ -180,10 +184,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_trainer_node(cfg, layout, args.node_rank)
     if args.nproc is not None and args.nproc != layout.nproc_per_node:
         raise RecipeError([
-            f"--nproc {args.nproc}: the recipe's split has world_size {cfg.split.world_size} "
-            f"(target ranks {cfg.split.target_ranks}, trainer ranks {cfg.split.trainer_ranks}) "
-            f"on {layout.num_nodes} node(s), {layout.nproc_per_node} processes each; "
-            "drop --nproc or change the split (e.g. split.world_size=N)"
+            f"--nproc {args.nproc}: processes on this node: split.world_size / split.num_nodes = "
+            f"{cfg.split.world_size} / {layout.num_nodes} = {layout.nproc_per_node} (target ranks "
+            f"{cfg.split.target_ranks}, trainer ranks {cfg.split.trainer_ranks}); pass --nproc "
+            f"{layout.nproc_per_node}, drop --nproc or change the split (e.g. split.world_size=N)"
         ])
     # A dry run plans the job for the machine the recipe names: its GPUs need not be here.
     check_split(cfg, cuda_devices=planned_gpus(cfg) if args.dry_run else None)
@@ -201,6 +205,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if restarts is None:
         restarts = DEFAULT_RESTARTS if cfg.split.restart_target else 0
     env = launch_env(args.master_addr, cpu=not torch_cuda_visible())  # [0] is one GPU: any() said none
+    with tempfile.TemporaryDirectory(prefix="draftforge-train-") as folder:
+        env[INPUT_ERROR_ENV] = str(Path(folder) / "input-error")
+        return _supervise(cfg, args, layout, env, restarts)
+
+
+def _supervise(cfg, args, layout, env: dict[str, str], restarts: int) -> int:
+    """Start this node's ranks, restart the job up to ``restarts`` times after a failure that
+    was not an input error; returns the exit status."""
+    marker = Path(env[INPUT_ERROR_ENV])
     if layout.num_nodes > 1:
         command = multinode_torchrun_command(
             args.recipe, args.overrides, layout, node_rank=args.node_rank,
@@ -212,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "network", file=sys.stderr, flush=True)
         print(f"draftforge train: {' '.join(command[1:])}", file=sys.stderr, flush=True)
 
-        def start() -> int:
+        def run() -> int:
             return run_torchrun(command, env=env)
     else:
         command = rank_command(args.recipe, args.overrides)
@@ -221,9 +234,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"draftforge train: {cfg.split.world_size} ranks of {' '.join(command[1:])} "
               f"(rendezvous on {args.master_addr})", file=sys.stderr, flush=True)
 
-        def start() -> int:
+        def run() -> int:
             return run_ranks(command, nproc=cfg.split.world_size, env=env,
                              host=args.master_addr, labels=labels)
+
+    def start() -> int:
+        status = run()
+        # torchrun's status is 1 whatever its ranks' were, and the supervisor's may be a rank
+        # killed in reaction: the marker says a rank refused its input
+        return INPUT_ERROR_STATUS if status != 0 and marker.exists() else status
+
     status = start()  # JobInterrupted (Ctrl-C, SIGTERM) ends it here: never restarted
     # split.restart_target: a dead rank (a target, usually) ends the job; every rank
     # starts again, exactly as if the user reran the command, and continues from the
@@ -243,8 +263,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         env[RESTART_ENV] = str(attempt)
         status = start()
     if status != 0:
-        from pathlib import Path
-
         from draftforge.train import checkpoint as ckpt
 
         if not _runs_trainers(cfg, layout, args.node_rank):  # the trainers' node has them

@@ -314,6 +314,7 @@ def run_rank(cfg: RecipeConfig, *, mode: str = "train", bench: dict | None = Non
     except InputError as exc:  # a file or setting the user can fix: the message, no traceback
         ctx.log(f"error: {exc}")
         sys.stderr.flush()
+        note_input_error(exc)
         os._exit(EXIT_BAD_INPUT)
     except T.PeerDied as exc:
         ctx.log(f"stopping: {exc}")
@@ -345,6 +346,24 @@ def run_rank(cfg: RecipeConfig, *, mode: str = "train", bench: dict | None = Non
         os._exit(1)
     _finish(ctx)
     return 0
+
+
+def note_input_error(exc: BaseException) -> None:
+    """Before this rank exits with status 2 (:data:`EXIT_BAD_INPUT`), tell the node's
+    ``draftforge train`` that it refused its input, so it makes no restart: torchrun exits 1
+    whatever its ranks' statuses. The launcher names the file in
+    ``DRAFTFORGE_INPUT_ERROR_FILE``; nothing to do without it (torchrun started by hand)."""
+    from draftforge.files import write_atomic
+    from draftforge.splitserve.launch import INPUT_ERROR_ENV
+
+    path = os.environ.get(INPUT_ERROR_ENV)
+    if not path:
+        return
+    try:
+        write_atomic(Path(path), f"rank {os.environ.get('RANK', '?')}: {exc}\n")
+    except OSError as err:  # the status still says it where nothing stands between
+        print(f"draftforge train: cannot leave the input-error marker {path}: {err}", file=sys.stderr,
+              flush=True)
 
 
 # What gloo and NCCL say when a collective loses a rank (it exited, was killed, or hung).

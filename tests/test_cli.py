@@ -63,3 +63,19 @@ def test_a_file_that_cannot_be_written_or_read_gives_its_path_and_cause(monkeypa
     monkeypatch.setattr(draftforge.config, "load_recipe", lambda *a, **k: (_ for _ in ()).throw(OSError("?")))
     with pytest.raises(OSError):
         cli.main(["config", "show", "recipe.yaml"])
+
+
+def test_train_nproc_counts_the_processes_of_this_node(capsys, monkeypatch):
+    """On the 2-node recipe (world_size 16) each node starts 8 processes: --nproc 8 is accepted,
+    16 refused with the number expected; the help said world_size, the check wanted 8."""
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    recipe = "recipes/ling3-flash-2node.yaml"
+    assert cli.main(["train", recipe, "--dry-run", "--nproc", "8"]) == 0
+    assert "--nproc_per_node=8" in capsys.readouterr().out
+    assert cli.main(["train", recipe, "--dry-run", "--nproc", "16"]) == 2
+    assert ("--nproc 16: processes on this node: split.world_size / split.num_nodes = 16 / 2 = 8 "
+            in capsys.readouterr().err)
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    assert "split.world_size / split.num_nodes" in " ".join(capsys.readouterr().out.split())

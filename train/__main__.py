@@ -29,12 +29,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from draftforge.config import RecipeError, load_recipe
-    from draftforge.splitserve.roles import run_rank
+    from draftforge.splitserve.roles import note_input_error, run_rank
 
     try:
         cfg = load_recipe(args.recipe, args.overrides)
     except RecipeError as exc:
         print(f"draftforge train: invalid recipe:\n{exc}", file=sys.stderr)
+        note_input_error(exc)  # so a node's launcher does not restart it
         return 2
     from draftforge.allocator import tune_malloc
     from draftforge.errors import InputError
@@ -43,6 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tune_malloc()
     except InputError as exc:
         print(f"draftforge train: error: {exc}", file=sys.stderr)
+        note_input_error(exc)  # so a node's launcher does not restart it
         return 2
     rank = int(os.environ.get("RANK", "0"))
     seed = cfg.train.seed * 1000 + rank
@@ -57,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_rank(cfg, bench=bench)
     except RecipeError as exc:
         print(f"draftforge train: invalid recipe:\n{exc}", file=sys.stderr)
+        note_input_error(exc)  # so a node's launcher does not restart it
         return 2
 
 
