@@ -171,7 +171,7 @@ def test_frozen_embeddings_never_change(single_run):
 def test_run_dir_records_metrics_plot_and_summary(single_run):
     trainer, result, run_dir = single_run
     assert (run_dir / "config.yaml").read_text() == "name: test\n"
-    run = json.loads((run_dir / "run.json").read_text())
+    [run] = json.loads((run_dir / "run.json").read_text())["segments"]
     import safetensors
     import transformers
 
@@ -179,6 +179,7 @@ def test_run_dir_records_metrics_plot_and_summary(single_run):
     assert (run["versions"]["torch"], run["versions"]["transformers"], run["versions"]["safetensors"]) == (
         torch.__version__, transformers.__version__, safetensors.__version__)
     assert run["command"] and "git_revision" in run and run["strategy"] == "single"
+    assert run["config"] == "config.yaml"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 251))
     for key in ("lr", "loss", "ce", "tv", "bce", "tau", "slot_acceptance", "tokens", "tokens_s",
@@ -383,6 +384,28 @@ def test_a_refused_rerun_leaves_the_run_records_as_they_were(tmp_path):
     assert {name: (tmp_path / name).read_text() for name in records} == records
 
 
+def test_a_resume_with_other_overrides_keeps_each_segments_records(tmp_path, monkeypatch):
+    """run.json keeps what produced the earlier steps (command, start, recipe) after a resume
+    with another recipe; config.yaml is the newest recipe, the earlier one kept beside it."""
+    import sys
+
+    monkeypatch.setattr(sys, "argv", ["draftforge", "train", "r.yaml"])
+    _trainer(tmp_path, steps=2).fit(pack(chain_samples(20), 90))
+    [first] = json.loads((tmp_path / "run.json").read_text())["segments"]
+    monkeypatch.setattr(sys, "argv", ["draftforge", "train", "r.yaml", "train.steps=4"])
+    resumed = Trainer(model_config=tiny_model_config(), train=train_config(steps=4, resume="auto"),
+                      embeddings=target_embeddings(), run_dir=tmp_path,
+                      recipe_yaml="name: test\nsteps: 4\n")
+    assert resumed.resume().step == 2
+    resumed.fit(pack(chain_samples(20), 90))
+    segments = json.loads((tmp_path / "run.json").read_text())["segments"]
+    assert segments[0] == {**first, "config": "config.1.yaml"}
+    assert segments[1]["command"][1:] == ["draftforge", "train", "r.yaml", "train.steps=4"]
+    assert segments[1]["config"] == "config.yaml" and len(segments) == 2
+    assert (tmp_path / "config.1.yaml").read_text() == "name: test\n"
+    assert (tmp_path / "config.yaml").read_text() == "name: test\nsteps: 4\n"
+
+
 def test_a_skipped_step_leaves_the_weights_untouched(tmp_path):
     samples = chain_samples(10, nan_ids=tuple(range(10)))
     trainer = _trainer(tmp_path, steps=3, max_bad_steps=5)
@@ -458,6 +481,39 @@ def test_wandb_offline_and_tensorboard_receive_every_step(tmp_path, monkeypatch)
     resumed.close()
     assert calls["purge_step"] == [None, 3], "a run resumed at step 2 drops the events of steps 3 on"
 
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
+    """The resumed segment passes wandb the first segment's run id (resume="allow"), so wandb
+    continues that run instead of opening a second one of the same name."""
+    import sys
+    import types
+
+    inits = []
+    fake_wandb = types.ModuleType("wandb")
+
+    class _Run:
+        def log(self, data, step):
+            pass
+
+        def finish(self):
+            pass
+
+    def init(*, dir, mode, config, name, id=None, resume=None, reinit=None):  # wandb.init's keywords
+        inits.append({"dir": dir, "name": name, "id": id, "resume": resume})
+        return _Run()
+
+    fake_wandb.init = init
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb)
+    _trainer(tmp_path / "run", steps=2, wandb=True).fit(pack(chain_samples(20), 90))
+    first_id = inits[0]["id"]
+    assert first_id and (tmp_path / "run" / "wandb_id.txt").read_text().strip() == first_id
+    resumed = _trainer(tmp_path / "run", steps=4, wandb=True, resume="auto")
+    assert resumed.resume().step == 2
+    resumed.fit(pack(chain_samples(20), 90))
+    assert inits[1] == {**inits[0], "resume": "allow"} and inits[1]["id"] == first_id
+    _trainer(tmp_path / "other", steps=1, wandb=True).fit(pack(chain_samples(20), 90))
+    assert inits[2]["id"] not in (None, first_id)  # another run directory, another wandb run
 
 DEEPSPEED_INF_GRAD = """
 import os, sys

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import secrets
 import subprocess
 import sys
 import time
@@ -17,12 +20,43 @@ from draftforge.files import write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
+RUN_FILE = "run.json"
+CONFIG_FILE = "config.yaml"
+WANDB_ID_FILE = "wandb_id.txt"
 
 
-def git_revision() -> str | None:
-    """The draftforge source tree's commit (with ``-dirty`` when it has changes), or None."""
-    source = Path(__file__).resolve().parent
+def _names_draftforge(pyproject: Path) -> bool:
+    """Whether ``pyproject`` is draftforge's own (its ``[project]`` name)."""
     try:
+        text = pyproject.read_text()
+    except (OSError, UnicodeDecodeError):
+        return False
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        found = re.search(r"^\[project\][^\[]*?^name\s*=\s*[\"']draftforge[\"']", text, re.M | re.S)
+        return found is not None
+    try:
+        return tomllib.loads(text).get("project", {}).get("name") == "draftforge"
+    except tomllib.TOMLDecodeError:
+        return False
+
+
+def git_revision(source: Path | None = None) -> str | None:
+    """The draftforge source tree's commit (with ``-dirty`` when it has changes), or None.
+
+    ``source`` (default: the one this module runs from) is the folder above the package's;
+    only a git work tree whose top is that folder, holding draftforge's pyproject.toml, counts.
+    An installed copy (site-packages) inside the user's own repository would otherwise report
+    the user's commit as draftforge's."""
+    source = (source or Path(__file__).resolve().parent.parent).resolve()
+    if not _names_draftforge(source / "pyproject.toml"):
+        return None
+    try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=source, capture_output=True,
+                             text=True, timeout=10)
+        if top.returncode != 0 or Path(top.stdout.strip()).resolve() != source:
+            return None
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=source, capture_output=True,
                              text=True, timeout=10)
         if rev.returncode != 0:
@@ -44,20 +78,55 @@ def package_versions(names=("torch", "transformers", "draftforge", "deepspeed", 
     return versions
 
 
+def _read_segments(path: Path) -> list[dict]:
+    """run.json's segments, oldest first; an unreadable run.json is kept aside, not lost."""
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        return []
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        record = exc
+    if not isinstance(record, dict):
+        aside = path.with_name(path.name + ".unreadable")
+        os.replace(path, aside)
+        print(f"[trainer] warning: {path} is not a run record ({record!r:.80}); kept as {aside}, "
+              "a new one started", flush=True)
+        return []
+    # a run.json written before segments existed is the record of the first one
+    return record["segments"] if "segments" in record else [record]
+
+
 def write_run_records(run_dir: Path, *, recipe_yaml: str | None, details: dict) -> None:
-    """config.yaml (the resolved recipe) and run.json (command line, git revision, versions)."""
+    """Append this training segment (a first run, a resume or a rerun) to run.json: its
+    command line, start time, git revision, versions, ``details`` and ``config``, the file
+    holding its resolved recipe. Earlier segments stay as they were written.
+
+    config.yaml is the newest segment's recipe. An earlier one that differs is kept as
+    ``config.<N>.yaml``, N the number (from 1) of the first segment that ran it, and the
+    segments that ran it say so."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    if recipe_yaml is not None:
-        write_atomic(run_dir / "config.yaml", recipe_yaml)
-    record = {
+    segments = _read_segments(run_dir / RUN_FILE)
+    saved = run_dir / CONFIG_FILE
+    if recipe_yaml is not None and saved.is_file() and saved.read_text() != recipe_yaml:
+        ran = [n for n, s in enumerate(segments, 1) if s.get("config", CONFIG_FILE) == CONFIG_FILE]
+        kept = f"config.{ran[0] if ran else len(segments)}.yaml"
+        write_atomic(run_dir / kept, saved.read_text())
+        for n in ran:
+            segments[n - 1]["config"] = kept
+    segments.append({
         "command": [sys.executable, *sys.argv],
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "git_revision": git_revision(),
         "versions": package_versions(),
         "python": sys.version.split()[0],
         **details,
-    }
-    write_atomic(run_dir / "run.json", json.dumps(record, indent=1, sort_keys=True))
+        "config": CONFIG_FILE if recipe_yaml is not None else None,
+    })
+    # run.json first: a crash before config.yaml is rewritten leaves each earlier segment's
+    # recipe where run.json says it is
+    write_atomic(run_dir / RUN_FILE, json.dumps({"segments": segments}, indent=1, sort_keys=True))
+    if recipe_yaml is not None:
+        write_atomic(saved, recipe_yaml)
 
 
 def _finite(value):
@@ -88,7 +157,8 @@ class MetricsLog:
         self._file = self.path.open("a")
         self._wandb = self._tensorboard = None
         if train.wandb:
-            self._wandb = _start_wandb(run_dir, train=train, recipe_yaml=recipe_yaml)
+            self._wandb = _start_wandb(run_dir, train=train, recipe_yaml=recipe_yaml,
+                                       resume_step=resume_step)
         if train.tensorboard:
             self._tensorboard = _start_tensorboard(run_dir, resume_step=resume_step)
 
@@ -127,7 +197,7 @@ class MetricsLog:
             self._tensorboard.close()
 
 
-def _start_wandb(run_dir: Path, *, train, recipe_yaml: str | None):
+def _start_wandb(run_dir: Path, *, train, recipe_yaml: str | None, resume_step: int):
     try:
         import wandb
     except ImportError as exc:
@@ -140,8 +210,16 @@ def _start_wandb(run_dir: Path, *, train, recipe_yaml: str | None):
         import yaml
 
         config = yaml.safe_load(recipe_yaml)
-    return wandb.init(dir=str(run_dir), mode=train.wandb_mode, config=config,
-                      name=run_dir.name, reinit="finish_previous")
+    # One wandb run per run directory: a resumed segment continues the run the first one
+    # opened (its id in wandb_id.txt) rather than opening another of the same name. A run
+    # that starts from step 0 (nothing to resume, or train.resume=never) is a new wandb run.
+    id_file = run_dir / WANDB_ID_FILE
+    run_id = id_file.read_text().strip() if resume_step and id_file.is_file() else ""
+    if not run_id:
+        run_id = "".join(secrets.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(8))
+        write_atomic(id_file, run_id + "\n")
+    return wandb.init(dir=str(run_dir), mode=train.wandb_mode, config=config, name=run_dir.name,
+                      id=run_id, resume="allow", reinit="finish_previous")
 
 
 def _start_tensorboard(run_dir: Path, *, resume_step: int):
