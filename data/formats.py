@@ -224,8 +224,9 @@ def parse_row(
 ) -> Conversation:
     """Validate one row and return it as a :class:`Conversation`.
 
-    With ``expect="prompt"`` assistant turns are dropped: the result holds the system
-    prompt (if any) and the user turns, ready for regeneration.
+    With ``expect="prompt"`` assistant turns are dropped (and ``unfinished_turns``, which
+    indexes them): the result holds the system prompt (if any) and the user turns, ready
+    for regeneration.
     """
     if not isinstance(row, dict):
         raise _fail(where, f"a row must be a JSON object, got {type(row).__name__}")
@@ -251,12 +252,13 @@ def parse_row(
     else:
         messages = _messages_from_prompt(row, where)
     check_structure(messages, where, expect)
-    if expect == "prompt":
-        messages = [m for m in messages if m["role"] != "assistant"]
     ident = row_id(row, where, default_id)
     extra = {k: v for k, v in row.items() if k not in ("id", "messages", "conversations", "prompt")}
     if "unfinished_turns" in extra:  # written by 'data regenerate': replies cut at the limit
         extra["unfinished_turns"] = _unfinished_turns(extra["unfinished_turns"], messages, where)
+    if expect == "prompt":  # the target writes new replies: the old ones go, and which were cut
+        messages = [m for m in messages if m["role"] != "assistant"]
+        extra.pop("unfinished_turns", None)
     return Conversation(id=ident, messages=messages, source=str(where), extra=extra)
 
 

@@ -5,10 +5,13 @@
 (``target.generation``) and writes one jsonl row per prompt::
 
     {"id": ..., "messages": [...], "unfinished_turns": [...], "generation": {settings},
-     "target": "<name>", "arithmetic": {"device": ..., "backend": ..., "dtype": ..., "threads": ...}}
+     "target": "<name>", "target_fingerprint": "...",
+     "arithmetic": {"device": ..., "backend": ..., "dtype": ..., "threads": ...}}
 
 ``unfinished_turns`` lists the message indices of replies the target did not end
 itself (cut at ``max_new_tokens``); their end-of-turn marker is not supervised.
+``target_fingerprint`` tells apart targets of one name (``splitserve.target.target_name``:
+two local folders both called ``final``); it is absent for a registered target.
 
 to ``data.regenerated_file`` (default ``<train.output_dir>/regenerated.jsonl``).
 Multi-turn prompts are answered turn by turn: each user turn is answered given the
@@ -28,7 +31,8 @@ Resumable and crash-safe:
 - when every prompt is answered the rows are written in prompt order to a temporary
   file that is renamed to ``<out>``; ``<out>`` is never half-written;
 - rows are reused only when their id is one of this run's prompts, their system prompt
-  and user turns equal that prompt's, and their target and settings equal this run's;
+  and user turns equal that prompt's, and their target (name and fingerprint) and settings
+  equal this run's;
   anything else is refused with the file and id, never mixed in. A finished file that
   answers every prompt and more (a larger recipe's) is accepted as it is; training
   reads its first ``data.num_samples`` rows (``check_answers``).
@@ -63,6 +67,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from draftforge.cores import usable_cores
 from draftforge.data.formats import Conversation, DataFormatError
+from draftforge.data.tokenize import ChatTemplateError, template_failure
 from draftforge.errors import InputError
 from draftforge.files import fsync_dir, write_atomic
 from draftforge.splitserve.supervisor import unwinding_on_sigterm
@@ -126,7 +131,14 @@ def answer_batch(
         for i in active:
             histories[i].append({"role": "user", "content": turns[i][turn]})
         call_settings = settings.model_copy(update={"seed": batch_seed(settings.seed, ids, turn)})
-        replies = engine.generate([list(histories[i]) for i in active], call_settings)
+        try:
+            replies = engine.generate([list(histories[i]) for i in active], call_settings)
+        except ChatTemplateError as err:
+            if err.conversation_index is None or err.__cause__ is None:
+                raise
+            prompt = prompts[active[err.conversation_index]]
+            where = f"{prompt.source or 'prompt'} (id {prompt.id!r})"
+            raise ChatTemplateError(f"{where}: {template_failure(err.__cause__, 'this prompt')}") from err
         if len(replies) != len(active) or not all(isinstance(r, str) for r in replies):
             raise RuntimeError(
                 f"target {engine.name!r} returned {len(replies)} replies for {len(active)} "
@@ -156,32 +168,52 @@ def _row_line(row: dict[str, Any]) -> bytes:
     return (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
 
 
+def _not_a_row(path: Path, number: int, problem: object) -> RegenerationError:
+    return RegenerationError(
+        f"{path}, line {number}: not a regenerated row ({problem}); this file was not "
+        "written by 'draftforge data regenerate' -- move it away and rerun"
+    )
+
+
+def _row_problem(row: Any) -> str | None:
+    """What keeps a parsed line from being a regenerated row, or None."""
+    if not isinstance(row, dict) or not isinstance(row.get("id"), str):
+        return "not a row object with a string id"
+    messages = row.get("messages")
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages
+    ):
+        return "no 'messages' list of {role, content} strings"
+    return None
+
+
 def _read_rows(
-    path: Path, keep: Callable[[dict[str, Any]], bool] | None = None
+    path: Path, keep: Callable[[dict[str, Any], int], bool] | None = None
 ) -> tuple[list[dict[str, Any]], bool]:
-    """Complete rows of an output file (those ``keep`` accepts, if given), and whether its
-    last line was torn. Read line by line: a checked file of any size costs one row of memory."""
+    """Complete rows of an output file (those ``keep(row, line number)`` accepts, if given),
+    and whether its last line was torn. Read line by line: a checked file of any size costs
+    one row of memory."""
     rows = []
     torn = False
     bad: tuple[int, ValueError] | None = None  # an unparsable line: torn if it is the last
     with path.open("rb") as lines:
         for number, line in enumerate(lines, start=1):
             if bad is not None:
-                raise RegenerationError(
-                    f"{path}, line {bad[0]}: not a regenerated row ({bad[1]}); this file was not "
-                    "written by 'draftforge data regenerate' -- move it away and rerun"
-                )
+                raise _not_a_row(path, *bad)
             if not line.endswith(b"\n"):  # bytes after the last newline: the last write was cut
                 torn = True
                 break
             try:
                 row = json.loads(line)
-                if not isinstance(row, dict) or not isinstance(row.get("id"), str):
-                    raise ValueError("not a row object with a string id")
             except ValueError as exc:
                 bad = (number, exc)
                 continue
-            if keep is None or keep(row):
+            # valid JSON is never a torn write (a cut object does not parse), wherever it is
+            problem = _row_problem(row)
+            if problem is not None:
+                raise _not_a_row(path, number, problem)
+            if keep is None or keep(row, number):
                 rows.append(row)
     # a cut inside the last line's bytes that happens to end in "\n"
     return rows, torn or bad is not None
@@ -247,30 +279,46 @@ def _check_arithmetic(rows: list[dict[str, Any]], path: Path, arithmetic: dict[s
 
 
 def _check_rows(
-    rows: list[dict[str, Any]], path: Path, prompts: dict[str, Conversation], settings: dict, target: str
+    rows: list[dict[str, Any]], path: Path, prompts: dict[str, Conversation], settings: dict,
+    target: str, *, line: int | None = None,
 ) -> None:
+    """Refuse rows that do not answer ``prompts`` with ``target`` and ``settings``; ``line``
+    (of a single row) goes into the message. A ``target`` with a ``fingerprint``
+    (``splitserve.target.TargetName``) must match the one the rows record."""
+    where = path if line is None else f"{path}, line {line}"
+    fingerprint = getattr(target, "fingerprint", None)
     for row in rows:
         if row["id"] not in prompts:
             raise RegenerationError(
-                f"{path} holds id {row['id']!r}, which is not among this run's prompts; it was "
+                f"{where} holds id {row['id']!r}, which is not among this run's prompts; it was "
                 "written for other data: move it away (or restore data.train_files / "
                 "data.num_samples) and rerun"
             )
         if _asked(row["messages"]) != _asked(prompts[row["id"]].messages):
             raise RegenerationError(
-                f"{path} (id {row['id']!r}) answers a different prompt than this run's prompt "
+                f"{where} (id {row['id']!r}) answers a different prompt than this run's prompt "
                 f"{row['id']!r} (the prompt set changed since it was written, e.g. a newer "
                 "built-in set); move it away and rerun to answer the current prompts"
             )
         if row.get("target") != target:
             raise RegenerationError(
-                f"{path} (id {row['id']!r}) holds answers of target {row.get('target')!r}, but "
+                f"{where} (id {row['id']!r}) holds answers of target {row.get('target')!r}, but "
                 f"this run's target is {target!r}; move it away and rerun to answer with this "
                 "target (or restore target.model)"
             )
+        written = row.get("target_fingerprint")
+        # Rows written before fingerprints were recorded have none, nor do a registered
+        # target's: those are accepted on the name alone.
+        if written is not None and fingerprint is not None and written != fingerprint:
+            raise RegenerationError(
+                f"{where} (id {row['id']!r}) holds answers of target {row['target']!r} "
+                f"(fingerprint {written}), but this run's target {target!r} is another model of "
+                f"that name (fingerprint {fingerprint}); move it away and rerun to answer with "
+                "this target (or restore target.model)"
+            )
         if row.get("generation") != settings:
             raise RegenerationError(
-                f"{path} (id {row['id']!r}) was written with other target.generation settings "
+                f"{where} (id {row['id']!r}) was written with other target.generation settings "
                 f"({_setting_differences(row.get('generation'), settings)}); move it away or "
                 "restore the settings, then rerun"
             )
@@ -284,17 +332,17 @@ def check_answers(
 ) -> None:
     """Refuse a finished answers file that does not answer this run's prompts: each of
     ``prompts`` must have a row with the same id, system prompt and user turns, written with
-    ``target`` and ``settings``. Rows of other ids are ignored (a larger recipe's file holds
-    a smaller one's prompts). Raises :class:`RegenerationError` naming the file and what
+    ``target`` (and its fingerprint, when both it and the row have one) and ``settings``.
+    Rows of other ids are ignored (a larger recipe's file holds a smaller one's prompts). Raises :class:`RegenerationError` naming the file and what
     differs: training from a stale file would silently learn from other answers."""
     path = Path(path)
     by_id = {p.id: p for p in prompts}
     settings_json = settings.model_dump(mode="json")
     answered: set[str] = set()
 
-    def check(row: dict[str, Any]) -> bool:  # checked as read; no row is kept
+    def check(row: dict[str, Any], line: int) -> bool:  # checked as read; no row is kept
         if row["id"] in by_id:
-            _check_rows([row], path, by_id, settings_json, target)
+            _check_rows([row], path, by_id, settings_json, target, line=line)
             answered.add(row["id"])
         return False
 
@@ -325,6 +373,7 @@ def regenerate(
     ``arithmetic`` (from :func:`arithmetic_record`) is written into every new row, and rows
     already on disk with other arithmetic are refused instead of continued."""
     out = Path(out_path)
+    fingerprint = getattr(engine.name, "fingerprint", None)  # see splitserve.target.TargetName
     partial = out.with_name(out.name + ".partial")
     out.parent.mkdir(parents=True, exist_ok=True)
     order = {p.id: i for i, p in enumerate(prompts)}
@@ -415,6 +464,7 @@ def regenerate(
                             "unfinished_turns": cut,
                             "generation": settings_json,
                             "target": engine.name,
+                            **({"target_fingerprint": fingerprint} if fingerprint is not None else {}),
                             **({"arithmetic": arithmetic} if arithmetic is not None else {}),
                         }
                     )

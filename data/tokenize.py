@@ -28,12 +28,29 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from jinja2 import TemplateError
+
 from draftforge.data.formats import Conversation
 from draftforge.errors import InputError
 
 
 class ChatTemplateError(InputError):
-    """The chat template cannot be used to locate assistant turns."""
+    """The chat template cannot be used to locate assistant turns, or fails on a conversation.
+
+    ``conversation_index``: set when raised by a ``generate`` call, the failing
+    conversation's index in it, for callers that know its id and source to name them.
+    """
+
+    conversation_index: int | None = None
+
+
+def template_failure(exc: Exception, where: str) -> ChatTemplateError:
+    """The error for a chat template that raised ``exc`` (a jinja2 ``TemplateError``, e.g.
+    ``raise_exception('System role not supported')``) while rendering ``where``."""
+    return ChatTemplateError(
+        f"the chat template fails on {where} ({exc}); change the conversation or set "
+        "target.generation.chat_template"
+    )
 
 
 @dataclass(frozen=True)
@@ -81,17 +98,24 @@ def render(
     enable_thinking: bool = False,
 ) -> str:
     """The chat template's text for ``messages`` (no tokenisation)."""
+    _require_template(tokenizer, chat_template)
+    try:
+        return tokenizer.apply_chat_template(
+            list(messages),
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            enable_thinking=enable_thinking,
+        )
+    except TemplateError as exc:
+        raise template_failure(exc, "this conversation") from exc
+
+
+def _require_template(tokenizer: Any, chat_template: str | None) -> None:
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError(
             "the tokenizer has no chat template; set target.generation.chat_template"
         )
-    return tokenizer.apply_chat_template(
-        list(messages),
-        tokenize=False,
-        add_generation_prompt=add_generation_prompt,
-        chat_template=chat_template,
-        enable_thinking=enable_thinking,
-    )
 
 
 def assistant_spans(
@@ -201,18 +225,25 @@ def tokenize_conversations(
     chat_template: str | None = None,
     enable_thinking: bool = False,
 ) -> tuple[list[TokenizedSample], TokenizeStats]:
-    """Tokenise, truncate to ``max_length`` and drop samples with too few supervised tokens."""
+    """Tokenise, truncate to ``max_length`` and drop samples with too few supervised tokens.
+
+    A conversation the chat template cannot render or locate the replies in raises
+    :class:`ChatTemplateError` naming its source and id."""
+    _require_template(tokenizer, chat_template)  # said once, not as a fault of the first row
     stats = TokenizeStats()
     samples = []
     for conv in conversations:
         stats.num_conversations += 1
-        ids, mask, context = _tokenize(
-            tokenizer,
-            conv.messages,
-            chat_template=chat_template,
-            enable_thinking=enable_thinking,
-            unfinished_turns=conv.extra.get("unfinished_turns", ()),
-        )
+        try:
+            ids, mask, context = _tokenize(
+                tokenizer,
+                conv.messages,
+                chat_template=chat_template,
+                enable_thinking=enable_thinking,
+                unfinished_turns=conv.extra.get("unfinished_turns", ()),
+            )
+        except ChatTemplateError as err:
+            raise ChatTemplateError(f"{conv.source or 'conversation'} (id {conv.id!r}): {err}") from err
         stats.num_context_turns += len(context)
         if len(ids) > max_length:
             stats.num_truncated += 1

@@ -101,7 +101,7 @@ class HFTarget:
             )
         except ValueError as err:
             if "trust_remote_code" in str(err) and not cfg.trust_remote_code:
-                raise ValueError(
+                raise InputError(
                     f"target.model {str(folder)!r} needs code shipped with the model; set "
                     f"target.trust_remote_code: true only if you trust that code ({err})"
                 ) from err
@@ -198,20 +198,16 @@ class HFTarget:
         ]
         eos_ids = self.eos_token_ids()
         pad = self.tokenizer.pad_token_id
+        pad_id = eos_ids[0] if pad is None else pad  # Llama-3 and Mistral tokenizers have no pad token
         eos = set(eos_ids)
         replies: list[list[int]] = []
         generator = torch.Generator(device=self.device).manual_seed(settings.seed)
         for start in range(0, len(prompts), settings.batch_size):
-            batch = tokenizer(
-                prompts[start : start + settings.batch_size],
-                return_tensors="pt",
-                padding=True,
-                padding_side="left",
-                add_special_tokens=False,
-            ).to(self.device)
-            output = decode(self.model, batch["input_ids"], batch["attention_mask"], settings,
-                            eos_ids=eos_ids, pad_id=eos_ids[0] if pad is None else pad,
-                            generator=generator)
+            # padded here, not by the tokenizer, which refuses to pad without a pad token
+            encoded = tokenizer(prompts[start : start + settings.batch_size], add_special_tokens=False)
+            input_ids, attention_mask = _left_padded(encoded["input_ids"], pad_id)
+            output = decode(self.model, input_ids.to(self.device), attention_mask.to(self.device),
+                            settings, eos_ids=eos_ids, pad_id=pad_id, generator=generator)
             for row in output.tolist():
                 replies.append(_until_eos(row, eos))
         return replies
@@ -301,6 +297,17 @@ def decoder_layers_and_norm(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]
             f"(expected model.get_decoder().layers and .norm)"
         )
     return layers, norm
+
+
+def _left_padded(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` left-padded with ``pad_id`` into ``input_ids`` [B, S], and their attention mask."""
+    width = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        attention_mask[i, width - len(row) :] = 1
+    return input_ids, attention_mask
 
 
 def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:

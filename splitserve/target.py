@@ -10,6 +10,7 @@ cannot capture it, see ``sglang_layer_ids``).
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
+
+from draftforge.errors import InputError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -126,14 +129,23 @@ def render_prompt(
 ) -> str:
     """The prompt text every backend generates from: the chat template (``settings.chat_template``
     or the tokenizer's) with ``add_generation_prompt`` and ``enable_thinking``."""
+    from jinja2 import TemplateError
+
     check_conversation(conversation, index)
-    return tokenizer.apply_chat_template(
-        conversation,
-        tokenize=False,
-        add_generation_prompt=True,
-        enable_thinking=settings.enable_thinking,
-        chat_template=settings.chat_template,
-    )
+    try:
+        return tokenizer.apply_chat_template(
+            conversation,
+            tokenize=False,
+            add_generation_prompt=True,
+            enable_thinking=settings.enable_thinking,
+            chat_template=settings.chat_template,
+        )
+    except TemplateError as exc:  # e.g. raise_exception('System role not supported')
+        from draftforge.data.tokenize import template_failure
+
+        error = template_failure(exc, f"conversation {index}")
+        error.conversation_index = index  # callers that know the conversation's id name it
+        raise error from exc
 
 
 def check_mask_token(
@@ -157,8 +169,6 @@ def check_mask_token(
     Raises :class:`~draftforge.errors.InputError` naming the token and some usable ids,
     or when there is no chat template at all.
     """
-    from draftforge.errors import InputError
-
     where = f"draft.mask_token_id {mask_token_id}"
     if not 0 <= mask_token_id < vocab_size:
         raise InputError(f"{where} is outside the target's vocabulary of {vocab_size}")
@@ -189,8 +199,6 @@ def _rendered_chat_ids(
 ) -> set[int]:
     """Token ids of a short rendered chat (system, user, assistant, user + generation prompt),
     with ``enable_thinking`` and, where the template renders it too, the other setting."""
-    from draftforge.errors import InputError
-
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise InputError(
             "draft.mask_token_id cannot be checked: the target's tokenizer has no chat template "
@@ -237,29 +245,30 @@ def check_layer_ids(layer_ids: Sequence[int], num_hidden_layers: int) -> list[in
     """Validate auxiliary layer ids against a target with ``num_hidden_layers`` decoder layers.
 
     Ids must be distinct integers in ``[0, num_hidden_layers - 2]``: the final
-    decoder layer is refused (its use is the post-norm ``final`` state).
+    decoder layer is refused (its use is the post-norm ``final`` state). Raises
+    :class:`~draftforge.errors.InputError` (``draft.target_layer_ids`` is the recipe's).
     """
     ids = list(layer_ids)
     if not ids:
-        raise ValueError("target_layer_ids is empty: the draft needs at least one auxiliary layer")
+        raise InputError("target_layer_ids is empty: the draft needs at least one auxiliary layer")
     last = num_hidden_layers - 1
     for layer_id in ids:
         if isinstance(layer_id, bool) or not isinstance(layer_id, int):
-            raise ValueError(f"target_layer_ids must be integers, got {layer_id!r}")
+            raise InputError(f"target_layer_ids must be integers, got {layer_id!r}")
         if layer_id == last:
-            raise ValueError(
+            raise InputError(
                 f"target_layer_ids contains {layer_id}, the target's final decoder layer "
                 f"(it has {num_hidden_layers} layers, 0-indexed): the final layer is used through "
                 f"the post-norm final hidden state, not as an auxiliary layer; pick ids in "
                 f"0..{last - 1}"
             )
         if not 0 <= layer_id < last:
-            raise ValueError(
+            raise InputError(
                 f"target_layer_ids contains {layer_id}, outside 0..{last - 1} for a target with "
                 f"{num_hidden_layers} decoder layers (ids are 0-indexed; the final layer is excluded)"
             )
     if len(set(ids)) != len(ids):
-        raise ValueError(f"target_layer_ids has repeated ids: {ids}")
+        raise InputError(f"target_layer_ids has repeated ids: {ids}")
     return ids
 
 
@@ -281,14 +290,70 @@ def sglang_layer_ids(hf_layer_ids: Sequence[int]) -> list[int]:
     return [int(i) for i in hf_layer_ids]
 
 
-def target_name(cfg: TargetConfig) -> str:
+class TargetName(str):
+    """A target's short name (what messages show and regenerated rows record as ``target``),
+    plus ``fingerprint``: what tells apart two targets of the same name, such as the
+    ``final`` folders of two fine-tuning runs; None where the name alone says which."""
+
+    fingerprint: str | None
+
+    def __new__(cls, name: str, fingerprint: str | None = None) -> TargetName:
+        target = super().__new__(cls, name)
+        target.fingerprint = fingerprint
+        return target
+
+
+def target_name(cfg: TargetConfig) -> TargetName:
     """The name the recipe's target engine carries (and regenerated answers record):
-    a registered name or ``random`` as it is, a local folder by its last component."""
+    a registered name or ``random`` as it is, a local folder by its last component.
+
+    Its ``fingerprint``: for ``random`` the seed and shape, for a local folder
+    :func:`folder_fingerprint`; none for a registered name (one pinned model)."""
     from draftforge.splitserve import smollm2
 
-    if cfg.model in ("random", smollm2.NAME):
-        return cfg.model
-    return Path(cfg.model).expanduser().name
+    if cfg.model == smollm2.NAME:
+        return TargetName(cfg.model)
+    if cfg.model == "random":
+        # num_parameters only sizes placement plans: the weights do not depend on it
+        shape = {} if cfg.shape is None else cfg.shape.model_dump(exclude={"num_parameters"})
+        return TargetName(cfg.model, f"seed {cfg.seed}; " + " ".join(f"{k}={v}" for k, v in sorted(shape.items())))
+    folder = Path(cfg.model).expanduser()
+    return TargetName(folder.name, folder_fingerprint(folder))
+
+
+#: the files besides the weights that decide what a local target answers
+_IDENTITY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "chat_template.jinja")
+_SLICES_PER_WEIGHTS_FILE = 16
+_SLICE_BYTES = 1 << 16
+
+
+def folder_fingerprint(folder: Path) -> str | None:
+    """``sha256:...`` of a local model folder: its config, generation and tokenizer files, and
+    of each ``*.safetensors`` file the name, the size and 16 slices of 64 KiB spread over it
+    (the first holds the tensor index). Two checkpoints of one model differ in every slice
+    once all their weights were trained; reading only slices keeps this cheap for a model of
+    any size, at the cost of not telling apart files that differ only between slices.
+    None for a folder that cannot be read (loading it says why)."""
+    if not folder.is_dir():
+        return None
+    digest = hashlib.sha256()
+    try:
+        for name in _IDENTITY_FILES:
+            if (folder / name).is_file():
+                digest.update(f"{name}\x1f".encode() + (folder / name).read_bytes() + b"\x1e")
+        for path in sorted(folder.glob("*.safetensors")):
+            size = path.stat().st_size
+            digest.update(f"{path.name}\x1f{size}\x1f".encode())
+            with path.open("rb") as weights:
+                last = max(size - _SLICE_BYTES, 0)
+                for k in range(_SLICES_PER_WEIGHTS_FILE):
+                    weights.seek(last * k // (_SLICES_PER_WEIGHTS_FILE - 1))
+                    digest.update(weights.read(_SLICE_BYTES))
+            digest.update(b"\x1e")
+    except OSError:
+        return None
+    return f"sha256:{digest.hexdigest()[:32]}"
 
 
 def resolve_device(choice: str, target_gpus: Sequence[int] | None = None, *,
@@ -297,8 +362,6 @@ def resolve_device(choice: str, target_gpus: Sequence[int] | None = None, *,
     ``target_gpus`` (``split.target_devices``; GPU 0 when unset) when CUDA is visible, else
     ``cpu``; ``cpu``, ``cuda`` and ``cuda:N`` as given. Raises
     :class:`~draftforge.errors.InputError` for anything else, or a GPU that is not visible."""
-    from draftforge.errors import InputError
-
     given = choice
     visible = None  # how many GPUs, when asked here (tests pass cuda_available instead)
     if cuda_available is None:
@@ -347,7 +410,7 @@ def build_target(
     if cfg.backend != "hf":
         raise ValueError(f"unknown target.backend {cfg.backend!r}; valid: 'hf', 'sglang'")
     if tensor_parallel != 1:
-        raise ValueError(
+        raise InputError(
             f"split.target_tensor_parallel: {tensor_parallel} needs target.backend: sglang; the "
             "hf backend runs one whole target per rank"
         )
@@ -363,8 +426,9 @@ def build_target(
 
     if cfg.model == "random":
         if placement is not None:
-            raise ValueError("a random target is built on one device; it cannot be spread over several")
+            raise InputError("a random target is built on one device; it cannot be spread over several")
         engine: TargetEngine = build_random_target(cfg, layer_ids, device=device)
+        engine.name = target_name(cfg)  # "random" with its seed and shape as the fingerprint
     else:
         folder = smollm2.ensure_smollm2(cfg.cache_dir) if cfg.model == smollm2.NAME else cfg.model
         device_map = None
@@ -391,7 +455,7 @@ def _build_sglang_target(
 
     require_sglang()  # before any conversion or load: the install command is the first thing to fix
     if cfg.model == "random":
-        raise ValueError(
+        raise InputError(
             "target.model 'random' is built in memory and has no folder for SGLang to load; "
             "use target.backend: hf for random targets"
         )
@@ -416,7 +480,7 @@ def load_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerBase:
     if cfg.model == "random":
         vocab_size = cfg.shape.vocab_size if cfg.shape is not None else None
         if vocab_size != SMOLLM2_VOCAB_SIZE:
-            raise ValueError(
+            raise InputError(
                 f"target 'random' with vocab_size {vocab_size} has no tokenizer (random targets "
                 f"support features on token ids only); declare target.shape.vocab_size: "
                 f"{SMOLLM2_VOCAB_SIZE} to borrow SmolLM2's tokenizer"
@@ -427,7 +491,7 @@ def load_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerBase:
     else:
         folder = cfg.model
         if not os.path.isdir(folder):
-            raise FileNotFoundError(
+            raise InputError(
                 f"target.model {folder!r} is neither a registered name ({smollm2.NAME}, random) "
                 f"nor an existing local folder"
             )
@@ -440,7 +504,7 @@ def _check_declared_shape(cfg: TargetConfig, engine: TargetEngine) -> None:
     for field in ("num_hidden_layers", "hidden_size", "vocab_size"):
         declared, actual = getattr(cfg.shape, field), getattr(engine, field)
         if declared != actual:
-            raise ValueError(
+            raise InputError(
                 f"target.shape.{field} is {declared} but the loaded target {engine.name!r} has "
                 f"{actual}; fix or remove target.shape"
             )

@@ -215,3 +215,16 @@ def test_unfinished_turns_must_index_assistant_replies():
         with pytest.raises(DataFormatError, match=r"chats.jsonl, line 7: unfinished_turns must list the "
                                                   r"indices of assistant messages.*assistant messages here: \[1\]"):
             parse({"messages": msgs, "unfinished_turns": bad}, expect="conversation")
+
+
+def test_a_regenerated_file_read_as_prompts_drops_its_cut_replies(tmp_path):
+    """A regenerated.jsonl given as data.train_files: its replies and which of them were cut go
+    (the target answers anew); a bad unfinished_turns is still refused."""
+    msgs = [{"role": "user", "content": "Tell me"}, {"role": "assistant", "content": "Once upon"}]
+    row = {"id": "b", "messages": msgs, "unfinished_turns": [1], "target": "final"}
+    path = write_jsonl(tmp_path / "regenerated.jsonl", [json.dumps(row)])
+    [prompt] = load_conversations([path], expect="prompt").conversations
+    assert prompt.messages == msgs[:1]
+    assert prompt.extra == {"target": "final"}
+    with pytest.raises(DataFormatError, match=r"chats.jsonl, line 7: unfinished_turns must list"):
+        parse({"messages": msgs, "unfinished_turns": [0]}, expect="prompt")

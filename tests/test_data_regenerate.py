@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
+import torch
 from regenerate_helpers import (
     SETTINGS,
     FakeEngine,
@@ -519,12 +521,13 @@ def test_replies_cut_at_the_limit_are_recorded(tmp_path):
 def test_rows_are_read_line_by_line_with_every_kind_of_cut(tmp_path):
     from draftforge.data.regenerate import _read_rows
 
-    rows = [{"id": f"p{i}", "n": i} for i in range(4)]
+    rows = [{"id": f"p{i}", "n": i, "messages": []} for i in range(4)]
     whole = b"".join(json.dumps(r).encode() + b"\n" for r in rows)
     path = tmp_path / "rows.jsonl"
     path.write_bytes(whole)
     assert _read_rows(path) == (rows, False)
-    assert _read_rows(path, keep=lambda r: r["n"] % 2 == 1) == ([rows[1], rows[3]], False)
+    assert _read_rows(path, keep=lambda r, line: r["n"] % 2 == 1 and line == r["n"] + 1) == (
+        [rows[1], rows[3]], False)
     path.write_bytes(whole + b'{"id": "p4')  # a write cut before its newline
     assert _read_rows(path) == (rows, True)
     path.write_bytes(whole + b'{"id": "p4\n')  # cut where the bytes happen to end in "\n"
@@ -534,6 +537,9 @@ def test_rows_are_read_line_by_line_with_every_kind_of_cut(tmp_path):
         _read_rows(path)
     path.write_bytes(whole + b'["p5"]\n' + whole)
     with pytest.raises(RegenerationError, match="line 5: .*not a row object"):
+        _read_rows(path)
+    path.write_bytes(whole + b'{"id": "p5", "prompt": "Hi"}\n')  # whole JSON, last or not: no cut
+    with pytest.raises(RegenerationError, match="line 5: .*no 'messages' list"):
         _read_rows(path)
 
 
@@ -772,3 +778,86 @@ def test_ctrl_c_stops_the_workers_keeps_finished_batches_and_leaks_nothing(tmp_p
         time.sleep(0.1)
     else:
         raise AssertionError("processes of the run are still alive 15 s after it ended")
+
+
+def test_check_answers_refuses_a_prompts_file(tmp_path):
+    """data.regenerated_file pointing at the prompts: refused at its first row, not a KeyError."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"id": "p00", "prompt": "question 0"}) + "\n")
+    with pytest.raises(RegenerationError, match=rf"{re.escape(str(path))}, line 1: not a regenerated row"):
+        check_answers(path, make_prompts(1), SETTINGS, "fake-target")
+    rows = [{"id": "p00", "messages": "question 0"}, {"id": "p01", "messages": [{"role": "user"}]}]
+    for row in rows:
+        path.write_text(json.dumps(row) + "\n" + json.dumps(row) + "\n")
+        with pytest.raises(RegenerationError, match=rf"{re.escape(str(path))}, line 1: not a regenerated row"):
+            check_answers(path, make_prompts(2), SETTINGS, "fake-target")
+
+
+def test_answers_of_another_folder_of_the_same_name_are_refused(tmp_path):
+    """Two runs' 'final' folders: the rows record a fingerprint of the weights besides the name."""
+    from safetensors.torch import save_file
+
+    from draftforge.splitserve.config import TargetConfig
+    from draftforge.splitserve.target import target_name
+
+    names = []
+    for run_name, value in (("sft-v1", 1.0), ("sft-v2", 2.0)):
+        folder = tmp_path / run_name / "final"
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text('{"model_type": "llama"}')
+        save_file({"w": torch.full((4,), value)}, str(folder / "model.safetensors"))
+        names.append(target_name(TargetConfig(model=str(folder))))
+    engine = FakeEngine()
+    engine.name = names[0]
+    out, _ = run(tmp_path, "r.jsonl", engine, prompts=make_prompts(4))
+    check_answers(out, make_prompts(4), SETTINGS, names[0])
+    with pytest.raises(RegenerationError, match=rf"{re.escape(str(out))}, line 1 \(id 'p00'\) holds answers of target "
+                       rf"'final' \(fingerprint {names[0].fingerprint}\), but this run's target 'final' "
+                       rf"is another model of that name \(fingerprint {names[1].fingerprint}\)"):
+        check_answers(out, make_prompts(4), SETTINGS, names[1])
+    with pytest.raises(RegenerationError, match="another model of that name"):
+        run(tmp_path, "r.jsonl", FakeEngineNamed(names[1]), prompts=make_prompts(5))
+    # rows written before fingerprints were recorded are accepted on the name alone
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {row.pop("target_fingerprint") for row in rows} == {names[0].fingerprint}
+    out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    check_answers(out, make_prompts(4), SETTINGS, names[1])
+
+
+class FakeEngineNamed(FakeEngine):
+    def __init__(self, name):
+        super().__init__()
+        self.name = name
+
+
+def test_a_template_failure_names_the_prompt(tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    from draftforge.data.tokenize import ChatTemplateError
+    from draftforge.splitserve.target import render_prompt
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=_word_tokenizer())
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                               "{{ raise_exception('System role not supported') }}{% endif %}"
+                               "{{ m['content'] }}{% endfor %}")  # fmt: skip
+
+    class Rendering(FakeEngine):
+        def generate(self, conversations, settings):
+            for index, conversation in enumerate(conversations):
+                render_prompt(tokenizer, conversation, index, settings)
+            return super().generate(conversations, settings)
+
+    prompts = [Conversation("plain", [{"role": "user", "content": "a"}]),
+               Conversation("sys", [{"role": "system", "content": "s"}, {"role": "user", "content": "b"}],
+                            source="prompts.jsonl, line 2")]  # fmt: skip
+    with pytest.raises(ChatTemplateError, match=r"prompts.jsonl, line 2 \(id 'sys'\): the chat template "
+                                                r"fails on this prompt \(System role not supported\)"):
+        run(tmp_path, "r.jsonl", Rendering(), prompts=prompts)
+
+
+def _word_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    backend = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "b": 2}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return backend

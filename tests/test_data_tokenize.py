@@ -295,3 +295,27 @@ def test_unfinished_turns_reach_tokenize_conversations_from_rows():
     samples, _ = tokenize_conversations([conv], chatml_tokenizer(), max_length=100, min_loss_tokens=1)
     # The last reply "Ok" keeps its loss; its <|im_end|> (second to last token) loses it.
     assert samples[0].loss_mask[-3:] == [1, 0, 0]
+
+
+def test_a_template_that_refuses_a_row_names_it(tmp_path):
+    """A template may refuse a conversation (Gemma's: no system role); the error names the row."""
+    import json
+    import re
+
+    from draftforge.data.loading import load_conversations
+
+    no_system = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                 "{{ raise_exception('System role not supported') }}{% endif %}"
+                 "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")  # fmt: skip
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"id": "fine", "messages": CONVERSATION[1:3]}) + "\n"
+                    + json.dumps({"id": "with-system", "messages": CONVERSATION}) + "\n")
+    conversations = load_conversations([str(path)], expect="conversation").conversations
+    samples, _ = tokenize_conversations(conversations[:1], chatml_tokenizer(), max_length=100,
+                                        min_loss_tokens=1, chat_template=no_system)
+    assert len(samples) == 1
+    with pytest.raises(ChatTemplateError, match=rf"{re.escape(str(path))}, line 2 \(id 'with-system'\): the chat template "
+                                                r"fails on this conversation \(System role not supported\)"):
+        tokenize_conversations(conversations, chatml_tokenizer(), max_length=100, min_loss_tokens=1,
+                               chat_template=no_system)

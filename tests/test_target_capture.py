@@ -18,6 +18,7 @@ from draftforge.splitserve.target import (
     build_target,
     check_layer_ids,
     load_tokenizer,
+    render_prompt,
     sglang_layer_ids,
 )
 
@@ -216,8 +217,10 @@ def test_sglang_backend_without_package_names_install_command():
 
 
 def test_declared_shape_checked_against_loaded_folder(local_folder):
+    from draftforge.errors import InputError
+
     wrong = SHAPE.model_copy(update={"hidden_size": 128})
-    with pytest.raises(ValueError, match="target.shape.hidden_size"):
+    with pytest.raises(InputError, match="target.shape.hidden_size"):
         build_target(TargetConfig(model=str(local_folder), dtype="float32", shape=wrong), [0])
 
 
@@ -323,7 +326,69 @@ def test_bad_conversations_refused(local_folder, conversation, message):
 
 
 def test_load_tokenizer_without_weights(local_folder):
+    from draftforge.errors import InputError
+
     tokenizer = load_tokenizer(TargetConfig(model=str(local_folder)))
     assert tokenizer.chat_template == CHAT_TEMPLATE
-    with pytest.raises(ValueError, match="features on token ids only"):
+    with pytest.raises(InputError, match="features on token ids only"):
         load_tokenizer(random_cfg())
+
+
+def test_generate_without_a_pad_token_left_pads_by_hand(local_folder):
+    """Llama-3 and Mistral tokenizers have no pad token: batches are padded with an eos id."""
+    engine = build_target(TargetConfig(model=str(local_folder), dtype="float32"), [1])
+    engine.tokenizer.pad_token = None
+    assert engine.tokenizer.pad_token_id is None
+    settings = GenerationConfig(temperature=0.0, max_new_tokens=6, batch_size=2)
+    prompts = [render_prompt(engine.tokenizer, c, i, settings) for i, c in enumerate(conversations())]
+    lengths = {len(engine.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts}
+    assert len(lengths) == 2  # the batch needs padding
+    together = engine.generate_token_ids(conversations(), settings)
+    alone = [engine.generate_token_ids([c], settings)[0] for c in conversations()]
+    assert together == alone and all(together)
+
+
+def test_a_template_that_refuses_a_conversation_is_a_chat_template_error(local_folder):
+    from draftforge.data.tokenize import ChatTemplateError
+
+    engine = build_target(TargetConfig(model=str(local_folder), dtype="float32"), [1])
+    no_system = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                 "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }} "
+                 "{% endfor %}")  # fmt: skip
+    settings = GenerationConfig(temperature=0.0, max_new_tokens=2, chat_template=no_system)
+    with pytest.raises(ChatTemplateError, match=r"fails on conversation 1 \(System role not supported\)"):
+        engine.generate(conversations(), settings)
+
+
+def weights_folder(path, seed: int):
+    """A model folder named ``path`` holding a tiny random Llama drawn from ``seed``."""
+    path.mkdir(parents=True)
+    random_llama(SHAPE, seed=seed).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def test_target_name_tells_apart_folders_of_one_name(tmp_path):
+    import shutil
+
+    from draftforge.splitserve.target import target_name
+
+    first = weights_folder(tmp_path / "sft-v1" / "final", seed=1)
+    second = weights_folder(tmp_path / "sft-v2" / "final", seed=2)
+    copy = shutil.copytree(first, tmp_path / "copy" / "final")
+    names = [target_name(TargetConfig(model=str(folder))) for folder in (first, second, copy)]
+    assert names == ["final"] * 3
+    assert names[0].fingerprint != names[1].fingerprint
+    assert names[0].fingerprint == names[2].fingerprint  # the same model wherever it lies
+    assert target_name(TargetConfig(model=str(tmp_path / "nope"))).fingerprint is None
+    seeded = [target_name(random_cfg(seed=s)) for s in (3, 3, 4)]
+    assert seeded == ["random"] * 3
+    assert seeded[0].fingerprint == seeded[1].fingerprint != seeded[2].fingerprint
+
+
+def test_built_targets_carry_their_fingerprint(local_folder):
+    from draftforge.splitserve.target import target_name
+
+    for cfg in (TargetConfig(model=str(local_folder), dtype="float32"), random_cfg()):
+        engine = build_target(cfg, [1])
+        assert engine.name == target_name(cfg)
+        assert engine.name.fingerprint == target_name(cfg).fingerprint is not None
