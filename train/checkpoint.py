@@ -17,7 +17,9 @@ Every rank writes into ``step_XXXXXXXX.tmp``; trainer rank 0 writes the state
 and the ``COMPLETE`` marker, then renames the folder: a checkpoint without its
 marker (or a ``.tmp`` folder) is never picked by resume. A failure on any rank
 while writing (a full disk, an exception) removes the ``.tmp`` folder and raises
-:class:`CheckpointError` on every rank, leaving the older checkpoints as they were.
+:class:`CheckpointError` on every rank, naming the failing ranks and their errors,
+leaving the older checkpoints as they were. Pruning to ``keep_last`` renames a
+folder to a hidden name before deleting it, and clears leftovers of crashed saves.
 Loading checks every file first and names the one that is corrupt or truncated.
 DeepSpeed's engine is saved and loaded with its world-wide barriers narrowed to
 the trainer group (target ranks never join them). Nothing is unpickled except
@@ -30,6 +32,7 @@ import contextlib
 import json
 import re
 import shutil
+import uuid
 from pathlib import Path
 
 import torch
@@ -43,6 +46,8 @@ COMPLETE = "COMPLETE"
 STATE_FILE = "trainer_state.json"
 DRAFT_CONFIG_FILE = "draft_config.json"  # the draft's DSparkConfig; export reads it too
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_STALE_TMP = re.compile(r"^step_\d{8}\.tmp$")
+_RETIRED = re.compile(r"^\.step_(\d{8})\.old-")  # files.replace_dir's moved-aside copy
 
 
 def checkpoints_root(run_dir: Path) -> Path:
@@ -189,26 +194,77 @@ def _deepspeed_barriers_on(group):
         ds_comm.barrier = original
 
 
-def _agree_ok(ok: bool, *, group) -> bool:
-    """True when ``ok`` on every rank of ``group`` (a collective standing in for a barrier)."""
+def _agree_errors(error: str, *, group) -> list[str]:
+    """Every trainer rank's error ("" where it had none), in rank order (a collective standing
+    in for a barrier), so that each rank can raise the same error naming the failing ranks."""
     if group is None:
-        return ok
+        return [error]
     device = torch.device("cpu")
     if torch.distributed.get_backend(group) == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
-    flag = torch.tensor([1.0 if ok else 0.0], device=device)
-    D.all_reduce(flag, group=group, op=torch.distributed.ReduceOp.MIN)
-    return bool(flag.item() > 0)
+    return [values[0] for values in D.all_gather_strings([error], group=group, device=device)]
 
 
-def _write_failed(step: int, run_dir: Path, what: str) -> CheckpointError:
+def _first_line(text: str, limit: int = 300) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
+def _write_failed(step: int, run_dir: Path, errors: list[str]) -> CheckpointError:
     previous = complete_checkpoints(run_dir)
     keep = (f"the previous checkpoint {previous[-1]} is intact and is what resume picks"
             if previous else "no earlier checkpoint exists")
+    what = "; ".join(f"trainer rank {rank}: {_first_line(e)}" for rank, e in enumerate(errors) if e)
     return CheckpointError(
-        f"writing the checkpoint of step {step} failed ({what}); nothing partial was kept, {keep}. "
+        f"writing the checkpoint of step {step} into {checkpoints_root(run_dir)} failed ({what}); "
+        f"nothing partial was kept, {keep}. "
         "Free disk space (or fix the error) and rerun the same command to resume."
     )
+
+
+def _own_dcp_failure(exc: BaseException, rank: int) -> str:
+    """This rank's part of a failed ``dcp.save``, which raises on every rank with every rank's
+    failure ("" when only other ranks failed: each of those reports its own)."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return f"{type(exc).__name__}: {exc}"
+    if rank not in failures:
+        return ""
+    own = failures[rank][0]
+    return f"{type(own).__name__}: {own}"
+
+
+@contextlib.contextmanager
+def _deepspeed_writes_recorded(engine, errors: list[str]):
+    """Within the block, a failing write of DeepSpeed's checkpoint is recorded in ``errors``
+    instead of raised (later writes are skipped), so that this rank still reaches the
+    barriers at the end of ``engine.save_checkpoint`` that the other ranks wait in; the
+    caller then raises on every rank together."""
+    targets = [(engine.checkpoint_engine, name) for name in ("makedirs", "create", "save", "commit")]
+    targets.append((engine, "_copy_recovery_script"))  # rank 0 copies scripts with plain shutil
+    saved = []
+    for owner, name in targets:
+        original = getattr(owner, name)
+
+        def recorded(*args, _original=original, **kwargs):
+            if errors:
+                return None
+            try:
+                return _original(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - reported on every rank by the caller
+                errors.append(f"{type(exc).__name__}: {exc}")
+                return None
+
+        saved.append((owner, name, name in vars(owner), original))
+        setattr(owner, name, recorded)
+    try:
+        yield
+    finally:
+        for owner, name, own, original in reversed(saved):
+            if own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
 
 
 def save_checkpoint(
@@ -245,11 +301,12 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / "rng").mkdir(parents=True)
         except OSError as exc:
-            error = f"rank 0: {exc}"
-    if not _agree_ok(not error, group=group):
+            error = f"{type(exc).__name__}: {exc}"
+    errors = _agree_errors(error, group=group)
+    if any(errors):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise _write_failed(step, run_dir, error or "on trainer rank 0")
+        raise _write_failed(step, run_dir, errors)
     try:
         save_file({"cpu": torch.get_rng_state()}, str(tmp / "rng" / f"rank_{rank}.safetensors"))
         if strategy == "single":
@@ -262,30 +319,34 @@ def save_checkpoint(
             save_file({k: v.detach().contiguous().cpu() for k, v in full_state.items()},
                       str(tmp / "model.safetensors"))
     except Exception as exc:  # noqa: BLE001 - reported on every rank below
-        error = f"trainer rank {rank}: {type(exc).__name__}: {exc}"
+        error = f"{type(exc).__name__}: {exc}"
     if strategy == "fsdp2":
         # collective: dcp gathers every rank's failure and raises on all of them
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         try:
             model_state, optim_state = get_state_dict(model, optimizer)
             dcp.save({"model": model_state, "optimizer": optim_state},
                      checkpoint_id=str(tmp / "dcp"), process_group=group)
-        except Exception as exc:  # noqa: BLE001
-            error = error or f"trainer rank {rank}: {type(exc).__name__}: {exc}"
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - the latter is a BaseException
+            error = error or _own_dcp_failure(exc, rank)
     elif strategy == "deepspeed":
+        written: list[str] = []
         try:
-            with _deepspeed_barriers_on(group):
+            with _deepspeed_barriers_on(group), _deepspeed_writes_recorded(engine, written):
                 engine.save_checkpoint(str(tmp / "deepspeed"), tag="state", save_latest=False)
         except Exception as exc:  # noqa: BLE001
-            error = error or f"trainer rank {rank}: {type(exc).__name__}: {exc}"
+            written.append(f"{type(exc).__name__}: {exc}")
+        error = error or (written[0] if written else "")
     elif strategy != "single":
         raise ValueError(f"unknown strategy {strategy!r}")
-    if not _agree_ok(not error, group=group):
+    errors = _agree_errors(error, group=group)
+    if any(errors):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise _write_failed(step, run_dir, error or "on another trainer rank")
+        raise _write_failed(step, run_dir, errors)
     if rank == 0:
         try:
             if model_config is not None:
@@ -295,15 +356,47 @@ def save_checkpoint(
             write_atomic(tmp / COMPLETE, f"step {step}\n".encode())
             replace_dir(tmp, final)  # a re-save (after resuming further back) keeps the old one until then
         except Exception as exc:  # noqa: BLE001
-            error = f"trainer rank 0: {type(exc).__name__}: {exc}"
+            error = f"{type(exc).__name__}: {exc}"
             shutil.rmtree(tmp, ignore_errors=True)
-        if not error:  # keep this one and the keep_last - 1 before it
-            older = [p for p in complete_checkpoints(run_dir) if _step_of(p) < step]
-            for old in older[: max(0, len(older) - (keep_last - 1))]:
-                shutil.rmtree(old, ignore_errors=True)
-    if not _agree_ok(not error, group=group):
-        raise _write_failed(step, run_dir, error or "on trainer rank 0")
+        if not error:
+            _prune(run_dir, step=step, keep_last=keep_last)
+    errors = _agree_errors(error, group=group)
+    if any(errors):
+        raise _write_failed(step, run_dir, errors)
     return final
+
+
+def _prune(run_dir: Path, *, step: int, keep_last: int) -> None:
+    """Keep checkpoint ``step`` and the ``keep_last - 1`` complete ones before it (trainer rank 0,
+    after ``step`` is in place); also clears what crashed saves and prunes left behind.
+
+    A pruned folder is first renamed to a hidden ``.step_N.trash-*`` name, so a crash while
+    deleting it never leaves a ``step_N`` folder with its marker but without its files.
+    """
+    root = checkpoints_root(run_dir)
+    older = [p for p in complete_checkpoints(run_dir) if _step_of(p) < step]
+    doomed = older[: max(0, len(older) - (keep_last - 1))]
+    kept = [p for p in complete_checkpoints(run_dir) if p not in doomed]
+    oldest_kept = _step_of(kept[0]) if kept else step
+    for old in doomed:
+        trash = root / f".{old.name}.trash-{uuid.uuid4().hex[:8]}"
+        try:
+            old.rename(trash)
+        except OSError:
+            continue
+        shutil.rmtree(trash, ignore_errors=True)
+    for leftover in root.iterdir():
+        name = leftover.name
+        if name.startswith(".step_") and ".trash-" in name:  # a prune that crashed
+            shutil.rmtree(leftover, ignore_errors=True)
+        elif _STALE_TMP.match(name):  # a save that crashed; this step's was renamed already
+            shutil.rmtree(leftover, ignore_errors=True)
+        elif (retired := _RETIRED.match(name)) is not None:
+            # replace_dir's moved-aside copy: the only one if it crashed between its renames,
+            # so it goes only once its step is back in place or older than every kept one
+            number = int(retired.group(1))
+            if is_complete(checkpoint_path(run_dir, number)) or number < oldest_kept:
+                shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _corrupt(file: Path, exc: BaseException, checkpoint: Path) -> CheckpointError:

@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import math
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from draftforge.errors import InputError
 from draftforge.train import checkpoint as ckpt
 from draftforge.train import distributed as D
 from draftforge.train.blocks import build_layout, sample_anchors
@@ -61,6 +63,7 @@ class ResumeInfo:
     extra: dict
     path: Path
     schedule_change: str = ""  # non-empty when this run's schedule differs at the resumed step
+    optimizer_change: str = ""  # non-empty when the checkpoint's AdamW settings were replaced
 
 
 @dataclass
@@ -159,6 +162,7 @@ class Trainer:
         self.skipped_steps = 0
         self.consumed_ids: list[str] = []
         self.resumed: ResumeInfo | None = None
+        self._output_dir_checked = False
         # Written when training starts, after resume() accepted the run directory: a rerun it
         # refuses (another trainer count, strategy or draft) leaves the run's records as they were.
         self._run_details = {
@@ -209,6 +213,7 @@ class Trainer:
 
     def resume(self) -> ResumeInfo | None:
         """Load the checkpoint ``train.resume`` selects (``auto``: newest complete one), if any."""
+        self._check_shared_output_dir()
         message = ""
         if self.is_main:
             try:
@@ -237,8 +242,64 @@ class Trainer:
             step=self.step, consumed_ids=list(self.consumed_ids),
             all_consumed_ids={i for ids in per_rank for i in ids}, extra=extra, path=Path(path),
             schedule_change=self._schedule_change(state.get("schedule", {})),
+            optimizer_change=self._restore_optimizer_settings(),
         )
+        if self.resumed.optimizer_change and self.is_main:
+            print(f"[trainer] note: {self.resumed.optimizer_change}", flush=True)
         return self.resumed
+
+    def _restore_optimizer_settings(self) -> str:
+        """Put this recipe's weight_decay, betas and eps back into every param group (loading a
+        checkpoint replaces them with the checkpointed run's); what changed, or ""."""
+        train = self.train
+        wanted = {"weight_decay": train.weight_decay, "betas": (train.adam_beta1, train.adam_beta2),
+                  "eps": train.adam_eps}
+        before: dict[str, object] = {}
+        for group in self.optimizer.param_groups:  # DeepSpeed's: its wrapped AdamW's groups
+            for key, value in wanted.items():
+                old = tuple(group[key]) if key == "betas" else group[key]
+                if old != value:
+                    before.setdefault(key, old)
+                group[key] = value
+        if not before:
+            return ""
+        changes = ", ".join(f"{key} {before[key]} -> {wanted[key]}" for key in before)
+        return (f"AdamW's {changes}: this recipe's values (train.weight_decay, adam_beta1, adam_beta2, "
+                f"adam_eps) replace the checkpointed run's from step {self.step + 1}")
+
+    def _check_shared_output_dir(self) -> None:
+        """Refuse, before any step, a trainer group whose ranks do not share train.output_dir
+        (node-local storage): rank 0 writes a marker there and every rank looks for it.
+        Collective; once per trainer, nothing to do for one rank."""
+        if self._output_dir_checked or self.world == 1:
+            return
+        self._output_dir_checked = True
+        comm = self._comm_device()
+        name = f".shared-check-{uuid.uuid4().hex}"
+        written = ""
+        if self.is_main:
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                (self.run_dir / name).write_text("written by trainer rank 0\n")
+                written = str((self.run_dir / name).absolute())
+            except OSError as exc:
+                written = f"error:{exc}"
+        written = D.broadcast_string(written, group=self.group, device=comm)
+        if written.startswith("error:"):
+            raise ckpt.CheckpointError(
+                f"train.output_dir {self.run_dir}: trainer rank 0 cannot write there ({written[6:]})")
+        marker = (self.run_dir / Path(written).name).absolute()
+        problem = "" if marker.is_file() else str(marker)
+        problems = D.all_gather_strings([problem], group=self.group, device=comm)
+        if self.is_main:
+            (self.run_dir / name).unlink(missing_ok=True)
+        missing = [(rank, p[0]) for rank, p in enumerate(problems) if p[0]]
+        if missing:
+            ranks = "; ".join(f"trainer rank {rank} does not see {path}" for rank, path in missing)
+            raise InputError(
+                f"train.output_dir {self.run_dir} must be on storage shared by all trainer ranks "
+                f"({ranks}, which trainer rank 0 wrote as {written}); point train.output_dir at a "
+                "shared file system")
 
     def _schedule_change(self, saved: dict) -> str:
         """What a resume with another train.lr, steps, warmup_ratio or min_lr_ratio does to the
@@ -420,6 +481,7 @@ class Trainer:
         Call :meth:`resume` first to continue a run.
         """
         train = self.train
+        self._check_shared_output_dir()
         comm = self._comm_device()
         result = FitResult(step=self.step, steps_run=0, skipped_steps=self.skipped_steps,
                            stopped_reason="steps_done", checkpoint=None)
@@ -427,7 +489,8 @@ class Trainer:
         window: list[dict] = []
         first_slots: list[float] | None = None
         if self.is_main:
-            write_run_records(self.run_dir, recipe_yaml=self.recipe_yaml, details=self._run_details)
+            write_run_records(self.run_dir, recipe_yaml=self.recipe_yaml,
+                              details={**self._run_details, "start_step": self.step})
             log = MetricsLog(self.run_dir, train=train, recipe_yaml=self.recipe_yaml,
                              resume_step=self.step)
             progress = Progress(total=train.steps, initial=self.step)
@@ -490,7 +553,7 @@ class Trainer:
                 if self.step % train.checkpoint_interval == 0 and self.step < train.steps:
                     result.checkpoint = self.save(extra_state=extra_state)
             done = ckpt.checkpoint_path(self.run_dir, self.step)
-            if result.steps_run == 0 and ckpt.is_complete(done):
+            if result.checkpoint == done or (result.steps_run == 0 and ckpt.is_complete(done)):
                 result.checkpoint = done  # nothing new since that checkpoint
             else:
                 result.checkpoint = self.save(extra_state=extra_state)
