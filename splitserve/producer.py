@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from draftforge.data.formats import Conversation
     from draftforge.splitserve.config import SplitConfig
     from draftforge.splitserve.target import TargetEngine
-    from draftforge.splitserve.transport import HelloWaiter, Pulse
+    from draftforge.splitserve.transport import AckListener, Pulse
 
 
 # --------------------------------------------------------------------------- topology
@@ -439,12 +439,12 @@ def run_producer(
     device: torch.device | str = "cpu",
     log: Callable[[str], None],
     pulse: Pulse | None = None,
-    hellos: HelloWaiter | None = None,
+    hellos: AckListener | None = None,
 ) -> dict:
     """Serve this target rank's trainers until they all stop; returns the accounting summary.
 
     ``pulse``: the rank's heartbeat on the data links (one is started when None);
-    ``hellos``: the trainers' resume states, received since the rank started (received
+    ``hellos``: the rank's listener on the ack group, started with the rank (started
     here when None).
     """
     from draftforge.splitserve import transport as T
@@ -453,10 +453,13 @@ def run_producer(
     split = cfg.split
     if pulse is None:
         pulse = T.Pulse(every_s=split.peer_timeout_s / 4, group=data_group, device=device)
-    # the trainers' resume states; their heartbeats come meanwhile
-    consumed = hellos.result() if hellos is not None else T.recv_hellos(dests, group=ack_group)
+    if hellos is None:
+        hellos = T.AckListener(dests, group=ack_group)
+    # the trainers' resume states; their heartbeats, and the stop of a trainer that already
+    # has its steps, come meanwhile (the gate reads them from the same listener)
+    consumed = hellos.result()
     credits = max(1, split.max_in_flight // len(topology.sources(dests[0])))
-    gate = T.CreditGate(dests, credits, group=ack_group, timeout_s=split.peer_timeout_s)
+    gate = T.CreditGate(dests, credits, timeout_s=split.peer_timeout_s, listener=hellos)
     # A trainer fed by several producers receives from them in turn, so it may not be
     # receiving from this one: it gets no beat (a send would wait for its turn).
     lone = [dest for dest in dests if len(topology.sources(dest)) == 1]

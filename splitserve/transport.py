@@ -32,8 +32,9 @@ of :data:`HEADER_LEN` values ``[MAGIC, kind, ...]``:
 Backpressure: a producer sends on a link only while ``sent - consumed <
 credits``, so a trainer never holds more than ``credits`` samples of one link
 in transit or queued. A dead peer surfaces as :class:`PeerDied` naming its rank:
-gloo reports a closed connection at once, a silent peer after
-``split.peer_timeout_s`` (the process group's timeout).
+gloo reports a closed connection at once to a receive from that peer (every receive
+here names its peer: one from any source would wait out the timeout), a silent peer
+after ``split.peer_timeout_s`` (the process group's timeout).
 
 Liveness: a peer busy longer than that (a target loading or generating, a
 trainer building its draft, stepping or saving) is not silent. Each side
@@ -42,7 +43,7 @@ sends a heartbeat every ``split.peer_timeout_s / 4`` from a thread of its own
 that waits on it, so only a crashed or frozen process is reported. A
 heartbeat goes only where a receive is posted for it (a gloo send waits for
 its receive, and would time out): on the ack group, to producers that listen
-for this trainer (always, once they wait for its resume state); on a data
+for this trainer (always: from their start until its stop); on a data
 link, to a trainer waiting there (for its embeddings, for a sample while it
 has a credit, or for the end of the stream after its stop). A trainer fed by
 several producers receives them in a fixed rotation, so it is sent no BEAT:
@@ -293,55 +294,86 @@ def send_hello(ids: Iterable[str], dst: int, *, group) -> None:
         _send(data, dst, group, "target", "sending the resume state")
 
 
-def recv_hellos(srcs: Sequence[int], *, group) -> set[str]:
-    """The consumed sample ids of every trainer in ``srcs``, in the order they come.
+class AckListener:
+    """Producer side of the ack group for the target rank's whole life: the resume states
+    (HELLO), credits, stops and heartbeats (ACK) of the trainers ``srcs``.
 
-    A trainer sends heartbeats (ACK) while it builds its draft and resumes; they
-    are skipped, and keep this wait going for as long as they come.
+    Posted when the target rank starts, before its target loads, and never paused: a
+    trainer's heartbeat never waits for a receive, and a stop sent right after the
+    resume state (a trainer that already has its steps) is kept. One thread per trainer
+    receives from that trainer alone, since gloo fails such a receive at once when the
+    trainer's connection closes (a receive from any source would wait out the timeout,
+    naming no one). A thread ends after its trainer's stop, the trainer's last message.
+    :meth:`result` waits for the resume states; :class:`CreditGate` reads the credits
+    and stops. State is shared under :attr:`cond`.
     """
-    waiting, ids = set(srcs), set()
-    head_t = torch.empty(HEADER_LEN, dtype=torch.int64)
-    while waiting:
-        try:
-            src = int(dist.recv(head_t, group=group))
-        except RuntimeError as exc:
-            rank = next(iter(waiting)) if len(waiting) == 1 else -1
-            raise PeerDied(rank, "trainer", f"waiting for the resume state of trainer ranks "
-                           f"{sorted(waiting)}", exc) from exc
-        head = head_t.tolist()
-        if src not in srcs:
-            raise WireError(f"rank {src} sent its resume state to a producer that does not feed it")
-        if _check_header(head, src, (HELLO, ACK)) == HELLO:
-            ids |= _hello_ids(head, src, group)
-            waiting.discard(src)
-    return ids
-
-
-class HelloWaiter:
-    """:func:`recv_hellos` on a thread, posted when the target rank starts: while its
-    target loads (minutes, for a large one) and sends embeddings, the trainers' heartbeats
-    and resume states are received at once, so a trainer never waits on a send to it and
-    it never waits for beats that could not come. :meth:`result` joins it."""
 
     def __init__(self, srcs: Sequence[int], *, group) -> None:
-        self._ids: set[str] | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(list(srcs), group),
-                                        name="draftforge-hellos", daemon=True)
-        self._thread.start()
+        self.srcs = list(srcs)
+        self.ids: set[str] = set()  # the consumed sample ids, from every HELLO
+        self.hello_from: set[int] = set()
+        self.consumed = dict.fromkeys(self.srcs, 0)  # the highest count each trainer acked
+        self.stopped: set[int] = set()
+        self.heard = dict.fromkeys(self.srcs, time.monotonic())  # each trainer's last message
+        self.error: BaseException | None = None
+        self.cond = threading.Condition()
+        self._group = group
+        self._threads = [threading.Thread(target=self._listen, args=(src,),
+                                          name=f"draftforge-acks-{src}", daemon=True)
+                         for src in self.srcs]
+        for thread in self._threads:
+            thread.start()
 
-    def _run(self, srcs: list[int], group) -> None:
-        try:
-            self._ids = recv_hellos(srcs, group=group)
-        except BaseException as exc:  # noqa: BLE001 - re-raised by result()
-            self._error = exc
+    def _listen(self, src: int) -> None:
+        head_t = torch.empty(HEADER_LEN, dtype=torch.int64)
+        while True:
+            doing = (f"waiting for credits from trainer rank {src}" if src in self.hello_from
+                     else f"waiting for the resume state of trainer rank {src}")
+            try:
+                _recv(head_t, src, self._group, "trainer", doing)
+                head = head_t.tolist()
+                kind = _check_header(head, src, (HELLO, ACK))
+                ids = _hello_ids(head, src, self._group) if kind == HELLO else set()
+            except BaseException as exc:  # noqa: BLE001 - raised on the producer thread
+                self.fail(exc)
+                return
+            with self.cond:
+                self.heard[src] = time.monotonic()
+                if kind == HELLO:
+                    self.ids |= ids
+                    self.hello_from.add(src)
+                else:
+                    self.consumed[src] = max(self.consumed[src], head[2])
+                    if head[3]:
+                        self.stopped.add(src)
+                self.cond.notify_all()
+                if src in self.stopped:
+                    return
+
+    def fail(self, exc: BaseException) -> None:
+        """Keep an error for the producer thread (the first one wins)."""
+        with self.cond:
+            if self.error is None:
+                self.error = exc
+            self.cond.notify_all()
 
     def result(self) -> set[str]:
-        """The trainers' consumed sample ids (what :func:`recv_hellos` returns)."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._ids
+        """The consumed sample ids of every trainer, once all have sent their resume state."""
+        with self.cond:
+            while self.error is None and len(self.hello_from) < len(self.srcs):
+                self.cond.wait()
+            if self.error is not None:
+                raise self.error
+            return set(self.ids)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the threads to end (each ends after its trainer's stop)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+
+HelloWaiter = AckListener  # the name roles.py starts it by
 
 
 def _hello_ids(head: list[int], src: int, group) -> set[str]:
@@ -417,7 +449,7 @@ class AckLink(_Heartbeat):
     ``split.peer_timeout_s`` (waiting for its embeddings, building and resuming its
     draft, one step, one checkpoint save) is not reported dead. It beats to every
     source from the start: each producer listens on the ack group from its own start
-    (:class:`HelloWaiter`, posted before its target loads). Messages go one at a time
+    (:class:`AckListener`, posted before its target loads). Messages go one at a time
     (a HELLO is three sends).
     """
 
@@ -462,60 +494,36 @@ class AckLink(_Heartbeat):
 class CreditGate:
     """Producer side of the backpressure: per-trainer credits, refilled by ACK messages.
 
-    A background thread receives ACKs (from any trainer) on the ack group; the
-    producer calls :meth:`acquire` before each send, for whichever of its links has
-    a credit: a trainer whose link is full does not hold up the others. Every ACK,
-    a heartbeat included, shows its trainer alive: a wait gives up on a trainer only
-    after ``timeout_s`` without one, however long the trainer keeps its credits.
+    The ACKs come through ``listener`` (an :class:`AckListener` on ``dests``, started
+    here when None), which has received every one since the rank started, a stop sent
+    before the gate existed included. The producer calls :meth:`acquire` before each
+    send, for whichever of its links has a credit: a trainer whose link is full does not
+    hold up the others. Every ACK, a heartbeat included, shows its trainer alive: a wait
+    gives up on a trainer only after ``timeout_s`` without one, however long the trainer
+    keeps its credits.
     """
 
-    def __init__(self, dests: Sequence[int], credits: int, *, group, timeout_s: float):
+    def __init__(self, dests: Sequence[int], credits: int, *, group=None, timeout_s: float,
+                 listener: AckListener | None = None):
         if credits <= 0:
             raise ValueError(f"credits must be positive, got {credits}")
+        if listener is None:
+            listener = AckListener(dests, group=group)
+        elif sorted(listener.srcs) != sorted(dests):
+            raise ValueError(f"the listener hears trainers {listener.srcs}, not {list(dests)}")
         self.dests = list(dests)
         self.credits = credits
         self.timeout_s = timeout_s
         self.sent = dict.fromkeys(self.dests, 0)
-        self.consumed = dict.fromkeys(self.dests, 0)
-        self.stopped: set[int] = set()
-        self.error: BaseException | None = None
         self.max_outstanding = 0
-        self.heard = dict.fromkeys(self.dests, time.monotonic())  # each trainer's last ACK
-        self._group = group
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._listen, name="draftforge-acks", daemon=True)
-        self._thread.start()
+        self.listener = listener
+        # the listener's state, shared under its condition
+        self.consumed, self.stopped, self.heard = listener.consumed, listener.stopped, listener.heard
+        self._cond = listener.cond
 
-    def _listen(self) -> None:
-        head_t = torch.empty(HEADER_LEN, dtype=torch.int64)
-        while True:
-            with self._cond:
-                if len(self.stopped) == len(self.dests):
-                    return
-            try:
-                src = int(dist.recv(head_t, group=self._group))
-                head = head_t.tolist()
-                _check_header(head, src, (ACK,))
-                if src not in self.sent:
-                    raise WireError(f"rank {src} sent credits to a producer that does not feed it")
-            except BaseException as exc:  # noqa: BLE001 - handed to the producer thread
-                with self._cond:
-                    if len(self.stopped) < len(self.dests):
-                        alive = [d for d in self.dests if d not in self.stopped]
-                        self.error = (
-                            exc
-                            if isinstance(exc, WireError)
-                            else PeerDied(alive[0] if len(alive) == 1 else -1, "trainer",
-                                          f"waiting for credits from trainer ranks {alive}", exc)
-                        )
-                    self._cond.notify_all()
-                return
-            with self._cond:
-                self.heard[src] = time.monotonic()
-                self.consumed[src] = max(self.consumed[src], head[2])
-                if head[3]:
-                    self.stopped.add(src)
-                self._cond.notify_all()
+    @property
+    def error(self) -> BaseException | None:
+        return self.listener.error
 
     def outstanding(self, dest: int) -> int:
         """Samples sent to ``dest`` and not yet taken off its queue."""
@@ -534,10 +542,7 @@ class CreditGate:
 
     def fail(self, exc: BaseException) -> None:
         """Hand the producer thread an error met elsewhere (its first one wins)."""
-        with self._cond:
-            if self.error is None:
-                self.error = exc
-            self._cond.notify_all()
+        self.listener.fail(exc)
 
     def _silent(self, dests: Sequence[int], doing: str) -> PeerDied | None:
         """A :class:`PeerDied` for those of ``dests`` not heard from within the timeout."""
@@ -585,8 +590,8 @@ class CreditGate:
             return len(self.stopped) == len(self.dests)
 
     def join(self, timeout: float | None = None) -> None:
-        """Wait for the credit thread to end (it ends once every trainer has stopped)."""
-        self._thread.join(timeout)
+        """Wait for the listener's threads to end (they end once every trainer has stopped)."""
+        self.listener.join(timeout)
 
     def wait_all_stopped(self, timeout_s: float) -> bool:
         """Block until every trainer has said stop; False once one of them has sent

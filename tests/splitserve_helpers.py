@@ -187,12 +187,10 @@ def transport_worker(out: str) -> None:
             T.send_sample(1, sid, tok, mask, aux, final, seq_no=n, stats=(1_500_000, 250_000, 42, 2_000_000),
                           chunk_end=n % 2 == 1)
         T.send_end(1)
-        result["hello"] = sorted(T.recv_hellos([1], group=acks))
-        head = torch.empty(T.HEADER_LEN, dtype=torch.int64)
-        import torch.distributed as dist
-
-        dist.recv(head, src=1, group=acks)
-        result["ack"] = head.tolist()[:4]
+        listener = T.AckListener([1], group=acks)
+        result["hello"] = sorted(listener.result())
+        listener.join(30)  # its thread ends at the trainer's stop
+        result["ack"] = [listener.consumed[1], sorted(listener.stopped)]
     else:
         got = T.recv_tensor(0)
         result["tensor_exact"] = bool(torch.equal(got, embed)) and got.dtype == embed.dtype
