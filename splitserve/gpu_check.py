@@ -63,10 +63,18 @@ MIN_START_S = 20.0  # a check is not started with less time than this left
 
 # Check 1: bf16 keeps about 3 significant digits and SGLang's kernels (fused norms,
 # flashinfer/triton attention) round differently from transformers' over 30 layers,
-# so states agree to a few percent, not bit for bit: relative L2 error per layer at
-# most FEATURE_REL_TOL. A layer captured one off (i +/- 1) differs by far more; the
-# matching layer's error must also be at most 1/SHIFT_MARGIN of the nearest neighbour's.
-FEATURE_REL_TOL = 0.05
+# so states agree to a few percent, not bit for bit. Errors are taken per token,
+# ||got - want|| / ||want|| at each position inside the mask, then averaged: SmolLM2
+# puts a huge activation on each prompt's first token (layer 14: norm ~25,000 against
+# a median ~160), so an error pooled over all positions would measure those three
+# tokens only. Measured on the CPU (transformers, check 1's prompts, layers 1/14/27):
+# bf16 against float32 per-token errors 0.005 / 0.012 / 0.019, final state 0.026;
+# bf16 sdpa against bf16 eager attention 0.005 / 0.015 / 0.021, final 0.027. The
+# neighbouring layers (i +/- 1) are at least 0.236 away per token. FEATURE_REL_TOL
+# (each layer's and the final state's mean per-token error) leaves 3x over those
+# figures and is still far below the neighbour gap; the matching layer's error must
+# also be at most 1/SHIFT_MARGIN of the nearest neighbour's (measured: >10x apart).
+FEATURE_REL_TOL = 0.08
 SHIFT_MARGIN = 2.0
 
 LAYER_IDS = (1, 14, 27)  # SmolLM2 has 30 layers: early, middle, late (29, the last, is refused)
@@ -284,7 +292,10 @@ class Setup:
     draft: dict[str, Any]  # the recipe's draft section
     layout: StepLayout
     data: dict[str, Any] = field(default_factory=dict)  # extra data-section keys
-    max_new_tokens: int = 64  # check 4: tokens decoded per prompt
+    # check 4: tokens decoded per prompt. Its step-by-step comparison needs requests whose
+    # greedy outputs agree between SGLang (bf16) and draftforge (float32): on the CPU, bf16
+    # and float32 SmolLM2 parted after 39, 59 and 64 of 64 tokens on check 1's prompts.
+    max_new_tokens: int = 32
 
     @property
     def log_dir(self) -> Path:
@@ -353,11 +364,18 @@ def draftforge_command(*args: str) -> list[str]:
 
 
 def relative_error(got, want) -> float:
-    """``||got - want|| / ||want||`` in float64 (0 when both are zero)."""
+    """Mean over positions of ``||got[i] - want[i]|| / ||want[i]||`` in float64; ``got`` and
+    ``want`` are [N, H] (the positions inside the mask). A position where ``want`` is zero
+    counts 0 when ``got`` is zero there too, else inf; no positions: 0."""
     got, want = got.double(), want.double()
-    norm = want.norm().item()
-    diff = (got - want).norm().item()
-    return diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf)
+    if got.shape[0] == 0:
+        return 0.0
+    norm = want.norm(dim=-1)
+    diff = (got - want).norm(dim=-1)
+    safe = norm.clamp_min(math.ulp(0.0))
+    per_token = diff.where(norm > 0, diff.new_zeros(())) / safe
+    per_token = per_token.where((norm > 0) | (diff == 0), diff.new_tensor(math.inf))
+    return per_token.mean().item()
 
 
 def compare_features(
@@ -369,7 +387,8 @@ def compare_features(
     ``hf_layers``: transformers' output of each decoder layer id [B, S, H] (the
     requested ids and, where they exist, their neighbours); ``sglang_aux``
     [B, S, K*H] in ``layer_ids`` order; finals [B, S, H]; ``attention_mask``
-    [B, S]. Only positions inside the mask are compared; outside it SGLang's
+    [B, S]. Only positions inside the mask are compared, each error a mean of
+    per-token relative errors (:func:`relative_error`); outside the mask SGLang's
     states must be zero. Returns (passed, figures, reason).
     """
     keep = attention_mask.bool()
@@ -394,11 +413,11 @@ def compare_features(
                 problems.append(f"layer {layer} matches transformers' neighbouring layer about as "
                                 f"well as its own ({err:.3g} vs {nearest:.3g}): an index shift?")
         if err > tol:
-            problems.append(f"layer {layer}: relative error {err:.3g} > {tol}")
+            problems.append(f"layer {layer}: mean per-token relative error {err:.3g} > {tol}")
     final_err = relative_error(sglang_final[keep], hf_final[keep])
     figures["err_final"] = final_err
     if final_err > tol:
-        problems.append(f"final state: relative error {final_err:.3g} > {tol}")
+        problems.append(f"final state: mean per-token relative error {final_err:.3g} > {tol}")
     padded = ~keep
     leak = 0.0
     if padded.any():
@@ -408,8 +427,8 @@ def compare_features(
     figures["tol"] = tol
     passed = not problems
     reason = "; ".join(problems) if problems else (
-        f"every layer within {tol} (worst {worst:.3g}) and at least {margin:g}x closer to its own "
-        "transformers layer than to the neighbours")
+        f"every layer within {tol} per token (worst {worst:.3g}) and at least {margin:g}x closer "
+        "to its own transformers layer than to the neighbours")
     return passed, figures, reason
 
 

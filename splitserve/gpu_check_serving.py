@@ -39,10 +39,19 @@ from draftforge.splitserve.gpu_check import (
 # decode the same prompts greedily for the same number of tokens, but SGLang runs the
 # target and the draft in bf16 with its own kernels while draftforge's evaluator runs
 # float32: after a near-tie the greedy texts part, and marginal draft tokens flip.
-# Counts that agree within 10 % mean the same thing is being counted; a different
-# definition (a missed bonus token, prefill counted as a step) shows up as >= 1/(tokens
-# per step) on every request, far outside it at these lengths.
+# Pooled tokens per step must agree within ACCEPT_REL_TOL. That alone is weak: a
+# definition slip of one step per request (prefill counted as a verification step, a
+# missed bonus round) moves tokens per step by a factor n / (n + 1) for n steps, about
+# 5 % at 3 tokens per step over 64 tokens and 1.6 % at 1 token per step. So requests
+# whose output tokens are identical on both sides are also compared step for step:
+# their mean difference in verification steps (SGLang's minus draftforge's) must be
+# within STEP_DIFF_TOL, which one extra step on every such request exceeds.
+# A draft that accepts (almost) nothing makes every count ~1 token per step whatever
+# SGLang does with it, so the comparison is refused below MIN_TOK_PER_STEP
+# (draftforge's tokens per step): it could not show that SGLang loaded the draft.
 ACCEPT_REL_TOL = 0.10
+STEP_DIFF_TOL = 0.5
+MIN_TOK_PER_STEP = 1.3
 SERVER_MEM_FRACTION = 0.5  # of the GPU, for SGLang's weights and KV pool (plenty at 135M)
 
 
@@ -94,29 +103,55 @@ def tokens_per_step(pairs: Sequence[tuple[int, int]]) -> float:
 
 
 def compare_acceptance(
-    sglang: Sequence[SpecCounts], ours: Sequence[tuple[int, int]], *, tol: float = ACCEPT_REL_TOL
+    sglang: Sequence[SpecCounts], ours: Sequence[tuple[int, int]],
+    outputs: Sequence[Sequence[int]], *, tol: float = ACCEPT_REL_TOL,
+    step_tol: float = STEP_DIFF_TOL, min_tok_per_step: float = MIN_TOK_PER_STEP,
 ) -> tuple[bool, dict[str, Any], str]:
     """SGLang's tokens per verification step against draftforge's evaluator on the same prompts.
 
     ``ours``: (output tokens, verification rounds) per prompt from
     ``speculative_decode`` (its first token also comes from the prefill, so
-    tokens / rounds is SGLang's ``completion_tokens / spec_verify_ct``).
+    tokens / rounds is SGLang's ``completion_tokens / spec_verify_ct``);
+    ``outputs``: draftforge's output tokens per prompt. Fails when draftforge's
+    pooled tokens per step is below ``min_tok_per_step`` (uninformative), when the
+    pooled figures differ by more than ``tol``, or when the requests that decoded
+    identical tokens differ by more than ``step_tol`` verification steps on average.
     """
-    if len(sglang) != len(ours) or not ours:
+    if len(sglang) != len(ours) or len(outputs) != len(ours) or not ours:
         return False, {}, f"{len(sglang)} SGLang replies for {len(ours)} prompts"
     theirs = tokens_per_step([(c.completion_tokens, c.verify_steps) for c in sglang])
     mine = tokens_per_step(list(ours))
     rel = abs(theirs - mine) / mine if mine else math.inf
+    same = [i for i, (c, o) in enumerate(zip(sglang, outputs, strict=True))
+            if c.output_ids and tuple(c.output_ids) == tuple(int(t) for t in o)]
+    step_diff = (sum(sglang[i].verify_steps - ours[i][1] for i in same) / len(same)
+                 if same else math.nan)
     figures = {"sglang_tok_per_step": theirs, "draftforge_tok_per_step": mine, "rel_diff": rel,
                "tol": tol, "sglang_tokens": sum(c.completion_tokens for c in sglang),
-               "draftforge_tokens": sum(t for t, _ in ours)}
+               "draftforge_tokens": sum(t for t, _ in ours), "same_output_requests": len(same),
+               "mean_step_diff": step_diff}
+    if not mine >= min_tok_per_step:
+        return False, figures, (
+            f"uninformative: draftforge's draft makes only {mine:.3g} tokens per verification "
+            f"step on these prompts (< {min_tok_per_step}); a draft that accepts this little "
+            "gives the same counts whether or not SGLang loaded it correctly")
     problems = []
     if figures["sglang_tokens"] != figures["draftforge_tokens"]:
         problems.append(f"SGLang decoded {figures['sglang_tokens']} tokens, draftforge "
                         f"{figures['draftforge_tokens']} (both should stop at max_new_tokens)")
     if not rel <= tol:
         problems.append(f"tokens per verification step differ by {rel:.1%} > {tol:.0%}")
-    reason = "; ".join(problems) or f"tokens per verification step agree within {tol:.0%}"
+    if not same:
+        problems.append("no request decoded identical tokens on both sides, so verification "
+                        "steps could not be compared request by request")
+    elif not abs(step_diff) <= step_tol:
+        problems.append(f"on the {len(same)} requests with identical outputs SGLang took "
+                        f"{step_diff:+.2f} verification steps per request against draftforge "
+                        f"(allowed +/-{step_tol}): a step counted differently?")
+    reason = "; ".join(problems) or (
+        f"tokens per verification step agree within {tol:.0%}; on {len(same)} requests with "
+        f"identical outputs the steps differ by {step_diff:+.2f} per request (allowed "
+        f"+/-{step_tol})")
     return not problems, figures, reason
 
 
@@ -276,7 +311,7 @@ def check_sglang_dspark(setup: Setup, deadline: float) -> CheckResult:
     if isinstance(served, str):
         return CheckResult(name, FAIL, {"sglang": detail}, served)
     ours, outputs, summary = draftforge_counts(setup, model, prompts)
-    passed, figures, reason = compare_acceptance(served, ours)
+    passed, figures, reason = compare_acceptance(served, ours, outputs)
     same = [common_prefix(c.output_ids, o) for c, o in zip(served, outputs, strict=True)]
     figures.update(draftforge_al=summary["acceptance_length"],
                    same_prefix_tokens=min(same) if same else 0, sglang=detail)

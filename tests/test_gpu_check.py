@@ -110,8 +110,8 @@ def test_parse_sglang_reply_names_what_is_wrong(reply, message):
 def test_compare_acceptance_pools_tokens_per_step():
     sglang = [S.SpecCounts(64, 40, None), S.SpecCounts(64, 32, None)]
     ours = [(64, 41), (64, 33)]  # one more round each: 128/74 against 128/72
-    passed, figures, reason = S.compare_acceptance(sglang, ours)
-    assert passed, reason
+    passed, figures, reason = S.compare_acceptance(sglang, ours, [[1], [2]])
+    assert not passed and "no request decoded identical tokens" in reason
     assert figures["sglang_tok_per_step"] == pytest.approx(128 / 72)
     assert figures["draftforge_tok_per_step"] == pytest.approx(128 / 74)
     assert figures["rel_diff"] == pytest.approx(74 / 72 - 1)
@@ -119,13 +119,15 @@ def test_compare_acceptance_pools_tokens_per_step():
 
 def test_compare_acceptance_fails_on_a_different_count_or_definition():
     sglang = [S.SpecCounts(64, 40, None), S.SpecCounts(64, 32, None)]
-    # a definition slip (every round counted twice as often) is far outside the tolerance
-    passed, figures, reason = S.compare_acceptance(sglang, [(64, 60), (64, 50)])
+    # a definition slip (SGLang counting every round twice) is far outside the tolerance
+    outputs = [[0], [0]]
+    passed, figures, reason = S.compare_acceptance(sglang, [(64, 20), (64, 16)], outputs)
     assert not passed and "differ by" in reason and figures["rel_diff"] > S.ACCEPT_REL_TOL
     # SGLang stopped early on one prompt: the token counts differ
-    passed, _, reason = S.compare_acceptance([S.SpecCounts(50, 31, None), sglang[1]], [(64, 40), (64, 32)])
+    passed, _, reason = S.compare_acceptance([S.SpecCounts(50, 31, None), sglang[1]],
+                                             [(64, 40), (64, 32)], outputs)
     assert not passed and "decoded 114 tokens, draftforge 128" in reason
-    passed, _, reason = S.compare_acceptance(sglang, [(64, 40)])
+    passed, _, reason = S.compare_acceptance(sglang, [(64, 40)], outputs[:1])
     assert not passed and "2 SGLang replies for 1 prompts" in reason
 
 
