@@ -414,9 +414,11 @@ def _check_target(cfg: RecipeConfig) -> tuple[TargetShape | None, list[Problem]]
     target = cfg.target
     problems: list[Problem] = []
     try:
-        shape = resolve_target_shape(target)
+        shape = resolve_target_shape(target, strict=True)
     except (OSError, ValueError) as exc:
-        return None, [(("target", "model"), f"cannot read the target's config.json: {exc}")]
+        return None, [(("target", "model"), (
+            f"cannot use the target's config.json: {exc}; declare the target's shape under "
+            "target.shape"))]
     if (target.shape is None and target.model != "random" and target.model not in KNOWN_TARGETS
             and not Path(target.model).expanduser().is_dir()):
         names = ", ".join([*KNOWN_TARGETS, "random"])
@@ -468,14 +470,17 @@ def _check_target(cfg: RecipeConfig) -> tuple[TargetShape | None, list[Problem]]
 
 def _rope_theta_known(target) -> bool:
     """Whether the resolved shape's rope_theta is the target's: false when its config.json
-    cannot be read here (a node without the target's folder) and target.shape does not
-    declare it, where it is only the section's default."""
-    if target.model == "random" or target.shape is None or "rope_theta" in target.shape.model_fields_set:
+    cannot be read here (a node without the target's folder) or gives no RoPE base (none
+    written, or only per-layer-type ones without a full_attention entry) and target.shape
+    does not declare it, where it is only the section's default."""
+    if target.model == "random" or (target.shape is not None
+                                    and "rope_theta" in target.shape.model_fields_set):
         return True
     try:
-        return resolve_target_shape(target.model_copy(update={"shape": None})) is not None
+        known = resolve_target_shape(target.model_copy(update={"shape": None}))
     except (OSError, ValueError):
         return False
+    return known is not None and "rope_theta" in known.model_fields_set
 
 
 def _check_draft(cfg: RecipeConfig, shape: TargetShape | None) -> list[Problem]:
@@ -505,6 +510,15 @@ def _check_draft(cfg: RecipeConfig, shape: TargetShape | None) -> list[Problem]:
                 why = f"layer id {layer} is out of range: the target has {shape.num_hidden_layers} layers"
             problems.append((ids_path + (index,), f"{why}; valid ids are 0..{last - 1}"))
 
+    if draft.max_position_embeddings is not None and draft.max_position_embeddings < cfg.data.max_length:
+        problems.append(
+            (
+                ("draft", "max_position_embeddings"),
+                f"{draft.max_position_embeddings} is below data.max_length {cfg.data.max_length}: "
+                "training would place anchors at positions the draft does not support (and eval "
+                "refuses them); raise it, leave it unset for the target's, or lower data.max_length",
+            )
+        )
     if shape is not None:
         if draft.mask_token_id >= shape.vocab_size:
             problems.append(
@@ -548,6 +562,26 @@ def _check_draft(cfg: RecipeConfig, shape: TargetShape | None) -> list[Problem]:
             )
         else:
             draft.head_dim = draft.hidden_size // draft.num_attention_heads
+    if draft.attention_backend == "flex":
+        from draftforge.train.model import FLEX_MIN_HEAD_DIM
+
+        if cfg.train.device == "cpu":
+            problems.append(
+                (
+                    ("draft", "attention_backend"),
+                    "flex cannot train with train.device: cpu (torch's flex attention has no "
+                    "backward on the CPU); use draft.attention_backend: sdpa, or train on a GPU",
+                )
+            )
+        elif draft.head_dim is not None and draft.head_dim < FLEX_MIN_HEAD_DIM:
+            problems.append(
+                (
+                    ("draft", "attention_backend"),
+                    f"flex needs draft.head_dim >= {FLEX_MIN_HEAD_DIM} (the minimum of its compiled "
+                    f"CUDA kernel), this draft's is {draft.head_dim}; use draft.attention_backend: "
+                    "sdpa or a larger head_dim",
+                )
+            )
     if draft.num_attention_heads % draft.num_key_value_heads:
         problems.append(
             (
@@ -705,9 +739,25 @@ def _check_split(cfg: RecipeConfig) -> list[Problem]:
     return problems
 
 
+def _check_data(cfg: RecipeConfig) -> list[Problem]:
+    """Data settings that no sample could meet."""
+    data = cfg.data
+    if data.min_loss_tokens >= data.max_length:
+        return [
+            (
+                ("data", "min_loss_tokens"),
+                f"{data.min_loss_tokens} is not below data.max_length {data.max_length}: a sample "
+                "also holds its prompt, so none would have that many supervised tokens and every "
+                "one would be dropped; lower data.min_loss_tokens",
+            )
+        ]
+    return []
+
+
 def _cross_check(cfg: RecipeConfig) -> list[Problem]:
     shape, problems = _check_target(cfg)
     problems += _check_draft(cfg, shape)
+    problems += _check_data(cfg)
     problems += _check_split(cfg)
     return problems
 
@@ -748,6 +798,13 @@ def validate_recipe(
         if path in override_paths:  # the last would win silently
             raise RecipeError([f"command line {text!r}: {'.'.join(path)} is already set by "
                                f"{override_paths[path]!r}; give each key once"])
+        for other, other_text in override_paths.items():
+            # a key and the section holding it (train.loss.ce_weight=1 'train.loss={...}'): the
+            # last would win silently, and an error would be blamed on the wrong one
+            if path[: len(other)] == other or other[: len(path)] == path:
+                raise RecipeError([f"command line {text!r}: {'.'.join(path)} overlaps "
+                                   f"{other_text!r}, which sets {'.'.join(other)}; give each key once, "
+                                   "in one of the two"])
         override_paths[path] = text
     if name is not None:
         data.setdefault("name", name)

@@ -296,9 +296,10 @@ def load_prompts(cfg: DataConfig) -> LoadResult:
 
 
 def _load_checked(
-    cfg: DataConfig, specs: list[str], fmt: str, expect: str, what: str
+    cfg: DataConfig, specs: list[str], fmt: str, expect: str, what: str, *, assistant: bool = False
 ) -> LoadResult:
-    """Load, report the counts, and refuse overlap with the evaluation sets (data.overlap_check)."""
+    """Load, report the counts, and refuse overlap with the evaluation sets (data.overlap_check);
+    ``assistant``: the assistant turns are trained as they are, so check them too."""
     result = load_conversations(
         specs, fmt=fmt, expect=expect, skip_invalid=cfg.skip_invalid, limit=cfg.num_samples
     )
@@ -306,7 +307,7 @@ def _load_checked(
     if cfg.overlap_check:
         from draftforge.data.overlap import check_no_overlap
 
-        check_no_overlap(result.conversations, threshold=cfg.overlap_threshold)
+        check_no_overlap(result.conversations, threshold=cfg.overlap_threshold, assistant=assistant)
     return result
 
 
@@ -335,4 +336,5 @@ def load_training_conversations(cfg: DataConfig, output_dir: str | os.PathLike[s
         specs, fmt = [str(path)], "messages"
     else:
         specs, fmt = list(cfg.train_files), cfg.format
-    return _load_checked(cfg, specs, fmt, "conversation", "training conversations")
+    return _load_checked(cfg, specs, fmt, "conversation", "training conversations",
+                         assistant=not cfg.regenerate)

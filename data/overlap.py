@@ -134,15 +134,23 @@ def eval_index(workloads: tuple[str, ...], threshold: float) -> OverlapIndex:
     return OverlapIndex(refs, threshold)
 
 
-def find_overlaps(conversations: Iterable[Conversation], index: OverlapIndex) -> list[OverlapHit]:
+def find_overlaps(
+    conversations: Iterable[Conversation], index: OverlapIndex, *, assistant: bool = False
+) -> list[OverlapHit]:
     """Every (conversation, evaluation text) pair where a user turn or the system prompt of
-    the conversation overlaps (an eval prompt placed in the system prompt is seen all the same)."""
+    the conversation overlaps (an eval prompt placed in the system prompt is seen all the same),
+    and with ``assistant`` an assistant turn too (trained as they are when the data is not
+    regenerated: a reply quoting a HumanEval prompt teaches it all the same)."""
     hits = []
     for conv in conversations:
-        for turn in [*conv.user_turns, *([conv.system] if conv.system else [])]:
+        turns = [(turn, "") for turn in [*conv.user_turns, *([conv.system] if conv.system else [])]]
+        if assistant:
+            turns += [(m["content"], "assistant turn") for m in conv.messages if m["role"] == "assistant"]
+        for turn, role in turns:
             found = index.query(turn)
             if found is not None:
-                hits.append(OverlapHit(conv.id, found[0], found[1], found[2], conv.source))
+                where = ", ".join(part for part in (conv.source, role) if part)
+                hits.append(OverlapHit(conv.id, found[0], found[1], found[2], where))
                 break
     return hits
 
@@ -152,12 +160,13 @@ def check_no_overlap(
     *,
     threshold: float = 0.5,
     workloads: Sequence[str] | None = None,
+    assistant: bool = False,
 ) -> None:
     """Raise :class:`OverlapError` naming every training conversation that overlaps an
-    evaluation workload (all of them by default)."""
+    evaluation workload (all of them by default); ``assistant``: check the assistant turns too."""
     from draftforge.data.workloads import WORKLOAD_NAMES
 
     names = tuple(workloads) if workloads is not None else WORKLOAD_NAMES
-    hits = find_overlaps(conversations, eval_index(names, threshold))
+    hits = find_overlaps(conversations, eval_index(names, threshold), assistant=assistant)
     if hits:
         raise OverlapError(hits)

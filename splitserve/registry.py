@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from draftforge.hf_config import rope_theta_of
 from draftforge.splitserve.config import TargetConfig, TargetShape
 
@@ -25,17 +27,20 @@ KNOWN_TARGETS: dict[str, TargetShape] = {
 }
 
 
-def resolve_target_shape(target: TargetConfig) -> TargetShape | None:
+def resolve_target_shape(target: TargetConfig, *, strict: bool = False) -> TargetShape | None:
     """The target's shape without loading weights, or None when it cannot be known yet.
 
     A declared ``target.shape`` overrides only the fields it sets: the rest come from the
     target's own config (registered, or its folder's config.json) when that can be read,
     and from the section's defaults only when it cannot (a dry run without the weights).
+    The fields read from a config.json are the shape's ``model_fields_set``. ``strict``:
+    a config.json that does not give a shape (a field missing or null, as GPT-2's ``n_layer``
+    for ``num_hidden_layers``) raises a ValueError naming it and the field, instead of None.
     """
     if target.shape is None:
-        return _known_shape(target.model)
+        return _known_shape(target.model, strict=strict)
     try:
-        known = _known_shape(target.model)
+        known = _known_shape(target.model, strict=False)
     except (OSError, ValueError):
         known = None
     if known is None:
@@ -44,7 +49,7 @@ def resolve_target_shape(target: TargetConfig) -> TargetShape | None:
     return known.model_copy(update=declared)
 
 
-def _known_shape(model: str) -> TargetShape | None:
+def _known_shape(model: str, *, strict: bool) -> TargetShape | None:
     """The shape of a registered target or of a local folder's config.json; None otherwise."""
     if model in KNOWN_TARGETS:
         return KNOWN_TARGETS[model]
@@ -58,19 +63,36 @@ def _known_shape(model: str) -> TargetShape | None:
             fields["rope_theta"] = theta
         try:
             return TargetShape(**fields)
-        except ValueError:
-            return None
+        except ValidationError as exc:
+            if not strict:
+                return None
+            problems = []
+            for error in exc.errors():
+                field = ".".join(str(part) for part in error["loc"])
+                if error["type"] == "missing":
+                    problems.append(f"no {field}")
+                else:
+                    problems.append(f"{field}: {error['msg']}, got {json.dumps(error.get('input'))}")
+            raise ValueError(f"{config_path}: {'; '.join(problems)}") from None
     return None
 
 
 def rope_theta_problem(cfg) -> str | None:
     """Why a trainer cannot build the draft here, or None: the draft takes the target's RoPE
     base unless draft.rope_theta sets one, and the recipe loader leaves it unset where the
-    target's config.json cannot be read and target.shape does not declare it (a trainer
+    target's config.json cannot be read, or gives no RoPE base, and target.shape does not
+    declare it (a trainer
     node of a multi-node job without the target's folder would otherwise train with the
     section's default, 10000, and export that)."""
     if cfg.draft.rope_theta is not None:
         return None
+    config_path = Path(cfg.target.model) / "config.json"
+    if config_path.is_file():
+        return (
+            f"draft.rope_theta: {config_path} gives no RoPE base draftforge can use (no "
+            "rope_theta, nor a full_attention entry in per-layer-type rope_parameters); set "
+            "draft.rope_theta to the target's RoPE base in the recipe"
+        )
     return (
         f"draft.rope_theta: the target's RoPE base is not known on this machine "
         f"({cfg.target.model}/config.json cannot be read here and target.shape does not "

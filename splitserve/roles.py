@@ -425,9 +425,12 @@ def build_engine(ctx: RankContext):
     cfg = ctx.cfg
     if ctx.device.type == "cpu":
         torch.set_num_threads(cfg.target.num_threads)
-    ctx.log(f"loading target {cfg.target.model!r} ({cfg.target.dtype}) on {ctx.device}")
+    # an auto dtype was resolved for CUDA where there is one; a target rank placed on the CPU
+    # (gloo, train.device cpu) takes the CPU's rule instead of an emulated bf16
+    target = cfg.target.model_copy(update={"dtype": cfg.target.dtype_on(ctx.device.type)})
+    ctx.log(f"loading target {target.model!r} ({target.dtype}) on {ctx.device}")
     begin = time.perf_counter()
-    engine = build_target(cfg.target, cfg.draft.target_layer_ids, device=ctx.device,
+    engine = build_target(target, cfg.draft.target_layer_ids, device=ctx.device,
                           tensor_parallel=cfg.split.target_tensor_parallel)
     ctx.log(f"target ready in {time.perf_counter() - begin:.1f} s")
     if engine.trained:  # a random target's ids are all equally unused (and it may lack a tokenizer)

@@ -468,6 +468,24 @@ def test_a_mapping_override_merges_into_its_section_and_a_key_is_given_once(tmp_
         load_recipe(path, ["draft.block_size=2", "draft.block_size=8"])
 
 
+@pytest.mark.parametrize("overrides", [
+    ["train.loss.ce_weight=-1", "train.loss={ce_weight: 2}"],  # the mapping's 2 used to win silently
+    ["train.loss.ce_weight=1", "train.loss={ce_weight: -5}"],  # -5 used to be blamed on the first
+    ["train.loss={ce_weight: 2}", "train.loss.ce_weight=-1"],
+    ["draft.block_size=4", "draft={block_size: 6}"],
+])  # fmt: skip
+def test_an_override_of_a_key_and_one_of_its_section_are_refused_naming_both(tmp_path, overrides):
+    first, second = overrides
+    section, key = sorted((first.split("=")[0], second.split("=")[0]), key=len)
+    (problem,) = problems(write(tmp_path, BASE), overrides)
+    assert problem == (f"command line {second!r}: {second.split('=')[0]} overlaps {first!r}, which "
+                       f"sets {first.split('=')[0]}; give each key once, in one of the two")
+    assert key.startswith(section + ".")
+    # siblings do not overlap: both apply
+    cfg = load_recipe(write(tmp_path, BASE, "b.yaml"), ["train.loss.ce_weight=2", "train.loss.decay=3"])
+    assert (cfg.train.loss.ce_weight, cfg.train.loss.decay) == (2.0, 3.0)
+
+
 def test_a_quoted_number_where_a_number_is_expected_says_to_drop_the_quotes(tmp_path):
     (problem,) = problems(write(tmp_path, BASE), ["train.zero_stage='2'"])
     assert "train.zero_stage: '2' is not one of 2, 3 (write it without quotes: 2)" in problem

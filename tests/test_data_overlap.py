@@ -10,7 +10,7 @@ import pytest
 
 from draftforge.data.config import DataConfig
 from draftforge.data.formats import Conversation
-from draftforge.data.loading import load_conversations, load_prompts
+from draftforge.data.loading import load_conversations, load_prompts, load_training_conversations
 from draftforge.data.overlap import (
     OverlapError,
     OverlapIndex,
@@ -145,3 +145,43 @@ def test_an_overlap_is_an_input_error_a_target_rank_reports_without_a_traceback(
     from draftforge.errors import InputError
 
     assert all(issubclass(e, InputError) for e in (OverlapError, ChatTemplateError, WorkloadUnavailableError))
+
+
+def test_trained_assistant_replies_are_checked_when_the_files_are_trained_as_they_are(tmp_path):
+    """With data.regenerate: false the files' assistant replies are what the draft learns, so a
+    reply quoting a HumanEval prompt or stating a GSM8K problem leaks it like a user turn would;
+    regenerated data replaces those replies, so the prompts alone are checked there."""
+    he, gsm = load_workload("humaneval")[0], load_workload("gsm8k")[5]
+    rows = [
+        {"messages": [{"role": "user", "content": "Write a function for me."},
+                      {"role": "assistant", "content": "```python\n" + he.text + "    return False\n```"}]},
+        {"messages": [{"role": "user", "content": "Give me a word problem."},
+                      {"role": "assistant", "content": gsm.text}]},
+        {"messages": [{"role": "user", "content": "Tell me a joke."},
+                      {"role": "assistant", "content": "Why did the chicken cross the road?"}]},
+    ]  # fmt: skip
+    path = tmp_path / "conv.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DataConfig(train_files=[str(path)], regenerate=False)
+    with pytest.raises(OverlapError) as err:
+        load_training_conversations(cfg, tmp_path)
+    hits = {h.train_id: h for h in err.value.hits}
+    assert set(hits) == {"conv-1", "conv-2"}
+    assert (hits["conv-1"].eval_id, hits["conv-2"].eval_id) == (he.id, gsm.id)
+    assert hits["conv-2"].where == f"{path}, line 2, assistant turn"
+    off = DataConfig(train_files=[str(path)], regenerate=False, overlap_check=False)
+    assert len(load_training_conversations(off, tmp_path).conversations) == 3
+    # the prompts of the same file, to be regenerated, are clean
+    assert len(load_prompts(DataConfig(train_files=[str(path)])).conversations) == 3
+
+
+def test_the_model_card_says_when_the_held_out_check_was_off():
+    from pathlib import Path
+
+    from draftforge.config import load_recipe
+    from draftforge.train.export_cli import training_data_line
+
+    tiny = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
+    warning = "Held-out check off (data.overlap_check: false): evaluation prompts may be in the training data."
+    assert warning not in training_data_line(load_recipe(tiny))
+    assert training_data_line(load_recipe(tiny, ["data.overlap_check=false"])).endswith(" " + warning)
