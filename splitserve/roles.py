@@ -454,7 +454,7 @@ def _run_target(ctx: RankContext, bench: dict | None) -> None:
                     device=ctx.device)
     pulse.expect(embedding_dests(ctx.topology, ctx.rank))
     # listen for the trainers' heartbeats and resume states from now on, while the target loads
-    hellos = None if bench is not None else T.HelloWaiter(ctx.topology.dests(ctx.rank), group=ctx.ack_group)
+    hellos = None if bench is not None else T.AckListener(ctx.topology.dests(ctx.rank), group=ctx.ack_group)
     engine = build_engine(ctx)
     send_embeddings(engine, ctx.topology, ctx.rank, data_group=ctx.data_group, device=ctx.device,
                     pulse=pulse)

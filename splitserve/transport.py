@@ -373,9 +373,6 @@ class AckListener:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
-HelloWaiter = AckListener  # the name roles.py starts it by
-
-
 def _hello_ids(head: list[int], src: int, group) -> set[str]:
     """The rest of the HELLO whose header is ``head``: its sample ids."""
     count, nbytes = head[2], head[3]
