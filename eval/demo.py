@@ -19,8 +19,10 @@ in its own process:
 5. ``eval`` (greedy, float32 target): the export against the no-draft and n-gram
    baselines on the same prompts in one run (``<run>/eval``), and the DFlash ablation
    from its training checkpoint on the same prompts (``<run>/eval-dflash``; SGLang
-   refuses ``markov_rank: 0``, so it has no DSpark export). The two run side by side
-   on machines with two or more cores, one thread each;
+   refuses ``markov_rank: 0``, so it has no DSpark export). Both verify every drafted token
+   (``--verify full``: DFlash has no confidence head, and the table subtracts one from the
+   other), whatever the recipe's ``eval.verify``. The two run side by side on machines with
+   two or more cores and no GPU, one thread each, else one after the other;
 6. the export again, its model card now holding the measured table; then one
    markdown table, printed and written to ``<run>/demo.md``. The last line is::
 
@@ -317,6 +319,14 @@ def final_checkpoint(run_dir: Path, steps: int) -> Path | None:
     done = ckpt.checkpoint_path(run_dir, steps)
     if ckpt.is_complete(done):
         return done
+    return data_ran_out(run_dir)
+
+
+def data_ran_out(run_dir: Path) -> Path | None:
+    """The last checkpoint of a run that stopped before its steps because its data ran out
+    (its summary.json says so); None for any other run."""
+    from draftforge.train import checkpoint as ckpt
+
     summary = run_dir / "summary.json"
     if summary.is_file():
         info = json.loads(summary.read_text())
@@ -354,9 +364,13 @@ def _training_part(recipe_yaml: str) -> str:
     return yaml.safe_dump({k: v for k, v in data.items() if k not in TRAINING_ONLY_AFTER}, sort_keys=False)
 
 
-def check_same_recipe(run_dir: Path, expected_yaml: str, what: str) -> None:
+SKIP_TRAIN_FIX = "--skip-train uses the runs as they are: undo the edit, or drop --skip-train and pass --force"
+
+
+def check_same_recipe(run_dir: Path, expected_yaml: str, what: str, *, skip_train: bool = False) -> None:
     """Refuse to resume or reuse a run directory that holds a run of another recipe (its
-    eval and export sections aside)."""
+    eval and export sections aside). ``skip_train``: the demo would not train, so --force
+    (which then keeps the runs) is no fix."""
     from draftforge.train import checkpoint as ckpt
 
     saved = run_dir / "config.yaml"
@@ -373,8 +387,9 @@ def check_same_recipe(run_dir: Path, expected_yaml: str, what: str) -> None:
         line = lambda lines: lines[first].strip() if first < len(lines) else "(end of file)"  # noqa: E731
         raise DemoError(
             f"{run_dir} holds a {what} run of a different recipe ({saved} resolved, line {first + 1}: "
-            f"{line(old)!r}; this demo: {line(new)!r}). Rerun with --force to train again from "
-            "scratch (it deletes that run), or move the folder away.",
+            f"{line(old)!r}; this demo: {line(new)!r}). "
+            + (f"{SKIP_TRAIN_FIX}." if skip_train else "Rerun with --force to train again from "
+               "scratch (it deletes that run), or move the folder away."),
             exit_status=2,
         )
 
@@ -433,7 +448,7 @@ def stamp_answers(run_dir: Path, answers: str, what: str) -> None:
     write_atomic(run_dir / ANSWERS_STAMP, json.dumps({"sha256": answers}))
 
 
-def _check_trained_on(run_dir: Path, answers: str | None, what: str) -> None:
+def _check_trained_on(run_dir: Path, answers: str | None, what: str, *, skip_train: bool = False) -> None:
     """Refuse a run trained (or being trained) on other answers than the file holds now: the
     file was regenerated since (another machine's threads give other answers in bf16). Runs
     from before the record are not checked."""
@@ -444,8 +459,10 @@ def _check_trained_on(run_dir: Path, answers: str | None, what: str) -> None:
     if answers is not None and recorded != answers:
         raise DemoError(
             f"{run_dir}: the {what} draft was trained on other answers than the regenerated file "
-            "holds now (it was written again since); rerun the demo with --force to train on "
-            "these answers",
+            "holds now (it was written again since); "
+            + ("--skip-train uses the runs as they are: drop --skip-train and pass --force to "
+               "train on these answers" if skip_train else
+               "rerun the demo with --force to train on these answers"),
             exit_status=2,
         )
 
@@ -534,18 +551,24 @@ def markdown_table(rows: Sequence[dict]) -> str:
 
 def lead_table(dspark: tuple[Path, dict], dflash: tuple[Path, dict]) -> str:
     """DSpark minus n-gram and minus DFlash, per workload and macro, with paired bootstrap
-    intervals over the prompts (:mod:`draftforge.eval.uncertainty`)."""
+    intervals over the prompts (:mod:`draftforge.eval.uncertainty`). A comparison that
+    ``draftforge eval compare`` would refuse (other prompts, other decoding settings) gets a
+    line saying why instead of its row."""
     from draftforge.errors import InputError
-    from draftforge.eval.compare import paired_totals
+    from draftforge.eval.compare import check_same_decoding, paired_totals
     from draftforge.eval.uncertainty import LEVEL, by_workload, interval_text
 
-    try:
-        comparisons = {
-            "DSpark - n-gram": paired_totals(dspark, "dspark", dspark, "ngram"),
-            "DSpark - DFlash": paired_totals(dspark, "dspark", dflash, "dspark"),
-        }
-    except InputError as err:
-        return f"(No intervals: {err}.)"
+    comparisons, refused = {}, []
+    for label, other, method in (("DSpark - n-gram", dspark, "ngram"), ("DSpark - DFlash", dflash, "dspark")):
+        try:
+            pairs = paired_totals(dspark, "dspark", other, method)
+            check_same_decoding(dspark, "dspark", other, method)
+        except InputError as err:
+            refused.append(f"(No intervals for {label}: {err}.)")
+        else:
+            comparisons[label] = pairs
+    if not comparisons:
+        return "\n\n".join(refused)
     names = list(next(iter(comparisons.values())))
     lines = [
         f"Is DSpark ahead? Differences in AL, paired on the same prompts, with {LEVEL:.0%} "
@@ -558,10 +581,20 @@ def lead_table(dspark: tuple[Path, dict], dflash: tuple[Path, dict]) -> str:
         cells = by_workload(pairs)  # the workloads, then "macro"
         text = " | ".join(interval_text(c.value, c.low, c.high, signed=True) for c in cells.values())
         lines.append(f"| {label} | {text} | {cells['macro'].verdict()} |")
-    return "\n".join(lines)
+    return "\n".join(lines + [line for why in refused for line in ("", why)])
 
 
-def _machine() -> str:
+def recorded_devices(*reports: dict) -> list[str]:
+    """The devices the evaluations ran on, as their report.json files record them."""
+    devices = []
+    for report in reports:
+        devices += report.get("target_devices") or ([report["device"]] if report.get("device") else [])
+    return list(dict.fromkeys(devices))
+
+
+def _machine(devices: Sequence[str]) -> str:
+    """The machine, with the devices the evaluations recorded (``draftforge eval --device
+    auto`` takes a GPU where one is visible)."""
     model = platform.processor() or platform.machine()
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
@@ -573,7 +606,13 @@ def _machine() -> str:
             break
     flags = cpu_bf16_flags(cpuinfo)
     bf16 = f"native bf16: {', '.join(flags)}" if flags else "no native bf16"
-    return f"{usable_cores()} cores ({model}, {bf16}), {platform.system()}, no GPU used"
+    if not devices:
+        evaluated = "the evaluations' device not recorded"
+    elif all(d == "cpu" for d in devices):
+        evaluated = "evaluated on the CPU, no GPU used"
+    else:
+        evaluated = f"evaluated on {', '.join(devices)}"
+    return f"{usable_cores()} cores ({model}, {bf16}), {platform.system()}, {evaluated}"
 
 
 SAME_SITTING_S = 3600  # evaluations finished closer together than this get one date
@@ -607,15 +646,31 @@ def demo_markdown(
     max_new_tokens: int,
     block_size: int,
     trained: dict[str, int] | None = None,
+    stopped: dict[str, str] | None = None,
+    skip_train: bool = False,
+    devices: Sequence[str] = (),
 ) -> str:
     """demo.md: the table with the command, date, machine and what the numbers mean;
-    ``trained``: the steps of the checkpoint each draft was evaluated at (``--skip-train``
-    may evaluate an unfinished run)."""
+    ``trained``: the steps of the checkpoint each draft was evaluated at, short of the
+    recipe's where ``stopped`` names the draft's stop reason (``data_exhausted``: its
+    training ran out of data) or ``skip_train`` evaluated an unfinished run; ``devices``:
+    where the evaluations ran (:func:`recorded_devices`)."""
     steps = cfg.train.steps
     budget = f"Both drafts: {steps} steps of the recipe"
     if trained and any(n != steps for n in trained.values()):
+        why = []
+        for what, n in trained.items():
+            if n == steps:
+                continue
+            if (stopped or {}).get(what) == "data_exhausted":
+                why.append(f"{what} stopped at step {n}: the data ran out")
+            else:
+                why.append("--skip-train: an unfinished run" if skip_train else f"{what}: an unfinished run")
         budget = ("Drafts evaluated at " + ", ".join(f"{what} step {n}" for what, n in trained.items())
-                  + f" of the recipe's {steps} (--skip-train: an unfinished run; not the full budget)")
+                  + f" of the recipe's {steps} ({'; '.join(dict.fromkeys(why))}; not the full budget)")
+    verified = "every drafted token verified (`--verify full`, for both drafts: DFlash has no confidence head)"
+    if cfg.eval.verify == "threshold":
+        verified += "; the recipe's `eval.verify: threshold` is not applied"
     taus = (_training_tau(paths.run_dir), _training_tau(paths.dflash_dir))
     # when the evaluations finished (a rerun that skips every stage keeps those dates)
     measured = measured_when(_mtime(paths.eval_dir / "report.json"),
@@ -625,10 +680,10 @@ def demo_markdown(
             f"# draftforge demo: {cfg.name}",
             "",
             f"Command: `{command}`  ",
-            f"Measured: {measured}; machine: {_machine()}.",
+            f"Measured: {measured}; machine: {_machine(devices)}.",
             "",
             f"Target `{cfg.target.model}` (evaluated in float32), greedy decoding (checked lossless "
-            f"against plain decoding), {num_prompts} prompts per workload, up to {max_new_tokens} new "
+            f"against plain decoding), {verified}, {num_prompts} prompts per workload, up to {max_new_tokens} new "
             f"tokens, blocks of {block_size}. {budget} in "
             f"{cfg.train.dtype} (target features in {cfg.target.dtype}); "
             f"DFlash = the same recipe with `{' '.join(DFLASH_OVERRIDES)}`"
@@ -725,6 +780,68 @@ def _check_answers_file(cfg) -> None:
         raise DemoError(f"{err}\n(or rerun the demo with --force to start over)", exit_status=2) from None
 
 
+def _answers_digest(paths: DemoPaths) -> str | None:
+    """The digest of the regenerated answers the trainings read, None while there are none."""
+    return _digest(paths.data_file) if paths.data_file is not None and paths.data_file.is_file() else None
+
+
+def _runs_as_they_are(trainings: Sequence[tuple], answers: str | None) -> dict[str, Path]:
+    """--skip-train: each run's checkpoint to evaluate (its final one, else its newest),
+    refusing runs of another recipe or answers, or without a checkpoint."""
+    from draftforge.train.checkpoint import complete_checkpoints
+
+    checkpoints = {}
+    for what, run_dir, run_cfg, _ in trainings:
+        check_same_recipe(run_dir, run_cfg.to_yaml(), what, skip_train=True)
+        _check_trained_on(run_dir, answers, what, skip_train=True)
+        done = final_checkpoint(run_dir, run_cfg.train.steps)
+        if done is None:
+            found = complete_checkpoints(run_dir)
+            if not found:
+                raise DemoError(f"--skip-train: {run_dir} has no complete checkpoint; train it first",
+                                exit_status=2)
+            done = found[-1]
+        checkpoints[what] = done
+    return checkpoints
+
+
+def evaluation_commands(recipe: str, paths: DemoPaths, *, workloads: Sequence[str], num_prompts: int,
+                        max_new_tokens: int) -> tuple[list[str], list[str]]:
+    """The two ``draftforge eval`` commands: the same prompts and decoding, every drafted
+    token verified (DFlash has no confidence head to cut its blocks at a threshold, and the
+    table subtracts one from the other, so DSpark's is not the recipe's ``eval.verify``
+    either), DSpark beside the baselines the table shows."""
+    common = [
+        "--recipe", recipe, "--dtype", "float32", "--temperature", "0",
+        "--workloads", ",".join(workloads), "--num-prompts", str(num_prompts),
+        "--max-new-tokens", str(max_new_tokens),
+    ]  # fmt: skip
+    eval_args = ["eval", str(paths.export_dir), *common, "--baselines", "none,ngram", "--verify", "full",
+                 "--out", str(paths.eval_dir)]  # fmt: skip
+    dflash_args = ["eval", str(paths.dflash_dir), *common, "--baselines", "none", "--no-estimate",
+                   "--verify", "full", "--out", str(paths.dflash_eval_dir)]  # fmt: skip
+    return eval_args, dflash_args
+
+
+def _cuda_visible() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def evaluations_side_by_side() -> bool:
+    """Whether the two evaluations run at once: on two or more cores, one thread each, but
+    not where a GPU is visible (``draftforge eval --device auto`` takes it, and both would
+    share it)."""
+    return usable_cores() >= 2 and not _cuda_visible()
+
+
+def model_card_is_current(paths: DemoPaths) -> bool:
+    """The export's model card was written after the DSpark evaluation finished: report.json
+    marks that (written last; a report.md newer than it is an unfinished evaluation's)."""
+    return _mtime(paths.export_dir / "README.md") >= _mtime(paths.eval_dir / "report.json")
+
+
 def run_demo(args: argparse.Namespace, *, command: str) -> int:
     """The stages (see the module docstring); prints the table and the summary line."""
     from draftforge.config import load_recipe
@@ -747,6 +864,14 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
         f"DSpark's Markov head starts as {markov_start}",
         flush=True,
     )
+
+    trainings = (
+        ("DSpark", paths.run_dir, cfg, dspark_args),
+        ("DFlash", paths.dflash_dir, dflash_cfg, dflash_overrides(paths)),
+    )
+    checkpoints: dict[str, Path] = {}
+    if args.skip_train:  # checked before --force deletes anything: it keeps these runs
+        checkpoints = _runs_as_they_are(trainings, _answers_digest(paths))
 
     if args.force:
         keep = [Path(recipe), Path.cwd()]
@@ -776,12 +901,7 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
         stages.done(since)
 
     # 2-3. the two trainings
-    trainings = (
-        ("DSpark", paths.run_dir, cfg, dspark_args),
-        ("DFlash", paths.dflash_dir, dflash_cfg, dflash_overrides(paths)),
-    )
-    checkpoints: dict[str, Path] = {}
-    answers = _digest(paths.data_file) if paths.data_file is not None and paths.data_file.is_file() else None
+    answers = _answers_digest(paths)
     for what, run_dir, run_cfg, overrides in trainings:
         title = f"train the {what} draft ({run_cfg.train.steps} steps) into {run_dir}" + (
             " -- the ablation: no Markov or confidence head, cross-entropy only"
@@ -789,23 +909,18 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
             else ""
         )
         since = stages.banner(title)
+        if args.skip_train:
+            done = checkpoints[what]
+            if done == final_checkpoint(run_dir, run_cfg.train.steps):
+                stages.skip(f"finished: {done}")
+            else:
+                stages.skip(f"--skip-train: using the unfinished run's newest checkpoint {done}")
+            continue
         check_same_recipe(run_dir, run_cfg.to_yaml(), what)
         done = final_checkpoint(run_dir, run_cfg.train.steps)
-        if done is not None or args.skip_train:
-            _check_trained_on(run_dir, answers, what)
         if done is not None:
+            _check_trained_on(run_dir, answers, what)
             stages.skip(f"finished: {done}")
-        elif args.skip_train:
-            from draftforge.train.checkpoint import complete_checkpoints
-
-            found = complete_checkpoints(run_dir)
-            if not found:
-                raise DemoError(
-                    f"--skip-train: {run_dir} has no complete checkpoint; train it first",
-                    exit_status=2,
-                )
-            done = found[-1]
-            stages.skip(f"--skip-train: using the unfinished run's newest checkpoint {done}")
         else:
             if answers is not None:  # before it starts: a resumed training must not switch files
                 stamp_answers(run_dir, answers, what)
@@ -836,27 +951,18 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
         stages.done(since)
 
     # 5. evaluation: DSpark export + baselines, and DFlash from its checkpoint, same prompts
-    common = [
-        "--recipe", recipe, "--dtype", "float32", "--temperature", "0",
-        "--workloads", ",".join(workloads), "--num-prompts", str(args.num_prompts),
-        "--max-new-tokens", str(args.max_new_tokens),
-    ]  # fmt: skip
-    eval_args = ["eval", str(paths.export_dir), *common, "--out", str(paths.eval_dir)]
-    dflash_args = [  # no confidence head: a recipe's eval.verify threshold cannot apply
-        "eval", str(paths.dflash_dir), *common, "--baselines", "none", "--no-estimate",
-        "--verify", "full", "--out", str(paths.dflash_eval_dir),
-    ]  # fmt: skip
-    parallel = usable_cores() >= 2
+    eval_args, dflash_args = evaluation_commands(recipe, paths, workloads=workloads,
+                                                 num_prompts=args.num_prompts,
+                                                 max_new_tokens=args.max_new_tokens)  # fmt: skip
+    parallel = evaluations_side_by_side()
     since = stages.banner(
         f"evaluate on {', '.join(workloads)}: DSpark vs no draft and n-gram, and the DFlash "
         f"ablation ({'side by side, one thread each' if parallel else 'one after the other'})"
     )
     # what draftforge eval takes from the recipe's eval section and uses here: an edit there
-    # means another evaluation (the threshold only under threshold verification; the seed
-    # only where something is drawn: greedy DFlash without the estimate draws nothing)
-    from_recipe = {"verify": cfg.eval.verify, "seed": cfg.eval.seed, "baselines": list(cfg.eval.baselines)}
-    if cfg.eval.verify == "threshold":
-        from_recipe["threshold"] = cfg.eval.confidence_threshold
+    # means another evaluation (the seed only where something is drawn: greedy DFlash
+    # without the estimate draws nothing; verification and baselines are on the command line)
+    from_recipe = {"seed": cfg.eval.seed}
     jobs = {}
     if not eval_is_current(paths.eval_dir, eval_args[1:], stamp, from_recipe):  # stamp: the export
         jobs["eval-dspark"] = eval_args
@@ -870,9 +976,8 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
 
     # 6. the model card gets the measured table; the demo's table
     since = stages.banner("the table (and the export's model card with the measured acceptance)")
-    report_md = paths.eval_dir / "report.md"
-    if _mtime(paths.export_dir / "README.md") < _mtime(report_md):
-        run_stage("export (model card)", [*export_args, "--eval-report", str(report_md)])
+    if not model_card_is_current(paths):
+        run_stage("export (model card)", [*export_args, "--eval-report", str(paths.eval_dir / "report.md")])
     dspark_report = json.loads((paths.eval_dir / "report.json").read_text())
     dflash_report = json.loads((paths.dflash_eval_dir / "report.json").read_text())
     rows = table_rows(dspark_report, dflash_report)
@@ -884,6 +989,9 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
         table, command=command, cfg=cfg, paths=paths, num_prompts=args.num_prompts,
         max_new_tokens=args.max_new_tokens, block_size=cfg.draft.block_size,
         trained={what: checkpoint_step(path) for what, path in checkpoints.items()},
+        stopped={what: "data_exhausted" for what, run_dir, _, _ in trainings
+                 if data_ran_out(run_dir) == checkpoints[what]},
+        skip_train=args.skip_train, devices=recorded_devices(dspark_report, dflash_report),
     )  # fmt: skip
     write_atomic(paths.table, text)
     stages.done(since)

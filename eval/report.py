@@ -268,20 +268,24 @@ def plot(results: Sequence[WorkloadResult], out_dir: Path, *, block_size: int) -
 def write_report(
     results: Sequence[WorkloadResult], out_dir: str | os.PathLike[str], meta: dict, *, block_size: int
 ) -> dict[str, Path]:
-    """Write report.md, the plots and report.json into ``out_dir`` (each file atomically).
+    """Write the plots, report.md and report.json into ``out_dir`` (each file atomically).
 
     report.json goes last: its presence is what marks the evaluation finished (the demo
-    skips an evaluation that has one), so an interruption while plotting reruns it."""
+    skips an evaluation that has one), so an interruption while plotting reruns it; report.md
+    goes just before it, so that such an interruption leaves no new report.md beside an old
+    report.json (the demo copies report.md into the model card)."""
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     intervals = uncertainty(results)  # once, for both files
     table = markdown_table(results, block_size=block_size, command=meta.get("command"), intervals=intervals,
                            settings=meta.get("settings"))
     report = report_dict(results, meta, intervals=intervals)
+    text = json.dumps(_jsonable(report), indent=2) + "\n"  # before any file: a failure here writes none
+    plots = plot(results, out, block_size=block_size)
     paths = {"markdown": _atomic_text(out / "report.md", table)}
-    for path in plot(results, out, block_size=block_size):
+    for path in plots:
         paths[path.stem] = path
-    paths["json"] = _atomic_text(out / "report.json", json.dumps(_jsonable(report), indent=2) + "\n")
+    paths["json"] = _atomic_text(out / "report.json", text)
     return paths
 
 

@@ -166,11 +166,17 @@ def test_demo_runs_every_stage_then_skips_them(tmp_path):
     out, _ = _demo(recipe)
     assert "--with-embeddings" not in out and out.count("$ draftforge eval") == 1, out
     assert b"embed_tokens.weight" not in exported()
-    # threshold verification: DSpark's evaluation takes it, DFlash (no confidence head) not
+    # threshold verification: DFlash (no confidence head) cannot take it, so neither does
+    # DSpark: the table subtracts one from the other (it compared threshold with full)
     edit("eval", "verify", "threshold")
     out, _ = _demo(recipe)
-    assert out.count("$ draftforge eval") == 1 and "--verify full" not in out.split("$ draftforge eval")[1], out
-    assert json.loads((run / "eval-dflash" / "report.json").read_text())["settings"]["verify"] == "full"
+    assert "$ draftforge" not in out, out
+    for folder in ("eval", "eval-dflash"):
+        assert json.loads((run / folder / "report.json").read_text())["settings"]["verify"] == "full"
+    table = (run / "demo.md").read_text()
+    assert "every drafted token verified (`--verify full`" in table
+    assert "the recipe's `eval.verify: threshold` is not applied" in table
+    assert "No intervals" not in table
 
 
 @pytest.mark.parametrize("setting,old_value,says", [
@@ -315,13 +321,19 @@ def test_the_table_says_when_a_draft_was_evaluated_before_the_end_of_its_trainin
 
     monkeypatch.setattr(demo, "measured_when", lambda *stamps: "then")  # no reports here
 
-    def text(trained):
+    def text(trained, **kw):
         return demo.demo_markdown("TABLE", command="c", cfg=cfg, paths=paths, num_prompts=2,
-                                  max_new_tokens=8, block_size=4, trained=trained)
+                                  max_new_tokens=8, block_size=4, trained=trained, **kw)
 
     assert "Both drafts: 20 steps of the recipe in" in text({"DSpark": 20, "DFlash": 20})
     assert ("Drafts evaluated at DSpark step 20, DFlash step 10 of the recipe's 20 (--skip-train: "
-            "an unfinished run; not the full budget) in") in text({"DSpark": 20, "DFlash": 10})
+            "an unfinished run; not the full budget) in") in text({"DSpark": 20, "DFlash": 10}, skip_train=True)
+    # a training that stopped because its data ran out is finished, --skip-train or not
+    for skip_train in (False, True):
+        said = text({"DSpark": 20, "DFlash": 12}, stopped={"DFlash": "data_exhausted"}, skip_train=skip_train)
+        assert ("Drafts evaluated at DSpark step 20, DFlash step 12 of the recipe's 20 (DFlash stopped "
+                "at step 12: the data ran out; not the full budget) in") in said
+        assert "--skip-train" not in said
     assert demo.checkpoint_step(Path("run/checkpoints/step_00000360")) == 360
 
 
