@@ -191,12 +191,14 @@ _STATS = {
 _ROUND = re.compile(r"accepted (\d+)/(\d+) draft tokens, the last target token is: \((\d+)\)")
 
 
-def parse_run(stdout: str, stderr: str, prompt: str) -> SpecRun:
+def parse_run(stdout: str, stderr: str, prompt: str, *, bos: str | None = None) -> SpecRun:
     """Read the statistics and the rounds off stderr and the generated text off stdout.
 
     stdout is ``"\\n\\n"``, the prompt, the generated text, then ``"\\n\\n"`` twice (after the
     loop and at exit); stderr carries the log with ``encoded N tokens``, ``n_predict``,
-    ``n_drafted``, ``n_accept`` and, with ``-v``, one ``accepted A/D draft tokens`` line a round."""
+    ``n_drafted``, ``n_accept`` and, with ``-v``, one ``accepted A/D draft tokens`` line a round.
+    ``bos``, the vocabulary's BOS text, only names the cause when llama.cpp echoes it before the
+    prompt (a vocabulary that asks for one)."""
     stats = {}
     for key, pattern in _STATS.items():
         found = re.findall(pattern, stderr)
@@ -205,6 +207,12 @@ def parse_run(stdout: str, stderr: str, prompt: str) -> SpecRun:
         stats[key] = int(found[-1])
     head, tail = "\n\n" + prompt, "\n\n\n\n"
     if not stdout.startswith(head) or not stdout.endswith(tail):
+        if bos and stdout.startswith("\n\n" + bos + prompt):
+            raise InputError(
+                f"{TOOL} echoed the BOS token {bos!r} before the prompt: the target's vocabulary asks "
+                "llama.cpp to add one (tokenizer.ggml.add_bos_token), which draftforge's prompts "
+                "(rendered without special tokens) lack; this check does not compare such targets"
+            )
         raise InputError(f"{TOOL} did not echo the prompt as expected; its output starts {stdout[:120]!r}")
     rounds = [tuple(int(x) for x in m) for m in _ROUND.findall(stderr)]
     run = SpecRun(text=stdout[len(head) : -len(tail)], round_log=rounds, **stats)
@@ -225,8 +233,12 @@ def run_speculative(
     threads: int = 1,
     context: int = 4096,
     timeout_s: float = 600,
+    bos: str | None = None,
 ) -> SpecRun:
-    """Greedy speculative decoding of ``prompt`` (chat-templated text) with ``--spec-type draft-dspark``."""
+    """Greedy speculative decoding of ``prompt`` (chat-templated text) with ``--spec-type draft-dspark``.
+
+    Raises InputError when the tool fails (an abort while loading a GGUF included), runs past
+    ``timeout_s`` or prints what :func:`parse_run` does not recognise (``bos`` as there)."""
     with tempfile.TemporaryDirectory() as tmp:
         prompt_file = Path(tmp) / "prompt.txt"
         prompt_file.write_text(prompt)
@@ -246,7 +258,7 @@ def run_speculative(
     stderr = done.stderr.decode("utf-8", errors="replace")
     if done.returncode != 0:
         raise InputError(f"{TOOL} failed (exit {done.returncode}): {last_lines(stderr)}")
-    return parse_run(stdout, stderr, prompt)
+    return parse_run(stdout, stderr, prompt, bos=bos)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -23,6 +23,8 @@ but add up in different orders, so a choice between two logits closer than
 ``--tie-tolerance`` may go either way, and so may a confidence logit that close
 to the ``--p-min`` cut (in logit space); from there the two decode
 differently. Such a prompt is reported as a near-tie, with the round and margin.
+A prompt on which llama.cpp fails (an abort while loading the export, a run past
+``--timeout-s``) is reported as an error and counts as a difference.
 Exit status 0 when no prompt differs otherwise, 1 when one does, 2 for bad input.
 """
 
@@ -39,6 +41,9 @@ from pathlib import Path
 
 from draftforge import argtypes
 from draftforge.errors import InputError
+from draftforge.eval.llamacpp import TOKENIZER, TOOL
+
+STATUSES = ("agree", "near-tie", "differ", "error")
 
 
 @dataclass
@@ -126,7 +131,8 @@ class PromptCheck:
     accepted, last token; and the same text), ``near-tie`` (the first round that differs is one
     where draftforge's target or draft had two choices within ``tie_tolerance`` logits, or a
     confidence logit that close to the ``p_min`` cut: float32 arithmetic in a different order may
-    go either way) or ``differ``."""
+    go either way), ``differ``, or ``error`` (llama.cpp failed on it: no counts, the reason in
+    ``detail``)."""
 
     workload: str
     index: int
@@ -143,7 +149,12 @@ def classify(theirs, ours: Replay, *, tie_tolerance: float, same_text: bool) -> 
     Rounds are compared in order. A differing round that is a near-tie but emits the same
     tokens (only the number drafted differs, from a confidence cut) is noted and the
     comparison goes on; one that accepts or emits differently ends it, since the rounds no
-    longer line up from there."""
+    longer line up from there. Prompts of different lengths are not compared at all."""
+    if theirs.prompt_tokens != ours.prompt_tokens:  # llama-tokenize and the tool tokenized differently
+        return "differ", (
+            f"llama.cpp decoded a prompt of {theirs.prompt_tokens} tokens, draftforge one of "
+            f"{ours.prompt_tokens} (tokenization: {TOKENIZER} and {TOOL} disagree)"
+        )
     notes = []
     for i, (a, b) in enumerate(zip(theirs.round_log, ours.round_log, strict=False)):
         if a == b:
@@ -186,9 +197,10 @@ def _counts(run) -> dict:
 
 
 def _al(checks: Sequence[PromptCheck], side: str) -> float:
-    """Acceptance length the way servers count it: tokens emitted over rounds, pooled."""
-    predicted = sum(getattr(c, side)["predicted"] for c in checks)
-    rounds = sum(getattr(c, side)["predicted"] - getattr(c, side)["accepted"] for c in checks)
+    """Acceptance length the way servers count it: tokens emitted over rounds, pooled (errors,
+    without counts, left out)."""
+    predicted = sum(getattr(c, side).get("predicted", 0) for c in checks)
+    rounds = sum(getattr(c, side).get("predicted", 0) - getattr(c, side).get("accepted", 0) for c in checks)
     return predicted / rounds if rounds else float("nan")
 
 
@@ -200,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Convert an export and its target with llama.cpp's converter, decode the workload "
         "prompts greedily with llama.cpp's draft-dspark speculative decoding and with draftforge on the "
         "same schedule, and check that every round (drafted, accepted, last token) agrees. Exit status "
-        "0 when no prompt differs beyond a float32 near-tie, 1 when one does.",
+        "0 when no prompt differs beyond a float32 near-tie, 1 when one does or llama.cpp fails on one.",
     )
     parser.add_argument("draft", metavar="EXPORT", help="an export folder (draftforge export --out)")
     parser.add_argument("--recipe", required=True, help="the recipe whose target section names the target")
@@ -225,7 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a first difference where draftforge's target or draft had its top two "
                         "logits closer than this, or a confidence logit this close to logit(p-min), is "
                         "a near-tie, not a failure (default 0.01)")
-    parser.add_argument("--json", metavar="OUT.json", help="also write every prompt's counts and status here")
+    parser.add_argument("--timeout-s", type=argtypes.positive_float, default=None, metavar="S",
+                        help="longest llama.cpp run on one prompt before it counts as an error "
+                        "(default 600 s plus 5 s a new token: 1240 s at --max-new-tokens 128)")
+    parser.add_argument("--json", metavar="OUT.json",
+                        help="also write every prompt's counts and status here, after each prompt")
     return parser
 
 
@@ -272,18 +288,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             + ", ".join(f"{c.workload} {c.index}" for c in retokenized)
             + " (both sides decoded llama.cpp's token ids)"
         )
-    if args.json:
-        from draftforge.files import write_atomic
-
-        records = [asdict(c) for c in checks]
-        write_atomic(Path(args.json), (json.dumps(records, indent=2) + "\n").encode())
-    count = {status: sum(c.status == status for c in checks) for status in ("agree", "near-tie", "differ")}
+    count = {status: sum(c.status == status for c in checks) for status in STATUSES}
     print(
         f"llamacpp_prompts={len(checks)} agree={count['agree']} near_tie={count['near-tie']} "
-        f"differ={count['differ']} same_tokenization={len(checks) - len(retokenized)} "
+        f"differ={count['differ']} error={count['error']} same_tokenization={len(checks) - len(retokenized)} "
         f"al_llamacpp={_al(checks, 'llamacpp'):.3f} al_draftforge={_al(checks, 'draftforge'):.3f}"
     )
-    return 1 if count["differ"] else 0
+    return 1 if count["differ"] or count["error"] else 0
 
 
 def _target_folder(target_cfg) -> Path:
@@ -322,16 +333,25 @@ def _check_all(args, target_cfg, draft_dir: Path, bin_dir: Path, target_gguf: Pa
     session = TargetSession(target.model, draft_cfg.target_layer_ids)
     proposer = DraftProposer(draft, temperature=0.0, generator=torch.Generator().manual_seed(0),
                              record_margins=True)
+    timeout_s = args.timeout_s or 600 + 5 * args.max_new_tokens
     checks = []
     for name in args.workloads or WORKLOAD_NAMES:
         texts = workload_texts(name, tokenizer, target_cfg.generation, args.num_prompts)
         for index, text in enumerate(texts):
             prompt = tokenize(bin_dir, target_gguf, text)  # what llama.cpp decodes, on both sides
-            theirs = run_speculative(
-                bin_dir, target_gguf, draft_gguf, text, max_new_tokens=args.max_new_tokens,
-                block_size=draft_cfg.block_size, p_min=args.p_min, threads=args.threads,
-                context=len(prompt) + args.max_new_tokens + 2 * draft_cfg.block_size + 16,
-            )  # fmt: skip
+            same_tokenization = tokenizer(text, add_special_tokens=False)["input_ids"] == prompt
+            try:
+                theirs = run_speculative(
+                    bin_dir, target_gguf, draft_gguf, text, max_new_tokens=args.max_new_tokens,
+                    block_size=draft_cfg.block_size, p_min=args.p_min, threads=args.threads,
+                    context=len(prompt) + args.max_new_tokens + 2 * draft_cfg.block_size + 16,
+                    timeout_s=timeout_s, bos=tokenizer.bos_token,
+                )  # fmt: skip
+            except InputError as failure:  # what this check exists to find: llama.cpp cannot serve it
+                checks.append(PromptCheck(name, index, {}, {}, same_tokenization, "error", str(failure)))
+                _write_json(args.json, checks)
+                print(f"  {name} {index + 1}/{len(texts)}: error ({failure})", flush=True)
+                continue
             ours = replay(session, proposer, prompt, max_new_tokens=args.max_new_tokens, eos=eos, p_min=args.p_min)
             shown = ours.tokens[:-1] if ours.tokens and ours.tokens[-1] in eos else ours.tokens
             status, detail = classify(
@@ -339,10 +359,10 @@ def _check_all(args, target_cfg, draft_dir: Path, bin_dir: Path, target_gguf: Pa
             )
             check = PromptCheck(
                 workload=name, index=index, llamacpp=_counts(theirs), draftforge=_counts(ours),
-                same_tokenization=tokenizer(text, add_special_tokens=False)["input_ids"] == prompt,
-                status=status, detail=detail,
+                same_tokenization=same_tokenization, status=status, detail=detail,
             )  # fmt: skip
             checks.append(check)
+            _write_json(args.json, checks)  # so that a run cut short keeps the prompts it did
             print(
                 f"  {name} {index + 1}/{len(texts)}: llama.cpp {theirs.predicted} tokens, "
                 f"{theirs.accepted}/{theirs.drafted} drafts accepted; draftforge {ours.predicted}, "
@@ -352,15 +372,23 @@ def _check_all(args, target_cfg, draft_dir: Path, bin_dir: Path, target_gguf: Pa
     return checks
 
 
+def _write_json(path: str | None, checks: Sequence[PromptCheck]) -> None:
+    """``--json``: every prompt checked so far."""
+    if path:
+        from draftforge.files import write_atomic
+
+        write_atomic(Path(path), (json.dumps([asdict(c) for c in checks], indent=2) + "\n").encode())
+
+
 def _table(checks: Sequence[PromptCheck]) -> str:
     rows = [
-        "| workload | prompts | agree | near-tie | differ | llama.cpp AL | draftforge AL |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| workload | prompts | agree | near-tie | differ | error | llama.cpp AL | draftforge AL |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     names = list(dict.fromkeys(c.workload for c in checks))
     for name in [*names, "all"]:
         group = [c for c in checks if name in ("all", c.workload)]
-        counts = [sum(c.status == s for c in group) for s in ("agree", "near-tie", "differ")]
+        counts = [sum(c.status == s for c in group) for s in STATUSES]
         rows.append(
             f"| {name} | {len(group)} | {' | '.join(map(str, counts))} "
             f"| {_al(group, 'llamacpp'):.3f} | {_al(group, 'draftforge'):.3f} |"

@@ -14,8 +14,10 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,7 +25,7 @@ import torch
 from eval_helpers import random_prompts, tiny_eval_draft, tiny_target
 
 from draftforge.errors import InputError
-from draftforge.eval import llamacpp
+from draftforge.eval import llamacpp, llamacpp_check
 from draftforge.eval.llamacpp_check import Replay, classify, replay
 from draftforge.eval.speculative import (
     DecodeSettings,
@@ -70,9 +72,34 @@ def test_parse_run_refuses_output_it_does_not_recognise():
         llamacpp.parse_run("\n\nP\n\n\n\n", without_rounds, "P")
 
 
-def _replay(log, target_margins, draft_margins):
-    return Replay(prompt_tokens=41, predicted=0, drafted=0, accepted=0, tokens=[], round_log=log,
+def test_parse_run_names_a_bos_token_echoed_before_the_prompt():
+    # a vocabulary with add_bos_token: llama.cpp prints the BOS piece, then the prompt
+    out = "\n\n<s>PROMPT\nanswer\n\n\n\n\n"
+    with pytest.raises(InputError, match="echoed the BOS token '<s>' before the prompt.*add_bos_token"):
+        llamacpp.parse_run(out, STDERR, "PROMPT\n", bos="<s>")
+    with pytest.raises(InputError, match="did not echo the prompt as expected"):  # another BOS: not named
+        llamacpp.parse_run(out, STDERR, "PROMPT\n", bos="<|begin_of_text|>")
+    # a prompt that itself starts with the BOS text, echoed as it is, is read as before
+    assert llamacpp.parse_run("\n\n<s>PROMPT\nanswer\n\n\n\n\n", STDERR, "<s>PROMPT\n", bos="<s>").text == "answer\n"
+
+
+def _replay(log, target_margins, draft_margins, prompt_tokens=41):
+    return Replay(prompt_tokens=prompt_tokens, predicted=0, drafted=0, accepted=0, tokens=[], round_log=log,
                   target_margins=target_margins, draft_margins=draft_margins)  # fmt: skip
+
+
+def test_classify_reports_prompts_of_different_lengths_as_a_tokenization_difference():
+    theirs = llamacpp.parse_run("\n\nP\n\n\n\n", STDERR, "P")  # encoded 41 tokens
+    # every round the same, yet llama.cpp decoded one token more (an end token its vocabulary adds)
+    ours = _replay(list(theirs.round_log), [1.0] * 3, [1.0] * 3, prompt_tokens=40)
+    assert classify(theirs, ours, tie_tolerance=0.01, same_text=True) == (
+        "differ",
+        "llama.cpp decoded a prompt of 41 tokens, draftforge one of 40 "
+        "(tokenization: llama-tokenize and llama-speculative-simple disagree)",
+    )
+    # ... found before the rounds, which would otherwise blame a near-tie or round 1
+    other = _replay([(0, 8, 1), (0, 8, 2), (0, 8, 3)], [0.001] * 3, [1.0] * 3, prompt_tokens=42)
+    assert classify(theirs, other, tie_tolerance=0.01, same_text=False)[1].startswith("llama.cpp decoded a prompt of 41")
 
 
 def test_classify_agree_near_tie_and_differ():
@@ -405,3 +432,92 @@ def test_llamacpp_decodes_a_memorised_answer_as_draftforge_does(tmp_path):
     )  # fmt: skip
     # most drafts accepted (35 of 60 when this was written), so later slots take part too
     assert theirs.accepted >= theirs.drafted / 2
+
+
+# ----------------------------------------------------------------------------- the command, llama.cpp failing
+
+
+class _Tokenizer:
+    bos_token = None
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [1, 2, 3]}
+
+    def decode(self, ids):
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+def _fake_check(tmp_path, monkeypatch, failure: Exception):
+    """``draftforge eval llamacpp`` with llama.cpp and both models faked: two prompts, and
+    llama.cpp raising ``failure`` on the second. Returns (arguments, the run_speculative calls)."""
+    from draftforge.eval import cli as eval_cli
+    from draftforge.eval import speculative
+    from draftforge.splitserve import target as target_module
+    from draftforge.train import hf_load
+
+    export, source = tmp_path / "export", tmp_path / "llama.cpp"
+    export.mkdir(exist_ok=True)
+    (export / "config.json").write_text("{}")
+    for need in (source / llamacpp.CONVERTER, source / "build/bin" / llamacpp.TOOL, source / "build/bin" / llamacpp.TOKENIZER):
+        need.parent.mkdir(parents=True, exist_ok=True)
+        need.write_text("")
+    monkeypatch.setattr(llamacpp_check, "_target_folder", lambda cfg: tmp_path / "target")
+    monkeypatch.setattr(llamacpp, "convert", lambda source, model, out, **kw: Path(out))
+    monkeypatch.setattr(llamacpp, "tokenize", lambda bin_dir, gguf, text: [1, 2, 3])
+    calls = []
+
+    def run_speculative(bin_dir, target_gguf, draft_gguf, text, **kw):
+        calls.append(dict(kw, text=text))
+        if text == "second":
+            raise failure
+        return llamacpp.SpecRun(prompt_tokens=3, predicted=2, drafted=4, accepted=1, text="fh", round_log=[(1, 4, 7)])
+
+    monkeypatch.setattr(llamacpp, "run_speculative", run_speculative)
+    monkeypatch.setattr(llamacpp_check, "replay", lambda *a, **kw: Replay(
+        3, 2, 4, 1, [5, 7], [(1, 4, 7)], target_margins=[1.0], draft_margins=[1.0]))  # fmt: skip
+    monkeypatch.setattr(eval_cli, "workload_texts", lambda name, tok, gen, n: ["first", "second"])
+    monkeypatch.setattr(hf_load, "read_serving_config", lambda folder: {})
+    monkeypatch.setattr(hf_load, "config_from_serving", lambda cfg, where: SimpleNamespace(target_layer_ids=[0], block_size=4))
+    monkeypatch.setattr(hf_load, "load_exported_draft", lambda *a, **kw: None)
+    fake_target = SimpleNamespace(tokenizer=_Tokenizer(), eos_token_ids=lambda: [0], model=None)
+    monkeypatch.setattr(target_module, "build_target", lambda cfg, ids: fake_target)
+    monkeypatch.setattr(speculative, "TargetSession", lambda *a, **kw: None)
+    monkeypatch.setattr(speculative, "DraftProposer", lambda *a, **kw: None)
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-cpu.yaml"
+    args = [str(export), "--recipe", str(recipe), "--llama-cpp", str(source), "--workloads", "gsm8k",
+            "--num-prompts", "2", "--max-new-tokens", "16", "--json", str(tmp_path / "out.json")]  # fmt: skip
+    return args, calls
+
+
+def test_a_llamacpp_failure_on_one_prompt_is_an_error_that_fails_the_check(tmp_path, monkeypatch, capsys):
+    abort = InputError("llama-speculative-simple failed (exit 134): GGML_ASSERT(ggml_nelements(a) == ne0) failed")
+    args, calls = _fake_check(tmp_path, monkeypatch, abort)
+    assert llamacpp_check.main(args) == 1  # a difference, not bad input (2)
+    records = json.loads((tmp_path / "out.json").read_text())
+    assert [(r["index"], r["status"]) for r in records] == [(0, "agree"), (1, "error")]
+    assert records[0]["llamacpp"] == {"prompt_tokens": 3, "predicted": 2, "drafted": 4, "accepted": 1}
+    assert "GGML_ASSERT" in records[1]["detail"] and records[1]["llamacpp"] == {}
+    out = capsys.readouterr().out
+    assert "| gsm8k | 2 | 1 | 0 | 0 | 1 | 2.000 | 2.000 |" in out  # the error left out of the AL
+    assert "llamacpp_prompts=2 agree=1 near_tie=0 differ=0 error=1 " in out
+    assert [c["timeout_s"] for c in calls] == [600 + 5 * 16] * 2  # the default, scaled with -n
+    _, calls = _fake_check(tmp_path, monkeypatch, abort)
+    llamacpp_check.main([*args, "--timeout-s", "30"])
+    assert calls[0]["timeout_s"] == 30
+
+
+def test_a_check_cut_short_keeps_the_prompts_it_did(tmp_path, monkeypatch):
+    args, _ = _fake_check(tmp_path, monkeypatch, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        llamacpp_check.main(args)
+    assert [r["status"] for r in json.loads((tmp_path / "out.json").read_text())] == ["agree"]
+
+
+def test_run_speculative_past_its_timeout_is_an_input_error(tmp_path, monkeypatch):
+    def slow(command, **kwargs):
+        raise subprocess.TimeoutExpired(command, kwargs["timeout"])
+
+    monkeypatch.setattr(subprocess, "run", slow)
+    with pytest.raises(InputError, match="ran past 30 s on one prompt"):
+        llamacpp.run_speculative(tmp_path, tmp_path / "t.gguf", tmp_path / "d.gguf", "P", max_new_tokens=4,
+                                 block_size=4, timeout_s=30)  # fmt: skip
