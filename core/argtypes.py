@@ -47,9 +47,17 @@ def names(valid: Sequence[str]) -> Callable[[str], list[str]]:
     return parse
 
 
-def positive_ints(text: str) -> list[int]:
-    """A comma-separated, non-empty list of integers, each at least 1."""
-    parts = [part for part in text.split(",") if part.strip()]
-    if not parts:
-        raise argparse.ArgumentTypeError("empty list")
-    return [positive_int(part) for part in parts]
+def _int_list(each: Callable[[str], int]) -> Callable[[str], list[int]]:
+    """A comma-separated, non-empty list of integers, each checked by ``each``."""
+
+    def parse(text: str) -> list[int]:
+        parts = [part for part in text.split(",") if part.strip()]
+        if not parts:
+            raise argparse.ArgumentTypeError("empty list")
+        return [each(part) for part in parts]
+
+    return parse
+
+
+positive_ints = _int_list(positive_int)  # each at least 1
+non_negative_ints = _int_list(non_negative_int)  # each 0 or more

@@ -74,33 +74,59 @@ def _token_goal(ctx, dests: int, steps: int) -> int:
     return (steps + 1) * train.grad_accum * ctx.cfg.split.token_budget * dests
 
 
-def bench_target_rank(ctx, engine, bench: dict) -> None:
-    """The target rank's side of the three phases."""
+def bench_target_rank(ctx, engine, bench: dict, *, pulse: T.Pulse, hellos: T.AckListener) -> None:
+    """The target rank's side of the three phases.
+
+    ``pulse`` and ``hellos``: the rank's heartbeat on the data links and its listener on the
+    ack group, both running since the rank started. Each trainer says (HELLO) when it waits
+    for phase 1's samples, and again when it is done with phase 2; meanwhile its heartbeat
+    reaches ``hellos``, and a trainer fed by this rank alone gets this rank's beats while it
+    waits (as in a training run, one fed by several producers gets none, see
+    :mod:`~draftforge.splitserve.transport`)."""
     from draftforge.splitserve.producer import producer_alone, run_producer
 
     steps = int(bench["steps"])
     dests = ctx.topology.dests(ctx.rank)
+    lone = [dest for dest in dests if len(ctx.topology.sources(dest)) == 1]
+
+    def ready(dest: int) -> bool:  # the trainer receives on the link: it has said so
+        with hellos.cond:
+            return dest in hellos.hello_from
+
+    pulse.expect(lone, listens=ready, on_error=hellos.fail)
     ctx.log(f"bench phase 1: producer alone ({steps + 1} steps' worth of tokens)")
     _warm_up(ctx, engine)
     meter = Meter()
     samples, tokens, seconds = producer_alone(ctx.cfg, engine, topology=ctx.topology, rank=ctx.rank,
                                               min_tokens=_token_goal(ctx, len(dests), steps),
                                               meter=meter)
+    hellos.result()  # every trainer waits for them now, each until its END
+    pulse.expect(lone, on_error=hellos.fail)
+    with hellos.cond:  # phase 3 starts at each trainer's next HELLO, sent once it has its END
+        hellos.hello_from.clear()
     stats = torch.tensor([tokens, int(seconds * 1e6)])
     for dest in dests:
-        T.send_tensor(stats, dest, group=ctx.data_group, device=ctx.device)
+        with pulse.lock:
+            T.send_tensor(stats, dest, group=ctx.data_group, device=ctx.device,
+                          what="phase 1's rate")
     ctx.log(f"  {tokens} tokens in {seconds:.1f} s (whole chunks; {_parts(meter.busy_by)}); "
             "moving samples to the trainers")
     for seq_no, sample in enumerate(samples):
-        T.send_sample(sample.dest, sample.sample_id, sample.input_ids, sample.loss_mask,
-                      sample.aux, sample.final, seq_no=seq_no, group=ctx.data_group,
-                      device=ctx.device)
+        with pulse.lock:
+            T.send_sample(sample.dest, sample.sample_id, sample.input_ids, sample.loss_mask,
+                          sample.aux, sample.final, seq_no=seq_no, group=ctx.data_group,
+                          device=ctx.device)
     for dest in dests:
-        T.send_end(dest, group=ctx.data_group, device=ctx.device)
+        with pulse.lock:
+            T.send_end(dest, group=ctx.data_group, device=ctx.device)
+            pulse.waiting.discard(dest)  # it trains from memory now, receiving nothing here
     del samples
+    ctx.log("  waiting for the trainers to finish phase 2 (trainer alone)")
+    hellos.result()
     ctx.log("bench phase 3: producer and trainers together")
     summary = run_producer(ctx.cfg, engine, ctx.topology, ctx.rank, data_group=ctx.data_group,
-                           ack_group=ctx.ack_group, device=ctx.device, log=ctx.log)
+                           ack_group=ctx.ack_group, device=ctx.device, log=ctx.log, pulse=pulse,
+                           hellos=hellos)
     ctx.log(f"  target idle {summary['idle_share']:.1%}; busy {_parts(summary['busy_by_part_s'])} "
             "(to the end of the stream, past the timed window)")
 
@@ -205,8 +231,11 @@ def _cycle(batches: list):
         yield from batches
 
 
-def bench_trainer_rank(ctx, trainer, bench: dict) -> None:
-    """A trainer rank's side of the three phases; the first trainer rank writes the result."""
+def bench_trainer_rank(ctx, trainer, bench: dict, *, acks: T.AckLink) -> None:
+    """A trainer rank's side of the three phases; the first trainer rank writes the result.
+
+    ``acks``: the rank's ack link, beating to its producers since the rank started; its
+    HELLO tells them when this rank waits for phase 1's samples and when phase 2 is done."""
     from draftforge.splitserve.accounting import ConsumerAccounting
     from draftforge.splitserve.consumer import ConsumerStream, stream_pack
     from draftforge.train.sample import Sample, pack
@@ -216,8 +245,10 @@ def bench_trainer_rank(ctx, trainer, bench: dict) -> None:
     sources = ctx.topology.sources(ctx.rank)
     prod_tokens, prod_wall = 0.0, 0.0
     samples = []
+    acks.hello(set())  # ready for phase 1's samples: a lone producer beats here from now on
     for src in sources:
-        stats = T.recv_tensor(src, group=ctx.data_group, device=ctx.device).tolist()
+        stats = T.recv_tensor(src, group=ctx.data_group, device=ctx.device,
+                              what="phase 1's rate (the target computes alone)").tolist()
         if ctx.topology.dests(src)[0] == ctx.rank:  # count each producer once
             prod_tokens += stats[0]
             prod_wall = max(prod_wall, stats[1] / 1e6)
@@ -231,18 +262,17 @@ def bench_trainer_rank(ctx, trainer, bench: dict) -> None:
     trainer.model.train()
     _recorded_steps(trainer, memory, 1, grad_accum)  # warm-up, untimed
     cons_tokens, cons_wall = _totals(_recorded_steps(trainer, memory, steps, grad_accum))
+    ctx.log(f"  {cons_tokens} tokens in {cons_wall:.1f} s (after one untimed warm-up step)")
     del samples, memory
 
-    for src in sources:
-        T.send_hello(set(), src, group=ctx.ack_group)
+    acks.hello(set())  # phase 2 is done: phase 3 starts
     credits = max(1, cfg.split.max_in_flight // len(sources))
     accounting = ConsumerAccounting(world=ctx.world, num_target=len(cfg.split.target_ranks),
                                     tensor_parallel=cfg.split.target_tensor_parallel,
                                     credits=credits * len(sources), num_sources=len(sources))
     receiver = T.SampleReceiver(sources, credits=credits, group=ctx.data_group,
                                 device=ctx.device)
-    stream = ConsumerStream(receiver, ack_group=ctx.ack_group, accounting=accounting,
-                            heartbeat_s=cfg.split.peer_timeout_s / 4)
+    stream = ConsumerStream(receiver, ack_group=ctx.ack_group, accounting=accounting, acks=acks)
     batches = stream_pack(stream.samples(), cfg.split.token_budget)
     # The N + 1 steps start from an empty pipeline, as phase 1 does (a window opened after a
     # fill step would eat samples produced before it and read faster than the producer). The

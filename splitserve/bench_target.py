@@ -57,7 +57,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--threads", type=argtypes.positive_int, default=TargetConfig().num_threads,
         help=f"intra-op threads (default {TargetConfig().num_threads})"
     )
-    parser.add_argument("--layers", default="1,14,27", help="auxiliary layer ids to capture")
+    parser.add_argument("--layers", type=argtypes.non_negative_ints, default="1,14,27",
+                        help="comma-separated auxiliary layer ids to capture (default 1,14,27)")
     parser.add_argument("--cache-dir", default=None, help="draftforge conversion cache")
     return parser.parse_args(argv)
 
@@ -117,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark and print the table and the summary line; returns the exit code."""
     args = _parse(argv)
     dtypes, batch_sizes = args.dtypes, args.batch_sizes
-    layers = [int(x) for x in args.layers.split(",")]
+    layers = args.layers
     rows: list[tuple[str, str, int, int, float, float]] = []
     print(
         f"target {args.model}: features on {args.seq_len}-token rows, "

@@ -265,7 +265,11 @@ def _supervise(cfg, args, layout, env: dict[str, str], restarts: int) -> int:
     if status != 0:
         from draftforge.train import checkpoint as ckpt
 
-        if not _runs_trainers(cfg, layout, args.node_rank):  # the trainers' node has them
+        if cfg.train.resume == "never":  # a rerun starts over, refused where checkpoints are
+            then = (f"With train.resume=never the same command starts over (refused once "
+                    f"{cfg.train.output_dir} holds a checkpoint); rerun with train.resume=auto to "
+                    "continue from the newest checkpoint instead.")
+        elif not _runs_trainers(cfg, layout, args.node_rank):  # the trainers' node has them
             then = (f"Rerun the same command on every node to resume from the newest checkpoint "
                     f"in {cfg.train.output_dir} on the trainers' node (train.resume={cfg.train.resume}).")
         elif ckpt.find_resume(Path(cfg.train.output_dir), "auto") is not None:

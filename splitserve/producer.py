@@ -146,6 +146,7 @@ class ProducedSample:
     aux: torch.Tensor  # [S, K*H_t]
     final: torch.Tensor  # [S, H_t]
     chunk_end: bool = False  # the last sample of its chunk sent to ``dest``
+    chunk_last: bool = False  # the last sample of its chunk (on any link)
 
     @property
     def num_tokens(self) -> int:
@@ -402,6 +403,8 @@ class SampleSource:
                 )
         for last in {sample.dest: i for i, sample in enumerate(out)}.values():
             out[last].chunk_end = True  # the chunk's last sample on each link
+        if out:
+            out[-1].chunk_last = True
         self.skipped_consumed += skipped
         return out, skipped
 
@@ -572,24 +575,19 @@ def producer_alone(
     A chunk (``target.generation.batch_size`` conversations) is regenerated and
     featurised as one unit before its first sample comes out, so stopping inside a
     chunk would charge the whole chunk's time to part of its tokens. Samples are
-    taken chunk by chunk until at least ``min_tokens`` tokens; returns them, their
-    tokens and the seconds they took (the first sample of the next chunk, computed
-    to see that the last chunk had ended, is neither counted nor returned).
+    taken chunk by chunk until at least ``min_tokens`` tokens, stopping after the last
+    sample of a chunk (nothing of the next chunk is computed); returns them, their tokens
+    and the seconds they took.
     """
     conversations, regenerate = load_source_conversations(cfg)
     source = SampleSource(cfg, engine, topology, rank, conversations=conversations,
                           regenerate=regenerate, meter=meter)
-    chunk_of = {conversations[i].id: k for k, chunk in enumerate(source.chunks()) for i in chunk}
     out: list[ProducedSample] = []
-    tokens, current, seconds = 0, None, 0.0
+    tokens = 0
     start = time.perf_counter()
     for sample in source.samples():
-        conv_id, _, epoch = sample.sample_id.partition(EPOCH_MARK)  # see epoch_id
-        chunk = (int(epoch or 0), chunk_of[conv_id])
-        if current is not None and chunk != current and tokens >= min_tokens:
-            break
         out.append(sample)
         tokens += sample.num_tokens
-        current = chunk
-        seconds = time.perf_counter() - start
-    return out, tokens, seconds
+        if sample.chunk_last and tokens >= min_tokens:
+            break
+    return out, tokens, time.perf_counter() - start

@@ -318,10 +318,7 @@ def run_rank(cfg: RecipeConfig, *, mode: str = "train", bench: dict | None = Non
         os._exit(EXIT_BAD_INPUT)
     except T.PeerDied as exc:
         ctx.log(f"stopping: {exc}")
-        ctx.log(
-            f"the run can be resumed: rerun the same command (train.resume={cfg.train.resume}) "
-            f"to continue from the newest checkpoint in {cfg.train.output_dir}"
-        )
+        _say_how_to_resume(ctx, bench)
         sys.stdout.flush()
         os._exit(EXIT_PEER_DIED)
     except KeyboardInterrupt:  # Ctrl-C: the launcher says how to continue; no traceback per rank
@@ -331,10 +328,7 @@ def run_rank(cfg: RecipeConfig, *, mode: str = "train", bench: dict | None = Non
     except RuntimeError as exc:
         if ctx.role == "trainer" and lost_peer(exc):  # a trainer-group collective lost a rank
             ctx.log(f"stopping: {T.PeerDied(-1, 'trainer', 'in a collective of the trainer group', exc)}")
-            ctx.log(
-                f"the run can be resumed: rerun the same command (train.resume={cfg.train.resume}) "
-                f"to continue from the newest checkpoint in {cfg.train.output_dir}"
-            )
+            _say_how_to_resume(ctx, bench)
             sys.stdout.flush()
             os._exit(EXIT_PEER_DIED)
         traceback.print_exc()
@@ -346,6 +340,17 @@ def run_rank(cfg: RecipeConfig, *, mode: str = "train", bench: dict | None = Non
         os._exit(1)
     _finish(ctx)
     return 0
+
+
+def _say_how_to_resume(ctx: RankContext, bench: dict | None) -> None:
+    """After a peer died: how to continue. Nothing for a benchmark (its run lives in a scratch
+    folder, deleted at its end) or a run that never resumes (a rerun starts over)."""
+    if bench is not None or ctx.cfg.train.resume == "never":
+        return
+    ctx.log(
+        f"the run can be resumed: rerun the same command (train.resume={ctx.cfg.train.resume}) "
+        f"to continue from the newest checkpoint in {ctx.cfg.train.output_dir}"
+    )
 
 
 def note_input_error(exc: BaseException) -> None:
@@ -453,16 +458,16 @@ def _run_target(ctx: RankContext, bench: dict | None) -> None:
     pulse = T.Pulse(every_s=ctx.cfg.split.peer_timeout_s / 4, group=ctx.data_group,
                     device=ctx.device)
     pulse.expect(embedding_dests(ctx.topology, ctx.rank))
-    # listen for the trainers' heartbeats and resume states from now on, while the target loads
-    hellos = None if bench is not None else T.AckListener(ctx.topology.dests(ctx.rank), group=ctx.ack_group)
+    # listen for the trainers' heartbeats and resume states (a benchmark's trainers: that
+    # they are ready for a phase) from now on, while the target loads
+    hellos = T.AckListener(ctx.topology.dests(ctx.rank), group=ctx.ack_group)
     engine = build_engine(ctx)
     send_embeddings(engine, ctx.topology, ctx.rank, data_group=ctx.data_group, device=ctx.device,
                     pulse=pulse)
     if bench is not None:
         from draftforge.splitserve.bench_split import bench_target_rank
 
-        pulse.close()  # the bench sends without the pulse's lock
-        bench_target_rank(ctx, engine, bench)
+        bench_target_rank(ctx, engine, bench, pulse=pulse, hellos=hellos)
         release_members(ctx, engine)
         return
     summary = run_producer(
@@ -558,9 +563,8 @@ def _run_trainer(ctx: RankContext, bench: dict | None) -> None:
     if (problem := rope_theta_problem(cfg)) is not None:  # torchrun started it directly
         raise InputError(problem)
     sources = ctx.topology.sources(ctx.rank)
-    acks = None
-    if bench is None:  # every producer listens from its start: beat to them all until the hello
-        acks = T.AckLink(sources, group=ctx.ack_group, every_s=cfg.split.peer_timeout_s / 4)
+    # every producer listens from its start: beat to them all until the stop
+    acks = T.AckLink(sources, group=ctx.ack_group, every_s=cfg.split.peer_timeout_s / 4)
     embed = T.recv_tensor(sources[0], group=ctx.data_group, device=ctx.device)
     head = T.recv_tensor(sources[0], group=ctx.data_group, device=ctx.device)
     trainer = build_trainer(ctx, (embed, head))
@@ -568,7 +572,7 @@ def _run_trainer(ctx: RankContext, bench: dict | None) -> None:
     if bench is not None:
         from draftforge.splitserve.bench_split import bench_trainer_rank
 
-        bench_trainer_rank(ctx, trainer, bench)
+        bench_trainer_rank(ctx, trainer, bench, acks=acks)
         return
     info = trainer.resume()
     consumed = info.all_consumed_ids if info is not None else set()

@@ -260,22 +260,25 @@ def recv_sample(
 
 
 def send_tensor(
-    tensor: torch.Tensor, dst: int, *, group=None, device: torch.device | str = "cpu"
+    tensor: torch.Tensor, dst: int, *, group=None, device: torch.device | str = "cpu",
+    what: str = "the target's embeddings",
 ) -> None:
-    """Send one tensor of up to 4 dimensions in its own dtype."""
+    """Send one tensor of up to 4 dimensions in its own dtype (``what``: for errors)."""
     if tensor.dim() > 4 or tensor.dtype not in DTYPE_CODES:
         raise ValueError(f"cannot send a {tensor.dtype} tensor of shape {tuple(tensor.shape)}")
     head = _header(TENSOR, [DTYPE_CODES[tensor.dtype], tensor.dim(), *tensor.shape], device)
-    _send(head, dst, group, "trainer", "sending the target's embeddings")
-    _send(tensor.to(device), dst, group, "trainer", "sending the target's embeddings")
+    _send(head, dst, group, "trainer", f"sending {what}")
+    _send(tensor.to(device), dst, group, "trainer", f"sending {what}")
 
 
-def recv_tensor(src: int, *, group=None, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Receive a tensor sent by :func:`send_tensor` (heartbeats before it skipped)."""
-    head = _recv_head(src, group, device, "waiting for the target's embeddings", (TENSOR,))
+def recv_tensor(src: int, *, group=None, device: torch.device | str = "cpu",
+                what: str = "the target's embeddings") -> torch.Tensor:
+    """Receive a tensor sent by :func:`send_tensor` (heartbeats before it skipped; ``what``
+    names it in errors)."""
+    head = _recv_head(src, group, device, f"waiting for {what}", (TENSOR,))
     dtype, ndim = CODE_DTYPES[head[2]], head[3]
     out = torch.empty(head[4 : 4 + ndim], dtype=dtype, device=device)
-    _recv(out, src, group, "target", "receiving the target's embeddings")
+    _recv(out, src, group, "target", f"receiving {what}")
     return out
 
 

@@ -63,6 +63,37 @@ def test_producer_alone_stops_at_a_chunk_boundary(tmp_path):
     assert all(chunk <= second or not chunk & second for chunk in chunks)  # whole chunks only
 
 
+class _CountingEngine:
+    """The target engine, counting the rows it featurises."""
+
+    def __init__(self, engine):
+        self.engine, self.rows = engine, 0
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def features(self, input_ids, attention_mask=None):
+        self.rows += int(input_ids.shape[0])
+        return self.engine.features(input_ids, attention_mask)
+
+
+def test_producer_alone_computes_nothing_past_its_last_chunk(tmp_path):
+    """It used to featurise the whole next chunk to see that the last one had ended: phase 1
+    spent a chunk's wall time more than it timed, and its log parts covered that work too."""
+    cfg = load_recipe(TINY, [f"train.output_dir={tmp_path}", "data.num_samples=24",
+                             "target.generation.batch_size=8", "split.feature_batch_size=2"])
+    engine = _CountingEngine(build_target(cfg.target, cfg.draft.target_layer_ids))
+    topology = Topology([0], [1])
+    chunks = _chunk_ids(cfg, engine, topology)
+    samples, first, _ = producer_alone(cfg, engine, topology=topology, rank=0, min_tokens=1)
+    assert {s.sample_id for s in samples} == chunks[0]
+    assert engine.rows == len(samples) == len(chunks[0])
+    engine.rows = 0  # one token more than the first chunk holds: two chunks, not three
+    samples, _, _ = producer_alone(cfg, engine, topology=topology, rank=0, min_tokens=first + 1)
+    assert {s.sample_id for s in samples} == chunks[0] | chunks[1]
+    assert engine.rows == len(samples) == len(chunks[0]) + len(chunks[1])
+
+
 def test_every_chunk_marks_its_last_sample_on_each_link(tmp_path):
     cfg = load_recipe(TINY, [f"train.output_dir={tmp_path}", "data.num_samples=24",
                              "target.generation.batch_size=8", "split.target_ranks=[0]",

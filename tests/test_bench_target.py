@@ -25,3 +25,20 @@ def test_bench_target_reports_both_ops(capsys, temperature):
     fields = dict(item.split("=") for item in out[-1].split())
     assert set(fields) == {"features_tok_s", "generate_tok_s"}
     assert float(fields["features_tok_s"]) > 0 and float(fields["generate_tok_s"]) > 0
+
+
+@pytest.mark.parametrize("value", ["1,x", "1,-2", ","])
+def test_bad_layers_are_refused_naming_the_option(capsys, value):
+    """``--layers 1,x`` ended in a bare ValueError traceback after the parse."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--layers", value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --layers" in err and "Traceback" not in err
+
+
+def test_layers_parse_into_ids():
+    from draftforge.splitserve.bench_target import _parse
+
+    assert _parse(["--layers", "0, 3,27"]).layers == [0, 3, 27]
+    assert _parse([]).layers == [1, 14, 27]
