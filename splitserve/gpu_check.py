@@ -17,9 +17,12 @@ Four checks on the real small target (SmolLM2-135M-Instruct from the local
 3. ``export``: ``draftforge export`` of that run, loaded back with
    ``load_exported_draft``; every trained tensor must come back bit-identical.
 4. ``sglang-dspark`` (in ``gpu_check_serving``): where the installed SGLang
-   has the DSPARK algorithm, an SGLang server (bound to 127.0.0.1) serves the target with the exported draft;
-   its reported tokens per verification step are compared with draftforge's
-   evaluator on the same prompts (greedy, fixed length). SKIP otherwise.
+   has the DSPARK algorithm, a draft of check 2's shape is fitted to the greedy
+   answers of the check's prompts (``gpu_check_memorise``: check 2's one-step
+   draft accepts too little to tell anything) and exported; an SGLang server
+   (bound to 127.0.0.1) serves the target with it, and its reported tokens per
+   verification step are compared with draftforge's evaluator on the same
+   prompts (greedy, fixed length). SKIP otherwise. It does not need checks 2-3.
 
 Every check runs in its own child process (``--child NAME``), so GPU memory is
 returned between checks and a hung check is killed with its process group; the
@@ -54,11 +57,13 @@ RESULT_TAG = "GPU_CHECK_RESULT "  # a child's last stdout line: this tag, then t
 DEFAULT_TIME_LIMIT_S = 450.0  # `make gpu-check` must finish within 8 minutes, start-up included
 DEFAULT_WORK_DIR = "runs/gpu-check"
 
-# Seconds each check may take at most (the overall limit cuts them shorter).
+# Seconds each check may take at most (the overall limit cuts them shorter). sglang-dspark
+# first fits its draft (gpu_check_memorise: ~10-20 s on an H200, estimated), then starts
+# SGLang and decodes on both sides.
 CHECK_CAPS_S = {"sglang-features": 150.0, "splitserve-step": 150.0, "export": 60.0,
                 "sglang-dspark": 240.0}
 CHECK_ORDER = ("sglang-features", "splitserve-step", "export", "sglang-dspark")
-NEEDS = {"export": "splitserve-step", "sglang-dspark": "export"}
+NEEDS = {"export": "splitserve-step"}
 MIN_START_S = 20.0  # a check is not started with less time than this left
 
 # Check 1: bf16 keeps about 3 significant digits and SGLang's kernels (fused norms,
@@ -308,6 +313,11 @@ class Setup:
     @property
     def export_dir(self) -> Path:
         return self.work_dir / "export"
+
+    @property
+    def memorised_dir(self) -> Path:
+        """Check 4's draft, fitted to its prompts' answers (``gpu_check_memorise``)."""
+        return self.work_dir / "memorised-export"
 
     @property
     def recipe_path(self) -> Path:

@@ -1,10 +1,12 @@
 """Check 4 of ``make gpu-check``: SGLang serving the exported draft with DSPARK, against
 draftforge's evaluator on the same prompts (see :mod:`draftforge.splitserve.gpu_check`).
 
-Runs only where the installed SGLang has the DSPARK algorithm: an SGLang server
-bound to 127.0.0.1 serves the target with the export, and its reported tokens
-per verification step are compared with ``speculative_decode``'s (greedy, fixed
-length).
+Runs only where the installed SGLang has the DSPARK algorithm: a draft is fitted to
+the greedy answers of the check's prompts (:mod:`draftforge.splitserve.gpu_check_memorise`:
+a draft that accepts nothing could not show that SGLang loaded it), an SGLang server
+bound to 127.0.0.1 serves the target with that draft's export, and its reported
+tokens per verification step are compared with ``speculative_decode``'s (greedy,
+fixed length).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from draftforge.splitserve.gpu_check import (
@@ -34,6 +37,7 @@ from draftforge.splitserve.gpu_check import (
     prompt_batch,
     stop_group,
 )
+from draftforge.splitserve.gpu_check_memorise import Memorised, memorise_draft
 
 # Check 4: tokens per target verification step, SGLang against draftforge. The two
 # decode the same prompts greedily for the same number of tokens, but SGLang runs the
@@ -225,13 +229,14 @@ def wait_until_ready(base: str, proc: subprocess.Popen, deadline: float) -> str 
 
 
 def serve_and_count(setup: Setup, model: str, prompts: Sequence[Sequence[int]],
-                    deadline: float) -> list[SpecCounts] | str:
-    """Start SGLang with the exported draft, send ``prompts``; the counts, or why it failed."""
+                    deadline: float, *, draft_dir: Path) -> list[SpecCounts] | str:
+    """Start SGLang with the draft exported to ``draft_dir``, send ``prompts``; the counts,
+    or why it failed."""
     port = free_port()
     log = setup.log_dir / "sglang-server.log"
     with log.open("w") as out:
-        block_size = json.loads((setup.export_dir / "config.json").read_text())["block_size"]
-        proc = subprocess.Popen(sglang_server_command(model, str(setup.export_dir), port,
+        block_size = json.loads((draft_dir / "config.json").read_text())["block_size"]
+        proc = subprocess.Popen(sglang_server_command(model, str(draft_dir), port,
                                                       block_size=block_size),
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 env=child_env())
@@ -252,8 +257,35 @@ def serve_and_count(setup: Setup, model: str, prompts: Sequence[Sequence[int]],
         stop_group(proc)
 
 
-def draftforge_counts(setup: Setup, model: str, prompts: Sequence[Sequence[int]]):
-    """draftforge's evaluator on the same prompts: (tokens, rounds) per prompt, outputs, summary."""
+def memorise_for_check(setup: Setup, model: str, prompts: Sequence[Sequence[int]]) -> Memorised:
+    """A draft of the check's shape fitted to the greedy answers of ``prompts`` and exported to
+    ``setup.memorised_dir``, on the target that :func:`draftforge_counts` decodes with
+    (float32 on cuda:0); the target is released before SGLang starts."""
+    import gc
+
+    import torch
+
+    from draftforge.splitserve.config import TargetConfig
+    from draftforge.splitserve.registry import resolve_target_shape
+    from draftforge.splitserve.target import build_target
+
+    cfg = TargetConfig(model=model, dtype="float32")
+    layers = [int(i) for i in setup.draft["target_layer_ids"]]
+    target = build_target(cfg, layers, device=torch.device("cuda", 0))
+    try:
+        return memorise_draft(target, setup.draft, resolve_target_shape(cfg), prompts,
+                              max_new_tokens=setup.max_new_tokens, out_dir=setup.memorised_dir,
+                              progress=lambda line: print(line, flush=True))
+    finally:
+        del target
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def draftforge_counts(setup: Setup, model: str, prompts: Sequence[Sequence[int]], *,
+                      draft_dir: Path):
+    """draftforge's evaluator with the draft exported to ``draft_dir`` on the same prompts:
+    (tokens, rounds) per prompt, outputs, summary."""
     import torch
 
     from draftforge.eval.harness import summarize
@@ -271,7 +303,7 @@ def draftforge_counts(setup: Setup, model: str, prompts: Sequence[Sequence[int]]
     layers = [int(i) for i in setup.draft["target_layer_ids"]]
     # float32, as `draftforge eval` runs by default: its greedy output is plain decoding's
     target = build_target(TargetConfig(model=model, dtype="float32"), layers, device=device)
-    draft = load_exported_draft(setup.export_dir, target=target, dtype=torch.float32, device=device)
+    draft = load_exported_draft(draft_dir, target=target, dtype=torch.float32, device=device)
     session = TargetSession(target.model, layers)
     settings = DecodeSettings(max_new_tokens=setup.max_new_tokens, temperature=0.0, verify="full",
                               eos_token_ids=())
@@ -293,7 +325,8 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def check_sglang_dspark(setup: Setup, deadline: float) -> CheckResult:
-    """Check 4: SGLang serving the exported draft, against draftforge's evaluator."""
+    """Check 4: SGLang serving a draft that memorised the prompts' answers, against
+    draftforge's evaluator."""
     name = "sglang-dspark"
     ok, detail = sglang_has_dspark()
     if not ok:
@@ -305,14 +338,17 @@ def check_sglang_dspark(setup: Setup, deadline: float) -> CheckResult:
     model = str(smollm2.ensure_smollm2())
     input_ids, mask = prompt_batch(load_tokenizer(TargetConfig(model=model)), PROMPTS)
     prompts = [row[: int(n)].tolist() for row, n in zip(input_ids, mask.sum(dim=1), strict=True)]
+    memorised = memorise_for_check(setup, model, prompts)
+    fit = {"memorise_loss": memorised.loss, "memorise_s": round(memorised.wall_s, 1)}
     # leave a third of the time for draftforge's side
     served = serve_and_count(setup, model, prompts,
-                             deadline=time.monotonic() + (deadline - time.monotonic()) * 2 / 3)
+                             deadline=time.monotonic() + (deadline - time.monotonic()) * 2 / 3,
+                             draft_dir=memorised.folder)
     if isinstance(served, str):
-        return CheckResult(name, FAIL, {"sglang": detail}, served)
-    ours, outputs, summary = draftforge_counts(setup, model, prompts)
+        return CheckResult(name, FAIL, {"sglang": detail, **fit}, served)
+    ours, outputs, summary = draftforge_counts(setup, model, prompts, draft_dir=memorised.folder)
     passed, figures, reason = compare_acceptance(served, ours, outputs)
     same = [common_prefix(c.output_ids, o) for c, o in zip(served, outputs, strict=True)]
     figures.update(draftforge_al=summary["acceptance_length"],
-                   same_prefix_tokens=min(same) if same else 0, sglang=detail)
+                   same_prefix_tokens=min(same) if same else 0, sglang=detail, **fit)
     return CheckResult(name, PASS if passed else FAIL, figures, reason)
