@@ -55,7 +55,7 @@ def test_full_disk_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, m
     with pytest.raises(ckpt.CheckpointError) as info:
         trainer.fit(_batches())
     message = str(info.value)
-    assert "writing the checkpoint of step 8 failed" in message
+    assert f"writing the checkpoint of step 8 into {tmp_path / 'checkpoints'} failed" in message
     assert "No space left on device" in message
     assert f"the previous checkpoint {tmp_path / 'checkpoints' / 'step_00000004'} is intact" in message
     assert "Free disk space" in message
