@@ -289,18 +289,24 @@ def tensor_parallel_member_worker(out: str) -> None:
     os._exit(0)
 
 
-def run_workers(worker: str, out: Path, world: int = 2, timeout: float = 60) -> list[dict]:
-    """Run ``worker`` on ``world`` ranks; the result each rank wrote."""
+def run_on_ranks(code: str, world: int, timeout: float) -> tuple[list[int], list[str]]:
+    """Run ``python -c code`` as ranks 0..world-1 of one job, with tests/ importable; the
+    exit codes and each rank's output."""
     port = free_port()
     procs = []
     for rank in range(world):
         env = rank_env(rank, world, port)
         env["PYTHONPATH"] = str(ROOT / "tests") + os.pathsep + env.get("PYTHONPATH", "")
         procs.append(subprocess.Popen(
-            [PYTHON, "-c", f"import splitserve_helpers as h; h.{worker}({str(out)!r})"],
+            [PYTHON, "-c", code],
             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         ))
     codes = wait_all(procs, timeout)
-    logs = [p.stdout.read() for p in procs]
+    return codes, [p.stdout.read() for p in procs]
+
+
+def run_workers(worker: str, out: Path, world: int = 2, timeout: float = 60) -> list[dict]:
+    """Run ``worker`` on ``world`` ranks; the result each rank wrote."""
+    codes, logs = run_on_ranks(f"import splitserve_helpers as h; h.{worker}({str(out)!r})", world, timeout)
     assert codes == [0] * world, logs
     return [json.loads(out.with_suffix(f".{r}.json").read_text()) for r in range(world)]

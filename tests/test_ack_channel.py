@@ -22,6 +22,7 @@ from splitserve_helpers import (
     free_port,
     rank_env,
     read_logs,
+    run_on_ranks,
     spawn_ranks,
     tiny_recipe,
     wait_all,
@@ -122,17 +123,7 @@ def dead_trainer_worker(out: str, when: str) -> None:
 
 def _run(worker: str, out: Path, timeout: float) -> tuple[list[int], list[str]]:
     """Run ``worker`` (a call on ``out``) on ranks 0-2; their exit codes and output."""
-    port = free_port()
-    procs = []
-    for rank in range(3):
-        env = rank_env(rank, 3, port)
-        env["PYTHONPATH"] = str(ROOT / "tests") + os.pathsep + env.get("PYTHONPATH", "")
-        procs.append(subprocess.Popen(
-            [PYTHON, "-c", f"import test_ack_channel as t; t.{worker.format(out=repr(str(out)))}"],
-            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        ))
-    codes = wait_all(procs, timeout)
-    return codes, [p.stdout.read() for p in procs]
+    return run_on_ranks(f"import test_ack_channel as t; t.{worker.format(out=repr(str(out)))}", 3, timeout)
 
 
 def test_a_stop_sent_before_the_gate_starts_is_kept(tmp_path):

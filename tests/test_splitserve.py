@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
 from collections import Counter
@@ -492,23 +491,14 @@ def test_tensor_parallel_groups_must_sit_on_consecutive_gpus_of_one_node(tmp_pat
 def test_tensor_parallel_member_waits_for_its_leader(tmp_path):
     """Rank 1, a member of rank 0's group, waits (no engine of its own) until rank 0 is done;
     when rank 0 dies instead, rank 1 stops with PeerDied at once, not after a timeout."""
-    import subprocess
-
-    from splitserve_helpers import PYTHON, ROOT, free_port, rank_env, wait_all
+    from splitserve_helpers import run_on_ranks
 
     for name, leader_code in (("done", 0), ("dies", 7)):
         out = tmp_path / name / "result.json"
         out.parent.mkdir()
-        port = free_port()
-        procs = []
-        for rank in range(3):
-            env = rank_env(rank, 3, port)
-            env["PYTHONPATH"] = str(ROOT / "tests") + os.pathsep + env.get("PYTHONPATH", "")
-            procs.append(subprocess.Popen(
-                [PYTHON, "-c", "import splitserve_helpers as h; "
-                 f"h.tensor_parallel_member_worker({str(out)!r})"],
-                env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        assert wait_all(procs, 120) == [leader_code, 0, 0], [p.stdout.read() for p in procs]
+        codes, logs = run_on_ranks(
+            f"import splitserve_helpers as h; h.tensor_parallel_member_worker({str(out)!r})", 3, 120)
+        assert codes == [leader_code, 0, 0], logs
         result = [json.loads(out.with_suffix(f".{r}.json").read_text()) for r in (1, 2)]
         member, trainer = result
         assert member["role"] == "target" and member["producers"] == [0]
