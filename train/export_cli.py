@@ -140,6 +140,7 @@ def default_report(run_dir: Path, out: Path) -> Path | None:
     completed; else None, with one line saying why a report there was not used."""
     import json
 
+    from draftforge.train.checkpoint import COMPLETE
     from draftforge.train.export import SINGLE_FILE, latest_checkpoint
 
     report = run_dir / "eval" / "report.md"
@@ -153,7 +154,7 @@ def default_report(run_dir: Path, out: Path) -> Path | None:
         draft = None
     ours = {p.expanduser().resolve() for p in
             (run_dir, checkpoint, checkpoint / SINGLE_FILE, run_dir / "export", out)}
-    done = checkpoint / "COMPLETE"
+    done = checkpoint / COMPLETE
     if not isinstance(draft, str):
         why = f"{measured} is missing or names no draft, so which draft it measured is unknown"
     elif Path(draft).expanduser().resolve() not in ours:
