@@ -19,7 +19,7 @@ from pathlib import Path
 
 from draftforge import argtypes
 from draftforge.errors import InputError
-from draftforge.eval.config import NGRAM_MATCHES, EvalConfig
+from draftforge.eval.config import NGRAM_MATCHES, EvalConfig, tie_tolerance_for
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,9 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "cpu; or cpu, cuda:N, or a list cuda:0,cuda:1,... Over several GPUs the "
                         "target is split by layers, filling them in order (one that fits on the "
                         "first stays there); the draft runs on the first")
-    parser.add_argument("--tie-tolerance", type=float, default=1e-3,
+    parser.add_argument("--tie-tolerance", type=argtypes.non_negative_float,
                         help="greedy divergences where the target's top-2 logit margin is below this "
-                        "are counted as numerical near-ties, not failures (default 1e-3)")  # fmt: skip
+                        "are counted as numerical near-ties, not failures (default: 1e-3 for a "
+                        "float32 target, 1.0 for bfloat16, whose batched and one-token logits "
+                        "differ by up to about a logit)")  # fmt: skip
     parser.add_argument("--seed", type=int, help="sampling seed")
     parser.add_argument("--no-estimate", action="store_true", help="skip the train-time tau estimate")
     return parser
@@ -202,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed=eval_cfg.seed if args.seed is None else args.seed,
         baselines=tuple(args.baselines) if args.baselines else tuple(eval_cfg.baselines),
         estimate=not args.no_estimate,
-        tie_tolerance=args.tie_tolerance,
+        tie_tolerance=tie_tolerance_for(target_cfg.dtype, args.tie_tolerance),
         ngram_match=args.ngram_match,
     )
     if file_prompts is not None:

@@ -11,6 +11,21 @@ from draftforge.section import Section
 # Which earlier occurrence of the suffix n-gram the n-gram baseline copies from.
 NGRAM_MATCHES = ("latest", "earliest")
 
+# The lossless check's default near-tie tolerance (the target's top-2 logit margin under
+# which a greedy divergence counts as numerical, not a bug), per target dtype. Batched
+# verification and one-token decoding compute the same logits in another order; on
+# SmolLM2 (CPU, 5 prompts, 41 positions each, the largest difference over the vocabulary)
+# they differed by at most 1e-4 in float32 and by up to 0.94 in bfloat16, where a logit
+# near 40 has a step of 0.25. An H200 run in bfloat16 stopped at a divergence with margin
+# 0.125. Each default leaves headroom over its dtype's measured noise; in bfloat16 the
+# check therefore only catches divergences where the target prefers its token by a logit.
+TIE_TOLERANCES = {"float32": 1e-3, "bfloat16": 1.0}
+
+
+def tie_tolerance_for(dtype: str, given: float | None) -> float:
+    """``given`` when set, else the default near-tie tolerance for a target in ``dtype``."""
+    return TIE_TOLERANCES[dtype] if given is None else given
+
 
 class EvalConfig(Section):
     """Workloads and decoding settings for the lossless verifier."""

@@ -524,3 +524,24 @@ def test_workload_prompts_need_a_chat_template_as_training_prompts_do():
             return "<" + messages[0]["content"][:10] + ">"
 
     assert workload_texts("gsm8k", Template(), GenerationConfig(), 2)[0].startswith("<")
+
+
+def test_the_near_tie_tolerance_defaults_by_the_targets_dtype(recipe_path, tmp_path, capsys):
+    """bfloat16 logits of batched verification and one-token decoding differ by up to about a
+    logit (eval/config.py), so a bf16 target gets a wider default than float32's 1e-3; a
+    given --tie-tolerance is kept, and a negative one refused before anything runs."""
+    from draftforge.eval.cli import main
+
+    export_dir, prompts = _tiny_export_and_prompts(recipe_path, tmp_path)
+    base = [str(export_dir), "--recipe", str(recipe_path), "--prompts-file", str(prompts),
+            "--max-new-tokens", "4", "--baselines", "none", "--no-estimate"]
+    used = {}
+    for name, extra in {"f32": ["--dtype", "float32"], "bf16": ["--dtype", "bfloat16"],
+                        "bf16-given": ["--dtype", "bfloat16", "--tie-tolerance", "0.25"]}.items():
+        assert main([*base, *extra, "--out", str(tmp_path / name)]) == 0
+        used[name] = json.loads((tmp_path / name / "report.json").read_text())["settings"]["tie_tolerance"]
+    assert used == {"f32": 1e-3, "bf16": 1.0, "bf16-given": 0.25}
+    with pytest.raises(SystemExit) as exit_info:
+        main([*base, "--tie-tolerance", "-1", "--out", str(tmp_path / "neg")])
+    assert exit_info.value.code == 2 and "--tie-tolerance: must be 0 or more, got -1" in capsys.readouterr().err
+    assert not (tmp_path / "neg").exists()
