@@ -453,17 +453,12 @@ def weight_files(folder: Path) -> dict[str, str]:
     the keys of its ``*.safetensors`` files where it has no index."""
     from safetensors import safe_open
 
-    from draftforge.errors import InputError
+    from draftforge.train.hf_load import index_weight_map
 
     index = folder / SAFETENSORS_INDEX
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise InputError(f"{index}: not a valid safetensors index ({type(err).__name__}: {err})") from None
-        if not isinstance(weight_map, dict):
-            raise InputError(f"{index}: 'weight_map' is not an object")
-        return {str(name): str(file) for name, file in weight_map.items()}
+        return index_weight_map(index, advice=f"the target checkpoint in {folder} is incomplete or "
+                                "damaged; download it again")
     files: dict[str, str] = {}
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
@@ -479,10 +474,7 @@ def read_weight(folder: Path, names: Sequence[str], *, what: str = "weight") -> 
 
     files = weight_files(folder)
     for name in names:
-        if name in files:
-            if not (folder / files[name]).is_file():
-                raise InputError(f"target folder {folder}: {SAFETENSORS_INDEX} puts {name} in "
-                                 f"{files[name]}, which is missing")
+        if name in files:  # weight_files found every file it names
             with safe_open(str(folder / files[name]), framework="pt") as handle:
                 return handle.get_tensor(name)
     where = SAFETENSORS_INDEX if (folder / SAFETENSORS_INDEX).is_file() else "*.safetensors files"

@@ -500,15 +500,20 @@ def read_safetensors_file(path: str | os.PathLike[str]) -> dict[str, torch.Tenso
 
 
 def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path:
-    """The newest ``run_dir/checkpoints/step_*`` folder that has a ``COMPLETE`` marker."""
+    """The newest ``run_dir/checkpoints/step_XXXXXXXX`` folder that has a ``COMPLETE`` marker: the
+    one ``resume: auto`` picks (a crashed save's ``step_XXXXXXXX.tmp`` or a copy named
+    otherwise is not one)."""
     root = Path(run_dir) / "checkpoints"
     complete = sorted(
-        (p for p in root.glob("step_*") if p.is_dir() and (p / "COMPLETE").exists()),
-        key=lambda p: int(re.sub(r"\D", "", p.name) or 0),
+        p for p in root.glob("step_*")
+        if _CHECKPOINT_NAME.fullmatch(p.name) and p.is_dir() and (p / "COMPLETE").exists()
     )
     if not complete:
         raise ExportError(f"{root}: no complete checkpoint (step_* with a COMPLETE marker)")
     return complete[-1]
+
+
+_CHECKPOINT_NAME = re.compile(r"step_\d{8}")  # checkpoint.py's names; equal widths sort by step
 
 
 def _strip_wrappers(name: str) -> str:

@@ -73,8 +73,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or export_cfg.out_dir
     if out is None:
         # a checkpoint's run is the folder above its checkpoints/, wherever this runs from
-        # (train.output_dir may be relative to where training ran)
-        of_checkpoint = source.parent.parent if source.is_dir() and source.parent.name == "checkpoints" else None
+        # (train.output_dir may be relative to where training ran); so is a checkpoint's model.safetensors
+        checkpoint = (source if source.is_dir() else source.parent).resolve()
+        of_checkpoint = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
         base = run_dir or of_checkpoint or (Path(output_dir) if output_dir else None)
         if base is None:
             raise InputError("draftforge export: give --out DIR (no recipe or run directory to derive it from)")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from draftforge.errors import InputError
 from draftforge.hf_config import rope_theta_of
 from draftforge.train.export import (
     CONFIG_FILE,
@@ -35,9 +36,12 @@ def read_serving_config(folder: str | os.PathLike[str]) -> dict:
     if not path.is_file():
         raise ExportError(f"{path.parent}: no {CONFIG_FILE}; is it a draftforge export folder?")
     try:
-        return json.loads(path.read_text())
+        raw = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ExportError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from err
+    if not isinstance(raw, dict):
+        raise ExportError(f"{path}: a model config must be a JSON object, not a {type(raw).__name__}")
+    return raw
 
 
 def config_from_serving(raw: dict, *, where: str = CONFIG_FILE) -> DSparkConfig:
@@ -120,23 +124,32 @@ def _check_plain_rope(raw: dict, where: str) -> None:
         )
 
 
+def index_weight_map(index: Path, *, advice: str) -> dict[str, str]:
+    """Tensor name -> shard file name of a safetensors index (``model.safetensors.index.json``),
+    with every shard it names present beside it. A malformed index or a missing shard raises
+    :class:`~draftforge.errors.InputError` naming the file, followed by ``advice`` (the
+    caller's: what to do about it)."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as err:  # ValueError: bad JSON or UTF-8
+        raise InputError(f"{index}: not a valid safetensors index ({type(err).__name__}: {err}); {advice}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
+        raise InputError(f"{index}: not a valid safetensors index ('weight_map' is not an object of "
+                         f"tensor names to file names); {advice}")
+    for filename in sorted(set(weight_map.values())):
+        if not (index.parent / filename).is_file():
+            raise InputError(f"{index.parent / filename}: listed in {index.name} but missing; {advice}")
+    return weight_map
+
+
 def read_safetensors_folder(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """All tensors of an export: ``model.safetensors`` or the shards its index names."""
     folder = Path(folder).expanduser()
     single, index = folder / SINGLE_FILE, folder / INDEX_FILE
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError("'weight_map' is not an object")
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise ExportError(
-                f"{index}: not a valid safetensors index ({type(err).__name__}: {err}); export the draft again"
-            ) from None
+        weight_map = index_weight_map(index, advice="export the draft again")
         state: dict[str, torch.Tensor] = {}
         for filename in sorted(set(weight_map.values())):
-            if not (folder / filename).is_file():
-                raise ExportError(f"{folder / filename}: listed in {index.name} but missing; export the draft again")
             shard = read_safetensors_file(folder / filename)
             for name, tensor in shard.items():
                 if weight_map.get(name) != filename:
