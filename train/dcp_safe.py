@@ -7,7 +7,9 @@ Here every pickle is checked before DCP reads it:
 
 - ``.metadata`` by :class:`MetadataUnpickler`, whose ``find_class`` admits only the
   classes DCP's metadata consists of (its own metadata dataclasses, paths, ``torch.Size``,
-  dtypes); anything else is refused before any object is built;
+  dtypes); anything else is refused before any object is built, and so is setting an
+  attribute of an admitted class or function (pickle's BUILD on it, which would change
+  it for the whole process);
 - each non-tensor item by ``torch.load(weights_only=True)`` (:class:`CheckedLoadPlanner`).
 
 A pickle that these loaders accept only rebuilds those objects, so DCP's own load of
@@ -40,17 +42,35 @@ class UnsafeCheckpointError(ValueError):
     """A checkpoint pickle refers to something DCP's files never hold."""
 
 
-class MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``.metadata`` only: every global it names must be on the allowlist."""
+class MetadataUnpickler(pickle._Unpickler):  # the Python one: its BUILD can be checked
+    """Unpickles DCP's ``.metadata`` only: every global it names must be on the allowlist,
+    and none gets its attributes set."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def find_class(self, module: str, name: str):
         if module == "torch.distributed.checkpoint.metadata" and "." not in name:
-            return super().find_class(module, name)
+            # its classes only: the module also holds os, torch, dataclass, field
+            found = super().find_class(module, name)
+            if isinstance(found, type):
+                return found
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format)):
             return super().find_class(module, name)
         raise UnsafeCheckpointError(f"it refers to {module}.{name}, which DCP metadata never holds")
+
+    def _load_build(self) -> None:
+        # BUILD sets the state of the object below it: on a class or function (an admitted
+        # global, never an object DCP builds) that is a setattr for the whole process
+        target = self.stack[-2] if len(self.stack) > 1 else None
+        if callable(target):
+            raise UnsafeCheckpointError(
+                f"it sets attributes of {getattr(target, '__qualname__', target)!r}, which DCP "
+                "metadata never does")
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = _load_build
 
 
 def check_metadata(dcp_dir: Path) -> None:

@@ -534,6 +534,8 @@ class Trainer:
                     window = (window + [record])[-train.log_interval:]
                 if self.is_main:
                     log.log(record)
+                    if result.steps_run == 1:  # an earlier segment's summary no longer describes the run
+                        (self.run_dir / SUMMARY_FILE).unlink(missing_ok=True)
                     progress.update(loss=record["loss"], tau=record["tau"], tokens_s=record["tokens_s"])
                     if self.step % train.log_interval == 0 or not applied:
                         progress.write(self._log_line(record))
