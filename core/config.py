@@ -435,7 +435,9 @@ def _check_target(cfg: RecipeConfig) -> tuple[TargetShape | None, list[Problem]]
         except (OSError, ValueError):
             known = None
         if known is not None:
-            for field in sorted(target.shape.model_fields_set):
+            # only against what the target's config gives: a field it leaves out holds the
+            # section's placeholder default, not the target's value (declaring it is the fix)
+            for field in sorted(target.shape.model_fields_set & known.model_fields_set):
                 declared, real = getattr(target.shape, field), getattr(known, field)
                 if real is not None and declared != real:
                     problems.append(
@@ -765,6 +767,19 @@ def _cross_check(cfg: RecipeConfig) -> list[Problem]:
 # --------------------------------------------------------------------------- entry points
 
 
+def _fill_empty_sections(data: dict[str, Any], model: type[BaseModel]) -> None:
+    """An empty section ("draft:" or "loss:" with nothing under it) means "all defaults", at
+    every depth; an optional one (target.shape) stays null, which means none there."""
+    for name, field in model.model_fields.items():
+        section = field.annotation
+        if name not in data or not (isinstance(section, type) and issubclass(section, BaseModel)):
+            continue
+        if data[name] is None:
+            data[name] = {}
+        if isinstance(data[name], dict):
+            _fill_empty_sections(data[name], section)
+
+
 def validate_recipe(
     data: Any,
     *,
@@ -788,10 +803,7 @@ def validate_recipe(
             ]
         )
     data = copy.deepcopy(data)
-    # An empty section ("draft:" with nothing under it) means "all defaults".
-    for section in SECTION_NAMES:
-        if section in data and data[section] is None:
-            data[section] = {}
+    _fill_empty_sections(data, RecipeConfig)
     override_paths: dict[KeyPath, str] = {}
     for text in overrides:
         path = _apply_override(data, text)

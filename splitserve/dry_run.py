@@ -85,9 +85,19 @@ def target_parameters(shape) -> int | None:
     return 2 * shape.vocab_size * hidden + layers * per_layer + hidden
 
 
-def _placeholder_fields(shape) -> list[str]:
-    """The dense estimate's fields that neither the recipe nor the target's config set."""
-    return [name for name in DENSE_FIELDS if name not in shape.model_fields_set]
+def _placeholder_fields(shape, fields: tuple[str, ...] = DENSE_FIELDS) -> list[str]:
+    """Those of ``fields`` (default: the dense estimate's) that neither the recipe nor the
+    target's config set: they hold the section's placeholder defaults."""
+    return [name for name in fields if name not in shape.model_fields_set]
+
+
+def _counted(name: str, value: float, shape, fields: tuple[str, ...]) -> tuple[str, float]:
+    """An estimate's item, or, where a field it needs is only a placeholder, the item left
+    out (0) with the fields to declare, as the weights' line does."""
+    missing = _placeholder_fields(shape, fields)
+    if not missing:
+        return name, value
+    return f"{name} (unknown, not counted: declare target.shape.{', '.join(missing)})", 0
 
 
 def _weights_source(shape) -> str:
@@ -135,8 +145,10 @@ def target_estimate(cfg: RecipeConfig) -> Estimate:
     return Estimate([
         (label, weights),
         ("features: captured layers", captured),
-        ("features: one layer's activations", working + scores),
-        ("generation: KV cache + logits", kv + logits),
+        _counted("features: one layer's activations", working + scores, shape,
+                 ("num_attention_heads", "intermediate_size")),
+        _counted("generation: KV cache + logits", kv + logits, shape,
+                 ("num_attention_heads", "num_key_value_heads")),
         ("send buffers (bf16)", wire),
     ])
 
