@@ -152,6 +152,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             "(greedy decoding, which they would not change): give --temperature above 0, or leave "
             "them out"
         )
+    verify = args.verify or eval_cfg.verify
+    if args.threshold is not None and verify != "threshold":
+        raise InputError(
+            f"draftforge eval: --threshold {args.threshold}: only for --verify threshold, but "
+            f"verification is {verify!r}{_source(args.verify, args.recipe, 'eval.verify')}, which "
+            "verifies every block in full and ignores it: give --verify threshold, or leave it out"
+        )
+    max_new_tokens = args.max_new_tokens or eval_cfg.max_new_tokens
 
     devices = resolve_devices(args.device, target_gpus)
     device = devices[0]  # the draft's, and where the target's inputs and features are
@@ -168,7 +176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _warn_replacing(Path(args.out))
     draft_cfg, load_draft = _draft_loader(args.draft)
     _check_fit(draft_cfg, target_cfg, args.draft)
-    verify = args.verify or eval_cfg.verify
+    if file_prompts is not None:  # before the target loads; the workloads' once tokenized
+        _check_lengths(file_prompts, max_new_tokens, draft_cfg.max_position_embeddings,
+                       lambda name, i: f"{args.prompts_file}:{file_lines[name][i]}")
     if not draft_cfg.enable_confidence_head:
         needs_head = []
         if verify == "threshold":
@@ -194,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"eval: draft {args.draft} (block {draft_cfg.block_size}, markov rank {draft_cfg.markov_rank})")
 
     settings = EvalSettings(
-        max_new_tokens=args.max_new_tokens or eval_cfg.max_new_tokens,
+        max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_k=eval_cfg.top_k if args.top_k is None else args.top_k,
         top_p=eval_cfg.top_p if args.top_p is None else args.top_p,
@@ -213,6 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         names = args.workloads or list(eval_cfg.workloads)
         workloads = {name: _workload_prompts(name, target, target_cfg, num_prompts) for name in names}
+        _check_lengths(workloads, max_new_tokens, draft_cfg.max_position_embeddings,
+                       lambda name, i: f"workload {name!r}, prompt {i}")
     eos = _eos_ids(target)
 
     torch.manual_seed(settings.seed)
@@ -445,6 +457,24 @@ def _check_vocabulary(
                 raise InputError(
                     f"{path}:{line_no}: token id {max(ids)} is outside the target's vocabulary "
                     f"({vocab_size} ids, 0 to {vocab_size - 1})"
+                )
+
+
+def _source(given, recipe: str | None, key: str) -> str:
+    """Where a setting not given on the command line came from, for a message."""
+    return "" if given is not None else f" (the recipe's {key})" if recipe else " (the default)"
+
+
+def _check_lengths(workloads: dict[str, list[list[int]]], max_new_tokens: int, limit: int, where) -> None:
+    """Refuse a prompt that, with ``max_new_tokens`` more, runs past the draft's positions;
+    ``where(name, index)`` names it (a --prompts-file line, or the workload and index)."""
+    for name, prompts in workloads.items():
+        for index, ids in enumerate(prompts):
+            if len(ids) + max_new_tokens > limit:
+                raise InputError(
+                    f"{where(name, index)}: {len(ids)} prompt tokens + --max-new-tokens {max_new_tokens} "
+                    f"exceed the draft's max_position_embeddings {limit}; lower --max-new-tokens or "
+                    "leave the prompt out"
                 )
 
 

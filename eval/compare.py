@@ -25,6 +25,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from draftforge import argtypes
 from draftforge.errors import InputError
 from draftforge.eval.uncertainty import DRAWS, LEVEL, SEED, PromptTotals, by_workload
 
@@ -42,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--draws", type=int, default=DRAWS, help=f"bootstrap draws (default: {DRAWS})")
     parser.add_argument("--level", type=float, default=LEVEL, help=f"interval level (default: {LEVEL})")
-    parser.add_argument("--seed", type=int, default=SEED, help=f"bootstrap seed (default: {SEED})")
+    parser.add_argument("--seed", type=argtypes.non_negative_int, default=SEED,
+                        help=f"bootstrap seed, 0 or more (default: {SEED})")
     return parser
 
 
@@ -213,8 +215,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = load_report(args.a)
     b = load_report(args.b) if args.b else a
     b_method = args.b_method or ("dspark" if args.b else "ngram")
-    if b is a and b_method == args.a_method:
-        raise InputError(f"comparing {args.a_method} with itself in one report: give B or --b-method")
+    if b_method == args.a_method and (b is a or a[0].resolve() == b[0].resolve()):
+        raise InputError(
+            f"comparing {args.a_method} of {a[0]} with itself (a difference of zero by construction): "
+            "give another report as B or another --b-method"
+        )
     pairs = paired_totals(a, args.a_method, b, b_method)
     notes = check_same_decoding(a, args.a_method, b, b_method)
     kw = {"draws": args.draws, "level": args.level, "seed": args.seed}
