@@ -20,7 +20,8 @@ class DataConfig(Section):
     format: Literal["auto", "messages", "sharegpt", "prompt"] = Field(
         default="auto",
         description="row form of train_files: messages (OpenAI), sharegpt (conversations), "
-        "prompt (a string or list of user turns); auto picks per row by its keys",
+        "prompt (a string or list of user turns), each with an optional top-level 'system' "
+        "string; auto picks per row by its keys",
     )
     max_length: int = Field(default=2048, gt=1, description="tokens per sample after truncation")
     min_loss_tokens: int = Field(

@@ -5,7 +5,10 @@ Three row forms are understood (``format: auto`` picks by key, in this order):
 - ``messages``: OpenAI form, ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``;
 - ``conversations``: ShareGPT form, ``[{"from": "system"|"human"|"gpt", "value": str}, ...]``;
 - ``prompt``: a plain prompt, a string or a list of strings (successive user turns whose
-  replies the target writes), with an optional ``system`` string.
+  replies the target writes).
+
+Each form may carry a top-level ``system`` string (as LLaMA-Factory's ShareGPT rows do): the
+system prompt, refused beside a leading system message.
 
 A conversation is an optional leading system message, then user and assistant turns
 alternating, starting with a user turn. Every malformed row raises
@@ -161,14 +164,17 @@ def _messages_from_prompt(row: dict[str, Any], where: RowLocation) -> list[dict[
         raise _fail(
             where, f"'prompt' must be a string or a list of strings, got {type(value).__name__}"
         )
-    out = []
+    return [{"role": "user", "content": t} for t in turns]
+
+
+def _system_from_key(row: dict[str, Any], where: RowLocation) -> list[dict[str, str]]:
+    """The row's top-level ``system`` string as a system message; none when absent or null."""
     system = row.get("system")
-    if system is not None:
-        if not isinstance(system, str):
-            raise _fail(where, f"'system' must be a string, got {type(system).__name__}")
-        out.append({"role": "system", "content": system})
-    out.extend({"role": "user", "content": t} for t in turns)
-    return out
+    if system is None:
+        return []
+    if not isinstance(system, str):
+        raise _fail(where, f"'system' must be a string, got {type(system).__name__}")
+    return [{"role": "system", "content": system}]
 
 
 def check_structure(messages: list[dict[str, str]], where: RowLocation, expect: Expect) -> None:
@@ -251,6 +257,14 @@ def parse_row(
         messages = _messages_from_sharegpt(row["conversations"], where)
     else:
         messages = _messages_from_prompt(row, where)
+    system = _system_from_key(row, where)
+    if system and messages and messages[0]["role"] == "system":
+        raise _fail(
+            where,
+            f"the row has a 'system' key and its '{_FORMAT_KEYS[chosen]}' start with a system "
+            "message too; keep one of them",
+        )
+    messages = system + messages
     check_structure(messages, where, expect)
     ident = row_id(row, where, default_id)
     extra = {k: v for k, v in row.items() if k not in ("id", "messages", "conversations", "prompt")}

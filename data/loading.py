@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 import tempfile
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -141,7 +142,7 @@ def _read_jsonl(path: Path, suffix: str) -> Iterator[RawRow]:
                     yield RawRow(where, json.loads(line))
                 except json.JSONDecodeError as exc:
                     yield RawRow(where, error=f"invalid JSON: {exc.msg} (column {exc.colno})")
-    except (OSError, EOFError) as exc:
+    except (OSError, EOFError, zlib.error) as exc:  # zlib.error: a corrupt .gz stream
         raise DataFormatError(f"{path}: cannot be read: {exc}") from None
 
 
@@ -153,7 +154,7 @@ def _read_json(path: Path, suffix: str) -> Iterator[RawRow]:
         raise DataFormatError(
             f"{path}, line {exc.lineno}: invalid JSON: {exc.msg} (column {exc.colno})"
         ) from None
-    except (OSError, EOFError, UnicodeDecodeError) as exc:
+    except (OSError, EOFError, UnicodeDecodeError, zlib.error) as exc:
         raise DataFormatError(f"{path}: cannot be read: {exc}") from None
     if not isinstance(data, list):
         raise DataFormatError(
