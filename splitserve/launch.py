@@ -69,13 +69,20 @@ def preflight(cfg) -> None:
 
     The checkpoint ``train.resume`` would pick must be readable and built for
     this recipe's draft; the data is read and validated exactly as the target
-    ranks will read it (the overlap check is left to them). Raises
-    :class:`~draftforge.errors.InputError` (exit status 2) naming the file.
+    ranks will read it (the overlap check is left to them); a logger the recipe
+    turns on (``train.wandb``, ``train.tensorboard``) must be installed. Raises
+    :class:`~draftforge.errors.InputError` (exit status 2) naming the file or key.
     """
     from draftforge.files import nearest_existing
     from draftforge.splitserve.producer import load_source_conversations
     from draftforge.train import checkpoint as ckpt
+    from draftforge.train.metrics import missing_loggers
 
+    missing = missing_loggers(cfg.train)
+    if missing:  # found here, not by trainer rank 0 after the target has loaded
+        from draftforge.errors import InputError
+
+        raise InputError("; ".join(missing))
     run_dir = Path(cfg.train.output_dir)
     existing = nearest_existing(run_dir)
     if existing is not None and not existing.is_dir():
@@ -94,12 +101,21 @@ def preflight(cfg) -> None:
         from draftforge.splitserve.producer import NO_ANSWERS_FOR_MARKOV_INIT
 
         raise InputError(NO_ANSWERS_FOR_MARKOV_INIT)
-    if not conversations:
-        from draftforge.data.formats import DataFormatError
+    from draftforge.data.formats import DataFormatError
+    from draftforge.splitserve.producer import build_topology
 
+    if not conversations:
         raise DataFormatError(
             f"data.train_files {list(cfg.data.train_files)}: no conversations to train on (the files "
             "are empty, or every row was skipped as invalid); check the files"
+        )
+    # target rank i serves position i of the order first: one conversation each at least
+    producers = build_topology(cfg.split).producers
+    if len(conversations) < len(producers):
+        raise DataFormatError(
+            f"data.train_files {list(cfg.data.train_files)}: {len(conversations)} conversations for "
+            f"{len(producers)} target ranks, and each needs one at least; add data "
+            "(data.num_samples) or use fewer target ranks"
         )
 
 

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from draftforge.data.loading import RESERVED_ID_MARK
+from draftforge.errors import InputError
 from draftforge.splitserve.accounting import Meter
 
 if TYPE_CHECKING:
@@ -177,8 +178,6 @@ def load_source_conversations(cfg: RecipeConfig) -> tuple[list[Conversation], bo
     path = regenerated_path(data, cfg.train.output_dir)
     if not path.is_file():
         if data.regenerated_file is not None:  # named, so meant to exist: never answer silently
-            from draftforge.errors import InputError
-
             raise InputError(
                 f"data.regenerated_file {path}: no such file. Write it first with 'draftforge data "
                 "regenerate RECIPE' (same overrides), or leave data.regenerated_file unset to "
@@ -215,7 +214,6 @@ def markov_init_token_ids(cfg: RecipeConfig) -> list[list[int]]:
     """Token ids of the first training samples, tokenised as the producer does, for
     ``train.markov_init: bigram``. The answers must exist before training."""
     from draftforge.data.tokenize import tokenize_conversations
-    from draftforge.errors import InputError
     from draftforge.splitserve.target import load_tokenizer
 
     data = cfg.data.model_copy(update={"overlap_check": False})  # the target ranks check it
@@ -268,7 +266,7 @@ class SampleSource:
         self.context_turns = 0  # assistant turns the chat template rewrites later: not supervised
         self._answers: dict[int, list[Conversation]] = {}
         if not self.conversations:
-            raise ValueError("no training conversations: data.train_files gave no rows")
+            raise InputError("no training conversations: data.train_files gave no rows")
 
     def share(self) -> list[int]:
         """Indices (into the conversation list) this producer serves, in order."""
@@ -284,8 +282,8 @@ class SampleSource:
         """The stream: every sample of this producer's share, epoch after epoch."""
         max_epochs = self.cfg.split.max_epochs
         chunks = self.chunks()
-        if not chunks:
-            raise ValueError(
+        if not chunks:  # the data, not the code: exit status 2, which the launcher does not restart
+            raise InputError(
                 f"target rank {self.producer} has no conversations to serve: "
                 f"{len(self.conversations)} conversations for {len(self.topology.producers)} "
                 "target ranks; add data (data.num_samples) or use fewer target ranks"
@@ -319,7 +317,7 @@ class SampleSource:
                     if self.should_stop():
                         return
             if produced == 0:
-                raise ValueError(
+                raise InputError(
                     f"target rank {self.producer}: epoch {epoch} produced no sample (every "
                     f"conversation had fewer than data.min_loss_tokens={self.cfg.data.min_loss_tokens} "
                     "supervised tokens)"
@@ -548,9 +546,7 @@ def run_producer(
         meter.stop()
     pulse.close()
     # The trainers still return credits for what they hold; their stop is the last message.
-    if not gate.wait_all_stopped(split.peer_timeout_s):
-        raise T.PeerDied(dests[0] if len(dests) == 1 else -1, "trainer",
-                         "waiting for the trainers to stop", "Timed out")
+    gate.wait_all_stopped(split.peer_timeout_s)
     gate.join(timeout=10.0)
     summary = meter.summary()
     summary["max_outstanding"] = gate.max_outstanding

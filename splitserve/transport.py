@@ -544,16 +544,19 @@ class CreditGate:
         """Hand the producer thread an error met elsewhere (its first one wins)."""
         self.listener.fail(exc)
 
-    def _silent(self, dests: Sequence[int], doing: str) -> PeerDied | None:
-        """A :class:`PeerDied` for those of ``dests`` not heard from within the timeout."""
+    def _silent(self, dests: Sequence[int], doing: str,
+                timeout_s: float | None = None) -> PeerDied | None:
+        """A :class:`PeerDied` for those of ``dests`` not heard from within ``timeout_s``
+        (default: the gate's)."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         now = time.monotonic()
         silent = [d for d in dests
-                  if d not in self.stopped and now - self.heard[d] > self.timeout_s]
+                  if d not in self.stopped and now - self.heard[d] > timeout_s]
         if not silent:
             return None
         return PeerDied(silent[0] if len(silent) == 1 else -1, "trainer", doing,
                         f"Timed out: trainer ranks {silent} sent neither credits nor a heartbeat "
-                        f"for {self.timeout_s:.0f} s")
+                        f"for {timeout_s:.0f} s")
 
     def acquire(self, dests: Sequence[int], *, block: bool = True) -> int | None:
         """The first of ``dests`` (stopped trainers aside) whose link has a credit, waiting
@@ -594,14 +597,15 @@ class CreditGate:
         self.listener.join(timeout)
 
     def wait_all_stopped(self, timeout_s: float) -> bool:
-        """Block until every trainer has said stop; False once one of them has sent
-        nothing, not even a heartbeat, for ``timeout_s``; raises if a peer died."""
+        """Block until every trainer has said stop (True); raises if a peer died, and
+        :class:`PeerDied` naming the trainers that sent nothing, not even a heartbeat, for
+        ``timeout_s``."""
         with self._cond:
             while len(self.stopped) < len(self.dests) and self.error is None:
-                now = time.monotonic()
                 live = [d for d in self.dests if d not in self.stopped]
-                if any(now - self.heard[d] > timeout_s for d in live):
-                    return False
+                silent = self._silent(live, "waiting for the trainers to stop", timeout_s)
+                if silent is not None:
+                    raise silent
                 self._cond.wait(timeout=1.0)
             if self.error is not None:
                 raise self.error

@@ -197,14 +197,27 @@ class MetricsLog:
             self._tensorboard.close()
 
 
+WANDB_MISSING = ("train.wandb is true but wandb is not installed: .venv/bin/pip install 'wandb>=0.20' "
+                 "(or pip install 'draftforge[wandb]'), or set train.wandb=false")
+TENSORBOARD_MISSING = ("train.tensorboard is true but tensorboard is not installed: "
+                       ".venv/bin/pip install 'tensorboard>=2.16', or set train.tensorboard=false")
+
+
+def missing_loggers(train) -> list[str]:
+    """The install advice for each logger ``train`` turns on whose package is missing; the
+    launcher checks this before any rank starts (the trainer finds it only at its first step)."""
+    import importlib.util
+
+    found = {name: importlib.util.find_spec(name) is not None for name in ("wandb", "tensorboard")}
+    return ([WANDB_MISSING] if train.wandb and not found["wandb"] else []) + (
+        [TENSORBOARD_MISSING] if train.tensorboard and not found["tensorboard"] else [])
+
+
 def _start_wandb(run_dir: Path, *, train, recipe_yaml: str | None, resume_step: int):
     try:
         import wandb
     except ImportError as exc:
-        raise RuntimeError(
-            "train.wandb is true but wandb is not installed: .venv/bin/pip install 'wandb>=0.20' "
-            "(or pip install 'draftforge[wandb]'), or set train.wandb=false"
-        ) from exc
+        raise RuntimeError(WANDB_MISSING) from exc
     config = None
     if recipe_yaml is not None:
         import yaml
@@ -226,10 +239,7 @@ def _start_tensorboard(run_dir: Path, *, resume_step: int):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as exc:
-        raise RuntimeError(
-            "train.tensorboard is true but tensorboard is not installed: "
-            ".venv/bin/pip install 'tensorboard>=2.16', or set train.tensorboard=false"
-        ) from exc
+        raise RuntimeError(TENSORBOARD_MISSING) from exc
     # A resumed run redoes the steps after its checkpoint: purge_step drops the events
     # of the steps the interrupted run wrote past it, as the JSONL log drops its records.
     return SummaryWriter(log_dir=str(run_dir / "tensorboard"),
