@@ -108,12 +108,13 @@ class TargetSession:
         self._cache_arg = kv_cache_argument(model)
         self.cache = None
         self.length = 0
+        self._kept = 0  # tokens of one forward whose states the cache keeps for a rollback
 
     @torch.no_grad()
-    def _run(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _run(self, token_ids: Sequence[int], **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
         with captured_outputs({i: self._layers[i] for i in self.layer_ids}) as captured:
-            out = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: self.cache})
+            out = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: self.cache}, **kwargs)
         self.cache = getattr(out, self._cache_arg)
         self.length += len(token_ids)
         aux = None
@@ -122,20 +123,30 @@ class TargetSession:
         return out.logits[0].float(), aux
 
     def prefill(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Start a new sequence: next-token logits [L, V] fp32 and aux features [L, K*H_t]."""
-        self.cache, self.length = None, 0
-        return self._run(token_ids)
+        """Start a new sequence: the next-token logits of its last token [1, V] fp32 (the lm_head
+        runs on that one: [L, V] of a long prompt would not fit) and aux features [L, K*H_t]."""
+        self.cache, self.length, self._kept = None, 0, 0
+        return self._run(token_ids, logits_to_keep=1)
 
     def extend(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Append tokens at positions ``length ..``; their logits and aux features."""
+        """Append tokens at positions ``length ..``; their logits and aux features. A
+        :meth:`crop` follows before the next ``extend``."""
+        if len(token_ids) > self._kept and hasattr(self.cache, "activate_past_recording"):
+            # Sliding-window and linear-attention layers (Ling-3.0's KDA) keep only what the
+            # next token needs, so that no rejected draft could be rolled back: told so, they
+            # keep the states of this forward's tokens until the crop. Not on the prefill, whose
+            # states no crop needs (transformers' assisted decoding waits likewise).
+            self.cache.activate_past_recording(recurrent_states_to_keep=len(token_ids))
+            self._kept = len(token_ids)
         return self._run(token_ids)
 
     def crop(self, length: int) -> None:
-        """Keep the first ``length`` positions of the cache."""
+        """Keep the first ``length`` positions of the cache (also when that is all of them, once
+        :meth:`extend` asked the cache to keep states for a rollback: the crop trims them)."""
         remove = self.length - length
         if remove < 0:
             raise ValueError(f"cannot crop a cache of {self.length} positions to {length}")
-        if remove:
+        if remove or self._kept:
             self.cache.crop(-remove)
         self.length = length
 
