@@ -40,6 +40,11 @@ from draftforge.train.objective import ObjectiveOutput, dspark_objective
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 ATTENTION_BACKENDS = ("sdpa", "flex")
+POSITIVE_INT_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "intermediate_size", "target_hidden_size", "num_target_layers", "head_dim",
+    "max_position_embeddings",
+)  # fmt: skip
 
 
 @dataclass
@@ -68,6 +73,19 @@ class DSparkConfig:
     attention_backend: str = "sdpa"
 
     def __post_init__(self) -> None:
+        # A config.json read back (eval, export) arrives here unchecked: a zero or negative size
+        # would divide by zero, fail deep in nn.Linear or build a draft without heads, and a
+        # zero eps or theta turns the zero context rows of padding or every RoPE angle into NaN.
+        for name in POSITIVE_INT_FIELDS:
+            value = getattr(self, name)
+            if value is None and name == "head_dim":  # derived below
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(
