@@ -127,7 +127,7 @@ def launch_plan(cfg, recipe: str, overrides: Sequence[str], *, master_addr: str 
     addr = NODE0_PLACEHOLDER if unusable else master_addr
     from draftforge.splitserve.roles import comm_backend
 
-    gpu = "GPU" if comm_backend(cfg, gpus_visible=True) == "nccl" else "process"
+    gpu = "GPUs" if comm_backend(cfg, gpus_visible=True) == "nccl" else "processes"
     lines.append(
         f"  {layout.num_nodes} nodes x {layout.nproc_per_node} processes; torchrun static "
         f"rendezvous at {addr}:{master_port} (node 0)"
@@ -136,7 +136,7 @@ def launch_plan(cfg, recipe: str, overrides: Sequence[str], *, master_addr: str 
         ranks = layout.ranks(node)
         target = [r for r in ranks if r in split.target_ranks]
         trainer = [r for r in ranks if r in split.trainer_ranks]
-        local = f"local {gpu}s 0-{layout.nproc_per_node - 1} (LOCAL_RANK)"
+        local = f"local {gpu} 0-{layout.nproc_per_node - 1} (LOCAL_RANK)"
         lines.append(
             f"  node {node}: ranks {_span(ranks)}: target ranks {_span(target)}, trainer ranks "
             f"{_span(trainer)}; {local}"

@@ -88,6 +88,16 @@ def test_two_node_dry_run_prints_each_nodes_ranks_and_command(capsys, monkeypatc
         assert f"  on node {node}: draftforge train {TWO_NODE} --node-rank {node} --master-addr NODE0_ADDR" in plan
         assert f"    which runs: {_torchrun(node, 'NODE0_ADDR')}" in plan
     assert any("NODE0_ADDR: node 0's address" in line for line in plan)
+
+
+def test_a_two_node_plan_over_gloo_names_local_processes_not_gpus(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert train_main([TWO_NODE, "split.comm_backend=gloo", "train.device=cpu",
+                       "split.target_devices=null", "split.trainer_devices=null",
+                       "draft.attention_backend=sdpa", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    plan = out[out.index("\nlaunch:\n"):].splitlines()
+    assert "  node 0: ranks 0-7: target ranks 0-7, trainer ranks none; local processes 0-7 (LOCAL_RANK)" in plan
     assert any("listens on every interface at port 29500" in line for line in plan)
     assert "0.0.0.0" not in out
 
