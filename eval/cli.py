@@ -466,16 +466,13 @@ def _source(given, recipe: str | None, key: str) -> str:
 
 
 def _check_lengths(workloads: dict[str, list[list[int]]], max_new_tokens: int, limit: int, where) -> None:
-    """Refuse a prompt that, with ``max_new_tokens`` more, runs past the draft's positions;
-    ``where(name, index)`` names it (a --prompts-file line, or the workload and index)."""
+    """:func:`~draftforge.eval.harness.check_prompt_lengths` over every workload before any
+    decodes; ``where(name, index)`` names a prompt (a --prompts-file line, or the workload)."""
+    from draftforge.eval.harness import check_prompt_lengths
+
     for name, prompts in workloads.items():
-        for index, ids in enumerate(prompts):
-            if len(ids) + max_new_tokens > limit:
-                raise InputError(
-                    f"{where(name, index)}: {len(ids)} prompt tokens + --max-new-tokens {max_new_tokens} "
-                    f"exceed the draft's max_position_embeddings {limit}; lower --max-new-tokens or "
-                    "leave the prompt out"
-                )
+        check_prompt_lengths(prompts, max_new_tokens, limit, lambda index, name=name: where(name, index),
+                             option="--max-new-tokens")
 
 
 def _eos_ids(target) -> list[int]:

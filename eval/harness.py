@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from draftforge.errors import InputError
 from draftforge.eval.baselines import NgramProposer, NoDraft
 from draftforge.eval.calibration import round_samples
 from draftforge.eval.estimate import train_time_estimate
@@ -90,6 +91,20 @@ def summarize(results: Sequence[DecodeResult], block_size: int) -> dict:
     }
 
 
+def check_prompt_lengths(prompts: Sequence[Sequence[int]], max_new_tokens: int, limit: int,
+                         where: Callable[[int], str], *, option: str = "max_new_tokens") -> None:
+    """Refuse a prompt that, with ``max_new_tokens`` more, runs past the draft's ``limit``
+    positions (it would draft at positions it never trained on); ``where(index)`` names the
+    prompt, ``option`` the setting in the message."""
+    for index, ids in enumerate(prompts):
+        if len(ids) + max_new_tokens > limit:
+            raise InputError(
+                f"{where(index)}: {len(ids)} prompt tokens + {option} {max_new_tokens} exceed the "
+                f"draft's max_position_embeddings {limit}; lower --max-new-tokens or leave the "
+                "prompt out"
+            )
+
+
 def run_workload(
     name: str,
     prompts: Sequence[Sequence[int]],
@@ -102,14 +117,8 @@ def run_workload(
 ) -> WorkloadResult:
     """Decode every prompt with the draft and the baselines; greedy outputs are checked lossless."""
     gamma = draft.config.block_size
-    limit = draft.config.max_position_embeddings
-    for index, prompt in enumerate(prompts):
-        if len(prompt) + settings.max_new_tokens > limit:
-            raise ValueError(
-                f"workload {name!r}, prompt {index}: {len(prompt)} prompt tokens + max_new_tokens "
-                f"{settings.max_new_tokens} exceed the draft's max_position_embeddings {limit}; "
-                "lower --max-new-tokens or leave the prompt out"
-            )
+    check_prompt_lengths(prompts, settings.max_new_tokens, draft.config.max_position_embeddings,
+                         lambda index: f"workload {name!r}, prompt {index}")
     decode = DecodeSettings(
         max_new_tokens=settings.max_new_tokens,
         temperature=settings.temperature,
