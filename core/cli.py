@@ -6,10 +6,10 @@ the remaining arguments (``main(argv) -> int | None``) and parses them itself,
 so commands own their options and their modules are imported only when the
 command runs: ``draftforge --help`` never imports torch.
 
-A :class:`~draftforge.config.RecipeError` or an
-:class:`~draftforge.errors.InputError` (a corrupt checkpoint, a truncated data
-file, a draft that does not fit its target) from any command is printed without
-a traceback and exits with status 2.
+An :class:`~draftforge.errors.InputError` (a bad recipe, a corrupt checkpoint, a
+truncated data file, a draft that does not fit its target) from any command is
+printed without a traceback and exits with status 2; a recipe's
+(:class:`~draftforge.config.RecipeError`) is headed "invalid recipe:".
 """
 
 from __future__ import annotations
@@ -204,8 +204,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write("draftforge: interrupted\n")
         return 130
     except Exception as exc:
-        # A RecipeError can only come from an already imported draftforge.config;
-        # looking it up here keeps the config stack out of commands that never load one.
+        # A RecipeError (an InputError, headed here by what it is about) can only come from
+        # an already imported draftforge.config; looking it up here keeps the config stack
+        # out of commands that never load one.
         config = sys.modules.get("draftforge.config")
         if config is not None and isinstance(exc, config.RecipeError):
             sys.stderr.write(f"draftforge {command.name}: invalid recipe:\n{exc}\n")

@@ -28,6 +28,7 @@ import yaml
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError
 
 from draftforge.data.config import DataConfig
+from draftforge.errors import InputError
 from draftforge.eval.config import EvalConfig
 from draftforge.files import write_atomic
 from draftforge.section import Section
@@ -47,7 +48,7 @@ __all__ = [
 KeyPath = tuple[str | int, ...]
 
 
-class RecipeError(ValueError):
+class RecipeError(InputError):
     """A recipe (or an override of it) is invalid.
 
     ``problems`` holds one line per problem; ``str(error)`` joins them.
@@ -541,9 +542,27 @@ def _check_draft(cfg: RecipeConfig, shape: TargetShape | None) -> list[Problem]:
             )
         if draft.rope_theta is None and _rope_theta_known(cfg.target):
             draft.rope_theta = shape.rope_theta  # else None: splitserve.registry.rope_theta_problem
-        if draft.max_position_embeddings is None:
+        # known from the target's config.json, target.shape or the registry; the section's
+        # default is the target's own only for model: random, which is built from it
+        positions_known = (cfg.target.model == "random"
+                           or "max_position_embeddings" in shape.model_fields_set)
+        if draft.max_position_embeddings is None and positions_known:
             draft.max_position_embeddings = shape.max_position_embeddings
-        if cfg.data.max_length > shape.max_position_embeddings:
+        elif draft.max_position_embeddings is None:
+            config_json = Path(cfg.target.model).expanduser() / "config.json"
+            why = (f"{config_json} gives none" if config_json.is_file()
+                   else f"{config_json} cannot be read here")
+            problems.append(
+                (
+                    ("draft", "max_position_embeddings"),
+                    f"not set, and the target's is not known ({why} and target.shape does not "
+                    "declare max_position_embeddings): set it to the longest position the draft "
+                    f"is to serve (at least data.max_length {cfg.data.max_length}; it becomes the "
+                    "export's max_position_embeddings and bounds eval's prompts), or declare "
+                    "target.shape.max_position_embeddings",
+                )
+            )
+        if positions_known and cfg.data.max_length > shape.max_position_embeddings:
             problems.append(
                 (
                     ("data", "max_length"),

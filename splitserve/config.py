@@ -25,7 +25,10 @@ class TargetShape(Section):
     num_key_value_heads: int = Field(default=2, gt=0, description="key/value heads of the target")
     intermediate_size: int = Field(default=128, gt=0, description="MLP width of the target")
     max_position_embeddings: int = Field(
-        default=2048, gt=0, description="longest position the target supports"
+        default=2048,
+        gt=0,
+        description="longest position the target supports (the default is taken as the "
+        "target's only for model: random)",
     )
     rope_theta: float = Field(default=10000.0, gt=0, description="RoPE base of the target")
     num_parameters: int | None = Field(

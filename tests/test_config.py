@@ -269,7 +269,8 @@ def test_an_unknown_target_name_is_refused_at_its_line(tmp_path):
     assert "r.yaml:2: target.model: 'smollm2-135m' is neither a registered name" in problem
     assert "smollm2-135m-instruct, random" in problem and "declare target.shape" in problem
     # a folder that is not here is fine once its shape is declared (a dry run without weights)
-    declared = load_recipe(write(tmp_path, BASE.replace("model: random", "model: /no/such/model")))
+    declared = load_recipe(write(tmp_path, BASE.replace("model: random", "model: /no/such/model")),
+                           ["target.shape.max_position_embeddings=2048"])
     assert declared.target.shape.hidden_size == 64
 
 

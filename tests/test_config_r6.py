@@ -63,7 +63,8 @@ def test_a_declared_shape_field_the_config_json_omits_is_used_not_refused(tmp_pa
 
 
 def test_a_declared_shape_field_the_config_json_gives_is_still_checked(tmp_path):
-    path = _recipe(tmp_path, {"rope_theta": 1000000.0, "num_key_value_heads": 4})
+    path = _recipe(tmp_path, {"rope_theta": 1000000.0, "num_key_value_heads": 4,
+                              "max_position_embeddings": 32768})
     with pytest.raises(RecipeError) as err:
         load_recipe(path)
     assert err.value.problems == [

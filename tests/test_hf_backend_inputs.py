@@ -17,7 +17,8 @@ from draftforge.splitserve.target import build_target, check_layer_ids, load_tok
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
 # tiny-debug's target shape: a folder of this shape passes the recipe's own shape check
 TINY_DEBUG_SHAPE = {"num_hidden_layers": 4, "hidden_size": 64, "vocab_size": 49152,
-                    "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+                    "max_position_embeddings": 2048}
 
 
 def remote_code_folder(path):

@@ -69,7 +69,7 @@ def test_a_config_json_without_the_shape_is_refused_at_load_naming_the_field(tmp
     )
     # the way out the message names
     shape = {"num_hidden_layers": 4, "hidden_size": 64, "vocab_size": 49152, "num_attention_heads": 4,
-             "num_key_value_heads": 4, "rope_theta": 10000.0}  # fmt: skip
+             "num_key_value_heads": 4, "rope_theta": 10000.0, "max_position_embeddings": 2048}  # fmt: skip
     cfg = load_recipe(target_recipe(tmp_path, config, {"shape": shape}))
     assert cfg.target.shape.num_key_value_heads == 4 and cfg.draft.rope_theta == 10000.0
 

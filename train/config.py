@@ -45,7 +45,13 @@ class DraftConfig(Section):
     )
     rope_theta: float | None = Field(default=None, gt=0, description="default: the target's")
     rms_norm_eps: float = Field(default=1e-6, gt=0, description="epsilon of the RMS norms")
-    max_position_embeddings: int | None = Field(default=None, gt=0, description="default: the target's")
+    max_position_embeddings: int | None = Field(
+        default=None,
+        gt=0,
+        description="longest position the draft serves (the export's max_position_embeddings, "
+        "the bound on eval's prompts); default: the target's, from its config.json or "
+        "target.shape; a recipe whose target gives none must set it (at least data.max_length)",
+    )
     attention_backend: Literal["sdpa", "flex"] = Field(
         default="sdpa", description="sdpa: dense mask, CPU and GPU; flex: block mask, GPU"
     )
