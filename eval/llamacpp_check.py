@@ -85,6 +85,7 @@ def replay(session, proposer, prompt: Sequence[int], *, max_new_tokens: int, eos
 
     from draftforge.eval.speculative import confidence_cut, greedy_accept, top2_margins
 
+    proposer.start()
     _, features = session.prefill(list(prompt[:-1]))
     sequence, anchor = list(prompt[:-1]), prompt[-1]
     run = Replay(len(prompt), 0, 0, 0, [])

@@ -8,7 +8,9 @@ One prompt at a time (batch 1), the target runs with a KV cache:
    draft runs the block ``[x_p, MASK, ...]`` at positions ``p .. p+γ-1`` over
    the context features of positions ``< p`` (a growing buffer of the
    auxiliary layer outputs the target produced while verifying), then the
-   sequential Markov drafting.
+   sequential Markov drafting. As a server keeps its draft KV cache, the
+   draft keeps the context's projected keys and values across rounds and
+   projects only the positions accepted since the last one.
 3. The target verifies ``[x_p, d_0 .. d_{n-1}]`` (width ``n + 1``) in one
    forward with its cache: greedy accepts the longest prefix with
    ``d_k == argmax``, sampling uses standard rejection sampling; the target's
@@ -39,6 +41,7 @@ from torch import nn
 
 from draftforge.splitserve.hf_backend import captured_outputs, decoder_layers_and_norm
 from draftforge.splitserve.sampling import kv_cache_argument, top_k_top_p
+from draftforge.train.model import ContextCache
 
 
 class LosslessCheckError(AssertionError):
@@ -211,6 +214,9 @@ class Proposer:
     name = "none"
     needs_features = False
 
+    def start(self) -> None:
+        """A new sequence begins (:func:`speculative_decode` calls this before its first round)."""
+
     def propose(self, sequence: list[int], features: torch.Tensor | None) -> Proposal:
         return Proposal(tokens=[])
 
@@ -241,6 +247,10 @@ class DraftProposer(Proposer):
         self.generator = generator
         self.block_size = draft.config.block_size
         self.record_margins = record_margins  # greedy: keep each slot's top-2 margin (Proposal.margins)
+        self.cache = ContextCache()  # the context's keys and values, kept across rounds as servers keep them
+
+    def start(self) -> None:
+        self.cache.clear()
 
     @torch.no_grad()
     def propose(self, sequence: list[int], features: torch.Tensor | None) -> Proposal:
@@ -248,7 +258,7 @@ class DraftProposer(Proposer):
         device = self.draft.fc.weight.device
         anchor = torch.tensor([sequence[-1]], dtype=torch.long, device=device)
         aux = features[:anchor_pos].unsqueeze(0).to(device)
-        hidden = self.draft.block_forward(anchor, anchor_pos, aux)
+        hidden = self.draft.block_forward(anchor, anchor_pos, aux, cache=self.cache)
         if self.draws:
 
             def distribution(logits):
@@ -346,6 +356,7 @@ def speculative_decode(
     plain = proposer.name == "none"  # plain decoding: record the lossless reference margins
     start = time.perf_counter()
 
+    proposer.start()
     logits, aux = session.prefill(list(prompt))
     sequence = list(prompt)
     features = aux if proposer.needs_features else None

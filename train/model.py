@@ -192,26 +192,27 @@ class InjectedAttention(nn.Module):
         batch, length, _ = x.shape
         return proj(x).view(batch, length, num_heads, self.head_dim).transpose(1, 2)
 
+    def context_kv(
+        self, ctx: torch.Tensor, ctx_rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """ctx [B, S, H] (fused context) -> its injected keys (normed, rotated) and values,
+        each [B, kv_heads, S, head_dim]. Each position's pair depends on that position alone,
+        so a decoder can keep the pairs of a growing context and add only the new positions'."""
+        k = apply_rope(self.k_norm(self._heads(ctx, self.k_proj, self.num_kv_heads)), *ctx_rope)
+        return k, self._heads(ctx, self.v_proj, self.num_kv_heads)
+
     def forward(
         self,
         x: torch.Tensor,
-        ctx: torch.Tensor,
+        ctx_kv: tuple[torch.Tensor, torch.Tensor],
         block_rope: tuple[torch.Tensor, torch.Tensor],
-        ctx_rope: tuple[torch.Tensor, torch.Tensor],
         attend,
     ) -> torch.Tensor:
-        """x [B, L, H] (normed block), ctx [B, S, H] (fused context) -> [B, L, H]."""
+        """x [B, L, H] (normed block), ctx_kv from :meth:`context_kv` -> [B, L, H]."""
         q = apply_rope(self.q_norm(self._heads(x, self.q_proj, self.num_heads)), *block_rope)
         k_block = apply_rope(self.k_norm(self._heads(x, self.k_proj, self.num_kv_heads)), *block_rope)
-        k_ctx = apply_rope(self.k_norm(self._heads(ctx, self.k_proj, self.num_kv_heads)), *ctx_rope)
-        k = torch.cat([k_ctx, k_block], dim=2)
-        v = torch.cat(
-            [
-                self._heads(ctx, self.v_proj, self.num_kv_heads),
-                self._heads(x, self.v_proj, self.num_kv_heads),
-            ],
-            dim=2,
-        )
+        k = torch.cat([ctx_kv[0], k_block], dim=2)
+        v = torch.cat([ctx_kv[1], self._heads(x, self.v_proj, self.num_kv_heads)], dim=2)
         out = attend(q, k, v)
         batch, _, length, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
@@ -238,8 +239,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, h, ctx, block_rope, ctx_rope, attend) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), ctx, block_rope, ctx_rope, attend)
+    def forward(self, h, block_rope, attend, *, ctx=None, ctx_rope=None, ctx_kv=None) -> torch.Tensor:
+        """The block ``h`` over the fused context ``ctx`` at ``ctx_rope``, or over its keys and
+        values ``ctx_kv`` when a decoder kept them. Training passes ``ctx``: the projections run
+        inside this module's forward, where FSDP2 has gathered its parameters."""
+        if ctx_kv is None:
+            ctx_kv = self.self_attn.context_kv(ctx, ctx_rope)
+        h = h + self.self_attn(self.input_layernorm(h), ctx_kv, block_rope, attend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -366,6 +372,39 @@ def flex_attend(block_mask):
     return attend
 
 
+class ContextCache:
+    """The draft's injected context keys and values of one sequence being decoded.
+
+    The context only grows while a sequence is decoded (accepted tokens are appended), and
+    each position's keys and values depend on that position alone, so :meth:`extend` projects
+    only the positions added since the last block. Start a new cache (or :meth:`clear` this
+    one) for each sequence.
+    """
+
+    def __init__(self) -> None:
+        self.length = 0
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def clear(self) -> None:
+        self.length, self.kv = 0, []
+
+    def extend(self, draft: DSparkDraft, aux: torch.Tensor, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's keys and values of positions ``0 .. length - 1``, projecting
+        ``aux[:, self.length:length]``; ``aux`` [B, >= length, K*H_t] is the whole context."""
+        if length < self.length:
+            raise ValueError(
+                f"the draft's context cache holds {self.length} positions and the block asks for "
+                f"{length}: a new sequence needs a new cache (ContextCache.clear)"
+            )
+        if length > self.length or not self.kv:
+            new = draft.context_kv(aux[:, self.length : length], start=self.length)
+            if self.kv:
+                new = [(torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2))
+                       for (k, v), (nk, nv) in zip(self.kv, new, strict=True)]
+            self.kv, self.length = new, length
+        return self.kv
+
+
 class DSparkDraft(nn.Module):
     """The draft. Trainable: fc, hidden_norm, layers, norm, Markov and confidence heads."""
 
@@ -428,25 +467,47 @@ class DSparkDraft(nn.Module):
         """aux [B, S, K*H_t] -> ctx [B, S, H]."""
         return self.hidden_norm(self.fc(aux.to(self.fc.weight.dtype)))
 
+    def context_kv(self, aux: torch.Tensor, start: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Inference: aux [B, S, K*H_t] of positions ``start .. start + S - 1`` -> every layer's
+        injected keys and values of those positions (:meth:`InjectedAttention.context_kv`).
+        Not for a sharded draft: it calls the layers' projections outside their forward."""
+        ctx, ctx_rope = self.fuse_context(aux), self._rope(start, aux.shape[1], aux)
+        return [layer.self_attn.context_kv(ctx, ctx_rope) for layer in self.layers]
+
+    def _rope(self, start: int, length: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(start, start + length, device=like.device).expand(like.shape[0], -1)
+        return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, self.fc.weight.dtype)
+
     def backbone(
         self,
         block_ids: torch.Tensor,
         block_positions: torch.Tensor,
-        ctx: torch.Tensor,
-        ctx_positions: torch.Tensor,
         attend,
+        *,
+        ctx: torch.Tensor | None = None,
+        ctx_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
-        """Block tokens [B, L] at positions [B, L] over context [B, S, H] -> post-norm h [B, L, H]."""
+        """Block tokens [B, L] at positions [B, L] over the fused context ``ctx`` [B, S, H] at
+        positions 0 .. S - 1, or over every layer's context keys and values ``ctx_kv``
+        (:meth:`context_kv`) -> post-norm h [B, L, H]."""
         cfg = self.config
         h = self.embed_tokens(block_ids).to(self.fc.weight.dtype)
         block_rope = rope_cos_sin(block_positions, cfg.head_dim, cfg.rope_theta, h.dtype)
-        ctx_rope = rope_cos_sin(ctx_positions, cfg.head_dim, cfg.rope_theta, h.dtype)
-        for layer in self.layers:
-            h = layer(h, ctx, block_rope, ctx_rope, attend)
+        ctx_rope = None if ctx is None else self._rope(0, ctx.shape[1], ctx)
+        for index, layer in enumerate(self.layers):
+            kv = None if ctx_kv is None else ctx_kv[index]
+            h = layer(h, block_rope, attend, ctx=ctx, ctx_rope=ctx_rope, ctx_kv=kv)
         return self.norm(h)
 
-    def block_forward(self, anchor_token: torch.Tensor, anchor_pos: int, aux: torch.Tensor) -> torch.Tensor:
-        """Inference: one block per sequence. anchor_token [B], aux [B, anchor_pos, K*H_t] -> h [B, γ, H].
+    def block_forward(
+        self, anchor_token: torch.Tensor, anchor_pos: int, aux: torch.Tensor,
+        cache: ContextCache | None = None,
+    ) -> torch.Tensor:
+        """Inference: one block per sequence. anchor_token [B], aux [B, >= anchor_pos, K*H_t] -> h [B, γ, H].
+
+        The block sees the context positions ``0 .. anchor_pos - 1``. With a ``cache`` (one per
+        sequence being decoded), only the positions it does not hold yet are projected, as a
+        server keeps the draft's context KV; without one, the whole context is.
 
         The anchor must lie within ``max_position_embeddings``, as every training anchor does
         (the block's later slots may reach past it, as in training)."""
@@ -461,22 +522,22 @@ class DSparkDraft(nn.Module):
         block_ids = torch.full((batch, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=device)
         block_ids[:, 0] = anchor_token
         block_positions = (anchor_pos + torch.arange(cfg.block_size, device=device)).expand(batch, -1)
-        ctx = self.fuse_context(aux[:, :anchor_pos])
-        ctx_positions = torch.arange(anchor_pos, device=device).expand(batch, -1)
-        return self.backbone(block_ids, block_positions, ctx, ctx_positions, sdpa_attend(None))
+        if cache is None:
+            return self.backbone(block_ids, block_positions, sdpa_attend(None),
+                                 ctx=self.fuse_context(aux[:, :anchor_pos]))
+        return self.backbone(block_ids, block_positions, sdpa_attend(None),
+                             ctx_kv=cache.extend(self, aux, anchor_pos))
 
     def packed_hidden(self, input_ids: torch.Tensor, aux: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
         """Training: every block of the batch in one forward -> post-norm h [B, A, γ, H]."""
         cfg = self.config
         batch, seq_len = input_ids.shape
         block_ids = block_input_ids(input_ids, layout.anchors, cfg.block_size, cfg.mask_token_id)
-        ctx = self.fuse_context(aux)
-        ctx_positions = torch.arange(seq_len, device=input_ids.device).expand(batch, -1)
         if cfg.attention_backend == "flex":
             attend = flex_attend(flex_block_mask(layout.anchors, seq_len, cfg.block_size))
         else:
             attend = sdpa_attend(dense_block_mask(layout.anchors, seq_len, cfg.block_size))
-        hidden = self.backbone(block_ids, layout.positions.flatten(1), ctx, ctx_positions, attend)
+        hidden = self.backbone(block_ids, layout.positions.flatten(1), attend, ctx=self.fuse_context(aux))
         return hidden.view(batch, layout.num_anchors, cfg.block_size, -1)
 
     def forward(
