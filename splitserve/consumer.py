@@ -68,7 +68,8 @@ class ConsumerStream:
                 loss_mask=wire.loss_mask,
                 aux=wire.aux,
                 final=wire.final,
-                provenance={**self.provenance, "target_rank": src, "chunk_end": wire.chunk_end},
+                provenance={**self.provenance, "target_rank": src, "chunk_end": wire.chunk_end,
+                            "dropped_ids": wire.dropped_ids},
             )
             if self.accounting is not None:
                 self.accounting.on_take(depth, sample.num_tokens, waited)

@@ -21,7 +21,9 @@ sees exactly the samples an uninterrupted run would have:
 - sample ids are the conversation ids, with ``#e<epoch>`` appended after the
   first epoch. Samples whose ids the trainers already consumed (their
   checkpoint) are skipped; a chunk consumed entirely is skipped without being
-  computed at all.
+  computed at all. The ids of conversations dropped for ``data.min_loss_tokens``
+  go to the trainers with the next sample, and their checkpoint records them as
+  consumed with it, so a chunk that holds one counts as consumed too.
 
 Epochs repeat until every trainer says stop (or ``split.max_epochs``).
 """
@@ -148,6 +150,7 @@ class ProducedSample:
     final: torch.Tensor  # [S, H_t]
     chunk_end: bool = False  # the last sample of its chunk sent to ``dest``
     chunk_last: bool = False  # the last sample of its chunk (on any link)
+    dropped_ids: tuple[str, ...] = ()  # dropped for data.min_loss_tokens since the last sample
 
     @property
     def num_tokens(self) -> int:
@@ -265,6 +268,7 @@ class SampleSource:
         self.dropped_short = 0
         self.context_turns = 0  # assistant turns the chat template rewrites later: not supervised
         self._answers: dict[int, list[Conversation]] = {}
+        self._dropped: list[str] = []  # ids dropped for data.min_loss_tokens, for the next sample
         if not self.conversations:
             raise InputError("no training conversations: data.train_files gave no rows")
 
@@ -313,6 +317,7 @@ class SampleSource:
                     if sample.sample_id in self.consumed:
                         self.skipped_consumed += 1
                         continue
+                    sample.dropped_ids, self._dropped = tuple(self._dropped), []
                     yield sample
                     if self.should_stop():
                         return
@@ -329,10 +334,11 @@ class SampleSource:
         """The chunk's samples, and how many of its samples were not computed because a resumed
         run's trainers consumed their whole feature batch (counted in ``skipped_consumed``).
 
-        A chunk that holds a sample dropped for ``data.min_loss_tokens`` is never wholly
-        consumed; skipping whole feature batches keeps a resume from featurising every such
-        chunk of every past epoch again, and keeps the other batches' rows, so their features
-        are the ones the uninterrupted run computed."""
+        A chunk that holds a sample dropped for ``data.min_loss_tokens`` is not wholly
+        consumed until the trainers record the drop (a checkpoint from before they took the
+        sample carrying it, or one written without dropped ids); skipping whole feature
+        batches keeps a resume from featurising every such chunk again, and keeps the other
+        batches' rows, so their features are the ones the uninterrupted run computed."""
         from draftforge.data.formats import Conversation
         from draftforge.data.tokenize import tokenize_conversations
 
@@ -361,6 +367,8 @@ class SampleSource:
                 enable_thinking=settings.enable_thinking,
             )
         self.dropped_short += stats.num_dropped_short
+        dropped = (epoch_id(conv_id, epoch) for conv_id in stats.dropped_ids)
+        self._dropped += [i for i in dropped if i not in self.consumed]
         if stats.num_context_turns and not self.context_turns:
             self.log(f"target rank {self.producer}: the chat template rewrites earlier assistant turns "
                      "in later prompts (e.g. drops their reasoning); those turns are context, not "
@@ -472,7 +480,8 @@ def run_producer(
         consumed=consumed, meter=meter, should_stop=gate.all_stopped, log=log,
     )
     if consumed:
-        log(f"target rank {rank}: resuming; the trainers already consumed {len(consumed)} samples")
+        log(f"target rank {rank}: resuming; the trainers already consumed {len(consumed)} samples "
+            "(or dropped them for data.min_loss_tokens)")
     seq = dict.fromkeys(dests, 0)
     # Each link keeps its own order, but links do not wait on each other: a trainer whose
     # link is full (it holds a step's data and waits in a collective for the others) must
@@ -501,7 +510,7 @@ def run_producer(
                     dest, sample.sample_id, sample.input_ids, sample.loss_mask,
                     sample.aux, sample.final, seq_no=seq[dest],
                     stats=meter.wire_stats(), chunk_end=sample.chunk_end,
-                    group=data_group, device=device, meter=meter,
+                    dropped_ids=sample.dropped_ids, group=data_group, device=device, meter=meter,
                 )
                 gate.note_sent(dest)
             seq[dest] += 1

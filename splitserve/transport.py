@@ -6,12 +6,15 @@ of :data:`HEADER_LEN` values ``[MAGIC, kind, ...]``:
 
 ``SAMPLE`` (producer -> trainer, data group)
     header ``[MAGIC, SAMPLE, S, aux_dim, final_dim, dtype, id_bytes, seq_no,
-    busy_us, idle_us, tokens, wall_us, chunk_end, 0...]`` (``busy_us`` to
-    ``wall_us``: the producer's running accounting; ``chunk_end`` = 1 on the last
-    sample of a regeneration chunk sent on this link, which ``bench split`` times
-    to), then ``ints`` int64 ``[2*S + id_bytes]`` = input ids, loss mask, the
-    sample id's UTF-8 bytes, then ``feats`` ``[S, aux_dim + final_dim]`` in
-    bf16 (aux and final side by side).
+    busy_us, idle_us, tokens, wall_us, chunk_end, n_dropped, dropped_bytes, 0]``
+    (``busy_us`` to ``wall_us``: the producer's running accounting; ``chunk_end`` = 1
+    on the last sample of a regeneration chunk sent on this link, which ``bench
+    split`` times to; ``n_dropped`` and ``dropped_bytes``: how many ids of conversations
+    the producer dropped for ``data.min_loss_tokens`` since its last sample follow, and
+    their UTF-8 length; the trainer's checkpoint records them with this sample), then
+    ``ints`` int64 ``[2*S + id_bytes + n_dropped + dropped_bytes]`` = input ids, loss
+    mask, the sample id's UTF-8 bytes, the dropped ids' lengths and UTF-8 bytes, then
+    ``feats`` ``[S, aux_dim + final_dim]`` in bf16 (aux and final side by side).
 ``END`` (producer -> trainer, data group)
     header only: the producer sends nothing more on this link.
 ``TENSOR`` (producer -> trainer, data group)
@@ -110,6 +113,7 @@ class WireSample:
     seq_no: int
     producer_stats: dict[str, float]
     chunk_end: bool = False
+    dropped_ids: tuple[str, ...] = ()  # dropped for data.min_loss_tokens (see the SAMPLE message)
 
 
 def _header(kind: int, values: Sequence[int] = (), device: torch.device | str = "cpu"):
@@ -169,21 +173,25 @@ def _recv_head(src: int, group, device, doing: str, expected: Iterable[int],
 
 
 def encode_sample(
-    sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor, final: torch.Tensor
-) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    """The shape fields of the header, the ``ints`` body and the bf16 ``feats`` body of a sample."""
+    sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor, final: torch.Tensor,
+    dropped_ids: Sequence[str] = (),
+) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
+    """The shape fields and the dropped-id fields of the header, the ``ints`` body and the
+    bf16 ``feats`` body of a sample."""
     seq = int(input_ids.shape[0])
     if aux.shape[0] != seq or final.shape[0] != seq or loss_mask.shape[0] != seq:
         raise ValueError(f"sample {sample_id!r}: ids, mask, aux and final differ in length")
     id_bytes = sample_id.encode("utf-8")
-    ints = torch.empty(2 * seq + len(id_bytes), dtype=torch.int64, device=input_ids.device)
+    dropped = [i.encode("utf-8") for i in dropped_ids]
+    tail = [*id_bytes, *(len(b) for b in dropped), *b"".join(dropped)]
+    ints = torch.empty(2 * seq + len(tail), dtype=torch.int64, device=input_ids.device)
     ints[:seq] = input_ids
     ints[seq : 2 * seq] = loss_mask.to(torch.int64)
-    if id_bytes:
-        ints[2 * seq :] = torch.tensor(list(id_bytes), dtype=torch.int64)
+    if tail:
+        ints[2 * seq :] = torch.tensor(tail, dtype=torch.int64)
     feats = torch.cat([aux.to(WIRE_DTYPE), final.to(WIRE_DTYPE)], dim=-1)
     fields = [seq, aux.shape[1], final.shape[1], DTYPE_CODES[WIRE_DTYPE], len(id_bytes)]
-    return fields, ints, feats
+    return fields, [len(dropped), sum(len(b) for b in dropped)], ints, feats
 
 
 def send_sample(
@@ -197,18 +205,20 @@ def send_sample(
     seq_no: int,
     stats: Sequence[int] = (0, 0, 0, 0),
     chunk_end: bool = False,
+    dropped_ids: Sequence[str] = (),
     group=None,
     device: torch.device | str = "cpu",
     meter=None,
 ) -> None:
-    """Send one sample to trainer ``dst`` (header, ints, bf16 features).
+    """Send one sample to trainer ``dst`` (header, ints, bf16 features), with the ids of the
+    conversations dropped since the last sample (``dropped_ids``).
 
     ``meter`` (an accounting ``Meter``): the header's send counts as idle ("turn"), since it
     waits until the trainer posts the matching receive (a trainer fed by several producers
     receives from them in turn); the ints and features as busy ("send")."""
-    fields, ints, feats = encode_sample(sample_id, input_ids, loss_mask, aux, final)
+    fields, dropped, ints, feats = encode_sample(sample_id, input_ids, loss_mask, aux, final, dropped_ids)
     doing = f"sending sample {sample_id!r}"
-    head = _header(SAMPLE, [*fields, seq_no, *stats, int(chunk_end)], device)
+    head = _header(SAMPLE, [*fields, seq_no, *stats, int(chunk_end), *dropped], device)
     with meter.idle("turn") if meter is not None else contextlib.nullcontext():
         _send(head, dst, group, "trainer", doing)
     with meter.busy("send") if meter is not None else contextlib.nullcontext():
@@ -231,14 +241,18 @@ def recv_sample(
     if head[1] == END:
         return None
     seq, aux_dim, final_dim, dtype_code, id_len, seq_no, busy, idle, tokens, wall, chunk_end = head[2:13]
+    num_dropped, dropped_len = head[13:15]
     dtype = CODE_DTYPES.get(dtype_code)
-    if dtype is None or seq <= 0 or aux_dim <= 0 or final_dim <= 0 or id_len < 0:
+    if (dtype is None or seq <= 0 or aux_dim <= 0 or final_dim <= 0 or id_len < 0
+            or num_dropped < 0 or dropped_len < 0):
         raise WireError(f"rank {src} sent a malformed sample header {head}")
-    ints = torch.empty(2 * seq + id_len, dtype=torch.int64, device=device)
+    ints = torch.empty(2 * seq + id_len + num_dropped + dropped_len, dtype=torch.int64, device=device)
     _recv(ints, src, group, "target", "receiving a sample's token ids")
     feats = torch.empty(seq, aux_dim + final_dim, dtype=dtype, device=device)
     _recv(feats, src, group, "target", "receiving a sample's features")
-    sample_id = bytes(ints[2 * seq :].cpu().tolist()).decode("utf-8")
+    tail = ints[2 * seq :].cpu().tolist()
+    sample_id = bytes(tail[:id_len]).decode("utf-8")
+    dropped = _decode_ids(tail[id_len : id_len + num_dropped], bytes(tail[id_len + num_dropped :]))
     return WireSample(
         sample_id=sample_id,
         input_ids=ints[:seq].clone(),
@@ -253,6 +267,7 @@ def recv_sample(
             "wall_s": wall / 1e6,
         },
         chunk_end=bool(chunk_end),
+        dropped_ids=tuple(dropped),
     )
 
 
@@ -385,10 +400,14 @@ def _hello_ids(head: list[int], src: int, group) -> set[str]:
     _recv(lengths, src, group, "trainer", "receiving the resume state")
     data = torch.empty(nbytes, dtype=torch.uint8)
     _recv(data, src, group, "trainer", "receiving the resume state")
-    blob = bytes(data.tolist())
-    ids, offset = set(), 0
-    for length in lengths.tolist():
-        ids.add(blob[offset : offset + length].decode("utf-8"))
+    return set(_decode_ids(lengths.tolist(), bytes(data.tolist())))
+
+
+def _decode_ids(lengths: Sequence[int], blob: bytes) -> list[str]:
+    """The ids whose UTF-8 encodings of ``lengths`` lie one after another in ``blob``."""
+    ids, offset = [], 0
+    for length in lengths:
+        ids.append(blob[offset : offset + length].decode("utf-8"))
         offset += length
     return ids
 

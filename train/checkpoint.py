@@ -3,7 +3,9 @@
 Layout of ``run_dir/checkpoints/step_XXXXXXXX``::
 
     trainer_state.json    step, skipped steps, schedule, consumed sample ids per
-                          trainer rank, the caller's extra state
+                          trainer rank, the ids of conversations dropped as too
+                          short (recorded per trainer rank with the sample that
+                          told of them), the caller's extra state
     draft_config.json     the draft's DSparkConfig (resume and export check it)
     rng/rank_R.safetensors  torch RNG state of trainer rank R
     model.safetensors     the full model state, unsharded (fsdp2 and deepspeed gather it

@@ -59,7 +59,7 @@ class ResumeInfo:
 
     step: int
     consumed_ids: list[str]  # this trainer rank's
-    all_consumed_ids: set[str]  # every trainer rank's
+    all_consumed_ids: set[str]  # every trainer rank's, and the ids their samples said were dropped
     extra: dict
     path: Path
     schedule_change: str = ""  # non-empty when this run's schedule differs at the resumed step
@@ -161,6 +161,9 @@ class Trainer:
         self.step = 0
         self.skipped_steps = 0
         self.consumed_ids: list[str] = []
+        # ids of conversations their producer dropped (too few supervised tokens), recorded with
+        # the sample that told of them: a resumed producer counts them as consumed
+        self.dropped_ids: list[str] = []
         self.resumed: ResumeInfo | None = None
         self._output_dir_checked = False
         # Written when training starts, after resume() accepted the run directory: a rerun it
@@ -237,10 +240,13 @@ class Trainer:
         self.skipped_steps = int(state["skipped_steps"])
         per_rank = state["consumed_ids"]
         self.consumed_ids = list(per_rank[self.rank])
+        dropped = state.get("dropped_ids", [[]] * self.world)  # absent from older checkpoints
+        self.dropped_ids = list(dropped[self.rank])
         extra = state.get("extra_per_rank", [{}] * self.world)[self.rank]
         self.resumed = ResumeInfo(
             step=self.step, consumed_ids=list(self.consumed_ids),
-            all_consumed_ids={i for ids in per_rank for i in ids}, extra=extra, path=Path(path),
+            all_consumed_ids={i for ids in [*per_rank, *dropped] for i in ids}, extra=extra,
+            path=Path(path),
             schedule_change=self._schedule_change(state.get("schedule", {})),
             optimizer_change=self._restore_optimizer_settings(),
         )
@@ -458,6 +464,8 @@ class Trainer:
         step_ids = [s.sample_id for samples in micro_batches for s in samples]
         gathered = D.all_gather_strings(step_ids, group=self.group, device=comm)
         self.consumed_ids.extend(step_ids)
+        self.dropped_ids.extend(i for samples in micro_batches for s in samples
+                                for i in s.provenance.get("dropped_ids", ()))
         if not applied:
             self.skipped_steps += 1
         self.step += 1
@@ -610,6 +618,7 @@ class Trainer:
 
         comm = self._comm_device()
         per_rank = D.all_gather_strings(self.consumed_ids, group=self.group, device=comm)
+        dropped = D.all_gather_strings(self.dropped_ids, group=self.group, device=comm)
         extra = extra_state() if extra_state is not None else {}
         extras = D.all_gather_strings([json.dumps(extra)], group=self.group, device=comm)
         state = {
@@ -618,6 +627,7 @@ class Trainer:
             "strategy": self.train.strategy,
             "schedule": {"next_step": self.step, "lr": lr_at(self.step, train=self.train)},
             "consumed_ids": per_rank,
+            "dropped_ids": dropped,
             "extra_per_rank": [json.loads(e[0]) for e in extras],
             "seed": self.train.seed,
         }
