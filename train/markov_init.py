@@ -39,6 +39,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from draftforge.errors import InputError
+
 MAX_TOKENS = 8192  # previous and next tokens kept: the dense table stays at most 8192^2
 SVD_SEED = 0
 OVERSAMPLE = 16  # extra directions of the randomised SVD, dropped after it
@@ -58,10 +60,13 @@ def bigram_scores(
         prev_count[a] += count
         next_count[b] += count
     if not pairs:
-        raise ValueError("train.markov_init: bigram: the training samples hold no token pair")
+        raise InputError(
+            "train.markov_init: bigram: the training samples hold no token pair; use more samples "
+            "or train.markov_init=random"
+        )
     rows = sorted(a for a, c in prev_count.most_common(max_tokens) if c >= 2)
     if not rows:
-        raise ValueError(
+        raise InputError(
             f"train.markov_init: bigram: too little data for a bigram table: no previous token occurs "
             f"twice in the {sum(pairs.values())} token pair(s) of the training samples; use more "
             "samples or train.markov_init=random"
