@@ -10,7 +10,9 @@ Definitions (the same everywhere, printed at every log interval and in the summa
   second (what it could do if never held back).
 - consumer (a trainer rank): *busy* is the trainer's own ``compute_s`` per step
   (forward, backward, optimizer), *idle* its ``wait_s`` (blocked on the next
-  batch, i.e. on the producers). Capacity: tokens per busy second.
+  batch, i.e. on the producers), both over the wall time from its start to the end of
+  its last step (the final checkpoint and the stream's drain are neither). Capacity:
+  tokens per busy second.
 - queue depth: samples received by a trainer and not yet taken, sampled at each
   take; never above the credits (``split.max_in_flight``).
 
@@ -147,6 +149,7 @@ class ConsumerAccounting:
         self.compute_s = 0.0  # the trainer's own compute, from its step records
         self.step_wait_s = 0.0  # the trainer's wait_s, from its step records
         self.steps = 0
+        self.stepped = self.started  # when the last step ended: the trainer's figures run to it
         self.depths: list[tuple[float, int]] = []
         self.producers: dict[int, dict] = {}
         self._last: dict | None = None
@@ -167,6 +170,7 @@ class ConsumerAccounting:
         self.compute_s += float(record.get("compute_s", 0.0))
         self.step_wait_s += float(record.get("wait_s", 0.0))
         self.steps += 1
+        self.stepped = time.perf_counter()
 
     # -- reading
     def producer_idle_wall(self) -> tuple[float, float]:
@@ -187,7 +191,8 @@ class ConsumerAccounting:
                 prod[key] += stats.get(key, 0.0)
         count = max(self.num_sources, len(self.producers))
         return {
-            "wall": time.perf_counter() - self.started,
+            # to the last step's end, not now: what follows it would dilute both shares and the rate
+            "wall": self.stepped - self.started,
             "compute": self.compute_s,
             "wait": self.step_wait_s,
             "wire_wait": self.wait_s,

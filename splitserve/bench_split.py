@@ -58,6 +58,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from draftforge.errors import InputError
 from draftforge.files import write_atomic
 from draftforge.splitserve import transport as T
 from draftforge.splitserve.accounting import Meter
@@ -166,8 +167,6 @@ def _recorded_steps(trainer, batches, steps: int, grad_accum: int,
         try:
             micro = [next(batches) for _ in range(grad_accum)]
         except StopIteration:  # only the stream of phase 3 ends; memory cycles
-            from draftforge.errors import InputError
-
             raise InputError(
                 f"bench split: the data ended after {step} of the {steps} steps phase 3 needs "
                 "(split.max_epochs, or too few samples); add data, drop split.max_epochs or "
@@ -256,7 +255,9 @@ def bench_trainer_rank(ctx, trainer, bench: dict, *, acks: T.AckLink) -> None:
             samples.append(Sample(wire.sample_id, wire.input_ids, wire.loss_mask, wire.aux,
                                   wire.final))
     if not samples:
-        raise RuntimeError(f"trainer rank {ctx.rank} received no sample in phase 1; add data")
+        raise InputError(f"bench split: trainer rank {ctx.rank} received no sample in phase 1 from "
+                         f"target rank(s) {sources}; add data (data.num_samples) or drop "
+                         "split.max_epochs")
     ctx.log(f"bench phase 2: trainer alone from memory ({len(samples)} samples, {steps} steps)")
     memory = _cycle(pack(samples, cfg.split.token_budget))
     trainer.model.train()

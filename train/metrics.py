@@ -181,7 +181,10 @@ class MetricsLog:
         record = {k: _finite(v) for k, v in record.items()}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and v is not None}
+        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float))}
+        # the per-slot acceptance c*_k, a scalar a slot (a non-finite one, null above, left out)
+        scalars |= {f"slot_acceptance/{k}": v for k, v in enumerate(record.get("slot_acceptance") or [])
+                    if v is not None}
         if self._wandb is not None:
             self._wandb.log(scalars, step=record["step"])
         if self._tensorboard is not None:
