@@ -93,10 +93,18 @@ def paired_totals(
                 f"workload {name!r}: {pa} and {pb} were measured on different prompts "
                 f"({ea.get('num_prompts')} prompts, digest {da} against {eb.get('num_prompts')}, {db})"
             )
-        out[name] = (
-            PromptTotals.from_summary(ea["methods"][a_method], f"{pa}: {name}/{a_method}"),
-            PromptTotals.from_summary(eb["methods"][b_method], f"{pb}: {name}/{b_method}"),
-        )
+        pair = []
+        for path, entry, method in ((pa, ea, a_method), (pb, eb, b_method)):
+            totals = PromptTotals.from_summary(entry["methods"][method], f"{path}: {name}/{method}")
+            if totals.rounds.sum() <= 0:  # its acceptance length, and any difference, is undefined
+                raise InputError(
+                    f"{path}: workload {name!r}, method {method!r} ran no verification round on any of "
+                    f"its {len(totals)} prompts (prompt_rounds all 0: each ended at its first token, "
+                    "max_new_tokens 1 or an end of sequence), so it has no acceptance length to "
+                    "compare; evaluate it again with more --max-new-tokens"
+                )
+            pair.append(totals)
+        out[name] = (pair[0], pair[1])
     return out
 
 

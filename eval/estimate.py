@@ -151,7 +151,7 @@ def train_time_estimate(
         return empty | ({"tau_sampled": nan} if temperature > 0 else {})
     c_star, slot_valid = torch.cat(c_stars), torch.cat(valids)
     tau = float((1.0 + (c_star * slot_valid).cumprod(-1).sum(-1)).mean())
-    slot_means = (c_star * slot_valid).sum(0) / slot_valid.sum(0).clamp_min(1)
+    slot_means = (c_star * slot_valid).sum(0) / slot_valid.sum(0)  # NaN where never valid, as in training
     result = {
         "tau": tau,
         "tau_greedy": sum(greedy_taus) / len(greedy_taus),

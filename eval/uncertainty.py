@@ -18,9 +18,11 @@ A difference whose interval lies above zero is reported as *ahead*, below zero
 as *behind*, and otherwise as *not distinguishable* with these prompts; with
 fewer than :data:`MIN_PROMPTS` prompts in a workload the resamples cannot show
 the spread (one prompt gives a zero-width interval), and the verdict is *too
-few prompts*. The
-interval says nothing about prompts unlike the workload's, and with 8 prompts
-a workload the percentile interval is itself rough; more prompts narrow it.
+few prompts*. A method that ran no verification round at all (every prompt
+ended at its first token) has no acceptance length: its interval reads ``-``,
+and a difference with it *no rounds*. The interval says nothing about prompts
+unlike the workload's, and with 8 prompts a workload the percentile interval
+is itself rough; more prompts narrow it.
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ class Interval:
 
     def verdict(self) -> str:
         """For a difference: which side of zero the whole interval lies on."""
+        if math.isnan(self.value):
+            return "no rounds"  # a method ran no verification round: no acceptance length
         if self.prompts < MIN_PROMPTS:
             return "too few prompts"
         if self.low > 0:
@@ -143,7 +147,10 @@ def by_workload(
 
 
 def interval_text(value: float, low: float, high: float, signed: bool = False) -> str:
-    """``1.23 (1.10 to 1.40)``; with ``signed``, ``+0.05 (-0.02 to +0.11)``."""
+    """``1.23 (1.10 to 1.40)``; with ``signed``, ``+0.05 (-0.02 to +0.11)``; ``-`` without a
+    value (no verification round), as the report's other cells."""
+    if math.isnan(value):
+        return "-"
     sign = "+" if signed else ""
     return f"{value:{sign}.2f} ({low:{sign}.2f} to {high:{sign}.2f})"
 
