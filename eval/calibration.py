@@ -6,7 +6,12 @@ therefore gives one labelled sample per position it reached: positions
 ``k <= accepted`` among the verified ones, label ``k < accepted``. Per position,
 a temperature ``T_k`` minimises the log loss of ``sigmoid(z_k / T_k)`` on
 fitting rounds; the expected calibration error (ECE, equal-width bins) is
-measured before and after on held-out rounds.
+measured before and after on held-out rounds: ``draftforge eval`` holds out every
+second prompt, so they come from other prompts than the fitted rounds. It is the
+error of each position's own acceptance given the earlier ones were accepted, in
+10 bins; SGLang's own fitter writes, under the same names, the error of the
+cumulative (survival) probability in 15 bins, so the ECE figures of the two are not
+comparable, while the temperatures are.
 
 SGLang (``--speculative-algorithm DSPARK``, sequential temperature scaling)
 reads ``{"temperatures": [T_0 .. T_{γ-1}], "ece_before": [...], "ece_after":
@@ -21,7 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -93,11 +98,15 @@ def calibrate(
     *,
     dataset: str = "",
     holdout_every: int = 2,
+    prompt_ids: Sequence[Hashable] | None = None,
 ) -> dict:
     """Fit one temperature per position on most samples and measure ECE on the held-out rest.
 
-    Every ``holdout_every``-th sample of a position is held out (deterministic), and
-    ECE before and after is measured on those alone. A position with fewer than
+    With ``prompt_ids`` (the prompt each sample came from, as ``draftforge eval`` passes), every
+    ``holdout_every``-th prompt is held out, in order of first appearance: the held-out rounds
+    come from other prompts than the fitted ones, so the ECE after is not an in-sample
+    figure. Without, every ``holdout_every``-th sample of a position is held out
+    (deterministic). ECE before and after is measured on the held-out samples alone. A position with fewer than
     ``MIN_FIT_SAMPLES`` fitting samples keeps T = 1; one without held-out samples
     reports ECE 0 (SGLang's fields are plain floats); ``fit_samples`` and
     ``held_out_samples`` say which is which. ``held_out`` (not written to SGLang's
@@ -105,10 +114,17 @@ def calibrate(
     """
     temperatures, ece_before, ece_after, fit_counts, held_counts = [], [], [], [], []
     held_out: list[tuple[int, float, float]] = []
+    if prompt_ids is not None and len(prompt_ids) != len(samples):
+        raise ValueError(f"{len(prompt_ids)} prompt ids for {len(samples)} samples")
+    order = {} if prompt_ids is None else {p: i for i, p in enumerate(dict.fromkeys(prompt_ids))}
     for k in range(block_size):
-        rows = [(z, y) for pos, z, y in samples if pos == k]
-        fit_rows = [row for i, row in enumerate(rows) if i % holdout_every != holdout_every - 1]
-        held_rows = [row for i, row in enumerate(rows) if i % holdout_every == holdout_every - 1]
+        at_k = [i for i, sample in enumerate(samples) if sample[0] == k]
+        if prompt_ids is None:
+            held = {i for n, i in enumerate(at_k) if n % holdout_every == holdout_every - 1}
+        else:
+            held = {i for i in at_k if order[prompt_ids[i]] % holdout_every == holdout_every - 1}
+        fit_rows = [samples[i][1:] for i in at_k if i not in held]
+        held_rows = [samples[i][1:] for i in at_k if i in held]
         temperature = 1.0
         if len(fit_rows) >= MIN_FIT_SAMPLES:
             z_fit = torch.tensor([z for z, _ in fit_rows], dtype=torch.float64)

@@ -258,9 +258,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if args.calibrate:
         samples = [s for r in results for s in r.confidence_samples]
+        # calibrate holds out whole prompts: each sample's (workload, prompt)
+        prompt_ids = [(r.name, p) for r in results for p in r.confidence_prompts]
         if not samples:
             raise SystemExit("draftforge eval --calibrate: no confidence samples were recorded")
-        calibration = calibrate(samples, draft_cfg.block_size, dataset=",".join(workloads))
+        calibration = calibrate(samples, draft_cfg.block_size, dataset=",".join(workloads),
+                                prompt_ids=prompt_ids)
         write_calibration(args.calibrate, calibration)
         held_out = calibration.pop("held_out")  # ECE on what the temperatures were not fitted on
         meta["calibration"] = {

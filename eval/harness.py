@@ -61,6 +61,7 @@ class WorkloadResult:
     estimate: dict | None = None
     near_ties: int = 0
     confidence_samples: list[tuple[int, float, float]] = field(default_factory=list)
+    confidence_prompts: list[int] = field(default_factory=list)  # each sample's prompt index
     prompt_digest: str = ""  # fingerprint of the prompts' token ids (paired comparisons across reports)
 
 
@@ -169,7 +170,10 @@ def run_workload(
         )
     for method in methods:
         result.methods[method] = summarize(outputs[method], gamma)
-    result.confidence_samples = round_samples(r for res in outputs["dspark"] for r in res.rounds)
+    for index, res in enumerate(outputs["dspark"]):
+        samples = round_samples(res.rounds)
+        result.confidence_samples += samples
+        result.confidence_prompts += [index] * len(samples)
     if settings.estimate:
         reference = outputs["none"] if "none" in outputs else outputs["dspark"]
         result.estimate = train_time_estimate(

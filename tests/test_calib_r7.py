@@ -90,3 +90,23 @@ def test_estimate_slot_c_star_is_undefined_where_no_slot_is_valid():
     assert est["num_blocks"] == 2
     assert est["slot_c_star"][:2] == pytest.approx([sum(c) / len(c) for c in c_stars.values()], abs=1e-4)
     assert all(math.isnan(x) for x in est["slot_c_star"][2:])
+
+
+def test_calibration_holds_out_whole_prompts_when_told_which_prompt_each_sample_is_from():
+    """draftforge eval passes each sample's (workload, prompt): every second prompt, in order
+    of appearance, is held out whole, so no held-out round comes from a fitted prompt."""
+    from draftforge.eval.calibration import calibrate
+
+    samples, prompt_ids = [], []
+    for prompt in [("w", 0), ("w", 1), ("w", 2), ("v", 0), ("v", 1)]:
+        for k in range(3):
+            for z in (-1.0, 0.5, 2.0):
+                samples.append((k % 2, z + len(samples) / 100, float(z > 0)))
+                prompt_ids.append(prompt)
+    calibration = calibrate(samples, block_size=2, prompt_ids=prompt_ids)
+    held_prompts = {("w", 1), ("v", 0)}  # the 2nd and 4th prompts to appear
+    want = [(s[0], s[1], s[2]) for s, p in zip(samples, prompt_ids, strict=True) if p in held_prompts]
+    assert sorted(calibration["held_out"]) == sorted(want)
+    assert sum(calibration["held_out_samples"]) == 18 and sum(calibration["fit_samples"]) == 27
+    with pytest.raises(ValueError, match="2 prompt ids for 45 samples"):
+        calibrate(samples, block_size=2, prompt_ids=prompt_ids[:2])
