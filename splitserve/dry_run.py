@@ -42,9 +42,11 @@ def draft_parameter_counts(cfg: RecipeConfig) -> tuple[int, int]:
 
     shape = resolve_target_shape(cfg.target)
     if shape is None:
-        raise ValueError(
-            f"the shape of target {cfg.target.model!r} is unknown without loading it; declare "
-            "target.shape for a dry run"
+        from draftforge.errors import InputError
+
+        raise InputError(
+            f"target.model: the shape of target {cfg.target.model!r} is unknown without loading "
+            "it (no config.json in that folder gives it); declare target.shape for a dry run"
         )
     return dspark_parameter_counts(build_dspark_config(cfg.draft, shape))
 

@@ -171,8 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="processes to start on this node; must equal split.world_size / "
                         "split.num_nodes (default: that)")
     parser.add_argument("--max-restarts", type=argtypes.non_negative_int, default=None,
-                        help=f"restarts of the whole job after it fails (default {DEFAULT_RESTARTS} with "
-                        "split.restart_target: true, else 0)")
+                        help=f"restarts of the whole job after it fails, each from the newest "
+                        f"checkpoint (train.resume: auto); default {DEFAULT_RESTARTS} with "
+                        "split.restart_target: true, else 0")
     parser.add_argument("--master-addr", default=LOOPBACK, type=_bare_address,
                         help="address the ranks reach rank 0 at (default 127.0.0.1, loopback "
                         "only); give this machine's address only to open the job deliberately. "
@@ -207,6 +208,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         ])
     # A dry run plans the job for the machine the recipe names: its GPUs need not be here.
     check_split(cfg, cuda_devices=planned_gpus(cfg) if args.dry_run else None)
+    restarts = args.max_restarts
+    if restarts is None:
+        restarts = DEFAULT_RESTARTS if cfg.split.restart_target else 0
+    if restarts and cfg.train.resume != "auto":  # with split.restart_target, check_split said so
+        raise RecipeError([cfg.locate(
+            f"train.resume: --max-restarts {restarts} restarts a failed job from the newest "
+            f"checkpoint, which needs train.resume: auto (it is {cfg.train.resume!r}); set "
+            "train.resume=auto or drop --max-restarts"
+        )])
     preflight(cfg)
     if args.dry_run:
         from draftforge.splitserve.dry_run import dry_run
@@ -217,9 +227,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                           master_port=args.master_port))
         return 0
 
-    restarts = args.max_restarts
-    if restarts is None:
-        restarts = DEFAULT_RESTARTS if cfg.split.restart_target else 0
     env = launch_env(args.master_addr, cpu=not torch_cuda_visible())  # [0] is one GPU: any() said none
     with tempfile.TemporaryDirectory(prefix="draftforge-train-") as folder:
         env[INPUT_ERROR_ENV] = str(Path(folder) / "input-error")
@@ -329,12 +336,23 @@ def run_torchrun(command: Sequence[str], *, env: Mapping[str, str]) -> int:
 
 
 def planned_gpus(cfg) -> int:
-    """GPUs per node the recipe's split names (what a dry run assumes); at least one when it wants nccl."""
-    devices = (cfg.split.target_devices or []) + (cfg.split.trainer_devices or [])
-    if devices:
-        return max(devices) + 1
-    per_node = cfg.split.world_size // cfg.split.num_nodes  # every node: one GPU per local rank
-    return per_node if cfg.split.comm_backend == "nccl" else 0
+    """GPUs per node the recipe's split uses (what a dry run assumes): every GPU a group's
+    device list names and, where samples go over NCCL as planned on a GPU machine, each
+    unlisted rank's node-local GPU LOCAL_RANK; the trainers' GPU 0 at least with
+    train.device cuda (over gloo they share their current GPU)."""
+    from draftforge.splitserve.roles import comm_backend
+
+    split = cfg.split
+    per_node = split.world_size // split.num_nodes
+    nccl = comm_backend(cfg, gpus_visible=True) == "nccl"
+    gpus = [0] if cfg.train.device == "cuda" else []
+    for ranks, devices in ((split.target_ranks, split.target_devices),
+                           (split.trainer_ranks, split.trainer_devices)):  # fmt: skip
+        if devices is not None:
+            gpus += devices
+        elif nccl:
+            gpus += [rank % per_node for rank in ranks]
+    return max(gpus, default=-1) + 1
 
 
 def torch_cuda_visible() -> list[int]:

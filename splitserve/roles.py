@@ -134,7 +134,7 @@ def split_problems(
         )
     if named and nccl and cuda_devices:
         problems += _shared_gpu_problems(split, per_node, cuda_devices)
-    problems += tensor_parallel_problems(split, per_node=per_node)
+    problems += tensor_parallel_problems(split, per_node=per_node, on_gpus=nccl)
     both = sorted(set(split.target_devices or []) & set(split.trainer_devices or []))
     if both:
         problems.append(
@@ -165,10 +165,12 @@ def tensor_parallel_groups(split) -> list[list[int]]:
     return [ranks[i:i + tp] for i in range(0, len(ranks), tp)]
 
 
-def tensor_parallel_problems(split, *, per_node: int) -> list[str]:
+def tensor_parallel_problems(split, *, per_node: int, on_gpus: bool = True) -> list[str]:
     """Groups SGLang cannot place: its tensor-parallel ranks run on GPUs ``base_gpu_id``,
     ``base_gpu_id + 1``, ... of one machine, so a group's ranks must sit on one node and
-    their GPUs (``target_devices``, or the node-local rank) must follow each other."""
+    their GPUs (``target_devices``, or the node-local rank) must follow each other.
+    ``on_gpus``: whether the target ranks run on GPUs (NCCL); over gloo they run on the
+    CPU, where only the one-node rule holds (the group's ranks meet on a loopback port)."""
     if split.target_tensor_parallel == 1:
         return []
     problems = []
@@ -180,6 +182,8 @@ def tensor_parallel_problems(split, *, per_node: int) -> list[str]:
                 f"spans nodes {nodes}; SGLang runs a group on one machine, so list target ranks "
                 "so that each group of target_tensor_parallel lies on one node"
             )
+            continue
+        if not on_gpus:
             continue
         if split.target_devices is not None:
             gpus = [split.target_devices[split.target_ranks.index(rank)] for rank in group]
