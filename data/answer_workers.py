@@ -101,6 +101,15 @@ def _work(build: Callable[[], Any], settings: GenerationConfig, conn: Connection
             pass
 
 
+def _died(i: int, process: multiprocessing.process.BaseProcess, remaining: int) -> WorkerError:
+    """Worker ``i`` is gone without a word (its pipe closed): say so, with its exit status."""
+    process.join(timeout=10)
+    return WorkerError(
+        f"regeneration worker {i} exited with status {process.exitcode} without a message "
+        f"(killed, or out of memory?); {remaining} batches unanswered. Rerun to continue, or "
+        "use --workers 1")
+
+
 class WorkerPool:
     """``workers`` processes, each answering batches with the engine ``build()`` returns.
 
@@ -141,11 +150,7 @@ class WorkerPool:
                     try:
                         message = conn.recv()
                     except EOFError:
-                        processes[i].join(timeout=10)
-                        raise WorkerError(
-                            f"regeneration worker {i} exited with status {processes[i].exitcode} "
-                            f"without a message (killed, or out of memory?); {remaining} batches "
-                            "unanswered. Rerun to continue, or use --workers 1") from None
+                        raise _died(i, processes[i], remaining) from None
                     kind = message[0]
                     if kind == "error":
                         _, batch, error, trace = message
@@ -159,9 +164,15 @@ class WorkerPool:
                         remaining -= 1
                         yield message[1], message[2], message[3]
                     if queue:
-                        conn.send(queue.pop())  # its next batch
+                        try:
+                            conn.send(queue.pop())  # its next batch
+                        except OSError:  # it died since its message (killed while idle: out of memory?)
+                            raise _died(i, processes[i], remaining) from None
                     else:
-                        conn.send(None)  # its end: it exits, and its pipe is no longer watched
+                        try:
+                            conn.send(None)  # its end: it exits, and its pipe is no longer watched
+                        except OSError:
+                            pass  # it has exited already, with nothing left to answer
                         del index_of[conn]
         finally:
             # Finished: tell the workers not told yet (one may still be building its target

@@ -28,6 +28,8 @@ Resumable and crash-safe:
   boundary or inside a line) is dropped and generated again whole -- identically; so is
   the short last batch of an earlier run over fewer prompts, which this run's batches
   extend;
+- a row repeated word for word (two runs appending to one file) is dropped; a second,
+  different answer to one id is refused with the file and line;
 - when every prompt is answered the rows are written in prompt order to a temporary
   file that is renamed to ``<out>``; ``<out>`` is never half-written;
 - rows are reused only when their id is one of this run's prompts, their system prompt
@@ -166,6 +168,19 @@ def answered_batches(pending: Sequence[tuple[int, list[Conversation]]], engine: 
 
 def _row_line(row: dict[str, Any]) -> bytes:
     return (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def _append(handle, payload: bytes, path: Path) -> None:
+    """Append ``payload`` to ``path``, open unbuffered as ``handle``, and make it durable. A
+    failure (a full disk) raises an ``OSError`` whose ``filename`` is ``path``: the file
+    system says only "No space left on device"."""
+    try:
+        view = memoryview(payload)
+        while view:
+            view = view[handle.write(view):]
+        os.fsync(handle.fileno())
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(path)) from err
 
 
 def _not_a_row(path: Path, number: int, problem: object) -> RegenerationError:
@@ -414,7 +429,25 @@ def regenerate(
         os.replace(out, partial)  # more prompts than last time: continue from the file
     rows: list[dict[str, Any]] = []
     if partial.exists():
-        rows, torn = _read_rows(partial)
+        first: dict[str, tuple[int, dict[str, Any]]] = {}  # id -> (line, row)
+        repeated = False
+
+        def first_of_its_id(row: dict[str, Any], line: int) -> bool:
+            """A row repeated word for word (two runs appending the same batch) is dropped;
+            another answer to an id already answered is refused."""
+            nonlocal repeated
+            if row["id"] not in first:
+                first[row["id"]] = line, row
+                return True
+            if row != first[row["id"]][1]:
+                raise RegenerationError(
+                    f"{partial}, line {line}: a second, different answer to id {row['id']!r} "
+                    f"(the first is on line {first[row['id']][0]}; were two runs writing it at "
+                    "once?); move it away and rerun to answer every prompt anew")
+            repeated = True
+            return False
+
+        rows, torn = _read_rows(partial, keep=first_of_its_id)
         _check_rows(rows, partial, by_id, settings_json, engine.name)
         _check_arithmetic(rows, partial, arithmetic)
         # A batch's rows go to disk in one write, so a batch with only some of its rows
@@ -425,7 +458,7 @@ def regenerate(
         for r in rows:
             present[batch_of[r["id"]]] = present.get(batch_of[r["id"]], 0) + 1
         incomplete = {b for b, n in present.items() if n < len(batches[b])}
-        if torn or incomplete:
+        if torn or incomplete or repeated:
             rows = [r for r in rows if batch_of[r["id"]] not in incomplete]
             write_atomic(partial, b"".join(_row_line(r) for r in rows))
     done = {r["id"] for r in rows}
@@ -450,7 +483,7 @@ def regenerate(
     )
     generated = 0
     try:
-        with open(partial, "ab") as handle:
+        with open(partial, "ab", buffering=0) as handle:  # nothing left buffered by a failed write
             pending = [(b, [p for p in batch if p.id not in done]) for b, batch in enumerate(batches)]
             pending = [(b, todo) for b, todo in pending if todo]
             todo_of = dict(pending)
@@ -470,9 +503,7 @@ def regenerate(
                     )
                     for p, msgs, cut in zip(todo, conversations, unfinished, strict=True)
                 )
-                handle.write(payload)
-                handle.flush()
-                os.fsync(handle.fileno())
+                _append(handle, payload, partial)
                 generated += len(todo)
                 bar.update(len(todo))
     finally:
@@ -481,7 +512,8 @@ def regenerate(
     rows, _ = _read_rows(partial)
     rows.sort(key=lambda r: order[r["id"]])
     if [r["id"] for r in rows] != [p.id for p in prompts]:
-        raise RegenerationError(f"{partial} does not hold exactly one row per prompt")
+        raise RegenerationError(f"{partial} does not hold exactly one row per prompt (was another "
+                                "run writing it at the same time?); rerun the same command to repair it")
     write_atomic(out, b"".join(_row_line(r) for r in rows))
     partial.unlink()
     fsync_dir(out.parent)

@@ -28,8 +28,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
+from transformers import cache_utils
 
 from draftforge.splitserve.kv_cache import growing_cache
+
+# the base class of transformers' linear-attention cache layers (none in a release without them)
+_LINEAR_ATTENTION = getattr(cache_utils, "LinearAttentionCacheLayerMixin", ())
 
 if TYPE_CHECKING:
     from draftforge.splitserve.config import GenerationConfig
@@ -71,6 +75,19 @@ def next_tokens(logits: torch.Tensor, settings: GenerationConfig, generator: tor
     return indices.gather(-1, choice).squeeze(-1)
 
 
+def _drops_rows(cache) -> bool:
+    """Whether ``cache`` can drop the rows that ended: every layer must select its rows.
+    transformers' linear-attention layers cannot (their conv and recurrent states have no
+    row selection, or one inherited from an attention layer that leaves them whole), so a
+    hybrid model (Ling-3.0-flash, Qwen3-Next) keeps its ended rows in the batch instead."""
+    if not hasattr(cache, "batch_select_indices"):
+        return False
+    layers = getattr(cache, "layers", None)
+    return layers is None or all(
+        hasattr(layer, "batch_select_indices") and not isinstance(layer, _LINEAR_ATTENTION)
+        for layer in layers)
+
+
 @torch.no_grad()
 def decode(
     model,
@@ -110,7 +127,7 @@ def decode(
         live &= ~torch.isin(token, eos)
         if not bool(live.any()) or step + 1 == settings.max_new_tokens:
             break
-        if not bool(live.all()) and hasattr(cache, "batch_select_indices"):
+        if not bool(live.all()) and _drops_rows(cache):
             keep = live.nonzero().squeeze(1)
             cache.batch_select_indices(keep)
             rows, token, mask, next_position, live = (
