@@ -367,16 +367,25 @@ def _training_part(recipe_yaml: str) -> str:
 SKIP_TRAIN_FIX = "--skip-train uses the runs as they are: undo the edit, or drop --skip-train and pass --force"
 
 
-def check_same_recipe(run_dir: Path, expected_yaml: str, what: str, *, skip_train: bool = False) -> None:
+def check_same_recipe(run_dir: Path, expected_yaml: str, what: str, *, skip_train: bool = False,
+                      other_option: tuple[str, str] | None = None) -> None:
     """Refuse to resume or reuse a run directory that holds a run of another recipe (its
     eval and export sections aside). ``skip_train``: the demo would not train, so --force
-    (which then keeps the runs) is no fix."""
+    (which then keeps the runs) is no fix. ``other_option``: a demo option and the recipe it
+    would train (``--markov-init``), named as the fix when the run is that recipe's."""
     from draftforge.train import checkpoint as ckpt
 
     saved = run_dir / "config.yaml"
     if not ckpt.complete_checkpoints(run_dir) or not saved.is_file():
         return
     old_text, new_text = _training_part(_resolved_again(saved)), _training_part(expected_yaml)
+    if other_option is not None and old_text != new_text and old_text == _training_part(other_option[1]):
+        raise DemoError(
+            f"{run_dir} holds the {what} run of this recipe trained with {other_option[0]}: pass "
+            f"{other_option[0]} to use it"
+            + ("" if skip_train else ", or --force to train again from scratch (it deletes that run)"),
+            exit_status=2,
+        )
     if old_text != new_text:
         old = old_text.splitlines()
         new = new_text.splitlines()
@@ -629,6 +638,15 @@ def measured_when(dspark_finished: float, dflash_finished: float) -> str:
     return f"{utc(dspark_finished)} (DSpark evaluation), {utc(dflash_finished)} (DFlash evaluation)"
 
 
+def _prompts_text(asked: int, prompts: dict[str, int] | None) -> str:
+    """How many prompts the evaluations ran: ``--num-prompts`` takes all of a workload that
+    has fewer (MT-Bench has 80)."""
+    if not prompts or all(n == asked for n in prompts.values()):
+        return f"{asked} prompts per workload"
+    each = ", ".join(f"{name} {n}" for name, n in prompts.items())
+    return f"prompts per workload: {each} (all of a workload with fewer than the {asked} asked)"
+
+
 def _training_tau(run_dir: Path) -> float | None:
     summary = run_dir / "summary.json"
     if not summary.is_file():
@@ -649,8 +667,11 @@ def demo_markdown(
     stopped: dict[str, str] | None = None,
     skip_train: bool = False,
     devices: Sequence[str] = (),
+    prompts: dict[str, int] | None = None,
 ) -> str:
     """demo.md: the table with the command, date, machine and what the numbers mean;
+    ``prompts``: the prompts each workload was evaluated on (report.json), fewer than
+    ``num_prompts`` where a workload has fewer;
     ``trained``: the steps of the checkpoint each draft was evaluated at, short of the
     recipe's where ``stopped`` names the draft's stop reason (``data_exhausted``: its
     training ran out of data) or ``skip_train`` evaluated an unfinished run; ``devices``:
@@ -683,7 +704,7 @@ def demo_markdown(
             f"Measured: {measured}; machine: {_machine(devices)}.",
             "",
             f"Target `{cfg.target.model}` (evaluated in float32), greedy decoding (checked lossless "
-            f"against plain decoding), {verified}, {num_prompts} prompts per workload, up to {max_new_tokens} new "
+            f"against plain decoding), {verified}, {_prompts_text(num_prompts, prompts)}, up to {max_new_tokens} new "
             f"tokens, blocks of {block_size}. {budget} in "
             f"{cfg.train.dtype} (target features in {cfg.target.dtype}); "
             f"DFlash = the same recipe with `{' '.join(DFLASH_OVERRIDES)}`"
@@ -785,14 +806,15 @@ def _answers_digest(paths: DemoPaths) -> str | None:
     return _digest(paths.data_file) if paths.data_file is not None and paths.data_file.is_file() else None
 
 
-def _runs_as_they_are(trainings: Sequence[tuple], answers: str | None) -> dict[str, Path]:
+def _runs_as_they_are(trainings: Sequence[tuple], answers: str | None,
+                      other_options: dict[str, tuple[str, str]]) -> dict[str, Path]:
     """--skip-train: each run's checkpoint to evaluate (its final one, else its newest),
     refusing runs of another recipe or answers, or without a checkpoint."""
     from draftforge.train.checkpoint import complete_checkpoints
 
     checkpoints = {}
     for what, run_dir, run_cfg, _ in trainings:
-        check_same_recipe(run_dir, run_cfg.to_yaml(), what, skip_train=True)
+        check_same_recipe(run_dir, run_cfg.to_yaml(), what, skip_train=True, other_option=other_options.get(what))
         _check_trained_on(run_dir, answers, what, skip_train=True)
         done = final_checkpoint(run_dir, run_cfg.train.steps)
         if done is None:
@@ -853,7 +875,15 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
     cfg = load_recipe(recipe, dspark_args)
     dflash_cfg = load_recipe(recipe, dflash_overrides(paths))
     args.num_prompts = args.num_prompts or cfg.eval.num_prompts or FALLBACK_NUM_PROMPTS
+    given = "--max-new-tokens" if args.max_new_tokens else f"{recipe}: eval.max_new_tokens"
     args.max_new_tokens = args.max_new_tokens or cfg.eval.max_new_tokens
+    if args.max_new_tokens < 2:  # before the hour of stages whose table it would empty
+        from draftforge.errors import InputError
+
+        raise InputError(
+            f"{given} {args.max_new_tokens}: the first new token comes from the prompt's prefill, so "
+            "no verification round would run and no acceptance length be measured; give 2 or more"
+        )
     workloads = args.workloads or list(cfg.eval.workloads)  # checked by argparse, the recipe by its schema
     stages = Stages(total=6)
     print(
@@ -869,9 +899,13 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
         ("DSpark", paths.run_dir, cfg, dspark_args),
         ("DFlash", paths.dflash_dir, dflash_cfg, dflash_overrides(paths)),
     )
+    # a DSpark run trained with the other --markov-init is named as such, not as another recipe's
+    other_init = "random" if args.markov_init == "bigram" else "bigram"
+    other_options = {"DSpark": (f"--markov-init {other_init}",
+                                load_recipe(recipe, dspark_overrides(base, paths, other_init)[0]).to_yaml())}
     checkpoints: dict[str, Path] = {}
     if args.skip_train:  # checked before --force deletes anything: it keeps these runs
-        checkpoints = _runs_as_they_are(trainings, _answers_digest(paths))
+        checkpoints = _runs_as_they_are(trainings, _answers_digest(paths), other_options)
 
     if args.force:
         keep = [Path(recipe), Path.cwd()]
@@ -916,7 +950,7 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
             else:
                 stages.skip(f"--skip-train: using the unfinished run's newest checkpoint {done}")
             continue
-        check_same_recipe(run_dir, run_cfg.to_yaml(), what)
+        check_same_recipe(run_dir, run_cfg.to_yaml(), what, other_option=other_options.get(what))
         done = final_checkpoint(run_dir, run_cfg.train.steps)
         if done is not None:
             _check_trained_on(run_dir, answers, what)
@@ -992,6 +1026,7 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
         stopped={what: "data_exhausted" for what, run_dir, _, _ in trainings
                  if data_ran_out(run_dir) == checkpoints[what]},
         skip_train=args.skip_train, devices=recorded_devices(dspark_report, dflash_report),
+        prompts={name: entry["num_prompts"] for name, entry in dspark_report["workloads"].items()},
     )  # fmt: skip
     write_atomic(paths.table, text)
     stages.done(since)
