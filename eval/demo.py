@@ -980,6 +980,7 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
     if export_is_current(paths, export_args, checkpoints["DSpark"]):
         stages.skip(f"{paths.export_dir} is this export of {checkpoints['DSpark']}")
     else:
+        stamp.unlink(missing_ok=True)  # the stamp names the folder's command: none while it changes
         run_stage("export", export_args)
         write_atomic(stamp, json.dumps({"command": export_args}))
         stages.done(since)

@@ -124,3 +124,25 @@ def test_one_new_token_is_refused_before_any_stage(tmp_path, capsys):
     assert main(["demo", str(from_recipe)]) == 2
     assert f"error: {from_recipe}: eval.max_new_tokens 1: the first new token" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_an_export_that_fails_leaves_no_stamp_naming_the_old_command(tmp_path, monkeypatch):
+    """The stamp says which command wrote the export folder. An export stage that replaced the
+    folder and then failed (interrupted) kept the old command's stamp, so a rerun with that
+    old command could skip the export over a folder the failed one wrote."""
+    recipe = tiny_recipe(tmp_path, steps=4)
+    cfg = load_recipe(recipe)
+    paths = demo.demo_paths(cfg)
+    _finished_run(paths.run_dir, cfg.to_yaml())
+    _finished_run(paths.dflash_dir, load_recipe(recipe, demo.dflash_overrides(paths)).to_yaml())
+    stamp = paths.run_dir / demo.EXPORT_STAMP
+    stamp.write_text(json.dumps({"command": ["export", "an", "earlier", "command"]}))
+    monkeypatch.setattr(demo, "export_is_current", lambda *a, **kw: False)
+
+    def run_stage(name, args, **kw):
+        assert name == "export", name
+        raise demo.DemoError("export interrupted", exit_status=1)
+
+    monkeypatch.setattr(demo, "run_stage", run_stage)
+    assert demo.main([str(recipe), "--skip-train"]) == 1
+    assert not stamp.exists()
