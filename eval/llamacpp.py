@@ -40,6 +40,13 @@ CONVERTER = "convert_hf_to_gguf.py"
 _VENDORED = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
 
 
+def _tool_env() -> dict[str, str]:
+    """The environment llama.cpp's tools run in: without a backtrace after an abort. ggml prints
+    a ``GGML_ASSERT`` message and then the backtrace (gdb's, where installed: dozens of lines),
+    which would push the message out of the last lines an error quotes."""
+    return dict(os.environ, GGML_NO_BACKTRACE="1")
+
+
 def source_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Where the llama.cpp source of the pinned package is kept."""
     from draftforge.splitserve.smollm2 import cache_root
@@ -108,11 +115,13 @@ def convert(
     if target_dir is not None:
         command += ["--target-model-dir", str(target_dir)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(source / "gguf-py"), os.environ.get("PYTHONPATH")])))
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
-    if done.returncode != 0:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env=env)
+        if done.returncode != 0:
+            raise InputError(f"llama.cpp's {CONVERTER} refused {model_dir}: {last_lines(done.stderr)}")
+        os.replace(tmp, out)
+    finally:  # a refusal or an interrupt leaves no partial GGUF (4 bytes a parameter) behind
         tmp.unlink(missing_ok=True)
-        raise InputError(f"llama.cpp's {CONVERTER} refused {model_dir}: {last_lines(done.stderr)}")
-    os.replace(tmp, out)
     return out
 
 
@@ -151,12 +160,14 @@ def tokenize(bin_dir: Path, model_gguf: Path, text: str) -> list[int]:
     tokens parsed), as llama-speculative-simple tokenizes its prompt."""
     with tempfile.TemporaryDirectory() as tmp:
         prompt_file = Path(tmp) / "prompt.txt"
-        prompt_file.write_text(text)
-        command = [str(bin_dir / TOKENIZER), "-m", str(model_gguf), "-f", str(prompt_file), "--ids", "--no-escape", "--log-disable"]
-        done = subprocess.run(command, capture_output=True, text=True)
+        prompt_file.write_text(text, encoding="utf-8")
+        # its log (on stderr) stays on: --log-disable would also silence why it failed
+        command = [str(bin_dir / TOKENIZER), "-m", str(model_gguf), "-f", str(prompt_file), "--ids", "--no-escape"]
+        done = subprocess.run(command, capture_output=True, text=True, env=_tool_env())
     found = re.findall(r"^\[[\d, ]*\]$", done.stdout, flags=re.MULTILINE)
     if done.returncode != 0 or not found:
-        raise InputError(f"{TOKENIZER} failed (exit {done.returncode}): {last_lines(done.stderr or done.stdout)}")
+        reason = last_lines(done.stderr or done.stdout) or "it printed nothing"
+        raise InputError(f"{TOKENIZER} failed (exit {done.returncode}) on {model_gguf}: {reason}")
     return json.loads(found[-1])
 
 
@@ -170,6 +181,9 @@ class SpecRun:
     accepted: int
     text: str  # the generated text, without the prompt and the end-of-turn token
     round_log: list[tuple[int, int, int]] = field(default_factory=list)  # (accepted, drafted, last token)
+    # the tokens its vocabulary ends generation on (llama_vocab_is_eog): the end of turn and
+    # others it finds by their text, such as <|endoftext|>
+    end_tokens: set[int] = field(default_factory=set)
 
     @property
     def rounds(self) -> int:
@@ -189,6 +203,7 @@ _STATS = {
 }
 # the debug line each round logs (with -v)
 _ROUND = re.compile(r"accepted (\d+)/(\d+) draft tokens, the last target token is: \((\d+)\)")
+_END_TOKEN = re.compile(r"print_info: EOG token\s+=\s+(\d+) ")  # logged as each model's vocabulary loads
 
 
 def parse_run(stdout: str, stderr: str, prompt: str, *, bos: str | None = None) -> SpecRun:
@@ -196,7 +211,8 @@ def parse_run(stdout: str, stderr: str, prompt: str, *, bos: str | None = None) 
 
     stdout is ``"\\n\\n"``, the prompt, the generated text, then ``"\\n\\n"`` twice (after the
     loop and at exit); stderr carries the log with ``encoded N tokens``, ``n_predict``,
-    ``n_drafted``, ``n_accept`` and, with ``-v``, one ``accepted A/D draft tokens`` line a round.
+    ``n_drafted``, ``n_accept``, the vocabulary's ``EOG token`` ids and, with ``-v``, one
+    ``accepted A/D draft tokens`` line a round.
     ``bos``, the vocabulary's BOS text, only names the cause when llama.cpp echoes it before the
     prompt (a vocabulary that asks for one)."""
     stats = {}
@@ -215,7 +231,8 @@ def parse_run(stdout: str, stderr: str, prompt: str, *, bos: str | None = None) 
             )
         raise InputError(f"{TOOL} did not echo the prompt as expected; its output starts {stdout[:120]!r}")
     rounds = [tuple(int(x) for x in m) for m in _ROUND.findall(stderr)]
-    run = SpecRun(text=stdout[len(head) : -len(tail)], round_log=rounds, **stats)
+    end_tokens = {int(x) for x in _END_TOKEN.findall(stderr)}
+    run = SpecRun(text=stdout[len(head) : -len(tail)], round_log=rounds, end_tokens=end_tokens, **stats)
     if len(rounds) != run.rounds:  # also when the per-round lines (-v) are missing
         raise InputError(f"{TOOL} logged {len(rounds)} rounds but its totals imply {run.rounds}")
     return run
@@ -241,7 +258,7 @@ def run_speculative(
     ``timeout_s`` or prints what :func:`parse_run` does not recognise (``bos`` as there)."""
     with tempfile.TemporaryDirectory() as tmp:
         prompt_file = Path(tmp) / "prompt.txt"
-        prompt_file.write_text(prompt)
+        prompt_file.write_text(prompt, encoding="utf-8")
         command = [
             str(bin_dir / TOOL), "-m", str(target_gguf), "-md", str(draft_gguf), "--spec-type", "draft-dspark",
             "--spec-draft-n-max", str(block_size), "--spec-draft-p-min", str(p_min),
@@ -251,9 +268,13 @@ def run_speculative(
             "-v",  # the per-round "accepted A/D" lines
         ]  # fmt: skip
         try:
-            done = subprocess.run(command, capture_output=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise InputError(f"{TOOL} ran past {timeout_s:.0f} s on one prompt") from None
+            done = subprocess.run(command, capture_output=True, timeout=timeout_s, env=_tool_env())
+        except subprocess.TimeoutExpired as timeout:  # killed; what it logged so far says where it was
+            log = (timeout.stderr or b"").decode("utf-8", errors="replace")
+            raise InputError(
+                f"{TOOL} ran past {timeout_s:.0f} s on one prompt, after {len(_ROUND.findall(log))} "
+                f"rounds; its log ends: {last_lines(log)}"
+            ) from None
     stdout = done.stdout.decode("utf-8", errors="replace")
     stderr = done.stderr.decode("utf-8", errors="replace")
     if done.returncode != 0:

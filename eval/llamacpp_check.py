@@ -251,10 +251,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     from draftforge.config import load_recipe
     from draftforge.eval import llamacpp
+    from draftforge.train.hf_load import config_from_serving, read_serving_config
 
     draft_dir = Path(args.draft).expanduser()
     if not (draft_dir / "config.json").is_file():
         raise InputError(f"{draft_dir}: not an export folder (no config.json); run draftforge export first")
+    draft_cfg = config_from_serving(read_serving_config(draft_dir), where=str(draft_dir / "config.json"))
+    if args.p_min > 0 and not draft_cfg.enable_confidence_head:
+        raise InputError(
+            f"--p-min {args.p_min}: {draft_dir / 'config.json'} has no confidence head "
+            "(enable_confidence_head false), so llama.cpp cannot cut its blocks; leave --p-min at 0"
+        )
     target_cfg = load_recipe(args.recipe).target
     updates = {"dtype": "float32", "backend": "hf"} | ({"model": args.target} if args.target else {})
     target_cfg = target_cfg.model_copy(update=updates)
@@ -276,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               flush=True)
         target_gguf = llamacpp.convert(source, target_dir, work / "target-f32.gguf")
         draft_gguf = llamacpp.convert(source, draft_dir, work / "draft-f32.gguf", target_dir=target_dir)
-        checks = _check_all(args, target_cfg, draft_dir, bin_dir, target_gguf, draft_gguf)
+        checks = _check_all(args, target_cfg, draft_cfg, draft_dir, bin_dir, target_gguf, draft_gguf)
 
     print(_table(checks))
     for c in checks:
@@ -313,7 +320,7 @@ def _target_folder(target_cfg) -> Path:
     return folder
 
 
-def _check_all(args, target_cfg, draft_dir: Path, bin_dir: Path, target_gguf: Path, draft_gguf: Path):
+def _check_all(args, target_cfg, draft_cfg, draft_dir: Path, bin_dir: Path, target_gguf: Path, draft_gguf: Path):
     import torch
 
     from draftforge.data.workloads import WORKLOAD_NAMES
@@ -321,13 +328,8 @@ def _check_all(args, target_cfg, draft_dir: Path, bin_dir: Path, target_gguf: Pa
     from draftforge.eval.llamacpp import run_speculative, tokenize
     from draftforge.eval.speculative import DraftProposer, TargetSession
     from draftforge.splitserve.target import build_target
-    from draftforge.train.hf_load import (
-        config_from_serving,
-        load_exported_draft,
-        read_serving_config,
-    )
+    from draftforge.train.hf_load import load_exported_draft
 
-    draft_cfg = config_from_serving(read_serving_config(draft_dir), where=str(draft_dir / "config.json"))
     target = build_target(target_cfg, draft_cfg.target_layer_ids)
     draft = load_exported_draft(draft_dir, target=target, dtype=torch.float32)
     tokenizer, eos = target.tokenizer, set(target.eos_token_ids())
@@ -353,8 +355,11 @@ def _check_all(args, target_cfg, draft_dir: Path, bin_dir: Path, target_gguf: Pa
                 _write_json(args.json, checks)
                 print(f"  {name} {index + 1}/{len(texts)}: error ({failure})", flush=True)
                 continue
-            ours = replay(session, proposer, prompt, max_new_tokens=args.max_new_tokens, eos=eos, p_min=args.p_min)
-            shown = ours.tokens[:-1] if ours.tokens and ours.tokens[-1] in eos else ours.tokens
+            # stop where llama.cpp stops: its vocabulary also ends on tokens (<|endoftext|>) the target's
+            # generation config may not list
+            stop = eos | theirs.end_tokens
+            ours = replay(session, proposer, prompt, max_new_tokens=args.max_new_tokens, eos=stop, p_min=args.p_min)
+            shown = ours.tokens[:-1] if ours.tokens and ours.tokens[-1] in stop else ours.tokens
             status, detail = classify(
                 theirs, ours, tie_tolerance=args.tie_tolerance, same_text=theirs.text == tokenizer.decode(shown)
             )
