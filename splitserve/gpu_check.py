@@ -201,7 +201,9 @@ class Finished:
 
 def run_logged(command: Sequence[str], *, log: Path, timeout_s: float,
                env: Mapping[str, str] | None = None, cwd: Path | None = None) -> Finished:
-    """Run ``command`` with stdout and stderr in ``log``; kill its process group at the timeout."""
+    """Run ``command`` with stdout and stderr in ``log``; kill its process group at the timeout,
+    or when this process is interrupted (Ctrl-C, or a check child's SIGTERM): the command runs
+    in a session of its own, which nothing else would stop."""
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     with log.open("w") as out:
@@ -213,6 +215,9 @@ def run_logged(command: Sequence[str], *, log: Path, timeout_s: float,
         except subprocess.TimeoutExpired:
             stop_group(proc)
             code = None
+        except BaseException:
+            stop_group(proc)
+            raise
     return Finished(code, time.monotonic() - start, log)
 
 
@@ -357,11 +362,15 @@ def step_recipe(setup: Setup) -> dict[str, Any]:
 
 
 def child_env() -> dict[str, str]:
-    """The environment of every command a check starts: offline, unbuffered."""
+    """The environment of every command a check starts: offline, unbuffered, and gloo's and
+    NCCL's sockets on loopback (as ``draftforge train``'s launcher sets them): SGLang's own
+    ranks (check 1's feature runner, check 4's server) would otherwise listen on the
+    interface of the machine's host name (gloo) or the first non-loopback one (NCCL)."""
     env = dict(os.environ)
     for key, value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                        "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false",
-                       "PYTHONUNBUFFERED": "1"}.items():
+                       "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo",
+                       "NCCL_SOCKET_IFNAME": "lo"}.items():
         env.setdefault(key, value)
     return env
 
@@ -422,12 +431,12 @@ def compare_features(
             if err * margin > nearest:
                 problems.append(f"layer {layer} matches transformers' neighbouring layer about as "
                                 f"well as its own ({err:.3g} vs {nearest:.3g}): an index shift?")
-        if err > tol:
-            problems.append(f"layer {layer}: mean per-token relative error {err:.3g} > {tol}")
+        if not err <= tol:  # NaN too: a state that is not finite fails, it does not pass
+            problems.append(f"layer {layer}: mean per-token relative error {err:.3g} (allowed {tol})")
     final_err = relative_error(sglang_final[keep], hf_final[keep])
     figures["err_final"] = final_err
-    if final_err > tol:
-        problems.append(f"final state: mean per-token relative error {final_err:.3g} > {tol}")
+    if not final_err <= tol:
+        problems.append(f"final state: mean per-token relative error {final_err:.3g} (allowed {tol})")
     padded = ~keep
     leak = 0.0
     if padded.any():
@@ -577,7 +586,8 @@ def check_splitserve_step(setup: Setup, timeout_s: float) -> CheckResult:
 def compare_states(trained: Mapping[str, Any], loaded: Mapping[str, Any]) -> tuple[int, float, list[str]]:
     """(tensors compared, largest absolute difference, trained keys missing from ``loaded``).
 
-    Shapes must match; a shape mismatch counts as an infinite difference.
+    Shapes must match; a shape mismatch counts as an infinite difference, and so does a NaN
+    facing a number (equal values, infinities and NaNs facing NaNs count 0).
     """
     missing = sorted(key for key in trained if key not in loaded)
     worst = 0.0
@@ -590,7 +600,9 @@ def compare_states(trained: Mapping[str, Any], loaded: Mapping[str, Any]) -> tup
         if tuple(other.shape) != tuple(tensor.shape):
             worst = math.inf
             continue
-        diff = (other.detach().cpu().double() - tensor.detach().cpu().double()).abs()
+        got, want = other.detach().cpu().double(), tensor.detach().cpu().double()
+        same = (got == want) | (got.isnan() & want.isnan())
+        diff = (got - want).abs().nan_to_num(nan=math.inf, posinf=math.inf).masked_fill(same, 0.0)
         worst = max(worst, diff.max().item() if diff.numel() else 0.0)
     return compared, worst, missing
 

@@ -247,10 +247,16 @@ def serve_and_count(setup: Setup, model: str, prompts: Sequence[Sequence[int]],
             return f"{problem}; log {log}: {log_tail(log)}"
         counts = []
         for index, prompt in enumerate(prompts):
-            status, reply = _http(f"{base}/generate", generate_request(prompt, setup.max_new_tokens),
-                                  timeout_s=max(5.0, deadline - time.monotonic()))
+            try:
+                status, reply = _http(f"{base}/generate",
+                                      generate_request(prompt, setup.max_new_tokens),
+                                      timeout_s=max(5.0, deadline - time.monotonic()))
+            except OSError as err:  # the server died or hung mid-request: its log says why
+                return (f"/generate of prompt {index} failed ({type(err).__name__}: {err}); "
+                        f"log {log}: {log_tail(log)}")
             if status != 200:
-                return f"/generate answered {status}: {str(reply)[:300]}"
+                return (f"/generate of prompt {index} answered {status}: {str(reply)[:300]}; "
+                        f"log {log}: {log_tail(log)}")
             counts.append(parse_sglang_reply(reply, index=index))
         return counts
     finally:
