@@ -4,18 +4,23 @@ the option's name and the reason (argparse's usage error, exit status 2) before 
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable, Sequence
 
 
 def _bounded(kind: type, low: float | None, high: float | None, why: str, *,
              above_low: bool = False) -> Callable[[str], float]:
-    """A parser of ``kind`` within [low, high] (above ``low`` when ``above_low``)."""
+    """A parser of ``kind`` within [low, high] (above ``low`` when ``above_low``); a float
+    must be finite, as in a recipe (``inf`` passes a lower bound, and ``nan`` fails it with a
+    misleading reason)."""
 
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         too_low = low is not None and not (value > low if above_low else value >= low)
         if too_low or (high is not None and not value <= high):
             raise argparse.ArgumentTypeError(f"{why}, got {text}")

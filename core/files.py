@@ -4,7 +4,8 @@
 keeps the mode, so a written file or folder gets :func:`shareable` before it is renamed
 into place: the mode a plain ``open``/``mkdir`` would have given it under the current
 umask. Otherwise an export or a recipe copy would be unreadable to a server or a
-colleague running as another user.
+colleague running as another user. A file that :func:`write_atomic` rewrites keeps its
+own mode, as ``open(path, "w")`` would: a run's files made group-writable stay so.
 """
 
 from __future__ import annotations
@@ -92,7 +93,10 @@ def write_atomic(path: Path, payload: bytes | str) -> None:
                 handle.write(payload)
                 handle.flush()
                 os.fsync(handle.fileno())
-            shareable(Path(tmp))
+            try:  # a rewrite keeps the file's permissions
+                os.chmod(tmp, os.stat(path).st_mode & 0o777)
+            except FileNotFoundError:
+                shareable(Path(tmp))
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
