@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workloads", type=argtypes.names(WORKLOAD_NAMES),
                         help="comma-separated subset of humaneval,mtbench,gsm8k (default: the "
                         "recipe's eval.workloads, else all three)")
-    parser.add_argument("--prompts-file", help="JSONL of {'workload': name, 'input_ids': [...]} instead of --workloads")
+    parser.add_argument("--prompts-file", help="JSONL of {'workload': name, 'input_ids': [...]} instead of "
+                        "--workloads (not with it)")
     parser.add_argument("--temperature", type=argtypes.non_negative_float,
                         help=f"0 = greedy (default: the recipe's eval.temperature, else {defaults.temperature})")
     parser.add_argument("--top-k", type=argtypes.non_negative_int,
@@ -57,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"min(1, p_t/p_d) (default: the recipe's eval.draft_sampling, else "
                         f"{defaults.draft_sampling})")
     parser.add_argument("--max-new-tokens", type=argtypes.positive_int,
-                        help=f"tokens generated per prompt (default: the recipe's eval.max_new_tokens, "
-                        f"else {defaults.max_new_tokens})")
+                        help=f"tokens generated per prompt, 2 or more (default: the recipe's "
+                        f"eval.max_new_tokens, else {defaults.max_new_tokens})")
     parser.add_argument("--num-prompts", type=argtypes.positive_int,
                         help="per workload (default: the recipe's eval.num_prompts, else all)")
     parser.add_argument("--verify", choices=["full", "threshold"], help="verification mode (default: the recipe's eval.verify, else full)")
@@ -121,6 +122,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.target and args.target != target_cfg.model:
             # another target: the recipe's declared shape was its target's ('random' needs one)
             shape = target_cfg.shape if args.target == "random" else None
+            if args.target == "random" and shape is None:  # model_copy runs no validator
+                raise InputError(
+                    f"--target random: a random target is built from the recipe's target.shape, and "
+                    f"{args.recipe} declares none (its target is {target_cfg.model!r}); give a "
+                    "recipe with a target.shape section"
+                )
             target_cfg = target_cfg.model_copy(update={"model": args.target, "shape": shape})
         if args.dtype:
             target_cfg = target_cfg.model_copy(update={"dtype": args.dtype})
@@ -137,6 +144,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             ) from None
     else:
         raise InputError("draftforge eval: give --target NAME_OR_DIR (or --recipe RECIPE)")
+    if args.prompts_file and args.workloads:  # the file's rows name their own workloads
+        raise InputError(
+            f"draftforge eval: --workloads {','.join(args.workloads)} and --prompts-file "
+            f"{args.prompts_file}: give one; the file's rows name their own workloads"
+        )
     if args.prompts_file and not Path(args.prompts_file).is_file():
         raise InputError(f"--prompts-file {args.prompts_file}: no such file")
     num_prompts = args.num_prompts or eval_cfg.num_prompts
@@ -159,7 +171,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"verification is {verify!r}{_source(args.verify, args.recipe, 'eval.verify')}, which "
             "verifies every block in full and ignores it: give --verify threshold, or leave it out"
         )
+    if args.calibrate and verify == "threshold":
+        raise InputError(
+            f"draftforge eval: --calibrate with threshold verification"
+            f"{_source(args.verify, args.recipe, 'eval.verify')}: it verifies only the slots before "
+            "the first whose confidence is below the threshold, so the fit would see no position "
+            "the head rates below it; give --verify full"
+        )
     max_new_tokens = args.max_new_tokens or eval_cfg.max_new_tokens
+    if max_new_tokens < 2:
+        raise InputError(
+            f"draftforge eval: --max-new-tokens {max_new_tokens}"
+            f"{_source(args.max_new_tokens, args.recipe, 'eval.max_new_tokens')}: the first new token "
+            "comes from the prompt's prefill, so no verification round would run and no acceptance "
+            "length be measured; give 2 or more"
+        )
 
     devices = resolve_devices(args.device, target_gpus)
     device = devices[0]  # the draft's, and where the target's inputs and features are
@@ -393,7 +419,11 @@ def _float32():
 
 def _workload_prompts(name: str, target, target_cfg, num_prompts: int | None) -> list[list[int]]:
     """Chat-templated token ids of a workload's prompts, as the target will be served."""
-    tokenizer = target.tokenizer
+    try:
+        tokenizer = target.tokenizer
+    except RuntimeError as err:  # a target built without one (a random target not of SmolLM2's vocabulary)
+        raise InputError(f"workload {name!r}: its prompts are text, and {err}; give --prompts-file with "
+                         "token ids instead") from None
     texts = workload_texts(name, tokenizer, target_cfg.generation, num_prompts)
     return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
 
@@ -418,7 +448,12 @@ def _prompts_from_file(
     :func:`_check_vocabulary`, which runs once the target and its vocabulary are known)."""
     workloads: dict[str, list[list[int]]] = {}
     lines: dict[str, list[int]] = {}
-    for line_no, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    try:
+        text = Path(path).read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is no token
+    except UnicodeDecodeError as err:
+        raise InputError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason}); expected JSONL, one "
+                         "{'workload': str, 'input_ids': [int, ...]} per line") from None
+    for line_no, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         expected = "expected {'workload': str, 'input_ids': [int, ...]}"
