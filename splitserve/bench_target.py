@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from draftforge import argtypes
+from draftforge.errors import InputError
 from draftforge.splitserve.config import GenerationConfig, TargetConfig
 from draftforge.splitserve.target import build_target
 
@@ -130,7 +131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = TargetConfig(
             model=args.model, dtype=dtype, num_threads=args.threads, cache_dir=args.cache_dir
         )
-        load_s, engine = _time(lambda cfg=cfg: build_target(cfg, layers))
+        try:
+            load_s, engine = _time(lambda cfg=cfg: build_target(cfg, layers))
+        except InputError as exc:  # it names the recipe's keys; these are the options that set them
+            raise InputError(f"--model {args.model} --layers {','.join(map(str, layers))}: {exc}") from exc
         print(f"loaded {engine.name} in {dtype} in {load_s:.1f}s", file=sys.stderr, flush=True)
         rows.extend(_bench_engine(engine, dtype, batch_sizes, args.seq_len, args.new_tokens,
                                   args.temperature))

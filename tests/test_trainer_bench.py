@@ -7,6 +7,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from trainer_helpers import tiny_model_config
 
+from draftforge.errors import InputError
 from draftforge.train import bench_train as bt
 from draftforge.train.bench_train import main, step_flops
 from draftforge.train.model import DSparkDraft
@@ -161,7 +162,7 @@ def test_bench_train_device_follows_the_option_then_the_recipe(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     auto = load_recipe(_recipe("smollm2-cpu.yaml"), ["train.device=auto"])
     assert resolve_device(none, auto) == "cpu"
-    with pytest.raises(SystemExit, match="--device cpu"):
+    with pytest.raises(InputError, match="--device cpu"):
         resolve_device(argparse.Namespace(device="cuda"), recipe)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert resolve_device(none, auto) == "cuda"

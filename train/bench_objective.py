@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import signal
 import subprocess
 import sys
 import time
 
 from draftforge import argtypes
+from draftforge.errors import last_lines
 
 GIB = 1024**3
 
@@ -72,6 +74,19 @@ def _child(args: argparse.Namespace) -> dict:
     }
 
 
+def _failure(proc: subprocess.CompletedProcess) -> str:
+    """Why a path's child failed: its exit status and last lines, or the signal that killed it
+    (SIGKILL with no output is how the kernel's out-of-memory killer ends it)."""
+    if proc.returncode < 0:
+        name = signal.Signals(-proc.returncode).name
+        hint = " (out of memory?)" if name == "SIGKILL" else ""
+        why = f"killed by {name}{hint}"
+    else:
+        why = f"exit {proc.returncode}"
+    tail = last_lines(proc.stderr, 3)
+    return f"{why}: {tail}" if tail else why
+
+
 def _hidden(text: str) -> int:
     value = argtypes.positive_int(text)
     if value % 128:
@@ -124,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             capture_output=True, text=True,
         )
         if proc.returncode != 0:
-            tail = proc.stderr.strip().splitlines()[-3:]
-            print(f"  {path}: failed (exit {proc.returncode}): {' | '.join(tail)}", flush=True)
+            print(f"  {path}: failed ({_failure(proc)})", flush=True)
             results[path] = None
             continue
         result = json.loads(proc.stdout.strip().splitlines()[-1])

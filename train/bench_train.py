@@ -56,12 +56,20 @@ import time
 from pathlib import Path
 
 from draftforge import argtypes
+from draftforge.errors import InputError
 from draftforge.precision import resolve_auto
 
 PEER_SHAPES = dict(
     hidden=576, layers=2, heads=9, kv_heads=3, ffn=1536, vocab=49152, block=8, markov_rank=64,
     target_layers=30, num_aux_layers=5,
 )
+
+
+def _seq(text: str) -> int:
+    value = argtypes.positive_int(text)
+    if value < 2:  # else no anchor: a step without a block to train, and figures of nothing
+        raise argparse.ArgumentTypeError(f"must be at least 2 (an anchor and the token it predicts), got {value}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -71,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("recipe", nargs="?", help="recipe YAML (default: issue 4's peer shapes)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
-    parser.add_argument("--seq", type=argtypes.positive_int, default=512,
+    parser.add_argument("--seq", type=_seq, default=512,
                         help="sequence length (default 512, issue 4's peer shape; not the recipe's data.max_length)")
     parser.add_argument("--anchors", type=argtypes.positive_int, default=64,
                         help="anchors per sequence (default 64, the peer shape; not the recipe's train.num_anchors)")
@@ -117,7 +125,7 @@ def _model_config(args):
     recipe = load_recipe(args.recipe, args.overrides)
     shape = resolve_target_shape(recipe.target)
     if shape is None:
-        raise SystemExit(f"bench train: the target shape of {args.recipe} is unknown; add target.shape")
+        raise InputError(f"{args.recipe}: the target shape is unknown; declare target.shape")
     return build_dspark_config(recipe.draft, shape), recipe
 
 
@@ -192,8 +200,8 @@ def resolve_device(args, recipe) -> str:
     try:
         return device_kind(setting)
     except RuntimeError:
-        raise SystemExit(
-            f"bench train: device {setting!r} (--device, else the recipe's train.device), but "
+        raise InputError(
+            f"device {setting!r} (--device, else the recipe's train.device), but "
             "torch sees no CUDA device; use --device cpu"
         ) from None
 
