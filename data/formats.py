@@ -8,7 +8,9 @@ Three row forms are understood (``format: auto`` picks by key, in this order):
   replies the target writes).
 
 Each form may carry a top-level ``system`` string (as LLaMA-Factory's ShareGPT rows do): the
-system prompt, refused beside a leading system message.
+system prompt, refused beside a leading system message. An empty one is no system prompt
+(LLaMA-Factory writes ``""`` for rows without one, and the template's default then applies,
+as when serving a request without a system message).
 
 A conversation is an optional leading system message, then user and assistant turns
 alternating, starting with a user turn. Every malformed row raises
@@ -25,6 +27,7 @@ wrong. What a row must contain depends on what it is read for (``expect``):
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -168,23 +171,34 @@ def _messages_from_prompt(row: dict[str, Any], where: RowLocation) -> list[dict[
 
 
 def _system_from_key(row: dict[str, Any], where: RowLocation) -> list[dict[str, str]]:
-    """The row's top-level ``system`` string as a system message; none when absent or null."""
+    """The row's top-level ``system`` string as a system message; none when absent, null or
+    empty (LLaMA-Factory's "no system prompt": an empty system message would replace the
+    template's default one, which a request without a system message is served with)."""
     system = row.get("system")
-    if system is None:
+    if system is None or system == "":
         return []
     if not isinstance(system, str):
         raise _fail(where, f"'system' must be a string, got {type(system).__name__}")
     return [{"role": "system", "content": system}]
 
 
-def check_structure(messages: list[dict[str, str]], where: RowLocation, expect: Expect) -> None:
-    """Check turn order: optional system first, then user/assistant alternating from a user."""
+def check_structure(
+    messages: list[dict[str, str]],
+    where: RowLocation,
+    expect: Expect,
+    *,
+    label: Callable[[int], str] = lambda i: f"message {i + 1}",
+) -> None:
+    """Check turn order: optional system first, then user/assistant alternating from a user.
+
+    ``label`` names ``messages[i]`` in errors as the row itself does (``parse_row``: the
+    place in its own list, which a top-level ``system`` key does not shift)."""
     if not messages:
         raise _fail(where, "the conversation is empty")
     body = messages[1:] if messages[0]["role"] == "system" else messages
-    for i, message in enumerate(messages[1:], start=2):
+    for i, message in enumerate(messages[1:], start=1):
         if message["role"] == "system":
-            raise _fail(where, f"message {i} is a system message; only the first may be")
+            raise _fail(where, f"{label(i)} is a system message; only the first may be")
     if not any(m["role"] == "user" for m in body):
         raise _fail(where, "the conversation has no user turn")
     for m in body:
@@ -195,13 +209,13 @@ def check_structure(messages: list[dict[str, str]], where: RowLocation, expect: 
         if body[0]["role"] != "user":
             raise _fail(where, "the conversation must start with a user turn (after any system)")
         return
-    offset = len(messages) - len(body) + 1
+    offset = len(messages) - len(body)
     for i, message in enumerate(body):
         wanted = "user" if i % 2 == 0 else "assistant"
         if message["role"] != wanted:
             raise _fail(
                 where,
-                f"message {i + offset} is {message['role']!r} where {wanted!r} is expected: "
+                f"{label(i + offset)} is {message['role']!r} where {wanted!r} is expected: "
                 "turns must alternate user, assistant, user, ... after an optional system message",
             )
     last = body[-1]["role"]
@@ -238,7 +252,11 @@ def parse_row(
         raise _fail(where, f"a row must be a JSON object, got {type(row).__name__}")
     chosen = detect_format(row) if fmt == "auto" else fmt
     if chosen is None or row.get(_FORMAT_KEYS[chosen]) is None:
-        keys = ", ".join(sorted(map(str, row))) or "none"
+        # a null is no value (parquet fills a column a row lacks with null): say so, rather
+        # than list 'messages' among the keys of a row said to have no 'messages'
+        keys = ", ".join(sorted(str(k) for k, v in row.items() if v is not None)) or "none"
+        nulls = sorted(str(k) for k, v in row.items() if v is None)
+        keys += f"; null: {', '.join(nulls)}" if nulls else ""
         wanted = (
             "'messages', 'conversations' or 'prompt'"
             if fmt == "auto"
@@ -265,7 +283,8 @@ def parse_row(
             "message too; keep one of them",
         )
     messages = system + messages
-    check_structure(messages, where, expect)
+    noun = "message" if chosen == "messages" else "turn"  # as the row's own errors name them
+    check_structure(messages, where, expect, label=lambda i: f"{noun} {i + 1 - len(system)}")
     ident = row_id(row, where, default_id)
     extra = {k: v for k, v in row.items() if k not in ("id", "messages", "conversations", "prompt")}
     if "unfinished_turns" in extra:  # written by 'data regenerate': replies cut at the limit

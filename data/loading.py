@@ -2,10 +2,10 @@
 
 Supported files: ``.jsonl``, ``.jsonl.gz``, ``.json`` (a list of row objects), ``.json.gz``
 and ``.parquet``. JSON files are read with plain readers because every error must name
-the 1-based line of the row (``datasets`` infers one schema for the whole file and hides
-line numbers); parquet files are read through ``datasets`` offline, row ``i`` being the
-i-th row of the table. ``builtin:train-prompts`` names the training prompt set shipped with
-draftforge.
+its row -- a jsonl row by its 1-based line, a ``.json`` row by its 1-based place in the list
+(``datasets`` infers one schema for the whole file and hides both); parquet files are read
+through ``datasets`` offline, row ``i`` being the i-th row of the table.
+``builtin:train-prompts`` names the training prompt set shipped with draftforge.
 
 Every row is validated (see :mod:`draftforge.data.formats`); a malformed row raises
 :class:`DataFormatError` unless ``skip_invalid`` is set, in which case it is skipped,
@@ -127,6 +127,7 @@ def _open_text(path: Path, suffix: str):
 
 
 def _read_jsonl(path: Path, suffix: str) -> Iterator[RawRow]:
+    number = 0
     try:  # bytes, decoded line by line: invalid UTF-8 is that row's error, with its line
         with gzip.open(path, "rb") if suffix.endswith(".gz") else open(path, "rb") as handle:
             for number, raw in enumerate(handle, start=1):
@@ -143,7 +144,9 @@ def _read_jsonl(path: Path, suffix: str) -> Iterator[RawRow]:
                 except json.JSONDecodeError as exc:
                     yield RawRow(where, error=f"invalid JSON: {exc.msg} (column {exc.colno})")
     except (OSError, EOFError, zlib.error) as exc:  # zlib.error: a corrupt .gz stream
-        raise DataFormatError(f"{path}: cannot be read: {exc}") from None
+        # a .gz cut short or damaged part-way fails after its good lines: say where
+        after = f" (after line {number})" if number else ""
+        raise DataFormatError(f"{path}: cannot be read: {exc}{after}") from None
 
 
 def _read_json(path: Path, suffix: str) -> Iterator[RawRow]:
@@ -241,6 +244,14 @@ def load_conversations(
     if not specs:
         raise DataFormatError("no data files given (data.train_files is empty)")
     paths = [resolve_data_path(spec) for spec in specs]  # all missing files fail up front
+    named: dict[Path, str] = {}
+    for spec, path in zip(specs, paths, strict=True):
+        if path.resolve() in named:  # else its first row is refused as a clash of ids
+            raise DataFormatError(
+                f"{path}: listed twice in data.train_files (as {named[path.resolve()]!r} and "
+                f"{spec!r}); its rows would be read twice"
+            )
+        named[path.resolve()] = spec
     result = LoadResult(conversations=[])
     seen: dict[str, str] = {}
     for path in paths:
