@@ -17,7 +17,9 @@ from draftforge.splitserve.target import (
     Reply,
     TargetFeatures,
     check_layer_ids,
+    folder_tokenizer,
     merge_eos_ids,
+    remote_code_error,
     render_prompt,
 )
 
@@ -84,7 +86,7 @@ class HFTarget:
         :func:`~draftforge.splitserve.placement.plan_device_map`) spreads the model
         over several devices; then ``device`` is not used.
         """
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         path = _checked_model_folder(folder)
         set_cpu_threads(cfg.num_threads, device)
@@ -96,16 +98,11 @@ class HFTarget:
                 trust_remote_code=cfg.trust_remote_code,
                 device_map=None if device_map is None else dict(device_map),
             )
-            tokenizer = AutoTokenizer.from_pretrained(
-                str(path), trust_remote_code=cfg.trust_remote_code
-            )
         except ValueError as err:
             if "trust_remote_code" in str(err) and not cfg.trust_remote_code:
-                raise InputError(
-                    f"target.model {str(folder)!r} needs code shipped with the model; set "
-                    f"target.trust_remote_code: true only if you trust that code ({err})"
-                ) from err
+                raise remote_code_error(folder, err) from err
             raise
+        tokenizer = folder_tokenizer(path, trust_remote_code=cfg.trust_remote_code)
         if device_map is None:
             model.to(device)
         return cls(model, tokenizer, layer_ids, name=name or path.name)
@@ -287,14 +284,17 @@ def captured_outputs(modules: Mapping[Hashable, nn.Module]) -> Iterator[dict[Has
 
 
 def decoder_layers_and_norm(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
-    """The decoder layers and the final norm of a transformers causal LM."""
+    """The decoder layers and the final norm of a transformers causal LM; an
+    :class:`~draftforge.errors.InputError` for a model laid out otherwise (GPT-2's ``h`` and
+    ``ln_f``): the target a user chose cannot be used."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(decoder, "layers", None)
     norm = getattr(decoder, "norm", None)
     if not isinstance(layers, nn.ModuleList) or not isinstance(norm, nn.Module):
-        raise ValueError(
-            f"cannot find decoder layers and the final norm in {type(model).__name__} "
-            f"(expected model.get_decoder().layers and .norm)"
+        raise InputError(
+            f"target model class {type(model).__name__} is not supported: draftforge takes "
+            f"features from model.get_decoder().layers and .norm (Llama-style decoders), which "
+            f"it does not have"
         )
     return layers, norm
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from draftforge.errors import InputError
 from draftforge.hf_config import rope_theta_of
 from draftforge.splitserve.config import TargetConfig, TargetShape
 
@@ -53,9 +54,16 @@ def _known_shape(model: str, *, strict: bool) -> TargetShape | None:
     """The shape of a registered target or of a local folder's config.json; None otherwise."""
     if model in KNOWN_TARGETS:
         return KNOWN_TARGETS[model]
-    config_path = Path(model) / "config.json"
+    config_path = Path(model).expanduser() / "config.json"
     if config_path.is_file():
-        raw = json.loads(config_path.read_text())
+        try:
+            raw = json.loads(config_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise InputError(
+                f"{config_path} is not valid JSON ({exc.msg}: line {exc.lineno} column {exc.colno})"
+            ) from None
+        if not isinstance(raw, dict):
+            raise InputError(f"{config_path} holds a JSON {type(raw).__name__}, not an object")
         raw = raw.get("text_config", raw)
         fields = {k: raw[k] for k in TargetShape.model_fields if k in raw}
         theta = rope_theta_of(raw)
@@ -86,7 +94,7 @@ def rope_theta_problem(cfg) -> str | None:
     section's default, 10000, and export that)."""
     if cfg.draft.rope_theta is not None:
         return None
-    config_path = Path(cfg.target.model) / "config.json"
+    config_path = Path(cfg.target.model).expanduser() / "config.json"
     if config_path.is_file():
         return (
             f"draft.rope_theta: {config_path} gives no RoPE base draftforge can use (no "

