@@ -20,8 +20,7 @@ wrong. What a row must contain depends on what it is read for (``expect``):
 - ``"prompt"``: prompts for regeneration; assistant turns, if any, are dropped (the target
   writes new ones) and plain prompts are allowed;
 - ``"conversation"``: finished conversations to train on; the last turn must be an
-  assistant reply;
-- ``"request"``: one generation request; the last turn must be a user turn.
+  assistant reply.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from typing import Any, Literal
 from draftforge.errors import InputError
 
 RowFormat = Literal["auto", "messages", "sharegpt", "prompt"]
-Expect = Literal["prompt", "conversation", "request"]
+Expect = Literal["prompt", "conversation"]
 
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
@@ -225,12 +224,6 @@ def check_structure(
             "the conversation ends with a user turn that has no assistant reply; "
             "training conversations must end with an assistant turn "
             "(or set data.regenerate: true to have the target answer)",
-        )
-    if expect == "request" and last != "user":
-        raise _fail(
-            where,
-            "the conversation ends with an assistant turn; a prompt must end with the user "
-            "turn that the target is to answer",
         )
 
 

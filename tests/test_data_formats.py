@@ -153,15 +153,6 @@ def test_error_no_user_turn():
     assert str(err.value) == "chats.jsonl, line 7: the conversation has no user turn"
 
 
-def test_error_ends_in_assistant_where_prompt_expected():
-    msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
-    with pytest.raises(DataFormatError) as err:
-        parse({"messages": msgs}, expect="request")
-    assert "line 7: the conversation ends with an assistant turn; a prompt must end with" in str(
-        err.value
-    )
-
-
 def test_error_ends_in_user_where_conversation_expected():
     msgs = [{"role": "user", "content": "Q"}]
     with pytest.raises(DataFormatError, match=r"line 7: the conversation ends with a user turn"):
