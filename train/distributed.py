@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from draftforge.errors import InputError
+
 MESH_DIM = "dp_shard"
 
 
@@ -266,7 +268,19 @@ def _skip_jit_shm_comm() -> None:
 
 
 def init_deepspeed(*, model: nn.Module, optimizer: torch.optim.Optimizer, group, config: dict):
-    """Wrap ``model``/``optimizer`` in a DeepSpeed engine data-parallel over ``group``."""
+    """Wrap ``model``/``optimizer`` in a DeepSpeed engine data-parallel over ``group``.
+
+    ZeRO-3 needs ``group`` to be the whole world: it barriers the world while it builds its
+    optimizer and checks its parameter order by broadcasts from global rank 0 every step,
+    which target ranks beside the trainers never join (the trainers would wait forever).
+    """
+    if config["zero_optimization"]["stage"] == 3 and group_size(group=group) != dist.get_world_size():
+        raise InputError(
+            f"train.zero_stage=3 needs every rank of the job to train, but the trainer group holds "
+            f"{group_size(group=group)} of the {dist.get_world_size()} ranks (DeepSpeed's ZeRO-3 runs "
+            "collectives over the whole world, which the target ranks never join); use "
+            "train.zero_stage=2 or train.strategy=fsdp2"
+        )
     try:
         import deepspeed
     except ImportError as exc:
