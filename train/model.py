@@ -93,6 +93,10 @@ class DSparkConfig:
                     f"{self.num_attention_heads} attention heads; set head_dim explicitly"
                 )
             self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.head_dim % 2:
+            raise ValueError(
+                f"head_dim must be even (RoPE rotates the two halves of each head), got {self.head_dim}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
@@ -512,6 +516,13 @@ class DSparkDraft(nn.Module):
         The anchor must lie within ``max_position_embeddings``, as every training anchor does
         (the block's later slots may reach past it, as in training)."""
         cfg = self.config
+        if anchor_pos < 0:
+            raise ValueError(f"anchor position must be >= 0, got {anchor_pos}")
+        if aux.shape[1] < anchor_pos:  # sliced short, the block would see (and a cache keep) less
+            raise ValueError(
+                f"the block at anchor position {anchor_pos} sees the context positions "
+                f"0 .. {anchor_pos - 1}, but aux holds only {aux.shape[1]} positions"
+            )
         if anchor_pos >= cfg.max_position_embeddings:
             raise ValueError(
                 f"anchor position {anchor_pos} is beyond the draft's max_position_embeddings "
