@@ -62,7 +62,7 @@ class ResumeInfo:
     all_consumed_ids: set[str]  # every trainer rank's, and the ids their samples said were dropped
     extra: dict
     path: Path
-    schedule_change: str = ""  # non-empty when this run's schedule differs at the resumed step
+    schedule_change: str = ""  # non-empty when this run's schedule differs from the resumed step on
     optimizer_change: str = ""  # non-empty when the checkpoint's AdamW settings were replaced
 
 
@@ -307,16 +307,29 @@ class Trainer:
                 f"({ranks}, which trainer rank 0 wrote as {written}); point train.output_dir at a "
                 "shared file system")
 
+    def _schedule_settings(self) -> dict:
+        """What the learning rate of every step depends on (stored with each checkpoint)."""
+        train = self.train
+        return {"lr": train.lr, "steps": train.steps, "warmup_ratio": train.warmup_ratio,
+                "warmup_steps": warmup_steps(train), "min_lr_ratio": train.min_lr_ratio}
+
     def _schedule_change(self, saved: dict) -> str:
         """What a resume with another train.lr, steps, warmup_ratio or min_lr_ratio does to the
-        next update's learning rate, or "" when the schedule continues as it was."""
+        learning rates from the next update on, or "" when the schedule continues as it was."""
         before, now = saved.get("lr"), lr_at(self.step, train=self.train)
-        if before is None or math.isclose(before, now, rel_tol=1e-9, abs_tol=0.0):
+        if before is not None and not math.isclose(before, now, rel_tol=1e-9, abs_tol=0.0):
+            return (f"the learning rate of step {self.step + 1} is {now:.3e} under this recipe's schedule "
+                    f"(train.lr {self.train.lr:g}, steps {self.train.steps}, warmup_ratio "
+                    f"{self.train.warmup_ratio:g}, min_lr_ratio {self.train.min_lr_ratio:g}), where the "
+                    f"checkpointed run's would have been {before:.3e}; training continues on the new schedule")
+        old, new = saved.get("settings"), self._schedule_settings()  # absent from older checkpoints
+        if not old or all(old.get(key) == new[key] for key in ("lr", "steps", "warmup_steps", "min_lr_ratio")):
             return ""
-        return (f"the learning rate of step {self.step + 1} is {now:.3e} under this recipe's schedule "
-                f"(train.lr {self.train.lr:g}, steps {self.train.steps}, warmup_ratio "
-                f"{self.train.warmup_ratio:g}, min_lr_ratio {self.train.min_lr_ratio:g}), where the "
-                f"checkpointed run's would have been {before:.3e}; training continues on the new schedule")
+        changed = ", ".join(f"train.{key} {old.get(key)} -> {new[key]}"
+                            for key in ("lr", "steps", "warmup_ratio", "min_lr_ratio") if old.get(key) != new[key])
+        return (f"this recipe's learning-rate schedule differs from the checkpointed run's ({changed}): "
+                f"step {self.step + 1} keeps the learning rate {now:.3e}, the steps after it follow "
+                "the new schedule")
 
     # -- one optimizer step ------------------------------------------------------------
 
@@ -625,7 +638,8 @@ class Trainer:
             "step": self.step,
             "skipped_steps": self.skipped_steps,
             "strategy": self.train.strategy,
-            "schedule": {"next_step": self.step, "lr": lr_at(self.step, train=self.train)},
+            "schedule": {"next_step": self.step, "lr": lr_at(self.step, train=self.train),
+                         "settings": self._schedule_settings()},
             "consumed_ids": per_rank,
             "dropped_ids": dropped,
             "extra_per_rank": [json.loads(e[0]) for e in extras],
