@@ -426,6 +426,12 @@ def _check_target(cfg: RecipeConfig) -> tuple[TargetShape | None, list[Problem]]
         return None, [(("target", "model"), (
             f"{target.model!r} is neither a registered name ({names}) nor an existing local "
             "folder; for a dry run without the target's weights, declare target.shape"))]
+    if shape is None:  # an existing folder without a config.json: its parent, a hub cache's root
+        config_json = Path(target.model).expanduser() / "config.json"
+        return None, [(("target", "model"), (
+            f"{target.model!r} holds no config.json ({config_json} is not a file), so the "
+            "target's shape is unknown and the draft cannot be checked against it; point "
+            "target.model at the folder with the model's config.json, or declare target.shape"))]
     if target.shape is None and shape is not None and target.model not in KNOWN_TARGETS:
         # a local folder's shape, recorded like a declared one: a run's config.yaml then
         # reloads (export, eval) on a machine without that folder
@@ -583,6 +589,14 @@ def _check_draft(cfg: RecipeConfig, shape: TargetShape | None) -> list[Problem]:
             )
         else:
             draft.head_dim = draft.hidden_size // draft.num_attention_heads
+    if draft.head_dim is not None and draft.head_dim % 2:
+        problems.append(
+            (
+                ("draft", "head_dim"),
+                f"{draft.head_dim} is odd (hidden_size / num_attention_heads unless set); RoPE "
+                "rotates the two halves of each head, so it must be even",
+            )
+        )
     if draft.attention_backend == "flex":
         from draftforge.train.model import FLEX_MIN_HEAD_DIM
 
@@ -761,18 +775,28 @@ def _check_split(cfg: RecipeConfig) -> list[Problem]:
 
 
 def _check_data(cfg: RecipeConfig) -> list[Problem]:
-    """Data settings that no sample could meet."""
+    """Data settings that no sample could meet, or that training would ignore."""
     data = cfg.data
+    problems: list[Problem] = []
     if data.min_loss_tokens >= data.max_length:
-        return [
+        problems.append(
             (
                 ("data", "min_loss_tokens"),
                 f"{data.min_loss_tokens} is not below data.max_length {data.max_length}: a sample "
                 "also holds its prompt, so none would have that many supervised tokens and every "
                 "one would be dropped; lower data.min_loss_tokens",
             )
-        ]
-    return []
+        )
+    if data.regenerated_file is not None and not data.regenerate:
+        problems.append(
+            (
+                ("data", "regenerated_file"),
+                f"{data.regenerated_file} is read only with data.regenerate: true; with false the "
+                "draft trains on the replies of data.train_files as they are and this file would "
+                "be ignored: set data.regenerate: true to train on its answers, or remove it",
+            )
+        )
+    return problems
 
 
 def _cross_check(cfg: RecipeConfig) -> list[Problem]:

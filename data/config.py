@@ -30,7 +30,9 @@ class DataConfig(Section):
     skip_invalid: bool = Field(default=False, description="count and skip malformed rows")
     regenerate: bool = Field(default=True, description="answer prompts with the target itself")
     regenerated_file: str | None = Field(
-        default=None, description="jsonl written by 'draftforge data regenerate'"
+        default=None,
+        description="jsonl written by 'draftforge data regenerate', read with data.regenerate "
+        "true; default: <train.output_dir>/regenerated.jsonl",
     )
     num_samples: int | None = Field(default=None, gt=0, description="use the first N prompts")
     shuffle_seed: int = Field(default=0, description="seeds the order of samples in every epoch")

@@ -178,14 +178,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "the first whose confidence is below the threshold, so the fit would see no position "
             "the head rates below it; give --verify full"
         )
-    max_new_tokens = args.max_new_tokens or eval_cfg.max_new_tokens
-    if max_new_tokens < 2:
+    if args.max_new_tokens is not None and args.max_new_tokens < 2:  # a recipe's is checked by its schema
         raise InputError(
-            f"draftforge eval: --max-new-tokens {max_new_tokens}"
-            f"{_source(args.max_new_tokens, args.recipe, 'eval.max_new_tokens')}: the first new token "
+            f"draftforge eval: --max-new-tokens {args.max_new_tokens}: the first new token "
             "comes from the prompt's prefill, so no verification round would run and no acceptance "
             "length be measured; give 2 or more"
         )
+    max_new_tokens = args.max_new_tokens or eval_cfg.max_new_tokens
 
     devices = resolve_devices(args.device, target_gpus)
     device = devices[0]  # the draft's, and where the target's inputs and features are

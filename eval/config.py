@@ -64,7 +64,10 @@ class EvalConfig(Section):
         "DSPARK verifies sampled requests, from the draft's temperature-scaled distribution; "
         "some SGLang versions cut it by top-k and top-p as this does, others do not)",
     )
-    max_new_tokens: int = Field(default=256, gt=0, description="tokens generated per prompt")
+    max_new_tokens: int = Field(
+        default=256, ge=2,
+        description="tokens generated per prompt (the first comes from the prefill, so at least 2 for one verification round)",
+    )
     verify: Literal["full", "threshold"] = Field(
         default="full",
         description="full: verify the whole block; threshold: cut it at the first slot whose "

@@ -875,15 +875,16 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
     cfg = load_recipe(recipe, dspark_args)
     dflash_cfg = load_recipe(recipe, dflash_overrides(paths))
     args.num_prompts = args.num_prompts or cfg.eval.num_prompts or FALLBACK_NUM_PROMPTS
-    given = "--max-new-tokens" if args.max_new_tokens else f"{recipe}: eval.max_new_tokens"
-    args.max_new_tokens = args.max_new_tokens or cfg.eval.max_new_tokens
-    if args.max_new_tokens < 2:  # before the hour of stages whose table it would empty
+    # before the hour of stages whose table it would empty (a recipe's value: its schema)
+    if args.max_new_tokens is not None and args.max_new_tokens < 2:
         from draftforge.errors import InputError
 
         raise InputError(
-            f"{given} {args.max_new_tokens}: the first new token comes from the prompt's prefill, so "
-            "no verification round would run and no acceptance length be measured; give 2 or more"
+            f"--max-new-tokens {args.max_new_tokens}: the first new token comes from the prompt's "
+            "prefill, so no verification round would run and no acceptance length be measured; "
+            "give 2 or more"
         )
+    args.max_new_tokens = args.max_new_tokens or cfg.eval.max_new_tokens
     workloads = args.workloads or list(cfg.eval.workloads)  # checked by argparse, the recipe by its schema
     stages = Stages(total=6)
     print(

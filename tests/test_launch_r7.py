@@ -96,5 +96,6 @@ def test_a_dry_run_without_the_targets_shape_is_an_input_error(tmp_path, capsys)
                                               "target.shape": None})
     assert cli_main(["train", str(recipe), "--dry-run"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("draftforge train: error: target.model: the shape of target")
-    assert "declare target.shape for a dry run" in err and "Traceback" not in err
+    assert err.startswith("draftforge train: invalid recipe:\n")
+    assert f"target.model: {str(tmp_path / 'model')!r} holds no config.json" in err
+    assert "or declare target.shape" in err and "Traceback" not in err
