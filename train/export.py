@@ -475,6 +475,10 @@ def load_training_checkpoint(path: str | os.PathLike[str]) -> tuple[DSparkConfig
         raise ExportError(f"{config_path}: not a valid draft config: {err}") from err
     state = read_safetensors_file(weights)
     state = {_strip_wrappers(name): tensor for name, tensor in state.items()}
+    # checked here, where the files are known (export_draft sees a state dict); the
+    # embeddings only when they are exported
+    trained = {name: tensor for name, tensor in state.items() if name not in EMBEDDING_KEYS}
+    check_tensors(trained, cfg, with_embeddings=False, where=f"{weights} (with its {config_path.name})")
     return cfg, state
 
 

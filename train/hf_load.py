@@ -39,6 +39,8 @@ def read_serving_config(folder: str | os.PathLike[str]) -> dict:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ExportError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from err
+    except UnicodeDecodeError as err:
+        raise ExportError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason}); export the draft again") from None
     if not isinstance(raw, dict):
         raise ExportError(f"{path}: a model config must be a JSON object, not a {type(raw).__name__}")
     return raw
@@ -53,7 +55,7 @@ def config_from_serving(raw: dict, *, where: str = CONFIG_FILE) -> DSparkConfig:
     differ from the server's.
     """
     raw = _with_dflash_fields(raw, where)
-    _check_plain_rope(raw, where)
+    rope_theta = _plain_rope_theta(raw, where)
     required = (
         "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "intermediate_size", "num_target_layers", "target_layer_ids",
@@ -79,8 +81,11 @@ def config_from_serving(raw: dict, *, where: str = CONFIG_FILE) -> DSparkConfig:
             markov_rank=int(raw["markov_rank"]),
             markov_head_type=str(raw.get("markov_head_type", "vanilla")),
             enable_confidence_head=bool(raw.get("enable_confidence_head", False)),
-            confidence_head_with_markov=bool(raw.get("confidence_head_with_markov", False)),
-            rope_theta=rope_theta_of(raw) or 10000.0,
+            # SGLang's default (build_confidence_head): the head reads the Markov embedding
+            confidence_head_with_markov=bool(
+                raw.get("confidence_head_with_markov", int(raw["markov_rank"]) > 0)
+            ),
+            rope_theta=rope_theta or 10000.0,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         )
@@ -111,9 +116,20 @@ def _with_dflash_fields(raw: dict, where: str) -> dict:
     return merged
 
 
-def _check_plain_rope(raw: dict, where: str) -> None:
+def _plain_rope_theta(raw: dict, where: str) -> float | None:
+    """The RoPE base of ``raw`` (None where it gives none); RoPE scaling is refused. A
+    ``rope_scaling`` of type ``default`` is plain RoPE: newer transformers write a plain
+    config's as ``{"rope_theta": ..., "rope_type": "default"}``, without a top-level ``rope_theta``."""
     scaling = raw.get("rope_scaling")
     params = raw.get("rope_parameters")
+    try:
+        theta = rope_theta_of(raw)
+        if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "default":
+            if theta is None and scaling.get("rope_theta") is not None:
+                theta = float(scaling["rope_theta"])
+            scaling = None
+    except (TypeError, ValueError) as err:
+        raise ExportError(f"{where}: rope_theta: {err}") from None
     if isinstance(params, dict) and params.get("rope_type", "default") != "default":
         scaling = params
     if scaling:
@@ -122,6 +138,7 @@ def _check_plain_rope(raw: dict, where: str) -> None:
             "RoPE, so its logits would differ from a server's that scales; use a draft exported "
             "without rope_scaling"
         )
+    return theta
 
 
 def index_weight_map(index: Path, *, advice: str) -> dict[str, str]:
@@ -184,7 +201,8 @@ def load_exported_draft(
     """Build the draft an export folder describes and load its tensors exactly.
 
     Without embeddings in the folder, ``embed_tokens``/``lm_head`` (or
-    ``target``'s) are required. ``dtype`` defaults to the export's.
+    ``target``'s) are required; given ones of another shape than the config's
+    vocabulary and hidden size are refused. ``dtype`` defaults to the export's.
     """
     folder = Path(folder).expanduser()
     raw = read_serving_config(folder)
@@ -192,11 +210,18 @@ def load_exported_draft(
     state = read_safetensors_folder(folder)
     has_embeddings = all(name in state for name in EMBEDDING_KEYS)
     check_tensors(state, cfg, with_embeddings=has_embeddings, where=str(folder))
+    if target is not None:
+        embed_tokens, lm_head = target.embed_tokens_weight(), target.lm_head_weight()
+    for name, matrix in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
+        # a draft of another target: refused also where the export holds its own copies
+        if matrix is not None and tuple(matrix.shape) != (cfg.vocab_size, cfg.hidden_size):
+            raise ExportError(
+                f"{folder}: the target's {name} is {tuple(matrix.shape)}, but the draft's {CONFIG_FILE} "
+                f"has vocab_size {cfg.vocab_size} and hidden_size {cfg.hidden_size}: the draft was "
+                "trained for another target; pass the target it was trained against"
+            )
     model = DSparkDraft(cfg)
     if not has_embeddings:
-        if target is not None:
-            embed_tokens = target.embed_tokens_weight()
-            lm_head = target.lm_head_weight()
         if embed_tokens is None or lm_head is None:
             raise ExportError(
                 f"{folder} holds no embed_tokens/lm_head (exported without --with-embeddings); "
