@@ -163,12 +163,14 @@ def test_uneven_trainers_finish_finite_data_without_waiting_on_each_other(tmp_pa
     assert "stop: data_exhausted" in read_logs(tmp_path / "logs", 3)[1]
 
 
-def test_three_process_run_deepspeed(tmp_path):
-    """The same stream feeds a DeepSpeed ZeRO-2 trainer group."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_three_process_run_deepspeed(tmp_path, stage):
+    """The same stream feeds a DeepSpeed ZeRO-2 or ZeRO-3 trainer group beside the target rank
+    (ZeRO-3 used to be refused there: DeepSpeed ran its collectives on the whole world)."""
     pytest.importorskip("deepspeed")
     steps = 8
     recipe = tiny_recipe(tmp_path, trainers=2, steps=steps, num_conversations=64,
-                         overrides={"train.strategy": "deepspeed", "train.zero_stage": 2,
+                         overrides={"train.strategy": "deepspeed", "train.zero_stage": stage,
                                     "split.peer_timeout_s": 15})
     procs = spawn_ranks(recipe, 3, log_dir=tmp_path / "logs")
     assert wait_all(procs, 150) == [0, 0, 0], read_logs(tmp_path / "logs", 3)

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import weakref
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
-
-from draftforge.errors import InputError
 
 MESH_DIM = "dp_shard"
 
@@ -270,17 +269,11 @@ def _skip_jit_shm_comm() -> None:
 def init_deepspeed(*, model: nn.Module, optimizer: torch.optim.Optimizer, group, config: dict):
     """Wrap ``model``/``optimizer`` in a DeepSpeed engine data-parallel over ``group``.
 
-    ZeRO-3 needs ``group`` to be the whole world: it barriers the world while it builds its
-    optimizer and checks its parameter order by broadcasts from global rank 0 every step,
-    which target ranks beside the trainers never join (the trainers would wait forever).
+    ZeRO-3 runs collectives on DeepSpeed's world (a barrier while it builds its optimizer,
+    parameter-order checks by broadcast every step); when ``group`` is a subgroup of the
+    world (target ranks beside the trainers, which never join them), DeepSpeed's world is
+    narrowed to ``group`` for the engine's lifetime (:mod:`draftforge.train.deepspeed_subgroup`).
     """
-    if config["zero_optimization"]["stage"] == 3 and group_size(group=group) != dist.get_world_size():
-        raise InputError(
-            f"train.zero_stage=3 needs every rank of the job to train, but the trainer group holds "
-            f"{group_size(group=group)} of the {dist.get_world_size()} ranks (DeepSpeed's ZeRO-3 runs "
-            "collectives over the whole world, which the target ranks never join); use "
-            "train.zero_stage=2 or train.strategy=fsdp2"
-        )
     try:
         import deepspeed
     except ImportError as exc:
@@ -291,10 +284,23 @@ def init_deepspeed(*, model: nn.Module, optimizer: torch.optim.Optimizer, group,
         ) from exc
     _skip_jit_shm_comm()
     wrapper = TupleOutput(model)
-    engine, ds_optimizer, _, _ = deepspeed.initialize(
-        model=wrapper, optimizer=optimizer, config=config, mpu=_GroupMPU(group),
-        dist_init_required=False,
-    )
+    undo = None
+    if (config["zero_optimization"]["stage"] == 3 and group is not None
+            and group_size(group=group) != dist.get_world_size()):
+        from draftforge.train import deepspeed_subgroup
+
+        undo = deepspeed_subgroup.install(group)
+    try:
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            model=wrapper, optimizer=optimizer, config=config, mpu=_GroupMPU(group),
+            dist_init_required=False,
+        )
+    except BaseException:
+        if undo is not None:
+            undo()
+        raise
+    if undo is not None:
+        weakref.finalize(engine, undo)
     engine.checkpoint_engine = _weights_only_checkpoint_engine(engine.checkpoint_engine)
     if config["zero_optimization"]["stage"] == 3:
         # The objective reads these weights directly rather than through their
