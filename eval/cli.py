@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "target is split by layers, filling them in order (one that fits on the "
                         "first stays there); the draft runs on the first")
     parser.add_argument("--tie-tolerance", type=argtypes.non_negative_float,
-                        help="greedy divergences where the target's top-2 logit margin is below this "
+                        help="greedy divergences where the emitted token lies less than this below the target's "
+                        "own choice (in plain decoding's logits) "
                         "are counted as numerical near-ties, not failures (default: 1e-3 for a "
                         "float32 target, 1.0 for bfloat16, whose batched and one-token logits "
                         "differ by up to about a logit)")  # fmt: skip

@@ -11,8 +11,9 @@ from draftforge.section import Section
 # Which earlier occurrence of the suffix n-gram the n-gram baseline copies from.
 NGRAM_MATCHES = ("latest", "earliest")
 
-# The lossless check's default near-tie tolerance (the target's top-2 logit margin under
-# which a greedy divergence counts as numerical, not a bug), per target dtype. Batched
+# The lossless check's default near-tie tolerance (how far below the target's own choice, in
+# logits, a greedy divergence's token may lie and still count as numerical, not a bug), per
+# target dtype. Batched
 # verification and one-token decoding compute the same logits in another order; on
 # SmolLM2 (CPU, 5 prompts, 41 positions each, the largest difference over the vocabulary)
 # they differed by at most 1e-4 in float32 and by up to 0.94 in bfloat16, where a logit

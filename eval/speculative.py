@@ -32,6 +32,7 @@ the threshold (static confidence scheduling).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -85,6 +86,9 @@ class DecodeResult:
     rounds: list[Round] = field(default_factory=list)
     wall_s: float = 0.0
     top2_margins: list[float] | None = None  # plain decoding only: per output token
+    # plain decoding only: per output token, its NEAR_TIE_CANDIDATES most likely tokens and how
+    # far each lies below the top logit (which token a near-tie may have swapped in)
+    top_gaps: list[dict[int, float]] | None = None
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -363,6 +367,7 @@ def speculative_decode(
     anchor = _choose(logits[-1], settings, generator)
     output = [anchor]
     margins = [_margin(logits[-1])] if plain else None
+    gaps = [_gaps(logits[-1])] if plain else None
     rounds: list[Round] = []
     while len(output) < settings.max_new_tokens and anchor not in eos:
         sequence.append(anchor)  # the anchor sits at position len(sequence) - 1
@@ -392,6 +397,7 @@ def speculative_decode(
             counted_verified = counted_accepted = len(emitted)
         if plain:
             margins.append(_margin(target_logits[0]))
+            gaps.append(_gaps(target_logits[0]))
         rounds.append(
             Round(
                 num_proposed=len(proposal.tokens),
@@ -412,6 +418,7 @@ def speculative_decode(
         rounds=rounds,
         wall_s=time.perf_counter() - start,
         top2_margins=margins[: len(output)] if margins is not None else None,
+        top_gaps=gaps[: len(output)] if gaps is not None else None,
     )
 
 
@@ -425,15 +432,27 @@ def _margin(logits: torch.Tensor) -> float:
     return float(top2_margins(logits))
 
 
+NEAR_TIE_CANDIDATES = 8  # the reference tokens whose distance below its choice plain decoding keeps
+
+
+def _gaps(logits: torch.Tensor) -> dict[int, float]:
+    values, indices = logits.topk(min(NEAR_TIE_CANDIDATES, logits.shape[-1]))
+    values = values.tolist()
+    return {token: values[0] - value for token, value in zip(indices.tolist(), values, strict=True)}
+
+
 def check_lossless(
     speculative: DecodeResult, reference: DecodeResult, *, tie_tolerance: float = 1e-3, label: str = ""
 ) -> int:
     """Raise :class:`LosslessCheckError` when greedy speculative output differs from plain greedy output.
 
-    A divergence where the reference's top-2 logit margin is below
-    ``tie_tolerance`` is a numerical near-tie (batched verification computes the
-    same logits in a different order), not a verification bug: the comparison
-    stops there and 1 is returned (0 when identical).
+    A divergence where the speculative token's logit lies less than ``tie_tolerance``
+    below the reference token's, in the reference's logits, is a numerical near-tie
+    (batched verification computes the same logits in a different order), not a
+    verification bug: the comparison stops there and 1 is returned (0 when identical).
+    A token outside the reference's :data:`NEAR_TIE_CANDIDATES` most likely is never
+    excused (how far below it lies is not known); a reference that recorded no
+    candidates (``top_gaps``) has only its top-2 margin to judge by.
     """
     spec, ref = speculative.tokens, reference.tokens
     for index in range(max(len(spec), len(ref))):
@@ -441,14 +460,18 @@ def check_lossless(
         b = ref[index] if index < len(ref) else None
         if a == b:
             continue
-        margin = None
+        margin = gap = None
         if reference.top2_margins is not None and index < len(reference.top2_margins):
-            margin = reference.top2_margins[index]
-        if margin is not None and margin < tie_tolerance and a is not None and b is not None:
+            margin = gap = reference.top2_margins[index]
+        if reference.top_gaps is not None and index < len(reference.top_gaps):
+            candidates = reference.top_gaps[index]
+            gap = candidates.get(a, math.inf)  # beyond them: its distance is not known
+        if gap is not None and gap < tie_tolerance and a is not None and b is not None:
             return 1
         raise LosslessCheckError(
             f"{label}: greedy speculative decoding is not lossless: output token {index} is {a} but "
-            f"plain greedy decoding gives {b} (reference top-2 logit margin there: {margin}); "
+            f"plain greedy decoding gives {b} (reference top-2 logit margin there: {margin}, "
+            f"the speculative token at least {gap} below the reference's); "
             f"speculative {spec[max(0, index - 3) : index + 4]} vs plain {ref[max(0, index - 3) : index + 4]}"
         )
     return 0
