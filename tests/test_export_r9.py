@@ -136,3 +136,17 @@ def test_a_config_json_that_is_not_text_is_an_input_error(tmp_path):
         read_serving_config(tmp_path)
     assert str(err.value) == (f"{tmp_path / 'config.json'}: not UTF-8 text (byte 0: invalid start byte); "
                               "export the draft again")
+
+
+@pytest.mark.parametrize("key", ["enable_confidence_head", "confidence_head_with_markov"])
+def test_a_flag_written_as_a_string_is_refused_not_read_as_true(key):
+    """bool("false") is True: a hand-edited "false" built a confidence head the file said it
+    had not."""
+    from draftforge.train.export import ExportError
+
+    raw = serving_config(tiny_draft().config, arch="Qwen3DSparkModel", dtype=torch.float32)
+    raw[key] = "false"
+    with pytest.raises(ExportError, match=f"x/config.json: {key} must be true or false, got 'false'"):
+        config_from_serving(raw, where="x/config.json")
+    raw[key] = False
+    assert getattr(config_from_serving(raw), key) is False

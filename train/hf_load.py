@@ -46,6 +46,14 @@ def read_serving_config(folder: str | os.PathLike[str]) -> dict:
     return raw
 
 
+def _flag(raw: dict, key: str, default: bool) -> bool:
+    """A JSON true/false field (``bool("false")`` would be True: a hand-edited string is refused)."""
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    return value
+
+
 def config_from_serving(raw: dict, *, where: str = CONFIG_FILE) -> DSparkConfig:
     """The ``DSparkConfig`` described by an exported config.json.
 
@@ -80,11 +88,9 @@ def config_from_serving(raw: dict, *, where: str = CONFIG_FILE) -> DSparkConfig:
             mask_token_id=int(raw["mask_token_id"]),
             markov_rank=int(raw["markov_rank"]),
             markov_head_type=str(raw.get("markov_head_type", "vanilla")),
-            enable_confidence_head=bool(raw.get("enable_confidence_head", False)),
+            enable_confidence_head=_flag(raw, "enable_confidence_head", False),
             # SGLang's default (build_confidence_head): the head reads the Markov embedding
-            confidence_head_with_markov=bool(
-                raw.get("confidence_head_with_markov", int(raw["markov_rank"]) > 0)
-            ),
+            confidence_head_with_markov=_flag(raw, "confidence_head_with_markov", int(raw["markov_rank"]) > 0),
             rope_theta=rope_theta or 10000.0,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
