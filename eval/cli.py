@@ -267,6 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = {
         "command": "draftforge eval " + shlex.join(list(sys.argv[1:] if argv is None else argv)),
         "draft": str(args.draft),
+        "draft_path": str(Path(args.draft).expanduser().resolve()),  # the draft wherever this is read from
         "target": target_cfg.model,
         # what else makes the target the same one (draftforge eval compare checks it)
         "target_config": {

@@ -49,6 +49,7 @@ def test_eval_cli_with_export_prompts_file_and_calibration(recipe_path, tmp_path
     assert "al_dspark=" in stdout and "al_ngram=" in stdout and "al_none=1.000" in stdout
     report = json.loads((out / "report.json").read_text())
     assert set(report["workloads"]) == {"alpha", "beta"}
+    assert report["draft"] == str(export_dir) and report["draft_path"] == str(export_dir.resolve())
     alpha = report["workloads"]["alpha"]
     assert alpha["num_prompts"] == 2 and set(alpha["methods"]) == {"dspark", "ngram", "none"}
     assert alpha["methods"]["none"]["acceptance_length"] == 1.0

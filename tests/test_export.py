@@ -663,3 +663,17 @@ def test_export_flushes_every_file_before_the_folder_takes_its_name(tmp_path, mo
     export_draft(tiny_draft(), tmp_path / "export", progress=lambda _: None)
     before = {os.path.basename(p) for p in renamed[0]}
     assert {"config.json", "model.safetensors", "README.md"} <= before
+
+
+def test_a_report_written_from_another_folder_is_found_by_its_draft_path(tmp_path, monkeypatch):
+    """report.json's "draft" is the path as typed, relative to where eval ran; its
+    "draft_path" is absolute, so the export finds the report from any folder."""
+    from draftforge.train.export_cli import main
+
+    run, _ = _run_with_report(tmp_path, "export")  # typed in the run folder: relative
+    written = json.loads((run / "eval" / "report.json").read_text())
+    written["draft_path"] = str(run / "export")
+    (run / "eval" / "report.json").write_text(json.dumps(written))
+    monkeypatch.chdir(tmp_path)  # "export" here is not the run's export
+    assert main([str(run)]) == 0
+    assert "| gsm8k | 4.99 |" in (run / "export" / "README.md").read_text()

@@ -150,7 +150,8 @@ def default_report(run_dir: Path, out: Path) -> Path | None:
     measured = report.with_name("report.json")
     checkpoint = latest_checkpoint(run_dir)
     try:
-        draft = json.loads(measured.read_text()).get("draft")
+        written = json.loads(measured.read_text())
+        draft = written.get("draft_path") or written.get("draft")  # reports before draft_path: as typed
     except (OSError, ValueError, AttributeError):
         draft = None
     ours = {p.expanduser().resolve() for p in
