@@ -283,12 +283,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "block_size": draft_cfg.block_size,
         "wall_s": time.perf_counter() - started,
     }
-    if args.calibrate:
-        samples = [s for r in results for s in r.confidence_samples]
-        # calibrate holds out whole prompts: each sample's (workload, prompt)
-        prompt_ids = [(r.name, p) for r in results for p in r.confidence_prompts]
-        if not samples:
-            raise SystemExit("draftforge eval --calibrate: no confidence samples were recorded")
+    samples = [s for r in results for s in r.confidence_samples]
+    # calibrate holds out whole prompts: each sample's (workload, prompt)
+    prompt_ids = [(r.name, p) for r in results for p in r.confidence_prompts]
+    if args.calibrate and samples:
         calibration = calibrate(samples, draft_cfg.block_size, dataset=",".join(workloads),
                                 prompt_ids=prompt_ids)
         write_calibration(args.calibrate, calibration)
@@ -310,6 +308,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = " ".join(f"al_{m}={macro(results, m):.3f}" for m in ("dspark", "ngram", "none"))
     print(f"eval: report in {Path(args.out)} ({', '.join(p.name for p in paths.values())})")
     print(f"eval_dir={Path(args.out)} {summary}")
+    if args.calibrate and not samples:  # the report is written: the decoding is not lost
+        raise InputError(
+            f"--calibrate {args.calibrate}: no confidence samples were recorded (no draft position "
+            "was verified: every prompt ended at its first token), so nothing was written there"
+        )
     return 0
 
 

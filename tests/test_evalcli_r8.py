@@ -163,3 +163,23 @@ def test_a_random_target_beside_a_recipe_without_a_shape_is_refused(tmp_path, no
                  str(_prompts(tmp_path)), "--out", str(tmp_path / "r")]) == 2  # fmt: skip
     assert (f"--target random: a random target is built from the recipe's target.shape, and {recipe} "
             "declares none (its target is 'smollm2-135m-instruct')") in capsys.readouterr().err
+
+
+def test_calibration_without_samples_writes_the_report_and_exits_2(recipe_path, tmp_path, monkeypatch, capsys):
+    """Every prompt ends at its first token (here: every token ends the answer), so no draft
+    position is verified: the report is still written, the calibration file is not, and the
+    exit status is 2 (it was SystemExit 1 before the report, losing the decoding)."""
+    from draftforge.cli import main
+    from draftforge.eval import cli as eval_cli
+
+    recipe = load_recipe(recipe_path)
+    target = build_target(recipe.target, recipe.draft.target_layer_ids)
+    export_dir = export_draft(tiny_eval_draft(target), tmp_path / "export", progress=lambda _: None)
+    monkeypatch.setattr(eval_cli, "_eos_ids", lambda target: list(range(512)))
+    out = tmp_path / "r"
+    assert main(["eval", str(export_dir), "--recipe", str(recipe_path), "--prompts-file", str(_prompts(tmp_path)),
+                 "--max-new-tokens", "4", "--calibrate", str(tmp_path / "sts.json"),
+                 "--out", str(out)]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert f"--calibrate {tmp_path / 'sts.json'}: no confidence samples were recorded" in err
+    assert (out / "report.json").is_file() and not (tmp_path / "sts.json").exists()
