@@ -396,6 +396,20 @@ def test_a_sharded_export_whose_index_disagrees_with_its_shards_is_an_input_erro
         load_exported_draft(out, **kwargs)
 
 
+def _tiny_debug_draft():
+    """A random draft of recipes/tiny-debug.yaml's draft section, as its run would train."""
+    from pathlib import Path
+
+    from draftforge.config import load_recipe
+    from draftforge.splitserve.registry import resolve_target_shape
+    from draftforge.train.config import build_dspark_config
+    from draftforge.train.model import DSparkDraft
+
+    cfg = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml")
+    torch.manual_seed(0)
+    return DSparkDraft(build_dspark_config(cfg.draft, resolve_target_shape(cfg.target)))
+
+
 def _write_checkpoint(folder, model):
     from dataclasses import asdict
 
@@ -459,7 +473,7 @@ def test_a_checkpoint_exports_into_its_own_run_wherever_the_command_runs(tmp_pat
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
     checkpoint = tmp_path / "run" / "checkpoints" / "step_00000004"
-    _write_checkpoint(checkpoint, tiny_draft())
+    _write_checkpoint(checkpoint, _tiny_debug_draft())
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
     assert main(["export", str(checkpoint), "--recipe", str(recipe)]) == 0
@@ -492,7 +506,7 @@ def test_export_cli_model_card_carries_recipe_and_acceptance_table(tmp_path):
     from draftforge.train.export_cli import main
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
-    _write_checkpoint(tmp_path / "ckpt", tiny_draft())
+    _write_checkpoint(tmp_path / "ckpt", _tiny_debug_draft())
     table = tmp_path / "report.md"
     table.write_text("| workload | method | acceptance length |\n| gsm8k | dspark | 3.21 |\n")
     assert main([str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--recipe", str(recipe),
@@ -565,7 +579,7 @@ def test_the_cards_training_data_line_gives_sampling_settings_only_for_regenerat
     assert loaded.data.regenerate is regenerate
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(loaded.to_yaml())
-    _write_checkpoint(tmp_path / "ckpt", tiny_draft())
+    _write_checkpoint(tmp_path / "ckpt", _tiny_debug_draft())
     assert main([str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--recipe", str(recipe)]) == 0
     card = (tmp_path / "out" / "README.md").read_text()
     data = card.split("## Training data\n\n")[1].split("\n")[0]
@@ -677,3 +691,20 @@ def test_a_report_written_from_another_folder_is_found_by_its_draft_path(tmp_pat
     monkeypatch.chdir(tmp_path)  # "export" here is not the run's export
     assert main([str(run)]) == 0
     assert "| gsm8k | 4.99 |" in (run / "export" / "README.md").read_text()
+
+
+def test_a_recipe_that_does_not_describe_the_checkpoint_is_refused(tmp_path, capsys):
+    """The model card's recipe comes from --recipe: a checkpoint of another shape (tiny_draft:
+    hidden 32, rank 8) exported with tiny-debug's recipe (hidden 64, rank 16) wrote a card whose
+    table and recipe disagreed."""
+    from pathlib import Path
+
+    from draftforge.cli import main
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
+    _write_checkpoint(tmp_path / "ckpt", tiny_draft())
+    assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--recipe", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert f"the recipe {recipe} does not describe the checkpoint {tmp_path / 'ckpt'}" in err
+    assert "draft.hidden_size: recipe 64, checkpoint 32" in err and "draft.markov_rank: recipe 16, checkpoint 8" in err
+    assert not (tmp_path / "out").exists()

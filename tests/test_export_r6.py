@@ -123,7 +123,9 @@ def test_a_checkpoints_model_file_exports_into_its_own_run_wherever_the_command_
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
     checkpoint = tmp_path / "run" / "checkpoints" / "step_00000004"
-    model = tiny_draft(seed=5)
+    from test_export import _tiny_debug_draft
+
+    model = _tiny_debug_draft()  # the run's config.yaml (tiny-debug) describes its checkpoint
     _write_checkpoint(checkpoint, model)
     (tmp_path / "run" / "config.yaml").write_text(recipe.read_text())
     (tmp_path / "elsewhere").mkdir()

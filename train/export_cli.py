@@ -91,6 +91,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from safetensors import SafetensorError
 
     cfg, state = load_training_checkpoint(source)
+    if recipe_path is not None:
+        differ = recipe_mismatch(recipe.draft, cfg)
+        if differ:
+            raise InputError(
+                f"the recipe {recipe_path} does not describe the checkpoint "
+                f"{source} ({'; '.join(differ)}); its model card would show another draft's recipe. "
+                "Pass the recipe the run used (its run folder holds it as config.yaml)"
+            )
     print(f"export: {source} -> {out}", flush=True)
     try:
         path = export_draft(
@@ -118,6 +126,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"export: pushed to {url}")
     print(f"export_dir={path}")
     return 0
+
+
+def recipe_mismatch(draft_section, cfg) -> list[str]:
+    """``key: recipe X, checkpoint Y`` for each draft-section field the recipe resolves that the
+    checkpoint's :class:`~draftforge.train.model.DSparkConfig` holds otherwise (the attention
+    backend is how it trained, not what it is)."""
+    from dataclasses import asdict
+
+    held = asdict(cfg)
+    differ = []
+    for key, value in draft_section.model_dump().items():
+        if key == "attention_backend" or value is None or key not in held:
+            continue
+        theirs = held[key]
+        if isinstance(value, (list, tuple)):
+            value, theirs = list(value), list(theirs)
+        if value != theirs:
+            differ.append(f"draft.{key}: recipe {value!r}, checkpoint {theirs!r}")
+    return differ
 
 
 def training_data_line(recipe) -> str:
