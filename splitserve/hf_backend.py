@@ -102,7 +102,7 @@ class HFTarget:
             if "trust_remote_code" in str(err) and not cfg.trust_remote_code:
                 raise remote_code_error(folder, err) from err
             raise
-        tokenizer = folder_tokenizer(path, trust_remote_code=cfg.trust_remote_code)
+        tokenizer = folder_tokenizer(path, cfg)
         if device_map is None:
             model.to(device)
         return cls(model, tokenizer, layer_ids, name=name or path.name)

@@ -495,7 +495,7 @@ def load_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerBase:
                 f"target.model {cfg.model!r} is neither a registered name ({smollm2.NAME}, random) "
                 f"nor an existing local folder"
             )
-    return folder_tokenizer(folder, trust_remote_code=cfg.trust_remote_code)
+    return folder_tokenizer(folder, cfg)
 
 
 #: files one of which a saved tokenizer has (fast, sentencepiece, BPE and WordPiece vocabularies)
@@ -503,18 +503,16 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
                     "vocab.txt")
 
 
-def folder_tokenizer(
-    folder: str | os.PathLike[str], *, trust_remote_code: bool
-) -> PreTrainedTokenizerBase:
+def folder_tokenizer(folder: str | os.PathLike[str], cfg: TargetConfig) -> PreTrainedTokenizerBase:
     """The tokenizer saved in the model folder ``folder``. Raises
     :class:`~draftforge.errors.InputError` naming the folder when it holds no tokenizer, or
-    when the tokenizer needs code shipped with it and ``trust_remote_code`` is off."""
+    when the tokenizer needs code shipped with it and ``cfg.trust_remote_code`` is off."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as err:
-        if "trust_remote_code" in str(err) and not trust_remote_code:
+        if "trust_remote_code" in str(err) and not cfg.trust_remote_code:
             raise remote_code_error(folder, err) from err
         if not any((Path(folder) / name).is_file() for name in _TOKENIZER_FILES):
             raise InputError(
