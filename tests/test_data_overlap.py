@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 
 import pytest
 
@@ -68,11 +67,8 @@ def test_second_user_turn_is_checked_too():
         check_no_overlap([conv])
 
 
-def test_shipped_prompt_set_passes_quickly(shipped):
-    start = time.perf_counter()
-    check_no_overlap(shipped, threshold=0.5)
-    # 2,400 x 344 texts; about a second here. A generous bound for a busy machine.
-    assert time.perf_counter() - start < 15
+def test_shipped_prompt_set_passes(shipped):
+    check_no_overlap(shipped, threshold=0.5)  # 2,400 x 344 texts; its speed is a benchmark's
 
 
 def test_load_time_check_refuses_overlapping_training_file(tmp_path):

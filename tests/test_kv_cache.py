@@ -89,8 +89,16 @@ def test_sampled_decoding_is_unchanged(monkeypatch):
         return sampling.decode(model, input_ids, mask, settings, eos_ids=[0, 1], pad_id=0,
                                generator=torch.Generator().manual_seed(3))
 
-    assert growing_cache(model, 8) is not None
+    made, real = [], sampling.growing_cache
+
+    def spy(model, capacity):
+        made.append(real(model, capacity))
+        return made[-1]
+
+    monkeypatch.setattr(sampling, "growing_cache", spy)
     with_growing = run()
+    # decode ran on the preallocated cache (else both runs below compare DynamicCache with itself)
+    assert len(made) == 1 and isinstance(made[0], GrowingCache) and made[0].get_seq_length() > 6
     monkeypatch.setattr(sampling, "growing_cache", lambda model, capacity: None)
     assert torch.equal(with_growing, run())
     ended = (with_growing == 0) | (with_growing == 1)

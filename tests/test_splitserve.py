@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -217,22 +216,33 @@ def test_a_source_reporting_late_does_not_make_an_interval_negative():
     assert interval["busy_s"] == 2.0 and interval["tokens"] == 20
 
 
-def test_meter_and_shares():
+def test_meter_and_shares(monkeypatch):
+    """On a hand-driven clock: each block's time adds to its reason's total, an exception
+    inside a block is timed too, and the wall time runs from start() to stop()."""
+    from types import SimpleNamespace
+
+    from draftforge.splitserve import accounting
+
+    clock = [10.0]
+    monkeypatch.setattr(accounting, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     meter = Meter()
     meter.start()
-    for _ in range(2):  # each block's time adds to its reason's total
-        started = time.perf_counter()
+    for took in (2.0, 0.5):
         with meter.busy("features"):
-            time.sleep(0.02)
-        assert time.perf_counter() - started >= 0.02
-    assert 0.04 <= meter.busy_by["features"] < 5.0
+            clock[0] += took
+    with pytest.raises(KeyError), meter.busy("features"):
+        clock[0] += 0.25
+        raise KeyError("a failed block")
+    clock[0] += 4.0  # between blocks: neither busy nor idle
     with meter.idle("credits"):
-        time.sleep(0.01)
-    assert 0.01 <= meter.idle_by["credits"] < 5.0 and "credits" not in meter.busy_by
-    meter.busy_by["features"] = 3.0
-    meter.idle_by["credits"] = 1.0
+        clock[0] += 1.0
     meter.add_tokens(600)
-    assert meter.wire_stats()[:3] == [3_000_000, 1_000_000, 600]
+    clock[0] += 0.25
+    meter.stop()
+    clock[0] += 100.0  # after stop(): not wall time
+    assert dict(meter.busy_by) == {"features": 2.75} and dict(meter.idle_by) == {"credits": 1.0}
+    assert meter.wire_stats() == [2_750_000, 1_000_000, 600, 8_000_000]
+    assert meter.summary()["busy_share"] == pytest.approx(2.75 / 8.0)
     summary = side_summary(3.0, 1.0, 5.0, 600)
     assert summary["busy_share"] == pytest.approx(0.6)
     assert summary["idle_share"] == pytest.approx(0.2)
