@@ -32,6 +32,10 @@ Resumable and crash-safe:
   different answer to one id is refused with the file and line;
 - when every prompt is answered the rows are written in prompt order to a temporary
   file that is renamed to ``<out>``; ``<out>`` is never half-written;
+- a finished ``<out>`` extended to more prompts stays in place until the extended file
+  replaces it: its rows go to ``<out>.partial`` with the first new batch, in one rename,
+  so a run stopped part way leaves the finished file usable, and the ``.partial`` beside
+  it (holding prompts ``<out>`` lacks) is continued by a rerun;
 - rows are reused only when their id is one of this run's prompts, their system prompt
   and user turns equal that prompt's, and their target (name and fingerprint) and settings
   equal this run's;
@@ -404,12 +408,15 @@ def regenerate(
         finished, torn_out = _read_rows(out)
         leftover, torn_partial = _read_rows(partial)
         same = sorted(map(_row_line, finished)) == sorted(map(_row_line, leftover))
-        if torn_out or torn_partial or not same:
+        if same and not torn_out and not torn_partial:
+            partial.unlink()  # a run that wrote the file and stopped before removing its .partial
+            fsync_dir(out.parent)
+        elif torn_out or not {r["id"] for r in leftover} - {r["id"] for r in finished}:
             raise RegenerationError(
                 f"both {out} and {partial} exist; keep one of them (move the other away) and rerun"
             )
-        partial.unlink()  # a run that wrote the file and stopped before removing its .partial
-        fsync_dir(out.parent)
+        # else the .partial extends the finished file to more prompts, by a run stopped part
+        # way: the file stays as it is until the extended one replaces it
     if out.exists():
         rows, torn = _read_rows(out)
         if torn:
@@ -426,11 +433,14 @@ def regenerate(
             return RegenerateReport(out, len(order), len(ours), 0)
         _check_rows(rows, out, by_id, settings_json, engine.name)  # other ids: cannot extend it
         _check_arithmetic(rows, out, arithmetic)
-        os.replace(out, partial)  # more prompts than last time: continue from the file
-    rows: list[dict[str, Any]] = []
+    # more prompts than a finished file answers: continue from its rows, which go to the
+    # .partial with the first new batch (the file itself stays until the new one replaces it)
+    extending = out.exists() and not partial.exists()
+    if not extending:
+        rows = []
+    torn = repeated = False
     if partial.exists():
         first: dict[str, tuple[int, dict[str, Any]]] = {}  # id -> (line, row)
-        repeated = False
 
         def first_of_its_id(row: dict[str, Any], line: int) -> bool:
             """A row repeated word for word (two runs appending the same batch) is dropped;
@@ -450,23 +460,24 @@ def regenerate(
         rows, torn = _read_rows(partial, keep=first_of_its_id)
         _check_rows(rows, partial, by_id, settings_json, engine.name)
         _check_arithmetic(rows, partial, arithmetic)
-        # A batch's rows go to disk in one write, so a batch with only some of its rows
-        # there was cut by a crash (at a line boundary or inside a line, which _read_rows
-        # dropped), or was the short last batch of a run over fewer prompts. Either way
-        # it is generated again whole: its seed depends on all of its ids.
-        present: dict[int, int] = {}
-        for r in rows:
-            present[batch_of[r["id"]]] = present.get(batch_of[r["id"]], 0) + 1
-        incomplete = {b for b, n in present.items() if n < len(batches[b])}
-        if torn or incomplete or repeated:
-            rows = [r for r in rows if batch_of[r["id"]] not in incomplete]
-            write_atomic(partial, b"".join(_row_line(r) for r in rows))
+    # A batch's rows go to disk in one write, so a batch with only some of its rows
+    # there was cut by a crash (at a line boundary or inside a line, which _read_rows
+    # dropped), or was the short last batch of a run over fewer prompts. Either way
+    # it is generated again whole: its seed depends on all of its ids.
+    present: dict[int, int] = {}
+    for r in rows:
+        present[batch_of[r["id"]]] = present.get(batch_of[r["id"]], 0) + 1
+    incomplete = {b for b, n in present.items() if n < len(batches[b])}
+    rows = [r for r in rows if batch_of[r["id"]] not in incomplete]
+    if not extending and (torn or incomplete or repeated):
+        write_atomic(partial, b"".join(_row_line(r) for r in rows))
+    seed = b"".join(_row_line(r) for r in rows) if extending else None
     done = {r["id"] for r in rows}
     num_reused = len(done)
     if num_reused:
         print(
             f"draftforge data regenerate: continuing; {num_reused} of {len(order)} prompts"
-            f" already answered in {partial}",
+            f" already answered in {out if extending else partial}",
             file=sys.stderr,
         )
 
@@ -482,31 +493,40 @@ def regenerate(
         dynamic_ncols=True,
     )
     generated = 0
+    handle = None
     try:
-        with open(partial, "ab", buffering=0) as handle:  # nothing left buffered by a failed write
-            pending = [(b, [p for p in batch if p.id not in done]) for b, batch in enumerate(batches)]
-            pending = [(b, todo) for b, todo in pending if todo]
-            todo_of = dict(pending)
-            for b, conversations, unfinished in answered_batches(pending, engine, settings):
-                todo = todo_of[b]
-                payload = b"".join(
-                    _row_line(
-                        {
-                            "id": p.id,
-                            "messages": msgs,
-                            "unfinished_turns": cut,
-                            "generation": settings_json,
-                            "target": engine.name,
-                            **({"target_fingerprint": fingerprint} if fingerprint is not None else {}),
-                            **({"arithmetic": arithmetic} if arithmetic is not None else {}),
-                        }
-                    )
-                    for p, msgs, cut in zip(todo, conversations, unfinished, strict=True)
+        if seed is None:  # unbuffered: nothing is left buffered by a failed write
+            handle = open(partial, "ab", buffering=0)
+        pending = [(b, [p for p in batch if p.id not in done]) for b, batch in enumerate(batches)]
+        pending = [(b, todo) for b, todo in pending if todo]
+        todo_of = dict(pending)
+        for b, conversations, unfinished in answered_batches(pending, engine, settings):
+            todo = todo_of[b]
+            payload = b"".join(
+                _row_line(
+                    {
+                        "id": p.id,
+                        "messages": msgs,
+                        "unfinished_turns": cut,
+                        "generation": settings_json,
+                        "target": engine.name,
+                        **({"target_fingerprint": fingerprint} if fingerprint is not None else {}),
+                        **({"arithmetic": arithmetic} if arithmetic is not None else {}),
+                    }
                 )
+                for p, msgs, cut in zip(todo, conversations, unfinished, strict=True)
+            )
+            if seed is not None:  # a .partial beside a finished file always extends it
+                write_atomic(partial, seed + payload)
+                seed = None
+                handle = open(partial, "ab", buffering=0)
+            else:
                 _append(handle, payload, partial)
-                generated += len(todo)
-                bar.update(len(todo))
+            generated += len(todo)
+            bar.update(len(todo))
     finally:
+        if handle is not None:
+            handle.close()
         bar.close()
 
     rows, _ = _read_rows(partial)

@@ -249,10 +249,26 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``draftforge eval llamacpp``."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    from draftforge.splitserve.supervisor import unwinding_on_sigterm
+
+    # SIGTERM (timeout(1), a scheduler) unwinds like Ctrl-C: the converter or llama.cpp run is
+    # stopped and the f32 GGUF files (4 bytes a parameter) and their temporary folder removed
+    with unwinding_on_sigterm("draftforge eval llamacpp", "rerun the same command"):
+        return _check_export(args)
+
+
+def _check_export(args: argparse.Namespace) -> int:
     from draftforge.config import load_recipe
     from draftforge.eval import llamacpp
+    from draftforge.eval.cli import _check_folder_writable
     from draftforge.train.hf_load import config_from_serving, read_serving_config
 
+    if args.json:  # refused now, not after the build, the conversions and the first prompt
+        json_path = Path(args.json).expanduser()
+        if json_path.is_dir():
+            raise InputError(f"--json {args.json}: is a folder; give the path of the JSON file to "
+                             f"write, e.g. {json_path / 'llamacpp.json'}")
+        _check_folder_writable(json_path.parent, "--json", args.json)
     draft_dir = Path(args.draft).expanduser()
     if not (draft_dir / "config.json").is_file():
         raise InputError(f"{draft_dir}: not an export folder (no config.json); run draftforge export first")
@@ -383,7 +399,7 @@ def _write_json(path: str | None, checks: Sequence[PromptCheck]) -> None:
     if path:
         from draftforge.files import write_atomic
 
-        write_atomic(Path(path), (json.dumps([asdict(c) for c in checks], indent=2) + "\n").encode())
+        write_atomic(Path(path).expanduser(), (json.dumps([asdict(c) for c in checks], indent=2) + "\n").encode())
 
 
 def _table(checks: Sequence[PromptCheck]) -> str:
