@@ -47,7 +47,16 @@ def resolve_devices(choice: str, target_gpus: Sequence[int] | None = None, *,
     if choice == "auto":
         if not (torch.cuda.is_available() if cuda_available is None else cuda_available):
             return ["cpu"]
-        names = [f"cuda:{i}" for i in (target_gpus or [0])]
+        gpus = list(target_gpus or [0])
+        visible = torch.cuda.device_count() if cuda_available is None else None
+        absent = [gpu for gpu in gpus if visible is not None and gpu >= visible]
+        if absent:  # named by the recipe, not by --device: say so
+            raise InputError(
+                f"--device auto: the recipe's split.target_devices {gpus} name GPU(s) {absent}, "
+                f"but {visible} GPU(s) are visible here; give the GPUs with --device "
+                "cuda:0,cuda:1,..."
+            )
+        names = [f"cuda:{i}" for i in gpus]
     else:
         names = [part.strip() for part in choice.split(",")]
         if any(not name for name in names):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 from multiprocessing.connection import wait
 from typing import Any
@@ -196,21 +197,30 @@ class _NoPrefixCache:
 
 
 def free_port(low: int = 22000, high: int = 29999) -> int:
-    """A loopback port free now, below the kernel's ephemeral range (which outgoing
-    connections draw from), for SGLang's world of tensor-parallel children to meet on."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
-            high = min(high, int(handle.read().split()[0]) - 1)
-    except (OSError, ValueError, IndexError):
-        high = min(high, 32767)
-    for port in range(low + os.getpid() % 997, high + 1):
+    """A loopback port free now, for SGLang's world of tensor-parallel children to meet on:
+    one of ``low..high`` below the kernel's ephemeral range (which outgoing connections draw
+    from), else, where that range starts at ``low`` or below (``1024 65535``), one the
+    kernel picks."""
+    high = min(high, _ephemeral_low() - 1)
+    ports = list(range(low, high + 1))
+    start = os.getpid() % len(ports) if ports else 0  # runners starting together probe apart
+    for port in ports[start:] + ports[:start] or [0]:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             try:
                 probe.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+            return probe.getsockname()[1]
     raise RuntimeError(f"no free loopback port in {low}..{high} for the SGLang feature runner")
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default 32768 where unreadable)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            return int(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _serve(
@@ -300,21 +310,29 @@ class FeatureRunnerProcess:
 
     def close(self, *, force: bool = False) -> None:
         """Stop the child processes: asked to, or at once with ``force`` (after a failure,
-        when the others may be stuck in a collective with the one that failed)."""
-        for conn, process in zip(self._conns, self._processes, strict=True):
-            if process.is_alive() and not force:
-                try:
-                    conn.send(("stop",))
-                except (BrokenPipeError, OSError):
-                    pass
-        for process in self._processes:
-            if not force:
+        when the others may be stuck in a collective with the one that failed). One still
+        alive 10 s after SIGTERM is killed: waiting in a collective, a child never runs a
+        Python handler it installed for the signal."""
+        if not force:
+            for conn, process in zip(self._conns, self._processes, strict=True):
+                if process.is_alive():
+                    try:
+                        conn.send(("stop",))
+                    except (BrokenPipeError, OSError):
+                        pass
+            for process in self._processes:
                 process.join(timeout=30)
+        for conn in self._conns:
+            conn.close()  # an idle child reads the end of its pipe and returns
+        for process in self._processes:
             if process.is_alive():
                 process.terminate()
-                process.join(timeout=10)
-        for conn in self._conns:
-            conn.close()
+        deadline = time.monotonic() + 10
+        for process in self._processes:
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join()
         self._conns, self._processes = [], []
 
     def _gather(self, phase: str) -> list[Any]:
