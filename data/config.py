@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from draftforge.argtypes import MAX_SEED
 from draftforge.section import Section
 
 
@@ -35,7 +36,7 @@ class DataConfig(Section):
         "true; default: <train.output_dir>/regenerated.jsonl",
     )
     num_samples: int | None = Field(default=None, gt=0, description="use the first N prompts")
-    shuffle_seed: int = Field(default=0, description="seeds the order of samples in every epoch")
+    shuffle_seed: int = Field(default=0, ge=0, le=MAX_SEED, description="seeds the order of samples in every epoch")
     overlap_check: bool = Field(
         default=True, description="refuse training prompts that overlap the eval workloads"
     )

@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "are counted as numerical near-ties, not failures (default: 1e-3 for a "
                         "float32 target, 1.0 for bfloat16, whose batched and one-token logits "
                         "differ by up to about a logit)")  # fmt: skip
-    parser.add_argument("--seed", type=int, help="sampling seed")
+    parser.add_argument("--seed", type=argtypes.seed,
+                        help="seeds sampling and the tau estimate's anchors, 0..2**32-1 (default: the recipe's eval.seed)")
     parser.add_argument("--no-estimate", action="store_true", help="skip the train-time tau estimate")
     return parser
 

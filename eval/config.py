@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from draftforge.argtypes import MAX_SEED
 from draftforge.section import Section
 
 # Which earlier occurrence of the suffix n-gram the n-gram baseline copies from.
@@ -84,5 +85,5 @@ class EvalConfig(Section):
         description="measured on the same prompts: none = the target alone, ngram = prompt lookup",
     )
     seed: int = Field(
-        default=0, description="seeds sampling (temperature above 0) and the tau estimate's anchors"
+        default=0, ge=0, le=MAX_SEED, description="seeds sampling (temperature above 0) and the tau estimate's anchors"
     )

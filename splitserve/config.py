@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field, PrivateAttr, model_validator
 
+from draftforge.argtypes import MAX_SEED
 from draftforge.precision import resolve_auto
 from draftforge.section import Section
 
@@ -48,7 +49,7 @@ class GenerationConfig(Section):
     top_k: int = Field(default=20, ge=0, description="0 disables top-k")
     max_new_tokens: int = Field(default=256, gt=0, description="longest reply per assistant turn")
     seed: int = Field(
-        default=0,
+        default=0, ge=0, le=MAX_SEED,
         description="sampling seed; each batch is reseeded from it, its prompt ids and the turn, "
         "so a resumed regeneration writes the same answers (backend hf; SGLang seeds its engine "
         "from it once and applies per-batch seeds only in its deterministic inference mode)",
@@ -95,7 +96,7 @@ class TargetConfig(Section):
         default=None, description="conversion cache; default ~/.cache/draftforge"
     )
     num_threads: int = Field(default=1, gt=0, description="intra-op threads per process on CPU")
-    seed: int = Field(default=0, description="seed of the random target (model: random)")
+    seed: int = Field(default=0, ge=0, le=MAX_SEED, description="seed of the random target (model: random)")
     shape: TargetShape | None = Field(
         default=None,
         description="the target's shape: required for model random and for dry runs without "

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from draftforge.argtypes import MAX_SEED
 from draftforge.precision import resolve_auto
 from draftforge.section import Section
 
@@ -125,7 +126,7 @@ class TrainConfig(Section):
     adam_eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon")
     max_grad_norm: float = Field(default=1.0, gt=0, description="gradient clipping by global norm")
     grad_accum: int = Field(default=1, gt=0, description="micro-batches per optimiser update")
-    seed: int = Field(default=0, description="seeds the draft's initialisation and the anchors")
+    seed: int = Field(default=0, ge=0, le=MAX_SEED, description="seeds the draft's initialisation and the anchors")
     num_threads: int = Field(default=1, gt=0, description="intra-op threads per trainer on CPU")
     device: Literal["auto", "cpu", "cuda"] = Field(
         default="auto", description="auto: the local CUDA device when there is one, else cpu"
