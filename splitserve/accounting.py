@@ -97,7 +97,8 @@ class Meter:
 
 
 def side_summary(busy_s: float, idle_s: float, wall_s: float, tokens: float) -> dict:
-    """One side's figures from its totals."""
+    """One side's figures from its totals. No wall time (a trainer that took samples but
+    ran no step) gives no rate: dividing by a stand-in for zero read 10^11 tok/s."""
     wall = max(wall_s, 1e-9)
     return {
         "busy_s": round(busy_s, 3),
@@ -106,7 +107,7 @@ def side_summary(busy_s: float, idle_s: float, wall_s: float, tokens: float) -> 
         "busy_share": busy_s / wall,
         "idle_share": idle_s / wall,
         "tokens": int(tokens),
-        "rate_tok_s": tokens / wall,
+        "rate_tok_s": tokens / wall_s if wall_s > 0 else 0.0,
         "capacity_tok_s": tokens / busy_s if busy_s > 0 else 0.0,
     }
 
@@ -248,12 +249,6 @@ class ConsumerAccounting:
         """The end-of-run block, with the recommended split."""
         s = self.snapshot()
         p, c, q, rec = s["producer"], s["consumer"], s["queue"], s["recommended"]
-        current = f"{self.num_target} target + {self.world - self.num_target} trainer"
-        advice = f"{rec['target_ranks']} target + {rec['trainer_ranks']} trainer"
-        # the groups' capacities, not one rank's: 1 target at 100 tok/s feeds 3 trainers at 50 slower
-        num_trainers = self.world - self.num_target
-        producers = self.num_target // self.tensor_parallel
-        slower = "target" if producers * p["capacity_tok_s"] < num_trainers * c["capacity_tok_s"] else "trainer"
         return "\n".join([
             "split accounting:",
             f"  target  (per producer): busy {p['busy_share']:.1%}  idle {p['idle_share']:.1%}  "
@@ -261,10 +256,23 @@ class ConsumerAccounting:
             f"  trainer (this rank): busy {c['busy_share']:.1%}  idle {c['idle_share']:.1%}  "
             f"{c['tokens']} tokens  {c['rate_tok_s']:.0f} tok/s  capacity {c['capacity_tok_s']:.0f} tok/s",
             f"  queue depth: mean {q['mean']:.2f}, max {q['max']} (credits {q['credits']})",
-            f"  slower side: {slower}; recommended split for {self.world} ranks: {advice} "
-            f"(now {current})",
+            f"  {self._verdict(p, c, rec)}",
             *filter(None, [self.credit_advice(s)]),
         ])
+
+    def _verdict(self, p: dict, c: dict, rec: dict) -> str:
+        """The slower side and the recommended split, or that a side has no capacity measured
+        (a trainer that ran no step, a target not heard from): advice from nothing misleads."""
+        current = f"{self.num_target} target + {self.world - self.num_target} trainer"
+        if c["capacity_tok_s"] <= 0 or p["capacity_tok_s"] <= 0:
+            missing = "training step" if c["capacity_tok_s"] <= 0 else "target report"
+            return f"slower side: not measured (no {missing}), no split recommended (now {current})"
+        # the groups' capacities, not one rank's: 1 target at 100 tok/s feeds 3 trainers at 50 slower
+        num_trainers = self.world - self.num_target
+        producers = self.num_target // self.tensor_parallel
+        slower = "target" if producers * p["capacity_tok_s"] < num_trainers * c["capacity_tok_s"] else "trainer"
+        advice = f"{rec['target_ranks']} target + {rec['trainer_ranks']} trainer"
+        return f"slower side: {slower}; recommended split for {self.world} ranks: {advice} (now {current})"
 
     def credit_advice(self, s: dict) -> str | None:
         """Both sides idle at once while a step packs more samples than the credits hold: the
