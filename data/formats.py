@@ -82,6 +82,21 @@ def _fail(where: RowLocation, problem: str) -> DataFormatError:
     return DataFormatError(f"{where}: {problem}")
 
 
+def _check_unicode(text: str, where: RowLocation, what: str) -> None:
+    """Refuse a lone UTF-16 surrogate (JSON's ``"\\ud800"`` alone): Python reads it, but no
+    UTF-8 encoder writes it, so it failed later with a traceback, in the tokenizer or when a
+    target rank sent the sample's id to its trainer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise _fail(
+            where,
+            f"{what} holds a lone UTF-16 surrogate ({text[err.start]!r}, character "
+            f"{err.start + 1}), which is not valid Unicode; was the file written with a split "
+            "surrogate pair?",
+        ) from None
+
+
 def detect_format(row: dict[str, Any]) -> str | None:
     """The row form named by the first of ``messages``, ``conversations``, ``prompt`` present."""
     for fmt, key in _FORMAT_KEYS.items():
@@ -279,6 +294,10 @@ def parse_row(
     noun = "message" if chosen == "messages" else "turn"  # as the row's own errors name them
     check_structure(messages, where, expect, label=lambda i: f"{noun} {i + 1 - len(system)}")
     ident = row_id(row, where, default_id)
+    _check_unicode(ident, where, "'id'")
+    for i, message in enumerate(messages):
+        what = "'system'" if i < len(system) else f"{noun} {i + 1 - len(system)} ({message['role']}) content"
+        _check_unicode(message["content"], where, what)
     extra = {k: v for k, v in row.items() if k not in ("id", "messages", "conversations", "prompt")}
     if "unfinished_turns" in extra:  # written by 'data regenerate': replies cut at the limit
         extra["unfinished_turns"] = _unfinished_turns(extra["unfinished_turns"], messages, where)
