@@ -7,10 +7,12 @@ the evaluation prompts, so users see how far the training metric is from the
 acceptance length measured by real decoding. A second estimate, ``tau_greedy``,
 replaces ``c*_k`` by the greedy indicator ``argmax p_d,k == x_{p+k+1}`` (still
 teacher-forced): on the target's greedy outputs it is what greedy decoding
-would measure if every response position were an anchor. When the evaluation
+would measure if every response position were an anchor (a run whose accepted
+drafts reach the end of sequence counts up to it, without the bonus, as decoding
+counts that round). When the evaluation
 samples, a third, ``tau_sampled``, replaces ``c*_k`` by the acceptance probability
 of the evaluator's own sampling rule at its settings (still teacher-forced):
-``pi_t(argmax p_d,k)`` for greedy drafts (SGLang's and llama.cpp's rule) or
+``pi_t(argmax p_d,k)`` for greedy drafts (llama.cpp's rule) or
 ``sum_x min(pi_t(x), pi_d(x))`` for drawn drafts, where ``pi`` is the distribution
 at the evaluation's temperature after its top-k and top-p cut. At temperature 1
 with no cut and drawn drafts it is ``tau`` again.
@@ -38,7 +40,7 @@ copies from the context scores higher at lookup anchors than elsewhere.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -47,9 +49,15 @@ from draftforge.eval.speculative import check_draft_sampling, matching_prefix, s
 from draftforge.train.blocks import sample_anchors
 
 
-def accepted_run(proposal: Sequence[int], truth: Sequence[int]) -> int:
-    """1 + the length of ``proposal``'s prefix equal to ``truth`` (greedy verification)."""
-    return 1 + matching_prefix(proposal, truth)
+def accepted_run(proposal: Sequence[int], truth: Sequence[int], eos_token_ids: Collection[int] = ()) -> int:
+    """1 + the length of ``proposal``'s prefix equal to ``truth`` (greedy verification). An
+    accepted end-of-sequence token ends the request, so the run counts up to it without the
+    bonus, as :func:`~draftforge.eval.speculative.speculative_decode` counts such a round."""
+    accepted = matching_prefix(proposal, truth)
+    for index, token in enumerate(truth[:accepted]):
+        if token in eos_token_ids:
+            return index + 1
+    return accepted + 1
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -93,6 +101,7 @@ def train_time_estimate(
     top_k: int = 0,
     top_p: float = 1.0,
     draft_sampling: str = "greedy",
+    eos_token_ids: Sequence[int] = (),
 ) -> dict:
     """``tau`` (objective c*) and ``tau_greedy`` over up to ``max_anchors`` response anchors per sequence.
 
@@ -100,12 +109,14 @@ def train_time_estimate(
     ``features(input_ids)`` (an HFTarget). ``max_ngram``, ``ngram_match``: the n-gram baseline's largest n and match rule.
     A ``temperature`` above 0 adds ``tau_sampled``, the estimate under the evaluator's
     sampling rule with these ``top_k``, ``top_p`` and ``draft_sampling`` settings
-    (:func:`sampled_acceptance`).
+    (:func:`sampled_acceptance`). ``eos_token_ids``: the decoding's end-of-sequence tokens,
+    where the greedy runs (``tau_greedy``, the lookup's) stop without the bonus (:func:`accepted_run`).
     """
     draft = draft.eval()
     gamma = draft.config.block_size
     device = draft.fc.weight.device
     generator = torch.Generator().manual_seed(seed)
+    eos = frozenset(eos_token_ids)
     c_stars, valids, greedy_taus, sampled_taus = [], [], [], []
     at_lookup, elsewhere, ngram_runs = [], [], []
     for prompt, output in sequences:
@@ -129,7 +140,7 @@ def train_time_estimate(
             hidden = draft.block_forward(anchor, p, aux[:, :p])
             forced = torch.tensor(truth + [0] * (gamma - len(truth)), device=device)
             _, logits, _ = draft.draft_block(hidden, anchor, sample=lambda _l, k, forced=forced: forced[k : k + 1])
-            run = accepted_run(logits[0, : len(truth)].argmax(-1).tolist(), truth)
+            run = accepted_run(logits[0, : len(truth)].argmax(-1).tolist(), truth, eos)
             greedy_taus.append(run)
             if temperature > 0:
                 # slot k predicts token p + k + 1 from the target's final state at p + k
@@ -140,7 +151,7 @@ def train_time_estimate(
             lookup = ngram_lookup(ids[: p + 1], gamma, max_ngram, match=ngram_match)
             if lookup:
                 at_lookup.append(run)
-                ngram_runs.append(accepted_run(lookup, truth))
+                ngram_runs.append(accepted_run(lookup, truth, eos))
             else:
                 elsewhere.append(run)
     if not c_stars:

@@ -181,7 +181,7 @@ def run_workload(
             max_anchors=settings.estimate_anchors, seed=settings.seed, max_ngram=settings.ngram_max,
             ngram_match=settings.ngram_match,
             temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
-            draft_sampling=settings.draft_sampling,
+            draft_sampling=settings.draft_sampling, eos_token_ids=eos_token_ids,
         )  # fmt: skip
     return result
 

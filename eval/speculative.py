@@ -17,13 +17,18 @@ One prompt at a time (batch 1), the target runs with a KV cache:
    token after the accepted prefix is the bonus, the next anchor. Sampling
    draws from the temperature-scaled distribution restricted to the top-k
    tokens and then to the top-p nucleus (:func:`sampling_probs`). The draft
-   proposes either its most likely tokens (``greedy``, the default: SGLang's
-   DFLASH/DSPARK and llama.cpp verify deterministic drafts, each accepted with
-   the target's probability of it) or tokens drawn from its own cut
-   distribution (``sample``, accepted with ``min(1, p_t/p_d)``).
+   proposes either its most likely tokens (``greedy``, the default: llama.cpp
+   verifies deterministic drafts, each accepted with the target's probability
+   of it) or tokens drawn from its own cut distribution (``sample``, accepted
+   with ``min(1, p_t/p_d)``; SGLang's DSPARK draws a sampled request's drafts
+   from the draft's temperature-scaled distribution).
 4. The cache is cropped to the accepted length. Acceptance length of the round
    = accepted drafts + 1 (a round whose accepted drafts contain EOS counts up to
-   the EOS, without the bonus, as DeepSpec does).
+   the EOS, without the bonus, as DeepSpec does). The round that reaches past
+   ``max_new_tokens`` counts its whole run and the output is cut after it, as
+   DeepSpec's evaluator counts: at most one such round a prompt. No round runs
+   once the output holds ``max_new_tokens`` tokens, nor after an EOS from the
+   prefill.
 
 Verification modes: ``full`` verifies every draft; ``threshold`` verifies only
 the prefix before the first draft whose confidence ``sigmoid(c_k)`` is below
@@ -461,17 +466,21 @@ def check_lossless(
         if a == b:
             continue
         margin = gap = None
+        distance = "at least {gap} below the reference's"
         if reference.top2_margins is not None and index < len(reference.top2_margins):
             margin = gap = reference.top2_margins[index]
         if reference.top_gaps is not None and index < len(reference.top_gaps):
             candidates = reference.top_gaps[index]
             gap = candidates.get(a, math.inf)  # beyond them: its distance is not known
+            if a is not None and a not in candidates and candidates:  # no higher than the last of them
+                distance = (f"outside the reference's {len(candidates)} most likely tokens, at least "
+                            f"{max(candidates.values())} below its choice")
         if gap is not None and gap < tie_tolerance and a is not None and b is not None:
             return 1
         raise LosslessCheckError(
             f"{label}: greedy speculative decoding is not lossless: output token {index} is {a} but "
             f"plain greedy decoding gives {b} (reference top-2 logit margin there: {margin}, "
-            f"the speculative token at least {gap} below the reference's); "
+            f"the speculative token {distance.format(gap=gap)}); "
             f"speculative {spec[max(0, index - 3) : index + 4]} vs plain {ref[max(0, index - 3) : index + 4]}"
         )
     return 0

@@ -52,15 +52,27 @@ class PromptTotals:
 
     @classmethod
     def from_summary(cls, summary: dict, where: str) -> PromptTotals:
-        """From one method's entry of ``report.json`` (``prompt_rounds``, ``prompt_al_sum``)."""
+        """From one method's entry of ``report.json`` (``prompt_rounds``, ``prompt_al_sum``).
+
+        A hand-edited or damaged report is refused naming the key and the prompt: every
+        prompt's rounds and summed AL are numbers >= 0, and each round counts at least 1."""
+        if not isinstance(summary, dict):
+            raise InputError(f"{where}: a method's entry must be a table, got {type(summary).__name__}")
         rounds, al_sum = summary.get("prompt_rounds"), summary.get("prompt_al_sum")
         if rounds is None or al_sum is None:
             raise InputError(
                 f"{where}: no per-prompt totals (prompt_rounds, prompt_al_sum); the report was "
                 "written by an older draftforge eval: run the evaluation again"
             )
+        rounds, al_sum = _counts(rounds, "prompt_rounds", where), _counts(al_sum, "prompt_al_sum", where)
         if len(rounds) != len(al_sum) or not rounds:
             raise InputError(f"{where}: prompt_rounds and prompt_al_sum must be equal, non-empty lists")
+        for index, (n, total) in enumerate(zip(rounds, al_sum, strict=True)):
+            if total < n:  # every round counts the bonus token or an accepted end of sequence
+                raise InputError(
+                    f"{where}: prompt {index}: prompt_al_sum {total} is below prompt_rounds {n} "
+                    "(each round counts at least 1)"
+                )
         return cls(np.asarray(rounds, dtype=np.float64), np.asarray(al_sum, dtype=np.float64))
 
     def __len__(self) -> int:
@@ -69,6 +81,18 @@ class PromptTotals:
     def pooled(self) -> float:
         total = self.rounds.sum()
         return float(self.al_sum.sum() / total) if total > 0 else math.nan
+
+
+def _counts(values, key: str, where: str) -> list[float]:
+    """``values`` as a list of finite numbers >= 0, or an InputError naming ``key``: numpy
+    would turn a string into a traceback, and a nested list or a negative count into a
+    plausible acceptance length."""
+    if not isinstance(values, list):
+        raise InputError(f"{where}: {key} must be a list of counts, one per prompt, got {type(values).__name__}")
+    for index, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+            raise InputError(f"{where}: {key}[{index}] must be a count (a number >= 0), got {value!r}")
+    return values
 
 
 @dataclass(frozen=True)
