@@ -93,7 +93,8 @@ def preflight(cfg) -> None:
     found = ckpt.find_resume(run_dir, cfg.train.resume)
     if found is not None:
         model_config = _model_config(cfg)
-        ckpt.read_checked_state(found, model_config=model_config)
+        ckpt.read_checked_state(found, model_config=model_config, strategy=cfg.train.strategy,
+                                trainer_ranks=len(cfg.split.trainer_ranks))
     data = cfg.data.model_copy(update={"overlap_check": False})
     conversations, regenerate = load_source_conversations(cfg.model_copy(update={"data": data}))
     if regenerate and cfg.train.markov_init == "bigram" and found is None:

@@ -2,10 +2,12 @@
 
 Layout of ``run_dir/checkpoints/step_XXXXXXXX``::
 
-    trainer_state.json    step, skipped steps, schedule, consumed sample ids per
-                          trainer rank, the ids of conversations dropped as too
-                          short (recorded per trainer rank with the sample that
-                          told of them), the caller's extra state
+    trainer_state.json    step, skipped steps, strategy, seed, schedule (the next
+                          step, its learning rate, the settings it depends on),
+                          consumed sample ids per trainer rank, the ids of
+                          conversations dropped as too short (recorded per trainer
+                          rank with the sample that told of them), the caller's
+                          extra state per trainer rank
     draft_config.json     the draft's DSparkConfig (resume and export check it)
     rng/rank_R.safetensors  torch RNG state of trainer rank R
     model.safetensors     the full model state, unsharded (fsdp2 and deepspeed gather it
@@ -22,7 +24,9 @@ while writing (a full disk, an exception) removes the ``.tmp`` folder and raises
 :class:`CheckpointError` on every rank, naming the failing ranks and their errors,
 leaving the older checkpoints as they were. Pruning to ``keep_last`` renames a
 folder to a hidden name before deleting it, and clears leftovers of crashed saves.
-Loading checks every file first and names the one that is corrupt or truncated.
+Loading checks every file first (an fsdp2 ``dcp/`` folder's data files against the
+sizes its metadata lists) and names the one that is missing, corrupt or truncated; a
+checkpoint of another draft shape, trainer count or strategy is refused.
 DeepSpeed's engine is saved and loaded with its world-wide barriers narrowed to
 the trainer group (target ranks never join them). Nothing is unpickled except
 DeepSpeed's own files, read with ``torch.load(weights_only=True)``.
@@ -93,13 +97,7 @@ def find_resume(run_dir: Path, resume: str) -> Path | None:
         path, start = None, -1  # any checkpoint is another run's
     else:
         path = Path(resume)
-        if not path.is_dir():
-            raise CheckpointError(f"train.resume: checkpoint folder {path} does not exist")
-        if not is_complete(path):
-            raise CheckpointError(
-                f"train.resume: {path} is not a complete checkpoint (no {COMPLETE} marker); "
-                "pick another one or use train.resume=auto"
-            )
+        _check_resume_path(path)
         start = int(_read_state(path)["step"])
     later = [p for p in complete_checkpoints(run_dir) if _step_of(p) > start]
     if later:
@@ -114,6 +112,30 @@ def find_resume(run_dir: Path, resume: str) -> Path | None:
     return path
 
 
+def _check_resume_path(path: Path) -> None:
+    """Refuse a ``train.resume`` path that is not a complete checkpoint folder, saying what it
+    is instead: missing, a file (in a checkpoint: name its folder), a run directory (name one
+    of its checkpoints), or a folder without the ``COMPLETE`` marker."""
+    if path.is_file():
+        inside = f"; name its checkpoint folder, {path.parent}" if is_complete(path.parent) else ""
+        raise CheckpointError(f"train.resume: {path} is a file, not a checkpoint folder{inside}")
+    if not path.is_dir():
+        raise CheckpointError(f"train.resume: checkpoint folder {path} does not exist")
+    if is_complete(path):
+        return
+    if checkpoints_root(path).is_dir():
+        found = complete_checkpoints(path)
+        newest = f"its newest complete one is {found[-1]}" if found else "it holds no complete one"
+        raise CheckpointError(
+            f"train.resume: {path} is a run directory, not a checkpoint: name one of its "
+            f"checkpoints ({newest}), or set train.output_dir={path} with train.resume=auto"
+        )
+    raise CheckpointError(
+        f"train.resume: {path} is not a complete checkpoint (no {COMPLETE} marker); "
+        "pick another one or use train.resume=auto"
+    )
+
+
 def _read_state(path: Path) -> dict:
     """``trainer_state.json`` of checkpoint ``path``; :class:`CheckpointError` when it does not parse."""
     state_file = path / STATE_FILE
@@ -124,6 +146,32 @@ def _read_state(path: Path) -> dict:
     except (OSError, ValueError) as exc:
         raise _corrupt(state_file, exc, path) from None
     return state
+
+
+def _is_id_lists(value) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(ids, list) and all(isinstance(i, str) for i in ids) for ids in value)
+
+
+def _state_problem(state: dict) -> str:
+    """What makes a parsed ``trainer_state.json`` unusable for a resume ("" if nothing): a field
+    the trainer reads that is missing or of the wrong type. Fields that older checkpoints lack
+    (dropped_ids, extra_per_rank, schedule) may be absent."""
+    if not isinstance(state.get("skipped_steps"), int):
+        return "no integer 'skipped_steps' field"
+    if not isinstance(state.get("strategy"), str):
+        return "no 'strategy' field"
+    ranks = state.get("consumed_ids")
+    if not _is_id_lists(ranks) or not ranks:
+        return "'consumed_ids' is not a list of sample-id lists, one per trainer rank"
+    if "dropped_ids" in state and not (_is_id_lists(state["dropped_ids"]) and len(state["dropped_ids"]) == len(ranks)):
+        return f"'dropped_ids' is not a list of id lists, one per trainer rank ({len(ranks)})"
+    extra = state.get("extra_per_rank", [{}] * len(ranks))
+    if not (isinstance(extra, list) and len(extra) == len(ranks) and all(isinstance(e, dict) for e in extra)):
+        return f"'extra_per_rank' is not a list of objects, one per trainer rank ({len(ranks)})"
+    if not isinstance(state.get("schedule", {}), dict):
+        return "'schedule' is not an object"
+    return ""
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -409,12 +457,53 @@ def _corrupt(file: Path, exc: BaseException, checkpoint: Path) -> CheckpointErro
     )
 
 
-def read_checked_state(path: Path, *, model_config: dict | None = None) -> dict:
+def _check_dcp(path: Path) -> None:
+    """Check checkpoint ``path``'s ``dcp/`` folder (fsdp2) without DCP unpickling anything: its
+    ``.metadata`` through :mod:`draftforge.train.dcp_safe`'s allowlisting unpickler, and every
+    data file it lists present and as long as its items; :class:`CheckpointError` naming the file."""
+    from draftforge.train.dcp_safe import UnsafeCheckpointError, check_metadata, short_storage_file
+
+    metadata_file = path / "dcp" / ".metadata"
+    try:
+        metadata = check_metadata(path / "dcp")
+    except UnsafeCheckpointError as exc:
+        raise CheckpointError(
+            f"checkpoint file {metadata_file} is not DCP metadata: {exc}; refusing to "
+            f"unpickle it (it could run code). Delete the folder {path} to resume from the "
+            "previous complete checkpoint"
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - a missing, truncated or garbled pickle
+        raise _corrupt(metadata_file, exc, path) from None
+    short = short_storage_file(path / "dcp", metadata)
+    if short is not None:
+        file, problem = short
+        raise _corrupt(file, ValueError(problem), path)
+
+
+def _run_mismatch(path: Path, state: dict, *, strategy: str | None, trainer_ranks: int | None) -> None:
+    """Refuse a checkpoint written by another number of trainer ranks or another strategy."""
+    saved_size = len(state["consumed_ids"])
+    if trainer_ranks is not None and saved_size != trainer_ranks:
+        raise CheckpointError(
+            f"checkpoint {path} was written by {saved_size} trainer rank(s); this run has "
+            f"{trainer_ranks}. Resume with the same number of trainer ranks."
+        )
+    if strategy is not None and state["strategy"] != strategy:
+        raise CheckpointError(
+            f"checkpoint {path} was written with train.strategy={state['strategy']!r}, "
+            f"this run uses {strategy!r}"
+        )
+
+
+def read_checked_state(path: Path, *, model_config: dict | None = None, strategy: str | None = None,
+                       trainer_ranks: int | None = None) -> dict:
     """The trainer state of checkpoint ``path``, its files checked before anything loads.
 
     Checks that ``trainer_state.json`` parses, that every safetensors file's
-    header is readable, and (given ``model_config``) that the stored draft
-    config has the same shape fields; raises :class:`CheckpointError` naming
+    header is readable, that a ``dcp/`` folder's metadata is DCP's and its data
+    files are all there and whole, and (given ``model_config``) that the stored draft
+    config has the same shape fields, and (given ``strategy``, ``trainer_ranks``)
+    that the run that wrote it had them; raises :class:`CheckpointError` naming
     the file and what to do. Reads no tensor data and runs no collective.
     """
     from safetensors import safe_open
@@ -423,6 +512,12 @@ def read_checked_state(path: Path, *, model_config: dict | None = None) -> dict:
 
     path = Path(path)
     state = _read_state(path)
+    if problem := _state_problem(state):
+        raise _corrupt(path / STATE_FILE, ValueError(problem), path)
+    _run_mismatch(path, state, strategy=strategy, trainer_ranks=trainer_ranks)
+    for rank in range(len(state["consumed_ids"])):  # every strategy writes one per trainer rank
+        if not (rng_file := path / "rng" / f"rank_{rank}.safetensors").is_file():
+            raise _missing(rng_file, path)
     draft_file = path / DRAFT_CONFIG_FILE
     if model_config is not None and draft_file.is_file():
         try:
@@ -447,17 +542,23 @@ def read_checked_state(path: Path, *, model_config: dict | None = None) -> dict:
                 raise ValueError("shorter than a safetensors header")
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
             raise _corrupt(file, exc, path) from None
+    if (path / "dcp").is_dir():
+        _check_dcp(path)
     return state
+
+
+def _missing(file: Path, checkpoint: Path) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {checkpoint} has no {file.relative_to(checkpoint)}; it is incomplete: delete it "
+        "to resume from the previous complete checkpoint"
+    )
 
 
 def _load_tensors(file: Path, checkpoint: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(file))
     except FileNotFoundError:
-        raise CheckpointError(
-            f"checkpoint {checkpoint} has no {file.name}; it is incomplete: delete it to resume from "
-            "the previous complete checkpoint"
-        ) from None
+        raise _missing(file, checkpoint) from None
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
         raise _corrupt(file, exc, checkpoint) from None
 
@@ -470,23 +571,10 @@ def load_checkpoint(*, path: Path, strategy: str, model, optimizer, engine, grou
     draft of another shape raises :class:`CheckpointError` naming it.
     """
     path = Path(path)
-    state = read_checked_state(path, model_config=model_config)
-    saved_size = len(state.get("consumed_ids", [[]]))
-    size = D.group_size(group=group)
-    if saved_size != size:
-        raise CheckpointError(
-            f"checkpoint {path} was written by {saved_size} trainer rank(s); this run has {size}. "
-            "Resume with the same number of trainer ranks."
-        )
-    if state.get("strategy") != strategy:
-        raise CheckpointError(
-            f"checkpoint {path} was written with train.strategy={state.get('strategy')!r}, "
-            f"this run uses {strategy!r}"
-        )
+    state = read_checked_state(path, model_config=model_config, strategy=strategy,
+                               trainer_ranks=D.group_size(group=group))
     rank = D.group_rank(group=group)
-    rng_file = path / "rng" / f"rank_{rank}.safetensors"
-    if rng_file.is_file():
-        torch.set_rng_state(_load_tensors(rng_file, path)["cpu"])
+    torch.set_rng_state(_load_tensors(path / "rng" / f"rank_{rank}.safetensors", path)["cpu"])
     if strategy == "single":
         loaded = _load_tensors(path / "model.safetensors", path)
         try:
@@ -510,25 +598,11 @@ def load_checkpoint(*, path: Path, strategy: str, model, optimizer, engine, grou
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        from draftforge.train.dcp_safe import (
-            CheckedLoadPlanner,
-            UnsafeCheckpointError,
-            check_metadata,
-            unsafe_failure,
-        )
+        from draftforge.train.dcp_safe import CheckedLoadPlanner, unsafe_failure
 
         model_state, optim_state = get_state_dict(model, optimizer)
         target = {"model": model_state, "optimizer": optim_state}
-        try:
-            check_metadata(path / "dcp")  # before DCP unpickles it
-        except UnsafeCheckpointError as exc:
-            raise CheckpointError(
-                f"checkpoint file {path / 'dcp' / '.metadata'} is not DCP metadata: {exc}; refusing to "
-                f"unpickle it (it could run code). Delete the folder {path} to resume from the "
-                "previous complete checkpoint"
-            ) from None
-        except Exception as exc:  # noqa: BLE001 - a truncated or garbled pickle
-            raise _corrupt(path / "dcp" / ".metadata", exc, path) from None
+        _check_dcp(path)  # before DCP unpickles its metadata
         try:
             dcp.load(target, checkpoint_id=str(path / "dcp"), process_group=group,
                      planner=CheckedLoadPlanner())

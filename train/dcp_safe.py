@@ -73,11 +73,31 @@ class MetadataUnpickler(pickle._Unpickler):  # the Python one: its BUILD can be 
     dispatch[pickle.BUILD[0]] = _load_build
 
 
-def check_metadata(dcp_dir: Path) -> None:
-    """Unpickle ``dcp_dir/.metadata`` with :class:`MetadataUnpickler`; raises
+def check_metadata(dcp_dir: Path):
+    """Unpickle ``dcp_dir/.metadata`` with :class:`MetadataUnpickler` and return it; raises
     :class:`UnsafeCheckpointError` (or the unpickler's own error) when it is not DCP's."""
     with open(Path(dcp_dir) / METADATA_FILE, "rb") as handle:
-        MetadataUnpickler(handle).load()
+        return MetadataUnpickler(handle).load()
+
+
+def short_storage_file(dcp_dir: Path, metadata) -> tuple[Path, str] | None:
+    """The first data file that ``metadata`` (from :func:`check_metadata`) needs but that is
+    missing or shorter than the items it holds, with what is wrong; None when all are whole.
+
+    DCP itself reports a truncated file only as a ``CheckpointException`` naming ranks, not
+    the file; this names it before any rank starts loading."""
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        name = str(info.relative_path)
+        needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    for name, end in sorted(needed.items()):
+        file = Path(dcp_dir) / name
+        if not file.is_file():
+            return file, "missing"
+        size = file.stat().st_size
+        if size < end:
+            return file, f"{size} bytes, its items need {end}"
+    return None
 
 
 def unsafe_failure(exc: BaseException) -> UnsafeCheckpointError | None:

@@ -222,7 +222,8 @@ class Trainer:
             try:
                 found = ckpt.find_resume(self.run_dir, self.train.resume)
                 if found is not None:  # its files and its draft shape, before any collective
-                    ckpt.read_checked_state(found, model_config=self.model_config.to_dict())
+                    ckpt.read_checked_state(found, model_config=self.model_config.to_dict(),
+                                            strategy=self.train.strategy, trainer_ranks=self.world)
                 message = "" if found is None else f"path:{found}"
             except (OSError, ValueError) as exc:
                 message = f"error:{exc}"
