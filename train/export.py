@@ -39,6 +39,7 @@ leaves an older export at the destination untouched.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -462,6 +463,12 @@ def load_training_checkpoint(path: str | os.PathLike[str]) -> tuple[DSparkConfig
         weights = folder / SINGLE_FILE
     config_path = folder / TRAINING_CONFIG_FILE
     if not weights.is_file():
+        if path.is_dir() and folder == path:  # "pass a run directory" misleads a run that saved none
+            raise ExportError(
+                f"{path}: no {SINGLE_FILE} found in it and no checkpoints/ folder, so it is neither a "
+                "checkpoint folder nor a run directory that has saved a checkpoint; pass RUN_DIR once "
+                f"training saved one, RUN_DIR/checkpoints/step_XXXXXXXX or a {SINGLE_FILE} file"
+            )
         raise ExportError(
             f"{path}: no {SINGLE_FILE} found at {weights}; pass a run directory, a checkpoint folder "
             f"or a {SINGLE_FILE} file"
@@ -470,6 +477,7 @@ def load_training_checkpoint(path: str | os.PathLike[str]) -> tuple[DSparkConfig
         raise ExportError(f"{path}: {config_path} is missing (the draft's DSparkConfig as JSON)")
     try:
         fields = json.loads(config_path.read_text())
+        _check_field_types(fields)
         cfg = DSparkConfig(**fields)
     except (json.JSONDecodeError, TypeError, ValueError) as err:
         raise ExportError(f"{config_path}: not a valid draft config: {err}") from err
@@ -480,6 +488,34 @@ def load_training_checkpoint(path: str | os.PathLike[str]) -> tuple[DSparkConfig
     trained = {name: tensor for name, tensor in state.items() if name not in EMBEDDING_KEYS}
     check_tensors(trained, cfg, with_embeddings=False, where=f"{weights} (with its {config_path.name})")
     return cfg, state
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# what each DSparkConfig annotation admits from JSON (bool is an int to Python, and refused as one)
+_JSON_TYPES = {
+    "int": ("an integer", _is_int),
+    "int | None": ("an integer or null", lambda v: v is None or _is_int(v)),
+    "float": ("a number", lambda v: _is_int(v) or isinstance(v, float)),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "list[int]": ("a list of integers", lambda v: isinstance(v, list) and all(map(_is_int, v))),
+}
+
+
+def _check_field_types(fields) -> None:
+    """Refuse a draft_config.json field of the wrong JSON type, naming the key: DSparkConfig
+    would take ``"false"`` as a true ``enable_confidence_head`` (and write it into the exported
+    config.json, which SGLang reads as true) or fail comparing ``"8"`` without saying which key."""
+    if not isinstance(fields, dict):
+        raise TypeError(f"a JSON object of DSparkConfig fields is needed, not a {type(fields).__name__}")
+    types = {f.name: f.type for f in dataclasses.fields(DSparkConfig)}
+    for key, value in fields.items():
+        what, admits = _JSON_TYPES.get(types.get(key), (None, None))
+        if admits is not None and not admits(value):
+            raise TypeError(f"{key} must be {what}, got {value!r}")
 
 
 def read_safetensors_file(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:

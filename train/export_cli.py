@@ -8,6 +8,7 @@ SGLang refuses it; evaluate it from its training checkpoint with ``draftforge ev
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -82,10 +83,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = base / "export"
     if args.eval_report:
         report = Path(args.eval_report)
+        card.acceptance_table = read_eval_report(report, option="--eval-report ")
     else:  # RUN_DIR/eval/report.md, only where it measured this draft
         report = default_report(run_dir, Path(out)) if run_dir else None
+        try:
+            card.acceptance_table = read_eval_report(report) if report is not None else None
+        except InputError as err:
+            print(f"model card: not used: {err}; the card says Not measured", flush=True)
+            report = None
     if report is not None:
-        card.acceptance_table = report.read_text()
         print(f"model card: acceptance table from {report}", flush=True)
 
     from safetensors import SafetensorError
@@ -160,6 +166,30 @@ def training_data_line(recipe) -> str:
     if not data.overlap_check:
         line += " Held-out check off (data.overlap_check: false): evaluation prompts may be in the training data."
     return line
+
+
+def read_eval_report(report: Path, *, option: str = "") -> str:
+    """The markdown of an eval report (``report.md``) for the model card's acceptance section.
+    Refused, naming the file: one that is not UTF-8 text (a plot handed by mistake), the
+    ``report.json`` beside it (JSON, which the card would show raw), or a text without a
+    markdown table (no line starting with ``|``): the card would claim a measurement it lacks."""
+    from draftforge.errors import InputError
+
+    advice = "give the report.md that 'draftforge eval' wrote"
+    try:
+        text = report.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"{option}{report}: not a markdown eval report (not UTF-8 text); {advice}") from None
+    try:
+        json.loads(text)
+    except ValueError:
+        pass
+    else:
+        raise InputError(f"{option}{report}: is JSON (an eval's report.json?), not the markdown table "
+                         f"for the model card; {advice} (beside its report.json)")
+    if not any(line.lstrip().startswith("|") for line in text.splitlines()):
+        raise InputError(f"{option}{report}: holds no markdown table (no line starting with '|'); {advice}")
+    return text
 
 
 def default_report(run_dir: Path, out: Path) -> Path | None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from draftforge.errors import InputError
-from draftforge.hf_config import rope_theta_of
+from draftforge.hf_config import json_number, rope_theta_of
 from draftforge.train.export import (
     CONFIG_FILE,
     EMBEDDING_KEYS,
@@ -54,6 +54,30 @@ def _flag(raw: dict, key: str, default: bool) -> bool:
     return value
 
 
+def _integer(raw: dict, key: str, default: int | None = None) -> int:
+    """A JSON integer field. ``int()`` would read ``"8"``, cut ``8.7`` to 8 and ``true`` to 1, and
+    say ``invalid literal for int()`` without the key: each is refused, naming the key."""
+    value = raw.get(key, default)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key} must be an integer, got {value!r}")
+    return value
+
+
+def _integers(raw: dict, key: str) -> list[int]:
+    """A JSON list of integers (``target_layer_ids``), refused naming the key otherwise."""
+    values = raw[key]
+    if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"{key} must be a list of integers, got {values!r}")
+    return list(values)
+
+
+def _number(raw: dict, key: str, default: float) -> float:
+    """A JSON number field, refused naming the key where it is a string, a bool or null."""
+    return json_number(raw.get(key, default), key)
+
+
 def config_from_serving(raw: dict, *, where: str = CONFIG_FILE) -> DSparkConfig:
     """The ``DSparkConfig`` described by an exported config.json.
 
@@ -73,27 +97,28 @@ def config_from_serving(raw: dict, *, where: str = CONFIG_FILE) -> DSparkConfig:
     if missing:
         raise ExportError(f"{where}: missing DSpark fields: {', '.join(missing)}")
     try:
+        markov_rank = _integer(raw, "markov_rank")
         return DSparkConfig(
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=int(raw["hidden_size"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]),
-            num_attention_heads=int(raw["num_attention_heads"]),
-            num_key_value_heads=int(raw["num_key_value_heads"]),
-            intermediate_size=int(raw["intermediate_size"]),
-            target_hidden_size=int(raw.get("target_hidden_size", raw["hidden_size"])),
-            num_target_layers=int(raw["num_target_layers"]),
-            target_layer_ids=[int(i) for i in raw["target_layer_ids"]],
-            head_dim=raw.get("head_dim"),
-            block_size=int(raw["block_size"]),
-            mask_token_id=int(raw["mask_token_id"]),
-            markov_rank=int(raw["markov_rank"]),
-            markov_head_type=str(raw.get("markov_head_type", "vanilla")),
+            vocab_size=_integer(raw, "vocab_size"),
+            hidden_size=_integer(raw, "hidden_size"),
+            num_hidden_layers=_integer(raw, "num_hidden_layers"),
+            num_attention_heads=_integer(raw, "num_attention_heads"),
+            num_key_value_heads=_integer(raw, "num_key_value_heads"),
+            intermediate_size=_integer(raw, "intermediate_size"),
+            target_hidden_size=_integer(raw, "target_hidden_size", raw["hidden_size"]),
+            num_target_layers=_integer(raw, "num_target_layers"),
+            target_layer_ids=_integers(raw, "target_layer_ids"),
+            head_dim=None if raw.get("head_dim") is None else _integer(raw, "head_dim"),
+            block_size=_integer(raw, "block_size"),
+            mask_token_id=_integer(raw, "mask_token_id"),
+            markov_rank=markov_rank,
+            markov_head_type=raw.get("markov_head_type", "vanilla"),  # DSparkConfig names a wrong one
             enable_confidence_head=_flag(raw, "enable_confidence_head", False),
             # SGLang's default (build_confidence_head): the head reads the Markov embedding
-            confidence_head_with_markov=_flag(raw, "confidence_head_with_markov", int(raw["markov_rank"]) > 0),
+            confidence_head_with_markov=_flag(raw, "confidence_head_with_markov", markov_rank > 0),
             rope_theta=rope_theta or 10000.0,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6),
+            max_position_embeddings=_integer(raw, "max_position_embeddings", 4096),
         )
     except (TypeError, ValueError) as err:
         raise ExportError(f"{where}: {err}") from err
@@ -132,10 +157,10 @@ def _plain_rope_theta(raw: dict, where: str) -> float | None:
         theta = rope_theta_of(raw)
         if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "default":
             if theta is None and scaling.get("rope_theta") is not None:
-                theta = float(scaling["rope_theta"])
+                theta = json_number(scaling["rope_theta"], "rope_scaling.rope_theta")
             scaling = None
-    except (TypeError, ValueError) as err:
-        raise ExportError(f"{where}: rope_theta: {err}") from None
+    except ValueError as err:  # names the key
+        raise ExportError(f"{where}: {err}") from None
     if isinstance(params, dict) and params.get("rope_type", "default") != "default":
         scaling = params
     if scaling:
