@@ -234,3 +234,13 @@ def test_train_refuses_a_checkpoint_of_another_trainer_count_or_strategy_before_
     code, err = _dry_run(recipe, capsys)
     assert code == 2
     assert f"checkpoint {path} was written with train.strategy='fsdp2', this run uses 'single'" in err
+
+
+def test_a_resume_with_another_seed_says_the_run_no_longer_repeats(run, capsys):
+    """train.seed draws every step's anchors: a resume under another one is told, like a changed
+    schedule or AdamW setting; under the same seed nothing is said."""
+    _trainer(run, steps=6, resume="auto").resume()
+    assert "train.seed" not in capsys.readouterr().out
+    _trainer(run, steps=6, resume="auto", seed=1).resume()  # the saved run's seed is 3
+    assert ("[trainer] note: train.seed 3 -> 1: the steps from 5 on draw their anchors from the new "
+            "seed") in capsys.readouterr().out

@@ -253,6 +253,12 @@ class Trainer:
         )
         if self.resumed.optimizer_change and self.is_main:
             print(f"[trainer] note: {self.resumed.optimizer_change}", flush=True)
+        saved_seed = state.get("seed")
+        if saved_seed is not None and saved_seed != self.train.seed and self.is_main:
+            # anchors are drawn from (seed, step, micro-step, rank): the rest of the run differs
+            print(f"[trainer] note: train.seed {saved_seed} -> {self.train.seed}: the steps from "
+                  f"{self.step + 1} on draw their anchors from the new seed, so this run no longer "
+                  "repeats the checkpointed one's", flush=True)
         return self.resumed
 
     def _restore_optimizer_settings(self) -> str:
