@@ -66,7 +66,10 @@ def _known_shape(model: str, *, strict: bool) -> TargetShape | None:
             raise InputError(f"{config_path} holds a JSON {type(raw).__name__}, not an object")
         raw = raw.get("text_config", raw)
         fields = {k: raw[k] for k in TargetShape.model_fields if k in raw}
-        theta = rope_theta_of(raw)
+        try:
+            theta = rope_theta_of(raw)
+        except ValueError as exc:  # a base that is no JSON number, named by its key
+            raise InputError(f"{config_path}: {exc}") from None
         if theta is not None:
             fields["rope_theta"] = theta
         try:

@@ -157,3 +157,19 @@ def test_a_rope_base_under_rope_parameters_still_loads_exactly(tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     loaded = load_exported_draft(folder, embed_tokens=model.embed_tokens.weight, lm_head=model.lm_head.weight)
     assert loaded.config.rope_theta == model.config.rope_theta
+
+
+def test_a_target_folder_whose_rope_base_is_no_number_is_named_with_its_file(tmp_path):
+    """The target's own config.json goes through the same reader: its message names the file."""
+    from draftforge.errors import InputError
+    from draftforge.splitserve.config import TargetConfig
+    from draftforge.splitserve.registry import resolve_target_shape
+
+    config = {"num_hidden_layers": 2, "hidden_size": 8, "vocab_size": 32, "rope_theta": "10000"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    target = TargetConfig(model=str(tmp_path))
+    with pytest.raises(InputError, match=rf"{tmp_path}/config.json: rope_theta must be a number, got '10000'"):
+        resolve_target_shape(target, strict=True)
+    config["rope_theta"] = 10000
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert resolve_target_shape(target, strict=True).rope_theta == 10000.0
