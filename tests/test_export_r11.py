@@ -173,3 +173,28 @@ def test_a_target_folder_whose_rope_base_is_no_number_is_named_with_its_file(tmp
     config["rope_theta"] = 10000
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert resolve_target_shape(target, strict=True).rope_theta == 10000.0
+
+
+def test_no_with_embeddings_overrides_a_recipe_that_asks_for_them(tmp_path):
+    """--with-embeddings could only turn them on: a recipe with export.with_embeddings true
+    left no way to export without them."""
+    from pathlib import Path
+
+    from test_export import _tiny_debug_draft, _write_checkpoint
+
+    from draftforge.cli import main
+
+    recipe = tmp_path / "recipe.yaml"
+    tiny = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
+    recipe.write_text(tiny.read_text().replace("\nexport:\n", "\nexport:\n  with_embeddings: true\n"))
+    _write_checkpoint(tmp_path / "ckpt", _tiny_debug_draft())
+
+    def names(out):
+        with open(out / "model.safetensors", "rb") as handle:
+            header = handle.read(int.from_bytes(handle.read(8), "little"))
+        return set(json.loads(header)) - {"__metadata__"}
+
+    argv = ["export", str(tmp_path / "ckpt"), "--recipe", str(recipe), "--out"]
+    assert main([*argv, str(tmp_path / "with")]) == 0
+    assert main([*argv, str(tmp_path / "without"), "--no-with-embeddings"]) == 0
+    assert names(tmp_path / "with") - names(tmp_path / "without") == {"embed_tokens.weight", "lm_head.weight"}

@@ -29,8 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("source", help="run directory (newest complete checkpoint), checkpoint folder or model.safetensors")
     parser.add_argument("--out", help="destination folder (default: the recipe's export.out_dir or <run>/export)")
     parser.add_argument("--arch", choices=["Qwen3DSparkModel", "LingDSparkModel"], help=f"default: the recipe's export.arch ({defaults.arch} when unset)")
-    parser.add_argument("--with-embeddings", action="store_true", default=None,
-                        help="also write embed_tokens / lm_head (servers attach the target's anyway)")  # fmt: skip
+    parser.add_argument("--with-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                        help="also write embed_tokens / lm_head (servers attach the target's anyway); "
+                             "default: the recipe's export.with_embeddings, --no-with-embeddings overrides it")  # fmt: skip
     parser.add_argument("--max-shard-size-mb", type=argtypes.positive_float, help=f"shard above this size (default: the recipe's export.max_shard_size_mb, "
                         f"{defaults.max_shard_size_mb} when unset)")
     parser.add_argument("--recipe", help="the recipe the run used (default: the one saved in the run directory)")
@@ -111,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             (state, cfg),
             out,
             arch=args.arch or export_cfg.arch,
-            with_embeddings=export_cfg.with_embeddings if args.with_embeddings is None else True,
+            with_embeddings=export_cfg.with_embeddings if args.with_embeddings is None else args.with_embeddings,
             max_shard_size_mb=args.max_shard_size_mb or export_cfg.max_shard_size_mb,
             card=card,
         )
