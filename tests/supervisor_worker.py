@@ -7,7 +7,7 @@ exit 3 while rank 0 blocks in a collective that can never finish; ``stubborn``
 ignores SIGINT and SIGTERM and sleeps (a rank stuck in C code); ``race`` has rank 1
 kill itself with SIGKILL and rank 0 exit 3 at the same moment, once both are ready (its
 reaction, as a trainer's to a dead target); ``late_abort`` has rank 0 exit 2 and rank 1
-abort (SIGABRT) 2 s later, as an NCCL watchdog does after a peer vanished.
+abort (SIGABRT) 3 s after it, as an NCCL watchdog does after a peer vanished.
 """
 
 from __future__ import annotations
@@ -35,12 +35,20 @@ def main(mode: str, out_dir: str) -> int:
         (out / f"rank{rank}.ready").touch()
         time.sleep(600)
         return 0
-    if mode == "late_abort":  # rank 0 fails; rank 1 aborts 2 s later, as a watchdog would
+    if mode == "late_abort":  # rank 0 fails; rank 1 aborts 3 s later, as a watchdog would
         import signal
 
+        # timed from rank 0's exit, not from this rank's start: on a loaded machine the two
+        # finish importing torch seconds apart
         if rank == 0:
-            return 2
-        time.sleep(2.0)
+            (out / "rank0.exiting").touch()
+            os._exit(2)  # at once (interpreter teardown takes seconds on a loaded machine)
+        deadline = time.monotonic() + 60
+        while not (out / "rank0.exiting").exists():
+            if time.monotonic() > deadline:
+                return 4
+            time.sleep(0.01)
+        time.sleep(3.0)
         os.kill(os.getpid(), signal.SIGABRT)
     if mode == "race":
         import signal

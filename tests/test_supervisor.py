@@ -156,7 +156,7 @@ def test_a_rank_killed_by_a_signal_is_the_cause_over_one_that_exited_with_an_err
 
 
 def test_a_signal_death_well_after_the_first_failure_is_not_the_cause(tmp_path):
-    """Rank 0 exits 2; rank 1 aborts (SIGABRT) 2 s later, as an NCCL watchdog does after its
+    """Rank 0 exits 2; rank 1 aborts (SIGABRT) 3 s later, as an NCCL watchdog does after its
     peer vanished: the first failure is the cause and sets the status."""
     proc = _launcher(tmp_path, "late_abort", labels={0: "target rank 0", 1: "trainer rank 1"},
                      grace_s=10.0, term_s=1.0)
