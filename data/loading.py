@@ -14,6 +14,7 @@ counted and reported.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import gzip
 import json
@@ -42,6 +43,8 @@ BUILTINS = {"train-prompts": BUILTIN_DIR / "train-prompts.jsonl.gz"}
 SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
 
 RESERVED_ID_MARK = "#e"  # SplitServe appends it and the epoch to a sample id after epoch 0
+# json raises RecursionError (not JSONDecodeError) past Python's recursion limit
+NESTED_TOO_DEEPLY = "invalid JSON: arrays or objects nested too deeply to read"
 
 
 @dataclass(frozen=True)
@@ -121,9 +124,10 @@ def file_stem(path: Path) -> str:
 
 
 def _open_text(path: Path, suffix: str):
+    # utf-8-sig: a byte-order mark (Windows editors write one) opens the file, it is no JSON
     if suffix.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+        return gzip.open(path, "rt", encoding="utf-8-sig")
+    return open(path, encoding="utf-8-sig")
 
 
 def _read_jsonl(path: Path, suffix: str) -> Iterator[RawRow]:
@@ -132,6 +136,8 @@ def _read_jsonl(path: Path, suffix: str) -> Iterator[RawRow]:
         with gzip.open(path, "rb") if suffix.endswith(".gz") else open(path, "rb") as handle:
             for number, raw in enumerate(handle, start=1):
                 where = RowLocation(str(path), number, "line")
+                if number == 1:  # a byte-order mark (Windows editors write one) is no JSON
+                    raw = raw.removeprefix(codecs.BOM_UTF8)
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as exc:
@@ -140,9 +146,14 @@ def _read_jsonl(path: Path, suffix: str) -> Iterator[RawRow]:
                 if not line.strip():
                     continue
                 try:
-                    yield RawRow(where, json.loads(line))
+                    value = json.loads(line)
                 except json.JSONDecodeError as exc:
                     yield RawRow(where, error=f"invalid JSON: {exc.msg} (column {exc.colno})")
+                    continue
+                except RecursionError:
+                    yield RawRow(where, error=NESTED_TOO_DEEPLY)
+                    continue
+                yield RawRow(where, value)
     except (OSError, EOFError, zlib.error) as exc:  # zlib.error: a corrupt .gz stream
         # a .gz cut short or damaged part-way fails after its good lines: say where
         after = f" (after line {number})" if number else ""
@@ -157,6 +168,8 @@ def _read_json(path: Path, suffix: str) -> Iterator[RawRow]:
         raise DataFormatError(
             f"{path}, line {exc.lineno}: invalid JSON: {exc.msg} (column {exc.colno})"
         ) from None
+    except RecursionError:
+        raise DataFormatError(f"{path}: {NESTED_TOO_DEEPLY}") from None
     except (OSError, EOFError, UnicodeDecodeError, zlib.error) as exc:
         raise DataFormatError(f"{path}: cannot be read: {exc}") from None
     if not isinstance(data, list):

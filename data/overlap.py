@@ -5,9 +5,14 @@ space). A training text overlaps an evaluation text when
 
 - their normalised forms are equal (``exact``), or
 - their character 5-gram sets ``T`` (training) and ``E`` (evaluation) score at least the
-  threshold on ``max(|T & E| / |T | E|, |T & E| / |E|)``: Jaccard catches lightly edited
-  copies, containment catches an evaluation prompt pasted inside a longer prompt
-  (``near``).
+  threshold on ``max(|T & E| / |T | E|, |W & E| / |E|)`` (``near``): Jaccard catches
+  lightly edited copies, containment an evaluation prompt pasted inside a longer prompt.
+  ``W`` is the 5-grams of the stretch of the training text that holds most of ``E``'s;
+  stretches are ``2 s`` characters long and start every ``s = CONTAINMENT_WINDOW * len(E)``
+  characters, so a copy up to twice ``E``'s length (edits lengthen it) lies whole in one.
+  A text no longer than ``2 s`` is one stretch. Containment over a whole long text would
+  be noise: a 10,000-character licence holds half the 5-grams of a short MT-Bench
+  question, scattered through it.
 
 An inverted index over the rarest 5-grams of each evaluation text keeps this fast
 (prefix filtering): only evaluation texts sharing one of their indexed grams with a
@@ -25,10 +30,13 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from draftforge.data.formats import Conversation
 from draftforge.errors import InputError
 
 NGRAM = 5
+CONTAINMENT_WINDOW = 2  # containment stretches start every this many times len(E) characters
 _NON_ALNUM = re.compile(r"[\W_]+")
 
 
@@ -43,6 +51,40 @@ def shingles(normalized: str, n: int = NGRAM) -> frozenset[str]:
     if len(normalized) <= n:
         return frozenset([normalized]) if normalized else frozenset()
     return frozenset(normalized[i : i + n] for i in range(len(normalized) - n + 1))
+
+
+class GramSequence:
+    """Where each 5-gram of a long normalised text starts, for :meth:`stretch_shared`."""
+
+    def __init__(self, normalized: str, grams: frozenset[str], n: int = NGRAM):
+        self.length = len(normalized) - n + 1
+        self.vocab = {gram: i for i, gram in enumerate(grams)}
+        pieces = map(normalized.__getitem__, map(slice, range(self.length), range(n, self.length + n)))
+        ids = np.fromiter(map(self.vocab.__getitem__, pieces), dtype=np.int64, count=self.length)
+        # the start positions grouped by gram (in order within a gram), and where each group begins
+        self.order = np.argsort(ids, kind="stable")
+        self.bounds = np.searchsorted(ids[self.order], np.arange(len(self.vocab) + 1))
+        # where the same gram started last before each position (-1: nowhere)
+        self.previous = np.full(self.length, -1, dtype=np.int64)
+        repeat = ids[self.order[1:]] == ids[self.order[:-1]]
+        self.previous[self.order[1:][repeat]] = self.order[:-1][repeat]
+
+    def stretch_shared(self, reference: frozenset[str], stride: int) -> int:
+        """The most distinct grams of ``reference`` that start in one stretch of ``2 * stride``
+        characters, stretches starting every ``stride``: any run of at most ``stride``
+        characters (a pasted copy) lies whole inside one of them."""
+        groups = [self.vocab[g] for g in reference if g in self.vocab]
+        if not groups:
+            return 0
+        starts = np.concatenate([self.order[self.bounds[g] : self.bounds[g + 1]] for g in groups])
+        block = starts // stride  # stretch k covers blocks k and k + 1
+        previous = self.previous[starts]
+        blocks = self.length // stride + 1
+        # a gram counts once in a stretch: where it did not start earlier in that stretch
+        new_in_first = np.bincount(block[previous < block * stride], minlength=blocks)
+        new_in_second = np.bincount(block[previous < (block - 1) * stride], minlength=blocks)
+        per_stretch = new_in_first + np.append(new_in_second[1:], 0)
+        return int(per_stretch.max())
 
 
 @dataclass(frozen=True)
@@ -86,11 +128,13 @@ class OverlapIndex:
         self.threshold = threshold
         self.ids: list[str] = []
         self.grams: list[frozenset[str]] = []
+        self.lengths: list[int] = []  # normalised characters, for the containment window
         self.exact: dict[str, str] = {}
         for ref_id, text in references:
             norm = normalize(text)
             self.ids.append(ref_id)
             self.grams.append(shingles(norm))
+            self.lengths.append(len(norm))
             self.exact.setdefault(norm, ref_id)
         # Prefix filter: a pair scoring >= threshold shares at least k = ceil(threshold * |E|)
         # grams of E, so it shares at least one of E's |E| - k + 1 rarest grams. Only those
@@ -114,12 +158,19 @@ class OverlapIndex:
             return None
         candidates = {i for g in grams for i in self.postings.get(g, ())}
         best: tuple[str, str, float] | None = None
+        sequence: GramSequence | None = None  # built once a long text needs it
         for index in candidates:
             ref = self.grams[index]
             if not ref:
                 continue
             shared = len(grams & ref)
-            score = max(shared / (len(grams) + len(ref) - shared), shared / len(ref))
+            jaccard = shared / (len(grams) + len(ref) - shared)
+            stride = CONTAINMENT_WINDOW * self.lengths[index]
+            if shared / len(ref) >= self.threshold > jaccard and len(norm) > 2 * stride:
+                # the whole text holds enough of E: does one stretch of it? (never more)
+                sequence = sequence if sequence is not None else GramSequence(norm, grams)
+                shared = sequence.stretch_shared(ref, stride)
+            score = max(jaccard, shared / len(ref))
             if score >= self.threshold and (best is None or score > best[2]):
                 best = (self.ids[index], "near", score)
         return best

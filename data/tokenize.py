@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, TemplateSyntaxError
 
 from draftforge.data.formats import Conversation
 from draftforge.errors import InputError
@@ -44,11 +44,23 @@ class ChatTemplateError(InputError):
     conversation_index: int | None = None
 
 
+# What rendering a chat template raises: jinja2's errors (``raise_exception(...)``, syntax), and
+# Python's own from an expression in the template (``message['content'] + 1``: TypeError).
+TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, ArithmeticError)
+
+
 def template_failure(exc: Exception, where: str) -> ChatTemplateError:
-    """The error for a chat template that raised ``exc`` (a jinja2 ``TemplateError``, e.g.
-    ``raise_exception('System role not supported')``) while rendering ``where``."""
+    """The error for a chat template that raised ``exc`` (one of ``TEMPLATE_ERRORS``, e.g.
+    ``raise_exception('System role not supported')``) while rendering ``where``; a template
+    that does not parse is the template's fault, not the conversation's, and says so."""
+    if isinstance(exc, TemplateSyntaxError):
+        return ChatTemplateError(
+            f"the chat template is not valid Jinja (template line {exc.lineno}: {exc.message}); "
+            "fix target.generation.chat_template (or the tokenizer's chat template)"
+        )
+    reason = str(exc) if isinstance(exc, TemplateError) else f"{type(exc).__name__}: {exc}"
     return ChatTemplateError(
-        f"the chat template fails on {where} ({exc}); change the conversation or set "
+        f"the chat template fails on {where} ({reason}); change the conversation or set "
         "target.generation.chat_template"
     )
 
@@ -107,7 +119,7 @@ def render(
             chat_template=chat_template,
             enable_thinking=enable_thinking,
         )
-    except TemplateError as exc:
+    except TEMPLATE_ERRORS as exc:
         raise template_failure(exc, "this conversation") from exc
 
 

