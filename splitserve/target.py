@@ -129,7 +129,7 @@ def render_prompt(
 ) -> str:
     """The prompt text every backend generates from: the chat template (``settings.chat_template``
     or the tokenizer's) with ``add_generation_prompt`` and ``enable_thinking``."""
-    from jinja2 import TemplateError
+    from draftforge.data.tokenize import TEMPLATE_ERRORS, template_failure
 
     check_conversation(conversation, index)
     try:
@@ -140,9 +140,7 @@ def render_prompt(
             enable_thinking=settings.enable_thinking,
             chat_template=settings.chat_template,
         )
-    except TemplateError as exc:  # e.g. raise_exception('System role not supported')
-        from draftforge.data.tokenize import template_failure
-
+    except TEMPLATE_ERRORS as exc:  # raise_exception('System role not supported'), a TypeError
         error = template_failure(exc, f"conversation {index}")
         error.conversation_index = index  # callers that know the conversation's id name it
         raise error from exc

@@ -274,3 +274,21 @@ def test_a_python_error_inside_the_template_names_the_row(tmp_path):
                                                 r"template fails on this conversation \(TypeError: can only"):
         tokenize_conversations(conversations, chatml_tokenizer(), max_length=100, min_loss_tokens=1,
                                chat_template=template)
+
+
+def test_regeneration_names_the_prompt_whose_template_raises_a_python_error(tmp_path):
+    """A Python error inside the template (``content + 1``: TypeError) while regenerating was
+    a traceback: it is a ChatTemplateError naming the prompt, as a raise_exception is."""
+    from test_data_regenerate import _word_tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from draftforge.data.formats import Conversation
+    from draftforge.data.tokenize import ChatTemplateError
+    from draftforge.splitserve.config import GenerationConfig
+    from draftforge.splitserve.target import render_prompt
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=_word_tokenizer())
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] + 1 }}{% endfor %}"
+    conversation = Conversation("p", [{"role": "user", "content": "a"}]).messages
+    with pytest.raises(ChatTemplateError, match=r"the chat template fails on conversation 3 \(TypeError: "):
+        render_prompt(tokenizer, conversation, 3, GenerationConfig())
