@@ -266,6 +266,7 @@ class SampleSource:
         self.chunk_size = cfg.target.generation.batch_size
         self.skipped_consumed = 0
         self.dropped_short = 0
+        self.truncated = 0  # cut to data.max_length: with a prompt that fills it, no reply is left
         self.context_turns = 0  # assistant turns the chat template rewrites later: not supervised
         self._answers: dict[int, list[Conversation]] = {}
         self._dropped: list[str] = []  # ids dropped for data.min_loss_tokens, for the next sample
@@ -322,10 +323,13 @@ class SampleSource:
                     if self.should_stop():
                         return
             if produced == 0:
+                cut = (f"; {self.truncated} were cut to data.max_length={self.cfg.data.max_length} "
+                       "tokens, which leaves no room for a reply after a prompt that long: raise "
+                       "data.max_length") if self.truncated else ""
                 raise InputError(
                     f"target rank {self.producer}: epoch {epoch} produced no sample (every "
                     f"conversation had fewer than data.min_loss_tokens={self.cfg.data.min_loss_tokens} "
-                    "supervised tokens)"
+                    f"supervised tokens{cut})"
                 )
 
     def _chunk_samples(
@@ -367,6 +371,7 @@ class SampleSource:
                 enable_thinking=settings.enable_thinking,
             )
         self.dropped_short += stats.num_dropped_short
+        self.truncated += stats.num_truncated
         dropped = (epoch_id(conv_id, epoch) for conv_id in stats.dropped_ids)
         self._dropped += [i for i in dropped if i not in self.consumed]
         if stats.num_context_turns and not self.context_turns:

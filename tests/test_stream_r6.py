@@ -115,3 +115,14 @@ def test_a_logger_turned_on_but_not_installed_is_refused_before_any_rank_starts(
     assert "train.tensorboard is true but tensorboard is not installed" in str(caught.value)
     (tmp_path / "off").mkdir()
     preflight(load_recipe(tiny_recipe(tmp_path / "off")))  # both off: nothing to install
+
+
+def test_an_epoch_whose_prompts_fill_max_length_says_to_raise_it(tmp_path):
+    """data.max_length shorter than the prompts cuts every reply away: the message said only
+    that the conversations had too few supervised tokens, not that the limit removed them."""
+    topology = Topology(producers=(0,), trainers=(1,))
+    source = _source(tmp_path, topology, 0, overrides={"data.max_length": 6, "data.min_loss_tokens": 1})
+    with pytest.raises(InputError, match=r"epoch 0 produced no sample \(every conversation had fewer than "
+                                         r"data.min_loss_tokens=\d+ supervised tokens; 8 were cut to "
+                                         r"data.max_length=6 tokens, .*raise data.max_length\)"):
+        next(source.samples())
