@@ -86,13 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "target is split by layers, filling them in order (one that fits on the "
                         "first stays there); the draft runs on the first")
     parser.add_argument("--tie-tolerance", type=argtypes.non_negative_float,
-                        help="greedy divergences where the emitted token lies less than this below the target's "
-                        "own choice (in plain decoding's logits) "
+                        help="greedy only: divergences where the emitted token lies less than this below the "
+                        "target's own choice (in plain decoding's logits) "
                         "are counted as numerical near-ties, not failures (default: 1e-3 for a "
                         "float32 target, 1.0 for bfloat16, whose batched and one-token logits "
                         "differ by up to about a logit)")  # fmt: skip
     parser.add_argument("--seed", type=argtypes.seed,
-                        help="seeds sampling and the tau estimate's anchors, 0..2**32-1 (default: the recipe's eval.seed)")
+                        help="seeds sampling and the tau estimate's anchors, 0..2**32-1 (default: the recipe's "
+                        f"eval.seed, else {defaults.seed})")
     parser.add_argument("--no-estimate", action="store_true", help="skip the train-time tau estimate")
     return parser
 
@@ -151,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"draftforge eval: --workloads {','.join(args.workloads)} and --prompts-file "
             f"{args.prompts_file}: give one; the file's rows name their own workloads"
         )
-    if args.prompts_file and not Path(args.prompts_file).is_file():
+    if args.prompts_file and not Path(args.prompts_file).expanduser().is_file():  # as every path option
         raise InputError(f"--prompts-file {args.prompts_file}: no such file")
     num_prompts = args.num_prompts or eval_cfg.num_prompts
     # read before the target loads: a bad row is found in seconds, not after minutes
@@ -165,6 +166,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"draftforge eval: {', '.join(sampling_only)}: only for sampling, but the temperature is 0 "
             "(greedy decoding, which they would not change): give --temperature above 0, or leave "
             "them out"
+        )
+    if temperature > 0 and args.tie_tolerance is not None:
+        raise InputError(
+            f"draftforge eval: --tie-tolerance {args.tie_tolerance}: only for greedy decoding, whose "
+            f"outputs are checked against plain decoding, but the temperature is {temperature}"
+            f"{_source(args.temperature, args.recipe, 'eval.temperature')} (sampled outputs are not "
+            "checked, so it would change nothing): give --temperature 0, or leave it out"
         )
     verify = args.verify or eval_cfg.verify
     if args.threshold is not None and verify != "threshold":
@@ -200,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         target_cfg = target_cfg.model_copy(update={"backend": "hf"})
     # refused now, not after minutes of decoding, when the report or calibration is written
     _check_output_paths(args.out, args.calibrate)
-    _warn_replacing(Path(args.out))
+    _warn_replacing(Path(args.out).expanduser())  # where write_report writes
     draft_cfg, load_draft = _draft_loader(args.draft)
     _check_fit(draft_cfg, target_cfg, args.draft)
     if file_prompts is not None:  # before the target loads; the workloads' once tokenized
@@ -307,8 +315,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     paths = write_report(results, args.out, meta, block_size=draft_cfg.block_size)
     print(paths["markdown"].read_text())
     summary = " ".join(f"al_{m}={macro(results, m):.3f}" for m in ("dspark", "ngram", "none"))
-    print(f"eval: report in {Path(args.out)} ({', '.join(p.name for p in paths.values())})")
-    print(f"eval_dir={Path(args.out)} {summary}")
+    out_dir = Path(args.out).expanduser()  # a path a script reading the last line can open
+    print(f"eval: report in {out_dir} ({', '.join(p.name for p in paths.values())})")
+    print(f"eval_dir={out_dir} {summary}")
     if args.calibrate and not samples:  # the report is written: the decoding is not lost
         raise InputError(
             f"--calibrate {args.calibrate}: no confidence samples were recorded (no draft position "
@@ -454,7 +463,7 @@ def _prompts_from_file(
     workloads: dict[str, list[list[int]]] = {}
     lines: dict[str, list[int]] = {}
     try:
-        text = Path(path).read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is no token
+        text = Path(path).expanduser().read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is no token
     except UnicodeDecodeError as err:
         raise InputError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason}); expected JSONL, one "
                          "{'workload': str, 'input_ids': [int, ...]} per line") from None

@@ -56,11 +56,21 @@ def load_report(path: str) -> tuple[Path, dict]:
     if not p.is_file():
         raise InputError(f"{p}: no such evaluation report (run draftforge eval --out DIR first)")
     try:
-        report = json.loads(p.read_text())
+        report = json.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:  # e.g. the report folder's acceptance_length.png
+        raise InputError(f"{p}: not a text file (byte {err.start}: {err.reason}); give the report's "
+                         "report.json or the folder holding it") from None
     except json.JSONDecodeError as err:
         raise InputError(f"{p}: not valid JSON (line {err.lineno}, column {err.colno}): {err.msg}") from None
     if not isinstance(report, dict) or not isinstance(report.get("workloads"), dict):
         raise InputError(f"{p}: not a draftforge eval report (no 'workloads' table)")
+    for name, entry in report["workloads"].items():  # read with .get() below: tables, or a clear error
+        key, value = f"workloads.{name}", entry
+        if isinstance(entry, dict):
+            key, value = f"{key}.methods", entry.get("methods", {})
+        if not isinstance(value, dict):
+            raise InputError(f"{p}: {key} must be a table, got {type(value).__name__}; not a "
+                             "draftforge eval report")
     return p, report
 
 
