@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -230,6 +231,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--draws must be at least 1, got {args.draws}")
     if not 0 < args.level < 1:
         parser.error(f"--level must lie strictly between 0 and 1, got {args.level}")
+    if args.draws * (1 - args.level) / 2 < 1:  # else an interval end is the extreme draw, or none
+        parser.error(f"--draws {args.draws} is too few for a {args.level:g} interval: each of its "
+                     f"tails needs a draw, so at least {math.ceil(round(2 / (1 - args.level), 9))}")
     a = load_report(args.a)
     b = load_report(args.b) if args.b else a
     b_method = args.b_method or ("dspark" if args.b else "ngram")

@@ -263,3 +263,16 @@ def test_a_prompts_file_and_an_out_folder_under_home_are_found(tmp_path, recipe_
     assert "no such file" not in captured.err
     assert "no model.safetensors found" in captured.err  # it got as far as the draft
     assert f"eval: {tmp_path / 'r'} holds a report of draft the/earlier/draft from" in captured.out
+
+
+def test_compare_refuses_too_few_draws_for_the_interval(tmp_path, capsys):
+    """With one draw the 95 % interval was that draw: -0.571 to -0.571 around -0.533. Each tail
+    of a level-L interval needs at least one draw: 2 / (1 - L) of them (40 at 0.95, 200 at 0.99)."""
+    from draftforge.cli import main
+
+    for draws, level, least in (("1", "0.95", 40), ("39", "0.95", 40), ("199", "0.99", 200)):
+        with pytest.raises(SystemExit) as info:
+            main(["eval", "compare", str(tmp_path), "--draws", draws, "--level", level])
+        assert info.value.code == 2
+        assert (f"--draws {draws} is too few for a {level} interval: each of its tails needs a draw, "
+                f"so at least {least}") in capsys.readouterr().err
