@@ -153,8 +153,18 @@ INPUT_ERROR_STATUS = 2  # how draftforge exits on an InputError (bad recipe, dat
 
 
 def _bare_address(text: str) -> str:
-    """An address as sockets take it: IPv6 without the URL brackets (``[::1]`` is ``::1``)."""
-    return text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    """An address as sockets take it: IPv6 without the URL brackets (``[::1]`` is ``::1``).
+
+    An empty one (``--master-addr "$ADDR"`` with ADDR unset) is refused: bound, it listens on
+    every interface, and the ranks, told to reach rank 0 at it, retry until the store's timeout.
+    """
+    text = text.strip()
+    bare = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    if not bare:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is no address (an empty one would listen on every interface); give an "
+            f"address of this machine, or drop --master-addr for {LOOPBACK} (loopback only)")
+    return bare
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -250,7 +260,7 @@ def _supervise(cfg, args, layout, env: dict[str, str], restarts: int) -> int:
         print(f"draftforge train: {' '.join(command[1:])}", file=sys.stderr, flush=True)
 
         def run() -> int:
-            return run_torchrun(command, env=env)
+            return run_torchrun(command, env=env, hint=_stop_hint(cfg, every_node=True))
     else:
         command = rank_command(args.recipe, args.overrides)
         labels = {r: f"target rank {r}" for r in cfg.split.target_ranks}
@@ -260,7 +270,7 @@ def _supervise(cfg, args, layout, env: dict[str, str], restarts: int) -> int:
 
         def run() -> int:
             return run_ranks(command, nproc=cfg.split.world_size, env=env,
-                             host=args.master_addr, labels=labels)
+                             host=args.master_addr, labels=labels, hint=_stop_hint(cfg))
 
     def start() -> int:
         status = run()
@@ -287,26 +297,54 @@ def _supervise(cfg, args, layout, env: dict[str, str], restarts: int) -> int:
         env[RESTART_ENV] = str(attempt)
         status = start()
     if status != 0:
-        from draftforge.train import checkpoint as ckpt
-
-        if cfg.train.resume == "never":  # a rerun starts over, refused where checkpoints are
-            then = (f"With train.resume=never the same command starts over (refused once "
-                    f"{cfg.train.output_dir} holds a checkpoint); rerun with train.resume=auto to "
-                    "continue from the newest checkpoint instead.")
-        elif not _runs_trainers(cfg, layout, args.node_rank):  # the trainers' node has them
-            then = (f"Rerun the same command on every node to resume from the newest checkpoint "
-                    f"in {cfg.train.output_dir} on the trainers' node (train.resume={cfg.train.resume}).")
-        elif ckpt.find_resume(Path(cfg.train.output_dir), "auto") is not None:
-            then = (f"Rerun the same command to resume from the newest checkpoint in "
-                    f"{cfg.train.output_dir} (train.resume={cfg.train.resume}).")
-        else:
-            then = "No checkpoint was written: once the cause is fixed, the same command starts over."
         print(f"draftforge train: the job failed (exit status {status}); the messages above name "
-              f"the failing rank. {then}", file=sys.stderr)
+              f"the failing rank. {_after_failure(cfg, layout, args.node_rank)}", file=sys.stderr)
     return status
 
 
-def run_torchrun(command: Sequence[str], *, env: Mapping[str, str]) -> int:
+def _after_failure(cfg, layout, node_rank: int | None) -> str:
+    """How to continue after the job failed: what a rerun of the same command does."""
+    from draftforge.train import checkpoint as ckpt
+
+    advice = _not_auto_advice(cfg)
+    if advice is not None:  # the same command does not continue from the newest checkpoint
+        return advice
+    if not _runs_trainers(cfg, layout, node_rank):  # the trainers' node has them
+        return (f"Rerun the same command on every node to resume from the newest checkpoint "
+                f"in {cfg.train.output_dir} on the trainers' node (train.resume={cfg.train.resume}).")
+    if ckpt.find_resume(Path(cfg.train.output_dir), "auto") is not None:
+        return (f"Rerun the same command to resume from the newest checkpoint in "
+                f"{cfg.train.output_dir} (train.resume={cfg.train.resume}).")
+    return "No checkpoint was written: once the cause is fixed, the same command starts over."
+
+
+def _not_auto_advice(cfg) -> str | None:
+    """What rerunning the same command does when ``train.resume`` is not ``auto`` (it starts
+    over, or resumes from the named checkpoint again, and is refused once the run saved a
+    later one: ``checkpoint.find_resume``), and how to continue instead; None for ``auto``."""
+    resume, run_dir = cfg.train.resume, cfg.train.output_dir
+    if resume == "auto":
+        return None
+    if resume == "never":
+        does = f"starts over (refused once {run_dir} holds a checkpoint)"
+    else:
+        does = f"resumes from {resume} again (refused once {run_dir} holds a later checkpoint)"
+    return (f"With train.resume={resume} the same command {does}; rerun with train.resume=auto "
+            "to continue from the newest checkpoint instead.")
+
+
+def _stop_hint(cfg, *, every_node: bool = False) -> str:
+    """How to continue after Ctrl-C or SIGTERM stopped the job, for the launcher's last line."""
+    advice = _not_auto_advice(cfg)
+    if advice is not None:
+        return advice[0].lower() + advice[1:]
+    on = " on every node" if every_node else ""
+    return f"rerun the same command{on} to continue from the newest checkpoint"
+
+
+def run_torchrun(command: Sequence[str], *, env: Mapping[str, str],
+                 hint: str = "rerun the same command on every node to continue from the newest "
+                 "checkpoint") -> int:
     """Run this node's torchrun and wait for it; returns its exit status.
 
     Ctrl-C and SIGTERM go to torchrun (once: a terminal's Ctrl-C reached it already), which
@@ -330,8 +368,8 @@ def run_torchrun(command: Sequence[str], *, env: Mapping[str, str]) -> int:
                 procs[0].wait()
     asked = forward.asked
     if asked:
-        print(f"draftforge train: stopped on {signal.Signals(asked[0]).name}; rerun the same command "
-              "on every node to continue from the newest checkpoint", file=sys.stderr, flush=True)
+        print(f"draftforge train: stopped on {signal.Signals(asked[0]).name}; {hint}", file=sys.stderr,
+              flush=True)
         raise JobInterrupted(asked[0])
     return status
 

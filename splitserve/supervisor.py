@@ -191,10 +191,12 @@ def run_ranks(
     term_s: float = DEFAULT_TERM_S,
     poll_s: float = 0.05,
     prefix: str = "draftforge train",
+    hint: str = "rerun the same command to continue from the newest checkpoint",
 ) -> int:
     """Run ``command`` as ranks ``0..nproc-1`` and supervise them; returns the job's status.
 
-    ``labels`` name ranks in messages (e.g. ``{0: "target rank 0"}``).
+    ``labels`` name ranks in messages (e.g. ``{0: "target rank 0"}``); ``hint`` ends the line
+    that says the job was stopped by a signal (how to continue).
     """
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
@@ -237,8 +239,7 @@ def run_ranks(
                     break
                 time.sleep(poll_s)
             if asked:
-                say(f"stopped on {signal.Signals(asked[0]).name}; rerun the same command to continue "
-                    "from the newest checkpoint")
+                say(f"stopped on {signal.Signals(asked[0]).name}; {hint}")
                 raise JobInterrupted(asked[0])
             if not failures:
                 return 0

@@ -25,7 +25,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="e.g. train.steps=100")
     parser.add_argument("--bench-split", metavar="JSON", default=None, help=argparse.SUPPRESS)
     args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        # Ctrl-C while the rank starts (importing torch, loading the recipe, waiting for its
+        # peers): one line, as run_rank says once started, not a traceback from every rank
+        print(f"[rank {os.environ.get('RANK', '?')}] interrupted", file=sys.stderr, flush=True)
+        return 130
 
+
+def _run(args: argparse.Namespace) -> int:
+    """Load the recipe, seed this rank, run it; an input the rank refuses exits with 2."""
     import torch
 
     from draftforge.config import RecipeError, load_recipe

@@ -1,0 +1,234 @@
+"""Starting a job, round 11: a rank interrupted while it starts, and the dry run's figures
+checked against independent counts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------- Ctrl-C at start-up
+
+# A rank whose recipe loading is interrupted by a real SIGINT (a terminal's Ctrl-C reaches
+# every rank of the job while they import torch, load the recipe or wait for their peers).
+_INTERRUPTED_RANK = """
+import os, runpy, signal, sys, time
+import draftforge.config as config
+
+def load_recipe(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(30)  # the KeyboardInterrupt lands here
+
+config.load_recipe = load_recipe
+sys.argv = ["draftforge.train", "recipes/tiny-debug.yaml"]
+runpy.run_module("draftforge.train", run_name="__main__")
+"""
+
+
+def test_a_rank_interrupted_while_it_starts_says_so_in_one_line_and_exits_130():
+    env = dict(os.environ, RANK="1", WORLD_SIZE="2")
+    proc = subprocess.run([sys.executable, "-c", _INTERRUPTED_RANK], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "[rank 1] interrupted", proc.stderr
+
+
+# --------------------------------------------------------------------------- how to continue
+
+
+def _checkpoint(run_dir: Path, step: int) -> Path:
+    path = run_dir / "checkpoints" / f"step_{step:08d}"
+    path.mkdir(parents=True)
+    (path / "COMPLETE").write_text("")
+    (path / "trainer_state.json").write_text(json.dumps({"step": step}))
+    return path
+
+
+def test_a_job_resumed_from_a_named_checkpoint_is_not_told_to_rerun_the_same_command(
+        tmp_path, capsys, monkeypatch):
+    """train.resume=PATH: after the run saved a later checkpoint the same command is refused
+    (checkpoint.find_resume), so 'Rerun the same command to resume from the newest checkpoint'
+    was wrong; train.resume=auto continues."""
+    from splitserve_helpers import tiny_recipe
+
+    from draftforge.splitserve.launch import main as train_main
+    from draftforge.train import checkpoint as ckpt
+
+    recipe = tiny_recipe(tmp_path)
+    start = _checkpoint(tmp_path / "run", 4)
+    monkeypatch.setattr("draftforge.splitserve.launch.preflight", lambda cfg: None)
+
+    def fails_after_a_checkpoint(*args, **kwargs):
+        _checkpoint(tmp_path / "run", 8)
+        return 1
+
+    monkeypatch.setattr("draftforge.splitserve.launch.run_ranks", fails_after_a_checkpoint)
+    assert train_main([str(recipe), f"train.resume={start}"]) == 1
+    last = capsys.readouterr().err.splitlines()[-1]
+    # what the same command would meet now, and what train.resume=auto picks
+    with pytest.raises(ckpt.CheckpointError, match="already holds checkpoints beyond step 4"):
+        ckpt.find_resume(tmp_path / "run", str(start))
+    assert ckpt.find_resume(tmp_path / "run", "auto").name == "step_00000008"
+    assert last.endswith(
+        f"With train.resume={start} the same command resumes from {start} again (refused once "
+        f"{tmp_path / 'run'} holds a later checkpoint); rerun with train.resume=auto to continue "
+        "from the newest checkpoint instead."), last
+
+
+# A rank that interrupts its launcher (this test's process) once, as Ctrl-C would, then waits.
+_INTERRUPTING_RANK = (
+    "import os, signal, time\n"
+    "if os.environ['RANK'] == '0':\n"
+    "    os.kill(os.getppid(), signal.SIGINT)\n"
+    "time.sleep(60)\n"
+)
+
+
+@pytest.mark.parametrize("resume", ["auto", "never"])
+def test_a_stopped_job_says_how_to_continue_for_its_train_resume(resume, tmp_path, capsys,
+                                                                 monkeypatch):
+    """Ctrl-C: 'rerun the same command to continue from the newest checkpoint' holds for
+    train.resume=auto only; with never the same command starts over, or is refused once
+    the run has a checkpoint."""
+    from splitserve_helpers import tiny_recipe
+
+    from draftforge.splitserve.launch import main as train_main
+    from draftforge.splitserve.supervisor import JobInterrupted
+
+    recipe = tiny_recipe(tmp_path)
+    monkeypatch.setattr("draftforge.splitserve.launch.preflight", lambda cfg: None)
+    monkeypatch.setattr("draftforge.splitserve.launch.rank_command",
+                        lambda recipe, overrides: [sys.executable, "-c", _INTERRUPTING_RANK])
+    with pytest.raises(JobInterrupted) as stop:
+        train_main([str(recipe), f"train.resume={resume}"])
+    assert stop.value.code == 128 + signal.SIGINT
+    last = capsys.readouterr().err.splitlines()[-1]
+    if resume == "auto":
+        assert last == ("draftforge train: stopped on SIGINT; rerun the same command to continue "
+                        "from the newest checkpoint"), last
+    else:
+        assert last == (
+            "draftforge train: stopped on SIGINT; with train.resume=never the same command starts "
+            f"over (refused once {tmp_path / 'run'} holds a checkpoint); rerun with "
+            "train.resume=auto to continue from the newest checkpoint instead."), last
+
+
+# --------------------------------------------------------------------------- --master-addr
+
+
+@pytest.mark.parametrize("address", ["", " ", "[]"])
+def test_an_empty_master_addr_is_refused_before_anything_listens(address, tmp_path, capsys,
+                                                                  monkeypatch):
+    """--master-addr "$ADDR" with ADDR unset: the store was bound to '' (every interface,
+    0.0.0.0) and the ranks retried connecting to '' until the store's 15-minute timeout."""
+    from splitserve_helpers import tiny_recipe
+
+    from draftforge.splitserve.launch import main as train_main
+
+    recipe = tiny_recipe(tmp_path)
+    started = []
+    monkeypatch.setattr("draftforge.splitserve.launch.preflight", lambda cfg: None)
+    monkeypatch.setattr("draftforge.splitserve.launch.run_ranks",
+                        lambda *a, **k: started.append(k["host"]) or 0)
+    with pytest.raises(SystemExit) as refused:
+        train_main([str(recipe), "--master-addr", address])
+    assert refused.value.code == 2 and started == []
+    err = capsys.readouterr().err
+    assert "argument --master-addr:" in err and "is no address" in err, err
+    # brackets and spaces around a real address are still taken off
+    assert train_main([str(recipe), "--master-addr", " [::1] "]) == 0 and started == ["::1"]
+
+
+# --------------------------------------------------------------------------- the dry run's figures
+
+
+def test_the_dry_runs_parameter_counts_are_a_built_drafts_and_a_hand_counts():
+    """tiny-debug's draft: hidden 64, 1 layer, 4 heads / 2 KV heads of 16, MLP 128, 3 target
+    layers of 64, vocabulary 49152, Markov rank 16, a confidence head with the Markov input."""
+    from draftforge.config import load_recipe
+    from draftforge.splitserve.dry_run import draft_parameter_counts
+    from draftforge.splitserve.registry import resolve_target_shape
+    from draftforge.train.config import build_dspark_config
+    from draftforge.train.model import DSparkDraft
+
+    cfg = load_recipe(ROOT / "recipes/tiny-debug.yaml", [])
+    H, V, r, hd = 64, 49152, 16, 16
+    layer = (H * 4 * hd + 2 * H * 2 * hd + 4 * hd * H  # q, k, v, o
+             + 2 * hd + 2 * H  # q_norm, k_norm, the two layer norms
+             + 3 * H * 128)  # gate, up, down
+    trainable = 3 * H * H + 2 * H + layer + 2 * V * r + (H + r + 1)  # fc, norms, Markov, confidence
+    frozen = 2 * V * H  # embed_tokens, lm_head
+    model = DSparkDraft(build_dspark_config(cfg.draft, resolve_target_shape(cfg.target)))
+    built = {id(p): p.numel() for p in model.parameters()}
+    assert sum(built.values()) == trainable + frozen
+    assert draft_parameter_counts(cfg) == (trainable + frozen, trainable)
+
+
+def _items(estimate) -> dict[str, float]:
+    return {name.split(" (")[0]: value for name, value in estimate.items}
+
+
+def test_the_cpu_recipes_memory_estimate_by_hand():
+    """recipes/smollm2-cpu.yaml in float32: SmolLM2-135M (30 layers, hidden 576, 9 heads, 3 KV
+    heads of 64, MLP 1536, vocabulary 49152, 134,515,008 parameters), 5 captured layers."""
+    from draftforge.config import load_recipe
+    from draftforge.splitserve.dry_run import (
+        draft_parameter_counts,
+        target_estimate,
+        trainer_estimate,
+    )
+
+    cfg = load_recipe(ROOT / "recipes/smollm2-cpu.yaml", ["target.dtype=float32", "train.dtype=float32"])
+    seq, batch, wide = 320, 8, 6 * 576  # max_length, feature_batch_size, (5 + 1) x hidden
+    target = _items(target_estimate(cfg))
+    assert target["weights"] == 134_515_008 * 4
+    assert target["features: captured layers"] == batch * seq * wide * 4
+    assert target["features: one layer's activations"] == (
+        batch * seq * (6 * 576 + 2 * 1536) * 4 + batch * 9 * seq * seq * 4)
+    assert target["generation: KV cache + logits"] == (
+        2 * 30 * 3 * 64 * 16 * (seq + 160) * 4 + 16 * 49152 * 4)  # generation batch 16, 160 new
+    assert target["send buffers"] == 16 * seq * wide * 2  # 16 credits, bf16
+    with_emb, without = draft_parameter_counts(cfg)
+    trainer = _items(trainer_estimate(cfg, with_emb, without))
+    blocks = (1024 // seq) * 32 * 8  # 3 samples a micro-batch, 32 anchors each, blocks of 8
+    assert trainer["trainable params"] == without * 4
+    assert trainer["frozen embed + lm_head"] == 2 * 49152 * 576 * 4
+    assert trainer["gradients"] == without * 4 and trainer["AdamW moments"] == without * 8
+    assert trainer["batch features"] == 1024 * wide * 2
+    assert trainer["context + backbone activations"] == (
+        1024 * 576 * 4 * 3 + blocks * (10 * 576 + 3 * 1536) * 4 * 2)
+    assert trainer["objective chunk"] == 8 * 8 * 49152 * 16  # chunk_blocks 8 of 8 tokens
+    assert trainer["received queue"] == 16 * seq * wide * 2
+
+
+def test_the_ling_recipes_trainer_estimate_by_hand():
+    """recipes/ling3-flash-dspark.yaml: 4 FSDP2 trainer ranks, bf16, the published draft of
+    1,363,707,905 parameters (804,782,080 of them the frozen embedding and lm_head)."""
+    from draftforge.config import load_recipe
+    from draftforge.splitserve.dry_run import trainer_estimate
+
+    cfg = load_recipe(ROOT / "recipes/ling3-flash-dspark.yaml", [])
+    frozen = 2 * 157_184 * 2560
+    trainable = 1_363_707_905 - frozen
+    wide = 6 * 2560
+    trainer = _items(trainer_estimate(cfg, 1_363_707_905, trainable))
+    assert trainer["trainable params"] == trainable * 4 / 4
+    assert trainer["gathered params"] == trainable / 5 * 2 * 2  # a layer's share, twice, bf16
+    assert trainer["frozen embed + lm_head"] == frozen * 4 / 4
+    assert trainer["gathered embed + lm_head"] == frozen * 2
+    assert trainer["gradients"] == trainable * 4 / 4 and trainer["AdamW moments"] == trainable * 8 / 4
+    assert trainer["batch features"] == 8192 * wide * 2
+    # one sample of 8192 tokens a micro-batch: 512 anchors x 8 block tokens
+    assert trainer["context + backbone activations"] == (
+        8192 * 2560 * 4 * 3 + 512 * 8 * (10 * 2560 + 3 * 6144) * 4 * 5)
+    assert trainer["objective chunk"] == 32 * 8 * 157_184 * 16
+    assert trainer["received queue"] == 4 * 8192 * wide * 2  # 4 credits
