@@ -298,11 +298,11 @@ def run_rank(cfg: RecipeConfig, *, mode: str = "train", bench: dict | None = Non
     rank = int(os.environ.get("RANK", "-1"))
     world = int(os.environ.get("WORLD_SIZE", "-1"))
     if rank < 0 or world < 0:
-        raise RecipeError([
-            "draftforge.train runs one rank of a split job: start it with "
-            f"'draftforge train RECIPE' or 'torchrun --nproc_per_node={cfg.split.world_size} "
-            "-m draftforge.train RECIPE'"
-        ])
+        raise InputError(  # a launch mistake, not the recipe's
+            "no RANK and WORLD_SIZE in the environment: draftforge.train runs one rank of a split "
+            f"job; start it with 'draftforge train RECIPE' or 'torchrun --nproc_per_node="
+            f"{cfg.split.world_size} -m draftforge.train RECIPE'"
+        )
     check_split(cfg, world_size=world)
     interrupt_once()
     ctx = RankContext(cfg, rank, world, mode=mode)

@@ -232,3 +232,18 @@ def test_the_ling_recipes_trainer_estimate_by_hand():
         8192 * 2560 * 4 * 3 + 512 * 8 * (10 * 2560 + 3 * 6144) * 4 * 5)
     assert trainer["objective chunk"] == 32 * 8 * 157_184 * 16
     assert trainer["received queue"] == 4 * 8192 * wide * 2  # 4 credits
+
+
+def test_a_rank_started_without_torchrun_says_how_to_start_it_not_invalid_recipe(monkeypatch, capsys):
+    """``python -m draftforge.train RECIPE`` without RANK/WORLD_SIZE: a launch mistake, which
+    was printed under "invalid recipe:" though the recipe was fine."""
+    from draftforge.train.__main__ import main as rank_main
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    recipe = str(Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml")
+    assert rank_main([recipe]) == 2
+    err = capsys.readouterr().err
+    assert "invalid recipe" not in err
+    assert ("draftforge train: error: no RANK and WORLD_SIZE in the environment: draftforge.train runs "
+            "one rank of a split job; start it with 'draftforge train RECIPE'") in err

@@ -71,6 +71,10 @@ def _run(args: argparse.Namespace) -> int:
         print(f"draftforge train: invalid recipe:\n{exc}", file=sys.stderr)
         note_input_error(exc)  # so a node's launcher does not restart it
         return 2
+    except InputError as exc:  # e.g. started without torchrun's environment
+        print(f"draftforge train: error: {exc}", file=sys.stderr)
+        note_input_error(exc)
+        return 2
 
 
 def exit_now(code: int) -> None:
