@@ -209,6 +209,21 @@ def check_split(cfg: RecipeConfig, **kwargs) -> None:
         raise RecipeError([cfg.locate(problem) for problem in problems])
 
 
+def check_local_world(cfg: RecipeConfig, local_world: str | None) -> None:
+    """Refuse a node started with another process count than the split's ``world_size /
+    num_nodes`` (torchrun's ``--nproc_per_node``, ``LOCAL_WORLD_SIZE``): ranks would take the
+    wrong GPUs and the nodes the wrong ranks. ``draftforge train`` checks it before starting;
+    a hand-started torchrun is checked here."""
+    per_node = cfg.split.world_size // cfg.split.num_nodes
+    if local_world is not None and local_world.strip() and int(local_world) != per_node:
+        raise InputError(
+            f"this node runs {local_world} processes (torchrun --nproc_per_node), but the split "
+            f"runs {per_node} on each of its {cfg.split.num_nodes} node(s) (split.world_size "
+            f"{cfg.split.world_size} / split.num_nodes {cfg.split.num_nodes}); start it with "
+            f"--nproc_per_node={per_node}, or use 'draftforge train RECIPE'"
+        )
+
+
 def comm_backend(cfg: RecipeConfig, *, gpus_visible: bool) -> str:
     """The transport ``split.comm_backend`` means: ``auto`` is nccl when GPUs are visible and
     ``train.device`` is not cpu, else gloo. Dry runs plan with ``gpus_visible=True``."""
@@ -304,6 +319,7 @@ def run_rank(cfg: RecipeConfig, *, mode: str = "train", bench: dict | None = Non
             f"{cfg.split.world_size} -m draftforge.train RECIPE'"
         )
     check_split(cfg, world_size=world)
+    check_local_world(cfg, os.environ.get("LOCAL_WORLD_SIZE"))
     interrupt_once()
     ctx = RankContext(cfg, rank, world, mode=mode)
     restarts = int(os.environ.get("DRAFTFORGE_RESTART", "0") or 0)

@@ -247,3 +247,20 @@ def test_a_rank_started_without_torchrun_says_how_to_start_it_not_invalid_recipe
     assert "invalid recipe" not in err
     assert ("draftforge train: error: no RANK and WORLD_SIZE in the environment: draftforge.train runs "
             "one rank of a split job; start it with 'draftforge train RECIPE'") in err
+
+
+def test_a_hand_started_torchrun_with_another_per_node_count_is_refused():
+    """torchrun's --nproc_per_node was never compared with the split's world_size / num_nodes:
+    with 8 per node where the two-node recipe runs 8, fine; 4 or 16 refused, saying what to give."""
+    from draftforge.config import load_recipe
+    from draftforge.errors import InputError
+    from draftforge.splitserve.roles import check_local_world
+
+    cfg = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "ling3-flash-2node.yaml")
+    check_local_world(cfg, "8")
+    check_local_world(cfg, None)  # not under torchrun: RANK/WORLD_SIZE checks apply
+    for wrong in ("4", "16"):
+        with pytest.raises(InputError, match=rf"this node runs {wrong} processes \(torchrun --nproc_per_node\), "
+                                             r"but the split runs 8 on each of its 2 node\(s\) \(split.world_size "
+                                             r"16 / split.num_nodes 2\); start it with --nproc_per_node=8"):
+            check_local_world(cfg, wrong)
