@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"recipe's eval.confidence_threshold, else {defaults.confidence_threshold})")
     parser.add_argument("--baselines", type=argtypes.names(("none", "ngram")),
                         help="comma-separated subset of none,ngram (default: the recipe's "
-                        "eval.baselines, else both)")
+                        "eval.baselines, else both); greedy decoding runs none anyway, as the "
+                        "lossless check's reference, and reports it")
     parser.add_argument("--ngram-match", choices=NGRAM_MATCHES, default="latest",
                         help="which earlier occurrence of the suffix n-gram the n-gram baseline copies "
                         "from: latest (default) or earliest (vLLM's and transformers' rule)")
