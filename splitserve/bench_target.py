@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 
 import torch
+from pydantic import ValidationError
 
 from draftforge import argtypes
 from draftforge.errors import InputError
@@ -33,11 +34,16 @@ PROMPTS = [
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    return _parser().parse_args(argv)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="draftforge bench target", description=__doc__.splitlines()[0]
     )
     parser.add_argument(
-        "--model", default="smollm2-135m-instruct", help="registered name or local HF folder"
+        "--model", default="smollm2-135m-instruct",
+        help="registered name or local HF folder (default smollm2-135m-instruct)"
     )
     parser.add_argument(
         "--dtypes", type=argtypes.names(("bfloat16", "float32")), default="bfloat16,float32",
@@ -60,8 +66,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--layers", type=argtypes.non_negative_ints, default="1,14,27",
                         help="comma-separated auxiliary layer ids to capture (default 1,14,27)")
-    parser.add_argument("--cache-dir", default=None, help="draftforge conversion cache")
-    return parser.parse_args(argv)
+    parser.add_argument("--cache-dir", default=None,
+                        help="draftforge conversion cache (default $DRAFTFORGE_CACHE, else "
+                        "~/.cache/draftforge)")
+    return parser
 
 
 def _feature_batch(engine, batch_size: int, seq_len: int) -> torch.Tensor:
@@ -115,6 +123,19 @@ def _bench_engine(
     return rows
 
 
+def _target_config(args: argparse.Namespace, dtype: str) -> TargetConfig:
+    """The target section the options describe; what it refuses (``--model random``, which
+    needs a declared shape that only a recipe gives) is an error naming the option."""
+    try:
+        return TargetConfig(
+            model=args.model, dtype=dtype, num_threads=args.threads, cache_dir=args.cache_dir
+        )
+    except ValidationError as exc:
+        why = "; ".join(error["msg"].removeprefix("Value error, ") for error in exc.errors())
+        raise InputError(f"--model {args.model}: {why}; bench target measures a real model: "
+                         "a registered name or a local HF folder") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark and print the table and the summary line; returns the exit code."""
     args = _parse(argv)
@@ -128,9 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     for dtype in dtypes:
-        cfg = TargetConfig(
-            model=args.model, dtype=dtype, num_threads=args.threads, cache_dir=args.cache_dir
-        )
+        cfg = _target_config(args, dtype)
         try:
             load_s, engine = _time(lambda cfg=cfg: build_target(cfg, layers))
         except InputError as exc:  # it names the recipe's keys; these are the options that set them

@@ -33,7 +33,9 @@ tokens, S context positions, visible keys of block a = p_a + block:
   context;
 * attention: QK^T and PV over the keys each query may see (context before its
   anchor plus its own block), not the masked-out part a dense kernel also computes;
-* vocabulary: the draft's logits, base and Markov (2 N V (H + r)).
+* vocabulary: the draft's logits, base and Markov (2 N V (H + r));
+* heads: the Markov head's gate (gated) or recurrence (rnn) projection and the
+  confidence head, as the draft configures them.
 
 Forward + backward = 3 x that forward count. For the backbone: input and
 weight gradients, except ``fc``, whose input (the target's features) needs no
@@ -73,17 +75,20 @@ def _seq(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from draftforge.train.config import LossConfig
+
     parser = argparse.ArgumentParser(
         prog="draftforge bench train",
         description="Step time, tokens/s and MFU of one trainer step on synthetic features.",
     )
     parser.add_argument("recipe", nargs="?", help="recipe YAML (default: issue 4's peer shapes)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    parser.add_argument("overrides", nargs="*", default=[], metavar="key=value",
+                        help="overrides of the recipe, e.g. train.num_threads=4 (with a recipe only)")
     parser.add_argument("--seq", type=_seq, default=512,
                         help="sequence length (default 512, issue 4's peer shape; not the recipe's data.max_length)")
     parser.add_argument("--anchors", type=argtypes.positive_int, default=64,
                         help="anchors per sequence (default 64, the peer shape; not the recipe's train.num_anchors)")
-    parser.add_argument("--batch", type=argtypes.positive_int, default=1, help="sequences per step")
+    parser.add_argument("--batch", type=argtypes.positive_int, default=1, help="sequences per step (default 1)")
     parser.add_argument("--threads", type=argtypes.positive_int, default=None,
                         help="intra-op threads for the steps and the peak (default: the recipe's "
                         "train.num_threads; 2 without a recipe)")
@@ -96,10 +101,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=argtypes.positive_int, default=5, help="timed steps (default 5)")
     parser.add_argument("--warmup", type=argtypes.non_negative_int, default=2, help="untimed steps first (default 2)")
     parser.add_argument("--chunk-blocks", type=argtypes.positive_int, default=None,
-                        help="objective chunk (default: recipe's)")
+                        help="blocks per objective chunk (default: the recipe's "
+                        f"train.loss.chunk_blocks; {LossConfig().chunk_blocks} without a recipe)")
     parser.add_argument("--compile", choices=["auto", "on", "off"], default=None,
                         help="torch.compile the objective's elementwise work (default: the recipe's "
-                        "train.loss.compile, auto = CUDA only); compilation happens in the warm-up steps")
+                        f"train.loss.compile; {LossConfig().compile} without a recipe; auto = CUDA "
+                        "only); compilation happens in the warm-up steps")
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of one step")
     return parser
 
@@ -107,6 +114,12 @@ def _parser() -> argparse.ArgumentParser:
 def _model_config(args):
     from draftforge.train.model import DSparkConfig
 
+    if args.recipe is not None and "=" in args.recipe and not Path(args.recipe).exists():
+        # the first positional is the recipe: an override alone lands there
+        raise InputError(
+            f"{args.recipe!r} is an override, and overrides apply to a recipe: give it first "
+            "(draftforge bench train RECIPE key=value ...); without one the bench runs issue 4's "
+            "peer shapes, which take no overrides")
     if args.recipe is None:
         p = PEER_SHAPES
         layer_ids = [1, 8, 15, 22, 28][: p["num_aux_layers"]]
@@ -150,10 +163,27 @@ def step_flops(cfg, *, seq: int, anchors: list[list[int]]) -> dict[str, float]:
     fc = 2 * context * cfg.num_context_features * hidden
     backbone = fc + cfg.num_hidden_layers * per_layer
     vocab = 2 * queries * cfg.vocab_size * (hidden + cfg.markov_rank)
-    heads = 2 * queries * (hidden + cfg.markov_rank)  # confidence head
+    heads = head_flops(cfg, queries)
     forward = backbone + attention + vocab + heads
-    return {"backbone": backbone, "attention": attention, "vocab": vocab, "forward": forward,
-            "step": 3 * forward - fc}
+    return {"backbone": backbone, "attention": attention, "vocab": vocab, "heads": heads,
+            "forward": forward, "step": 3 * forward - fc}
+
+
+def head_flops(cfg, queries: int) -> int:
+    """Forward FLOPs of the heads' own projections on ``queries`` block tokens, as configured:
+    the Markov head's ``gate_proj`` (gated) or ``joint_proj`` (rnn) (vanilla is a table
+    look-up; W2 is in the vocabulary count), and the confidence head, which reads
+    ``[h; W1[prev]]`` or ``h`` alone."""
+    hidden, rank = cfg.hidden_size, cfg.markov_rank
+    markov = 0
+    if rank and cfg.markov_head_type == "gated":
+        markov = 2 * queries * (hidden + rank) * rank
+    elif rank and cfg.markov_head_type == "rnn":
+        markov = 2 * queries * (2 * rank + hidden) * 3 * rank
+    confidence = 0
+    if cfg.enable_confidence_head:
+        confidence = 2 * queries * (hidden + (rank if cfg.confidence_head_with_markov else 0))
+    return markov + confidence
 
 
 CPU_PEAK_SIZES = (2048, 3072)
@@ -312,7 +342,9 @@ def time_train_steps(cfg, recipe, args, *, dtype) -> list[dict]:
 
     records: list[dict] = []
     cuda = args.device == "cuda"
-    peak_before = matmul_peak(dtype=dtype, device=args.device)
+    # The first timed step's "before" peak: after the last warm-up step (below), not before the
+    # warm-up, the trainer's build and any compilation, minutes earlier on a drifting machine.
+    peak_before = matmul_peak(dtype=dtype, device=args.device) if args.warmup == 0 else None
     if cuda:  # each step's own peak memory, not the matmul peak's operands
         torch.cuda.reset_peak_memory_stats()
     for index, (seconds, loss, step_anchors) in enumerate(train_steps(cfg, recipe, args)):
@@ -329,6 +361,8 @@ def time_train_steps(cfg, recipe, args, *, dtype) -> list[dict]:
             peak_before = peak_after
         print(f"  step {index + 1}: {seconds:.3f} s  loss {loss:.4f}"
               f"{note if timed else '  (warm-up)'}", flush=True)
+        if index == args.warmup - 1:
+            peak_before = matmul_peak(dtype=dtype, device=args.device)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
     return records
@@ -365,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     tokens_s = tokens / step_s
     print(f"step {step_s:.3f} s (median of {len(records)}), {tokens} block tokens -> {tokens_s:.0f} tokens/s")
     print(f"FLOPs per step {flops['step'] / 1e9:.1f} G (forward: backbone {flops['backbone'] / 1e9:.2f} G, "
-          f"attention {flops['attention'] / 1e9:.2f} G, vocabulary {flops['vocab'] / 1e9:.2f} G; x3)")
+          f"attention {flops['attention'] / 1e9:.2f} G, vocabulary {flops['vocab'] / 1e9:.2f} G, heads "
+          f"{flops['heads'] / 1e9:.2f} G; x3, fc x2)")
     print(f"achieved {flops['step'] / step_s / 1e9:.1f} GFLOP/s at the median step, {args.dtype} matmul "
           f"peak {statistics.median(r['peak'] for r in records) / 1e9:.1f} GFLOP/s ({_where(args)}); "
           f"MFU is the median of the per-step ratios")
