@@ -62,6 +62,7 @@ class HFTarget:
         # where inputs go and features are gathered: the embedding's device (the first
         # of several when the model is spread over devices)
         self.device = model.get_input_embeddings().weight.device
+        self.num_embeddings = int(model.get_input_embeddings().weight.shape[0])
         self._layers, self._final_norm = decoder_layers_and_norm(model)
         if len(self._layers) != self.num_hidden_layers:
             raise ValueError(
@@ -101,6 +102,8 @@ class HFTarget:
         except ValueError as err:
             if "trust_remote_code" in str(err) and not cfg.trust_remote_code:
                 raise remote_code_error(folder, err) from err
+            if any(marker in str(err) for marker in _NOT_A_CAUSAL_LM):
+                raise _not_a_causal_lm_error(path, err) from err
             raise
         tokenizer = folder_tokenizer(path, cfg)
         if device_map is None:
@@ -126,7 +129,9 @@ class HFTarget:
         Runs under ``no_grad`` (not ``inference_mode``) so the trainer can feed the
         tensors into autograd.
         """
-        input_ids = _as_batch(input_ids, "input_ids").to(self.device)
+        # checked where the caller keeps the ids (the producer: the CPU), before the device sees them
+        self._check_token_ids(_as_batch(input_ids, "input_ids"), f"target {self.name!r}: features")
+        input_ids = input_ids.to(self.device)
         if attention_mask is not None:
             attention_mask = _as_batch(attention_mask, "attention_mask").to(self.device)
             if attention_mask.shape != input_ids.shape:
@@ -202,12 +207,42 @@ class HFTarget:
         for start in range(0, len(prompts), settings.batch_size):
             # padded here, not by the tokenizer, which refuses to pad without a pad token
             encoded = tokenizer(prompts[start : start + settings.batch_size], add_special_tokens=False)
+            for offset, row in enumerate(encoded["input_ids"]):
+                self._check_token_ids(torch.tensor([row], dtype=torch.long),
+                                      f"target {self.name!r}: the prompt of conversation {start + offset}")
             input_ids, attention_mask = _left_padded(encoded["input_ids"], pad_id)
             output = decode(self.model, input_ids.to(self.device), attention_mask.to(self.device),
                             settings, eos_ids=eos_ids, pad_id=pad_id, generator=generator)
             for row in output.tolist():
                 replies.append(_until_eos(row, eos))
         return replies
+
+    def _check_token_ids(self, input_ids: torch.Tensor, where: str) -> None:
+        """Refuse ids the embedding cannot look up, naming the first one, before the model runs:
+        the embedding raises a bare "index out of range in self" on a CPU and a device-side
+        assert that ruins the CUDA context on a GPU. Such ids come from a tokenizer that has
+        more tokens than the model has embedding rows (tokens added without resizing)."""
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise InputError(f"{where}: token ids must be integers, got a {input_ids.dtype} tensor")
+        if input_ids.shape[-1] == 0:
+            raise InputError(f"{where}: no tokens (input_ids of shape {tuple(input_ids.shape)})")
+        outside = (input_ids < 0) | (input_ids >= self.num_embeddings)
+        if not bool(outside.any()):
+            return
+        row, position = (int(i) for i in outside.nonzero()[0])
+        token_id = int(input_ids[row, position])
+        token, place = "", f"position {position}"
+        if input_ids.shape[0] > 1:
+            place = f"row {row}, {place}"
+        if self._tokenizer is not None and token_id >= 0:
+            token = f" ({self._tokenizer.convert_ids_to_tokens(token_id)!r} to the tokenizer)"
+        hint = ("the tokenizer and the weights do not match (tokens added to the tokenizer need "
+                "the model's embeddings resized, e.g. `model.resize_token_embeddings(len(tokenizer))`)"
+                if token_id >= 0 else "token ids are never negative")
+        raise InputError(
+            f"{where}: token id {token_id}{token} at {place} is outside the model's "
+            f"{self.num_embeddings} embedding rows (ids 0..{self.num_embeddings - 1}); {hint}"
+        )
 
     def lm_head_weight(self) -> torch.Tensor:
         """The output projection [V, H_t], detached."""
@@ -223,6 +258,24 @@ class HFTarget:
             (self.tokenizer.eos_token_id, self.model.generation_config.eos_token_id),
             where=f"target {self.name!r}",
         )
+
+
+#: transformers' words for a config it has no causal-LM class for (an unknown ``model_type``,
+#: or a known one without a causal LM head, such as T5)
+_NOT_A_CAUSAL_LM = ("does not recognize this architecture", "Unrecognized configuration class")
+
+
+def _not_a_causal_lm_error(path: Path, err: ValueError) -> InputError:
+    """The error for a folder transformers cannot load as a causal LM: the folder and the first
+    line of transformers' reason (the rest lists every supported config class)."""
+    import transformers
+
+    reason = str(err).strip().splitlines()[0]
+    return InputError(
+        f"target folder {path}: transformers {transformers.__version__} cannot load it as a causal "
+        f"language model ({reason}); draftforge needs a decoder-only LM with Llama-style layers "
+        "(check config.json's model_type, or upgrade transformers for a newer architecture)"
+    )
 
 
 def set_cpu_threads(num_threads: int, device: str | torch.device) -> None:

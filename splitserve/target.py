@@ -228,14 +228,20 @@ def _rendered_chat_ids(
 
 def merge_eos_ids(sources: Sequence[object], *, where: str) -> list[int]:
     """End-of-turn token ids from several sources (an id, a list of ids or None each), in order,
-    without repeats; ``where`` names the target in the error when there are none."""
+    without repeats. A target with none cannot end a reply (every one would run to
+    ``max_new_tokens`` and be left unsupervised): :class:`~draftforge.errors.InputError`
+    naming the target (``where``) and where to declare one."""
     ids: list[int] = []
     for source in sources:
         for token_id in source if isinstance(source, list) else [source]:
             if token_id is not None and int(token_id) not in ids:
                 ids.append(int(token_id))
     if not ids:
-        raise ValueError(f"{where} defines no end-of-sequence token")
+        raise InputError(
+            f"{where} defines no end-of-sequence token: neither its tokenizer (eos_token in "
+            "tokenizer_config.json) nor its generation_config.json (eos_token_id) names one; "
+            "declare the token that ends an assistant turn there"
+        )
     return ids
 
 
@@ -315,7 +321,9 @@ def target_name(cfg: TargetConfig) -> TargetName:
         # num_parameters only sizes placement plans: the weights do not depend on it
         shape = {} if cfg.shape is None else cfg.shape.model_dump(exclude={"num_parameters"})
         return TargetName(cfg.model, f"seed {cfg.seed}; " + " ".join(f"{k}={v}" for k, v in sorted(shape.items())))
-    folder = Path(cfg.model).expanduser()
+    # made absolute first, so that "." or "run/.." is named by the folder it means, not "" or ".."
+    # (lexically: a symlinked folder keeps the name it was given)
+    folder = Path(os.path.abspath(Path(cfg.model).expanduser()))
     return TargetName(folder.name, folder_fingerprint(folder))
 
 
