@@ -237,7 +237,9 @@ def test_json_nested_too_deeply_is_a_row_error_not_a_traceback(tmp_path):
 # --- fix: a damaged workload file is a clear error ------------------------------------------------
 
 
-@pytest.mark.parametrize("content", [gzip.compress(b'{"task_id": "x", "prompt": "y"}\n' * 50)[:-30], b"\xff\xfe\x00"])
+# mtime=0: the bytes (and the test ids pytest-xdist's workers must agree on) do not vary by second
+@pytest.mark.parametrize("content", [gzip.compress(b'{"task_id": "x", "prompt": "y"}\n' * 50, mtime=0)[:-30],
+                                     b"\xff\xfe\x00"], ids=["truncated-gzip", "not-utf8"])
 def test_a_damaged_workload_file_says_reinstall(tmp_path, monkeypatch, content):
     from draftforge.data import workloads
 
