@@ -8,7 +8,6 @@ import json
 from dataclasses import asdict
 
 import pytest
-import torch
 from dspark_helpers import tiny_draft
 from safetensors.torch import save_file
 
@@ -49,16 +48,15 @@ def test_a_config_json_field_of_the_wrong_type_is_refused_naming_file_and_key(tm
     assert repr(value) in str(info.value)
 
 
-def test_integral_numbers_in_a_config_json_still_load_exactly(tmp_path):
-    """A writer that spells an integer as 2.0 is read as the integer (not refused)."""
+def test_a_size_written_as_a_float_is_refused_as_servers_would_fail_on_it(tmp_path):
+    """``num_hidden_layers: 2.0`` loads into transformers' config as a float, which SGLang's
+    layer loop cannot use: the export would not serve, so loading it back refuses it too."""
     model, folder = _export(tmp_path)
     config = json.loads((folder / "config.json").read_text())
     config["num_hidden_layers"] = float(config["num_hidden_layers"])
     (folder / "config.json").write_text(json.dumps(config))
-    loaded = load_exported_draft(folder, embed_tokens=model.embed_tokens.weight, lm_head=model.lm_head.weight)
-    assert loaded.config.num_hidden_layers == model.config.num_hidden_layers
-    for name, tensor in model.state_dict().items():
-        assert torch.equal(loaded.state_dict()[name], tensor), name
+    with pytest.raises(InputError, match=r"config.json: num_hidden_layers must be an integer, got 2\.0"):
+        load_exported_draft(folder, embed_tokens=model.embed_tokens.weight, lm_head=model.lm_head.weight)
 
 
 @pytest.mark.parametrize("key,value,kind", [

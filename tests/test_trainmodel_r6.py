@@ -18,7 +18,7 @@ from draftforge.train.hf_load import config_from_serving
     ("num_hidden_layers", 0, "num_hidden_layers must be a positive integer, got 0"),
     ("intermediate_size", 0, "intermediate_size must be a positive integer, got 0"),
     ("head_dim", 0, "head_dim must be a positive integer, got 0"),
-    ("head_dim", 8.0, "head_dim must be a positive integer, got 8.0"),
+    ("head_dim", 8.0, "head_dim must be an integer, got 8.0"),  # servers would read the float
     ("max_position_embeddings", 0, "max_position_embeddings must be a positive integer, got 0"),
     ("rms_norm_eps", 0.0, "rms_norm_eps must be a positive number, got 0.0"),
     ("rope_theta", -1.0, "rope_theta must be a positive number, got -1.0"),

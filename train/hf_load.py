@@ -56,10 +56,9 @@ def _flag(raw: dict, key: str, default: bool) -> bool:
 
 def _integer(raw: dict, key: str, default: int | None = None) -> int:
     """A JSON integer field. ``int()`` would read ``"8"``, cut ``8.7`` to 8 and ``true`` to 1, and
-    say ``invalid literal for int()`` without the key: each is refused, naming the key."""
+    say ``invalid literal for int()`` without the key: each is refused, naming the key. So is
+    ``8.0``: servers read config.json as it is, and a float size breaks their shapes."""
     value = raw.get(key, default)
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{key} must be an integer, got {value!r}")
     return value
