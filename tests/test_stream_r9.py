@@ -11,8 +11,9 @@ import torch
 from draftforge.splitserve import transport as T
 
 
-def _loopback(monkeypatch) -> None:
-    """Point-to-point sends into a FIFO that the receives read from (one process)."""
+def _loopback(monkeypatch) -> deque:
+    """Point-to-point sends into a FIFO that the receives read from (one process); the FIFO
+    is returned so a test can read the raw messages."""
     wire: deque[torch.Tensor] = deque()
 
     def send(tensor, dst, group=None):
@@ -25,6 +26,7 @@ def _loopback(monkeypatch) -> None:
         return src
 
     monkeypatch.setattr(T, "dist", types.SimpleNamespace(send=send, recv=recv))
+    return wire
 
 
 def test_the_dropped_ids_of_a_sample_come_off_the_wire_as_sent(monkeypatch):

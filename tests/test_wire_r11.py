@@ -8,36 +8,17 @@ import json
 import os
 import random
 import types
-from collections import deque
 from pathlib import Path
 
 import pytest
 import torch
 from splitserve_helpers import run_on_ranks, tiny_recipe
+from test_stream_r9 import _loopback
 
 from draftforge.splitserve import transport as T
 from draftforge.splitserve.accounting import ConsumerAccounting
 from draftforge.splitserve.consumer import stream_pack
 from draftforge.train.sample import Sample
-
-
-def _loopback(monkeypatch) -> deque:
-    """Point-to-point sends into a FIFO that the receives read from (one process); the FIFO
-    is returned so a test can read the raw messages."""
-    wire: deque[torch.Tensor] = deque()
-
-    def send(tensor, dst, group=None):
-        wire.append(tensor.clone())
-
-    def recv(tensor, src=None, group=None):
-        sent = wire.popleft()
-        assert sent.dtype == tensor.dtype and sent.shape == tensor.shape, (sent.shape, tensor.shape)
-        tensor.copy_(sent)
-        return src
-
-    monkeypatch.setattr(T, "dist", types.SimpleNamespace(send=send, recv=recv))
-    return wire
-
 
 # --------------------------------------------------------------------------- wire format
 
