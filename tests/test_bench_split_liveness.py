@@ -25,7 +25,7 @@ def test_phases_longer_than_the_peer_timeout_are_not_silence(tmp_path):
     the trainer died waiting for phase 1's rate (named 'the target's embeddings'), or the
     target waiting for phase 3, once a phase outlasted split.peer_timeout_s."""
     result = subprocess.run(
-        [sys.executable, "-m", "draftforge", "bench", "split", str(TINY), "--steps", "8",
+        [sys.executable, "-m", "draftforge", "bench", "split", str(TINY), "--steps", "3",
          "data.num_samples=64", "target.generation.batch_size=8",
          f"split.peer_timeout_s={TIMEOUT_S}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,

@@ -29,7 +29,7 @@ from splitserve_helpers import (
 pytestmark = pytest.mark.distributed
 
 TIMEOUT_S = 4  # split.peer_timeout_s of these runs
-BUSY_S = 14  # how long the busy rank works in one go: more than three timeouts
+BUSY_S = 10  # how long the busy rank works in one go: two and a half timeouts
 
 LAUNCH = """\
 import sys

@@ -22,6 +22,13 @@ def keep_threads():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def small_peak(monkeypatch):
+    """The matmul peak on one small size: the real sizes take about 14 s a measurement on one
+    thread, and these tests check how the figures are put together, not the peak itself."""
+    monkeypatch.setattr(bt, "CPU_PEAK_SIZES", (512,))
+
+
 def test_vocabulary_flops_match_what_the_fused_objective_executes():
     cfg = tiny_model_config(enable_confidence_head=False, confidence_head_with_markov=False)
     model = DSparkDraft(cfg)
@@ -71,7 +78,7 @@ def test_a_whole_step_executes_the_counted_flops_but_attention(keep_threads):
     assert executed == counted["step"] - 3 * counted["attention"]
 
 
-def test_bench_train_prints_a_machine_readable_last_line(capsys, keep_threads):
+def test_bench_train_prints_a_machine_readable_last_line(capsys, keep_threads, small_peak):
     assert main(["--seq", "48", "--anchors", "4", "--steps", "1", "--warmup", "1", "--threads", "1"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     fields = dict(item.split("=") for item in last.split())
@@ -106,7 +113,7 @@ def test_train_mfu_is_the_step_flops_over_seconds_over_the_neighbouring_peak(cap
     assert lines[-1] == "train_mfu=0.250 step_tokens_s=16.0"
 
 
-def test_bench_train_runs_on_the_recipes_threads_and_reports_per_step_mfu(capsys):
+def test_bench_train_runs_on_the_recipes_threads_and_reports_per_step_mfu(capsys, small_peak):
     from pathlib import Path
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-cpu.yaml"
