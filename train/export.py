@@ -453,14 +453,51 @@ def load_training_checkpoint(path: str | os.PathLike[str]) -> tuple[DSparkConfig
     ``path`` may be a run directory (its newest ``checkpoints/step_*`` with a
     ``COMPLETE`` marker is used), a checkpoint folder holding ``model.safetensors``
     and ``draft_config.json``, or the ``model.safetensors`` file itself. Weights
-    are read with safetensors only.
+    are read with safetensors only. A run directory's newest checkpoint that its still
+    running training prunes (``train.keep_last``) while it is read is replaced by the newer
+    one, with a line saying so; a checkpoint folder named directly is not.
     """
     path = Path(path).expanduser()
     if path.is_file():
-        weights, folder = path, path.parent
-    else:
-        folder = latest_checkpoint(path) if (path / "checkpoints").is_dir() else path
-        weights = folder / SINGLE_FILE
+        return _read_checkpoint(path, path, path.parent)
+    if not (path / "checkpoints").is_dir():
+        return _read_checkpoint(path, path / SINGLE_FILE, path)
+    for _ in range(_PRUNED_RETRIES):
+        folder = latest_checkpoint(path)
+        try:
+            return _read_checkpoint(path, folder / SINGLE_FILE, folder)
+        except _PrunedWhileRead:
+            # the run's training is still saving: it pruned this one to train.keep_last
+            # after saving a newer one, which is the newest now
+            print(f"export: {folder.name} was removed while it was read (the running training keeps "
+                  "train.keep_last checkpoints); reading the newest one again", flush=True)
+    raise ExportError(f"{path}: its newest checkpoint was removed while it was read "
+                      f"{_PRUNED_RETRIES} times over; export once the training has finished")
+
+
+_PRUNED_RETRIES = 3
+
+
+class _PrunedWhileRead(ExportError):
+    """A checkpoint folder that disappeared while it was read (pruned by a running training)."""
+
+
+def _read_checkpoint(path: Path, weights: Path, folder: Path) -> tuple[DSparkConfig, dict[str, torch.Tensor]]:
+    """The config and state dict of ``folder`` (``weights`` is its weights file); a folder that
+    disappears meanwhile raises :class:`_PrunedWhileRead`."""
+    was_there = folder.is_dir()
+    try:
+        return _read_checkpoint_files(path, weights, folder)
+    except (ExportError, OSError) as err:
+        if not was_there or folder.exists():
+            raise
+        raise _PrunedWhileRead(
+            f"{folder}: the checkpoint was removed while it was read (a running training prunes "
+            "its checkpoints to train.keep_last); pass the run directory to read its newest one"
+        ) from err
+
+
+def _read_checkpoint_files(path: Path, weights: Path, folder: Path) -> tuple[DSparkConfig, dict[str, torch.Tensor]]:
     config_path = folder / TRAINING_CONFIG_FILE
     if not weights.is_file():
         if path.is_dir() and folder == path:  # "pass a run directory" misleads a run that saved none
