@@ -17,6 +17,7 @@ from draftforge.splitserve.target import (
     Reply,
     TargetFeatures,
     check_layer_ids,
+    check_token_ids,
     folder_tokenizer,
     merge_eos_ids,
     remote_code_error,
@@ -130,7 +131,8 @@ class HFTarget:
         tensors into autograd.
         """
         # checked where the caller keeps the ids (the producer: the CPU), before the device sees them
-        self._check_token_ids(_as_batch(input_ids, "input_ids"), f"target {self.name!r}: features")
+        check_token_ids(_as_batch(input_ids, "input_ids"), self.num_embeddings, f"target {self.name!r}: features",
+                        self._tokenizer)
         input_ids = input_ids.to(self.device)
         if attention_mask is not None:
             attention_mask = _as_batch(attention_mask, "attention_mask").to(self.device)
@@ -208,41 +210,14 @@ class HFTarget:
             # padded here, not by the tokenizer, which refuses to pad without a pad token
             encoded = tokenizer(prompts[start : start + settings.batch_size], add_special_tokens=False)
             for offset, row in enumerate(encoded["input_ids"]):
-                self._check_token_ids(torch.tensor([row], dtype=torch.long),
-                                      f"target {self.name!r}: the prompt of conversation {start + offset}")
+                check_token_ids(torch.tensor([row], dtype=torch.long), self.num_embeddings,
+                                f"target {self.name!r}: the prompt of conversation {start + offset}", tokenizer)
             input_ids, attention_mask = _left_padded(encoded["input_ids"], pad_id)
             output = decode(self.model, input_ids.to(self.device), attention_mask.to(self.device),
                             settings, eos_ids=eos_ids, pad_id=pad_id, generator=generator)
             for row in output.tolist():
                 replies.append(_until_eos(row, eos))
         return replies
-
-    def _check_token_ids(self, input_ids: torch.Tensor, where: str) -> None:
-        """Refuse ids the embedding cannot look up, naming the first one, before the model runs:
-        the embedding raises a bare "index out of range in self" on a CPU and a device-side
-        assert that ruins the CUDA context on a GPU. Such ids come from a tokenizer that has
-        more tokens than the model has embedding rows (tokens added without resizing)."""
-        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
-            raise InputError(f"{where}: token ids must be integers, got a {input_ids.dtype} tensor")
-        if input_ids.shape[-1] == 0:
-            raise InputError(f"{where}: no tokens (input_ids of shape {tuple(input_ids.shape)})")
-        outside = (input_ids < 0) | (input_ids >= self.num_embeddings)
-        if not bool(outside.any()):
-            return
-        row, position = (int(i) for i in outside.nonzero()[0])
-        token_id = int(input_ids[row, position])
-        token, place = "", f"position {position}"
-        if input_ids.shape[0] > 1:
-            place = f"row {row}, {place}"
-        if self._tokenizer is not None and token_id >= 0:
-            token = f" ({self._tokenizer.convert_ids_to_tokens(token_id)!r} to the tokenizer)"
-        hint = ("the tokenizer and the weights do not match (tokens added to the tokenizer need "
-                "the model's embeddings resized, e.g. `model.resize_token_embeddings(len(tokenizer))`)"
-                if token_id >= 0 else "token ids are never negative")
-        raise InputError(
-            f"{where}: token id {token_id}{token} at {place} is outside the model's "
-            f"{self.num_embeddings} embedding rows (ids 0..{self.num_embeddings - 1}); {hint}"
-        )
 
     def lm_head_weight(self) -> torch.Tensor:
         """The output projection [V, H_t], detached."""

@@ -48,6 +48,7 @@ from draftforge.splitserve.target import (
     Reply,
     TargetFeatures,
     check_layer_ids,
+    check_token_ids,
     merge_eos_ids,
     render_prompt,
     sglang_layer_ids,
@@ -622,6 +623,8 @@ class SGLangTarget:
         for index, conversation in enumerate(conversations):
             text = render_prompt(self._tokenizer, conversation, index, settings)
             prompts.append(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+            check_token_ids(torch.tensor([prompts[-1]], dtype=torch.long), self.vocab_size,
+                            f"target {self.name!r}: the prompt of conversation {index}", self._tokenizer)
         if not prompts:
             return []
         eos = self.eos_token_ids()
@@ -640,6 +643,8 @@ class SGLangTarget:
     ) -> TargetFeatures:
         """Aux-layer outputs [B, S, K*H] and final post-norm states [B, S, H], zero outside the mask."""
         rows, lengths = rows_from_batch(input_ids, attention_mask)
+        # before SGLang sees them; its embedding has config.vocab_size rows
+        check_token_ids(input_ids, self.vocab_size, f"target {self.name!r}: features", self._tokenizer)
         seq_len = input_ids.shape[1]
         present = [row for row in rows if len(row) > 0]
         if present:

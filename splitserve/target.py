@@ -245,6 +245,37 @@ def merge_eos_ids(sources: Sequence[object], *, where: str) -> list[int]:
     return ids
 
 
+def check_token_ids(input_ids: torch.Tensor, num_embeddings: int, where: str,
+                    tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+    """Refuse ids [B, S] an embedding of ``num_embeddings`` rows cannot look up, naming the first
+    one, before a backend runs them: transformers' embedding raises a bare "index out of range
+    in self" on a CPU and a device-side assert that ruins the CUDA context on a GPU, SGLang fails
+    inside its scheduler. Such ids come from a tokenizer that has more tokens than the model has
+    embedding rows (tokens added without resizing)."""
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise InputError(f"{where}: token ids must be integers, got a {input_ids.dtype} tensor")
+    if input_ids.shape[-1] == 0:
+        raise InputError(f"{where}: no tokens (input_ids of shape {tuple(input_ids.shape)})")
+    outside = (input_ids < 0) | (input_ids >= num_embeddings)
+    if not bool(outside.any()):
+        return
+    row, position = (int(i) for i in outside.nonzero()[0])
+    token_id = int(input_ids[row, position])
+    token, place = "", f"position {position}"
+    if input_ids.shape[0] > 1:
+        place = f"row {row}, {place}"
+    if tokenizer is not None and token_id >= 0:
+        text = tokenizer.convert_ids_to_tokens(token_id)
+        token = "" if text is None else f" ({text!r} to the tokenizer)"  # None: the tokenizer lacks it too
+    hint = ("the tokenizer and the weights do not match (tokens added to the tokenizer need "
+            "the model's embeddings resized, e.g. `model.resize_token_embeddings(len(tokenizer))`)"
+            if token_id >= 0 else "token ids are never negative")
+    raise InputError(
+        f"{where}: token id {token_id}{token} at {place} is outside the model's "
+        f"{num_embeddings} embedding rows (ids 0..{num_embeddings - 1}); {hint}"
+    )
+
+
 def check_layer_ids(layer_ids: Sequence[int], num_hidden_layers: int) -> list[int]:
     """Validate auxiliary layer ids against a target with ``num_hidden_layers`` decoder layers.
 
