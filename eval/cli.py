@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from draftforge.eval.calibration import calibrate, pooled_ece, write_calibration
     from draftforge.eval.harness import EvalSettings, macro, run_workload
-    from draftforge.eval.report import write_report
+    from draftforge.eval.report import draft_kind, write_report
     from draftforge.eval.speculative import LosslessCheckError
     from draftforge.splitserve.config import TargetConfig
     from draftforge.splitserve.placement import (
@@ -291,6 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "device": device,
         "target_devices": devices,
         "block_size": draft_cfg.block_size,
+        "draft_kind": draft_kind(draft_cfg),
         "wall_s": time.perf_counter() - started,
     }
     samples = [s for r in results for s in r.confidence_samples]

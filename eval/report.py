@@ -78,17 +78,30 @@ def _sampling_sentence(settings: dict, near_ties: int) -> str:
     return f"Decoding: sampled at temperature {settings['temperature']}{cuts}, seed {settings.get('seed', 0)}; {drafting}."
 
 
+def draft_kind(cfg) -> str:
+    """What the ``dspark`` method's draft is, in words, from its DSparkConfig: the DFlash
+    ablation (no Markov head) is evaluated under the same method key."""
+    if cfg.markov_rank > 0:
+        kind = f"a DSpark draft (block {cfg.block_size}, {cfg.markov_head_type} Markov head of rank {cfg.markov_rank}"
+    else:
+        kind = f"a draft without a Markov head (DFlash-style; block {cfg.block_size}"
+    return kind + (", confidence head)" if cfg.enable_confidence_head else ", no confidence head)")
+
+
 def markdown_table(
     results: Sequence[WorkloadResult], *, block_size: int, command: str | None = None,
-    intervals: dict | None = None, settings: dict | None = None,
+    intervals: dict | None = None, settings: dict | None = None, draft: str | None = None,
 ) -> str:
     """Acceptance length, verification width and speed per workload and method, plus positions
-    and the bootstrap ``intervals`` (:func:`uncertainty`, computed here when not given)."""
+    and the bootstrap ``intervals`` (:func:`uncertainty`, computed here when not given);
+    ``draft``: :func:`draft_kind` of the draft the ``dspark`` rows measured."""
     lines = []
     if command:
         lines += [f"Command: `{command}`", ""]
     if settings is not None:
         lines += [decoding_line(settings, sum(r.near_ties for r in results)), ""]
+    if draft is not None:
+        lines += [f"The `dspark` rows measure the draft under test: {draft}.", ""]
     lines += [
         "| workload | method | acceptance length | tokens verified / round | tokens/s | speed-up | wall s |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
@@ -109,7 +122,7 @@ def markdown_table(
     lines += ["", f"Macro acceptance length: {macro_row}", ""]
     header = " | ".join(f"k={k}" for k in range(block_size))
     lines += [
-        "Per-position conditional acceptance (accepted / reached), DSpark draft:",
+        "Per-position conditional acceptance (accepted / reached), the draft under test:",
         "",
         f"| workload | {header} |",
         "| --- |" + " ---: |" * block_size,
@@ -118,7 +131,7 @@ def markdown_table(
         m = r.methods.get("dspark")
         if m:
             lines.append(f"| {r.name} | " + " | ".join(_fmt(v) for v in m["position_acceptance"]) + " |")
-    lines += ["", "Train-time estimate beside the measured acceptance length (DSpark):", ""]
+    lines += ["", "Train-time estimate beside the measured acceptance length (the draft under test):", ""]
     sampled = any("tau_sampled" in (r.estimate or {}) for r in results)
     lines += ["| workload | measured AL | tau (c*) | tau_greedy |" + (" tau_sampled |" if sampled else ""),
               "| --- | ---: | ---: | ---: |" + (" ---: |" if sampled else "")]  # fmt: skip
@@ -278,7 +291,7 @@ def write_report(
     out.mkdir(parents=True, exist_ok=True)
     intervals = uncertainty(results)  # once, for both files
     table = markdown_table(results, block_size=block_size, command=meta.get("command"), intervals=intervals,
-                           settings=meta.get("settings"))
+                           settings=meta.get("settings"), draft=meta.get("draft_kind"))
     report = report_dict(results, meta, intervals=intervals)
     text = json.dumps(_jsonable(report), indent=2) + "\n"  # before any file: a failure here writes none
     plots = plot(results, out, block_size=block_size)
