@@ -23,10 +23,8 @@ from draftforge.splitserve.target import build_target, load_tokenizer
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
 
 
-def test_conversion_reaches_the_disk_before_it_is_renamed_into_place(monkeypatch, tmp_path):
-    """is_converted() trusts any folder at the final name, so its files (and the folder's
-    entries) must be fsynced before the rename, and the rename itself after it: otherwise
-    a power loss can leave a "finished" conversion of empty files, loaded ever after."""
+def _fake_conversion(monkeypatch, tmp_path):
+    """A fake GGUF whose 'conversion' writes each required file holding its own name."""
     source = tmp_path / "fake.gguf"
     source.write_bytes(b"gguf")
     monkeypatch.setattr(smollm2, "gguf_path", lambda: source)
@@ -36,6 +34,13 @@ def test_conversion_reaches_the_disk_before_it_is_renamed_into_place(monkeypatch
             (out / name).write_text(name)
 
     monkeypatch.setattr(smollm2, "_convert", convert)
+
+
+def test_conversion_reaches_the_disk_before_it_is_renamed_into_place(monkeypatch, tmp_path):
+    """is_converted() trusts any folder at the final name, so its files (and the folder's
+    entries) must be fsynced before the rename, and the rename itself after it: otherwise
+    a power loss can leave a "finished" conversion of empty files, loaded ever after."""
+    _fake_conversion(monkeypatch, tmp_path)
     events = []
     real_fsync, real_rename = os.fsync, os.rename
 
@@ -131,15 +136,7 @@ def test_a_model_without_llama_style_layers_is_an_input_error(tmp_path):
 def test_a_process_waiting_for_the_conversion_lock_says_so(monkeypatch, tmp_path, capsys):
     """Another process holding the lock (converting, or stopped mid-conversion) kept every
     other one waiting without a word."""
-    source = tmp_path / "fake.gguf"
-    source.write_bytes(b"gguf")
-    monkeypatch.setattr(smollm2, "gguf_path", lambda: source)
-
-    def convert(_source, out):
-        for name in smollm2._REQUIRED_FILES:
-            (out / name).write_text(name)
-
-    monkeypatch.setattr(smollm2, "_convert", convert)
+    _fake_conversion(monkeypatch, tmp_path)
     cache = tmp_path / "cache"
     cache.mkdir()
     lock = cache / f"{smollm2.NAME}.lock"
