@@ -205,14 +205,27 @@ def test_the_report_says_which_rate_the_ratio_uses():
     assert "both together, steady" not in text and "no steady window" in text
 
 
+PEER_TIMEOUT_S = 1.5  # split.peer_timeout_s of the run below: each phase outlasts it
+
+
+@pytest.mark.distributed
 @pytest.mark.integration
-def test_bench_split_runs_the_three_phases(tmp_path):
+def test_bench_split_runs_the_three_phases_each_longer_than_the_peer_timeout(tmp_path):
+    """The three phases of a real job, with their figures and last line. Each phase outlasts
+    split.peer_timeout_s: phase 1 ran with the target's heartbeat closed and phase 2 with no
+    trainer heartbeat, so the trainer died waiting for phase 1's rate (named 'the target's
+    embeddings'), or the target waiting for phase 3, once a phase outlasted the timeout."""
     result = subprocess.run(
-        [sys.executable, "-m", "draftforge", "bench", "split", str(TINY), "--steps", "2",
-         "data.num_samples=32", "target.generation.batch_size=8"],
+        [sys.executable, "-m", "draftforge", "bench", "split", str(TINY), "--steps", "3",
+         "data.num_samples=64", "target.generation.batch_size=8", f"split.peer_timeout_s={PEER_TIMEOUT_S}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    # both phases outlasted the timeout (else this run proves nothing of liveness)
+    phase_1 = re.search(r"\[rank 0 target\]\s+\d+ tokens in ([0-9.]+) s", result.stderr)
+    phase_2 = re.search(r"\[rank 1 trainer\]\s+\d+ tokens in ([0-9.]+) s", result.stderr)
+    assert phase_1 and phase_2, result.stderr[-3000:]
+    assert float(phase_1.group(1)) > PEER_TIMEOUT_S and float(phase_2.group(1)) > PEER_TIMEOUT_S, result.stderr
     lines = result.stdout.strip().splitlines()
     for label in ("producer alone", "consumer alone", "both together"):
         assert any(line.startswith(label) and "tok/s" in line for line in lines), result.stdout

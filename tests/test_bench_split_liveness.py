@@ -1,42 +1,13 @@
-"""``draftforge bench split`` keeps both sides alive through its phases: a phase longer than
-``split.peer_timeout_s`` is not silence, and a benchmark's failure gives no resume advice."""
+"""``draftforge bench split``'s failure gives no resume advice (that its phases longer than
+``split.peer_timeout_s`` are not silence is tested with its real run in test_bench_split.py)."""
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from draftforge.splitserve.roles import _say_how_to_resume
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "recipes" / "tiny-debug.yaml"
-TIMEOUT_S = 1.5
-
-
-@pytest.mark.distributed
-@pytest.mark.integration
-def test_phases_longer_than_the_peer_timeout_are_not_silence(tmp_path):
-    """Phase 1 ran with the target's heartbeat closed and phase 2 with no trainer heartbeat:
-    the trainer died waiting for phase 1's rate (named 'the target's embeddings'), or the
-    target waiting for phase 3, once a phase outlasted split.peer_timeout_s."""
-    result = subprocess.run(
-        [sys.executable, "-m", "draftforge", "bench", "split", str(TINY), "--steps", "3",
-         "data.num_samples=64", "target.generation.batch_size=8",
-         f"split.peer_timeout_s={TIMEOUT_S}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines()[-1].startswith("split_efficiency="), result.stdout
-    # both phases outlasted the timeout (else this run proves nothing)
-    phase_1 = re.search(r"\[rank 0 target\]\s+\d+ tokens in ([0-9.]+) s", result.stderr)
-    phase_2 = re.search(r"\[rank 1 trainer\]\s+\d+ tokens in ([0-9.]+) s", result.stderr)
-    assert phase_1 and phase_2, result.stderr[-3000:]
-    assert float(phase_1.group(1)) > TIMEOUT_S and float(phase_2.group(1)) > TIMEOUT_S, result.stderr
 
 
 def _ctx(resume: str):
