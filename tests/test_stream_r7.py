@@ -65,7 +65,8 @@ def test_a_resumed_inline_regenerating_run_does_not_answer_consumed_chunks_again
 
     def recipe(name: str) -> Path:
         (tmp_path / name).mkdir()
-        return tiny_recipe(tmp_path / name, steps=8, overrides={"data.regenerate": True})
+        return tiny_recipe(tmp_path / name, steps=4, overrides={"data.regenerate": True,
+                                                              "train.checkpoint_interval": 2})
 
     reference_recipe = recipe("reference")
     cfg = load_recipe(reference_recipe)
@@ -78,11 +79,11 @@ def test_a_resumed_inline_regenerating_run_does_not_answer_consumed_chunks_again
 
     _run(reference_recipe, tmp_path / "reference" / "calls.jsonl", dropped)
     reference = _steps(tmp_path / "reference" / "run")
-    assert sorted(reference) == list(range(1, 9))
+    assert sorted(reference) == list(range(1, 5))
 
     cut = recipe("cut")
-    first_calls = _run(cut, tmp_path / "cut" / "calls.jsonl", dropped, "train.steps=4")
-    state = json.loads((tmp_path / "cut" / "run" / "checkpoints" / "step_00000004" /
+    first_calls = _run(cut, tmp_path / "cut" / "calls.jsonl", dropped, "train.steps=2")
+    state = json.loads((tmp_path / "cut" / "run" / "checkpoints" / "step_00000002" /
                         "trainer_state.json").read_text())
     done = set(state["consumed_ids"][0]) | {dropped}
     assert set(first_chunk) <= done  # the chunk with the dropped conversation was consumed
