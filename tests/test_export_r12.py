@@ -3,14 +3,12 @@ while the export reads it (train.keep_last) is not an error; the export reads th
 
 from __future__ import annotations
 
-import json
 import shutil
-from dataclasses import asdict
 
 import pytest
 import torch
 from dspark_helpers import tiny_draft
-from safetensors.torch import save_file
+from test_export_r11 import _checkpoint as training_checkpoint
 
 from draftforge.errors import InputError
 from draftforge.train import export as export_module
@@ -18,10 +16,8 @@ from draftforge.train.export import load_training_checkpoint
 
 
 def _checkpoint(run, step, model):
-    folder = run / "checkpoints" / f"step_{step:08d}"
-    folder.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
-    (folder / "draft_config.json").write_text(json.dumps(asdict(model.config)))
+    """Run ``run``'s complete checkpoint ``step`` of ``model``."""
+    folder = training_checkpoint(run / "checkpoints" / f"step_{step:08d}", model)
     (folder / "COMPLETE").touch()
     return folder
 
