@@ -30,6 +30,7 @@ from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
 from draftforge.data.regenerate import RegenerationError
+from draftforge.errors import InputError
 from draftforge.splitserve.supervisor import die_with
 
 if TYPE_CHECKING:
@@ -94,6 +95,11 @@ def _work(build: Callable[[], Any], settings: GenerationConfig, conn: Connection
         raise
     except _ParentGone:
         return  # it stops the run itself (or is dead): exit without a traceback
+    except InputError as exc:  # a prompt the chat template refuses: its message, as one process says it
+        try:
+            _send(conn, ("refused", batch, str(exc)))
+        except _ParentGone:
+            pass
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
         try:
             _send(conn, ("error", batch, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
@@ -152,6 +158,8 @@ class WorkerPool:
                     except EOFError:
                         raise _died(i, processes[i], remaining) from None
                     kind = message[0]
+                    if kind == "refused":  # the input's fault, which the message names: no traceback
+                        raise WorkerError(message[2])
                     if kind == "error":
                         _, batch, error, trace = message
                         where = "building its target" if batch is None else f"answering batch {batch}"

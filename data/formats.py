@@ -3,7 +3,8 @@
 Three row forms are understood (``format: auto`` picks by key, in this order):
 
 - ``messages``: OpenAI form, ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``;
-- ``conversations``: ShareGPT form, ``[{"from": "system"|"human"|"gpt", "value": str}, ...]``;
+- ``conversations``: ShareGPT form, ``[{"from": "system"|"human"|"gpt", "value": str}, ...]``,
+  or OpenAI's ``{"role": ..., "content": ...}`` turns under that key (SpecForge's prepared data);
 - ``prompt``: a plain prompt, a string or a list of strings (successive user turns whose
   replies the target writes).
 
@@ -152,22 +153,26 @@ def _messages_from_sharegpt(value: Any, where: RowLocation) -> list[dict[str, st
     for i, turn in enumerate(value, start=1):
         if not isinstance(turn, dict):
             raise _fail(where, f"turn {i} must be an object with 'from' and 'value'")
-        if "from" not in turn:
-            raise _fail(where, f"turn {i} has no 'from'")
-        speaker = turn["from"]
-        if speaker not in SHAREGPT_ROLES:
+        if "from" not in turn and "role" in turn:  # SpecForge's prepared data: OpenAI's turns
+            who, what, roles = "role", "content", {role: role for role in ROLES}
+        else:
+            who, what, roles = "from", "value", SHAREGPT_ROLES
+        if who not in turn:
+            raise _fail(where, f"turn {i} has no 'from' (nor 'role')")
+        speaker = turn[who]
+        if speaker not in roles:
             raise _fail(
                 where,
-                f"turn {i} has 'from' {speaker!r}; valid values: {', '.join(SHAREGPT_ROLES)}",
+                f"turn {i} has {who!r} {speaker!r}; valid values: {', '.join(roles)}",
             )
-        if "value" not in turn:
-            raise _fail(where, f"turn {i} ({speaker}) has no 'value'")
-        text = turn["value"]
+        if what not in turn:
+            raise _fail(where, f"turn {i} ({speaker}) has no {what!r}")
+        text = turn[what]
         if not isinstance(text, str):
             raise _fail(
-                where, f"turn {i} ({speaker}) value must be a string, got {type(text).__name__}"
+                where, f"turn {i} ({speaker}) {what} must be a string, got {type(text).__name__}"
             )
-        out.append({"role": SHAREGPT_ROLES[speaker], "content": text})
+        out.append({"role": roles[speaker], "content": text})
     return out
 
 

@@ -28,6 +28,9 @@ Resumable and crash-safe:
   boundary or inside a line) is dropped and generated again whole -- identically; so is
   the short last batch of an earlier run over fewer prompts, which this run's batches
   extend;
+- a finished ``<out>`` ending in an incomplete line (cut while copied: this command renames
+  only whole files into place) is continued from its whole rows, as an interrupted run's
+  ``.partial`` is, and replaced;
 - a row repeated word for word (two runs appending to one file) is dropped; a second,
   different answer to one id is refused with the file and line;
 - when every prompt is answered the rows are written in prompt order to a temporary
@@ -419,11 +422,9 @@ def regenerate(
         # way: the file stays as it is until the extended one replaces it
     if out.exists():
         rows, torn = _read_rows(out)
-        if torn:
-            raise RegenerationError(f"{out} ends with an incomplete line; it was not written here")
         ours = [r for r in rows if r["id"] in by_id]
         _check_rows(ours, out, by_id, settings_json, engine.name)
-        if {r["id"] for r in ours} == set(order):
+        if {r["id"] for r in ours} == set(order) and not torn:
             others = len(rows) - len(ours)
             print(
                 f"draftforge data regenerate: all {len(order)} prompts already answered in {out}"
@@ -433,6 +434,13 @@ def regenerate(
             return RegenerateReport(out, len(order), len(ours), 0)
         _check_rows(rows, out, by_id, settings_json, engine.name)  # other ids: cannot extend it
         _check_arithmetic(rows, out, arithmetic)
+        if torn:  # never left here (a whole file is renamed into place): cut while copied? Its
+            # whole rows are continued as an interrupted run's; it is no answers file as it is
+            print(f"draftforge data regenerate: {out} ends with an incomplete line; continuing "
+                  f"from its whole rows in {partial}", file=sys.stderr)
+            write_atomic(partial, b"".join(_row_line(r) for r in rows))
+            out.unlink()
+            fsync_dir(out.parent)
     # more prompts than a finished file answers: continue from its rows, which go to the
     # .partial with the first new batch (the file itself stays until the new one replaces it)
     extending = out.exists() and not partial.exists()
@@ -632,6 +640,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # cleanup stops its processes, and the batches written so far stay for a rerun
     with unwinding_on_sigterm("draftforge data regenerate", "rerun the same command to continue"):
         try:
+            if not cfg.data.regenerate:  # the answers would be written for nothing
+                raise RegenerationError(
+                    "data.regenerate is false: training reads the replies of data.train_files as "
+                    "they are and would never read the target's answers written here; set "
+                    "data.regenerate: true (in the recipe, or data.regenerate=true for this command "
+                    "and for 'draftforge train') to train on them")
             prompts = load_prompts(cfg.data).conversations
             if not prompts:
                 raise RegenerationError(f"data.train_files {cfg.data.train_files} hold no prompts; "
@@ -640,6 +654,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             out = regenerated_path(cfg.data, cfg.train.output_dir)
             if out.is_dir():
                 raise RegenerationError(f"data.regenerated_file {out} is a folder; give a .jsonl file path")
+            if not out.name.lower().endswith(".jsonl"):  # training reads a file by its extension
+                raise RegenerationError(
+                    f"data.regenerated_file {out}: the answers are written as plain JSON lines, which "
+                    "training reads only from a file whose name ends in .jsonl (not compressed, not "
+                    ".json or .parquet); give a .jsonl file path")
             try:
                 out.parent.mkdir(parents=True, exist_ok=True)
             except OSError as err:

@@ -166,6 +166,13 @@ def assistant_spans(
             )
         start = len(before)
         end = start + len(upto[start:].rstrip())
+        if end == start and message["content"].strip():
+            # e.g. a chat_template given as a file path: that text, the same for every conversation
+            raise ChatTemplateError(
+                f"the chat template renders assistant turn {index + 1} as nothing (neither its "
+                "text nor an end-of-turn marker), so none of it can be supervised; "
+                "target.generation.chat_template takes the template's Jinja text, not a file path"
+            )
         if index in unfinished_turns:
             reply = message["content"]
             content_at = text.find(reply, start, end)
