@@ -65,6 +65,9 @@ def load_report(path: str) -> tuple[Path, dict]:
         raise InputError(f"{p}: not valid JSON (line {err.lineno}, column {err.colno}): {err.msg}") from None
     if not isinstance(report, dict) or not isinstance(report.get("workloads"), dict):
         raise InputError(f"{p}: not a draftforge eval report (no 'workloads' table)")
+    if not report["workloads"]:
+        raise InputError(f"{p}: its 'workloads' table is empty: no workload was evaluated, so there "
+                         "is nothing to compare")
     for name, entry in report["workloads"].items():  # read with .get() below: tables, or a clear error
         key, value = f"workloads.{name}", entry
         if isinstance(entry, dict):
@@ -107,6 +110,12 @@ def paired_totals(
         pair = []
         for path, entry, method in ((pa, ea, a_method), (pb, eb, b_method)):
             totals = PromptTotals.from_summary(entry["methods"][method], f"{path}: {name}/{method}")
+            if len(totals) != entry.get("num_prompts", len(totals)):  # the pairing is prompt by prompt
+                raise InputError(
+                    f"{path}: workload {name!r}, method {method!r}: prompt_rounds holds {len(totals)} "
+                    f"prompts but the workload's num_prompts is {entry['num_prompts']}; the report "
+                    "is damaged: evaluate it again"
+                )
             if totals.rounds.sum() <= 0:  # its acceptance length, and any difference, is undefined
                 raise InputError(
                     f"{path}: workload {name!r}, method {method!r} ran no verification round on any of "
@@ -115,6 +124,12 @@ def paired_totals(
                     "compare; evaluate it again with more --max-new-tokens"
                 )
             pair.append(totals)
+        if len(pair[0]) != len(pair[1]):  # neither records num_prompts (an older report)
+            raise InputError(
+                f"workload {name!r}: {a_method} of {pa} has per-prompt totals of {len(pair[0])} "
+                f"prompts but {b_method} of {pb} of {len(pair[1])}, so they cannot be paired prompt "
+                "by prompt; the report is damaged: evaluate it again"
+            )
         out[name] = (pair[0], pair[1])
     return out
 

@@ -14,8 +14,10 @@ samples, a third, ``tau_sampled``, replaces ``c*_k`` by the acceptance probabili
 of the evaluator's own sampling rule at its settings (still teacher-forced):
 ``pi_t(argmax p_d,k)`` for greedy drafts (llama.cpp's rule) or
 ``sum_x min(pi_t(x), pi_d(x))`` for drawn drafts, where ``pi`` is the distribution
-at the evaluation's temperature after its top-k and top-p cut. At temperature 1
-with no cut and drawn drafts it is ``tau`` again.
+at the evaluation's temperature after its top-k and top-p cut; an accepted end of
+sequence counts nothing there (decoding stops at it without the bonus), so near
+temperature 0 with greedy drafts it is ``tau_greedy``. At temperature 1 with no cut,
+drawn drafts and no end of sequence it is ``tau`` again.
 
 Known gaps (documented in the report):
 
@@ -72,19 +74,31 @@ def sampled_acceptance(
     top_k: int = 0,
     top_p: float = 1.0,
     draft_sampling: str = "greedy",
+    eos_token_ids: Collection[int] = (),
 ) -> torch.Tensor:
     """Each slot's probability of acceptance when decoding samples, from its logits [n, V].
 
     ``greedy``: the draft proposes its most likely token x and the target accepts it with
     ``pi_t(x)``. ``sample``: the draft draws from ``pi_d`` and rejection sampling accepts with
     probability ``sum_x min(pi_t(x), pi_d(x))``. Both distributions are cut as the evaluator
-    cuts them (:func:`~draftforge.eval.speculative.sampling_probs`).
+    cuts them (:func:`~draftforge.eval.speculative.sampling_probs`). An accepted
+    end-of-sequence token (``eos_token_ids``) ends the request without the bonus, so it adds
+    nothing to the round: only the acceptance of other tokens counts, and then
+    ``1 + sum_k prod_{i<=k}`` of these is the round's expected count as decoding counts it.
     """
     check_draft_sampling(draft_sampling)
     target = sampling_probs(target_logits.float(), temperature, top_k, top_p)
     if draft_sampling == "greedy":
-        return target.gather(-1, draft_logits.argmax(-1, keepdim=True))[..., 0]
-    return torch.minimum(target, sampling_probs(draft_logits.float(), temperature, top_k, top_p)).sum(-1)
+        proposed = draft_logits.argmax(-1, keepdim=True)
+        accept = target.gather(-1, proposed)[..., 0]
+        return accept.masked_fill(torch.isin(proposed[..., 0], _ids(eos_token_ids, proposed.device)), 0.0)
+    both = torch.minimum(target, sampling_probs(draft_logits.float(), temperature, top_k, top_p))
+    both[..., _ids(eos_token_ids, both.device)] = 0.0
+    return both.sum(-1)
+
+
+def _ids(token_ids: Collection[int], device) -> torch.Tensor:
+    return torch.tensor(sorted(token_ids), dtype=torch.long, device=device)
 
 
 @torch.no_grad()
@@ -110,7 +124,8 @@ def train_time_estimate(
     A ``temperature`` above 0 adds ``tau_sampled``, the estimate under the evaluator's
     sampling rule with these ``top_k``, ``top_p`` and ``draft_sampling`` settings
     (:func:`sampled_acceptance`). ``eos_token_ids``: the decoding's end-of-sequence tokens,
-    where the greedy runs (``tau_greedy``, the lookup's) stop without the bonus (:func:`accepted_run`).
+    where the greedy runs (``tau_greedy``, the lookup's) stop without the bonus (:func:`accepted_run`),
+    and whose acceptance ``tau_sampled`` does not count (:func:`sampled_acceptance`).
     """
     draft = draft.eval()
     gamma = draft.config.block_size
@@ -146,7 +161,8 @@ def train_time_estimate(
                 # slot k predicts token p + k + 1 from the target's final state at p + k
                 target_logits = draft.base_logits(final[0, p : p + len(truth)].to(draft.lm_head.weight.dtype))
                 accept = sampled_acceptance(logits[0, : len(truth)], target_logits, temperature=temperature,
-                                            top_k=top_k, top_p=top_p, draft_sampling=draft_sampling)
+                                            top_k=top_k, top_p=top_p, draft_sampling=draft_sampling,
+                                            eos_token_ids=eos)
                 sampled_taus.append(float(1.0 + accept.cumprod(0).sum()))
             lookup = ngram_lookup(ids[: p + 1], gamma, max_ngram, match=ngram_match)
             if lookup:

@@ -96,8 +96,14 @@ def check_prompt_lengths(prompts: Sequence[Sequence[int]], max_new_tokens: int, 
                          where: Callable[[int], str], *, option: str = "max_new_tokens") -> None:
     """Refuse a prompt that, with ``max_new_tokens`` more, runs past the draft's ``limit``
     positions (it would draft at positions it never trained on); ``where(index)`` names the
-    prompt, ``option`` the setting in the message."""
+    prompt, ``option`` the setting in the message. An empty prompt is refused too: decoding
+    starts from the prefill of at least one token."""
     for index, ids in enumerate(prompts):
+        if not len(ids):
+            raise InputError(
+                f"{where(index)}: an empty prompt (no token ids): decoding starts from the "
+                "target's prefill of at least one token; leave the prompt out"
+            )
         if len(ids) + max_new_tokens > limit:
             raise InputError(
                 f"{where(index)}: {len(ids)} prompt tokens + {option} {max_new_tokens} exceed the "

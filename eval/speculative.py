@@ -465,6 +465,14 @@ def check_lossless(
         b = ref[index] if index < len(ref) else None
         if a == b:
             continue
+        if a is None or b is None:  # one output ended: no token of it to weigh as a near-tie
+            ended, other, token = ("speculative", "plain greedy", b) if a is None else ("plain greedy", "speculative", a)
+            raise LosslessCheckError(
+                f"{label}: greedy speculative decoding is not lossless: the {ended} output ends after "
+                f"{index} tokens where the {other} output goes on with token {index}, {token} "
+                f"({len(spec)} against {len(ref)} tokens in all); "
+                f"speculative {spec[max(0, index - 3) : index + 4]} vs plain {ref[max(0, index - 3) : index + 4]}"
+            )
         margin = gap = None
         distance = "at least {gap} below the reference's"
         if reference.top2_margins is not None and index < len(reference.top2_margins):
