@@ -11,13 +11,19 @@ Definitions (the same everywhere, printed at every log interval and in the summa
 - consumer (a trainer rank): *busy* is the trainer's own ``compute_s`` per step
   (forward, backward, optimizer), *idle* its ``wait_s`` (blocked on the next
   batch, i.e. on the producers), both over the wall time from its start to the end of
-  its last step (the final checkpoint and the stream's drain are neither). Capacity:
+  its last step (the final checkpoint and the stream's drain are neither). Its tokens
+  and samples are those its steps trained (not the next batch's first sample, which
+  the packer takes to close a batch, nor what is left when the data ends). Capacity:
   tokens per busy second.
 - queue depth: samples received by a trainer and not yet taken, sampled at each
   take; never above the credits (``split.max_in_flight``).
 
 The recommended split puts ``T`` of the ``N`` ranks on the target so that
-``min(T * producer_capacity, (N - T) * consumer_capacity)`` is largest.
+``min(feed_rate(T, N - T), (N - T) * consumer_capacity)`` is largest, where
+``feed_rate`` is what the producers can feed (``T * producer_capacity`` when the
+trainers divide evenly among them; see :func:`feed_rate` when they do not). Without a
+capacity measured on both sides (no training step yet, no target report) there is none:
+``"recommended": null`` in ``accounting.jsonl``, as the summary says.
 """
 
 from __future__ import annotations
@@ -112,18 +118,33 @@ def side_summary(busy_s: float, idle_s: float, wall_s: float, tokens: float) -> 
     }
 
 
+def feed_rate(num_producers: int, num_trainers: int, producer_capacity: float) -> float:
+    """Tokens/s that ``num_producers`` producers of ``producer_capacity`` each can feed
+    ``num_trainers`` trainers, which step in lockstep on equal shares of the data
+    (``producer.Topology``): the most loaded producer sets the pace. With at most as many
+    producers as trainers, one feeds up to ``ceil(R / P)`` trainers; with more, a trainer is
+    fed by as few as ``floor(P / R)`` producers. Either way ``P * producer_capacity`` when
+    the one divides the other (2 targets feeding 3 trainers feed at 1.5 x, not 2 x, one's)."""
+    if num_producers <= num_trainers:
+        return producer_capacity * num_trainers / math.ceil(num_trainers / num_producers)
+    return producer_capacity * num_trainers * (num_producers // num_trainers)
+
+
 def recommend_split(
     world: int, producer_capacity: float, consumer_capacity: float, *, tensor_parallel: int = 1
 ) -> tuple[int, int, float]:
     """``(target_ranks, trainer_ranks, expected tokens/s)`` maximising the slower side.
 
     ``producer_capacity`` is one producer's: a tensor-parallel group of ``tensor_parallel``
-    target ranks, so target groups come in multiples of it."""
+    target ranks, so target groups come in multiples of it. The target side's rate is
+    :func:`feed_rate`'s (producers that do not divide the trainers evenly feed less)."""
     if world < 2:
         raise ValueError("a split needs at least 2 ranks")
     best = (tensor_parallel, world - tensor_parallel, 0.0)
     for num_t in range(tensor_parallel, world, tensor_parallel):
-        rate = min(num_t // tensor_parallel * producer_capacity, (world - num_t) * consumer_capacity)
+        num_r = world - num_t
+        rate = min(feed_rate(num_t // tensor_parallel, num_r, producer_capacity),
+                   num_r * consumer_capacity)
         if rate > best[2]:
             best = (num_t, world - num_t, rate)
     return best
@@ -153,21 +174,33 @@ class ConsumerAccounting:
         self.stepped = self.started  # when the last step ended: the trainer's figures run to it
         self.depths: list[tuple[float, int]] = []
         self.producers: dict[int, dict] = {}
+        self._untrained: dict[str, int] = {}  # taken, not yet in a step: sample id -> tokens
         self._last: dict | None = None
         self._last_window: dict | None = None
 
     # -- feeding
-    def on_take(self, depth: int, tokens: int, waited_s: float) -> None:
-        """A sample was taken off the queue (``depth`` left behind it)."""
+    def on_take(self, depth: int, tokens: int, waited_s: float, sample_id: str | None = None) -> None:
+        """A sample was taken off the queue (``depth`` left behind it). With its ``sample_id``
+        its tokens count once a step trains it (:meth:`on_step`), else at once."""
         self.depths.append((time.perf_counter() - self.started, depth))
+        self.wait_s += waited_s
+        if sample_id is not None:
+            self._untrained[sample_id] = tokens
+            return
         self.tokens += tokens
         self.samples += 1
-        self.wait_s += waited_s
 
     def on_producer_stats(self, src: int, stats: dict) -> None:
         self.producers[src] = dict(stats)
 
     def on_step(self, record: dict) -> None:
+        """A step ended: its time, and the samples of this rank it trained (its
+        ``sample_ids`` are every trainer rank's)."""
+        for sample_id in record.get("sample_ids", ()):
+            tokens = self._untrained.pop(sample_id, None)
+            if tokens is not None:
+                self.tokens += tokens
+                self.samples += 1
         self.compute_s += float(record.get("compute_s", 0.0))
         self.step_wait_s += float(record.get("wait_s", 0.0))
         self.steps += 1
@@ -217,18 +250,21 @@ class ConsumerAccounting:
             "max": max(depths) if depths else 0,
             "credits": self.credits,
         }
-        num_t, num_r, expected = recommend_split(
-            self.world, producer["capacity_tok_s"], consumer["capacity_tok_s"],
-            tensor_parallel=self.tensor_parallel,
-        )
+        recommended = None  # a side with no capacity measured: no advice (see _verdict)
+        if producer["capacity_tok_s"] > 0 and consumer["capacity_tok_s"] > 0:
+            num_t, num_r, expected = recommend_split(
+                self.world, producer["capacity_tok_s"], consumer["capacity_tok_s"],
+                tensor_parallel=self.tensor_parallel,
+            )
+            recommended = {"target_ranks": num_t, "trainer_ranks": num_r,
+                           "expected_tok_s": expected}  # the whole job's, at the slower side
         return {
             "time_s": round(now["wall"], 3),
             "samples": int(d["samples"]),
             "producer": producer,
             "consumer": consumer,
             "queue": queue,
-            "recommended": {"target_ranks": num_t, "trainer_ranks": num_r,
-                            "expected_tok_s": expected},  # the whole job's, at the slower side
+            "recommended": recommended,
         }
 
     def line(self) -> str:
@@ -260,7 +296,7 @@ class ConsumerAccounting:
             *filter(None, [self.credit_advice(s)]),
         ])
 
-    def _verdict(self, p: dict, c: dict, rec: dict) -> str:
+    def _verdict(self, p: dict, c: dict, rec: dict | None) -> str:
         """The slower side and the recommended split, or that a side has no capacity measured
         (a trainer that ran no step, a target not heard from): advice from nothing misleads."""
         current = f"{self.num_target} target + {self.world - self.num_target} trainer"
@@ -270,7 +306,8 @@ class ConsumerAccounting:
         # the groups' capacities, not one rank's: 1 target at 100 tok/s feeds 3 trainers at 50 slower
         num_trainers = self.world - self.num_target
         producers = self.num_target // self.tensor_parallel
-        slower = "target" if producers * p["capacity_tok_s"] < num_trainers * c["capacity_tok_s"] else "trainer"
+        feed = feed_rate(producers, num_trainers, p["capacity_tok_s"])
+        slower = "target" if feed < num_trainers * c["capacity_tok_s"] else "trainer"
         advice = f"{rec['target_ranks']} target + {rec['trainer_ranks']} trainer"
         return f"slower side: {slower}; recommended split for {self.world} ranks: {advice} (now {current})"
 

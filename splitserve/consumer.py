@@ -72,7 +72,7 @@ class ConsumerStream:
                             "dropped_ids": wire.dropped_ids},
             )
             if self.accounting is not None:
-                self.accounting.on_take(depth, sample.num_tokens, waited)
+                self.accounting.on_take(depth, sample.num_tokens, waited, sample.sample_id)
                 self.accounting.on_producer_stats(src, wire.producer_stats)
             yield sample
 

@@ -118,6 +118,19 @@ def preflight(cfg) -> None:
             f"{len(producers)} target ranks, and each needs one at least; add data "
             "(data.num_samples) or use fewer target ranks"
         )
+    # every trainer takes part in every step, with train.grad_accum micro-batches of its own
+    # samples: with fewer samples than that in all, no step can run (the job would end at step
+    # 0, "data_exhausted", with status 0)
+    epochs, trainers = cfg.split.max_epochs, len(cfg.split.trainer_ranks)
+    needed = trainers * cfg.train.grad_accum
+    if epochs is not None and len(conversations) * epochs < needed:
+        raise DataFormatError(
+            f"data.train_files {list(cfg.data.train_files)}: {len(conversations)} conversations x "
+            f"split.max_epochs={epochs} give at most {len(conversations) * epochs} samples, and one "
+            f"step needs {needed} at least ({trainers} trainer ranks x train.grad_accum="
+            f"{cfg.train.grad_accum}, every trainer taking part in every step); add data "
+            "(data.num_samples), raise split.max_epochs or use fewer trainer ranks"
+        )
 
 
 def _runs_trainers(cfg, layout, node_rank: int | None) -> bool:
