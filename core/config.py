@@ -219,8 +219,10 @@ def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
     return parts, value
 
 
-def _apply_override(data: dict[str, Any], text: str) -> tuple[str, ...]:
-    """Set one override in the raw tree (before validation); return its key path."""
+def _apply_override(data: dict[str, Any], text: str) -> tuple[tuple[str, ...], list[KeyPath]]:
+    """Set one override in the raw tree (before validation); return its key path and the key
+    paths it gives a value: that path, or for a mapping merged into a section only the keys
+    the mapping lists (the section's other keys are still where the recipe set them)."""
     parts, value = parse_override(text)
     node = data
     for depth, part in enumerate(parts[:-1]):
@@ -242,9 +244,20 @@ def _apply_override(data: dict[str, Any], text: str) -> tuple[str, ...]:
         # a mapping merges into the section it names: train.loss={ce_weight: 1} changes
         # ce_weight and keeps the recipe's other loss settings
         node[parts[-1]] = _merged(current, value)
-    else:
-        node[parts[-1]] = value
-    return parts
+        return parts, [parts + leaf for leaf in _leaves(value)]
+    node[parts[-1]] = value
+    return parts, [parts]
+
+
+def _leaves(mapping: dict[Any, Any], prefix: KeyPath = ()) -> list[KeyPath]:
+    """The key paths of a mapping's values, nested mappings followed down (an empty one is a value)."""
+    out: list[KeyPath] = []
+    for key, value in mapping.items():
+        if isinstance(value, dict) and value:
+            out += _leaves(value, prefix + (key,))
+        else:
+            out.append(prefix + (key,))
+    return out
 
 
 def _merged(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
@@ -375,6 +388,30 @@ def _describe(error: dict[str, Any]) -> tuple[KeyPath, str]:
     return path, f"{message}, got {_show(value)}"
 
 
+def _describe_all(errors: Sequence[dict[str, Any]]) -> list[tuple[KeyPath, str]]:
+    """Every pydantic error as (key path, problem text); a value that fits no member of a union
+    (``train.loss.compile``: a bool or 'auto') is one problem naming every member, not one
+    contradicting problem per member (their locations end in a member tag)."""
+    out: list[tuple[KeyPath, str]] = []
+    members: dict[KeyPath, tuple[int, list[str], Any]] = {}  # path: (index in out, expected, value)
+    for error in errors:
+        loc = tuple(error["loc"])
+        path, _ = _walk(loc)
+        if path == loc:
+            out.append(_describe(error))
+            continue
+        kind = error["type"]
+        expected = (str(error.get("ctx", {}).get("expected", "?")) if kind == "literal_error"
+                    else _EXPECTED.get(kind) or _describe(error)[1])
+        if path not in members:
+            members[path] = (len(out), [], error.get("input"))
+            out.append((path, ""))
+        members[path][1].append(expected)
+    for path, (index, expected, value) in members.items():
+        out[index] = (path, f"expected {' or '.join(expected)}, got {_show(value)}")
+    return out
+
+
 class _Locator:
     """Says where a key path's value came from: an override or a line of the file."""
 
@@ -400,14 +437,26 @@ class _Locator:
                 return f"{self.source}:{self.lines[path[:end]]}"
         return self.source
 
-    def line(self, path: KeyPath, problem: str) -> str:
+    def given(self, path: KeyPath) -> bool:
+        """Whether the file or an override sets ``path`` itself (not only the section it is in)."""
+        return path in self.lines or any(path[:end] in self.overrides for end in range(len(path), 0, -1))
+
+    def line(self, path: KeyPath, problem: str, related: Sequence[KeyPath] = ()) -> str:
+        """``where: key: problem``. A problem of a key left at its default that another key
+        brings about (``train.warmup_ratio`` with ``train.steps=1``) is located where one of the
+        ``related`` keys was set (an override before the file), not at the line of the section."""
         key = _dotted(path)
-        return f"{self.where(path)}: {key}: {problem}" if key else f"{self.where(path)}: {problem}"
+        where = self.where(path)
+        if not self.given(path):
+            found = [self.where(other) for other in related if self.given(other)]
+            where = next((w for w in found if w.startswith("command line")), found[0] if found else where)
+        return f"{where}: {key}: {problem}" if key else f"{where}: {problem}"
 
 
 # --------------------------------------------------------------------------- cross checks
 
-Problem = tuple[KeyPath, str]
+# (key path, what is wrong) or (key path, what is wrong, related key paths): see _Locator.line
+Problem = tuple[KeyPath, str] | tuple[KeyPath, str, tuple[KeyPath, ...]]
 
 
 def _check_target(cfg: RecipeConfig) -> tuple[TargetShape | None, list[Problem]]:
@@ -517,7 +566,8 @@ def _check_draft(cfg: RecipeConfig, shape: TargetShape | None) -> list[Problem]:
                 )
             else:
                 why = f"layer id {layer} is out of range: the target has {shape.num_hidden_layers} layers"
-            problems.append((ids_path + (index,), f"{why}; valid ids are 0..{last - 1}"))
+            problems.append((ids_path + (index,), f"{why}; valid ids are 0..{last - 1}",
+                             (("target", "shape", "num_hidden_layers"), ("target", "model"))))
 
     if draft.max_position_embeddings is not None and draft.max_position_embeddings < cfg.data.max_length:
         problems.append(
@@ -535,6 +585,7 @@ def _check_draft(cfg: RecipeConfig, shape: TargetShape | None) -> list[Problem]:
                     ("draft", "mask_token_id"),
                     f"{draft.mask_token_id} is outside the target vocabulary "
                     f"(vocab_size {shape.vocab_size}); pick an existing, unused token id",
+                    (("target", "shape", "vocab_size"), ("target", "model")),
                 )
             )
         if draft.hidden_size != shape.hidden_size:
@@ -544,6 +595,7 @@ def _check_draft(cfg: RecipeConfig, shape: TargetShape | None) -> list[Problem]:
                     f"{draft.hidden_size} differs from the target's hidden_size "
                     f"{shape.hidden_size}; the draft uses the target's embedding and lm_head, "
                     "so they must match",
+                    (("target", "shape", "hidden_size"), ("target", "model")),
                 )
             )
         if draft.rope_theta is None and _rope_theta_known(cfg.target):
@@ -575,6 +627,7 @@ def _check_draft(cfg: RecipeConfig, shape: TargetShape | None) -> list[Problem]:
                     f"{cfg.data.max_length} is beyond the target's max_position_embeddings "
                     f"{shape.max_position_embeddings}: its features past that are not ones it "
                     "serves; lower data.max_length",
+                    (("target", "shape", "max_position_embeddings"), ("target", "model")),
                 )
             )
 
@@ -585,6 +638,7 @@ def _check_draft(cfg: RecipeConfig, shape: TargetShape | None) -> list[Problem]:
                     ("draft", "hidden_size"),
                     f"{draft.hidden_size} is not divisible by num_attention_heads "
                     f"{draft.num_attention_heads}; change one or set draft.head_dim",
+                    (("draft", "num_attention_heads"),),
                 )
             )
         else:
@@ -595,6 +649,7 @@ def _check_draft(cfg: RecipeConfig, shape: TargetShape | None) -> list[Problem]:
                 ("draft", "head_dim"),
                 f"{draft.head_dim} is odd (hidden_size / num_attention_heads unless set); RoPE "
                 "rotates the two halves of each head, so it must be even",
+                (("draft", "hidden_size"), ("draft", "num_attention_heads")),
             )
         )
     if draft.attention_backend == "flex":
@@ -623,6 +678,7 @@ def _check_draft(cfg: RecipeConfig, shape: TargetShape | None) -> list[Problem]:
                 ("draft", "num_key_value_heads"),
                 f"{draft.num_key_value_heads} does not divide num_attention_heads "
                 f"{draft.num_attention_heads}",
+                (("draft", "num_attention_heads"),),
             )
         )
     if (
@@ -654,6 +710,7 @@ def _check_draft(cfg: RecipeConfig, shape: TargetShape | None) -> list[Problem]:
                 f"{cfg.split.token_budget} is less than data.max_length {cfg.data.max_length}: "
                 "a sample that long would make a micro-batch over the budget on its own; raise "
                 "split.token_budget or lower data.max_length",
+                (("data", "max_length"),),
             )
         )
     if cfg.train.loss.ce_weight == 0 and cfg.train.loss.tv_weight == 0:
@@ -672,6 +729,7 @@ def _check_draft(cfg: RecipeConfig, shape: TargetShape | None) -> list[Problem]:
                 f"{cfg.train.warmup_ratio:g} of {cfg.train.steps} steps is {warmup} warmup steps, "
                 "which leaves none for the cosine decay: the run would end at the peak learning "
                 "rate; lower train.warmup_ratio or raise train.steps",
+                (("train", "steps"),),
             )
         )
     if cfg.train.loss.position_weighting == "dpace" and cfg.train.grad_accum > 1:
@@ -785,6 +843,7 @@ def _check_data(cfg: RecipeConfig) -> list[Problem]:
                 f"{data.min_loss_tokens} is not below data.max_length {data.max_length}: a sample "
                 "also holds its prompt, so none would have that many supervised tokens and every "
                 "one would be dropped; lower data.min_loss_tokens",
+                (("data", "max_length"),),
             )
         )
     if data.regenerated_file is not None and not data.regenerate:
@@ -848,8 +907,9 @@ def validate_recipe(
     data = copy.deepcopy(data)
     _fill_empty_sections(data, RecipeConfig)
     override_paths: dict[KeyPath, str] = {}
+    given: dict[KeyPath, str] = {}  # the key paths each override gives a value, for the messages
     for text in overrides:
-        path = _apply_override(data, text)
+        path, sets = _apply_override(data, text)
         if path in override_paths:  # the last would win silently
             raise RecipeError([f"command line {text!r}: {'.'.join(path)} is already set by "
                                f"{override_paths[path]!r}; give each key once"])
@@ -861,16 +921,17 @@ def validate_recipe(
                                    f"{other_text!r}, which sets {'.'.join(other)}; give each key once, "
                                    "in one of the two"])
         override_paths[path] = text
+        given.update(dict.fromkeys(sets, text))
     if name is not None:
         data.setdefault("name", name)
-    locator = _Locator(source, lines or {}, override_paths)
+    locator = _Locator(source, lines or {}, given)
 
     try:
         cfg = RecipeConfig.model_validate(data)
     except ValidationError as exc:
-        problems = [locator.line(*_describe(error)) for error in exc.errors()]
+        problems = [locator.line(*problem) for problem in _describe_all(exc.errors())]
         raise RecipeError(problems) from None
-    problems = [locator.line(path, problem) for path, problem in _cross_check(cfg)]
+    problems = [locator.line(*problem) for problem in _cross_check(cfg)]
     if problems:
         raise RecipeError(problems)
     cfg._locator = locator

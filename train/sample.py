@@ -29,9 +29,11 @@ class Sample:
     provenance: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name in ("input_ids", "loss_mask"):  # a [S, 1] mask would fail in collate, unnamed
+            tensor = getattr(self, name)
+            if tensor.dim() != 1:
+                raise ValueError(f"sample {self.sample_id!r}: {name} must be 1-D, got {tuple(tensor.shape)}")
         length = self.input_ids.shape[0]
-        if self.input_ids.dim() != 1:
-            raise ValueError(f"sample {self.sample_id!r}: input_ids must be 1-D, got {tuple(self.input_ids.shape)}")
         for name in ("loss_mask", "aux", "final"):
             tensor = getattr(self, name)
             if tensor.shape[0] != length:

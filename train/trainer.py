@@ -603,10 +603,14 @@ class Trainer:
         first = STEP_SCALARS
         slot_num, slot_den = values[first:first + gamma], values[first + gamma:first + 2 * gamma]
         tokens = int(values[6])
+        # No supervised slot on any rank (no anchor had a supervised next token): the objective
+        # is 0 by its clamped denominator, a loss measured on nothing; not-a-number like tau, so
+        # that the log shows it and the summary's means leave the step out.
+        measured = values[:4] + [values[9]] if values[7] else [float("nan")] * 5
         return {
             "step": self.step,
             "lr": lr_at(self.step - 1, train=self.train),
-            "loss": values[0], "ce": values[1], "tv": values[2], "bce": values[3], "kl": values[9],
+            **dict(zip(("loss", "ce", "tv", "bce", "kl"), measured, strict=True)),
             "tau": values[4] / values[5] if values[5] else float("nan"),
             "slot_acceptance": [n / d if d else float("nan") for n, d in zip(slot_num, slot_den, strict=True)],
             "tokens": tokens,
@@ -625,7 +629,7 @@ class Trainer:
         flag = "  SKIPPED (non-finite)" if record["skipped"] else ""
         return (f"step {record['step']:>6}  loss {record['loss']:.4f}  ce {record['ce']:.4f}  "
                 f"tv {record['tv']:.4f}  bce {record['bce']:.4f}  "
-                + (f"kl {record['kl']:.4f}  " if record.get("kl") else "")
+                + (f"kl {record['kl']:.4f}  " if record.get("kl") and math.isfinite(record["kl"]) else "")
                 + f"tau {record['tau']:.3f}  "
                 f"lr {record['lr']:.2e}  |g| {record['grad_norm']:.3f}  "
                 f"{record['tokens_s']:.0f} tok/s  wait {record['wait_s']:.2f}s{flag}")
