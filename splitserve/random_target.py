@@ -2,8 +2,9 @@
 
 For fast tests and dry runs of the plumbing only: a draft trained against it
 learns nothing about acceptance. ``features`` works on token ids; ``generate``
-needs a tokenizer, which exists only when the declared vocabulary is
-SmolLM2's (then SmolLM2's tokenizer is borrowed, converting SmolLM2 once if needed).
+needs a tokenizer, which exists when the declared vocabulary is at most
+SmolLM2's: SmolLM2's tokenizer cut to the first ``vocab_size`` tokens is borrowed
+(:mod:`~draftforge.splitserve.borrowed_tokenizer`; SmolLM2 is converted once if needed).
 """
 
 from __future__ import annotations
@@ -19,9 +20,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from draftforge.splitserve.config import TargetConfig, TargetShape
-
-SMOLLM2_VOCAB_SIZE = 49152
-
 
 def random_llama(shape: TargetShape, *, seed: int, dtype: torch.dtype = torch.float32):
     """A ``LlamaForCausalLM`` of ``shape`` with weights drawn from ``seed`` (global RNG untouched)."""
@@ -58,7 +56,7 @@ def random_llama(shape: TargetShape, *, seed: int, dtype: torch.dtype = torch.fl
 
 
 class RandomTarget(HFTarget):
-    """A random Llama target; its tokenizer is SmolLM2's when the vocabularies match."""
+    """A random Llama target; its tokenizer is SmolLM2's, cut to its vocabulary."""
 
     def __init__(self, model, layer_ids: Sequence[int], *, cache_dir: str | None) -> None:
         super().__init__(model, None, layer_ids, name="random")
@@ -67,20 +65,22 @@ class RandomTarget(HFTarget):
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
-        """SmolLM2's tokenizer when the vocabulary size is 49,152; otherwise an error."""
+        """SmolLM2's tokenizer cut to the vocabulary; an error for a size that has none."""
         if self._tokenizer is None:
-            if self.vocab_size != SMOLLM2_VOCAB_SIZE:
+            from draftforge.splitserve import borrowed_tokenizer as bt
+
+            if not bt.has_tokenizer(self.vocab_size):
                 raise RuntimeError(
                     f"target 'random' has vocab_size {self.vocab_size} and no tokenizer: random "
-                    f"targets support features() on token ids only. Declare "
-                    f"target.shape.vocab_size: {SMOLLM2_VOCAB_SIZE} to borrow SmolLM2's tokenizer "
-                    f"(and chat template), or use a real target for generate()"
+                    f"targets of that size support features() on token ids only. Declare "
+                    f"{bt.MIN_VOCAB} <= target.shape.vocab_size <= {bt.FULL_VOCAB} to borrow "
+                    f"SmolLM2's tokenizer (and chat template) cut to that size, or use a real "
+                    f"target for generate()"
                 )
             from transformers import AutoTokenizer
 
-            from draftforge.splitserve.smollm2 import ensure_smollm2
-
-            self._tokenizer = AutoTokenizer.from_pretrained(str(ensure_smollm2(self._cache_dir)))
+            self._tokenizer = AutoTokenizer.from_pretrained(
+                str(bt.tokenizer_dir(self.vocab_size, self._cache_dir)))
         return self._tokenizer
 
     def eos_token_ids(self) -> list[int]:

@@ -33,13 +33,13 @@ import torch.distributed as dist
 
 from draftforge.config import RecipeConfig, RecipeError
 from draftforge.errors import InputError
+from draftforge.splitserve import borrowed_tokenizer
 from draftforge.splitserve import transport as T
 from draftforge.splitserve.producer import Topology, build_topology
 
 EXIT_PEER_DIED = 3
 EXIT_BAD_INPUT = 2
 MEMBER_WAIT = datetime.timedelta(days=30)  # a tensor-parallel member's wait for its leader
-TOKENIZER_VOCAB = 49152  # random targets borrow SmolLM2's tokenizer only at this vocabulary size
 
 
 def split_problems(
@@ -141,11 +141,12 @@ def split_problems(
             f"split: GPUs {both} are in both target_devices and trainer_devices; give each group its own"
         )
     if cfg.target.model == "random" and cfg.target.shape is not None:
-        if cfg.target.shape.vocab_size != TOKENIZER_VOCAB:
+        if not borrowed_tokenizer.has_tokenizer(cfg.target.shape.vocab_size):
             problems.append(
                 f"target.shape.vocab_size: a random target of vocabulary {cfg.target.shape.vocab_size} "
                 f"has no tokenizer, and target ranks tokenise conversations; declare "
-                f"vocab_size {TOKENIZER_VOCAB} (SmolLM2's tokenizer is borrowed) or use a real target"
+                f"{borrowed_tokenizer.MIN_VOCAB} <= vocab_size <= {borrowed_tokenizer.FULL_VOCAB} "
+                "(SmolLM2's tokenizer cut to that size is borrowed) or use a real target"
             )
     topology = build_topology(split)
     per_link = split.max_in_flight // max(len(topology.sources(r)) for r in topology.trainers)

@@ -509,20 +509,21 @@ def load_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerBase:
     """The target's tokenizer (and chat template) without loading its weights.
 
     For data preparation (chat templates, loss masks) in processes that never
-    run the target. ``random`` targets have one only with SmolLM2's vocabulary.
+    run the target. ``random`` targets borrow SmolLM2's, cut to their vocabulary
+    (:mod:`~draftforge.splitserve.borrowed_tokenizer`), where it has that many tokens.
     """
-    from draftforge.splitserve import smollm2
-    from draftforge.splitserve.random_target import SMOLLM2_VOCAB_SIZE
+    from draftforge.splitserve import borrowed_tokenizer, smollm2
 
     if cfg.model == "random":
         vocab_size = cfg.shape.vocab_size if cfg.shape is not None else None
-        if vocab_size != SMOLLM2_VOCAB_SIZE:
+        if not borrowed_tokenizer.has_tokenizer(vocab_size):
             raise InputError(
                 f"target 'random' with vocab_size {vocab_size} has no tokenizer (random targets "
-                f"support features on token ids only); declare target.shape.vocab_size: "
-                f"{SMOLLM2_VOCAB_SIZE} to borrow SmolLM2's tokenizer"
+                f"of that size support features on token ids only); declare "
+                f"{borrowed_tokenizer.MIN_VOCAB} <= target.shape.vocab_size <= "
+                f"{borrowed_tokenizer.FULL_VOCAB} to borrow SmolLM2's tokenizer cut to that size"
             )
-        folder: str = str(smollm2.ensure_smollm2(cfg.cache_dir))
+        folder: str = str(borrowed_tokenizer.tokenizer_dir(vocab_size, cfg.cache_dir))
     elif cfg.model == smollm2.NAME:
         folder = str(smollm2.ensure_smollm2(cfg.cache_dir))
     else:

@@ -41,12 +41,12 @@ def write_conversations(path: Path, count: int, *, seed: int = 0) -> Path:
 
 def tiny_recipe(tmp: Path, *, trainers: int = 1, steps: int = 12, overrides: dict | None = None,
                 num_conversations: int = 48) -> Path:
-    """A recipe: random target (SmolLM2's vocabulary, so it has a tokenizer), a tiny draft."""
+    """A recipe: random target (SmolLM2's tokenizer cut to 8,192 tokens), a tiny draft."""
     data = write_conversations(tmp / "convs.jsonl", num_conversations)
     recipe = {
         "target": {
             "model": "random", "dtype": "float32", "seed": 0,
-            "shape": {"num_hidden_layers": 4, "hidden_size": 64, "vocab_size": 49152,
+            "shape": {"num_hidden_layers": 4, "hidden_size": 64, "vocab_size": 8192,
                       "num_attention_heads": 4, "num_key_value_heads": 2,
                       "intermediate_size": 128},
             "generation": {"max_new_tokens": 16, "batch_size": 4},

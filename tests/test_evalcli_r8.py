@@ -136,18 +136,22 @@ def test_a_prompts_file_that_is_not_text_is_named(recipe_path, tmp_path, no_targ
     assert _prompts_from_file(str(marked), None) == ({"w": [[1, 2]]}, {"w": [1]})
 
 
-def test_workloads_on_a_target_without_a_tokenizer_are_refused(recipe_path, tmp_path, capsys):
-    """The workloads' prompts are text: a target with no tokenizer (a random one of another
-    vocabulary than SmolLM2's) failed with a RuntimeError traceback, status 1."""
+def test_workloads_on_a_target_without_a_tokenizer_are_refused(tmp_path, capsys):
+    """The workloads' prompts are text: a target with no tokenizer (a random one of a
+    vocabulary smaller than SmolLM2's tokenizer can be cut to) failed with a RuntimeError
+    traceback, status 1."""
     from draftforge.cli import main
 
+    recipe_path = tmp_path / "tiny-debug-128.yaml"
+    recipe_path.write_text(re.sub(r"vocab_size: 49152.*", "vocab_size: 128", TINY_DEBUG.read_text()))
     recipe = load_recipe(recipe_path)
     target = build_target(recipe.target, recipe.draft.target_layer_ids)
-    export_dir = export_draft(tiny_eval_draft(target), tmp_path / "export", progress=lambda _: None)
+    export_dir = export_draft(tiny_eval_draft(target, vocab_size=128), tmp_path / "export",
+                              progress=lambda _: None)
     assert main(["eval", str(export_dir), "--recipe", str(recipe_path), "--workloads", "gsm8k",
                  "--max-new-tokens", "4", "--out", str(tmp_path / "r")]) == 2  # fmt: skip
     err = capsys.readouterr().err
-    assert "workload 'gsm8k': its prompts are text, and target 'random' has vocab_size 512 and no tokenizer" in err
+    assert "workload 'gsm8k': its prompts are text, and target 'random' has vocab_size 128 and no tokenizer" in err
     assert "give --prompts-file with token ids instead" in err
     assert not (tmp_path / "r").exists()
 

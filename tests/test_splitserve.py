@@ -275,7 +275,7 @@ def test_split_checks(tmp_path):
     tp = load_recipe(recipe, ["split.target_ranks=[0,1]", "split.trainer_ranks=[2]",
                               "split.target_tensor_parallel=2"])
     assert any("tensor-parallel target engine" in p for p in split_problems(tp, cuda_devices=0))
-    small = load_recipe(recipe, ["target.shape.vocab_size=512", "draft.mask_token_id=3"])
+    small = load_recipe(recipe, ["target.shape.vocab_size=128", "draft.mask_token_id=3"])
     assert any("has no tokenizer" in p for p in split_problems(small, cuda_devices=0))
     nccl = load_recipe(recipe, ["split.comm_backend=nccl"])
     assert any("train.device is cpu" in p for p in split_problems(nccl, cuda_devices=1))
