@@ -68,7 +68,9 @@ class TargetConfig(Section):
 
     model: str = Field(
         default="smollm2-135m-instruct",
-        description="a registered name (smollm2-135m-instruct), 'random' or a local HF folder",
+        description="a registered name (smollm2-135m-instruct), 'random' (a seeded random Llama of "
+        "target.shape; its tokenizer is SmolLM2's cut to shape.vocab_size, which needs 252 <= "
+        "vocab_size <= 49152) or a local HF folder",
     )
     backend: Literal["hf", "sglang"] = Field(
         default="hf",
