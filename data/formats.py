@@ -153,7 +153,9 @@ def _messages_from_sharegpt(value: Any, where: RowLocation) -> list[dict[str, st
     for i, turn in enumerate(value, start=1):
         if not isinstance(turn, dict):
             raise _fail(where, f"turn {i} must be an object with 'from' and 'value'")
-        if "from" not in turn and "role" in turn:  # SpecForge's prepared data: OpenAI's turns
+        # SpecForge's prepared data: OpenAI's turns; a null 'from' is none (parquet fills the
+        # fields a turn lacks when one column holds turns of both forms)
+        if turn.get("from") is None and turn.get("role") is not None:
             who, what, roles = "role", "content", {role: role for role in ROLES}
         else:
             who, what, roles = "from", "value", SHAREGPT_ROLES
@@ -180,7 +182,14 @@ def _messages_from_prompt(row: dict[str, Any], where: RowLocation) -> list[dict[
     value = row["prompt"]
     if isinstance(value, str):
         turns = [value]
-    elif isinstance(value, list) and all(isinstance(t, str) for t in value):
+    elif isinstance(value, list):
+        for i, turn in enumerate(value, start=1):
+            if not isinstance(turn, str):
+                raise _fail(
+                    where,
+                    f"'prompt' must be a string or a list of strings; its item {i} is "
+                    f"{'null' if turn is None else type(turn).__name__}",
+                )
         turns = list(value)
     else:
         raise _fail(
@@ -220,9 +229,9 @@ def check_structure(
             raise _fail(where, f"{label(i)} is a system message; only the first may be")
     if not any(m["role"] == "user" for m in body):
         raise _fail(where, "the conversation has no user turn")
-    for m in body:
+    for i, m in enumerate(messages):
         if not m["content"].strip() and m["role"] == "user":
-            raise _fail(where, "a user turn is empty")
+            raise _fail(where, f"{label(i)} (user) is empty")
     if expect == "prompt":
         # Assistant turns are replaced by the target; only the user turns' order matters.
         if body[0]["role"] != "user":
@@ -305,7 +314,9 @@ def parse_row(
         _check_unicode(message["content"], where, what)
     extra = {k: v for k, v in row.items() if k not in ("id", "messages", "conversations", "prompt")}
     if "unfinished_turns" in extra:  # written by 'data regenerate': replies cut at the limit
-        extra["unfinished_turns"] = _unfinished_turns(extra["unfinished_turns"], messages, where)
+        # indices into the row's own list, which a top-level 'system' key does not shift
+        own = _unfinished_turns(extra["unfinished_turns"], messages[len(system):], where)
+        extra["unfinished_turns"] = [i + len(system) for i in own]
     if expect == "prompt":  # the target writes new replies: the old ones go, and which were cut
         messages = [m for m in messages if m["role"] != "assistant"]
         extra.pop("unfinished_turns", None)

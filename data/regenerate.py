@@ -217,7 +217,7 @@ def _read_rows(
     and whether its last line was torn. Read line by line: a checked file of any size costs
     one row of memory."""
     rows = []
-    torn = False
+    torn = blank = False
     bad: tuple[int, ValueError] | None = None  # an unparsable line: torn if it is the last
     with path.open("rb") as lines:
         for number, line in enumerate(lines, start=1):
@@ -226,6 +226,11 @@ def _read_rows(
             if not line.endswith(b"\n"):  # bytes after the last newline: the last write was cut
                 torn = True
                 break
+            # a blank line (an edit; none is written here) is no row, as the data loader
+            # skips it; the last line blank is taken as an unparsable last line, rewritten
+            blank = not line.strip()
+            if blank:
+                continue
             try:
                 row = json.loads(line)
             except ValueError as exc:
@@ -238,7 +243,7 @@ def _read_rows(
             if keep is None or keep(row, number):
                 rows.append(row)
     # a cut inside the last line's bytes that happens to end in "\n"
-    return rows, torn or bad is not None
+    return rows, torn or blank or bad is not None
 
 
 def _asked(messages: Sequence[dict[str, str]]) -> list[tuple[str, str]]:

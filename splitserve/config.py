@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from draftforge.argtypes import MAX_SEED
 from draftforge.precision import resolve_auto
@@ -58,9 +58,25 @@ class GenerationConfig(Section):
         default=False, description="passed to the chat template; must match serving"
     )
     chat_template: str | None = Field(
-        default=None, description="a Jinja template replacing the tokenizer's own"
+        default=None,
+        description="the Jinja text of a template replacing the tokenizer's own (its text, not a "
+        "file path: a value without {{ or {% is refused)",
     )
     batch_size: int = Field(default=8, gt=0, description="conversations generated together")
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_text(cls, value: str | None) -> str | None:
+        # a file path (SGLang's --chat-template takes one) is no template: rendered as it
+        # stands, it is every conversation's prompt, and regeneration answers the path
+        if value is not None and "{{" not in value and "{%" not in value:
+            shown = value if len(value) <= 60 else value[:57] + "..."
+            raise ValueError(
+                f"{shown!r} has no Jinja markup ({{{{ or {{%): the option takes the template's "
+                "Jinja text (e.g. as a YAML block scalar, chat_template: |), not a file path "
+                "or a template name"
+            )
+        return value
 
 
 class TargetConfig(Section):

@@ -82,7 +82,7 @@ def test_parquet_row_errors_name_the_row(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows), path)
     with pytest.raises(DataFormatError) as err:
         load_conversations([str(path)])
-    assert str(err.value) == f"{path}, row 2: a user turn is empty"
+    assert str(err.value) == f"{path}, row 2: turn 1 (user) is empty"
 
 
 def test_error_unsupported_extension(tmp_path):
