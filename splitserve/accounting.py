@@ -177,6 +177,7 @@ class ConsumerAccounting:
         self._untrained: dict[str, int] = {}  # taken, not yet in a step: sample id -> tokens
         self._last: dict | None = None
         self._last_window: dict | None = None
+        self._first_step: dict | None = None  # the totals at this run's first step's end
 
     # -- feeding
     def on_take(self, depth: int, tokens: int, waited_s: float, sample_id: str | None = None) -> None:
@@ -205,6 +206,8 @@ class ConsumerAccounting:
         self.step_wait_s += float(record.get("wait_s", 0.0))
         self.steps += 1
         self.stepped = time.perf_counter()
+        if self.steps == 1:
+            self._first_step = self._totals()
 
     # -- reading
     def producer_idle_wall(self) -> tuple[float, float]:
@@ -314,12 +317,23 @@ class ConsumerAccounting:
     def credit_advice(self, s: dict) -> str | None:
         """Both sides idle at once while a step packs more samples than the credits hold: the
         target stops after ``credits`` samples, the trainer then waits for the rest of its
-        next step, and neither rate is the limit (no split advice helps; more credits do)."""
+        next step, and neither rate is the limit (no split advice helps; more credits do).
+
+        Judged in the steady state, after this run's first step, whose wait is the pipeline's
+        fill (the target's first chunk), not the credits: ``s`` (the whole run) only where
+        no step and no producer report came after it. A step of exactly ``credits`` samples
+        is enough: the trainer already holds the next batch's first sample (the packer took
+        it to close the batch), so ``credits`` more close the next batch."""
+        steady = self.snapshot(since=self._first_step) if self._first_step is not None else None
+        if steady is not None and steady["consumer"]["wall_s"] > 0 and steady["producer"]["wall_s"] > 0:
+            s, steps, samples = steady, self.steps - 1, steady["samples"]
+        else:
+            steps, samples = self.steps, self.samples
         p, c = s["producer"], s["consumer"]
-        if not self.steps or p["idle_share"] <= 0.1 or c["idle_share"] <= 0.1:
+        if not steps or p["idle_share"] <= 0.1 or c["idle_share"] <= 0.1:
             return None
-        per_step = self.samples / self.steps
-        if per_step < self.credits:
+        per_step = samples / steps
+        if per_step <= self.credits:
             return None
         return (f"  both sides waited (target idle {p['idle_share']:.0%}, trainer idle "
                 f"{c['idle_share']:.0%}): a step took {per_step:.1f} samples and the trainer's "

@@ -33,7 +33,11 @@ One job with the recipe's split (started like draftforge train, loopback only) r
      included, printed for comparison, and the ratio's rate when there is no
      steady one.
 
-Rates are tokens per second summed over the group's ranks. It prints
+Rates are tokens per second summed over the group's ranks, except that the producers'
+is what the trainers can take of it: they step in lockstep on equal shares, so where the
+target ranks do not divide the trainers evenly (3 targets feeding 2 trainers) the least fed
+trainer sets the pace (:func:`~draftforge.splitserve.accounting.feed_rate`; the sum is
+printed beside it). It prints
 ``end-to-end / min(producer, consumer)``; the last line is machine-readable::
 
     split_efficiency=<ratio> trainer_idle=<share> target_idle=<share>
@@ -61,7 +65,7 @@ import torch.distributed as dist
 from draftforge.errors import InputError
 from draftforge.files import write_atomic
 from draftforge.splitserve import transport as T
-from draftforge.splitserve.accounting import Meter
+from draftforge.splitserve.accounting import Meter, feed_rate
 
 RESULT_ENV = "DRAFTFORGE_BENCH_OUT"
 MIN_STEADY_CHUNKS = 4  # whole chunks per link in the steady window
@@ -308,7 +312,7 @@ def bench_trainer_rank(ctx, trainer, bench: dict, *, acks: T.AckLink) -> None:
         merged = values.tolist()
     if ctx.rank != cfg.split.trainer_ranks[0]:
         return
-    result = bench_result(steps, merged)
+    result = bench_result(steps, merged, topology=ctx.topology)
     out = os.environ.get(RESULT_ENV)
     if out:
         write_atomic(Path(out), json.dumps(result))
@@ -331,14 +335,29 @@ def merge_rank_values(sums: Sequence[float], maxes: Sequence[float], num_ranks: 
     return [pick[how](i) for i, (_, how) in enumerate(RANK_VALUES)]
 
 
-def bench_result(steps: int, values: Sequence[float]) -> dict:
+def paced_producer_rate(summed_tok_s: float, topology) -> float:
+    """What the trainers of ``topology`` can take of phase 1's ``summed_tok_s`` (all producers'
+    tokens over the slowest one's wall). Each producer computed tokens for its own trainers, so
+    where one feeds more trainers than another it took longer and the sum already runs at its
+    pace; where some trainer has fewer producers than another, the others' surplus is never
+    taken (:func:`feed_rate` of the mean producer's rate)."""
+    loads = [len(topology.dests(p)) for p in topology.producers]
+    capacity = summed_tok_s * max(loads) / sum(loads)  # the most loaded producer's rate
+    return feed_rate(len(topology.producers), len(topology.trainers), capacity)
+
+
+def bench_result(steps: int, values: Sequence[float], topology=None) -> dict:
     """The result of the three phases from the (merged) :data:`RANK_VALUES`: the rates, the
-    idle shares and end-to-end / min(producer, consumer)."""
+    idle shares and end-to-end / min(producer, consumer). With the job's ``topology``, the
+    producers' rate is what its trainers can take (:func:`paced_producer_rate`), and
+    ``producer_summed_tok_s`` the sum where that is less."""
     (p_tok, p_wall, c_tok, c_wall, e_tok, e_wall, wait, target_idle, s_rate, s_chunks,
      no_steady, s_idle) = values
+    summed = p_tok / max(p_wall, 1e-9)
+    paced = summed if topology is None else paced_producer_rate(summed, topology)
     result = {
         "steps": steps,
-        "producer_tok_s": p_tok / max(p_wall, 1e-9),
+        "producer_tok_s": paced,
         "consumer_tok_s": c_tok / max(c_wall, 1e-9),
         "from_empty_tok_s": e_tok / max(e_wall, 1e-9),
         "steady_tok_s": None if no_steady else s_rate,
@@ -347,6 +366,8 @@ def bench_result(steps: int, values: Sequence[float]) -> dict:
         "steady_trainer_idle": None if no_steady else s_idle,
         "target_idle": target_idle,
     }
+    if paced < summed * (1 - 1e-9):
+        result["producer_summed_tok_s"] = summed
     slower = max(1e-9, min(result["producer_tok_s"], result["consumer_tok_s"]))
     result["from_empty_efficiency"] = result["from_empty_tok_s"] / slower
     result["end_to_end_tok_s"] = result["steady_tok_s"] or result["from_empty_tok_s"]
@@ -362,8 +383,12 @@ def bench_result(steps: int, values: Sequence[float]) -> dict:
 def report(result: dict) -> str:
     """The human-readable lines and the final machine-readable one."""
     faster = "producer" if result["producer_tok_s"] >= result["consumer_tok_s"] else "consumer"
+    uneven = ""
+    if result.get("producer_summed_tok_s"):
+        uneven = (f" (what the trainers, in lockstep, can take of the target ranks' "
+                  f"{result['producer_summed_tok_s']:.1f}: they feed the trainers unevenly)")
     lines = [
-        f"producer alone            : {result['producer_tok_s']:8.1f} tok/s",
+        f"producer alone            : {result['producer_tok_s']:8.1f} tok/s{uneven}",
         f"consumer alone            : {result['consumer_tok_s']:8.1f} tok/s (from memory)",
     ]
     if result["steady_tok_s"]:

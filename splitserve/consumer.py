@@ -9,6 +9,7 @@ of samples, which the producers fix (see :mod:`draftforge.splitserve.producer`).
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterable, Iterator
 
@@ -46,6 +47,7 @@ class ConsumerStream:
         self.max_depth = 0
         self.heartbeat_s = heartbeat_s
         self._stopped = False
+        self.warning: str | None = None  # a producer lost after the last step (see stop)
 
     def samples(self) -> Iterator[Sample]:
         """Yield samples until every producer has ended its stream."""
@@ -82,22 +84,34 @@ class ConsumerStream:
         heartbeats meanwhile; one silent for ``timeout_s`` is given up on).
 
         Returns the number of samples dropped (they were never consumed, so a
-        later run gets them again).
+        later run gets them again). The trainer has taken all it needs by now: a producer
+        that died meanwhile ends the drain with a warning (kept in :attr:`warning`), not
+        an error that would fail a finished run.
         """
         if self._stopped:
             return 0
         self._stopped = True
-        self.acks.stop()
-        dropped = 0
-        while True:
-            item = self.receiver.get(max_wait_s=1.0)
-            if item is None:
-                break
-            if item is T.SampleReceiver.IDLE:
-                if time.monotonic() - self.receiver.heard > timeout_s:
+        dropped, lost = 0, None
+        try:
+            self.acks.stop()
+        except T.PeerDied as exc:  # the others were told: drain them
+            lost = exc
+        try:
+            while True:
+                item = self.receiver.get(max_wait_s=1.0)
+                if item is None:
                     break
-                continue
-            dropped += 1
+                if item is T.SampleReceiver.IDLE:
+                    if time.monotonic() - self.receiver.heard > timeout_s:
+                        break
+                    continue
+                dropped += 1
+        except T.PeerDied as exc:
+            lost = lost or exc
+        if lost is not None:
+            self.warning = (f"warning: after this trainer's last step, {lost}; its steps are "
+                            "done, the stream's end not waited for")
+            print(self.warning, file=sys.stderr, flush=True)
         self.receiver.join(timeout=5.0)
         return dropped
 

@@ -268,6 +268,57 @@ def _rope_note(cfg: RecipeConfig) -> str | None:
     return None if problem is None else f"note: training would refuse: {problem}"
 
 
+def uneven_feed_note(topology, tensor_parallel: int = 1) -> str:
+    """Where the producers do not divide the trainers evenly (or these them): which producer or
+    trainer sets the pace, and what the target side feeds (:func:`feed_rate`) against the sum
+    of its producers. Nothing for an even split."""
+    from draftforge.splitserve.accounting import feed_rate
+
+    num_p, num_r = len(topology.producers), len(topology.trainers)
+    factor = feed_rate(num_p, num_r, 1.0)
+    if factor >= num_p:
+        return ""
+
+    def ranks(kind: str, chosen: list[int], total: int, verb: str) -> tuple[str, str, str]:
+        """``kind rank(s) X, Y``, then ``each `` or nothing, and ``others VERB`` or ``another VERBs``."""
+        plural = len(chosen) > 1
+        return (f"{kind} rank{'s' if plural else ''} {', '.join(map(str, chosen))}",
+                "each " if plural else "",
+                f"others {verb}" if total - len(chosen) > 1 else f"another {verb}s")
+
+    if num_p <= num_r:
+        loads = {p: len(topology.dests(p)) for p in topology.producers}
+        most = max(loads.values())
+        busy = [p for p, n in loads.items() if n == most]
+        name, each, others = ranks("target", busy, num_p, "feed")
+        who = f"{name}, feeding {most} trainer ranks {each}where {others} {min(loads.values())},"
+    else:
+        fed = {r: len(topology.sources(r)) for r in topology.trainers}
+        fewest = min(fed.values())
+        slow = [r for r, n in fed.items() if n == fewest]
+        name, each, others = ranks("trainer", slow, num_r, "get")
+        unit = "tensor-parallel target group" if tensor_parallel > 1 else "target rank"
+        who = (f"{name}, fed by {fewest} {unit}{'s' if fewest > 1 else ''} {each}where {others} "
+               f"{max(fed.values())},")
+    one = "one tensor-parallel target group's" if tensor_parallel > 1 else "one target rank's"
+    return (f"  uneven: the trainer ranks step in lockstep on equal shares of the data, so {who} "
+            f"set{'s' if not each else ''} the pace: the target side feeds at most {factor:.3g} x "
+            f"{one} rate, not {num_p} x")
+
+
+def _shared_credits(split, topology) -> str:
+    """What a trainer fed by several target ranks holds: each link gets an equal whole share
+    of ``split.max_in_flight`` (the rest is never used)."""
+    shares = []
+    for count in sorted({len(topology.sources(r)) for r in topology.trainers}):
+        if count > 1:
+            per_link = split.max_in_flight // count
+            unit = "tensor-parallel target groups" if split.target_tensor_parallel > 1 else "target ranks"
+            shares.append(f"a trainer fed by {count} {unit}: {per_link} per link, "
+                          f"{per_link * count} in all")
+    return f" ({'; '.join(shares)})" if shares else ""
+
+
 def dry_run(cfg: RecipeConfig) -> str:
     """The dry-run report."""
     split = cfg.split
@@ -293,9 +344,10 @@ def dry_run(cfg: RecipeConfig) -> str:
                          f"{group[0]} (its engine and feature runner run tensor-parallel over the group)")
     for producer in topology.producers:
         lines.append(f"  target rank {producer} feeds trainer ranks {topology.dests(producer)}")
+    lines += filter(None, [uneven_feed_note(topology, split.target_tensor_parallel)])
     lines.append(
-        f"  credits: {split.max_in_flight} samples in flight per trainer; batches of "
-        f"{split.token_budget} padded tokens"
+        f"  credits: {split.max_in_flight} samples in flight per trainer{_shared_credits(split, topology)}; "
+        f"batches of {split.token_budget} padded tokens"
     )
     lines += [
         "",

@@ -291,7 +291,11 @@ def recv_tensor(src: int, *, group=None, device: torch.device | str = "cpu",
     """Receive a tensor sent by :func:`send_tensor` (heartbeats before it skipped; ``what``
     names it in errors)."""
     head = _recv_head(src, group, device, f"waiting for {what}", (TENSOR,))
-    dtype, ndim = CODE_DTYPES[head[2]], head[3]
+    dtype, ndim = CODE_DTYPES.get(head[2]), head[3]
+    if dtype is None or not 0 <= ndim <= 4 or any(d < 0 for d in head[4 : 4 + ndim]):
+        raise WireError(f"rank {src} sent a malformed tensor header {head} for {what} "
+                        f"(dtype code {head[2]}: known codes {sorted(CODE_DTYPES)}; at most 4 "
+                        "dimensions, none negative)")
     out = torch.empty(head[4 : 4 + ndim], dtype=dtype, device=device)
     _recv(out, src, group, "target", f"receiving {what}")
     return out
@@ -503,11 +507,18 @@ class AckLink(_Heartbeat):
 
     def stop(self) -> None:
         """End the heartbeat, then tell every producer to stop: its last message from here
-        (a producer stops listening once all its trainers have stopped)."""
+        (a producer stops listening once all its trainers have stopped). A producer that
+        died is skipped, and its :class:`PeerDied` raised once the others were told."""
         self.close()
+        first: PeerDied | None = None
         with self.lock:
-            for src in self.sources:
-                send_ack(src, self.consumed[src], stop=True, group=self._group)
+            for src in self.sources:  # a dead producer does not keep the stop from the others
+                try:
+                    send_ack(src, self.consumed[src], stop=True, group=self._group)
+                except PeerDied as exc:
+                    first = first or exc
+        if first is not None:
+            raise first
 
 
 class CreditGate:
