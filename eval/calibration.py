@@ -7,7 +7,7 @@ therefore gives one labelled sample per position it reached: positions
 a temperature ``T_k`` minimises the log loss of ``sigmoid(z_k / T_k)`` on
 fitting rounds; the expected calibration error (ECE, equal-width bins) is
 measured before and after on held-out rounds: ``draftforge eval`` holds out every
-second prompt, so they come from other prompts than the fitted rounds. It is the
+second prompt of each workload, so they come from other prompts than the fitted rounds. It is the
 error of each position's own acceptance given the earlier ones were accepted, in
 10 bins; SGLang's own fitter writes, under the same names, the error of the
 cumulative (survival) probability in 15 bins, so the ECE figures of the two are not
@@ -98,14 +98,15 @@ def calibrate(
     *,
     dataset: str = "",
     holdout_every: int = 2,
-    prompt_ids: Sequence[Hashable] | None = None,
+    prompt_ids: Sequence[tuple[Hashable, int]] | None = None,
 ) -> dict:
     """Fit one temperature per position on most samples and measure ECE on the held-out rest.
 
-    With ``prompt_ids`` (the prompt each sample came from, as ``draftforge eval`` passes), every
-    ``holdout_every``-th prompt is held out, in order of first appearance: the held-out rounds
-    come from other prompts than the fitted ones, so the ECE after is not an in-sample
-    figure. Without, every ``holdout_every``-th sample of a position is held out
+    With ``prompt_ids`` (each sample's ``(workload, prompt index in that workload)``, as
+    ``draftforge eval`` passes), every ``holdout_every``-th prompt of each workload is held out
+    (index ``holdout_every - 1``, ``2 * holdout_every - 1``, ...; a prompt that gave no sample
+    still counts): the held-out rounds come from other prompts than the fitted ones, so the
+    ECE after is not an in-sample figure. Without, every ``holdout_every``-th sample of a position is held out
     (deterministic). ECE before and after is measured on the held-out samples alone. A position with fewer than
     ``MIN_FIT_SAMPLES`` fitting samples keeps T = 1; one without held-out samples
     reports ECE 0 (SGLang's fields are plain floats); ``fit_samples`` and
@@ -116,13 +117,15 @@ def calibrate(
     held_out: list[tuple[int, float, float]] = []
     if prompt_ids is not None and len(prompt_ids) != len(samples):
         raise ValueError(f"{len(prompt_ids)} prompt ids for {len(samples)} samples")
-    order = {} if prompt_ids is None else {p: i for i, p in enumerate(dict.fromkeys(prompt_ids))}
+    for n, prompt in enumerate(prompt_ids or ()):
+        if not (isinstance(prompt, tuple) and len(prompt) == 2 and isinstance(prompt[1], int) and prompt[1] >= 0):
+            raise ValueError(f"prompt_ids[{n}] must be a (workload, prompt index >= 0) pair, got {prompt!r}")
     for k in range(block_size):
         at_k = [i for i, sample in enumerate(samples) if sample[0] == k]
         if prompt_ids is None:
             held = {i for n, i in enumerate(at_k) if n % holdout_every == holdout_every - 1}
         else:
-            held = {i for i in at_k if order[prompt_ids[i]] % holdout_every == holdout_every - 1}
+            held = {i for i in at_k if prompt_ids[i][1] % holdout_every == holdout_every - 1}
         fit_rows = [samples[i][1:] for i in at_k if i not in held]
         held_rows = [samples[i][1:] for i in at_k if i in held]
         temperature = 1.0

@@ -227,6 +227,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "confidence head, and this draft has none (enable_confidence_head false, as in "
                 "the DFlash ablation); use --verify full and leave out --calibrate"
             )
+    if args.calibrate and (num_prompts == 1 or (file_prompts and max(map(len, file_prompts.values())) < 2)):
+        # every second prompt of each workload is held out: with one a workload, none would be
+        given = (f"{args.prompts_file} holds one prompt a workload" if num_prompts != 1
+                 else "--num-prompts is 1" if args.num_prompts else "the recipe's eval.num_prompts is 1")
+        raise InputError(
+            f"draftforge eval: --calibrate {args.calibrate}: every second prompt of each workload is "
+            f"held out to measure the ECE after fitting, and {given}, so none would be: give a "
+            "workload 2 prompts or more (one to fit on, one held out)"
+        )
     placement = None
     if len(devices) > 1:
         placement = spread_placement(devices, reserve_first_bytes=_draft_bytes(draft_cfg))
@@ -308,11 +317,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "pooled_ece_before": pooled_ece(held_out),
             "pooled_ece_after": pooled_ece(held_out, calibration["temperatures"]),
         }
+        ece = (f"ECE (pooled over the {len(held_out)} held-out samples) "
+               f"{meta['calibration']['pooled_ece_before']:.4f} -> {meta['calibration']['pooled_ece_after']:.4f}"
+               if held_out else "no ECE: the held-out prompts (every second of each workload) "
+               "verified no draft position")
         print(
             f"eval: calibration written to {args.calibrate}: temperatures "
-            f"{[round(t, 3) for t in calibration['temperatures']]}, ECE (pooled over the "
-            f"{len(held_out)} held-out samples) {meta['calibration']['pooled_ece_before']:.4f} -> "
-            f"{meta['calibration']['pooled_ece_after']:.4f}"
+            f"{[round(t, 3) for t in calibration['temperatures']]}, {ece}"
         )
     paths = write_report(results, args.out, meta, block_size=draft_cfg.block_size)
     print(paths["markdown"].read_text())

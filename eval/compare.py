@@ -30,6 +30,10 @@ from draftforge import argtypes
 from draftforge.errors import InputError
 from draftforge.eval.uncertainty import DRAWS, LEVEL, SEED, PromptTotals, by_workload
 
+# The bootstrap holds draws x prompts resampled indices of a workload at once, and a gathered
+# copy: about 16 bytes each, so this bounds its memory at about 1.6 GB.
+MAX_RESAMPLED = 100_000_000
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -42,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--b-method", help="method of B (default: dspark when B is another report, else ngram)"
     )
-    parser.add_argument("--draws", type=int, default=DRAWS, help=f"bootstrap draws (default: {DRAWS})")
+    parser.add_argument("--draws", type=int, default=DRAWS, help=f"bootstrap draws (default: {DRAWS}; at most "
+                        f"{MAX_RESAMPLED:,} divided by the largest workload's prompts)")
     parser.add_argument("--level", type=float, default=LEVEL, help=f"interval level (default: {LEVEL})")
     parser.add_argument("--seed", type=argtypes.non_negative_int, default=SEED,
                         help=f"bootstrap seed, 0 or more (default: {SEED})")
@@ -259,6 +264,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     pairs = paired_totals(a, args.a_method, b, b_method)
     notes = check_same_decoding(a, args.a_method, b, b_method)
+    largest = max(pairs, key=lambda name: len(pairs[name][0]))
+    prompts = len(pairs[largest][0])
+    if args.draws * prompts > MAX_RESAMPLED:
+        most = MAX_RESAMPLED // prompts
+        needed = math.ceil(round(2 / (1 - args.level), 9))
+        level = f"; --level {args.level:g} needs {needed:,}: lower it" if needed > most else ""
+        raise InputError(
+            f"--draws {args.draws:,}: each draw resamples the {prompts} prompts of workload "
+            f"{largest!r}, {args.draws * prompts:,} prompt indices held in memory at once (about "
+            f"{16 * args.draws * prompts / 1e9:.0f} GB); give at most {most:,} draws (the default "
+            f"is {DRAWS:,}){level}"
+        )
     kw = {"draws": args.draws, "level": args.level, "seed": args.seed}
     print(
         f"eval compare: {a[0]} ({args.a_method}) minus {b[0]} ({b_method}), paired on the same "

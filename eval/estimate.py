@@ -46,6 +46,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
+from draftforge.errors import InputError
 from draftforge.eval.baselines import ngram_lookup
 from draftforge.eval.speculative import check_draft_sampling, matching_prefix, sampling_probs
 from draftforge.train.blocks import sample_anchors
@@ -97,6 +98,20 @@ def sampled_acceptance(
     return both.sum(-1)
 
 
+def check_target_layers(draft, target) -> None:
+    """Refuse a target that captures other layers than the draft reads: the estimate takes the
+    draft's auxiliary features from ``target.features`` (the layers the target was built with),
+    while decoding captures the draft's ``target_layer_ids``, so a mismatch of the same count
+    would give a plausible but wrong tau (and of another count, a shape error naming nothing)."""
+    built, wanted = getattr(target, "layer_ids", None), list(draft.config.target_layer_ids)
+    if built is not None and list(built) != wanted:
+        raise InputError(
+            f"train-time estimate: target {getattr(target, 'name', '?')!r} captures layers {list(built)} "
+            f"but the draft reads target_layer_ids {wanted}; build the target with the draft's "
+            "target_layer_ids"
+        )
+
+
 def _ids(token_ids: Collection[int], device) -> torch.Tensor:
     return torch.tensor(sorted(token_ids), dtype=torch.long, device=device)
 
@@ -127,6 +142,7 @@ def train_time_estimate(
     where the greedy runs (``tau_greedy``, the lookup's) stop without the bonus (:func:`accepted_run`),
     and whose acceptance ``tau_sampled`` does not count (:func:`sampled_acceptance`).
     """
+    check_target_layers(draft, target)
     draft = draft.eval()
     gamma = draft.config.block_size
     device = draft.fc.weight.device

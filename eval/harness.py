@@ -9,7 +9,7 @@ checked lossless against plain decoding, prompt by prompt.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -17,7 +17,7 @@ import torch
 from draftforge.errors import InputError
 from draftforge.eval.baselines import NgramProposer, NoDraft
 from draftforge.eval.calibration import round_samples
-from draftforge.eval.estimate import train_time_estimate
+from draftforge.eval.estimate import check_target_layers, train_time_estimate
 from draftforge.eval.speculative import (
     DecodeResult,
     DecodeSettings,
@@ -49,6 +49,17 @@ class EvalSettings:
     tie_tolerance: float = 1e-3
     estimate: bool = True
     estimate_anchors: int = 64
+
+    def __post_init__(self) -> None:
+        # a misspelt baseline would be left out of every report without a word (the CLI checks
+        # --baselines; a library caller's tuple, or a bare string, is checked here)
+        known = tuple(m for m in METHODS if m != "dspark")
+        baselines = self.baselines
+        if isinstance(baselines, str) or not isinstance(baselines, Collection) or not all(m in known for m in baselines):
+            raise InputError(
+                f"EvalSettings.baselines must be a sequence of names out of {', '.join(known)}, "
+                f"got {self.baselines!r}"
+            )
 
 
 @dataclass
@@ -126,6 +137,8 @@ def run_workload(
     gamma = draft.config.block_size
     check_prompt_lengths(prompts, settings.max_new_tokens, draft.config.max_position_embeddings,
                          lambda index: f"workload {name!r}, prompt {index}")
+    if settings.estimate:  # before minutes of decoding, not after
+        check_target_layers(draft, target)
     decode = DecodeSettings(
         max_new_tokens=settings.max_new_tokens,
         temperature=settings.temperature,

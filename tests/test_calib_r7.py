@@ -93,8 +93,8 @@ def test_estimate_slot_c_star_is_undefined_where_no_slot_is_valid():
 
 
 def test_calibration_holds_out_whole_prompts_when_told_which_prompt_each_sample_is_from():
-    """draftforge eval passes each sample's (workload, prompt): every second prompt, in order
-    of appearance, is held out whole, so no held-out round comes from a fitted prompt."""
+    """draftforge eval passes each sample's (workload, prompt): every second prompt of each
+    workload is held out whole, so no held-out round comes from a fitted prompt."""
     from draftforge.eval.calibration import calibrate
 
     samples, prompt_ids = [], []
@@ -104,7 +104,7 @@ def test_calibration_holds_out_whole_prompts_when_told_which_prompt_each_sample_
                 samples.append((k % 2, z + len(samples) / 100, float(z > 0)))
                 prompt_ids.append(prompt)
     calibration = calibrate(samples, block_size=2, prompt_ids=prompt_ids)
-    held_prompts = {("w", 1), ("v", 0)}  # the 2nd and 4th prompts to appear
+    held_prompts = {("w", 1), ("v", 1)}  # the 2nd prompt of each workload
     want = [(s[0], s[1], s[2]) for s, p in zip(samples, prompt_ids, strict=True) if p in held_prompts]
     assert sorted(calibration["held_out"]) == sorted(want)
     assert sum(calibration["held_out_samples"]) == 18 and sum(calibration["fit_samples"]) == 27

@@ -181,7 +181,7 @@ def test_calibration_without_samples_writes_the_report_and_exits_2(recipe_path, 
     export_dir = export_draft(tiny_eval_draft(target), tmp_path / "export", progress=lambda _: None)
     monkeypatch.setattr(eval_cli, "_eos_ids", lambda target: list(range(512)))
     out = tmp_path / "r"
-    assert main(["eval", str(export_dir), "--recipe", str(recipe_path), "--prompts-file", str(_prompts(tmp_path)),
+    assert main(["eval", str(export_dir), "--recipe", str(recipe_path), "--prompts-file", str(_prompts(tmp_path, 2)),
                  "--max-new-tokens", "4", "--calibrate", str(tmp_path / "sts.json"),
                  "--out", str(out)]) == 2  # fmt: skip
     err = capsys.readouterr().err
