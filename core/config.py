@@ -169,13 +169,20 @@ def _parse_yaml(text: str, source: str) -> tuple[Any, dict[KeyPath, int], list[s
 def _index_lines(
     node: yaml.Node, path: KeyPath, lines: dict[KeyPath, int], problems: list[str], source: str
 ) -> None:
-    """Record the 1-based line of every key path; report duplicate and non-string keys."""
+    """Record the 1-based line of every key path; report duplicate and non-string keys.
+    A key that a merge (``<<: *anchor``) brings in is at the line of that merge: the anchor's
+    own lines are shared by every mapping that merges it."""
     if isinstance(node, yaml.MappingNode):
         seen: dict[str, int] = {}
+        merged: dict[KeyPath, int] = {}
         for key_node, value_node in node.value:
             line = key_node.start_mark.line + 1
             if not isinstance(key_node, yaml.ScalarNode) or key_node.tag != "tag:yaml.org,2002:str":
                 if key_node.tag == "tag:yaml.org,2002:merge":
+                    # its problems are reported where the anchor is defined
+                    sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+                    for source_node in sources:
+                        merged.update(dict.fromkeys(_key_paths(source_node, path), line))
                     continue
                 shown = _dotted(path) or "top level"
                 problems.append(
@@ -193,10 +200,32 @@ def _index_lines(
             # YAML keeps the last value, so its problems are reported at the last line
             lines[path + (key,)] = line
             _index_lines(value_node, path + (key,), lines, problems, source)
+        for merged_path, merged_line in merged.items():  # an explicit key replaces a merged one, whole
+            if merged_path[len(path)] not in seen:
+                lines[merged_path] = merged_line
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
             lines[path + (index,)] = item.start_mark.line + 1
             _index_lines(item, path + (index,), lines, problems, source)
+
+
+def _key_paths(node: yaml.Node, path: KeyPath) -> list[KeyPath]:
+    """Every key path a node gives under ``path``, merged keys included."""
+    out: list[KeyPath] = []
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+                for source_node in sources:
+                    out += _key_paths(source_node, path)
+            elif isinstance(key_node, yaml.ScalarNode) and key_node.tag == "tag:yaml.org,2002:str":
+                out.append(path + (key_node.value,))
+                out += _key_paths(value_node, path + (key_node.value,))
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            out.append(path + (index,))
+            out += _key_paths(item, path + (index,))
+    return out
 
 
 # --------------------------------------------------------------------------- overrides
@@ -922,6 +951,8 @@ def validate_recipe(
                                    "in one of the two"])
         override_paths[path] = text
         given.update(dict.fromkeys(sets, text))
+    # an empty override (train.loss= or train.loss=null) means "all defaults" too, as in the file
+    _fill_empty_sections(data, RecipeConfig)
     if name is not None:
         data.setdefault("name", name)
     locator = _Locator(source, lines or {}, given)

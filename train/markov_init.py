@@ -22,7 +22,8 @@ first step instead of learning it from random weights:
   a row constant). Where the table's rank is below the head's, ``W2``'s spare columns
   are zero and ``W1``'s keep the draft's seeded random init: the product is still the
   table, and those columns learn (zero in both factors, neither would ever get a
-  gradient).
+  gradient). A table that centres to all zeros (one distinct next token) has rank 0:
+  ``W2`` is zero and all of ``W1`` keeps its init.
 - a ``gated`` head multiplies ``W1[prev]`` by ``sigmoid(gate_proj([h; W1[prev]]))``:
   its ``gate_proj`` is zeroed, so the gate is exactly 1/2 whatever the hidden state,
   and ``W2`` is doubled, so the head starts as the same table with the gate still in
@@ -98,6 +99,19 @@ def init_markov_bigram(model, sequences: Iterable[Sequence[int]]) -> str:
             "(draft.markov_rank > 0, draft.markov_head_type vanilla or gated)"
         )
     rows, cols, scores = bigram_scores(sequences)
+    energy = float((scores**2).sum())
+    if energy == 0.0:
+        # Every kept previous token scores the next tokens alike (one next token, say): the
+        # centred table is zero, a rank-0 table: W2 zero, W1 keeps its random init, all learn.
+        head.markov_w2.weight.zero_()
+        if head.head_type == "gated":
+            head.gate_proj.weight.zero_()
+            head.gate_proj.bias.zero_()
+        return (
+            f"markov head initialised as a bigram of the training samples: {len(rows)} previous x "
+            f"{len(cols)} next tokens, whose centred table is all zeros (every previous token "
+            "predicts the same next tokens): the head starts with no correction"
+        )
     rank = min(head.rank, *scores.shape)
     with torch.random.fork_rng(devices=[]):  # randomised SVD, oversampled for accuracy
         torch.manual_seed(SVD_SEED)
@@ -116,7 +130,7 @@ def init_markov_bigram(model, sequences: Iterable[Sequence[int]]) -> str:
         head.gate_proj.weight.zero_()
         head.gate_proj.bias.zero_()
         w2.mul_(2.0)
-    kept = float((s**2).sum() / (scores**2).sum())
+    kept = float((s**2).sum()) / energy
     return (
         f"markov head initialised as a rank-{rank} bigram of the training samples: "
         f"{len(rows)} previous x {len(cols)} next tokens, {kept:.0%} of the table's energy"

@@ -469,6 +469,14 @@ class DSparkDraft(nn.Module):
 
     def fuse_context(self, aux: torch.Tensor) -> torch.Tensor:
         """aux [B, S, K*H_t] -> ctx [B, S, H]."""
+        cfg = self.config
+        if aux.shape[-1] != cfg.num_context_features:
+            raise ValueError(
+                f"the target features (aux) have {aux.shape[-1]} values per position, the draft "
+                f"expects {cfg.num_context_features}: {len(cfg.target_layer_ids)} target layers "
+                f"{list(cfg.target_layer_ids)} x the target's hidden size {cfg.target_hidden_size}; "
+                "were they captured from another target or with other draft.target_layer_ids?"
+            )
         return self.hidden_norm(self.fc(aux.to(self.fc.weight.dtype)))
 
     def context_kv(self, aux: torch.Tensor, start: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -570,6 +578,12 @@ class DSparkDraft(nn.Module):
         :func:`draftforge.train.blocks.sample_anchors`; ``objective`` holds keyword
         arguments of :func:`dspark_objective` (weights, decay, chunking).
         """
+        if final.shape[-1] != self.config.target_hidden_size:
+            raise ValueError(
+                f"the target's final hidden states have {final.shape[-1]} values per position, the "
+                f"draft expects the target's hidden size {self.config.target_hidden_size}; were they "
+                "captured from another target?"
+            )
         layout = build_layout(input_ids, loss_mask, anchors, anchor_valid, self.config.block_size)
         hidden = self.packed_hidden(input_ids, aux, layout)
         seq_len = input_ids.shape[1]

@@ -14,7 +14,11 @@ one step for step (given the same batches).
 Non-finite steps: when the loss or the gradient norm is not finite on any
 rank, the step is skipped (no update, its samples count as consumed) and
 counted; more than ``train.max_bad_steps`` skipped steps stop the run with a
-checkpoint of the last good weights.
+checkpoint of the last good weights. A step without any supervised slot on any rank
+(no anchor) has nothing to learn from: it changes no weight and no AdamW moment (a
+zero-gradient AdamW update would still move the weights by momentum and weight
+decay), but, like a skipped step, takes its place in the schedule and its samples
+count as consumed; it is not counted as skipped.
 """
 
 from __future__ import annotations
@@ -402,7 +406,8 @@ class Trainer:
             # collectives; the optimizer step then discards the gradients.
             scaled.backward()
         else:
-            self._deepspeed_backward(scaled, sums[8] + nonfinite.to(sums.device), micro)
+            self._deepspeed_backward(scaled, sums[8] + nonfinite.to(sums.device),
+                                     sums[7] + out.valid.sum().float().to(sums.device), micro)
         valid = out.valid.float()
         gamma = valid.shape[1]
         blocks = out.valid[:, 0]
@@ -416,9 +421,11 @@ class Trainer:
         ]).to(sums.device)
         sums[: STEP_SCALARS + 2 * gamma] += parts.detach()
 
-    def _deepspeed_backward(self, scaled: torch.Tensor, bad_so_far: torch.Tensor, micro: int) -> None:
+    def _deepspeed_backward(self, scaled: torch.Tensor, bad_so_far: torch.Tensor,
+                            supervised_so_far: torch.Tensor, micro: int) -> None:
         """DeepSpeed backward of one micro-batch; ``bad_so_far`` (a device scalar) is > 0 when this
-        rank's loss was not finite at this or an earlier micro-batch of the step.
+        rank's loss was not finite at this or an earlier micro-batch of the step,
+        ``supervised_so_far`` counts this rank's supervised slots of the step so far.
 
         DeepSpeed reduces and accumulates gradients inside backward and cannot discard them
         afterwards; what it can do is drop an update whose gradient norm is not finite, and
@@ -427,14 +434,17 @@ class Trainer:
         the ranks agree whether any loss of the step was non-finite: if so, every rank
         backwards that micro-batch's loss times NaN, which makes the step's gradient
         non-finite everywhere, and :meth:`_optimizer_step` lets ``engine.step()`` drop it. A
-        finite step is multiplied by exactly 1.0 (bit for bit the same). The vote is one small
+        finite step is multiplied by exactly 1.0 (bit for bit the same). A step without any
+        supervised slot on any rank is dropped the same way (its zero gradient would still
+        move the weights through AdamW's moments and weight decay). The vote is one small
         all-reduce a step on a device tensor: nothing waits for the host.
         """
         last = micro == self.train.grad_accum - 1
         if last:
-            bad = bad_so_far.detach().clone()
-            D.all_reduce(bad, group=self.group, op=dist.ReduceOp.MAX)
-            scaled = scaled * torch.where(bad > 0, float("nan"), 1.0).to(scaled.device)
+            votes = torch.stack([bad_so_far.detach().float(), supervised_so_far.detach().float()])
+            D.all_reduce(votes, group=self.group, op=dist.ReduceOp.MAX)
+            drop = (votes[0] > 0) | (votes[1] == 0)
+            scaled = scaled * torch.where(drop, float("nan"), 1.0).to(scaled.device)
         self.engine.set_gradient_accumulation_boundary(last)
         self.engine.backward(scaled, scale_wrt_gas=False)
 
@@ -442,24 +452,34 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
 
     def _optimizer_step(self, sums: torch.Tensor) -> tuple[float, bool]:
-        """Clip and step unless a rank saw a non-finite loss or the norm is not finite."""
+        """Clip and step unless a rank saw a non-finite loss or the norm is not finite
+        (then ``(norm, False)``: a skipped step), or no rank had a supervised slot (then
+        ``(0.0, True)`` with no update: the gradient is zero, and AdamW would still move
+        the weights by its moments and weight decay). ``sums`` are all ranks'."""
         loss_bad = sums[8].item() > 0
+        unsupervised = not loss_bad and sums[7].item() == 0
         if self.engine is not None:
             # Always through DeepSpeed: it drops an update whose norm is not finite and clears
-            # the step's accumulated gradients. A step with a non-finite loss arrives here with a
-            # non-finite gradient (see _deepspeed_backward).
+            # the step's accumulated gradients. A step with a non-finite loss or without any
+            # supervised slot arrives here with a non-finite gradient (see _deepspeed_backward).
             self.engine.step()
             norm = self.engine.get_global_grad_norm()
             norm = float(norm) if norm is not None else float("nan")
-            if loss_bad and math.isfinite(norm):
+            if (loss_bad or unsupervised) and math.isfinite(norm):
                 raise RuntimeError(
-                    f"internal error at step {self.step + 1}: a rank's loss was not finite, but "
-                    f"DeepSpeed reported a finite gradient norm ({norm}) and applied the update"
+                    f"internal error at step {self.step + 1}: "
+                    + ("a rank's loss was not finite" if loss_bad else "no rank had a supervised slot")
+                    + f", but DeepSpeed reported a finite gradient norm ({norm}) and applied the update"
                 )
+            if unsupervised:
+                return 0.0, True
             return (float("nan"), False) if loss_bad else (norm, math.isfinite(norm))
         if loss_bad:
             self._zero_grad()
             return float("nan"), False
+        if unsupervised:
+            self._zero_grad()
+            return 0.0, True
         norm = D.clip_grad_norm(parameters=self.parameters, max_norm=self.train.max_grad_norm).item()
         if not math.isfinite(norm):
             self._zero_grad()
@@ -525,7 +545,9 @@ class Trainer:
             # A resumed run's summary covers the same last steps as an uninterrupted run's.
             applied = [r for r in log.earlier if not r.get("skipped") and "slot_acceptance" in r]
             window = applied[-train.log_interval:]
-            first_slots = applied[0]["slot_acceptance"] if applied else None
+            # the first steps' acceptance: of the first step that supervised anything
+            measured = [r for r in applied if r.get("block_tokens", 1)]
+            first_slots = measured[0]["slot_acceptance"] if measured else None
         iterator = iter(batches)
         started = time.perf_counter()
         total_tokens = 0
@@ -556,7 +578,7 @@ class Trainer:
                 result.wait_s.append(wait_s)
                 result.compute_s.append(compute_s)
                 result.steps_run += 1
-                if first_slots is None and applied:
+                if first_slots is None and applied and record["block_tokens"]:
                     first_slots = record["slot_acceptance"]
                 if applied:
                     window = (window + [record])[-train.log_interval:]
