@@ -300,12 +300,12 @@ def test_loading_an_export_with_a_broken_shard_index(tmp_path):
 
 def test_eval_refuses_a_draft_that_does_not_fit_the_target(tmp_path, capsys):
     folder = _export(tmp_path)  # hidden 32, vocabulary 64, 6 target layers, reads layers [0, 2, 4]
-    recipe = tiny_recipe(tmp_path)  # random target: hidden 64, vocabulary 49152, 4 layers
+    recipe = tiny_recipe(tmp_path)  # random target: hidden 64, vocabulary 8192, 4 layers
     code, err = _run(["eval", folder, "--recipe", recipe], capsys)
     assert code == 2
     assert f"the draft {folder} does not fit the target random" in err
     assert "hidden size: the draft reads target features of size 32, the target's hidden_size is 64" in err
-    assert "vocabulary: the draft has 64 tokens, the target 49152" in err
+    assert "vocabulary: the draft has 64 tokens, the target 8192" in err
     assert "layer ids: the draft reads target layers [0, 2, 4], but [4] do not exist" in err
     assert "num_target_layers: the draft was trained on a target of 6 layers, this target has 4" in err
 
