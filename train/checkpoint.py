@@ -25,8 +25,9 @@ while writing (a full disk, an exception) removes the ``.tmp`` folder and raises
 leaving the older checkpoints as they were. Pruning to ``keep_last`` renames a
 folder to a hidden name before deleting it, and clears leftovers of crashed saves.
 Loading checks every file first (an fsdp2 ``dcp/`` folder's data files against the
-sizes its metadata lists) and names the one that is missing, corrupt or truncated; a
-checkpoint of another draft shape, trainer count or strategy is refused.
+sizes its metadata lists, every trainer rank's DeepSpeed files) and names the one that is
+missing, corrupt or truncated; a checkpoint of another draft shape, trainer count, strategy
+or (deepspeed) ZeRO stage or precision is refused.
 DeepSpeed's engine is saved and loaded with its world-wide barriers narrowed to
 the trainer group (target ranks never join them). Nothing is unpickled except
 DeepSpeed's own files, read with ``torch.load(weights_only=True)``.
@@ -112,6 +113,10 @@ def find_resume(run_dir: Path, resume: str) -> Path | None:
     return path
 
 
+_RESUME_WORDS = {"auto": ("auto", "latest", "last", "newest", "true", "yes", "on"),
+                 "never": ("never", "none", "null", "no", "false", "off", "fresh")}
+
+
 def _check_resume_path(path: Path) -> None:
     """Refuse a ``train.resume`` path that is not a complete checkpoint folder, saying what it
     is instead: missing, a file (in a checkpoint: name its folder), a run directory (name one
@@ -120,7 +125,14 @@ def _check_resume_path(path: Path) -> None:
         inside = f"; name its checkpoint folder, {path.parent}" if is_complete(path.parent) else ""
         raise CheckpointError(f"train.resume: {path} is a file, not a checkpoint folder{inside}")
     if not path.is_dir():
-        raise CheckpointError(f"train.resume: checkpoint folder {path} does not exist")
+        # a word meant as a setting (None, latest, Auto) is read as a folder name
+        word = str(path).strip().lower()
+        meant = next((value for value, words in _RESUME_WORDS.items() if word in words), None)
+        hint = f"; did you mean train.resume={meant}?" if meant else ""
+        raise CheckpointError(
+            f"train.resume: checkpoint folder {path} does not exist (train.resume is auto, never, "
+            f"or the path of a checkpoint folder{hint})"
+        )
     if is_complete(path):
         return
     if checkpoints_root(path).is_dir():
@@ -480,8 +492,31 @@ def _check_dcp(path: Path) -> None:
         raise _corrupt(file, ValueError(problem), path)
 
 
-def _run_mismatch(path: Path, state: dict, *, strategy: str | None, trainer_ranks: int | None) -> None:
-    """Refuse a checkpoint written by another number of trainer ranks or another strategy."""
+def _deepspeed_zero_stage(path: Path) -> int | None:
+    """The ZeRO stage that wrote checkpoint ``path``'s ``deepspeed/`` files, read from their names
+    (ZeRO-3 writes the model states per rank, ZeRO-2 one file), or None where there are none."""
+    folder = path / "deepspeed" / "state"
+    if any(folder.glob("*zero_pp_rank_*_model_states.pt")):
+        return 3
+    if any(folder.glob("mp_rank_*_model_states.pt")):
+        return 2
+    return None
+
+
+def _deepspeed_dtype(path: Path) -> str | None:
+    """``bfloat16`` or ``float32``: the precision of the engine that wrote checkpoint ``path``'s
+    ``deepspeed/`` files (DeepSpeed prefixes its optimizer-state files with ``bf16_`` under
+    bf16, and loads only those of its own precision), or None where there are none."""
+    names = [f.name for f in (path / "deepspeed" / "state").glob("*zero_pp_rank_*_optim_states.pt")]
+    if not names:
+        return None
+    return "bfloat16" if all(name.startswith("bf16_") for name in names) else "float32"
+
+
+def _run_mismatch(path: Path, state: dict, *, strategy: str | None, trainer_ranks: int | None,
+                  zero_stage: int | None = None, dtype: str | None = None) -> None:
+    """Refuse a checkpoint written by another number of trainer ranks, another strategy or
+    (deepspeed) another ZeRO stage or precision."""
     saved_size = len(state["consumed_ids"])
     if trainer_ranks is not None and saved_size != trainer_ranks:
         raise CheckpointError(
@@ -491,20 +526,93 @@ def _run_mismatch(path: Path, state: dict, *, strategy: str | None, trainer_rank
     if strategy is not None and state["strategy"] != strategy:
         raise CheckpointError(
             f"checkpoint {path} was written with train.strategy={state['strategy']!r}, "
-            f"this run uses {strategy!r}"
+            f"this run uses {strategy!r}. Resume with train.strategy={state['strategy']}, or start "
+            "a fresh run in another train.output_dir"
+        )
+    saved_stage = _deepspeed_zero_stage(path) if state["strategy"] == "deepspeed" else None
+    if zero_stage is not None and saved_stage is not None and saved_stage != zero_stage:
+        # DeepSpeed would fail inside load_checkpoint with a bare AssertionError
+        raise CheckpointError(
+            f"checkpoint {path} was written with train.zero_stage={saved_stage}, this run uses "
+            f"{zero_stage}: DeepSpeed cannot load one stage's files into the other. Resume with "
+            f"train.zero_stage={saved_stage}, or start a fresh run in another train.output_dir"
+        )
+    saved_dtype = _deepspeed_dtype(path) if state["strategy"] == "deepspeed" else None
+    if dtype is not None and saved_dtype is not None and saved_dtype != dtype:
+        # DeepSpeed would look for the other precision's file names: a FileNotFoundError
+        raise CheckpointError(
+            f"checkpoint {path} was written with train.dtype={saved_dtype}, this run uses {dtype}: "
+            "DeepSpeed keeps its optimizer state under file names of its precision and loads only "
+            f"its own. Resume with train.dtype={saved_dtype} (auto is bfloat16 only on CUDA or a "
+            "CPU with native bf16 matmuls), or start a fresh run in another train.output_dir"
         )
 
 
+def _strategy_files(path: Path, strategy: str, trainer_ranks: int) -> list[Path]:
+    """The files that resuming from checkpoint ``path`` reads besides the state and RNG files:
+    those of the strategy that wrote it, every trainer rank's."""
+    if strategy == "single":
+        return [path / "model.safetensors", path / "optimizer.safetensors", path / "optimizer.json"]
+    if strategy == "fsdp2":
+        return [path / "dcp" / ".metadata"]  # it names the data files (_check_dcp)
+    if strategy != "deepspeed":
+        return []
+    folder = path / "deepspeed" / "state"
+    stage = _deepspeed_zero_stage(path)
+
+    def named(pattern: str, fallback: str) -> Path:
+        return next(iter(sorted(folder.glob(pattern))), folder / fallback)
+
+    files = [named(f"*zero_pp_rank_{rank}_mp_rank_*_optim_states.pt",
+                   f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt") for rank in range(trainer_ranks)]
+    if stage == 3:
+        files += [named(f"*zero_pp_rank_{rank}_mp_rank_*_model_states.pt",
+                        f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt") for rank in range(trainer_ranks)]
+    else:
+        files.append(named("mp_rank_*_model_states.pt", "mp_rank_00_model_states.pt"))
+    return files
+
+
+def _check_strategy_files(path: Path, state: dict) -> None:
+    """Name the first file the resume would read that is missing, or (``optimizer.json``, a
+    DeepSpeed ``.pt`` zip) unreadable, before any rank loads anything: otherwise a partial
+    copy passes every check and one rank fails alone inside the strategy's load."""
+    import zipfile
+
+    for file in _strategy_files(path, state["strategy"], len(state["consumed_ids"])):
+        if not file.is_file():
+            raise _missing(file, path)
+        if file.suffix == ".pt":  # torch.save's zip: a truncated one has no central directory
+            try:
+                zipfile.ZipFile(file).close()
+            except (OSError, zipfile.BadZipFile) as exc:
+                raise _corrupt(file, exc, path) from None
+    if state["strategy"] == "single":
+        meta_file = path / "optimizer.json"
+        try:
+            meta = json.loads(meta_file.read_text())
+            if not (isinstance(meta, dict) and isinstance(meta.get("scalars"), dict)
+                    and isinstance(meta.get("param_groups"), list)
+                    and all(isinstance(g, dict) for g in meta["param_groups"])):
+                raise ValueError("not an object with 'param_groups' (a list of objects) and 'scalars'")
+        except (OSError, ValueError) as exc:
+            raise _corrupt(meta_file, exc, path) from None
+
+
 def read_checked_state(path: Path, *, model_config: dict | None = None, strategy: str | None = None,
-                       trainer_ranks: int | None = None) -> dict:
+                       trainer_ranks: int | None = None, zero_stage: int | None = None,
+                       dtype: str | None = None) -> dict:
     """The trainer state of checkpoint ``path``, its files checked before anything loads.
 
-    Checks that ``trainer_state.json`` parses, that every safetensors file's
+    Checks that ``trainer_state.json`` parses, that every file the strategy that wrote
+    it reads back is there (every trainer rank's; ``optimizer.json`` parses, DeepSpeed's
+    ``.pt`` files are whole zips), that every safetensors file's
     header is readable, that a ``dcp/`` folder's metadata is DCP's and its data
     files are all there and whole, and (given ``model_config``) that the stored draft
-    config has the same shape fields, and (given ``strategy``, ``trainer_ranks``)
-    that the run that wrote it had them; raises :class:`CheckpointError` naming
-    the file and what to do. Reads no tensor data and runs no collective.
+    config has the same shape fields, and (given ``strategy``, ``trainer_ranks``,
+    ``zero_stage``, ``dtype``: deepspeed's) that the run that wrote it had them; raises
+    :class:`CheckpointError` naming the file and what to do. Reads no tensor data and runs
+    no collective.
     """
     from safetensors import safe_open
 
@@ -514,10 +622,12 @@ def read_checked_state(path: Path, *, model_config: dict | None = None, strategy
     state = _read_state(path)
     if problem := _state_problem(state):
         raise _corrupt(path / STATE_FILE, ValueError(problem), path)
-    _run_mismatch(path, state, strategy=strategy, trainer_ranks=trainer_ranks)
+    _run_mismatch(path, state, strategy=strategy, trainer_ranks=trainer_ranks, zero_stage=zero_stage,
+                  dtype=dtype)
     for rank in range(len(state["consumed_ids"])):  # every strategy writes one per trainer rank
         if not (rng_file := path / "rng" / f"rank_{rank}.safetensors").is_file():
             raise _missing(rng_file, path)
+    _check_strategy_files(path, state)
     draft_file = path / DRAFT_CONFIG_FILE
     if model_config is not None and draft_file.is_file():
         try:
@@ -591,7 +701,7 @@ def load_checkpoint(*, path: Path, strategy: str, model, optimizer, engine, grou
         tensors = _load_tensors(path / "optimizer.safetensors", path)
         try:
             optimizer.load_state_dict(_unflatten_optimizer(tensors, meta))
-        except (KeyError, ValueError, RuntimeError) as exc:
+        except (KeyError, ValueError, TypeError, RuntimeError) as exc:
             raise _corrupt(path / "optimizer.safetensors", exc, path) from None
     elif strategy == "fsdp2":
         import torch.distributed.checkpoint as dcp

@@ -227,7 +227,9 @@ class Trainer:
                 found = ckpt.find_resume(self.run_dir, self.train.resume)
                 if found is not None:  # its files and its draft shape, before any collective
                     ckpt.read_checked_state(found, model_config=self.model_config.to_dict(),
-                                            strategy=self.train.strategy, trainer_ranks=self.world)
+                                            strategy=self.train.strategy, trainer_ranks=self.world,
+                                            zero_stage=self.train.zero_stage,
+                                            dtype="bfloat16" if self.bf16 else "float32")
                 message = "" if found is None else f"path:{found}"
             except (OSError, ValueError) as exc:
                 message = f"error:{exc}"
@@ -326,7 +328,11 @@ class Trainer:
 
     def _schedule_change(self, saved: dict) -> str:
         """What a resume with another train.lr, steps, warmup_ratio or min_lr_ratio does to the
-        learning rates from the next update on, or "" when the schedule continues as it was."""
+        learning rates from the next update on, or "" when the schedule continues as it was;
+        where train.steps leaves no step to train, that instead."""
+        if self.step >= self.train.steps:  # fit() trains nothing: no rate of a later step applies
+            return (f"train.steps is {self.train.steps} and the checkpoint is at step {self.step}: "
+                    "there is no step left to train; raise train.steps to train further")
         before, now = saved.get("lr"), lr_at(self.step, train=self.train)
         if before is not None and not math.isclose(before, now, rel_tol=1e-9, abs_tol=0.0):
             return (f"the learning rate of step {self.step + 1} is {now:.3e} under this recipe's schedule "
