@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -58,6 +59,9 @@ class HFTarget:
         self.num_hidden_layers = int(config.num_hidden_layers)
         self.hidden_size = int(config.hidden_size)
         self.vocab_size = int(config.vocab_size)
+        #: the longest sequence the target was made for (None where its config does not say)
+        context = getattr(config, "max_position_embeddings", None)
+        self.max_position_embeddings = int(context) if context else None
         self.layer_ids = check_layer_ids(layer_ids, self.num_hidden_layers)
         self.dtype = next(model.parameters()).dtype
         # where inputs go and features are gathered: the embedding's device (the first
@@ -88,17 +92,19 @@ class HFTarget:
         :func:`~draftforge.splitserve.placement.plan_device_map`) spreads the model
         over several devices; then ``device`` is not used.
         """
+        from safetensors import SafetensorError
         from transformers import AutoModelForCausalLM
 
         path = _checked_model_folder(folder)
         set_cpu_threads(cfg.num_threads, device)
         try:
-            model = AutoModelForCausalLM.from_pretrained(
+            model, loading = AutoModelForCausalLM.from_pretrained(
                 str(path),
                 dtype=DTYPES[cfg.dtype],
                 use_safetensors=True,
                 trust_remote_code=cfg.trust_remote_code,
                 device_map=None if device_map is None else dict(device_map),
+                output_loading_info=True,
             )
         except ValueError as err:
             if "trust_remote_code" in str(err) and not cfg.trust_remote_code:
@@ -106,6 +112,17 @@ class HFTarget:
             if any(marker in str(err) for marker in _NOT_A_CAUSAL_LM):
                 raise _not_a_causal_lm_error(path, err) from err
             raise
+        except SafetensorError as err:  # a damaged file: the library's message names none
+            raise _unreadable_weights_error(path, err) from err
+        except RuntimeError as err:
+            if "ignore_mismatched_sizes" in str(err):  # transformers' load report lists them
+                raise InputError(
+                    f"target folder {path}: some weights in its safetensors files have other shapes "
+                    "than its config.json gives them (transformers' load report above lists them): "
+                    "the weights and config.json are of different models"
+                ) from err
+            raise
+        _check_all_weights_loaded(path, loading)
         tokenizer = folder_tokenizer(path, cfg)
         if device_map is None:
             model.to(device)
@@ -202,7 +219,9 @@ class HFTarget:
         ]
         eos_ids = self.eos_token_ids()
         pad = self.tokenizer.pad_token_id
-        pad_id = eos_ids[0] if pad is None else pad  # Llama-3 and Mistral tokenizers have no pad token
+        # Llama-3 and Mistral tokenizers have no pad token; one added to the tokenizer without
+        # resizing the embedding has no row to look up (the padding is masked: any id will do)
+        pad_id = pad if pad is not None and 0 <= pad < self.num_embeddings else eos_ids[0]
         eos = set(eos_ids)
         replies: list[list[int]] = []
         generator = torch.Generator(device=self.device).manual_seed(settings.seed)
@@ -210,14 +229,28 @@ class HFTarget:
             # padded here, not by the tokenizer, which refuses to pad without a pad token
             encoded = tokenizer(prompts[start : start + settings.batch_size], add_special_tokens=False)
             for offset, row in enumerate(encoded["input_ids"]):
-                check_token_ids(torch.tensor([row], dtype=torch.long), self.num_embeddings,
-                                f"target {self.name!r}: the prompt of conversation {start + offset}", tokenizer)
+                where = f"target {self.name!r}: the prompt of conversation {start + offset}"
+                check_token_ids(torch.tensor([row], dtype=torch.long), self.num_embeddings, where, tokenizer)
+                self._check_context(len(row), settings.max_new_tokens, where)
             input_ids, attention_mask = _left_padded(encoded["input_ids"], pad_id)
             output = decode(self.model, input_ids.to(self.device), attention_mask.to(self.device),
                             settings, eos_ids=eos_ids, pad_id=pad_id, generator=generator)
             for row in output.tolist():
                 replies.append(_until_eos(row, eos))
         return replies
+
+    def _check_context(self, prompt_tokens: int, max_new_tokens: int, where: str) -> None:
+        """Refuse a prompt whose reply could run past the target's positions, as SGLang refuses
+        such a request: past ``max_position_embeddings`` a RoPE model still answers, but with
+        positions it never saw, and the draft would be trained on those answers."""
+        context = self.max_position_embeddings
+        if context is not None and prompt_tokens + max_new_tokens > context:
+            raise InputError(
+                f"{where} has {prompt_tokens} tokens: with target.generation.max_new_tokens "
+                f"{max_new_tokens}, it and its reply could take {prompt_tokens + max_new_tokens} "
+                f"positions, more than the target's max_position_embeddings {context}; shorten or "
+                "leave out that prompt, or lower max_new_tokens"
+            )
 
     def lm_head_weight(self) -> torch.Tensor:
         """The output projection [V, H_t], detached."""
@@ -236,8 +269,9 @@ class HFTarget:
 
 
 #: transformers' words for a config it has no causal-LM class for (an unknown ``model_type``,
-#: or a known one without a causal LM head, such as T5)
-_NOT_A_CAUSAL_LM = ("does not recognize this architecture", "Unrecognized configuration class")
+#: none at all, or a known one without a causal LM head, such as T5)
+_NOT_A_CAUSAL_LM = ("does not recognize this architecture", "Unrecognized configuration class",
+                    "Unrecognized model in")
 
 
 def _not_a_causal_lm_error(path: Path, err: ValueError) -> InputError:
@@ -251,6 +285,49 @@ def _not_a_causal_lm_error(path: Path, err: ValueError) -> InputError:
         f"language model ({reason}); draftforge needs a decoder-only LM with Llama-style layers "
         "(check config.json's model_type, or upgrade transformers for a newer architecture)"
     )
+
+
+def _check_all_weights_loaded(path: Path, loading: Mapping[str, object]) -> None:
+    """Refuse a model some of whose weights the folder lacks: transformers initialises them at
+    random and only logs it, which would make the target silently partly random."""
+    missing = sorted(loading.get("missing_keys") or ())
+    if missing:
+        shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise InputError(
+            f"target folder {path}: its safetensors files lack {len(missing)} of the weights "
+            f"{_config_class_hint(path)}needs ({shown}); transformers would initialise them at "
+            "random. A shard may be missing, or the weights are of another model than config.json's"
+        )
+
+
+def _config_class_hint(path: Path) -> str:
+    """``"config.json's <architecture> "`` or an empty string, for messages about the weights."""
+    try:
+        architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return f"config.json's {architectures[0]} " if architectures else ""
+
+
+def _unreadable_weights_error(path: Path, err: Exception) -> InputError:
+    """The error for a safetensors file that cannot be read, naming the first such file of the
+    folder (a Git LFS pointer left by a clone without git-lfs, or a file cut short)."""
+    from safetensors import safe_open
+
+    for weights in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(weights), framework="pt"):
+                pass
+        except Exception as file_err:  # noqa: BLE001 - safetensors raises its own error types
+            with weights.open("rb") as handle:
+                lfs_pointer = handle.read(64).startswith(b"version https://git-lfs")
+            hint = ("it is a Git LFS pointer, not the weights: fetch them with `git lfs pull` in "
+                    "that folder" if lfs_pointer else
+                    "it is damaged or cut short (an interrupted download or copy?): fetch it again")
+            return InputError(f"target folder {path}: {weights.name} is not a readable safetensors "
+                              f"file ({file_err}); {hint}")
+    return InputError(f"target folder {path}: its safetensors weights cannot be read ({err}); "
+                      "fetch them again")
 
 
 def set_cpu_threads(num_threads: int, device: str | torch.device) -> None:
@@ -282,7 +359,25 @@ def _checked_model_folder(folder: str | os.PathLike[str]) -> Path:
             else "it holds no weights"
         )
         raise InputError(f"target folder {path} has no *.safetensors file: {hint}")
+    absent = _absent_shards(path)
+    if absent:
+        raise InputError(
+            f"target folder {path}: model.safetensors.index.json names {len(absent)} weights "
+            f"file(s) the folder does not have ({', '.join(absent[:3])}{', ...' if len(absent) > 3 else ''}); "
+            "the download or copy is incomplete"
+        )
     return path
+
+
+def _absent_shards(path: Path) -> list[str]:
+    """The files ``model.safetensors.index.json`` maps weights to that are not in ``path`` (none
+    when there is no readable index: transformers then says what is wrong)."""
+    try:
+        weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+        files = {str(name) for name in weight_map.values()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
+    return sorted(name for name in files if not (path / name).is_file())
 
 
 @contextmanager

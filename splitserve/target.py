@@ -11,6 +11,7 @@ cannot capture it, see ``sglang_layer_ids``).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -558,7 +559,34 @@ def folder_tokenizer(folder: str | os.PathLike[str], cfg: TargetConfig) -> PreTr
                 "save the target's tokenizer beside its weights, e.g. "
                 "`tokenizer.save_pretrained(folder)`"
             ) from err
+        broken = _broken_tokenizer_json(Path(folder))
+        if broken is not None:
+            raise InputError(broken) from err
         raise
+
+
+#: a saved tokenizer's JSON files, which transformers' errors do not name when one does not parse
+_TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                         "added_tokens.json", "vocab.json", "chat_template.json")
+
+
+def _broken_tokenizer_json(folder: Path) -> str | None:
+    """Why the first of ``folder``'s tokenizer JSON files that does not parse is unusable (its
+    path, line and column; a Git LFS pointer said as such), or None when they all parse."""
+    for name in _TOKENIZER_JSON_FILES:
+        path = folder / name
+        if not path.is_file():
+            continue
+        text = path.read_bytes()
+        try:
+            json.loads(text)
+        except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+            where = (f"{exc.msg}: line {exc.lineno} column {exc.colno}"
+                     if isinstance(exc, json.JSONDecodeError) else str(exc))
+            hint = ("; it is a Git LFS pointer, not the file: fetch it with `git lfs pull` in that "
+                    "folder" if text.startswith(b"version https://git-lfs") else "")
+            return f"{path} is not valid JSON ({where}){hint}"
+    return None
 
 
 def remote_code_error(folder: str | os.PathLike[str], err: Exception) -> InputError:
