@@ -118,7 +118,8 @@ def demo_paths(cfg) -> DemoPaths:
         run_dir=run_dir,
         dflash_dir=run_dir.with_name(run_dir.name + "-dflash"),
         data_file=regenerated_path(cfg.data, run_dir) if cfg.data.regenerate else None,
-        export_dir=Path(cfg.export.out_dir) if cfg.export.out_dir else run_dir / "export",
+        # expanded as draftforge export expands it: a "~/..." folder is the one the export writes
+        export_dir=Path(cfg.export.out_dir).expanduser() if cfg.export.out_dir else run_dir / "export",
         eval_dir=run_dir / "eval",
         dflash_eval_dir=run_dir / "eval-dflash",
         log_dir=run_dir / "demo-logs",
@@ -170,8 +171,10 @@ class Stages:
         self.out(f"\n==> [{self.number}/{self.total}] {title}")
         return time.perf_counter()
 
-    def skip(self, why: str) -> None:
-        self.skipped += 1
+    def skip(self, why: str, *, done_earlier: bool = True) -> None:
+        """``done_earlier``: an earlier run did the stage (False: it has nothing to do, and this
+        run's time is still the whole demo's)."""
+        self.skipped += done_earlier
         self.out(f"    skipped: {why}")
 
     def elapsed(self) -> str:
@@ -927,7 +930,7 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
     if args.skip_train:
         stages.skip("--skip-train")
     elif paths.data_file is None:
-        stages.skip("data.regenerate is false: training uses data.train_files as they are")
+        stages.skip("data.regenerate is false: training uses data.train_files as they are", done_earlier=False)
     elif paths.data_file.is_file():
         stages.skip(f"{paths.data_file} already answers the recipe's prompts")
     else:

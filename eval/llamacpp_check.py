@@ -269,6 +269,8 @@ def _check_export(args: argparse.Namespace) -> int:
             raise InputError(f"--json {args.json}: is a folder; give the path of the JSON file to "
                              f"write, e.g. {json_path / 'llamacpp.json'}")
         _check_folder_writable(json_path.parent, "--json", args.json)
+    if args.work_dir:  # likewise: the GGUF files are written there after the build
+        _check_folder_writable(Path(args.work_dir).expanduser(), "--work-dir", args.work_dir)
     draft_dir = Path(args.draft).expanduser()
     if not (draft_dir / "config.json").is_file():
         raise InputError(f"{draft_dir}: not an export folder (no config.json); run draftforge export first")

@@ -91,10 +91,12 @@ def draft_kind(cfg) -> str:
 def markdown_table(
     results: Sequence[WorkloadResult], *, block_size: int, command: str | None = None,
     intervals: dict | None = None, settings: dict | None = None, draft: str | None = None,
+    calibration: dict | None = None,
 ) -> str:
     """Acceptance length, verification width and speed per workload and method, plus positions
     and the bootstrap ``intervals`` (:func:`uncertainty`, computed here when not given);
-    ``draft``: :func:`draft_kind` of the draft the ``dspark`` rows measured."""
+    ``draft``: :func:`draft_kind` of the draft the ``dspark`` rows measured; ``calibration``:
+    report.json's (``--calibrate``), whose pooled ECE before and after it states."""
     lines = []
     if command:
         lines += [f"Command: `{command}`", ""]
@@ -131,7 +133,21 @@ def markdown_table(
         m = r.methods.get("dspark")
         if m:
             lines.append(f"| {r.name} | " + " | ".join(_fmt(v) for v in m["position_acceptance"]) + " |")
-    lines += ["", "Train-time estimate beside the measured acceptance length (the draft under test):", ""]
+    lines += [""]
+    if any(r.estimate for r in results):
+        lines += estimate_lines(results)
+    else:  # --no-estimate: no table of dashes, no note on what it would have held
+        off = " (`--no-estimate`)" if (settings or {}).get("estimate") is False else ""
+        lines += [f"No train-time estimate{off}.", ""]
+    lines += calibration_lines(calibration)
+    lines += lookup_lines(results)
+    lines += uncertainty_lines(uncertainty(results) if intervals is None else intervals)
+    return "\n".join(lines)
+
+
+def estimate_lines(results: Sequence[WorkloadResult]) -> list[str]:
+    """The train-time estimate beside the measured acceptance length, and what it means."""
+    lines = ["Train-time estimate beside the measured acceptance length (the draft under test):", ""]
     sampled = any("tau_sampled" in (r.estimate or {}) for r in results)
     lines += ["| workload | measured AL | tau (c*) | tau_greedy |" + (" tau_sampled |" if sampled else ""),
               "| --- | ---: | ---: | ---: |" + (" ---: |" if sampled else "")]  # fmt: skip
@@ -140,10 +156,24 @@ def markdown_table(
         measured = r.methods.get("dspark", {}).get("acceptance_length")
         cells = [measured, est.get("tau"), est.get("tau_greedy")] + ([est.get("tau_sampled")] if sampled else [])
         lines.append(f"| {r.name} | " + " | ".join(_fmt(v) for v in cells) + " |")
-    lines += ["", ESTIMATE_NOTE, ""]
-    lines += lookup_lines(results)
-    lines += uncertainty_lines(uncertainty(results) if intervals is None else intervals)
-    return "\n".join(lines)
+    return [*lines, "", ESTIMATE_NOTE, ""]
+
+
+def calibration_lines(calibration: dict | None) -> list[str]:
+    """The confidence calibration (``--calibrate``; report.json's ``calibration``): where the
+    temperatures went and the pooled ECE before and after them on the held-out samples."""
+    if not calibration:
+        return []
+    temperatures = ", ".join(f"{t:.3f}" for t in calibration["temperatures"])
+    held_out = sum(calibration.get("held_out_samples") or [])
+    before, after = calibration.get("pooled_ece_before"), calibration.get("pooled_ece_after")
+    if held_out and _fmt(before, 4) != "-":
+        ece = (f"ECE pooled over the {held_out} held-out samples (every second prompt of each "
+               f"workload): {_fmt(before, 4)} before, {_fmt(after, 4)} after")
+    else:
+        ece = "no ECE: the held-out prompts (every second of each workload) verified no draft position"
+    return [f"Confidence calibration written to `{calibration.get('path')}`: temperatures per "
+            f"position [{temperatures}]; {ece}.", ""]
 
 
 LOOKUP_NOTE = (
@@ -255,6 +285,10 @@ def plot(results: Sequence[WorkloadResult], out_dir: Path, *, block_size: int) -
     ax.set_xticklabels([r.name for r in results])
     ax.set_ylabel("mean acceptance length")
     ax.axhline(block_size + 1, color="grey", linestyle=":", linewidth=1)
+    # from 0 and around every workload's bars, measured or not: a plot without a bar (no
+    # rounds) kept a scale about the ceiling line and its label off the bars' place
+    ax.set_ylim(0, (block_size + 1) * 1.05)
+    ax.set_xlim(-0.5, len(results) - 0.5 + width * (len(methods) - 1))
     ax.legend()
     fig.tight_layout()
     paths.append(_save(fig, out_dir / "acceptance_length.png"))
@@ -291,7 +325,8 @@ def write_report(
     out.mkdir(parents=True, exist_ok=True)
     intervals = uncertainty(results)  # once, for both files
     table = markdown_table(results, block_size=block_size, command=meta.get("command"), intervals=intervals,
-                           settings=meta.get("settings"), draft=meta.get("draft_kind"))
+                           settings=meta.get("settings"), draft=meta.get("draft_kind"),
+                           calibration=meta.get("calibration"))
     report = report_dict(results, meta, intervals=intervals)
     text = json.dumps(_jsonable(report), indent=2) + "\n"  # before any file: a failure here writes none
     plots = plot(results, out, block_size=block_size)
