@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import select
+import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -157,6 +160,16 @@ def _overview(commands: Sequence[Command]) -> str:
     )
 
 
+def _stdout_gone() -> bool:
+    """Whether standard output is a pipe or socket whose reader has closed it."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll here, or no usable stdout
+        return False
+
+
 def _load(handler: str):
     module_name, _, function = handler.partition(":")
     return getattr(importlib.import_module(module_name), function)
@@ -200,9 +213,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         tune_malloc()
         status = _load(command.handler)(argv[len(command.words) :])
+        sys.stdout.flush()  # a reader gone (`| head`) is found here, not at interpreter exit
     except KeyboardInterrupt:
         sys.stderr.write("draftforge: interrupted\n")
         return 130
+    except BrokenPipeError:
+        if not _stdout_gone():  # a pipe of the command's own (a worker's, a socket)
+            raise
+        # the output's reader stopped reading (`draftforge train R --dry-run | head`): quiet, as
+        # a command killed by SIGPIPE is; what is still buffered goes nowhere at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except Exception as exc:
         # A RecipeError (an InputError, headed here by what it is about) can only come from
         # an already imported draftforge.config; looking it up here keeps the config stack

@@ -94,7 +94,8 @@ def preflight(cfg) -> None:
     if found is not None:
         model_config = _model_config(cfg)
         ckpt.read_checked_state(found, model_config=model_config, strategy=cfg.train.strategy,
-                                trainer_ranks=len(cfg.split.trainer_ranks))
+                                trainer_ranks=len(cfg.split.trainer_ranks),
+                                zero_stage=cfg.train.zero_stage, dtype=cfg.train.dtype)
     data = cfg.data.model_copy(update={"overlap_check": False})
     conversations, regenerate = load_source_conversations(cfg.model_copy(update={"data": data}))
     if regenerate and cfg.train.markov_init == "bigram" and found is None:
@@ -131,6 +132,26 @@ def preflight(cfg) -> None:
             f"{cfg.train.grad_accum}, every trainer taking part in every step); add data "
             "(data.num_samples), raise split.max_epochs or use fewer trainer ranks"
         )
+
+
+def _check_output_dir_writable(cfg) -> None:
+    """Refuse a ``train.output_dir`` this machine cannot write (a read-only file system, a
+    folder of another user) before the target loads, not after, from trainer rank 0's first
+    write, as a traceback. Creates and removes a folder in it, or in the nearest one above."""
+    from draftforge.errors import InputError
+    from draftforge.files import nearest_existing
+
+    run_dir = Path(cfg.train.output_dir)
+    existing = nearest_existing(run_dir)
+    if existing is None or not existing.is_dir():  # preflight named the file in the way
+        return
+    try:
+        tempfile.TemporaryDirectory(prefix=".draftforge-write-check-", dir=existing).cleanup()
+    except OSError as exc:
+        where = "" if existing == run_dir.absolute() else f" in {existing}"
+        raise InputError(
+            f"train.output_dir: {run_dir}: cannot write{where} ({exc.strerror or exc}); name a "
+            "folder this machine can write for the run") from None
 
 
 def _runs_trainers(cfg, layout, node_rank: int | None) -> bool:
@@ -170,6 +191,8 @@ def _bare_address(text: str) -> str:
 
     An empty one (``--master-addr "$ADDR"`` with ADDR unset) is refused: bound, it listens on
     every interface, and the ranks, told to reach rank 0 at it, retry until the store's timeout.
+    So is ``HOST:PORT`` (``10.0.0.1:29500``): a multi-node torchrun would wait for a node 0 at
+    host ``10.0.0.1:29500`` until its rendezvous timeout.
     """
     text = text.strip()
     bare = text[1:-1] if text.startswith("[") and text.endswith("]") else text
@@ -177,6 +200,15 @@ def _bare_address(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"{text!r} is no address (an empty one would listen on every interface); give an "
             f"address of this machine, or drop --master-addr for {LOOPBACK} (loopback only)")
+    if ":" in bare:  # IPv6, or HOST:PORT, which no socket resolves and torchrun splits wrongly
+        import ipaddress
+
+        try:
+            ipaddress.IPv6Address(bare)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is no address: give the host alone (an IPv6 address as is or in "
+                "[brackets]) and node 0's port with --master-port") from None
     return bare
 
 
@@ -202,7 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="address the ranks reach rank 0 at (default 127.0.0.1, loopback "
                         "only); give this machine's address only to open the job deliberately. "
                         "Several nodes (split.num_nodes > 1): node 0's address on the cluster "
-                        "network, the same on every node")
+                        "network, the same on every node (the host alone: the port is "
+                        "--master-port's)")
     parser.add_argument("--node-rank", type=argtypes.non_negative_int, default=None,
                         help="this machine's node (0..split.num_nodes-1); needed when "
                         "split.num_nodes > 1")
@@ -242,13 +275,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             "train.resume=auto or drop --max-restarts"
         )])
     preflight(cfg)
+    if _runs_trainers(cfg, layout, args.node_rank):  # trainer rank 0 writes the run there
+        _check_output_dir_writable(cfg)
     if args.dry_run:
         from draftforge.splitserve.dry_run import dry_run
 
         print(dry_run(cfg))
         print()
         print(launch_plan(cfg, args.recipe, args.overrides, master_addr=args.master_addr,
-                          master_port=args.master_port))
+                          master_port=args.master_port, max_restarts=args.max_restarts))
         return 0
 
     env = launch_env(args.master_addr, cpu=not torch_cuda_visible())  # [0] is one GPU: any() said none
@@ -358,17 +393,19 @@ def _stop_hint(cfg, *, every_node: bool = False) -> str:
 def run_torchrun(command: Sequence[str], *, env: Mapping[str, str],
                  hint: str = "rerun the same command on every node to continue from the newest "
                  "checkpoint") -> int:
-    """Run this node's torchrun and wait for it; returns its exit status.
+    """Run this node's torchrun and wait for it; returns its exit status (128 + the signal
+    that killed it, if one did).
 
     Ctrl-C and SIGTERM go to torchrun (once: a terminal's Ctrl-C reached it already), which
     stops the ranks it started (each in a session of its own, out of reach of a signal to
     this process group) and exits; :class:`JobInterrupted` then says so. A second signal
-    kills torchrun at once (its first act on the first was to pass it to the ranks). torchrun
+    kills the ranks and torchrun at once (its first act on the first was to pass it to the
+    ranks; killed alone, it would leave those still stopping running on their own). torchrun
     dies with this process (SIGKILL, out of memory): the kernel sends it SIGTERM, and it
     stops its ranks.
     """
     procs: list[subprocess.Popen] = []
-    with SignalForwarder(procs) as forward:
+    with SignalForwarder(procs, kill_children=True) as forward:
         try:
             procs.append(subprocess.Popen(list(command), env=dict(env),
                                           preexec_fn=die_with(os.getpid())))
@@ -384,7 +421,9 @@ def run_torchrun(command: Sequence[str], *, env: Mapping[str, str],
         print(f"draftforge train: stopped on {signal.Signals(asked[0]).name}; {hint}", file=sys.stderr,
               flush=True)
         raise JobInterrupted(asked[0])
-    return status
+    # torchrun killed by a signal (out of memory: SIGKILL) exits as a shell says, 128 + signal,
+    # as a one-machine job's does; Popen's -9 would leave this process with status 247
+    return status if status >= 0 else 128 - status
 
 
 def planned_gpus(cfg) -> int:

@@ -107,8 +107,9 @@ def _span(ranks: Sequence[int]) -> str:
 
 
 def launch_plan(cfg, recipe: str, overrides: Sequence[str], *, master_addr: str | None,
-                master_port: int = DEFAULT_MASTER_PORT) -> str:
-    """The dry run's last section: which ranks run on which node, and the command each node runs."""
+                master_port: int = DEFAULT_MASTER_PORT, max_restarts: int | None = None) -> str:
+    """The dry run's last section: which ranks run on which node, and the command each node
+    runs (with ``--max-restarts`` when the dry run was given it, as every node needs it)."""
     layout = node_layout(cfg)
     split = cfg.split
     lines = ["launch:"]
@@ -146,6 +147,8 @@ def launch_plan(cfg, recipe: str, overrides: Sequence[str], *, master_addr: str 
                 "--master-addr", addr]
         if master_port != DEFAULT_MASTER_PORT:
             user += ["--master-port", str(master_port)]
+        if max_restarts is not None:
+            user += ["--max-restarts", str(max_restarts)]
         command = multinode_torchrun_command(recipe, overrides, layout, node_rank=node,
                                              master_addr=addr, master_port=master_port)
         lines.append(f"  on node {node}: {shlex.join(user)}")

@@ -71,12 +71,15 @@ def unwinding_on_sigterm(lead: str, hint: str) -> Iterator[None]:
 
 class SignalForwarder:
     """While entered, Ctrl-C and SIGTERM go to ``procs`` (the list as it grows): once, and not
-    a Ctrl-C the terminal already sent their whole process group; a second signal kills them.
+    a Ctrl-C the terminal already sent their whole process group; a second signal kills them,
+    and with ``kill_children`` their children's process groups first (torchrun's ranks, each
+    in a session of its own, would outlive a killed torchrun holding their GPUs and ports).
     :attr:`asked` holds the signals received. Outside the main thread it installs nothing
     (the caller handles signals)."""
 
-    def __init__(self, procs: list[subprocess.Popen]) -> None:
+    def __init__(self, procs: list[subprocess.Popen], *, kill_children: bool = False) -> None:
         self.procs = procs
+        self.kill_children = kill_children
         self.asked: list[int] = []
         self._previous: dict[int, object] = {}
 
@@ -85,6 +88,9 @@ class SignalForwarder:
         live = [proc for proc in self.procs if proc.poll() is None]
         if len(self.asked) > 1:  # asked twice: no more waiting
             for proc in live:
+                if self.kill_children:
+                    for child in children(proc.pid):
+                        _kill_group(child)
                 proc.kill()
         elif not (signum == signal.SIGINT and terminal_sent_it_to_the_group()):
             for proc in live:
@@ -101,6 +107,36 @@ class SignalForwarder:
     def __exit__(self, *exc: object) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``, from Linux's /proc (none where there is none)."""
+    try:
+        entries = [entry for entry in os.listdir("/proc") if entry.isdigit()]
+    except OSError:
+        return []
+    found = []
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if len(fields) > 1 and fields[1] == str(pid):
+            found.append(int(entry))
+    return found
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL ``pid`` and, when it leads a process group, the whole group."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
 
 DEFAULT_GRACE_S = 15.0
 DEFAULT_TERM_S = 5.0
