@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from draftforge.argtypes import MAX_SEED
 from draftforge.precision import resolve_auto
@@ -138,7 +139,8 @@ class TrainConfig(Section):
     )
     loss: LossConfig = Field(default_factory=LossConfig)
     output_dir: str = Field(
-        default="runs/default", description="run directory: checkpoints, metrics, records"
+        default="runs/default", description="run directory: checkpoints, metrics, records (a "
+        "leading ~ is the home folder)"
     )
     checkpoint_interval: int = Field(
         default=200, gt=0, description="steps between checkpoints (and one at the end)"
@@ -159,6 +161,13 @@ class TrainConfig(Section):
     max_bad_steps: int = Field(
         default=10, ge=0, description="steps of one run skipped for a non-finite loss or gradient before it stops"
     )
+
+    @field_validator("output_dir")
+    @classmethod
+    def _expand_home(cls, value: str) -> str:
+        # one folder for every reader: the trainer wrote a literal "./~/run" while export,
+        # eval and the demo, which expand "~" in the paths they are given, looked in the home
+        return os.path.expanduser(value)
 
     @model_validator(mode="after")
     def _resolve_dtype(self) -> TrainConfig:
