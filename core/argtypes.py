@@ -42,10 +42,10 @@ nucleus = _bounded(float, 0.0, 1.0, "must lie in (0, 1]", above_low=True)
 
 
 def names(valid: Sequence[str]) -> Callable[[str], list[str]]:
-    """A comma-separated, non-empty subset of ``valid``."""
+    """A comma-separated, non-empty subset of ``valid``, each name once (in the order given)."""
 
     def parse(text: str) -> list[str]:
-        chosen = [n.strip() for n in text.split(",") if n.strip()]
+        chosen = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
         unknown = [n for n in chosen if n not in valid]
         if unknown or not chosen:
             raise argparse.ArgumentTypeError(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import select
 import signal
 import sys
@@ -170,6 +171,16 @@ def _stdout_gone() -> bool:
         return False
 
 
+def _override_first(command: Command, exc) -> str:
+    """A hint when the "recipe file" that is missing is a key=value override given before the
+    recipe (``draftforge train train.steps=5 r.yaml``); empty otherwise."""
+    missing = exc.problems[0].removesuffix(": no such recipe file") if len(exc.problems) == 1 else ""
+    if "key=value" not in command.usage or not re.fullmatch(r"[A-Za-z_][\w.]*=.*", missing):
+        return ""
+    return (f"{missing!r} is a key=value override: the recipe comes first, the overrides after it "
+            f"(draftforge {command.name} {command.usage})\n")
+
+
 def _load(handler: str):
     module_name, _, function = handler.partition(":")
     return getattr(importlib.import_module(module_name), function)
@@ -181,6 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv:
         sys.stderr.write(_overview(COMMANDS))
         return 2
+    if argv[0] == "help" and len(argv) > 1:  # `draftforge help train`: train's own help
+        argv = [*argv[1:], "--help"]
     if argv[0] in ("-h", "--help", "help"):
         sys.stdout.write(_overview(COMMANDS))
         return 0
@@ -230,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # out of commands that never load one.
         config = sys.modules.get("draftforge.config")
         if config is not None and isinstance(exc, config.RecipeError):
-            sys.stderr.write(f"draftforge {command.name}: invalid recipe:\n{exc}\n")
+            sys.stderr.write(f"draftforge {command.name}: invalid recipe:\n{exc}\n{_override_first(command, exc)}")
             return 2
         from draftforge.errors import InputError
 

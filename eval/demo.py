@@ -200,12 +200,20 @@ def draftforge_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "draftforge", *args]
 
 
-def run_stage(name: str, args: Sequence[str], *, env: dict[str, str] | None = None) -> None:
-    """Run ``draftforge ARGS`` with its output on the terminal; a failure raises DemoError."""
+def run_stage(name: str, args: Sequence[str], *, env: dict[str, str] | None = None,
+              indent: bool = False) -> None:
+    """Run ``draftforge ARGS`` with its output on the terminal; a failure raises DemoError.
+    ``indent``: its standard output indented under the command line, as the stage's own (the
+    export's ``export_dir=`` line must not read as the demo's last line to a script)."""
     command = draftforge_command(*args)
     print(f"    $ draftforge {shlex.join(args)}", flush=True)
-    proc = subprocess.Popen(command, env=env)
+    if indent:  # unbuffered: its lines keep their order with its messages on the terminal
+        env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(command, env=env, **(
+        {"stdout": subprocess.PIPE, "text": True, "bufsize": 1, "errors": "replace"} if indent else {}))
     try:
+        for line in proc.stdout if indent else ():
+            print(f"    {line.rstrip()}", flush=True)
         status = proc.wait()
     except BaseException as stop:  # Ctrl-C, SIGTERM (JobInterrupted)
         _stop_stage(proc, stop)
@@ -641,11 +649,16 @@ def measured_when(dspark_finished: float, dflash_finished: float) -> str:
     return f"{utc(dspark_finished)} (DSpark evaluation), {utc(dflash_finished)} (DFlash evaluation)"
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 prompt``, ``8 prompts``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _prompts_text(asked: int, prompts: dict[str, int] | None) -> str:
     """How many prompts the evaluations ran: ``--num-prompts`` takes all of a workload that
     has fewer (MT-Bench has 80)."""
     if not prompts or all(n == asked for n in prompts.values()):
-        return f"{asked} prompts per workload"
+        return f"{_count(asked, 'prompt')} per workload"
     each = ", ".join(f"{name} {n}" for name, n in prompts.items())
     return f"prompts per workload: {each} (all of a workload with fewer than the {asked} asked)"
 
@@ -888,12 +901,13 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
             "give 2 or more"
         )
     args.max_new_tokens = args.max_new_tokens or cfg.eval.max_new_tokens
-    workloads = args.workloads or list(cfg.eval.workloads)  # checked by argparse, the recipe by its schema
+    # checked by argparse, the recipe by its schema; each once, as draftforge eval runs them
+    workloads = list(dict.fromkeys(args.workloads or cfg.eval.workloads))
     stages = Stages(total=6)
     print(
         f"draftforge demo: recipe {recipe} (target {cfg.target.model} in {cfg.target.dtype}, "
-        f"{cfg.train.steps} training steps per draft in {cfg.train.dtype}), {len(workloads)} "
-        f"workloads x {args.num_prompts} prompts, "
+        f"{cfg.train.steps} training steps per draft in {cfg.train.dtype}), {_count(len(workloads), 'workload')} "
+        f"x {_count(args.num_prompts, 'prompt')}, "
         f"{args.max_new_tokens} new tokens; outputs under {paths.run_dir} and {paths.dflash_dir}\n"
         f"DSpark's Markov head starts as {markov_start}",
         flush=True,
@@ -985,7 +999,7 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
         stages.skip(f"{paths.export_dir} is this export of {checkpoints['DSpark']}")
     else:
         stamp.unlink(missing_ok=True)  # the stamp names the folder's command: none while it changes
-        run_stage("export", export_args)
+        run_stage("export", export_args, indent=True)
         write_atomic(stamp, json.dumps({"command": export_args}))
         stages.done(since)
 
@@ -1016,7 +1030,8 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
     # 6. the model card gets the measured table; the demo's table
     since = stages.banner("the table (and the export's model card with the measured acceptance)")
     if not model_card_is_current(paths):
-        run_stage("export (model card)", [*export_args, "--eval-report", str(paths.eval_dir / "report.md")])
+        run_stage("export (model card)", [*export_args, "--eval-report", str(paths.eval_dir / "report.md")],
+                  indent=True)
     dspark_report = json.loads((paths.eval_dir / "report.json").read_text())
     dflash_report = json.loads((paths.dflash_eval_dir / "report.json").read_text())
     rows = table_rows(dspark_report, dflash_report)

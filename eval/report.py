@@ -114,7 +114,9 @@ def markdown_table(
             m = r.methods.get(method)
             if m is None:
                 continue
-            speedup = f"{_fmt(m['tokens_per_s'] / base)}x" if base else "-"  # no no-draft baseline
+            # no no-draft baseline, or a speed not measured (no time: NaN, truthy)
+            ratio = m["tokens_per_s"] / base if base else math.nan
+            speedup = f"{ratio:.2f}x" if math.isfinite(ratio) else "-"
             lines.append(
                 f"| {r.name} | {method} | {_fmt(m['acceptance_length'])} | "
                 f"{_fmt(m['tokens_verified_per_round'])} | {_fmt(m['tokens_per_s'], 1)} | "
@@ -263,7 +265,8 @@ def report_dict(results: Sequence[WorkloadResult], meta: dict, *, intervals: dic
             m: macro(results, m) for m in METHODS if any(m in r.methods for r in results)
         },
         "uncertainty": uncertainty(results) if intervals is None else intervals,
-        "estimate_note": ESTIMATE_NOTE,
+        # what the estimate means, where one was computed (not with --no-estimate)
+        **({"estimate_note": ESTIMATE_NOTE} if any(r.estimate for r in results) else {}),
     }
 
 
