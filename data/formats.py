@@ -3,6 +3,8 @@
 Three row forms are understood (``format: auto`` picks by key, in this order):
 
 - ``messages``: OpenAI form, ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``;
+  a content may be a list of text parts ``[{"type": "text", "text": str}, ...]``, joined with
+  spaces as SGLang's chat API joins them (parts of other types, such as images, are refused);
 - ``conversations``: ShareGPT form, ``[{"from": "system"|"human"|"gpt", "value": str}, ...]``,
   or OpenAI's ``{"role": ..., "content": ...}`` turns under that key (SpecForge's prepared data);
 - ``prompt``: a plain prompt, a string or a list of strings (successive user turns whose
@@ -136,14 +138,39 @@ def _messages_from_openai(value: Any, where: RowLocation) -> list[dict[str, str]
             )
         if "content" not in message:
             raise _fail(where, f"message {i} ({role}) has no 'content'")
-        content = message["content"]
-        if not isinstance(content, str):
+        text = _text(message["content"], where, f"message {i} ({role}) content", role=role)
+        out.append({"role": role, "content": text})
+    return out
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _text(content: Any, where: RowLocation, what: str, *, role: str, parts: bool = True) -> str:
+    """An OpenAI message's content as text: a string, or (``parts``) a list of text parts
+    ``[{"type": "text", "text": ...}]`` joined with spaces, as SGLang's chat API joins them for
+    a template that renders a string content. Parts of other types (images) are refused."""
+    if isinstance(content, str):
+        return content
+    if not parts or not isinstance(content, list) or not all(isinstance(p, dict) for p in content):
+        reply = content is None and role == "assistant"
+        hint = " (an assistant message with only tool_calls? draftforge trains on text replies)" if reply else ""
+        raise _fail(where, f"{what} must be a string, got {_type_name(content)}{hint}")
+    texts = []
+    for j, part in enumerate(content, start=1):
+        kind = part.get("type")
+        if kind != "text":
             raise _fail(
                 where,
-                f"message {i} ({role}) content must be a string, got {type(content).__name__}",
+                f"{what} part {j} is of type {kind!r}; only text parts ({{\"type\": \"text\", "
+                f"\"text\": ...}}) are accepted: draftforge trains on text only",
             )
-        out.append({"role": role, "content": content})
-    return out
+        if not isinstance(part.get("text"), str):
+            raise _fail(where, f"{what} part {j} (text) 'text' must be a string, got "
+                               f"{_type_name(part.get('text'))}")
+        texts.append(part["text"])
+    return " ".join(texts)
 
 
 def _messages_from_sharegpt(value: Any, where: RowLocation) -> list[dict[str, str]]:
@@ -169,11 +196,8 @@ def _messages_from_sharegpt(value: Any, where: RowLocation) -> list[dict[str, st
             )
         if what not in turn:
             raise _fail(where, f"turn {i} ({speaker}) has no {what!r}")
-        text = turn[what]
-        if not isinstance(text, str):
-            raise _fail(
-                where, f"turn {i} ({speaker}) {what} must be a string, got {type(text).__name__}"
-            )
+        text = _text(turn[what], where, f"turn {i} ({speaker}) {what}", role=roles[speaker],
+                     parts=what == "content")
         out.append({"role": roles[speaker], "content": text})
     return out
 
@@ -183,6 +207,8 @@ def _messages_from_prompt(row: dict[str, Any], where: RowLocation) -> list[dict[
     if isinstance(value, str):
         turns = [value]
     elif isinstance(value, list):
+        if not value:
+            raise _fail(where, "'prompt' is an empty list: give at least one user turn")
         for i, turn in enumerate(value, start=1):
             if not isinstance(turn, str):
                 raise _fail(

@@ -142,12 +142,20 @@ def answer_batch(
         call_settings = settings.model_copy(update={"seed": batch_seed(settings.seed, ids, turn)})
         try:
             replies = engine.generate([list(histories[i]) for i in active], call_settings)
-        except ChatTemplateError as err:
-            if err.conversation_index is None or err.__cause__ is None:
+        except InputError as err:  # a prompt the template or the target refuses: name it
+            index = getattr(err, "conversation_index", None)
+            if index is None:
                 raise
-            prompt = prompts[active[err.conversation_index]]
+            prompt = prompts[active[index]]
             where = f"{prompt.source or 'prompt'} (id {prompt.id!r})"
-            raise ChatTemplateError(f"{where}: {template_failure(err.__cause__, 'this prompt')}") from err
+            where += f", user turn {turn + 1}" if turn else ""  # a later turn's prompt holds replies
+            if isinstance(err, ChatTemplateError):
+                if err.__cause__ is None:
+                    raise
+                raise ChatTemplateError(f"{where}: {template_failure(err.__cause__, 'this prompt')}") from err
+            # "target 'x': the prompt of conversation 3 has ..." names its place in this batch
+            problem = str(err).replace(f"the prompt of conversation {index}", "the prompt", 1)
+            raise InputError(f"{where}: {problem}") from err
         if len(replies) != len(active) or not all(isinstance(r, str) for r in replies):
             raise RuntimeError(
                 f"target {engine.name!r} returned {len(replies)} replies for {len(active)} "

@@ -17,6 +17,7 @@ from draftforge.splitserve.sampling import decode
 from draftforge.splitserve.target import (
     Reply,
     TargetFeatures,
+    broken_json_file,
     check_layer_ids,
     check_token_ids,
     folder_tokenizer,
@@ -230,8 +231,12 @@ class HFTarget:
             encoded = tokenizer(prompts[start : start + settings.batch_size], add_special_tokens=False)
             for offset, row in enumerate(encoded["input_ids"]):
                 where = f"target {self.name!r}: the prompt of conversation {start + offset}"
-                check_token_ids(torch.tensor([row], dtype=torch.long), self.num_embeddings, where, tokenizer)
-                self._check_context(len(row), settings.max_new_tokens, where)
+                try:
+                    check_token_ids(torch.tensor([row], dtype=torch.long), self.num_embeddings, where, tokenizer)
+                    self._check_context(len(row), settings.max_new_tokens, where)
+                except InputError as err:
+                    err.conversation_index = start + offset  # callers that know its id name it
+                    raise
             input_ids, attention_mask = _left_padded(encoded["input_ids"], pad_id)
             output = decode(self.model, input_ids.to(self.device), attention_mask.to(self.device),
                             settings, eos_ids=eos_ids, pad_id=pad_id, generator=generator)
@@ -359,6 +364,12 @@ def _checked_model_folder(folder: str | os.PathLike[str]) -> Path:
             else "it holds no weights"
         )
         raise InputError(f"target folder {path} has no *.safetensors file: {hint}")
+    # transformers ignores a generation_config.json that does not parse, and with it the
+    # end-of-turn ids it lists (Llama-3's <|eot_id|>): every reply would run to max_new_tokens
+    broken = broken_json_file(path / "generation_config.json")
+    if broken is not None:
+        raise InputError(f"{broken}; transformers would ignore it and with it the end-of-turn ids "
+                         "(eos_token_id) it lists: fix or fetch the file again")
     absent = _absent_shards(path)
     if absent:
         raise InputError(

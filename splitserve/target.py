@@ -130,9 +130,16 @@ def render_prompt(
 ) -> str:
     """The prompt text every backend generates from: the chat template (``settings.chat_template``
     or the tokenizer's) with ``add_generation_prompt`` and ``enable_thinking``."""
-    from draftforge.data.tokenize import TEMPLATE_ERRORS, template_failure
+    from draftforge.data.tokenize import TEMPLATE_ERRORS, ChatTemplateError, template_failure
 
     check_conversation(conversation, index)
+    if settings.chat_template is None and not getattr(tokenizer, "chat_template", None):
+        # transformers' "tokenizer.chat_template is not set" is no fault of the conversation's
+        raise ChatTemplateError(
+            "the target's tokenizer has no chat template (its tokenizer_config.json or "
+            "chat_template.jinja gives none); set target.generation.chat_template to the Jinja "
+            "text of one (e.g. as a YAML block scalar, chat_template: |)"
+        )
     try:
         return tokenizer.apply_chat_template(
             conversation,
@@ -574,18 +581,26 @@ def _broken_tokenizer_json(folder: Path) -> str | None:
     """Why the first of ``folder``'s tokenizer JSON files that does not parse is unusable (its
     path, line and column; a Git LFS pointer said as such), or None when they all parse."""
     for name in _TOKENIZER_JSON_FILES:
-        path = folder / name
-        if not path.is_file():
-            continue
-        text = path.read_bytes()
-        try:
-            json.loads(text)
-        except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
-            where = (f"{exc.msg}: line {exc.lineno} column {exc.colno}"
-                     if isinstance(exc, json.JSONDecodeError) else str(exc))
-            hint = ("; it is a Git LFS pointer, not the file: fetch it with `git lfs pull` in that "
-                    "folder" if text.startswith(b"version https://git-lfs") else "")
-            return f"{path} is not valid JSON ({where}){hint}"
+        broken = broken_json_file(folder / name)
+        if broken is not None:
+            return broken
+    return None
+
+
+def broken_json_file(path: Path) -> str | None:
+    """Why the JSON file ``path`` is unusable (its path, line and column; a Git LFS pointer
+    said as such), or None when it parses or does not exist."""
+    if not path.is_file():
+        return None
+    text = path.read_bytes()
+    try:
+        json.loads(text)
+    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+        where = (f"{exc.msg}: line {exc.lineno} column {exc.colno}"
+                 if isinstance(exc, json.JSONDecodeError) else str(exc))
+        hint = ("; it is a Git LFS pointer, not the file: fetch it with `git lfs pull` in that "
+                "folder" if text.startswith(b"version https://git-lfs") else "")
+        return f"{path} is not valid JSON ({where}){hint}"
     return None
 
 
