@@ -44,9 +44,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from draftforge.errors import InputError
 from draftforge.splitserve.target import (
     Reply,
     TargetFeatures,
+    broken_json_file,
     check_layer_ids,
     check_token_ids,
     merge_eos_ids,
@@ -438,6 +440,9 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, folder: Path) -> list[int]
     sources: list[Any] = [tokenizer.eos_token_id]
     config_file = folder / "generation_config.json"
     if config_file.is_file():
+        broken = broken_json_file(config_file)
+        if broken is not None:  # its end-of-turn ids would be lost: replies would run to the limit
+            raise InputError(f"{broken}; its end-of-turn ids (eos_token_id) are needed to end replies")
         sources.append(json.loads(config_file.read_text()).get("eos_token_id"))
     return merge_eos_ids(sources, where=f"target folder {folder}")
 
@@ -470,8 +475,6 @@ def weight_files(folder: Path) -> dict[str, str]:
 def read_weight(folder: Path, names: Sequence[str], *, what: str = "weight") -> torch.Tensor:
     """The first of ``names`` the folder's safetensors hold (``what`` names it in the error)."""
     from safetensors import safe_open
-
-    from draftforge.errors import InputError
 
     files = weight_files(folder)
     for name in names:
@@ -623,8 +626,12 @@ class SGLangTarget:
         for index, conversation in enumerate(conversations):
             text = render_prompt(self._tokenizer, conversation, index, settings)
             prompts.append(self._tokenizer(text, add_special_tokens=False)["input_ids"])
-            check_token_ids(torch.tensor([prompts[-1]], dtype=torch.long), self.vocab_size,
-                            f"target {self.name!r}: the prompt of conversation {index}", self._tokenizer)
+            try:
+                check_token_ids(torch.tensor([prompts[-1]], dtype=torch.long), self.vocab_size,
+                                f"target {self.name!r}: the prompt of conversation {index}", self._tokenizer)
+            except InputError as err:
+                err.conversation_index = index  # regeneration names the prompt's file, line and id
+                raise
         if not prompts:
             return []
         eos = self.eos_token_ids()
