@@ -308,7 +308,7 @@ def _supervise(cfg, args, layout, env: dict[str, str], restarts: int) -> int:
         print(f"draftforge train: {' '.join(command[1:])}", file=sys.stderr, flush=True)
 
         def run() -> int:
-            return run_torchrun(command, env=env, hint=_stop_hint(cfg, every_node=True))
+            return run_torchrun(command, env=env, hint=_stop_hint(cfg, layout, args.node_rank, every_node=True))
     else:
         command = rank_command(args.recipe, args.overrides)
         labels = {r: f"target rank {r}" for r in cfg.split.target_ranks}
@@ -318,7 +318,7 @@ def _supervise(cfg, args, layout, env: dict[str, str], restarts: int) -> int:
 
         def run() -> int:
             return run_ranks(command, nproc=cfg.split.world_size, env=env,
-                             host=args.master_addr, labels=labels, hint=_stop_hint(cfg))
+                             host=args.master_addr, labels=labels, hint=_stop_hint(cfg, layout, args.node_rank))
 
     def start() -> int:
         status = run()
@@ -381,13 +381,39 @@ def _not_auto_advice(cfg) -> str | None:
             "to continue from the newest checkpoint instead.")
 
 
-def _stop_hint(cfg, *, every_node: bool = False) -> str:
+class _Hint:
+    """A stop hint worked out when the launcher prints it: the run may have written its first
+    checkpoint since the job started."""
+
+    def __init__(self, make) -> None:
+        self._make = make
+
+    def __format__(self, spec: str) -> str:
+        return format(self._make(), spec)
+
+    def __str__(self) -> str:
+        return self._make()
+
+
+def _stop_hint(cfg, layout, node_rank: int | None, *, every_node: bool = False) -> _Hint:
     """How to continue after Ctrl-C or SIGTERM stopped the job, for the launcher's last line."""
-    advice = _not_auto_advice(cfg)
-    if advice is not None:
-        return advice[0].lower() + advice[1:]
-    on = " on every node" if every_node else ""
-    return f"rerun the same command{on} to continue from the newest checkpoint"
+    from draftforge.train import checkpoint as ckpt
+
+    def make() -> str:
+        advice = _not_auto_advice(cfg)
+        if advice is not None:
+            return advice[0].lower() + advice[1:]
+        on = " on every node" if every_node else ""
+        try:
+            none = (_runs_trainers(cfg, layout, node_rank)  # else the trainers' node has them
+                    and ckpt.find_resume(Path(cfg.train.output_dir), "auto") is None)
+        except OSError:  # a folder this process cannot list: no guess
+            none = False
+        if none:
+            return f"no checkpoint was written yet: the same command{on} starts over"
+        return f"rerun the same command{on} to continue from the newest checkpoint"
+
+    return _Hint(make)
 
 
 def run_torchrun(command: Sequence[str], *, env: Mapping[str, str],

@@ -20,6 +20,7 @@ resumes from the newest checkpoint.
 from __future__ import annotations
 
 import datetime
+import errno
 import os
 import signal
 import sys
@@ -355,6 +356,15 @@ def run_rank(cfg: RecipeConfig, *, mode: str = "train", bench: dict | None = Non
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
+    except OSError as exc:
+        if exc.errno not in _FULL_DISK:
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+        ctx.log(f"error: {_full_disk_message(exc, ctx.cfg.train.output_dir)}")
+        sys.stderr.flush()
+        note_input_error(exc)  # a restart (--max-restarts) would fail the same way
+        os._exit(EXIT_BAD_INPUT)
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()
@@ -363,10 +373,41 @@ def run_rank(cfg: RecipeConfig, *, mode: str = "train", bench: dict | None = Non
     return 0
 
 
+# A write that fails for want of space (or a read-only file system): no restart helps.
+_FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
+def _full_disk_message(exc: OSError, output_dir) -> str:
+    """One line for a write that failed with one of :data:`_FULL_DISK`: the file (where the
+    error names it), the errno, what to do."""
+    what = f"{exc.strerror or os.strerror(exc.errno)} (errno {exc.errno}, {errno.errorcode[exc.errno]})"
+    where = (f"writing {exc.filename}" if exc.filename is not None
+             else f"writing a file (train.output_dir is {output_dir})")
+    return (f"{what} {where}; free space there (or fix the quota or a read-only mount) and rerun the "
+            "same command; a restart would fail the same way, so none is made")
+
+
 def _say_how_to_resume(ctx: RankContext, bench: dict | None) -> None:
     """After a peer died: how to continue. Nothing for a benchmark (its run lives in a scratch
-    folder, deleted at its end) or a run that never resumes (a rerun starts over)."""
+    folder, deleted at its end) or a run that never resumes (a rerun starts over); a rerun
+    starts over too where ``train.output_dir`` is here and holds no checkpoint yet."""
     if bench is not None or ctx.cfg.train.resume == "never":
+        return
+    from draftforge.splitserve.launch import _not_auto_advice
+    from draftforge.train import checkpoint as ckpt
+
+    advice = _not_auto_advice(ctx.cfg)  # train.resume=PATH: the same command resumes from it again
+    if advice is not None:
+        ctx.log(advice)
+        return
+    run_dir = Path(ctx.cfg.train.output_dir)
+    # the folder is not here: the trainers' node (another machine) has it, and may have checkpoints
+    try:
+        none = run_dir.is_dir() and not ckpt.complete_checkpoints(run_dir)
+    except OSError:  # a folder this rank cannot list: no guess
+        none = False
+    if none:
+        ctx.log(f"no checkpoint was written in {run_dir} yet: rerun the same command to start over")
         return
     ctx.log(
         f"the run can be resumed: rerun the same command (train.resume={ctx.cfg.train.resume}) "
@@ -615,7 +656,7 @@ def _run_trainer(ctx: RankContext, bench: dict | None) -> None:
     receiver = T.SampleReceiver(sources, credits=credits, group=ctx.data_group,
                                 device=ctx.device, start=_rotation_start(sources, info))
     stream = ConsumerStream(receiver, ack_group=ctx.ack_group, accounting=accounting,
-                            provenance=_provenance(cfg), acks=acks)
+                            provenance=_provenance(cfg), acks=acks, log=ctx.log)
     # sample id -> the target rank that sent it, for the samples taken lately: the packer
     # holds at most a few batches beyond the last trained step, so the newest ids suffice
     source_of: OrderedDict[str, int] = OrderedDict()

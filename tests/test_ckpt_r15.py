@@ -172,7 +172,7 @@ def test_a_deepspeed_checkpoint_missing_one_ranks_file_names_it(tmp_path, stage)
         ckpt.read_checked_state(path, strategy="deepspeed", trainer_ranks=2, zero_stage=stage)
     assert str(info.value) == (
         f"checkpoint {path} has no deepspeed/state/zero_pp_rank_1_mp_rank_00_optim_states.pt; it is "
-        "incomplete: delete it to resume from the previous complete checkpoint")
+        "incomplete: delete it and rerun: the run starts over, as no earlier complete checkpoint exists")
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -194,8 +194,9 @@ def test_a_truncated_deepspeed_file_is_named(tmp_path):
     with pytest.raises(ckpt.CheckpointError) as info:
         ckpt.read_checked_state(path, strategy="deepspeed", trainer_ranks=1)
     assert str(info.value).startswith(f"checkpoint file {model_file} is corrupt or truncated (BadZipFile: ")
-    assert str(info.value).endswith(f"delete the folder {path} to resume from the previous complete "
-                                    "checkpoint, or point train.resume at another one")
+    # the only checkpoint: deleting it starts the run over, which the advice says
+    assert str(info.value).endswith(f"delete the folder {path} and rerun: the run starts over, as no "
+                                    "earlier complete checkpoint exists, or point train.resume at another one")
 
 
 def test_an_fsdp2_checkpoint_without_its_dcp_folder_is_named(tmp_path):
@@ -206,7 +207,7 @@ def test_an_fsdp2_checkpoint_without_its_dcp_folder_is_named(tmp_path):
     with pytest.raises(ckpt.CheckpointError) as info:
         ckpt.read_checked_state(path, strategy="fsdp2", trainer_ranks=1)
     assert str(info.value) == (f"checkpoint {path} has no dcp/.metadata; it is incomplete: delete it "
-                               "to resume from the previous complete checkpoint")
+                               "and rerun: the run starts over, as no earlier complete checkpoint exists")
 
 
 # -- 3. an optimizer.json of the wrong shape is named, not a TypeError traceback ----------

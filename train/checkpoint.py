@@ -280,7 +280,8 @@ def _write_failed(step: int, run_dir: Path, errors: list[str]) -> CheckpointErro
     return CheckpointError(
         f"writing the checkpoint of step {step} into {checkpoints_root(run_dir)} failed ({what}); "
         f"nothing partial was kept, {keep}. "
-        "Free disk space (or fix the error) and rerun the same command to resume."
+        f"Free disk space (or fix the error) and rerun the same command to "
+        f"{'resume' if previous else 'start over (there is no checkpoint to resume from)'}."
     )
 
 
@@ -461,11 +462,20 @@ def _prune(run_dir: Path, *, step: int, keep_last: int) -> None:
                 shutil.rmtree(leftover, ignore_errors=True)
 
 
+def _after_deleting(checkpoint: Path) -> str:
+    """What a rerun does once ``checkpoint`` is deleted: resume from an earlier complete one
+    beside it, or, where there is none, start over (which the advice must not hide)."""
+    earlier = [p for p in checkpoint.parent.glob("step_*") if p.name < checkpoint.name and is_complete(p)]
+    if earlier:
+        return "to resume from the previous complete checkpoint"
+    return "and rerun: the run starts over, as no earlier complete checkpoint exists"
+
+
 def _corrupt(file: Path, exc: BaseException, checkpoint: Path) -> CheckpointError:
     return CheckpointError(
         f"checkpoint file {file} is corrupt or truncated ({type(exc).__name__}: "
         f"{str(exc).splitlines()[0] if str(exc) else 'no detail'}); delete the folder {checkpoint} "
-        "to resume from the previous complete checkpoint, or point train.resume at another one"
+        f"{_after_deleting(checkpoint)}, or point train.resume at another one"
     )
 
 
@@ -481,8 +491,7 @@ def _check_dcp(path: Path) -> None:
     except UnsafeCheckpointError as exc:
         raise CheckpointError(
             f"checkpoint file {metadata_file} is not DCP metadata: {exc}; refusing to "
-            f"unpickle it (it could run code). Delete the folder {path} to resume from the "
-            "previous complete checkpoint"
+            f"unpickle it (it could run code). Delete the folder {path} {_after_deleting(path)}"
         ) from None
     except Exception as exc:  # noqa: BLE001 - a missing, truncated or garbled pickle
         raise _corrupt(metadata_file, exc, path) from None
@@ -521,7 +530,9 @@ def _run_mismatch(path: Path, state: dict, *, strategy: str | None, trainer_rank
     if trainer_ranks is not None and saved_size != trainer_ranks:
         raise CheckpointError(
             f"checkpoint {path} was written by {saved_size} trainer rank(s); this run has "
-            f"{trainer_ranks}. Resume with the same number of trainer ranks."
+            f"{trainer_ranks}. Resume with the same number of trainer ranks. Make split.trainer_ranks "
+            f"list {saved_size} rank(s) (and split.world_size match), or start a fresh run in another "
+            "train.output_dir"
         )
     if strategy is not None and state["strategy"] != strategy:
         raise CheckpointError(
@@ -632,6 +643,9 @@ def read_checked_state(path: Path, *, model_config: dict | None = None, strategy
     if model_config is not None and draft_file.is_file():
         try:
             saved = json.loads(draft_file.read_text())
+            if not isinstance(saved, dict):  # the shape check would skip it, or raise TypeError
+                kind = {list: "an array", str: "a string", bool: "a boolean"}.get(type(saved), "a number")
+                raise ValueError(f"{'null' if saved is None else kind}, not an object of DSparkConfig fields")
         except (OSError, ValueError) as exc:
             raise _corrupt(draft_file, exc, path) from None
         differences = config_differences(saved, model_config, saved_name="checkpoint",
@@ -660,7 +674,7 @@ def read_checked_state(path: Path, *, model_config: dict | None = None, strategy
 def _missing(file: Path, checkpoint: Path) -> CheckpointError:
     return CheckpointError(
         f"checkpoint {checkpoint} has no {file.relative_to(checkpoint)}; it is incomplete: delete it "
-        "to resume from the previous complete checkpoint"
+        f"{_after_deleting(checkpoint)}"
     )
 
 
