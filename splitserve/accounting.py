@@ -21,7 +21,9 @@ Definitions (the same everywhere, printed at every log interval and in the summa
 The recommended split puts ``T`` of the ``N`` ranks on the target so that
 ``min(feed_rate(T, N - T), (N - T) * consumer_capacity)`` is largest, where
 ``feed_rate`` is what the producers can feed (``T * producer_capacity`` when the
-trainers divide evenly among them; see :func:`feed_rate` when they do not). Without a
+trainers divide evenly among them; see :func:`feed_rate` when they do not), with the
+capacities after the run's first step (whose compute includes the warm-up) where that
+step was not the last. Without a
 capacity measured on both sides (no training step yet, no target report) there is none:
 ``"recommended": null`` in ``accounting.jsonl``, as the summary says.
 """
@@ -255,9 +257,10 @@ class ConsumerAccounting:
         }
         recommended = None  # a side with no capacity measured: no advice (see _verdict)
         if producer["capacity_tok_s"] > 0 and consumer["capacity_tok_s"] > 0:
+            capacities = ((producer["capacity_tok_s"], consumer["capacity_tok_s"]) if since
+                          else self._capacities(producer, consumer))
             num_t, num_r, expected = recommend_split(
-                self.world, producer["capacity_tok_s"], consumer["capacity_tok_s"],
-                tensor_parallel=self.tensor_parallel,
+                self.world, *capacities, tensor_parallel=self.tensor_parallel,
             )
             recommended = {"target_ranks": num_t, "trainer_ranks": num_r,
                            "expected_tok_s": expected}  # the whole job's, at the slower side
@@ -299,9 +302,22 @@ class ConsumerAccounting:
             *filter(None, [self.credit_advice(s)]),
         ])
 
+    def _capacities(self, p: dict, c: dict) -> tuple[float, float]:
+        """The (producer, consumer) capacities that the whole run's split advice is judged on:
+        those after this run's first step, whose compute includes the warm-up (a compile of the
+        objective, the device's first kernels), which understated a short run's trainer
+        capacity; the whole run's ``p`` and ``c`` where nothing was measured after it."""
+        if self._first_step is not None:
+            steady = self.snapshot(since=self._first_step)
+            capacities = steady["producer"]["capacity_tok_s"], steady["consumer"]["capacity_tok_s"]
+            if min(capacities) > 0:
+                return capacities
+        return p["capacity_tok_s"], c["capacity_tok_s"]
+
     def _verdict(self, p: dict, c: dict, rec: dict | None) -> str:
-        """The slower side and the recommended split, or that a side has no capacity measured
-        (a trainer that ran no step, a target not heard from): advice from nothing misleads."""
+        """The slower side and the recommended split (judged after the first step, see
+        :meth:`_capacities`), or that a side has no capacity measured (a trainer that ran no
+        step, a target not heard from): advice from nothing misleads."""
         current = f"{self.num_target} target + {self.world - self.num_target} trainer"
         if c["capacity_tok_s"] <= 0 or p["capacity_tok_s"] <= 0:
             missing = "training step" if c["capacity_tok_s"] <= 0 else "target report"
@@ -309,10 +325,16 @@ class ConsumerAccounting:
         # the groups' capacities, not one rank's: 1 target at 100 tok/s feeds 3 trainers at 50 slower
         num_trainers = self.world - self.num_target
         producers = self.num_target // self.tensor_parallel
-        feed = feed_rate(producers, num_trainers, p["capacity_tok_s"])
-        slower = "target" if feed < num_trainers * c["capacity_tok_s"] else "trainer"
+        producer_capacity, consumer_capacity = self._capacities(p, c)
+        feed = feed_rate(producers, num_trainers, producer_capacity)
+        slower = "target" if feed < num_trainers * consumer_capacity else "trainer"
         advice = f"{rec['target_ranks']} target + {rec['trainer_ranks']} trainer"
-        return f"slower side: {slower}; recommended split for {self.world} ranks: {advice} (now {current})"
+        basis = ""  # the capacities judged on, where they are not the ones printed above
+        if (producer_capacity, consumer_capacity) != (p["capacity_tok_s"], c["capacity_tok_s"]):
+            basis = (f"; judged after the first step (warm-up): capacity target "
+                     f"{producer_capacity:.0f}, trainer {consumer_capacity:.0f} tok/s")
+        return (f"slower side: {slower}; recommended split for {self.world} ranks: {advice} "
+                f"(now {current}){basis}")
 
     def credit_advice(self, s: dict) -> str | None:
         """Both sides idle at once while a step packs more samples than the credits hold: the

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from draftforge.splitserve import transport as T
 from draftforge.splitserve.accounting import ConsumerAccounting
@@ -23,7 +23,8 @@ class ConsumerStream:
 
     ``acks``: the trainer's :class:`~draftforge.splitserve.transport.AckLink`, which has
     sent the resume state; without it the stream starts one (every ``heartbeat_s``) to
-    producers that already have it.
+    producers that already have it. ``log``: where :meth:`stop` says that a producer was lost
+    (the rank's log; default: stderr).
     """
 
     def __init__(
@@ -35,6 +36,7 @@ class ConsumerStream:
         provenance: dict | None = None,
         heartbeat_s: float = 60.0,
         acks: T.AckLink | None = None,
+        log: Callable[[str], None] | None = None,
     ) -> None:
         self.receiver = receiver
         self.ack_group = ack_group
@@ -48,6 +50,7 @@ class ConsumerStream:
         self.heartbeat_s = heartbeat_s
         self._stopped = False
         self.warning: str | None = None  # a producer lost after the last step (see stop)
+        self._log = log or (lambda text: print(text, file=sys.stderr, flush=True))
 
     def samples(self) -> Iterator[Sample]:
         """Yield samples until every producer has ended its stream."""
@@ -85,13 +88,15 @@ class ConsumerStream:
 
         Returns the number of samples dropped (they were never consumed, so a
         later run gets them again). The trainer has taken all it needs by now: a producer
-        that died meanwhile ends the drain with a warning (kept in :attr:`warning`), not
-        an error that would fail a finished run.
+        that died meanwhile ends the drain with a warning (kept in :attr:`warning`, said
+        through ``log``), not an error that would fail a finished run; the other producers
+        are still received to their end, so that none is left waiting in a send to this
+        trainer (it would report the trainer dead once it exits).
         """
         if self._stopped:
             return 0
         self._stopped = True
-        dropped, lost = 0, None
+        dropped, lost, others = 0, None, []
         try:
             self.acks.stop()
         except T.PeerDied as exc:  # the others were told: drain them
@@ -108,10 +113,16 @@ class ConsumerStream:
                 dropped += 1
         except T.PeerDied as exc:
             lost = lost or exc
+            if exc is self.receiver.error:  # the other producers' last messages still find a receive
+                more, others = self.receiver.drain_rest()
+                dropped += more
         if lost is not None:
             self.warning = (f"warning: after this trainer's last step, {lost}; its steps are "
                             "done, the stream's end not waited for")
-            print(self.warning, file=sys.stderr, flush=True)
+            self._log(self.warning)
+            for exc in others:
+                self._log(f"warning: after this trainer's last step, {exc}; that stream's end not "
+                          "waited for either")
         self.receiver.join(timeout=5.0)
         return dropped
 

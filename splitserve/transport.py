@@ -251,8 +251,10 @@ def recv_sample(
     feats = torch.empty(seq, aux_dim + final_dim, dtype=dtype, device=device)
     _recv(feats, src, group, "target", "receiving a sample's features")
     tail = ints[2 * seq :].cpu().tolist()
-    sample_id = bytes(tail[:id_len]).decode("utf-8")
-    dropped = _decode_ids(tail[id_len : id_len + num_dropped], bytes(tail[id_len + num_dropped :]))
+    what = f"the sample with seq_no {seq_no}"
+    sample_id = _decode_ids([id_len], _bytes(tail[:id_len], src, what), src, what)[0]
+    dropped = _decode_ids(tail[id_len : id_len + num_dropped],
+                          _bytes(tail[id_len + num_dropped :], src, what), src, what)
     return WireSample(
         sample_id=sample_id,
         input_ids=ints[:seq].clone(),
@@ -398,20 +400,39 @@ class AckListener:
 def _hello_ids(head: list[int], src: int, group) -> set[str]:
     """The rest of the HELLO whose header is ``head``: its sample ids."""
     count, nbytes = head[2], head[3]
+    if count < 0 or nbytes < 0:
+        raise WireError(f"rank {src} sent a malformed HELLO header {head} (negative id count or size)")
     if count == 0:
         return set()
     lengths = torch.empty(count, dtype=torch.int64)
     _recv(lengths, src, group, "trainer", "receiving the resume state")
     data = torch.empty(nbytes, dtype=torch.uint8)
     _recv(data, src, group, "trainer", "receiving the resume state")
-    return set(_decode_ids(lengths.tolist(), bytes(data.tolist())))
+    return set(_decode_ids(lengths.tolist(), bytes(data.tolist()), src, "a HELLO (the consumed sample ids)"))
 
 
-def _decode_ids(lengths: Sequence[int], blob: bytes) -> list[str]:
-    """The ids whose UTF-8 encodings of ``lengths`` lie one after another in ``blob``."""
+def _bytes(values: Sequence[int], src: int, what: str) -> bytes:
+    """``values`` (int64 off the wire) as bytes; :class:`WireError` naming rank ``src`` when one
+    is not a byte (``what``: the message, for the error)."""
+    bad = [v for v in values if not 0 <= v <= 255]
+    if bad:
+        raise WireError(f"rank {src} sent {what} whose id bytes are not all in 0-255 (e.g. "
+                        f"{bad[0]}); are both sides running the same draftforge version?")
+    return bytes(values)
+
+
+def _decode_ids(lengths: Sequence[int], blob: bytes, src: int, what: str) -> list[str]:
+    """The ids whose UTF-8 encodings of ``lengths`` lie one after another in ``blob``;
+    :class:`WireError` naming rank ``src`` and ``what`` when they do not."""
+    if any(length < 0 for length in lengths) or sum(lengths) != len(blob):
+        raise WireError(f"rank {src} sent {what} whose id lengths {list(lengths)[:8]} do not add "
+                        f"up to its {len(blob)} id bytes")
     ids, offset = [], 0
     for length in lengths:
-        ids.append(blob[offset : offset + length].decode("utf-8"))
+        try:
+            ids.append(blob[offset : offset + length].decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise WireError(f"rank {src} sent {what} whose ids are not UTF-8 ({exc})") from None
         offset += length
     return ids
 
@@ -722,6 +743,7 @@ class SampleReceiver:
         self._device = device
         self._start = start
         self._held = dict.fromkeys(self.sources, 0)
+        self._left: list[int] = []  # the sources not ended when the thread failed, its current first
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="draftforge-recv", daemon=True)
         self._thread.start()
@@ -752,6 +774,8 @@ class SampleReceiver:
                 index += 1
         except BaseException as exc:  # noqa: BLE001 - re-raised on the consumer thread
             self.error = exc
+            at = index % len(active)
+            self._left = active[at:] + active[:at]
         self.queue.put(None)
 
     def _hear(self) -> None:
@@ -779,6 +803,32 @@ class SampleReceiver:
                 self._held[item[0]] -= 1
                 self._cond.notify_all()
             return item
+
+    def drain_rest(self) -> tuple[int, list[BaseException]]:
+        """After the thread ended on one producer's :class:`PeerDied` (call only once the trainer
+        has told its producers to stop): receive what the other producers still send, in the
+        same rotation, until each one's END, so that none of them is left waiting in a send to
+        this trainer, to report it dead once it exits. Returns the samples dropped and what
+        ended the drain of another producer early (its :class:`PeerDied` or :class:`WireError`)."""
+        self.join(timeout=5.0)
+        failed = self.error.rank if isinstance(self.error, PeerDied) else None
+        left = [src for src in self._left if src != failed]
+        dropped, lost, index = 0, [], 0
+        while left:
+            src = left[index % len(left)]
+            try:
+                message = recv_sample(src, group=self._group, device=self._device, on_beat=self._hear)
+            except (PeerDied, WireError) as exc:
+                lost.append(exc)
+                message = None
+            if message is None:
+                position = left.index(src)
+                left.remove(src)
+                index = position
+                continue
+            dropped += 1
+            index += 1
+        return dropped, lost
 
     def depth(self) -> int:
         """Samples received and not yet taken (the end marker not counted)."""
