@@ -277,7 +277,8 @@ def bench_trainer_rank(ctx, trainer, bench: dict, *, acks: T.AckLink) -> None:
                                     credits=credits * len(sources), num_sources=len(sources))
     receiver = T.SampleReceiver(sources, credits=credits, group=ctx.data_group,
                                 device=ctx.device)
-    stream = ConsumerStream(receiver, ack_group=ctx.ack_group, accounting=accounting, acks=acks)
+    stream = ConsumerStream(receiver, ack_group=ctx.ack_group, accounting=accounting, acks=acks,
+                            log=ctx.log)
     batches = stream_pack(stream.samples(), cfg.split.token_budget)
     # The N + 1 steps start from an empty pipeline, as phase 1 does (a window opened after a
     # fill step would eat samples produced before it and read faster than the producer). The
