@@ -12,36 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from trainer_helpers import chain_samples, target_embeddings, tiny_model_config, train_config
+from test_checkpoint_r11 import _trainer, run, saved_run  # noqa: F401  (fixtures)
+from trainer_helpers import chain_samples
 
 from draftforge.train import checkpoint as ckpt
 from draftforge.train.sample import pack
-from draftforge.train.trainer import Trainer
 
 
-def _trainer(run_dir: Path, **overrides) -> Trainer:
-    return Trainer(model_config=tiny_model_config(num_hidden_layers=1),
-                   train=train_config(str(run_dir), **overrides), embeddings=target_embeddings(),
-                   run_dir=run_dir, recipe_yaml="name: r15\n")
-
-
-@pytest.fixture(scope="module")
-def saved_run(tmp_path_factory) -> Path:
-    """A single-strategy run with complete checkpoints at steps 2 and 4 (copied by each test)."""
-    run = tmp_path_factory.mktemp("saved") / "run"
-    _trainer(run, steps=4, checkpoint_interval=2).fit(pack(chain_samples(30), 90))
-    return run
-
-
-@pytest.fixture()
-def run(saved_run, tmp_path) -> Path:
-    copy = tmp_path / "run"
-    shutil.copytree(saved_run, copy)
-    return copy
-
-
-def _newest(run: Path) -> Path:
-    return ckpt.checkpoint_path(run, 4)
+def _newest(run_dir: Path) -> Path:
+    return ckpt.checkpoint_path(run_dir, 4)
 
 
 # -- 1, 6. another train.zero_stage or train.dtype (deepspeed) is refused, not called corrupt
@@ -114,7 +93,7 @@ def test_a_deepspeed_resume_under_another_dtype_is_refused_naming_both(deepspeed
     ) in out, out[-2000:]
 
 
-def test_another_strategy_is_refused_saying_how_to_resume(run):
+def test_another_strategy_is_refused_saying_how_to_resume(run):  # noqa: F811
     path = _newest(run)
     with pytest.raises(ckpt.CheckpointError) as info:
         ckpt.read_checked_state(path, strategy="fsdp2", trainer_ranks=1)
@@ -127,7 +106,7 @@ def test_another_strategy_is_refused_saying_how_to_resume(run):
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "optimizer.safetensors", "optimizer.json"])
-def test_a_single_checkpoint_missing_a_file_resume_reads_is_refused_by_the_file_check(run, name):
+def test_a_single_checkpoint_missing_a_file_resume_reads_is_refused_by_the_file_check(run, name):  # noqa: F811
     """The file check (which the launcher runs before torchrun starts, and trainer rank 0
     before any collective) passed such a folder; only the load itself failed, after the
     target had loaded."""
@@ -214,7 +193,7 @@ def test_an_fsdp2_checkpoint_without_its_dcp_folder_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("text", ["[]", '{"param_groups": [1], "scalars": {}}', '{"param_groups": []}'])
-def test_an_optimizer_json_of_the_wrong_shape_is_refused_naming_it(run, text):
+def test_an_optimizer_json_of_the_wrong_shape_is_refused_naming_it(run, text):  # noqa: F811
     path = _newest(run)
     (path / "optimizer.json").write_text(text)
     with pytest.raises(ckpt.CheckpointError) as info:
@@ -242,7 +221,7 @@ def test_a_resume_value_that_is_no_folder_says_what_the_setting_takes(tmp_path, 
 
 
 @pytest.mark.parametrize("steps", [3, 4])
-def test_a_resume_with_no_step_left_says_so_not_which_rate_step_5_gets(run, steps):
+def test_a_resume_with_no_step_left_says_so_not_which_rate_step_5_gets(run, steps):  # noqa: F811
     """The note said "step 5 keeps the learning rate 0.000e+00, the steps after it follow the
     new schedule", though the run trains no step 5."""
     trainer = _trainer(run, steps=steps, resume="auto")

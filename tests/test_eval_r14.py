@@ -9,7 +9,8 @@ import re
 from pathlib import Path
 
 import pytest
-from eval_helpers import LAYER_IDS, random_prompts, tiny_eval_draft, tiny_target
+from eval_helpers import LAYER_IDS, random_prompts, tiny_eval_draft
+from test_eval_r13 import QUIET, draft, target  # noqa: F401  (fixtures)
 
 from draftforge.cli import main
 from draftforge.config import load_recipe
@@ -20,17 +21,6 @@ from draftforge.splitserve.target import build_target
 from draftforge.train.export import export_draft
 
 TINY_DEBUG = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
-QUIET = dict(progress=lambda _: None)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
-
-
-@pytest.fixture(scope="module")
-def draft(target):
-    return tiny_eval_draft(target)
 
 
 def _tiny_export(tmp_path: Path) -> tuple[Path, Path]:
@@ -149,7 +139,7 @@ def test_compare_refuses_draws_that_would_exhaust_memory(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[-1] == "diff_macro=0.2500 low=0.2500 high=0.2500 verdict=ahead"
 
 
-def test_eval_settings_refuse_unknown_baselines(target, draft):
+def test_eval_settings_refuse_unknown_baselines(target, draft):  # noqa: F811
     """A library caller's misspelt baseline ("ngarm") was left out of the report without a word,
     and a bare string ("none,ngram") was read by substring."""
     for baselines in (("ngarm",), ("none", "dspark"), "none,ngram", None):
@@ -163,7 +153,7 @@ def test_eval_settings_refuse_unknown_baselines(target, draft):
     assert sorted(result.methods) == ["dspark", "ngram", "none"]  # greedy: none is the reference anyway
 
 
-def test_the_estimate_refuses_a_target_built_with_other_layers(target, draft):
+def test_the_estimate_refuses_a_target_built_with_other_layers(target, draft):  # noqa: F811
     """The estimate read the draft's features from the layers the target was built with, while
     decoding captures the draft's target_layer_ids: a target built with the same layers in
     another order gave a plausible tau of another draft input, without a word."""

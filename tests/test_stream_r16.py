@@ -8,36 +8,9 @@ from collections import deque
 
 import pytest
 import torch
+from test_stream_r14 import CLOSED, _loopback
 
 from draftforge.splitserve import transport as T
-
-CLOSED = "Connection closed by peer [127.0.0.1]:41234"  # what gloo says of a dead peer
-
-
-def _loopback(monkeypatch, dead: set[int] = frozenset()) -> tuple[deque, list]:
-    """Point-to-point sends into a FIFO that the receives read from (one process); a send to
-    or a receive from a rank in ``dead`` fails as gloo's does for a closed connection.
-    Returns the FIFO and the list of (destination, header kind, values) of every header sent."""
-    wire: deque[torch.Tensor] = deque()
-    headers: list = []
-
-    def send(tensor, dst, group=None):
-        if dst in dead:
-            raise RuntimeError(CLOSED)
-        if tensor.dtype == torch.int64 and tensor.numel() == T.HEADER_LEN and int(tensor[0]) == T.MAGIC:
-            headers.append((dst, int(tensor[1]), tensor[2:].tolist()))
-        wire.append(tensor.clone())
-
-    def recv(tensor, src=None, group=None):
-        if src in dead:
-            raise RuntimeError(CLOSED)
-        sent = wire.popleft()
-        assert sent.dtype == tensor.dtype and sent.shape == tensor.shape, (sent.shape, tensor.shape)
-        tensor.copy_(sent)
-        return src
-
-    monkeypatch.setattr(T, "dist", types.SimpleNamespace(send=send, recv=recv))
-    return wire, headers
 
 
 def _put_sample(wire: deque, tail: list[int], *, id_len: int, num_dropped: int = 0, seq_no: int = 7) -> None:

@@ -24,7 +24,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def word_tokenizer():
+def word_tokenizer(chat_template: str | None = CHAT_TEMPLATE):
     """A word-level chat tokenizer of SHAPE.vocab_size tokens."""
     from transformers import PreTrainedTokenizerFast
 
@@ -36,12 +36,12 @@ def word_tokenizer():
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="<|im_end|>",
         additional_special_tokens=["<|im_start|>"])  # fmt: skip
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
     return tokenizer
 
 
-def llama_folder(path: Path, tokenizer=None, **save) -> Path:
-    random_llama(SHAPE, seed=1).save_pretrained(path, safe_serialization=True, **save)
+def llama_folder(path: Path, tokenizer=None, shape: TargetShape = SHAPE, **save) -> Path:
+    random_llama(shape, seed=1).save_pretrained(path, safe_serialization=True, **save)
     (tokenizer or word_tokenizer()).save_pretrained(path)
     return path
 

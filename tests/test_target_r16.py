@@ -6,50 +6,13 @@ is read, and an empty prompt list is named."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from test_target_r15 import CHAT_TEMPLATE, SHAPE, llama_folder, load, word_tokenizer
 
 from draftforge.data.formats import DataFormatError, RowLocation, parse_row
 from draftforge.errors import InputError
-from draftforge.splitserve.config import GenerationConfig, TargetConfig, TargetShape
-from draftforge.splitserve.random_target import random_llama
-from draftforge.splitserve.target import build_target
-
-SHAPE = TargetShape(num_hidden_layers=4, hidden_size=64, vocab_size=40, num_attention_heads=4,
-                    num_key_value_heads=2, intermediate_size=96)
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
-)
-
-
-def word_tokenizer(chat_template: str | None = CHAT_TEMPLATE):
-    """A word-level chat tokenizer of SHAPE.vocab_size tokens."""
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["<unk>", "<pad>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"]
-    words += [f"w{i}" for i in range(SHAPE.vocab_size - len(words))]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.decoder = decoders.WordPiece(prefix="##")
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="<|im_end|>",
-        additional_special_tokens=["<|im_start|>"])  # fmt: skip
-    tokenizer.chat_template = chat_template
-    return tokenizer
-
-
-def llama_folder(path: Path, tokenizer=None, shape: TargetShape = SHAPE) -> Path:
-    random_llama(shape, seed=1).save_pretrained(path, safe_serialization=True)
-    (tokenizer or word_tokenizer()).save_pretrained(path)
-    return path
-
-
-def load(folder: Path):
-    return build_target(TargetConfig(model=str(folder), dtype="float32"), [0])
-
+from draftforge.splitserve.config import GenerationConfig
 
 # ------------------------------------------------------------- a tokenizer without a template
 

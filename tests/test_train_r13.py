@@ -6,33 +6,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from test_config import BASE
 
 from draftforge.config import RecipeError, load_recipe
 
-# A valid tiny recipe; LINE below counts its lines from 1.
-RECIPE = """\
-target:
-  model: random
-  shape:
-    num_hidden_layers: 4
-    hidden_size: 64
-    vocab_size: 512
-    num_attention_heads: 4
-    num_key_value_heads: 2
-draft:
-  hidden_size: 64
-  num_attention_heads: 4
-  num_key_value_heads: 2
-  target_layer_ids: [0, 1, 2]
-  block_size: 4
-  mask_token_id: 3
-  markov_rank: 16
-data:
-  max_length: 64
-train:
-  strategy: single
-  steps: 40
-"""
+# A valid tiny recipe (test_config's, with a data section and steps); LINE counts its lines from 1.
+RECIPE = BASE.replace("train:\n  strategy: single\n  lr: 1e-4\n",
+                      "data:\n  max_length: 64\ntrain:\n  strategy: single\n  steps: 40\n")
 LINE = {line.strip().split(":")[0]: n for n, line in enumerate(RECIPE.splitlines(), start=1)}
 
 

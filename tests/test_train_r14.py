@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 import torch
+from test_train_r13 import RECIPE as R13_RECIPE
 from trainer_helpers import chain_samples, target_embeddings, tiny_model_config, train_config
 
 from draftforge.train.sample import Sample
@@ -137,32 +138,7 @@ def test_a_bigram_table_that_centres_to_zero_is_reported_and_leaves_a_head_that_
 
 # --------------------------------------------------------------------------- empty section overrides
 
-RECIPE = """\
-target:
-  model: random
-  shape:
-    num_hidden_layers: 4
-    hidden_size: 64
-    vocab_size: 512
-    num_attention_heads: 4
-    num_key_value_heads: 2
-draft:
-  hidden_size: 64
-  num_attention_heads: 4
-  num_key_value_heads: 2
-  target_layer_ids: [0, 1, 2]
-  block_size: 4
-  mask_token_id: 3
-  markov_rank: 16
-data:
-  max_length: 64
-train:
-  strategy: single
-  steps: 40
-  loss:
-    ce_weight: 0.5
-    decay: 2.0
-"""
+RECIPE = R13_RECIPE + "  loss:\n    ce_weight: 0.5\n    decay: 2.0\n"
 
 
 @pytest.mark.parametrize("override", ["train.loss=", "train.loss=null", "train.loss=~"])
