@@ -226,7 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         tune_malloc()
         status = _load(command.handler)(argv[len(command.words) :])
-        sys.stdout.flush()  # a reader gone (`| head`) is found here, not at interpreter exit
+        if sys.stdout is not None:  # None: started with standard output closed (`>&-`)
+            sys.stdout.flush()  # a reader gone (`| head`) is found here, not at interpreter exit
     except KeyboardInterrupt:
         sys.stderr.write("draftforge: interrupted\n")
         return 130

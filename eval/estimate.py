@@ -94,7 +94,9 @@ def sampled_acceptance(
         accept = target.gather(-1, proposed)[..., 0]
         return accept.masked_fill(torch.isin(proposed[..., 0], _ids(eos_token_ids, proposed.device)), 0.0)
     both = torch.minimum(target, sampling_probs(draft_logits.float(), temperature, top_k, top_p))
-    both[..., _ids(eos_token_ids, both.device)] = 0.0
+    # an end-of-sequence id beyond the vocabulary (a tokenizer larger than the embedding) is
+    # never drawn: nothing of it to leave out
+    both[..., _ids([i for i in eos_token_ids if 0 <= i < both.shape[-1]], both.device)] = 0.0
     return both.sum(-1)
 
 
