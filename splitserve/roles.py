@@ -387,10 +387,24 @@ def _full_disk_message(exc: OSError, output_dir) -> str:
             "same command; a restart would fail the same way, so none is made")
 
 
+def _trainers_on_this_node(ctx: RankContext) -> bool:
+    """Whether rank ``ctx.rank``'s node runs a trainer rank, and so holds the run's checkpoints
+    (always on one node; on several, only the trainers' nodes do, as the launcher's advice says)."""
+    split = getattr(ctx.cfg, "split", None)
+    if split is None or split.num_nodes == 1:
+        return True
+    from draftforge.splitserve.launch import _runs_trainers
+    from draftforge.splitserve.multinode import node_layout
+
+    layout = node_layout(ctx.cfg)
+    return _runs_trainers(ctx.cfg, layout, ctx.rank // layout.nproc_per_node)
+
+
 def _say_how_to_resume(ctx: RankContext, bench: dict | None) -> None:
     """After a peer died: how to continue. Nothing for a benchmark (its run lives in a scratch
     folder, deleted at its end) or a run that never resumes (a rerun starts over); a rerun
-    starts over too where ``train.output_dir`` is here and holds no checkpoint yet."""
+    starts over too where this node runs a trainer rank and ``train.output_dir`` holds no
+    checkpoint yet."""
     if bench is not None or ctx.cfg.train.resume == "never":
         return
     from draftforge.splitserve.launch import _not_auto_advice
@@ -401,9 +415,11 @@ def _say_how_to_resume(ctx: RankContext, bench: dict | None) -> None:
         ctx.log(advice)
         return
     run_dir = Path(ctx.cfg.train.output_dir)
-    # the folder is not here: the trainers' node (another machine) has it, and may have checkpoints
+    # the folder is not here, or this node runs no trainer (a target node's folder may hold
+    # regenerated.jsonl, never a checkpoint): the trainers' node has it, and may have checkpoints
     try:
-        none = run_dir.is_dir() and not ckpt.complete_checkpoints(run_dir)
+        none = (run_dir.is_dir() and not ckpt.complete_checkpoints(run_dir)
+                and _trainers_on_this_node(ctx))
     except OSError:  # a folder this rank cannot list: no guess
         none = False
     if none:
