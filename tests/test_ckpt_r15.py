@@ -93,7 +93,7 @@ def test_a_deepspeed_resume_under_another_dtype_is_refused_naming_both(deepspeed
     ) in out, out[-2000:]
 
 
-def test_another_strategy_is_refused_saying_how_to_resume(run):  # noqa: F811
+def test_another_strategy_is_refused_saying_how_to_resume(run):
     path = _newest(run)
     with pytest.raises(ckpt.CheckpointError) as info:
         ckpt.read_checked_state(path, strategy="fsdp2", trainer_ranks=1)
@@ -106,7 +106,7 @@ def test_another_strategy_is_refused_saying_how_to_resume(run):  # noqa: F811
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "optimizer.safetensors", "optimizer.json"])
-def test_a_single_checkpoint_missing_a_file_resume_reads_is_refused_by_the_file_check(run, name):  # noqa: F811
+def test_a_single_checkpoint_missing_a_file_resume_reads_is_refused_by_the_file_check(run, name):
     """The file check (which the launcher runs before torchrun starts, and trainer rank 0
     before any collective) passed such a folder; only the load itself failed, after the
     target had loaded."""
@@ -193,7 +193,7 @@ def test_an_fsdp2_checkpoint_without_its_dcp_folder_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("text", ["[]", '{"param_groups": [1], "scalars": {}}', '{"param_groups": []}'])
-def test_an_optimizer_json_of_the_wrong_shape_is_refused_naming_it(run, text):  # noqa: F811
+def test_an_optimizer_json_of_the_wrong_shape_is_refused_naming_it(run, text):
     path = _newest(run)
     (path / "optimizer.json").write_text(text)
     with pytest.raises(ckpt.CheckpointError) as info:
@@ -221,7 +221,7 @@ def test_a_resume_value_that_is_no_folder_says_what_the_setting_takes(tmp_path, 
 
 
 @pytest.mark.parametrize("steps", [3, 4])
-def test_a_resume_with_no_step_left_says_so_not_which_rate_step_5_gets(run, steps):  # noqa: F811
+def test_a_resume_with_no_step_left_says_so_not_which_rate_step_5_gets(run, steps):
     """The note said "step 5 keeps the learning rate 0.000e+00, the steps after it follow the
     new schedule", though the run trains no step 5."""
     trainer = _trainer(run, steps=steps, resume="auto")

@@ -18,7 +18,7 @@ from draftforge.eval import demo
 from draftforge.eval.report import ESTIMATE_NOTE
 
 
-def _eval(recipe_path, tiny_export, tmp_path, *extra):  # noqa: F811
+def _eval(recipe_path, tiny_export, tmp_path, *extra):
     from draftforge.eval.cli import main
 
     out = tmp_path / "r"
@@ -28,7 +28,7 @@ def _eval(recipe_path, tiny_export, tmp_path, *extra):  # noqa: F811
     return (out / "report.md").read_text(), json.loads((out / "report.json").read_text())
 
 
-def test_no_estimate_leaves_the_estimate_table_and_its_note_out_of_report_md(recipe_path, tiny_export, tmp_path):  # noqa: F811
+def test_no_estimate_leaves_the_estimate_table_and_its_note_out_of_report_md(recipe_path, tiny_export, tmp_path):
     """--no-estimate: report.md still showed the 'Train-time estimate' table, every tau a dash,
     and the paragraph explaining the tau it did not compute."""
     text, report = _eval(recipe_path, tiny_export, tmp_path, "--no-estimate")
@@ -40,7 +40,7 @@ def test_no_estimate_leaves_the_estimate_table_and_its_note_out_of_report_md(rec
     assert "Per-position conditional acceptance" in text and "bootstrap intervals" in text
 
 
-def test_report_md_gives_the_calibrations_pooled_ece_before_and_after(recipe_path, tiny_export, tmp_path):  # noqa: F811
+def test_report_md_gives_the_calibrations_pooled_ece_before_and_after(recipe_path, tiny_export, tmp_path):
     """README: 'The report gives the pooled ECE before and after', but only report.json and the
     console did; report.md (which the model card copies) said nothing of the calibration."""
     cal = tmp_path / "cal.json"

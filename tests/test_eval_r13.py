@@ -8,25 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from eval_helpers import random_prompts, tiny_eval_draft, tiny_target
+from eval_helpers import random_prompts
+from test_eval_speculative import QUIET, draft, target  # noqa: F401  (fixtures)
 
 from draftforge.cli import main
 from draftforge.errors import InputError
 from draftforge.eval.baselines import NoDraft
 from draftforge.eval.harness import EvalSettings, run_workload
 from draftforge.eval.speculative import DecodeSettings, TargetSession, speculative_decode
-
-QUIET = dict(progress=lambda _: None)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
-
-
-@pytest.fixture(scope="module")
-def draft(target):
-    return tiny_eval_draft(target)
 
 
 def _report(folder: Path, workloads: dict) -> Path:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 from eval_helpers import LAYER_IDS, random_prompts, tiny_eval_draft
-from test_eval_r13 import QUIET, draft, target  # noqa: F401  (fixtures)
+from test_eval_r13 import QUIET, _workload, draft, target  # noqa: F401  (fixtures)
+from test_eval_r13 import _report as r13_report
 
 from draftforge.cli import main
 from draftforge.config import load_recipe
@@ -96,21 +97,7 @@ def test_calibrate_holds_out_every_second_prompt_of_each_workload():
 
 def _report(folder: Path, rounds: list[int]) -> Path:
     """A report.json as draftforge eval writes it, one workload with these prompts' rounds."""
-    methods = {m: {"prompt_rounds": rounds, "prompt_al_sum": [r * al for r in rounds]}
-               for m, al in (("dspark", 1.5), ("ngram", 1.25), ("none", 1.0))}
-    report = {
-        "command": "draftforge eval ...", "draft": "d", "target": "smollm2-135m-instruct",
-        "target_config": {"model": "smollm2-135m-instruct", "dtype": "float32", "backend": "hf",
-                          "seed": 0, "shape": None},
-        "settings": {"max_new_tokens": 128, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
-                     "verify": "full", "threshold": 0.5, "seed": 0, "ngram_max": 3,
-                     "ngram_match": "latest"},
-        "block_size": 4,
-        "workloads": {"w": {"prompt_digest": "abc", "num_prompts": len(rounds), "methods": methods}},
-    }  # fmt: skip
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "report.json").write_text(json.dumps(report))
-    return folder / "report.json"
+    return r13_report(folder, {"w": _workload(rounds, num_prompts=len(rounds))})
 
 
 def test_compare_refuses_draws_that_would_exhaust_memory(tmp_path, capsys):
@@ -139,7 +126,7 @@ def test_compare_refuses_draws_that_would_exhaust_memory(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[-1] == "diff_macro=0.2500 low=0.2500 high=0.2500 verdict=ahead"
 
 
-def test_eval_settings_refuse_unknown_baselines(target, draft):  # noqa: F811
+def test_eval_settings_refuse_unknown_baselines(target, draft):
     """A library caller's misspelt baseline ("ngarm") was left out of the report without a word,
     and a bare string ("none,ngram") was read by substring."""
     for baselines in (("ngarm",), ("none", "dspark"), "none,ngram", None):
@@ -153,7 +140,7 @@ def test_eval_settings_refuse_unknown_baselines(target, draft):  # noqa: F811
     assert sorted(result.methods) == ["dspark", "ngram", "none"]  # greedy: none is the reference anyway
 
 
-def test_the_estimate_refuses_a_target_built_with_other_layers(target, draft):  # noqa: F811
+def test_the_estimate_refuses_a_target_built_with_other_layers(target, draft):
     """The estimate read the draft's features from the layers the target was built with, while
     decoding captures the draft's target_layer_ids: a target built with the same layers in
     another order gave a plausible tau of another draft input, without a word."""

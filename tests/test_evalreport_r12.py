@@ -30,7 +30,7 @@ def test_the_table_names_the_draft_only_when_told(monkeypatch):
     assert "measure the draft under test" not in markdown_table(results, block_size=4, intervals={})
 
 
-def test_eval_writes_the_drafts_kind_into_both_reports(recipe_path, tiny_export, tmp_path):  # noqa: F811
+def test_eval_writes_the_drafts_kind_into_both_reports(recipe_path, tiny_export, tmp_path):
     from draftforge.eval.cli import main
     from draftforge.train.hf_load import config_from_serving, read_serving_config
 

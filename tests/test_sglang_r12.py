@@ -12,7 +12,7 @@ from draftforge.errors import InputError
 from draftforge.splitserve.config import GenerationConfig
 
 
-def test_features_refuse_an_id_beyond_the_embedding_naming_row_and_position(fake_target):  # noqa: F811
+def test_features_refuse_an_id_beyond_the_embedding_naming_row_and_position(fake_target):
     rows = fake_target.vocab_size
     ids = torch.tensor([[4, 5, 6, 0], [7, rows, 8, 0]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]])
@@ -27,7 +27,7 @@ def test_features_refuse_an_id_beyond_the_embedding_naming_row_and_position(fake
     fake_target.features(ids[:, :3].clamp(max=rows - 1), mask[:, :3])  # the last row is fine
 
 
-def test_generate_refuses_a_prompt_the_tokenizer_encodes_beyond_the_embedding(fake_target):  # noqa: F811
+def test_generate_refuses_a_prompt_the_tokenizer_encodes_beyond_the_embedding(fake_target):
     class Engine:
         calls = 0
 

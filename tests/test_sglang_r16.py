@@ -13,7 +13,7 @@ from draftforge.splitserve.config import GenerationConfig
 from draftforge.splitserve.sglang_backend import eos_token_ids
 
 
-def test_a_prompt_beyond_the_embedding_carries_its_conversation_index(fake_target):  # noqa: F811
+def test_a_prompt_beyond_the_embedding_carries_its_conversation_index(fake_target):
     class Engine:
         def generate(self, input_ids, sampling_params):
             raise AssertionError("SGLang saw the prompts")
@@ -27,7 +27,7 @@ def test_a_prompt_beyond_the_embedding_carries_its_conversation_index(fake_targe
     assert err.value.conversation_index == 2
 
 
-def test_a_generation_config_that_does_not_parse_is_refused_naming_it(fake_target, tmp_path):  # noqa: F811
+def test_a_generation_config_that_does_not_parse_is_refused_naming_it(fake_target, tmp_path):
     config = tmp_path / "generation_config.json"
     config.write_text('{"eos_token_id": [2, 7],}\n')
     with pytest.raises(InputError) as err:

@@ -54,11 +54,12 @@ def reference_states(model, input_ids):
         return model(input_ids, output_hidden_states=True)
 
 
-def tiny_tokenizer():
+def tiny_tokenizer(vocab_size: int = SHAPE.vocab_size, chat_template: str | None = CHAT_TEMPLATE):
+    """A word-level chat tokenizer of ``vocab_size`` tokens ("w0", "w1", ... after the specials)."""
     from transformers import PreTrainedTokenizerFast
 
     words = ["<unk>", "<pad>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"]
-    words += [f"w{i}" for i in range(SHAPE.vocab_size - len(words))]
+    words += [f"w{i}" for i in range(vocab_size - len(words))]
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.decoder = decoders.WordPiece(prefix="##")
@@ -69,7 +70,7 @@ def tiny_tokenizer():
         eos_token="<|im_end|>",
         additional_special_tokens=["<|im_start|>"],
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
     return tokenizer
 
 

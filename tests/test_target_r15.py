@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from test_target_capture import CHAT_TEMPLATE, tiny_tokenizer
 
 from draftforge.errors import InputError
 from draftforge.splitserve.config import GenerationConfig, TargetConfig, TargetShape
@@ -18,26 +18,11 @@ from draftforge.splitserve.target import build_target
 
 SHAPE = TargetShape(num_hidden_layers=4, hidden_size=64, vocab_size=40, num_attention_heads=4,
                     num_key_value_heads=2, intermediate_size=96)
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
-)
 
 
 def word_tokenizer(chat_template: str | None = CHAT_TEMPLATE):
     """A word-level chat tokenizer of SHAPE.vocab_size tokens."""
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["<unk>", "<pad>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"]
-    words += [f"w{i}" for i in range(SHAPE.vocab_size - len(words))]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.decoder = decoders.WordPiece(prefix="##")
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="<|im_end|>",
-        additional_special_tokens=["<|im_start|>"])  # fmt: skip
-    tokenizer.chat_template = chat_template
-    return tokenizer
+    return tiny_tokenizer(SHAPE.vocab_size, chat_template)
 
 
 def llama_folder(path: Path, tokenizer=None, shape: TargetShape = SHAPE, **save) -> Path:
