@@ -248,7 +248,7 @@ def bench_trainer_rank(ctx, trainer, bench: dict, *, acks: T.AckLink) -> None:
     sources = ctx.topology.sources(ctx.rank)
     prod_tokens, prod_wall = 0.0, 0.0
     samples = []
-    acks.hello(set())  # ready for phase 1's samples: a lone producer beats here from now on
+    acks.hello({})  # ready for phase 1's samples: a lone producer beats here from now on
     for src in sources:
         stats = T.recv_tensor(src, group=ctx.data_group, device=ctx.device,
                               what="phase 1's rate (the target computes alone)").tolist()
@@ -270,7 +270,7 @@ def bench_trainer_rank(ctx, trainer, bench: dict, *, acks: T.AckLink) -> None:
     ctx.log(f"  {cons_tokens} tokens in {cons_wall:.1f} s (after one untimed warm-up step)")
     del samples, memory
 
-    acks.hello(set())  # phase 2 is done: phase 3 starts
+    acks.hello({})  # phase 2 is done: phase 3 starts
     credits = max(1, cfg.split.max_in_flight // len(sources))
     accounting = ConsumerAccounting(world=ctx.world, num_target=len(cfg.split.target_ranks),
                                     tensor_parallel=cfg.split.target_tensor_parallel,

@@ -184,7 +184,9 @@ class SplitConfig(Section):
     token_budget: int = Field(
         default=4096,
         gt=0,
-        description="padded tokens per micro-batch: sequences x the longest one stay within it",
+        description="padded tokens per micro-batch: sequences x the longest one stay within it "
+        "(a target rank gives each sample to the trainer whose micro-batches, packed so, are "
+        "least advanced: every step takes train.grad_accum of them on every trainer)",
     )
     restart_target: bool = Field(
         default=False,

@@ -16,12 +16,14 @@ sees exactly the samples an uninterrupted run would have:
   applies that seed only in its deterministic mode; they are kept in memory and
   reused by later epochs), tokenised with the target's chat template, its
   features computed in batches of ``split.feature_batch_size``, and its samples
-  assigned to the producer's trainers by token count (longest first to the least
-  loaded trainer, ties rotating with the chunk's position in the stream);
+  assigned to the producer's trainers by the micro-batches their packers will make
+  of them (:mod:`draftforge.splitserve.balance`: each sample, in stream order, to the
+  trainer whose packer is least advanced, carried over the whole run; ties rotate
+  with the chunk's position in the stream);
 - sample ids are the conversation ids, with ``#e<epoch>`` appended after the
   first epoch. Samples whose ids the trainers already consumed (their
   checkpoint) are skipped; a chunk consumed entirely is skipped without being
-  computed at all. The ids of conversations dropped for ``data.min_loss_tokens``
+  computed at all (the checkpoints' lengths of its samples replay its assignment). The ids of conversations dropped for ``data.min_loss_tokens``
   go to the trainers with the next sample, and their checkpoint records them as
   consumed with it, so a chunk that holds one counts as consumed too.
 
@@ -35,7 +37,7 @@ import random
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import count
 from typing import TYPE_CHECKING
@@ -45,6 +47,7 @@ import torch
 from draftforge.data.loading import RESERVED_ID_MARK
 from draftforge.errors import InputError
 from draftforge.splitserve.accounting import Meter
+from draftforge.splitserve.balance import PackedBalance
 
 if TYPE_CHECKING:
     from draftforge.config import RecipeConfig
@@ -118,21 +121,6 @@ EPOCH_MARK = RESERVED_ID_MARK  # data files may not use it in their ids
 def epoch_id(conv_id: str, epoch: int) -> str:
     """The sample id of conversation ``conv_id`` in ``epoch``."""
     return conv_id if epoch == 0 else f"{conv_id}{EPOCH_MARK}{epoch}"
-
-
-def assign_by_tokens(lengths: Sequence[int], num_dests: int, *, rotation: int = 0) -> list[int]:
-    """Assign items to ``num_dests`` bins: longest first to the least loaded bin.
-
-    Ties between bins go to the bin first in the order rotated by ``rotation``.
-    Deterministic; returns the bin index of each item.
-    """
-    loads = [0] * num_dests
-    out = [0] * len(lengths)
-    for i in sorted(range(len(lengths)), key=lambda k: (-lengths[k], k)):
-        d = min(range(num_dests), key=lambda b: (loads[b], (b - rotation) % num_dests))
-        out[i] = d
-        loads[d] += lengths[i]
-    return out
 
 
 # --------------------------------------------------------------------------- samples
@@ -247,7 +235,7 @@ class SampleSource:
         *,
         conversations: Sequence[Conversation],
         regenerate: bool,
-        consumed: set[str] = frozenset(),
+        consumed: Mapping[str, int | None] | None = None,
         meter: Meter | None = None,
         should_stop: Callable[[], bool] = lambda: False,
         log: Callable[[str], None] | None = None,
@@ -259,7 +247,11 @@ class SampleSource:
         self.dests = topology.dests(producer)
         self.conversations = list(conversations)
         self.regenerate = regenerate
-        self.consumed = set(consumed)
+        # the ids the trainers consumed (or were told were dropped), each with its sample's
+        # tokens: 0 for a dropped id, None where the checkpoint did not record them
+        self.consumed = dict(consumed or {})
+        self.balance = PackedBalance(len(self.dests), cfg.split.token_budget)
+        self._unknown_lengths_said = False
         self.meter = meter or Meter()
         self.should_stop = should_stop
         self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
@@ -306,6 +298,7 @@ class SampleSource:
                 rotation = epoch * len(chunks) + step
                 ids = [epoch_id(c.id, epoch) for c in chunk]
                 if all(i in self.consumed for i in ids):
+                    self._replay_assignment(ids, rotation)
                     self.skipped_consumed += len(ids)
                     produced += len(ids)
                     continue
@@ -331,6 +324,20 @@ class SampleSource:
                     f"conversation had fewer than data.min_loss_tokens={self.cfg.data.min_loss_tokens} "
                     f"supervised tokens{cut})"
                 )
+
+    def _replay_assignment(self, ids: Sequence[str], rotation: int) -> None:
+        """Assign a chunk the trainers consumed entirely, from the lengths their checkpoints
+        recorded, so that the samples after it go where the uninterrupted run sent them."""
+        lengths = [self.consumed[i] for i in ids]
+        if any(n is None for n in lengths):  # a checkpoint that did not record them
+            if len(self.dests) > 1 and not self._unknown_lengths_said:
+                self._unknown_lengths_said = True
+                self.log(f"target rank {self.producer}: the checkpoint does not record the lengths "
+                         "of the samples it consumed (an earlier draftforge wrote it), so the "
+                         "rest are balanced across the trainers afresh: the trainers they go to "
+                         "differ from an uninterrupted run's; no sample is lost or repeated")
+            return
+        self.balance.assign([n for n in lengths if n], rotation=rotation)  # 0: dropped, no sample
 
     def _chunk_samples(
         self, chunk_index: int, chunk: list[Conversation], epoch: int, rotation: int
@@ -381,8 +388,7 @@ class SampleSource:
         self.context_turns += stats.num_context_turns
         if not tokenized:
             return [], 0
-        lengths = [len(t.input_ids) for t in tokenized]
-        bins = assign_by_tokens(lengths, len(self.dests), rotation=rotation)
+        bins = self.balance.assign([len(t.input_ids) for t in tokenized], rotation=rotation)
         out: list[ProducedSample] = []
         skipped = 0
         batch = cfg.split.feature_batch_size

@@ -653,7 +653,7 @@ def _run_trainer(ctx: RankContext, bench: dict | None) -> None:
         bench_trainer_rank(ctx, trainer, bench, acks=acks)
         return
     info = trainer.resume()
-    consumed = info.all_consumed_ids if info is not None else set()
+    consumed = info.all_consumed if info is not None else {}
     mine = len(info.consumed_ids) if info is not None else 0
     if info is not None:
         ctx.log(f"resumed from {info.path} at step {info.step} ({mine} samples consumed here)")

@@ -22,8 +22,11 @@ of :data:`HEADER_LEN` values ``[MAGIC, kind, ...]``:
     in its own dtype (the frozen embedding and lm_head travel this way).
 ``HELLO`` (trainer -> producer, ack group)
     header ``[MAGIC, HELLO, n_ids, n_bytes, ...]`` then ``int64 [n_ids]`` id
-    lengths and ``uint8 [n_bytes]`` ids: the sample ids the trainers already
-    consumed (from their checkpoint), which the producer skips.
+    lengths, ``uint8 [n_bytes]`` ids and ``int64 [n_ids]`` token counts: the
+    sample ids the trainers already consumed (from their checkpoint), which the
+    producer skips, each with its sample's tokens (0 for an id dropped as too
+    short, -1 where the checkpoint did not record them), from which the producer
+    replays its assignment of the samples to trainers.
 ``ACK`` (trainer -> producer, ack group)
     header ``[MAGIC, ACK, consumed, stop, ...]``: ``consumed`` is the running
     count of samples the trainer took off this link (credits come back);
@@ -59,7 +62,7 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -306,16 +309,20 @@ def recv_tensor(src: int, *, group=None, device: torch.device | str = "cpu",
 # --------------------------------------------------------------------------- trainer -> producer
 
 
-def send_hello(ids: Iterable[str], dst: int, *, group) -> None:
-    """Tell producer ``dst`` which sample ids the trainers already consumed."""
-    encoded = [i.encode("utf-8") for i in sorted(ids)]
+def send_hello(consumed: Mapping[str, int | None], dst: int, *, group) -> None:
+    """Tell producer ``dst`` which sample ids the trainers already consumed, each with its
+    sample's tokens (0: dropped as too short; None: not recorded)."""
+    ids = sorted(consumed)
+    encoded = [i.encode("utf-8") for i in ids]
     lengths = torch.tensor([len(b) for b in encoded], dtype=torch.int64)
+    tokens = torch.tensor([-1 if consumed[i] is None else consumed[i] for i in ids], dtype=torch.int64)
     blob = b"".join(encoded)
     _send(_header(HELLO, [len(encoded), len(blob)]), dst, group, "target", "sending the resume state")
     if encoded:
         _send(lengths, dst, group, "target", "sending the resume state")
         data = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
         _send(data, dst, group, "target", "sending the resume state")
+        _send(tokens, dst, group, "target", "sending the resume state")
 
 
 class AckListener:
@@ -334,7 +341,7 @@ class AckListener:
 
     def __init__(self, srcs: Sequence[int], *, group) -> None:
         self.srcs = list(srcs)
-        self.ids: set[str] = set()  # the consumed sample ids, from every HELLO
+        self.ids: dict[str, int | None] = {}  # the consumed sample ids and tokens, from every HELLO
         self.hello_from: set[int] = set()
         self.consumed = dict.fromkeys(self.srcs, 0)  # the highest count each trainer acked
         self.stopped: set[int] = set()
@@ -357,14 +364,15 @@ class AckListener:
                 _recv(head_t, src, self._group, "trainer", doing)
                 head = head_t.tolist()
                 kind = _check_header(head, src, (HELLO, ACK))
-                ids = _hello_ids(head, src, self._group) if kind == HELLO else set()
+                ids = _hello_ids(head, src, self._group) if kind == HELLO else {}
             except BaseException as exc:  # noqa: BLE001 - raised on the producer thread
                 self.fail(exc)
                 return
             with self.cond:
                 self.heard[src] = time.monotonic()
                 if kind == HELLO:
-                    self.ids |= ids
+                    # every trainer sends every rank's record; keep a count wherever one is known
+                    self.ids.update((i, n) for i, n in ids.items() if self.ids.get(i) is None)
                     self.hello_from.add(src)
                 else:
                     self.consumed[src] = max(self.consumed[src], head[2])
@@ -381,14 +389,15 @@ class AckListener:
                 self.error = exc
             self.cond.notify_all()
 
-    def result(self) -> set[str]:
-        """The consumed sample ids of every trainer, once all have sent their resume state."""
+    def result(self) -> dict[str, int | None]:
+        """The consumed sample ids of every trainer with their tokens (see :func:`send_hello`),
+        once all have sent their resume state."""
         with self.cond:
             while self.error is None and len(self.hello_from) < len(self.srcs):
                 self.cond.wait()
             if self.error is not None:
                 raise self.error
-            return set(self.ids)
+            return dict(self.ids)
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for the threads to end (each ends after its trainer's stop)."""
@@ -397,18 +406,25 @@ class AckListener:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
-def _hello_ids(head: list[int], src: int, group) -> set[str]:
-    """The rest of the HELLO whose header is ``head``: its sample ids."""
+def _hello_ids(head: list[int], src: int, group) -> dict[str, int | None]:
+    """The rest of the HELLO whose header is ``head``: its sample ids and their tokens."""
     count, nbytes = head[2], head[3]
     if count < 0 or nbytes < 0:
         raise WireError(f"rank {src} sent a malformed HELLO header {head} (negative id count or size)")
     if count == 0:
-        return set()
+        return {}
     lengths = torch.empty(count, dtype=torch.int64)
     _recv(lengths, src, group, "trainer", "receiving the resume state")
     data = torch.empty(nbytes, dtype=torch.uint8)
     _recv(data, src, group, "trainer", "receiving the resume state")
-    return set(_decode_ids(lengths.tolist(), bytes(data.tolist()), src, "a HELLO (the consumed sample ids)"))
+    ids = _decode_ids(lengths.tolist(), bytes(data.tolist()), src, "a HELLO (the consumed sample ids)")
+    tokens = torch.empty(count, dtype=torch.int64)
+    _recv(tokens, src, group, "trainer", "receiving the resume state")
+    counts = tokens.tolist()
+    if any(n < -1 for n in counts):
+        raise WireError(f"rank {src} sent a HELLO with a negative token count ({min(counts)}); are "
+                        "both sides running the same draftforge version?")
+    return {i: None if n == -1 else n for i, n in zip(ids, counts, strict=True)}
 
 
 def _bytes(values: Sequence[int], src: int, what: str) -> bytes:
@@ -513,12 +529,11 @@ class AckLink(_Heartbeat):
         if self.error is not None:
             raise self.error
 
-    def hello(self, ids: Iterable[str]) -> None:
-        """Send every producer the consumed sample ids (:func:`send_hello`)."""
-        ids = set(ids)
+    def hello(self, consumed: Mapping[str, int | None]) -> None:
+        """Send every producer the consumed sample ids and tokens (:func:`send_hello`)."""
         for src in self.sources:
             with self.lock:
-                send_hello(ids, src, group=self._group)
+                send_hello(consumed, src, group=self._group)
 
     def ack(self, src: int, consumed: int) -> None:
         """Return credits to ``src``: ``consumed`` samples taken off its link so far."""

@@ -179,7 +179,7 @@ def transport_worker(out: str) -> None:
     rank, acks = _init_gloo()
     samples = wire_samples()
     embed = torch.randn(7, 3, generator=torch.Generator().manual_seed(1))
-    ids = {"a", "b-ü", "conv-0001#e2", ""}
+    ids = {"a": 17, "b-ü": 0, "conv-0001#e2": None, "": 3}  # tokens: 0 dropped, None unrecorded
     result = {}
     if rank == 0:
         T.send_tensor(embed, 1)
@@ -188,7 +188,7 @@ def transport_worker(out: str) -> None:
                           chunk_end=n % 2 == 1)
         T.send_end(1)
         listener = T.AckListener([1], group=acks)
-        result["hello"] = sorted(listener.result())
+        result["hello"] = sorted(listener.result().items())
         listener.join(30)  # its thread ends at the trainer's stop
         result["ack"] = [listener.consumed[1], sorted(listener.stopped)]
     else:

@@ -73,13 +73,13 @@ def early_stop_worker(out: str) -> None:
         link = T.AckLink([0], group=ack, every_s=0.5)
         flag = torch.zeros(1)
         if rank == 1:
-            link.hello({"a"})
+            link.hello({"a": 5})
             link.stop()
             dist.send(flag, dst=2)  # after the stop: trainer 2 may say hello
         else:
             dist.recv(flag, src=1)
             time.sleep(1.0)
-            link.hello({"b"})
+            link.hello({"b": 0})
             time.sleep(1.0)
             link.ack(0, 2)
             link.stop()
@@ -111,10 +111,10 @@ def dead_trainer_worker(out: str, when: str) -> None:
     link = T.AckLink([0], group=ack, every_s=0.5)
     if rank == 2:
         if when == "credits":
-            link.hello(set())
+            link.hello({})
         time.sleep(1.0)
         os._exit(9)  # the trainer crashes
-    link.hello(set())
+    link.hello({})
     deadline = time.monotonic() + 2 * GROUP_TIMEOUT_S
     while link.error is None and time.monotonic() < deadline:  # beat until the target is gone
         time.sleep(0.2)

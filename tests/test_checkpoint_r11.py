@@ -224,7 +224,7 @@ def test_train_refuses_a_checkpoint_of_another_trainer_count_or_strategy_before_
     state_file = path / ckpt.STATE_FILE
     state = json.loads(state_file.read_text())
     shutil.copy(path / "rng" / "rank_0.safetensors", path / "rng" / "rank_1.safetensors")
-    state_file.write_text(json.dumps(dict(state, consumed_ids=[[], []], dropped_ids=[[], []],
+    state_file.write_text(json.dumps(dict(state, consumed_ids=[[], []], consumed_tokens=[[], []], dropped_ids=[[], []],
                                           extra_per_rank=[{}, {}])))
     code, err = _dry_run(recipe, capsys)
     assert code == 2

@@ -134,9 +134,10 @@ def test_a_full_link_does_not_stall_the_other_trainer(tmp_path):
 
 
 def test_uneven_trainers_finish_finite_data_without_waiting_on_each_other(tmp_path):
-    """split.max_epochs=1, one target, two trainers, answers balanced by tokens so that one
-    trainer gets 10 samples and the other 6 (training stops when one runs out: every trainer
-    takes part in every step). The producer used to send END only once every
+    """split.max_epochs=1, one target, two trainers: 15 short answers (two a micro-batch) and
+    a long one (alone in its micro-batch), so the micro-batch balance gives one trainer 8 short
+    samples (4 micro-batches) and the other 7 and the long one (5): training stops when one
+    runs out (every trainer takes part in every step). The producer used to send END only once every
     link's samples were out, in rank order: the trainer out of samples waited for its END to
     train its last step, the other, its link full, waited for it in a collective, and the
     producer waited for that full link's credit, until the peer timeout failed the job."""
@@ -145,9 +146,8 @@ def test_uneven_trainers_finish_finite_data_without_waiting_on_each_other(tmp_pa
     recipe = tiny_recipe(tmp_path, trainers=2, steps=1000, num_conversations=16, overrides={
         "split.max_epochs": 1, "split.max_in_flight": 1, "split.peer_timeout_s": 20,
         "split.token_budget": 96, "train.checkpoint_interval": 1000, "train.log_interval": 1})
-    # in every second chunk of 4, one long answer and three short ones: token balancing gives
-    # the three short ones to one trainer
-    lengths = {index: 50 if position in (4, 12) else 6 for position, index in enumerate(epoch_order(16, seed=0, epoch=0))}
+    # the fifth answer in stream order is the long one
+    lengths = {index: 50 if position == 4 else 6 for position, index in enumerate(epoch_order(16, seed=0, epoch=0))}
     with (tmp_path / "convs.jsonl").open("w") as out:
         for i in range(16):
             answer = " ".join(["river"] * lengths[i])
@@ -158,8 +158,9 @@ def test_uneven_trainers_finish_finite_data_without_waiting_on_each_other(tmp_pa
     final = sorted((tmp_path / "run" / "checkpoints").iterdir())[-1]
     first, second = json.loads((final / "trainer_state.json").read_text())["consumed_ids"]
     assert not set(first) & set(second) and set(first + second) <= {f"c{i}" for i in range(16)}
-    # the trainer given 6 samples trained them all; the other stopped with it, 2 of its 10 left
-    assert sorted((len(first), len(second))) == [6, 8]
+    # the trainer given 4 micro-batches trained them all (8 samples, its last one closed by
+    # END); the other stopped with it, 7 of its 8 samples trained and the fifth micro-batch left
+    assert sorted((len(first), len(second))) == [7, 8]
     assert "stop: data_exhausted" in read_logs(tmp_path / "logs", 3)[1]
 
 

@@ -60,6 +60,8 @@ def test_malformed_id_bytes_in_a_sample_are_a_wire_error_naming_the_sender(monke
     ([-1, 0], [], "sent a malformed HELLO header"),
     ([2, 3], [torch.tensor([1, 1]), torch.tensor([97, 255, 98], dtype=torch.uint8)],
      "whose id lengths [1, 1] do not add up to its 3 id bytes"),
+    ([1, 1], [torch.tensor([1]), torch.tensor([97], dtype=torch.uint8), torch.tensor([-2])],
+     "sent a HELLO with a negative token count (-2)"),
     ([1, 2], [torch.tensor([2]), torch.tensor([0xC3, 0x28], dtype=torch.uint8)], "whose ids are not UTF-8"),
 ])
 def test_a_malformed_resume_state_is_a_wire_error_naming_the_trainer(monkeypatch, head, body, problem):
@@ -78,10 +80,10 @@ def test_a_malformed_resume_state_is_a_wire_error_naming_the_trainer(monkeypatch
     listener.join(5)
     # a well-formed one
     wire.clear()
-    T.send_hello({"a", "b-ü"}, 2, group=None)
+    T.send_hello({"a": 12, "b-ü": None}, 2, group=None)
     T.send_ack(2, 0, stop=True, group=None)
     listener = T.AckListener([2], group=None)
-    assert listener.result() == {"a", "b-ü"}
+    assert listener.result() == {"a": 12, "b-ü": None}
     listener.join(5)
 
 

@@ -106,7 +106,7 @@ def dying_target_worker(out: str) -> None:
         time.sleep(0.5)
         os._exit(9)  # the target crashes inside a sample
     link = T.AckLink([0], group=acks, every_s=0.5)
-    link.hello(set())
+    link.hello({})
     stream = ConsumerStream(T.SampleReceiver([0], credits=4), ack_group=acks, acks=link)
     result: dict = {"seen": []}
     try:
@@ -231,7 +231,7 @@ class _FakeEngine:
         return types.SimpleNamespace(aux=value.repeat(1, 1, 6), final=value.repeat(1, 1, 2))
 
 
-def _streams(tmp_path: Path, consumed=frozenset()) -> tuple[dict, list, int]:
+def _streams(tmp_path: Path, consumed=None, budget: int = 192) -> tuple[dict, list, int]:
     from draftforge.config import load_recipe
     from draftforge.splitserve.producer import (
         SampleSource,
@@ -243,7 +243,8 @@ def _streams(tmp_path: Path, consumed=frozenset()) -> tuple[dict, list, int]:
     tmp_path.mkdir(parents=True, exist_ok=True)
     cfg = load_recipe(tiny_recipe(tmp_path, num_conversations=23, overrides={
         "split.max_epochs": 3, "split.target_ranks": [0, 1], "split.trainer_ranks": [2, 3, 4],
-        "train.strategy": "fsdp2", "target.generation.batch_size": 3}))
+        "train.strategy": "fsdp2", "target.generation.batch_size": 3,
+        "split.token_budget": budget}))  # 192: 2 or 3 of these 61-81-token samples a micro-batch
     conversations, regenerate = load_source_conversations(cfg)
     engine = _FakeEngine(load_tokenizer(cfg.target))
     topology = build_topology(cfg.split)
@@ -271,43 +272,23 @@ def test_every_conversation_goes_to_one_trainer_once_an_epoch_and_resumes_in_pla
         {p: [(s.sample_id, s.dest) for s in v] for p, v in streams.items()}
     links = {d: [s for stream in streams.values() for s in stream if s.dest == d] for d in (2, 3, 4)}
     cut = {2: 9, 3: 5, 4: 13}  # each trainer consumed its own prefix of its own link
-    consumed = {s.sample_id for d, link in links.items() for s in link[: cut[d]]}
-    resumed, _, _ = _streams(tmp_path / "resumed", frozenset(consumed))
+    consumed = {s.sample_id: s.num_tokens for d, link in links.items() for s in link[: cut[d]]}
+    resumed, _, _ = _streams(tmp_path / "resumed", consumed)
     for d, link in links.items():
         rest = [s for stream in resumed.values() for s in stream if s.dest == d]
         assert [s.sample_id for s in rest] == [s.sample_id for s in link[cut[d]:]], d
         assert all(torch.equal(a.aux, b.aux) for a, b in zip(rest, link[cut[d]:], strict=True))
 
 
-def test_a_chunks_samples_are_balanced_by_tokens_within_its_longest_sample(tmp_path):
-    """Target rank 0 splits each chunk between trainers 2 and 4 longest first to the lighter:
-    within every chunk their token counts differ by at most the chunk's longest sample (the
-    greedy bound), whatever the chunk's place in the stream."""
-    streams, _, _ = _streams(tmp_path)
-    loads, longest, chunks = {2: 0, 4: 0}, 0, 0
-    for sample in streams[0]:
-        loads[sample.dest] += sample.num_tokens
-        longest = max(longest, sample.num_tokens)
-        if sample.chunk_last:
-            assert abs(loads[2] - loads[4]) <= longest, chunks
-            loads, longest, chunks = {2: 0, 4: 0}, 0, chunks + 1
-    assert loads == {2: 0, 4: 0} and chunks == 15  # 5 chunks of 3 an epoch, each ended
+@pytest.mark.parametrize("budget", [96, 192])
+def test_a_producers_trainers_pack_micro_batches_in_step(tmp_path, budget):
+    """Target rank 0 feeds trainers 2 and 4: each packs its link greedily to the token
+    budget, and every step takes the same number of micro-batches from each, so at every
+    point of the stream the two links' packed micro-batch counts differ by at most one."""
+    from draftforge.splitserve.consumer import stream_pack
 
-
-@pytest.mark.parametrize("num_dests,chunk,bound_pct", [(2, 3, 1.5), (3, 4, 1.5), (3, 8, 0.5)])
-def test_the_trainers_token_shares_do_not_drift_apart_over_many_chunks(num_dests, chunk, bound_pct):
-    """Each chunk is balanced on its own (a resumed producer cannot know the lengths of the
-    chunks it skips), so the trainers' totals differ by a random walk of per-chunk
-    differences: after 3,000 chunks a fraction of a per cent. The rotation of the first pick
-    keeps that walk from leaning one way: always giving the first bin the longest sample
-    drifts 4 % (2 trainers, chunks of 3) to 14 % (3 trainers, chunks of 4)."""
-    from draftforge.splitserve.producer import assign_by_tokens
-
-    rng = random.Random(1)
-    totals = [0] * num_dests
-    for position in range(3000):
-        lengths = [rng.randint(20, 300) for _ in range(chunk)]
-        for length, dest in zip(lengths, assign_by_tokens(lengths, num_dests, rotation=position), strict=True):
-            totals[dest] += length
-    mean = sum(totals) / num_dests
-    assert max(abs(t - mean) for t in totals) / mean * 100 < bound_pct
+    streams, _, _ = _streams(tmp_path, budget=budget)
+    for n in range(1, len(streams[0]) + 1):
+        counts = [len(list(stream_pack([s for s in streams[0][:n] if s.dest == d], budget)))
+                  for d in (2, 4)]
+        assert abs(counts[0] - counts[1]) <= 1, (n, counts)

@@ -4,7 +4,9 @@ Layout of ``run_dir/checkpoints/step_XXXXXXXX``::
 
     trainer_state.json    step, skipped steps, strategy, seed, schedule (the next
                           step, its learning rate, the settings it depends on),
-                          consumed sample ids per trainer rank, the ids of
+                          consumed sample ids per trainer rank and the tokens
+                          of each of those samples (a resumed producer replays
+                          its assignment to trainers from them), the ids of
                           conversations dropped as too short (recorded per trainer
                           rank with the sample that told of them), the caller's
                           extra state per trainer rank
@@ -168,7 +170,7 @@ def _is_id_lists(value) -> bool:
 def _state_problem(state: dict) -> str:
     """What makes a parsed ``trainer_state.json`` unusable for a resume ("" if nothing): a field
     the trainer reads that is missing or of the wrong type. Fields that older checkpoints lack
-    (dropped_ids, extra_per_rank, schedule) may be absent."""
+    (consumed_tokens, dropped_ids, extra_per_rank, schedule) may be absent."""
     if not isinstance(state.get("skipped_steps"), int):
         return "no integer 'skipped_steps' field"
     if not isinstance(state.get("strategy"), str):
@@ -176,6 +178,13 @@ def _state_problem(state: dict) -> str:
     ranks = state.get("consumed_ids")
     if not _is_id_lists(ranks) or not ranks:
         return "'consumed_ids' is not a list of sample-id lists, one per trainer rank"
+    tokens = state.get("consumed_tokens", [[None] * len(ids) for ids in ranks])
+    if not (isinstance(tokens, list) and len(tokens) == len(ranks) and all(
+            isinstance(counts, list) and len(counts) == len(ids)
+            and all(n is None or (isinstance(n, int) and not isinstance(n, bool) and n > 0) for n in counts)
+            for counts, ids in zip(tokens, ranks, strict=True))):
+        return ("'consumed_tokens' is not a list of positive token counts per trainer rank, one "
+                "for each of its 'consumed_ids'")
     if "dropped_ids" in state and not (_is_id_lists(state["dropped_ids"]) and len(state["dropped_ids"]) == len(ranks)):
         return f"'dropped_ids' is not a list of id lists, one per trainer rank ({len(ranks)})"
     extra = state.get("extra_per_rank", [{}] * len(ranks))

@@ -63,11 +63,18 @@ class ResumeInfo:
 
     step: int
     consumed_ids: list[str]  # this trainer rank's
-    all_consumed_ids: set[str]  # every trainer rank's, and the ids their samples said were dropped
+    # every trainer rank's consumed ids with their samples' tokens, and the ids their samples
+    # said were dropped (0 tokens); None where the checkpoint did not record the tokens
+    all_consumed: dict[str, int | None]
     extra: dict
     path: Path
     schedule_change: str = ""  # non-empty when this run's schedule differs from the resumed step on
     optimizer_change: str = ""  # non-empty when the checkpoint's AdamW settings were replaced
+
+    @property
+    def all_consumed_ids(self) -> set[str]:
+        """Every id a resumed producer skips."""
+        return set(self.all_consumed)
 
 
 @dataclass
@@ -165,6 +172,7 @@ class Trainer:
         self.step = 0
         self.skipped_steps = 0
         self.consumed_ids: list[str] = []
+        self.consumed_tokens: list[int] = []  # each consumed sample's, for the producers' balance
         # ids of conversations their producer dropped (too few supervised tokens), recorded with
         # the sample that told of them: a resumed producer counts them as consumed
         self.dropped_ids: list[str] = []
@@ -247,12 +255,17 @@ class Trainer:
         self.skipped_steps = int(state["skipped_steps"])
         per_rank = state["consumed_ids"]
         self.consumed_ids = list(per_rank[self.rank])
-        dropped = state.get("dropped_ids", [[]] * self.world)  # absent from older checkpoints
+        # consumed_tokens, dropped_ids and extra_per_rank are absent from older checkpoints
+        tokens = state.get("consumed_tokens", [[None] * len(ids) for ids in per_rank])
+        self.consumed_tokens = list(tokens[self.rank])
+        dropped = state.get("dropped_ids", [[]] * self.world)
         self.dropped_ids = list(dropped[self.rank])
         extra = state.get("extra_per_rank", [{}] * self.world)[self.rank]
+        everyone = {i: 0 for ids in dropped for i in ids}
+        everyone.update((i, n) for ids, counts in zip(per_rank, tokens, strict=True)
+                        for i, n in zip(ids, counts, strict=True))
         self.resumed = ResumeInfo(
-            step=self.step, consumed_ids=list(self.consumed_ids),
-            all_consumed_ids={i for ids in [*per_rank, *dropped] for i in ids}, extra=extra,
+            step=self.step, consumed_ids=list(self.consumed_ids), all_consumed=everyone, extra=extra,
             path=Path(path),
             schedule_change=self._schedule_change(state.get("schedule", {})),
             optimizer_change=self._restore_optimizer_settings(),
@@ -510,6 +523,7 @@ class Trainer:
         step_ids = [s.sample_id for samples in micro_batches for s in samples]
         gathered = D.all_gather_strings(step_ids, group=self.group, device=comm)
         self.consumed_ids.extend(step_ids)
+        self.consumed_tokens.extend(s.num_tokens for samples in micro_batches for s in samples)
         self.dropped_ids.extend(i for samples in micro_batches for s in samples
                                 for i in s.provenance.get("dropped_ids", ()))
         if not applied:
@@ -670,6 +684,7 @@ class Trainer:
 
         comm = self._comm_device()
         per_rank = D.all_gather_strings(self.consumed_ids, group=self.group, device=comm)
+        tokens = D.all_gather_strings([json.dumps(self.consumed_tokens)], group=self.group, device=comm)
         dropped = D.all_gather_strings(self.dropped_ids, group=self.group, device=comm)
         extra = extra_state() if extra_state is not None else {}
         extras = D.all_gather_strings([json.dumps(extra)], group=self.group, device=comm)
@@ -680,6 +695,7 @@ class Trainer:
             "schedule": {"next_step": self.step, "lr": lr_at(self.step, train=self.train),
                          "settings": self._schedule_settings()},
             "consumed_ids": per_rank,
+            "consumed_tokens": [json.loads(t[0]) for t in tokens],
             "dropped_ids": dropped,
             "extra_per_rank": [json.loads(e[0]) for e in extras],
             "seed": self.train.seed,
