@@ -46,10 +46,11 @@ def names(valid: Sequence[str]) -> Callable[[str], list[str]]:
 
     def parse(text: str) -> list[str]:
         chosen = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+        if not chosen:  # "" or ",": said as such, not as an unknown name
+            raise argparse.ArgumentTypeError(f"no name given; valid: {', '.join(valid)}")
         unknown = [n for n in chosen if n not in valid]
-        if unknown or not chosen:
-            raise argparse.ArgumentTypeError(
-                f"unknown {', '.join(map(repr, unknown)) or 'empty list'}; valid: {', '.join(valid)}")
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
         return chosen
 
     return parse

@@ -340,8 +340,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _check_output_paths(out: str, calibrate: str | None) -> None:
-    """Refuse an ``--out`` folder or a ``--calibrate`` file that cannot be written, naming the
-    option, the path and what is wrong."""
+    """Refuse an ``--out`` folder or a ``--calibrate`` file that cannot be written, or a
+    ``--calibrate`` file the report would overwrite, naming the option, the path and what is
+    wrong."""
     out_path = Path(out).expanduser()
     if out_path.is_symlink() and not out_path.exists():
         raise InputError(f"--out {out}: a symbolic link to nothing ({os.readlink(out_path)}); give a folder")
@@ -353,6 +354,12 @@ def _check_output_paths(out: str, calibrate: str | None) -> None:
         if cal_path.is_dir():
             raise InputError(f"--calibrate {calibrate}: is a folder; give the path of the JSON file "
                              f"to write, e.g. {cal_path / 'calibration.json'}")
+        # the files write_report puts in --out, after the calibration is written
+        report_files = ("report.md", "report.json", "acceptance_length.png", "position_acceptance.png")
+        if cal_path.name in report_files and cal_path.parent.resolve() == out_path.resolve():
+            raise InputError(f"--calibrate {calibrate}: is the report's {cal_path.name} in --out {out}, "
+                             "which the report would write over the calibration; give another path, "
+                             f"e.g. {out_path / 'calibration.json'}")
         _check_folder_writable(cal_path.parent, "--calibrate", calibrate)
 
 

@@ -353,7 +353,7 @@ def test_the_table_dates_both_evaluations_when_they_ran_apart():
 
 @pytest.mark.parametrize("argv,message", [
     (["--workloads", "humanevl"], "argument --workloads: unknown 'humanevl'; valid: humaneval, mtbench, gsm8k"),
-    (["--workloads", ","], "argument --workloads: unknown empty list"),
+    (["--workloads", ","], "argument --workloads: no name given; valid: humaneval, mtbench, gsm8k"),
     (["--num-prompts", "0"], "argument --num-prompts: must be at least 1, got 0"),
     (["--max-new-tokens", "-2"], "argument --max-new-tokens: must be at least 1, got -2"),
 ])
