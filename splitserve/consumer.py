@@ -91,7 +91,10 @@ class ConsumerStream:
         that died meanwhile ends the drain with a warning (kept in :attr:`warning`, said
         through ``log``), not an error that would fail a finished run; the other producers
         are still received to their end, so that none is left waiting in a send to this
-        trainer (it would report the trainer dead once it exits).
+        trainer (it would report the trainer dead once it exits). Malformed data from a
+        producer (a :class:`~draftforge.splitserve.transport.WireError`, a dying producer's
+        garbage) ends the drain with a warning too; the others are not received further then,
+        since the receive rotation would read the malformed stream first, out of step.
         """
         if self._stopped:
             return 0
@@ -116,6 +119,11 @@ class ConsumerStream:
             if exc is self.receiver.error:  # the other producers' last messages still find a receive
                 more, others = self.receiver.drain_rest()
                 dropped += more
+        except T.WireError as exc:  # after the last step: no sample of it is trained on
+            if lost is None:
+                lost = exc
+            else:  # a producer told of the stop had died: name this one on a line of its own
+                others.append(exc)
         if lost is not None:
             self.warning = (f"warning: after this trainer's last step, {lost}; its steps are "
                             "done, the stream's end not waited for")
