@@ -93,8 +93,8 @@ class ConsumerStream:
         are still received to their end, so that none is left waiting in a send to this
         trainer (it would report the trainer dead once it exits). Malformed data from a
         producer (a :class:`~draftforge.splitserve.transport.WireError`, a dying producer's
-        garbage) ends the drain with a warning too; the others are not received further then,
-        since the receive rotation would read the malformed stream first, out of step.
+        garbage) ends that producer's drain with a warning too, and the others are drained
+        as after a death.
         """
         if self._stopped:
             return 0
@@ -114,16 +114,16 @@ class ConsumerStream:
                         break
                     continue
                 dropped += 1
-        except T.PeerDied as exc:
-            lost = lost or exc
+        except (T.PeerDied, T.WireError) as exc:  # after the last step: nothing of it is trained on
+            drained = []
             if exc is self.receiver.error:  # the other producers' last messages still find a receive
-                more, others = self.receiver.drain_rest()
+                more, drained = self.receiver.drain_rest()
                 dropped += more
-        except T.WireError as exc:  # after the last step: no sample of it is trained on
-            if lost is None:
-                lost = exc
-            else:  # a producer told of the stop had died: name this one on a line of its own
-                others.append(exc)
+            for problem in [exc, *drained]:  # one line per producer: another one on its own
+                if lost is None:
+                    lost = problem
+                elif problem.rank not in {lost.rank, *(o.rank for o in others)}:
+                    others.append(problem)
         if lost is not None:
             self.warning = (f"warning: after this trainer's last step, {lost}; its steps are "
                             "done, the stream's end not waited for")

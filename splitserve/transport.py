@@ -85,7 +85,11 @@ WIRE_DTYPE = torch.bfloat16
 
 
 class WireError(RuntimeError):
-    """The peer sent something that is not a draftforge message."""
+    """Peer ``rank`` sent something that is not a draftforge message."""
+
+    def __init__(self, rank: int, message: str):
+        self.rank = rank
+        super().__init__(message)
 
 
 class PeerDied(RuntimeError):
@@ -133,13 +137,13 @@ def _check_header(head: list[int], src: int, expected: Iterable[int]) -> int:
     expected = tuple(expected)
     if head[0] != MAGIC:
         raise WireError(
-            f"rank {src} sent a message without the draftforge header (got {head[0]:#x}); "
+            src, f"rank {src} sent a message without the draftforge header (got {head[0]:#x}); "
             "are both sides running the same draftforge version?"
         )
     if head[1] not in expected:
         names = ", ".join(KIND_NAMES.get(k, str(k)) for k in expected)
         raise WireError(
-            f"rank {src} sent a {KIND_NAMES.get(head[1], head[1])} message where {names} was expected"
+            src, f"rank {src} sent a {KIND_NAMES.get(head[1], head[1])} message where {names} was expected"
         )
     return head[1]
 
@@ -248,7 +252,7 @@ def recv_sample(
     dtype = CODE_DTYPES.get(dtype_code)
     if (dtype is None or seq <= 0 or aux_dim <= 0 or final_dim <= 0 or id_len < 0
             or num_dropped < 0 or dropped_len < 0):
-        raise WireError(f"rank {src} sent a malformed sample header {head}")
+        raise WireError(src, f"rank {src} sent a malformed sample header {head}")
     ints = torch.empty(2 * seq + id_len + num_dropped + dropped_len, dtype=torch.int64, device=device)
     _recv(ints, src, group, "target", "receiving a sample's token ids")
     feats = torch.empty(seq, aux_dim + final_dim, dtype=dtype, device=device)
@@ -298,7 +302,7 @@ def recv_tensor(src: int, *, group=None, device: torch.device | str = "cpu",
     head = _recv_head(src, group, device, f"waiting for {what}", (TENSOR,))
     dtype, ndim = CODE_DTYPES.get(head[2]), head[3]
     if dtype is None or not 0 <= ndim <= 4 or any(d < 0 for d in head[4 : 4 + ndim]):
-        raise WireError(f"rank {src} sent a malformed tensor header {head} for {what} "
+        raise WireError(src, f"rank {src} sent a malformed tensor header {head} for {what} "
                         f"(dtype code {head[2]}: known codes {sorted(CODE_DTYPES)}; at most 4 "
                         "dimensions, none negative)")
     out = torch.empty(head[4 : 4 + ndim], dtype=dtype, device=device)
@@ -410,7 +414,7 @@ def _hello_ids(head: list[int], src: int, group) -> dict[str, int | None]:
     """The rest of the HELLO whose header is ``head``: its sample ids and their tokens."""
     count, nbytes = head[2], head[3]
     if count < 0 or nbytes < 0:
-        raise WireError(f"rank {src} sent a malformed HELLO header {head} (negative id count or size)")
+        raise WireError(src, f"rank {src} sent a malformed HELLO header {head} (negative id count or size)")
     if count == 0:
         return {}
     lengths = torch.empty(count, dtype=torch.int64)
@@ -422,7 +426,7 @@ def _hello_ids(head: list[int], src: int, group) -> dict[str, int | None]:
     _recv(tokens, src, group, "trainer", "receiving the resume state")
     counts = tokens.tolist()
     if any(n < -1 for n in counts):
-        raise WireError(f"rank {src} sent a HELLO with a negative token count ({min(counts)}); are "
+        raise WireError(src, f"rank {src} sent a HELLO with a negative token count ({min(counts)}); are "
                         "both sides running the same draftforge version?")
     return {i: None if n == -1 else n for i, n in zip(ids, counts, strict=True)}
 
@@ -432,7 +436,7 @@ def _bytes(values: Sequence[int], src: int, what: str) -> bytes:
     is not a byte (``what``: the message, for the error)."""
     bad = [v for v in values if not 0 <= v <= 255]
     if bad:
-        raise WireError(f"rank {src} sent {what} whose id bytes are not all in 0-255 (e.g. "
+        raise WireError(src, f"rank {src} sent {what} whose id bytes are not all in 0-255 (e.g. "
                         f"{bad[0]}); are both sides running the same draftforge version?")
     return bytes(values)
 
@@ -441,14 +445,14 @@ def _decode_ids(lengths: Sequence[int], blob: bytes, src: int, what: str) -> lis
     """The ids whose UTF-8 encodings of ``lengths`` lie one after another in ``blob``;
     :class:`WireError` naming rank ``src`` and ``what`` when they do not."""
     if any(length < 0 for length in lengths) or sum(lengths) != len(blob):
-        raise WireError(f"rank {src} sent {what} whose id lengths {list(lengths)[:8]} do not add "
+        raise WireError(src, f"rank {src} sent {what} whose id lengths {list(lengths)[:8]} do not add "
                         f"up to its {len(blob)} id bytes")
     ids, offset = [], 0
     for length in lengths:
         try:
             ids.append(blob[offset : offset + length].decode("utf-8"))
         except UnicodeDecodeError as exc:
-            raise WireError(f"rank {src} sent {what} whose ids are not UTF-8 ({exc})") from None
+            raise WireError(src, f"rank {src} sent {what} whose ids are not UTF-8 ({exc})") from None
         offset += length
     return ids
 
@@ -820,13 +824,14 @@ class SampleReceiver:
             return item
 
     def drain_rest(self) -> tuple[int, list[BaseException]]:
-        """After the thread ended on one producer's :class:`PeerDied` (call only once the trainer
+        """After the thread ended on one producer's :class:`PeerDied` or :class:`WireError` (its
+        stream is out of step: nothing more is read from it; call only once the trainer
         has told its producers to stop): receive what the other producers still send, in the
         same rotation, until each one's END, so that none of them is left waiting in a send to
         this trainer, to report it dead once it exits. Returns the samples dropped and what
         ended the drain of another producer early (its :class:`PeerDied` or :class:`WireError`)."""
         self.join(timeout=5.0)
-        failed = self.error.rank if isinstance(self.error, PeerDied) else None
+        failed = self.error.rank if isinstance(self.error, PeerDied | WireError) else None
         left = [src for src in self._left if src != failed]
         dropped, lost, index = 0, [], 0
         while left:

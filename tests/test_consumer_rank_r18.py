@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from splitserve_helpers import tiny_recipe
 from test_stream_r14 import CLOSED, _loopback
 
@@ -138,3 +139,26 @@ def test_a_bad_setting_outside_the_recipe_is_an_error_not_an_invalid_recipe(tmp_
     assert (code, err) == (2, "draftforge train: error: DRAFTFORGE_MALLOC='bogus': expected 'tuned' "
                               "(the default) or 'default'\n")
     assert marker == "rank 1: DRAFTFORGE_MALLOC='bogus': expected 'tuned' (the default) or 'default'\n"
+
+
+def test_after_malformed_data_the_other_producers_are_still_drained_to_their_end(monkeypatch):
+    """Rank 0's stream held a message without the draftforge header, rank 1 still had a
+    sample and its END in flight. The drain stopped at the malformed data, leaving rank 1
+    waiting in its send (it reports the trainer dead once the trainer exits); WireError now
+    names its rank, so the drain skips that stream alone and receives rank 1 to its END."""
+    from draftforge.splitserve.consumer import ConsumerStream
+
+    wire, headers = _loopback(monkeypatch)
+    wire.append(T._header(T.SAMPLE).fill_(5))  # read as rank 0's: the rotation starts there
+    T.send_sample(1, "s1", torch.arange(4), torch.ones(4, dtype=torch.bool), torch.zeros(4, 2),
+                  torch.zeros(4, 2), seq_no=0)
+    T.send_end(1)
+    receiver = _failed_receiver([0, 1])
+    assert isinstance(receiver.error, T.WireError) and receiver.error.rank == 0
+    lines: list[str] = []
+    stream = ConsumerStream(receiver, ack_group=None, acks=T.AckLink([0, 1], group=None, every_s=3600),
+                            log=lines.append)
+    assert stream.stop(timeout_s=5) == 1  # rank 1's sample, dropped; then its END
+    assert [kind for _, kind, _ in headers][-2:] == [T.ACK, T.ACK]  # both told to stop
+    assert all(int(t[1]) == T.ACK for t in wire)  # nothing of rank 1's left unread
+    assert len(lines) == 1 and "rank 0 sent a message without the draftforge header" in lines[0]
