@@ -266,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_vocabulary(args.prompts_file, file_prompts, file_lines, target.model.get_input_embeddings().num_embeddings)
         workloads = file_prompts
     else:
-        names = args.workloads or list(eval_cfg.workloads)
+        names = args.workloads or list(dict.fromkeys(eval_cfg.workloads))  # one named twice is one
         workloads = {name: _workload_prompts(name, target, target_cfg, num_prompts) for name in names}
         _check_lengths(workloads, max_new_tokens, draft_cfg.max_position_embeddings,
                        lambda name, i: f"workload {name!r}, prompt {i}")

@@ -546,3 +546,26 @@ def test_the_near_tie_tolerance_defaults_by_the_targets_dtype(recipe_path, tmp_p
         main([*base, "--tie-tolerance", "-1", "--out", str(tmp_path / "neg")])
     assert exit_info.value.code == 2 and "--tie-tolerance: must be 0 or more, got -1" in capsys.readouterr().err
     assert not (tmp_path / "neg").exists()
+
+
+def test_a_recipe_workload_named_twice_is_loaded_and_run_once(recipe_path, tmp_path, monkeypatch, capsys):
+    """eval.workloads: [humaneval, humaneval] loaded, tokenised and checked the workload twice
+    (the report kept one); --workloads already counted it once."""
+    from draftforge.cli import main
+    from draftforge.eval import cli as eval_cli
+
+    recipe_path.write_text(recipe_path.read_text().replace("eval:\n", "eval:\n  workloads: [humaneval, humaneval]\n"))
+    recipe = load_recipe(recipe_path)
+    target = build_target(recipe.target, recipe.draft.target_layer_ids)
+    export_dir = export_draft(tiny_eval_draft(target), tmp_path / "export", progress=lambda _: None)
+    loaded = []
+
+    def prompts(name, *args):
+        loaded.append(name)
+        return random_prompts(1)
+
+    monkeypatch.setattr(eval_cli, "_workload_prompts", prompts)
+    assert main(["eval", str(export_dir), "--recipe", str(recipe_path), "--max-new-tokens", "4",
+                 "--baselines", "none", "--no-estimate", "--out", str(tmp_path / "r")]) == 0
+    assert loaded == ["humaneval"]
+    assert capsys.readouterr().out.count("eval: humaneval: 1 prompts") == 1
