@@ -17,7 +17,9 @@ waits for a trainer stays within a couple of micro-batches.
 The state carries over the whole run, chunk after chunk and epoch after epoch; a resumed
 producer rebuilds it from the lengths of the samples the trainers already consumed
 (their checkpoints record them), so every sample goes where the uninterrupted run sent
-it. Deterministic: the same lengths in the same order give the same trainers.
+it (a sample whose length a checkpoint does not record is left out of the state, by the
+run resumed from it and every later resume alike: see :mod:`draftforge.splitserve.producer`).
+Deterministic: the same lengths in the same order give the same trainers.
 """
 
 from __future__ import annotations

@@ -23,9 +23,17 @@ sees exactly the samples an uninterrupted run would have:
 - sample ids are the conversation ids, with ``#e<epoch>`` appended after the
   first epoch. Samples whose ids the trainers already consumed (their
   checkpoint) are skipped; a chunk consumed entirely is skipped without being
-  computed at all (the checkpoints' lengths of its samples replay its assignment). The ids of conversations dropped for ``data.min_loss_tokens``
+  computed at all. Its assignment is replayed from the tokens the checkpoint
+  recorded for each of its samples, and a consumed sample of a chunk computed
+  again counts with its recorded tokens too, so every later sample goes where the
+  uninterrupted run sent it. A consumed sample without recorded tokens (a
+  checkpoint written before they were, or by a run resumed from one) is left out
+  of the balance, by that run and by every later resume alike: the trainers later
+  samples go to differ from a run that never met such a checkpoint (a note says
+  so), nothing is lost or repeated, and the resumes after it are exact again.
+  The ids of conversations dropped for ``data.min_loss_tokens``
   go to the trainers with the next sample, and their checkpoint records them as
-  consumed with it, so a chunk that holds one counts as consumed too.
+  consumed with it (0 tokens), so a chunk that holds one counts as consumed too.
 
 Epochs repeat until every trainer says stop (or ``split.max_epochs``).
 """
@@ -298,7 +306,7 @@ class SampleSource:
                 rotation = epoch * len(chunks) + step
                 ids = [epoch_id(c.id, epoch) for c in chunk]
                 if all(i in self.consumed for i in ids):
-                    self._replay_assignment(ids, rotation)
+                    self._assign(ids, {}, rotation)  # replayed from the recorded lengths
                     self.skipped_consumed += len(ids)
                     produced += len(ids)
                     continue
@@ -325,19 +333,33 @@ class SampleSource:
                     f"supervised tokens{cut})"
                 )
 
-    def _replay_assignment(self, ids: Sequence[str], rotation: int) -> None:
-        """Assign a chunk the trainers consumed entirely, from the lengths their checkpoints
-        recorded, so that the samples after it go where the uninterrupted run sent them."""
-        lengths = [self.consumed[i] for i in ids]
-        if any(n is None for n in lengths):  # a checkpoint that did not record them
-            if len(self.dests) > 1 and not self._unknown_lengths_said:
-                self._unknown_lengths_said = True
-                self.log(f"target rank {self.producer}: the checkpoint does not record the lengths "
-                         "of the samples it consumed (an earlier draftforge wrote it), so the "
-                         "rest are balanced across the trainers afresh: the trainers they go to "
-                         "differ from an uninterrupted run's; no sample is lost or repeated")
-            return
-        self.balance.assign([n for n in lengths if n], rotation=rotation)  # 0: dropped, no sample
+    def _assign(self, ids: Sequence[str], fresh: Mapping[str, int], rotation: int) -> dict[str, int]:
+        """Give the samples of a chunk (``ids``: its sample ids, in chunk order) to the trainers;
+        the index into :attr:`dests` of each sample given one (see the module docstring).
+
+        A sample the trainers consumed counts with the tokens their checkpoint recorded (all
+        a chunk consumed entirely has), any other with its ``fresh`` tokenised length; an id
+        dropped for ``data.min_loss_tokens`` (recorded with 0 tokens, or absent from
+        ``fresh``) is no sample; a consumed one whose tokens were not recorded is left out."""
+        lengths: list[int] = []
+        given: list[str] = []
+        for i in ids:
+            n = self.consumed[i] if i in self.consumed else fresh.get(i, 0)
+            if n is None:
+                self._unknown_lengths()
+            elif n:
+                lengths.append(n)
+                given.append(i)
+        return dict(zip(given, self.balance.assign(lengths, rotation=rotation), strict=True))
+
+    def _unknown_lengths(self) -> None:
+        if len(self.dests) > 1 and not self._unknown_lengths_said:
+            self._unknown_lengths_said = True
+            self.log(f"target rank {self.producer}: the checkpoint does not record the lengths of "
+                     "some samples the trainers consumed (an earlier draftforge wrote it, or the "
+                     "checkpoint its run resumed from), so the balance across the trainers leaves "
+                     "them out: later samples go to other trainers than in a run that never met "
+                     "such a checkpoint; no sample is lost or repeated")
 
     def _chunk_samples(
         self, chunk_index: int, chunk: list[Conversation], epoch: int, rotation: int
@@ -388,7 +410,8 @@ class SampleSource:
         self.context_turns += stats.num_context_turns
         if not tokenized:
             return [], 0
-        bins = self.balance.assign([len(t.input_ids) for t in tokenized], rotation=rotation)
+        bins = self._assign([epoch_id(c.id, epoch) for c in chunk],
+                            {epoch_id(t.id, epoch): len(t.input_ids) for t in tokenized}, rotation)
         out: list[ProducedSample] = []
         skipped = 0
         batch = cfg.split.feature_batch_size
@@ -410,7 +433,8 @@ class SampleSource:
                 n = len(t.input_ids)
                 out.append(
                     ProducedSample(
-                        dest=self.dests[bins[start + row]],
+                        # one the trainers consumed is not sent: where it went does not matter
+                        dest=self.dests[bins.get(epoch_id(t.id, epoch), 0)],
                         sample_id=epoch_id(t.id, epoch),
                         input_ids=ids[row, :n].clone(),
                         loss_mask=torch.tensor(t.loss_mask, dtype=torch.bool),

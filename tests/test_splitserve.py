@@ -43,7 +43,7 @@ def test_topology_links_are_consistent(num_p, num_r):
     # trainers one trainer used to get 2/3 and a finite run ended with a third untrained)
     total = num_p * num_r * 10
     owned = Counter(topo.producer_of(n) for n in range(total))
-    if num_p <= num_r:  # a producer owns its trainers' shares and splits them by tokens
+    if num_p <= num_r:  # a producer owns its trainers' shares and splits them by micro-batches
         for p in producers:
             assert owned[p] == len(topo.dests(p)) * total // num_r
     else:  # a trainer's share goes round its producers
