@@ -274,7 +274,9 @@ def _check_export(args: argparse.Namespace) -> int:
     draft_dir = Path(args.draft).expanduser()
     if not (draft_dir / "config.json").is_file():
         raise InputError(f"{draft_dir}: not an export folder (no config.json); run draftforge export first")
-    draft_cfg = config_from_serving(read_serving_config(draft_dir), where=str(draft_dir / "config.json"))
+    raw_cfg = read_serving_config(draft_dir)
+    draft_cfg = config_from_serving(raw_cfg, where=str(draft_dir / "config.json"))
+    _check_llamacpp_can_run(draft_dir, raw_cfg)
     if args.p_min > 0 and not draft_cfg.enable_confidence_head:
         raise InputError(
             f"--p-min {args.p_min}: {draft_dir / 'config.json'} has no confidence head "
@@ -321,6 +323,29 @@ def _check_export(args: argparse.Namespace) -> int:
         f"al_llamacpp={_al(checks, 'llamacpp'):.3f} al_draftforge={_al(checks, 'draftforge'):.3f}"
     )
     return 1 if count["differ"] or count["error"] else 0
+
+
+def _check_llamacpp_can_run(draft_dir: Path, raw_cfg: dict) -> None:
+    """Refuse, before llama.cpp is fetched and built and the target converted (minutes), an
+    export llama.cpp cannot run: its converter refuses a Markov head other than ``vanilla``
+    (after the target's conversion), and its runtime aborts at every prompt on a confidence
+    head without the Markov input. The exporter knows both (its model card says SGLang only).
+    ``raw_cfg`` is the export's config.json, already read by ``config_from_serving``; its
+    defaults are that function's (SGLang's)."""
+    from draftforge.train.export import llamacpp_blockers
+
+    confidence = raw_cfg.get("enable_confidence_head", False)
+    blockers = llamacpp_blockers({
+        "markov_head_type": raw_cfg.get("markov_head_type", "vanilla"),
+        "enable_confidence_head": confidence,
+        "confidence_head_with_markov": confidence and raw_cfg.get(
+            "confidence_head_with_markov", raw_cfg.get("markov_rank", 0) > 0),
+    })  # fmt: skip
+    if blockers:
+        raise InputError(
+            f"{draft_dir / 'config.json'}: llama.cpp cannot run this draft ({'; '.join(blockers)}); "
+            "there is nothing to compare: serve and evaluate it with SGLang (draftforge eval)"
+        )
 
 
 def _target_folder(target_cfg) -> Path:

@@ -175,6 +175,13 @@ def serving_config(
         raise ExportError(
             f"mask_token_id {cfg.mask_token_id} is outside the target vocabulary [0, {cfg.vocab_size})"
         )
+    duplicates = sorted({i for i in cfg.target_layer_ids if list(cfg.target_layer_ids).count(i) > 1})
+    if duplicates:
+        raise ExportError(
+            f"target_layer_ids {list(cfg.target_layer_ids)} name layer(s) {duplicates} more than once: "
+            "SGLang captures each target layer once, so its fc.weight would get fewer features than it "
+            "was trained on; train with distinct draft.target_layer_ids"
+        )
     dtype_name = _DTYPE_NAMES.get(dtype)
     if dtype_name is None:
         raise ExportError(f"unsupported export dtype {dtype}; valid: {', '.join(_DTYPE_NAMES.values())}")
@@ -315,9 +322,12 @@ def export_draft(
 
     out = Path(out_dir).expanduser().resolve()
     _check_destination(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    # the folders above out that this export makes: a failed export removes them too
+    made = [folder for folder in (out.parent, *out.parent.parents) if not folder.exists()]
+    staging = None
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         _write_json(staging / CONFIG_FILE, config)
         files = write_safetensors(state, staging, max_shard_size_mb=max_shard_size_mb)
         (staging / CARD_FILE).write_text(model_card(config, card or ModelCard(), state))
@@ -325,7 +335,13 @@ def export_draft(
         fsync_tree(staging)  # every file on disk before the folder takes its name
         replace_dir(staging, out)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        for folder in made:  # deepest first; only while empty (another process may use one now)
+            try:
+                folder.rmdir()
+            except OSError:
+                break
         raise
     total = sum(t.numel() for t in state.values())
     progress(f"exported {total:,} parameters ({len(state)} tensors, {len(files)} file(s)) to {out}")

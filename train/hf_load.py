@@ -96,6 +96,7 @@ def config_from_serving(raw: dict, *, where: str = CONFIG_FILE) -> DSparkConfig:
     if missing:
         raise ExportError(f"{where}: missing DSpark fields: {', '.join(missing)}")
     try:
+        _check_layer_order(_integers(raw, "target_layer_ids"))
         markov_rank = _integer(raw, "markov_rank")
         return DSparkConfig(
             vocab_size=_integer(raw, "vocab_size"),
@@ -124,6 +125,21 @@ def config_from_serving(raw: dict, *, where: str = CONFIG_FILE) -> DSparkConfig:
 
 
 DFLASH_FIELDS = ("block_size", "target_layer_ids", "num_target_layers", "mask_token_id")
+
+
+def _check_layer_order(ids: list[int]) -> None:
+    """Refuse ``target_layer_ids`` that are not strictly ascending. SGLang captures the target's
+    layers once each, in ascending order, and its ``fc`` reads them as they come; llama.cpp
+    concatenates them in the listed order. An export listing them otherwise (a duplicate, or an
+    export written before draftforge sorted them) is a different draft to each server, so no
+    draft loaded from it would be the one a server runs."""
+    if ids != sorted(set(ids)):
+        raise ValueError(
+            f"target_layer_ids {ids} are not strictly ascending: SGLang captures each target layer "
+            "once, in ascending order, and llama.cpp in the order listed, so the two servers would "
+            "feed this draft's fc different features; export the training checkpoint again "
+            "(draftforge export writes them ascending, with fc.weight's column blocks to match)"
+        )
 
 
 def _with_dflash_fields(raw: dict, where: str) -> dict:
