@@ -51,9 +51,13 @@ def bigram_scores(
     sequences: Iterable[Sequence[int]], *, max_tokens: int = MAX_TOKENS
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rows, cols, scores): the kept previous and next token ids and the row-centred
-    smoothed log-probabilities ``[len(rows), len(cols)]`` in float64."""
+    smoothed log-probabilities ``[len(rows), len(cols)]`` in float64. ``sequences``: token
+    id lists or 1-D integer tensors."""
     pairs: Counter[tuple[int, int]] = Counter()
     for ids in sequences:
+        # Plain ints: the elements of a tensor (a Sample's input_ids) hash by identity, so
+        # no pair would ever be counted twice.
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
         pairs.update(zip(ids, ids[1:], strict=False))
     prev_count: Counter[int] = Counter()
     next_count: Counter[int] = Counter()

@@ -82,6 +82,14 @@ class DSparkConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("block_size", "mask_token_id", "markov_rank"):
+            value = getattr(self, name)  # a float (8.0) or string would fail deep in torch, or not at all
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if not isinstance(self.target_layer_ids, list | tuple) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in self.target_layer_ids
+        ):
+            raise ValueError(f"target_layer_ids must be a list of integer layer ids, got {self.target_layer_ids!r}")
         for name in ("rope_theta", "rms_norm_eps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
@@ -584,6 +592,7 @@ class DSparkDraft(nn.Module):
                 f"draft expects the target's hidden size {self.config.target_hidden_size}; were they "
                 "captured from another target?"
             )
+        _check_batch_shapes(input_ids, loss_mask, aux, final, anchors, anchor_valid)
         layout = build_layout(input_ids, loss_mask, anchors, anchor_valid, self.config.block_size)
         hidden = self.packed_hidden(input_ids, aux, layout)
         seq_len = input_ids.shape[1]
@@ -633,6 +642,30 @@ class DSparkDraft(nn.Module):
             logits.append(step_logits)
         conf = torch.stack(confidences, dim=1) if confidences else None
         return torch.stack(tokens, dim=1), torch.stack(logits, dim=1), conf
+
+
+def _check_batch_shapes(input_ids, loss_mask, aux, final, anchors, anchor_valid) -> None:
+    """Every per-position stream of a training batch covers the same [B, S] positions, and the
+    anchors' two tensors agree. Otherwise blocks would read the target features or the target's
+    distribution of other positions (a longer ``final`` did so silently), or fail deep inside
+    attention or indexing without naming the stream."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
+    batch, seq_len = input_ids.shape
+    expected = {"loss_mask": (loss_mask, 2), "aux": (aux, 3), "final": (final, 3)}
+    for name, (tensor, dims) in expected.items():
+        if tensor.dim() != dims or tuple(tensor.shape[:2]) != (batch, seq_len):
+            raise ValueError(
+                f"{name} has shape {tuple(tensor.shape)}, but input_ids is [{batch}, {seq_len}]: "
+                f"{name} must be [batch, seq_len{', features' if dims == 3 else ''}] with the same "
+                "batch and positions (one value per token; was a stream shifted, cut or padded "
+                "differently?)"
+            )
+    if anchors.dim() != 2 or anchors.shape[0] != batch or tuple(anchor_valid.shape) != tuple(anchors.shape):
+        raise ValueError(
+            f"anchors {tuple(anchors.shape)} and anchor_valid {tuple(anchor_valid.shape)} must both be "
+            f"[batch={batch}, num_anchors] (see draftforge.train.blocks.sample_anchors)"
+        )
 
 
 def count_parameters(model: nn.Module, *, with_embeddings: bool) -> int:

@@ -61,14 +61,21 @@ class ObjectiveOutput:
         return tau.mean()
 
 
-def exp_weights(valid: torch.Tensor, decay: float) -> torch.Tensor:
-    k = torch.arange(valid.shape[-1], device=valid.device, dtype=torch.float32)
-    return valid.float() * torch.exp(-k / decay)
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the objective's softmaxes, sums and weights: fp32, or the inputs' own
+    dtype where that is wider (a float64 draft gets a float64 loss and gradients, so the
+    analytic gradients can be checked against float64 autograd)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def exp_weights(valid: torch.Tensor, decay: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    k = torch.arange(valid.shape[-1], device=valid.device, dtype=dtype)
+    return valid.to(dtype) * torch.exp(-k / decay)
 
 
 def dpace_weights(valid: torch.Tensor, c_star: torch.Tensor) -> torch.Tensor:
     reach = torch.cumprod(torch.cat([torch.ones_like(c_star[:, :1]), c_star[:, :-1]], dim=-1), dim=-1)
-    return valid.float() * reach
+    return valid.to(c_star.dtype) * reach
 
 
 def chunk_terms(logits, target_logits, labels, valid, base_weights, ce_weight: float,
@@ -83,20 +90,21 @@ def chunk_terms(logits, target_logits, labels, valid, base_weights, ce_weight: f
     eager mode makes few passes over the vocabulary, and ``torch.compile`` (see
     :func:`compiled_chunk_terms`) fuses them into a handful of loops.
     """
-    probs = torch.log_softmax(logits.float(), dim=-1)
+    acc = accumulation_dtype(logits.dtype)  # fp32 at least; float64 stays float64
+    probs = torch.log_softmax(logits.to(acc), dim=-1)
     ce = -probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     if kl_weight:  # KL(p_t || p_d) = <p_t, log p_t - log p_d>, before probs becomes p_d
-        target_logp = torch.log_softmax(target_logits, dim=-1, dtype=torch.float32)
+        target_logp = torch.log_softmax(target_logits, dim=-1, dtype=acc)
         kl = torch.linalg.vecdot(target_logp.exp(), target_logp.sub_(probs))
         del target_logp
     else:
         kl = torch.zeros_like(ce)
     probs.exp_()  # p_d
     # r = p_t - p_d (softmax upcasts inside the kernel); TV = ||r||_1 without an |r| temporary.
-    resid = torch.softmax(target_logits, dim=-1, dtype=torch.float32).sub_(probs)
+    resid = torch.softmax(target_logits, dim=-1, dtype=acc).sub_(probs)
     tv = torch.linalg.vector_norm(resid, 1, dim=-1)
     c = (1.0 - 0.5 * tv).clamp(0.0, 1.0) * valid
-    w = dpace_weights(valid, c) if dpace else base_weights
+    w = dpace_weights(valid, c) if dpace else base_weights.to(acc)
     if not with_grad:
         return ce, tv, kl, c, w, None
     # d KL / dlogits = p_d - p_t = -r
@@ -174,19 +182,20 @@ def _chunked_vocab_sums(hidden, latent, markov_w2, lm_head, target_hidden, label
     ``with_grad`` (no grad wanted: half the vocabulary-sized matmuls and no buffers)."""
     num_blocks, block_size, _ = hidden.shape
     dtype = lm_head.dtype
+    acc = accumulation_dtype(dtype)
     grad_hidden = grad_latent = grad_w2 = None
     if with_grad:
         grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
         grad_latent = None if latent is None else torch.empty_like(latent)
-        grad_w2 = None if latent is None else torch.zeros_like(markov_w2, dtype=torch.float32)
+        grad_w2 = None if latent is None else torch.zeros_like(markov_w2, dtype=acc)
     # One matmul for both logit terms: [h, latent] @ [lm_head, W2]^T. A single
     # vocabulary-sized product (and conversion) instead of two, in both directions.
     head = lm_head if latent is None else _vocab_head(lm_head, markov_w2.to(dtype))
     width = hidden.shape[-1]
     terms = _chunk_terms_compiled_or_eager if compiled else chunk_terms
-    c_star = torch.zeros(num_blocks, block_size, dtype=torch.float32, device=hidden.device)
+    c_star = torch.zeros(num_blocks, block_size, dtype=acc, device=hidden.device)
     weights = torch.zeros_like(c_star)
-    sum_ce = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    sum_ce = torch.zeros((), dtype=acc, device=hidden.device)
     sum_tv = torch.zeros_like(sum_ce)
     sum_kl = torch.zeros_like(sum_ce)
     for start in range(0, num_blocks, chunk_blocks):
@@ -214,7 +223,7 @@ def _chunked_vocab_sums(hidden, latent, markov_w2, lm_head, target_hidden, label
         grad_hidden[sl] = grad_in[..., :width].to(hidden.dtype)
         if latent is not None:
             grad_latent[sl] = grad_in[..., width:].to(latent.dtype)
-            grad_w2 += (grad.flatten(0, 1).t() @ lat.flatten(0, 1)).float()
+            grad_w2 += (grad.flatten(0, 1).t() @ lat.flatten(0, 1)).to(acc)
         del grad, grad_in
     total = ce_weight * sum_ce + tv_weight * sum_tv + kl_weight * sum_kl
     return total, sum_ce, sum_tv, sum_kl, c_star, weights, (grad_hidden, grad_latent, grad_w2)
@@ -241,11 +250,11 @@ class _FusedVocabLoss(torch.autograd.Function):
         grad_hidden, grad_latent, grad_w2 = ctx.saved_tensors
         # In fp32, rounded once: a bf16 copy of the scale (loss scale / denominator) would be
         # off by up to 0.4 % for the whole backbone's gradient.
-        scale = grad_total.float()
-        out_hidden = (grad_hidden.float() * scale).to(grad_hidden.dtype)
+        scale = grad_total.to(accumulation_dtype(grad_total.dtype))
+        out_hidden = (grad_hidden.to(scale.dtype) * scale).to(grad_hidden.dtype)
         out_latent = out_w2 = None
         if ctx.has_latent:
-            out_latent = (grad_latent.float() * scale).to(grad_latent.dtype)
+            out_latent = (grad_latent.to(scale.dtype) * scale).to(grad_latent.dtype)
             out_w2 = (grad_w2 * scale).to(ctx.w2_dtype)
         return (out_hidden, out_latent, out_w2) + (None,) * 11
 
@@ -299,15 +308,16 @@ def vocab_terms_unchunked(
     logits = hidden.to(lm_head.dtype) @ lm_head.t()
     if latent is not None:
         logits = logits + latent.to(lm_head.dtype) @ markov_w2.t()
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    acc = accumulation_dtype(logits.dtype)
+    logp = torch.log_softmax(logits.to(acc), dim=-1)
     with torch.no_grad():
-        target_logp = torch.log_softmax((target_hidden.to(lm_head.dtype) @ lm_head.t()).float(), dim=-1)
+        target_logp = torch.log_softmax((target_hidden.to(lm_head.dtype) @ lm_head.t()).to(acc), dim=-1)
         target = target_logp.exp()
     ce = -logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     tv = (logp.exp() - target).abs().sum(-1)
     kl = (target * (target_logp - logp)).sum(-1)
-    c_star = ((1.0 - 0.5 * tv.detach()).clamp(0.0, 1.0)) * valid.float()
-    weights = dpace_weights(valid, c_star) if dpace else base_weights
+    c_star = ((1.0 - 0.5 * tv.detach()).clamp(0.0, 1.0)) * valid.to(acc)
+    weights = dpace_weights(valid, c_star) if dpace else base_weights.to(acc)
     sum_ce, sum_tv, sum_kl = (weights * ce).sum(), (weights * tv).sum(), (weights * kl).sum()
     total = ce_weight * sum_ce + tv_weight * sum_tv + kl_weight * sum_kl
     return total, sum_ce.detach(), sum_tv.detach(), sum_kl.detach(), c_star, weights
@@ -354,15 +364,16 @@ def dspark_objective(
         latent, emb = model.markov_head.teacher_forced(prev_tokens, hidden)
         markov_w2 = model.markov_head.markov_w2.weight
     terms = vocab_terms if chunked else vocab_terms_unchunked
+    acc = accumulation_dtype(model.lm_head.weight.dtype)
     total, sum_ce, sum_tv, sum_kl, c_star, weights = terms(
         hidden, latent, markov_w2, model.lm_head.weight, target_hidden, labels, valid,
-        exp_weights(valid, decay), ce_weight=ce_weight, tv_weight=tv_weight, kl_weight=kl_weight,
+        exp_weights(valid, decay, acc), ce_weight=ce_weight, tv_weight=tv_weight, kl_weight=kl_weight,
         chunk_blocks=chunk_blocks, dpace=position_weighting == "dpace",
         compiled=hidden.is_cuda if compile == "auto" else bool(compile),
     )
-    sum_bce = torch.zeros((), device=hidden.device)
+    sum_bce = torch.zeros((), dtype=acc, device=hidden.device)
     if model.confidence_head is not None:
-        z = model.confidence_head(hidden, emb).float()
+        z = model.confidence_head(hidden, emb).to(acc)
         bce = F.binary_cross_entropy_with_logits(z, c_star, reduction="none")
         sum_bce = (weights * bce).sum()
     if denominator is None:
