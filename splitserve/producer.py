@@ -450,6 +450,37 @@ class SampleSource:
         return out, skipped
 
 
+class PendingSamples:
+    """The samples produced for each trainer and not yet sent (its link's credits are in use),
+    in order, with the most tokens that ever waited here for one trainer: what the target's
+    device holds beyond the links (bounded by the balance of :mod:`draftforge.splitserve.balance`)."""
+
+    def __init__(self, dests: Sequence[int]) -> None:
+        self._queues: dict[int, deque[ProducedSample]] = {dest: deque() for dest in dests}
+        self._tokens = dict.fromkeys(dests, 0)
+        self.max_tokens = 0
+
+    def __getitem__(self, dest: int) -> deque[ProducedSample]:
+        return self._queues[dest]  # read it; change it through the methods below
+
+    def any(self) -> bool:
+        return any(self._queues.values())
+
+    def append(self, sample: ProducedSample) -> None:
+        self._queues[sample.dest].append(sample)
+        self._tokens[sample.dest] += sample.num_tokens
+        self.max_tokens = max(self.max_tokens, self._tokens[sample.dest])
+
+    def popleft(self, dest: int) -> ProducedSample:
+        sample = self._queues[dest].popleft()
+        self._tokens[dest] -= sample.num_tokens
+        return sample
+
+    def clear(self, dest: int) -> None:
+        self._queues[dest].clear()
+        self._tokens[dest] = 0
+
+
 def embedding_dests(topology: Topology, rank: int) -> list[int]:
     """The trainers whose first producer is ``rank``: it sends them the embeddings."""
     return [dest for dest in topology.dests(rank) if topology.sources(dest)[0] == rank]
@@ -521,7 +552,7 @@ def run_producer(
     # Each link keeps its own order, but links do not wait on each other: a trainer whose
     # link is full (it holds a step's data and waits in a collective for the others) must
     # not stop the samples of a trainer that needs them, or both wait forever.
-    pending: dict[int, deque[ProducedSample]] = {dest: deque() for dest in dests}
+    pending = PendingSamples(dests)
 
     def send_ready(block: bool) -> None:
         """Send what the links' credits allow, in each link's order; with ``block``,
@@ -529,7 +560,7 @@ def run_producer(
         while True:
             for dest in dests:
                 if pending[dest] and gate.has_stopped(dest):
-                    pending[dest].clear()  # that trainer has its steps: drop what it would get
+                    pending.clear(dest)  # that trainer has its steps: drop what it would get
             waiting = [dest for dest in dests if pending[dest]]
             if not waiting:
                 return
@@ -539,7 +570,7 @@ def run_producer(
                 if block:
                     continue
                 return
-            sample = pending[dest].popleft()
+            sample = pending.popleft(dest)
             with pulse.lock:
                 T.send_sample(
                     dest, sample.sample_id, sample.input_ids, sample.loss_mask,
@@ -559,7 +590,7 @@ def run_producer(
         while len(ended) < len(dests):
             for dest in dests:
                 if pending[dest] and gate.has_stopped(dest):
-                    pending[dest].clear()
+                    pending.clear(dest)
             for dest in dests:
                 # END too needs the trainer receiving: a credit left, or its stop
                 if dest not in ended and not pending[dest] and gate.listens(dest):
@@ -577,11 +608,11 @@ def run_producer(
     meter.start()
     try:
         for sample in source.samples():
-            pending[sample.dest].append(sample)
+            pending.append(sample)
             send_ready(block=False)
             # Produce ahead only while some live trainer has nothing queued here (it may be
             # the one the others wait for); once every one has, wait for a credit.
-            while all(pending[d] or gate.has_stopped(d) for d in dests) and any(pending.values()):
+            while all(pending[d] or gate.has_stopped(d) for d in dests) and pending.any():
                 send_ready(block=True)
         if not gate.all_stopped():
             log(f"target rank {rank}: data finished (split.max_epochs={split.max_epochs})")
@@ -594,6 +625,7 @@ def run_producer(
     gate.join(timeout=10.0)
     summary = meter.summary()
     summary["max_outstanding"] = gate.max_outstanding
+    summary["max_pending_tokens"] = pending.max_tokens
     summary["credits"] = credits
     summary["skipped_consumed"] = source.skipped_consumed
     summary["dropped_short"] = source.dropped_short

@@ -555,7 +555,8 @@ def _run_target(ctx: RankContext, bench: dict | None) -> None:
     ctx.log(
         f"done: busy {summary['busy_share']:.1%} idle {summary['idle_share']:.1%} "
         f"{summary['tokens']} tokens {summary['rate_tok_s']:.0f} tok/s; at most "
-        f"{summary['max_outstanding']} samples in flight per trainer (credits {summary['credits']})"
+        f"{summary['max_outstanding']} samples in flight per trainer (credits {summary['credits']}) "
+        f"and {summary['max_pending_tokens']} tokens waiting here for one trainer"
     )
     release_members(ctx, engine)
 

@@ -8,6 +8,7 @@ import random
 from collections import deque
 
 import pytest
+import torch
 from test_wire_r11 import _streams
 from trainer_helpers import chain_samples, target_embeddings, tiny_model_config, train_config
 
@@ -173,3 +174,24 @@ def test_damaged_token_counts_are_refused_naming_the_field(tokens, problem):
     assert problem in ckpt._state_problem(state)
     state["consumed_tokens"] = [[4, None]]  # a resumed old checkpoint's unknown ones, then known
     assert ckpt._state_problem(state) == ""
+
+
+def test_the_producer_counts_the_tokens_waiting_for_each_trainer():
+    from draftforge.splitserve.producer import PendingSamples, ProducedSample
+
+    def sample(dest, n):
+        return ProducedSample(dest=dest, sample_id=f"s{dest}-{n}", input_ids=torch.zeros(n, dtype=torch.long),
+                              loss_mask=torch.ones(n, dtype=torch.bool), aux=torch.zeros(n, 1),
+                              final=torch.zeros(n, 1))
+
+    pending = PendingSamples([1, 2])
+    assert not pending.any()
+    for dest, n in [(1, 30), (2, 50), (1, 40)]:
+        pending.append(sample(dest, n))
+    assert pending.max_tokens == 70 and pending.any()
+    assert pending.popleft(1).num_tokens == 30  # in order
+    pending.append(sample(1, 20))  # 40 + 20 = 60: below the most so far
+    assert pending.max_tokens == 70
+    pending.clear(2)
+    pending.append(sample(2, 75))  # counted from zero after the clear
+    assert pending.max_tokens == 75 and [s.num_tokens for s in pending[1]] == [40, 20]

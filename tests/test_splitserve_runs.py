@@ -162,6 +162,10 @@ def test_uneven_trainers_finish_finite_data_without_waiting_on_each_other(tmp_pa
     # END); the other stopped with it, 7 of its 8 samples trained and the fifth micro-batch left
     assert sorted((len(first), len(second))) == [7, 8]
     assert "stop: data_exhausted" in read_logs(tmp_path / "logs", 3)[1]
+    # what waited on the target for one trainer beyond its link: at most a chunk of 4 samples
+    # of at most data.max_length (96) tokens beside what the balance keeps back
+    waiting = re.search(r"and (\d+) tokens waiting here for one trainer", read_logs(tmp_path / "logs", 3)[0])
+    assert waiting and 0 < int(waiting.group(1)) <= 2 * 4 * 96, read_logs(tmp_path / "logs", 3)[0]
 
 
 @pytest.mark.parametrize("stage", [2, 3])
