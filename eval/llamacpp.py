@@ -107,10 +107,14 @@ def convert(
 ) -> Path:
     """Run llama.cpp's converter on a Hugging Face folder; write an f32 GGUF atomically.
 
-    ``target_dir`` is the target's folder, which a DSpark draft needs for its tokenizer."""
+    ``target_dir`` is the target's folder, which a DSpark draft needs for its tokenizer. The
+    converter writes into a temporary folder of its own beside ``out_file`` (a fixed temporary
+    name would be shared, overwritten and deleted by two conversions into one folder), and the
+    finished GGUF is renamed into place."""
     out = Path(out_file)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = staging / out.name  # made by the converter: the umask's permissions, not mkstemp's 0600
     command = [sys.executable, str(source / CONVERTER), str(model_dir), "--outfile", str(tmp), "--outtype", "f32"]
     if target_dir is not None:
         command += ["--target-model-dir", str(target_dir)]
@@ -121,7 +125,7 @@ def convert(
             raise InputError(f"llama.cpp's {CONVERTER} refused {model_dir}: {last_lines(done.stderr)}")
         os.replace(tmp, out)
     finally:  # a refusal or an interrupt leaves no partial GGUF (4 bytes a parameter) behind
-        tmp.unlink(missing_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
     return out
 
 

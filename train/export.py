@@ -45,7 +45,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -127,11 +127,18 @@ def tensor_table(cfg: DSparkConfig, *, with_embeddings: bool) -> dict[str, tuple
 
 
 def check_tensors(
-    state: Mapping[str, torch.Tensor], cfg: DSparkConfig, *, with_embeddings: bool, where: str
+    state: Mapping[str, torch.Tensor],
+    cfg: DSparkConfig,
+    *,
+    with_embeddings: bool,
+    where: str,
+    optional: Collection[str] = (),
 ) -> None:
-    """Refuse a missing, an unexpected or a mis-shaped tensor (``where`` names the source)."""
+    """Refuse a missing, an unexpected or a mis-shaped tensor (``where`` names the source).
+    Names in ``optional`` may be absent (the loader's: an export's embedding copies, each
+    optional in the contract)."""
     table = tensor_table(cfg, with_embeddings=with_embeddings)
-    missing = sorted(set(table) - set(state))
+    missing = sorted(set(table) - set(state) - set(optional))
     unexpected = sorted(set(state) - set(table))
     wrong = [
         f"{name}: {tuple(state[name].shape)} (expected {table[name]})"
@@ -309,8 +316,9 @@ def export_draft(
             state.update({name: state[name].to(next(iter(own))) for name in EMBEDDING_KEYS})
     untied = with_embeddings and not torch.equal(state["embed_tokens.weight"], state["lm_head.weight"])
     state, cfg = ascending_target_layers(state, cfg, progress=progress)
-    config = serving_config(cfg, arch=arch, dtype=_common_dtype(state), untied_embeddings=untied)
+    # the key table first: a stray tensor of another dtype is an unexpected tensor, not "mixed dtypes"
     check_tensors(state, cfg, with_embeddings=with_embeddings, where="the draft's state dict")
+    config = serving_config(cfg, arch=arch, dtype=_common_dtype(state), untied_embeddings=untied)
     blockers = llamacpp_blockers(config)
     if blockers:
         progress(f"warning: llama.cpp cannot run this draft ({'; '.join(blockers)}); serve it with "
@@ -664,6 +672,24 @@ def _write_json(path: Path, value) -> None:
     path.write_text(json.dumps(value, indent=2) + "\n")
 
 
+def hub_offline_setting() -> str | None:
+    """What puts huggingface_hub in offline mode (``"HF_HUB_OFFLINE=true"``), or None where the
+    client is online.
+
+    The client's own verdict decides (``huggingface_hub.constants.HF_HUB_OFFLINE``: it reads
+    ``HF_HUB_OFFLINE``, or where that is unset or empty ``TRANSFORMERS_OFFLINE``, as true when it is
+    ``1``, ``on``, ``yes`` or ``true`` in any case); the variable is named as it parses them."""
+    from huggingface_hub import constants
+
+    if not constants.HF_HUB_OFFLINE:
+        return None
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        value = os.environ.get(name)
+        if value:
+            return f"{name}={value}"
+    return "HF_HUB_OFFLINE"  # set when huggingface_hub was imported, unset since
+
+
 # what a push replaces on the Hub: everything an export writes, whatever an earlier push left
 PUSH_REPLACES = ("*.safetensors", INDEX_FILE, CARD_FILE, CONFIG_FILE)
 
@@ -671,16 +697,18 @@ PUSH_REPLACES = ("*.safetensors", INDEX_FILE, CARD_FILE, CONFIG_FILE)
 def push_to_hub(folder: str | os.PathLike[str], repo_id: str, *, private: bool = True) -> str:
     """Upload an export folder to the Hugging Face Hub in one commit that also deletes the files
     of an earlier export there (:data:`PUSH_REPLACES`); a clear error when offline or not logged in."""
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
-        raise RuntimeError(
-            f"cannot push to {repo_id}: HF_HUB_OFFLINE=1 is set. The export is complete at {folder}; "
-            "unset HF_HUB_OFFLINE and run `draftforge export ... --push-to-hub` again, or upload with "
-            "`huggingface-cli upload`"
-        )
     try:
         from huggingface_hub import HfApi
     except ImportError as err:
         raise RuntimeError("pushing needs huggingface_hub: pip install huggingface_hub") from err
+    offline = hub_offline_setting()
+    if offline is not None:
+        name = offline.split("=")[0]
+        raise RuntimeError(
+            f"cannot push to {repo_id}: {offline} is set, so huggingface_hub is offline. The export "
+            f"is complete at {folder}; unset {name} and run `draftforge export ... --push-to-hub` "
+            "again, or upload with `huggingface-cli upload`"
+        )
     api = HfApi()
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)

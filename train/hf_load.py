@@ -2,8 +2,9 @@
 
 Safetensors only; single file or sharded with an index. The tensors are checked
 against the same key table the exporter uses. Exports without embeddings (the
-default: servers attach the target's) take ``embed_tokens`` / ``lm_head`` from
-the target, passed as tensors or as a ``TargetEngine``.
+default: servers attach the target's), or with only one of the two, take the
+``embed_tokens`` / ``lm_head`` they lack from the target, passed as tensors or as a
+``TargetEngine``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from draftforge.errors import InputError
 from draftforge.hf_config import json_number, rope_theta_of
 from draftforge.train.export import (
+    ARCHITECTURES,
     CONFIG_FILE,
     EMBEDDING_KEYS,
     INDEX_FILE,
@@ -83,8 +85,10 @@ def config_from_serving(raw: dict, *, where: str = CONFIG_FILE) -> DSparkConfig:
     The four DFlash fields may be top-level or, as SGLang also accepts, nested under
     ``dflash_config``; where both are given they must agree. RoPE scaling is refused: the
     draft implements plain RoPE, so a scaled config would load into a model whose logits
-    differ from the server's.
+    differ from the server's. So are an activation, attention biases or an architecture the
+    draft does not implement (:func:`_check_implemented`).
     """
+    _check_implemented(raw, where)
     raw = _with_dflash_fields(raw, where)
     rope_theta = _plain_rope_theta(raw, where)
     required = (
@@ -125,6 +129,35 @@ def config_from_serving(raw: dict, *, where: str = CONFIG_FILE) -> DSparkConfig:
 
 
 DFLASH_FIELDS = ("block_size", "target_layer_ids", "num_target_layers", "mask_token_id")
+
+
+def _check_implemented(raw: dict, where: str) -> None:
+    """Refuse a config.json describing a model draftforge's draft is not: SiLU MLPs, attention
+    without biases (``serving_config`` writes ``hidden_act: silu``, ``attention_bias: false``),
+    and one of the architectures ``draftforge export --arch`` writes. A server builds what the
+    file says (SGLang's Qwen3 layers take ``hidden_act`` and ``attention_bias`` from it), so a
+    draft loaded regardless would silently be another model than the one it serves. An absent
+    key means the Qwen3 default (``silu``, no biases); an absent or null ``architectures`` is
+    left to the server."""
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ExportError(
+            f"{where}: hidden_act is {act!r}, but draftforge's draft implements 'silu' only (what "
+            "draftforge export writes); a server would build another model than the one loaded"
+        )
+    bias = raw.get("attention_bias", False)
+    if bias is not False:
+        raise ExportError(
+            f"{where}: attention_bias is {bias!r}, but draftforge's draft has no attention biases: "
+            "only false is supported (what draftforge export writes)"
+        )
+    arch = raw.get("architectures")
+    if arch is not None and (not isinstance(arch, list) or len(arch) != 1 or arch[0] not in ARCHITECTURES):
+        valid = " or ".join(f'["{name}"]' for name in ARCHITECTURES)
+        raise ExportError(
+            f"{where}: architectures is {json.dumps(arch)}, but a DSpark draft's is {valid} "
+            "(what draftforge export --arch writes)"
+        )
 
 
 def _check_layer_order(ids: list[int]) -> None:
@@ -246,16 +279,18 @@ def load_exported_draft(
 ) -> DSparkDraft:
     """Build the draft an export folder describes and load its tensors exactly.
 
-    Without embeddings in the folder, ``embed_tokens``/``lm_head`` (or
-    ``target``'s) are required; given ones of another shape than the config's
-    vocabulary and hidden size are refused. ``dtype`` defaults to the export's.
+    Each of ``embed_tokens.weight``/``lm_head.weight`` is optional in the folder (contract
+    section 4): one it lacks is taken from ``embed_tokens``/``lm_head`` (or ``target``'s),
+    then required; given ones of another shape than the config's vocabulary and hidden size
+    are refused. ``dtype`` defaults to the export's.
     """
     folder = Path(folder).expanduser()
     raw = read_serving_config(folder)
     cfg = config_from_serving(raw, where=str(folder / CONFIG_FILE))
     state = read_safetensors_folder(folder)
-    has_embeddings = all(name in state for name in EMBEDDING_KEYS)
-    check_tensors(state, cfg, with_embeddings=has_embeddings, where=str(folder))
+    # each copy is optional (contract section 4): the folder's own is used where it holds one
+    held = [name for name in EMBEDDING_KEYS if name in state]
+    check_tensors(state, cfg, with_embeddings=bool(held), optional=EMBEDDING_KEYS, where=str(folder))
     if target is not None:
         embed_tokens, lm_head = target.embed_tokens_weight(), target.lm_head_weight()
     for name, matrix in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
@@ -267,15 +302,15 @@ def load_exported_draft(
                 "trained for another target; pass the target it was trained against"
             )
     model = DSparkDraft(cfg)
-    if not has_embeddings:
-        if embed_tokens is None or lm_head is None:
-            raise ExportError(
-                f"{folder} holds no embed_tokens/lm_head (exported without --with-embeddings); "
-                "pass the target (or its embedding and lm_head) to load it"
-            )
-        model.load_target_embeddings(embed_tokens, lm_head)
-        state = {**state, "embed_tokens.weight": model.embed_tokens.weight.data,
-                 "lm_head.weight": model.lm_head.weight.data}  # fmt: skip
+    given = {"embed_tokens.weight": embed_tokens, "lm_head.weight": lm_head}
+    lacking = [name for name in EMBEDDING_KEYS if name not in state]
+    if any(given[name] is None for name in lacking):
+        what = (f"only {held[0]}, not {lacking[0]}" if held
+                else "no embed_tokens/lm_head (exported without --with-embeddings)")
+        raise ExportError(
+            f"{folder} holds {what}; pass the target (or its embedding and lm_head) to load it"
+        )
+    state = {**state, **{name: given[name].detach() for name in lacking}}  # shapes checked above
     load_dtype = dtype or _DTYPES.get(str(raw.get("torch_dtype")), next(iter(state.values())).dtype)
     model.to(load_dtype)
     model.load_state_dict({k: v.to(load_dtype) for k, v in state.items()}, strict=True)
