@@ -232,3 +232,15 @@ def test_offline_values_huggingface_hub_reads_as_false_are_not_offline(monkeypat
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")  # not read: HF_HUB_OFFLINE is set
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", constants._is_true(value))
     assert hub_offline_setting() is None
+
+
+@pytest.mark.parametrize("argv", [["/nonexistent/run"], ["."]])
+def test_an_export_error_names_the_command_once(argv, capsys, tmp_path, monkeypatch):
+    """'draftforge export: error: draftforge export: ... does not exist': the CLI adds the
+    prefix, the message added it again."""
+    from draftforge.cli import main
+
+    monkeypatch.chdir(tmp_path)  # "." : no recipe, no run to derive --out from
+    assert main(["export", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("draftforge export: error: ") and err.count("draftforge export") == 1, err

@@ -88,20 +88,20 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--specforge-path", metavar="DIR", default=None,
                         help="folder holding an unpacked specforge wheel (the one with specforge/ in it); "
                         "default: an importable specforge")
-    parser.add_argument("--seq", type=int, default=512, help="sequence length")
-    parser.add_argument("--anchors", type=int, default=64, help="anchors per sequence")
-    parser.add_argument("--batch", type=int, default=1, help="sequences per step")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per side")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first, per side")
+    parser.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
+    parser.add_argument("--anchors", type=int, default=64, help="anchors per sequence (default 64)")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
+    parser.add_argument("--threads", type=int, default=2, help="intra-op threads for both sides (default 2)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per side (default 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first, per side (default 2)")
     parser.add_argument("--chunk-blocks", type=int, default=64,
-                        help="objective chunk in blocks, on both sides")
+                        help="objective chunk in blocks, on both sides (default 64)")
     parser.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                         help="draftforge's train.loss.compile (torch.compile of its objective's "
-                        "elementwise work; auto = CUDA only); SpecForge runs as it ships")
+                        "elementwise work; auto = CUDA only; default auto); SpecForge runs as it ships")
     parser.add_argument("--rounds", type=int, default=1,
                         help="repeat SpecForge-then-draftforge this many times (medians over all timed "
-                        "steps): on a shared machine both sides then see the same disturbances")
+                        "steps; default 1): on a shared machine both sides then see the same disturbances")
     parser.add_argument("--interleave", action="store_true",
                         help="alternate the two sides step by step instead of all of SpecForge's steps "
                         "first (a fairer ratio on a busy machine)")

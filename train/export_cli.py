@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     source = Path(args.source).expanduser()
     if not source.exists():
-        raise InputError(f"draftforge export: {source} does not exist; give a run directory, a "
+        raise InputError(f"{source} does not exist; give a run directory, a "
                          "checkpoint folder or a model.safetensors")
     if args.eval_report and not Path(args.eval_report).is_file():
         raise InputError(f"--eval-report {args.eval_report}: no such file")
@@ -80,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         of_checkpoint = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
         base = run_dir or of_checkpoint or (Path(output_dir) if output_dir else None)
         if base is None:
-            raise InputError("draftforge export: give --out DIR (no recipe or run directory to derive it from)")
+            raise InputError("give --out DIR (no recipe or run directory to derive it from)")
         out = base / "export"
     if args.eval_report:
         report = Path(args.eval_report)
