@@ -80,6 +80,10 @@ def load_report(path: str) -> tuple[Path, dict]:
         if not isinstance(value, dict):
             raise InputError(f"{p}: {key} must be a table, got {type(value).__name__}; not a "
                              "draftforge eval report")
+        count = entry.get("num_prompts", 0)  # the pairing checks it against the per-prompt lists
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise InputError(f"{p}: workloads.{name}.num_prompts must be a whole number of prompts, got "
+                             f"{count!r}; the report is damaged: evaluate it again")
     return p, report
 
 

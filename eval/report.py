@@ -18,12 +18,25 @@ ESTIMATE_NOTE = (
     "training objective, teacher-forced on the target's own outputs for these prompts; c* is the "
     "acceptance probability of speculative sampling at temperature 1. tau_greedy replaces c* by the "
     "greedy match indicator. Both average over up to 64 randomly drawn response positions a prompt as anchors, while decoding "
-    "anchors only where the previous round stopped (often right after a hard token), and c* is not the "
-    "greedy acceptance rule: expect measured AL below tau, and close to tau_greedy under greedy decoding. "
+    "anchors only where the previous round stopped (often right after a hard token): expect measured AL "
+    "at or below the estimate of the rule this run verified with (tau_greedy under greedy decoding, "
+    "tau_sampled below when sampling). c* is "
+    "not the greedy acceptance rule: greedy verification accepts a draft token whenever it is the target's "
+    "most likely one, which can be more or less often than c*, so under greedy decoding tau can lie on "
+    "either side of the measured AL. "
     "When decoding samples, tau_sampled replaces c* by the acceptance probability of the rule this run "
     "verified with, at its temperature, top-k and top-p (greedy drafts: the target's probability of the "
     "draft's most likely token; drawn drafts: sum_x min(p_t(x), p_d(x))), still teacher-forced on the "
     "target's sampled outputs."
+)
+
+
+AL_NOTE = (
+    "Acceptance length: the accepted draft tokens plus the bonus token of a verification round (a "
+    "round that accepts the end of sequence counts up to it, without the bonus), mean over the "
+    "workload's verification rounds: pooled over its prompts, so a prompt that runs more rounds "
+    "weighs more (not the mean of per-prompt means). Tokens verified / round: the tokens the target "
+    "ran per round, the anchor included. The macro figures are the unweighted mean over workloads."
 )
 
 
@@ -123,7 +136,7 @@ def markdown_table(
                 f"{speedup} | {_fmt(m['wall_s'], 1)} |"
             )
     macro_row = " / ".join(f"{m} {_fmt(macro(results, m))}" for m in METHODS if any(m in r.methods for r in results))
-    lines += ["", f"Macro acceptance length: {macro_row}", ""]
+    lines += ["", AL_NOTE, "", f"Macro acceptance length (unweighted mean over workloads): {macro_row}", ""]
     header = " | ".join(f"k={k}" for k in range(block_size))
     lines += [
         "Per-position conditional acceptance (accepted / reached), the draft under test:",
@@ -286,7 +299,7 @@ def plot(results: Sequence[WorkloadResult], out_dir: Path, *, block_size: int) -
         ax.bar([x + i * width for x in range(len(results))], values, width, label=method)
     ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(results))])
     ax.set_xticklabels([r.name for r in results])
-    ax.set_ylabel("mean acceptance length")
+    ax.set_ylabel("acceptance length (mean per round)")
     ax.axhline(block_size + 1, color="grey", linestyle=":", linewidth=1)
     # from 0 and around every workload's bars, measured or not: a plot without a bar (no
     # rounds) kept a scale about the ceiling line and its label off the bars' place
