@@ -123,13 +123,6 @@ def file_stem(path: Path) -> str:
     return path.name[: len(path.name) - len(data_suffix(path))]
 
 
-def _open_text(path: Path, suffix: str):
-    # utf-8-sig: a byte-order mark (Windows editors write one) opens the file, it is no JSON
-    if suffix.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8-sig")
-    return open(path, encoding="utf-8-sig")
-
-
 def _read_jsonl(path: Path, suffix: str) -> Iterator[RawRow]:
     number = 0
     try:  # bytes, decoded line by line: invalid UTF-8 is that row's error, with its line
@@ -162,16 +155,25 @@ def _read_jsonl(path: Path, suffix: str) -> Iterator[RawRow]:
 
 def _read_json(path: Path, suffix: str) -> Iterator[RawRow]:
     try:
-        with _open_text(path, suffix) as handle:
-            data = json.load(handle)
+        with gzip.open(path, "rb") if suffix.endswith(".gz") else open(path, "rb") as handle:
+            raw = handle.read()
+    except (OSError, EOFError, zlib.error) as exc:
+        raise DataFormatError(f"{path}: cannot be read: {exc}") from None
+    raw = raw.removeprefix(codecs.BOM_UTF8)  # Windows editors write one; it is no JSON
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:  # the line and column, as a jsonl file's error says them
+        line = raw.count(b"\n", 0, exc.start) + 1
+        column = exc.start - raw.rfind(b"\n", 0, exc.start)
+        raise DataFormatError(f"{path}, line {line}: invalid UTF-8 at column {column}") from None
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise DataFormatError(
             f"{path}, line {exc.lineno}: invalid JSON: {exc.msg} (column {exc.colno})"
         ) from None
     except RecursionError:
         raise DataFormatError(f"{path}: {NESTED_TOO_DEEPLY}") from None
-    except (OSError, EOFError, UnicodeDecodeError, zlib.error) as exc:
-        raise DataFormatError(f"{path}: cannot be read: {exc}") from None
     if not isinstance(data, list):
         raise DataFormatError(
             f"{path}: a .json data file must hold a list of row objects, got "
@@ -315,13 +317,16 @@ def _report(result: LoadResult, what: str) -> None:
         print(f"draftforge data: {what}: {result.summary()}", file=sys.stderr)
 
 
-def load_prompts(cfg: DataConfig) -> LoadResult:
-    """The prompts of ``data.train_files`` for regeneration, checked against the eval sets."""
-    return _load_checked(cfg, list(cfg.train_files), cfg.format, "prompt", "prompts")
+def load_prompts(cfg: DataConfig, *, progress: bool = True) -> LoadResult:
+    """The prompts of ``data.train_files`` for regeneration, checked against the eval sets
+    (``progress``: the check's bar, shown when it takes a while)."""
+    return _load_checked(cfg, list(cfg.train_files), cfg.format, "prompt", "prompts",
+                         progress=progress)
 
 
 def _load_checked(
-    cfg: DataConfig, specs: list[str], fmt: str, expect: str, what: str, *, assistant: bool = False
+    cfg: DataConfig, specs: list[str], fmt: str, expect: str, what: str, *, assistant: bool = False,
+    progress: bool = True,
 ) -> LoadResult:
     """Load, report the counts, and refuse overlap with the evaluation sets (data.overlap_check);
     ``assistant``: the assistant turns are trained as they are, so check them too."""
@@ -332,7 +337,8 @@ def _load_checked(
     if cfg.overlap_check:
         from draftforge.data.overlap import check_no_overlap
 
-        check_no_overlap(result.conversations, threshold=cfg.overlap_threshold, assistant=assistant)
+        check_no_overlap(result.conversations, threshold=cfg.overlap_threshold, assistant=assistant,
+                         progress=progress)
     return result
 
 

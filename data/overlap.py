@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import sys
 import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -37,6 +38,9 @@ from draftforge.errors import InputError
 
 NGRAM = 5
 CONTAINMENT_WINDOW = 2  # containment stretches start every this many times len(E) characters
+# the check's progress bar shows once it has run this long (minutes for 100,000 long
+# conversations, well under this for the built-in prompts)
+PROGRESS_DELAY_S = 3.0
 _NON_ALNUM = re.compile(r"[\W_]+")
 
 
@@ -212,12 +216,24 @@ def check_no_overlap(
     threshold: float = 0.5,
     workloads: Sequence[str] | None = None,
     assistant: bool = False,
+    progress: bool = True,
 ) -> None:
     """Raise :class:`OverlapError` naming every training conversation that overlaps an
-    evaluation workload (all of them by default); ``assistant``: check the assistant turns too."""
-    from draftforge.data.workloads import WORKLOAD_NAMES
+    evaluation workload (all of them by default); ``assistant``: check the assistant turns too.
+    ``progress``: a bar on stderr once the check has run ``PROGRESS_DELAY_S`` seconds."""
+    from tqdm import tqdm
+
+    from draftforge.data.workloads import WORKLOAD_NAMES, WorkloadUnavailableError
 
     names = tuple(workloads) if workloads is not None else WORKLOAD_NAMES
-    hits = find_overlaps(conversations, eval_index(names, threshold), assistant=assistant)
+    try:
+        index = eval_index(names, threshold)
+    except WorkloadUnavailableError as err:  # say why a command that evaluates nothing needs it
+        raise WorkloadUnavailableError(
+            f"data.overlap_check compares the training data with the evaluation workloads "
+            f"({', '.join(names)}) so that none is trained on; {err}") from None
+    with tqdm(conversations, desc="overlap check", unit="conversation", file=sys.stderr,
+              delay=PROGRESS_DELAY_S, disable=not progress, dynamic_ncols=True) as bar:
+        hits = find_overlaps(bar, index, assistant=assistant)
     if hits:
         raise OverlapError(hits)

@@ -31,8 +31,10 @@ Resumable and crash-safe:
 - a finished ``<out>`` ending in an incomplete line (cut while copied: this command renames
   only whole files into place) is continued from its whole rows, as an interrupted run's
   ``.partial`` is, and replaced;
-- a row repeated word for word (two runs appending to one file) is dropped; a second,
-  different answer to one id is refused with the file and line;
+- a row repeated word for word (two runs appending to one file, a finished file
+  concatenated with itself, which training would refuse) is dropped, the finished file
+  rewritten with each row once; a second, different answer to one id is refused with the
+  file and both lines (``check_answers`` refuses both, naming the lines);
 - when every prompt is answered the rows are written in prompt order to a temporary
   file that is renamed to ``<out>``; ``<out>`` is never half-written;
 - a finished ``<out>`` extended to more prompts stays in place until the extended file
@@ -254,6 +256,34 @@ def _read_rows(
     return rows, torn or blank or bad is not None
 
 
+class _FirstOfEachId:
+    """A ``keep`` for :func:`_read_rows`: a row repeated word for word (two runs appending the
+    same batch, a file concatenated with itself) is dropped; another answer to an id already
+    answered is refused with both lines. ``line[id]`` is the line of each kept row, and
+    ``repeated`` the ``(line, line of the first)`` of the first repetition. Rows are
+    remembered by digest: a checked file of any size costs 32 bytes an id."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.digest: dict[str, bytes] = {}
+        self.line: dict[str, int] = {}
+        self.repeated: tuple[int, int] | None = None
+
+    def __call__(self, row: dict[str, Any], line: int) -> bool:
+        ident = row["id"]
+        digest = hashlib.sha256(json.dumps(row, sort_keys=True).encode()).digest()
+        if ident not in self.digest:
+            self.digest[ident], self.line[ident] = digest, line
+            return True
+        if digest != self.digest[ident]:
+            raise RegenerationError(
+                f"{self.path}, line {line}: a second, different answer to id {ident!r} "
+                f"(the first is on line {self.line[ident]}; were two runs writing it at "
+                "once?); move it away and rerun to answer every prompt anew")
+        self.repeated = self.repeated or (line, self.line[ident])
+        return False
+
+
 def _asked(messages: Sequence[dict[str, str]]) -> list[tuple[str, str]]:
     """What a conversation asked: its system prompt and user turns, without the answers."""
     return [(m["role"], m["content"]) for m in messages if m["role"] != "assistant"]
@@ -295,6 +325,10 @@ def arithmetic_differences(written: Any, wanted: dict[str, Any] | None) -> str |
     return _setting_differences(written, wanted) if written != wanted else None
 
 
+def _where(path: Path, line: int | None) -> str:
+    return f"{path}" if line is None else f"{path}, line {line}"
+
+
 def _check_arithmetic(rows: list[dict[str, Any]], path: Path, arithmetic: dict[str, Any] | None) -> None:
     """Refuse to continue ``path`` with other arithmetic than its rows were written with."""
     for row in rows:
@@ -315,14 +349,14 @@ def _check_arithmetic(rows: list[dict[str, Any]], path: Path, arithmetic: dict[s
 
 def _check_rows(
     rows: list[dict[str, Any]], path: Path, prompts: dict[str, Conversation], settings: dict,
-    target: str, *, line: int | None = None,
+    target: str, *, line: int | None = None, lines: dict[str, int] | None = None,
 ) -> None:
     """Refuse rows that do not answer ``prompts`` with ``target`` and ``settings``; ``line``
-    (of a single row) goes into the message. A ``target`` with a ``fingerprint``
-    (``splitserve.target.TargetName``) must match the one the rows record."""
-    where = path if line is None else f"{path}, line {line}"
+    (of a single row), or ``lines[id]`` (of each row), goes into the message. A ``target``
+    with a ``fingerprint`` (``splitserve.target.TargetName``) must match the one the rows record."""
     fingerprint = getattr(target, "fingerprint", None)
     for row in rows:
+        where = _where(path, line if lines is None else lines.get(row["id"]))
         if row["id"] not in prompts:
             raise RegenerationError(
                 f"{where} holds id {row['id']!r}, which is not among this run's prompts; it was "
@@ -374,9 +408,10 @@ def check_answers(
     by_id = {p.id: p for p in prompts}
     settings_json = settings.model_dump(mode="json")
     answered: set[str] = set()
+    once = _FirstOfEachId(path)  # training reads each id once: a repeated row is refused
 
     def check(row: dict[str, Any], line: int) -> bool:  # checked as read; no row is kept
-        if row["id"] in by_id:
+        if once(row, line) and row["id"] in by_id:
             _check_rows([row], path, by_id, settings_json, target, line=line)
             answered.add(row["id"])
         return False
@@ -385,6 +420,12 @@ def check_answers(
     if torn:
         raise RegenerationError(
             f"{path} ends with an incomplete line; rerun 'draftforge data regenerate' to rewrite it"
+        )
+    if once.repeated is not None:
+        raise RegenerationError(
+            f"{path}, line {once.repeated[0]}: repeats line {once.repeated[1]} word for word; "
+            "rerun 'draftforge data regenerate' (with the same overrides) to rewrite it with "
+            "each row once"
         )
     missing = len(by_id) - len(answered)
     if missing:
@@ -434,9 +475,14 @@ def regenerate(
         # else the .partial extends the finished file to more prompts, by a run stopped part
         # way: the file stays as it is until the extended one replaces it
     if out.exists():
-        rows, torn = _read_rows(out)
+        kept = _FirstOfEachId(out)
+        rows, torn = _read_rows(out, keep=kept)
         ours = [r for r in rows if r["id"] in by_id]
-        _check_rows(ours, out, by_id, settings_json, engine.name)
+        _check_rows(ours, out, by_id, settings_json, engine.name, lines=kept.line)
+        if kept.repeated is not None and not torn:  # training refuses an id answered twice
+            print(f"draftforge data regenerate: {out} repeats rows word for word; rewriting it "
+                  "with each row once", file=sys.stderr)
+            write_atomic(out, b"".join(_row_line(r) for r in rows))
         if {r["id"] for r in ours} == set(order) and not torn:
             others = len(rows) - len(ours)
             print(
@@ -445,7 +491,8 @@ def regenerate(
                 file=sys.stderr,
             )
             return RegenerateReport(out, len(order), len(ours), 0)
-        _check_rows(rows, out, by_id, settings_json, engine.name)  # other ids: cannot extend it
+        _check_rows(rows, out, by_id, settings_json, engine.name,  # other ids: cannot extend it
+                    lines=kept.line)
         _check_arithmetic(rows, out, arithmetic)
         if torn:  # never left here (a whole file is renamed into place): cut while copied? Its
             # whole rows are continued as an interrupted run's; it is no answers file as it is
@@ -461,25 +508,10 @@ def regenerate(
         rows = []
     torn = repeated = False
     if partial.exists():
-        first: dict[str, tuple[int, dict[str, Any]]] = {}  # id -> (line, row)
-
-        def first_of_its_id(row: dict[str, Any], line: int) -> bool:
-            """A row repeated word for word (two runs appending the same batch) is dropped;
-            another answer to an id already answered is refused."""
-            nonlocal repeated
-            if row["id"] not in first:
-                first[row["id"]] = line, row
-                return True
-            if row != first[row["id"]][1]:
-                raise RegenerationError(
-                    f"{partial}, line {line}: a second, different answer to id {row['id']!r} "
-                    f"(the first is on line {first[row['id']][0]}; were two runs writing it at "
-                    "once?); move it away and rerun to answer every prompt anew")
-            repeated = True
-            return False
-
-        rows, torn = _read_rows(partial, keep=first_of_its_id)
-        _check_rows(rows, partial, by_id, settings_json, engine.name)
+        kept = _FirstOfEachId(partial)
+        rows, torn = _read_rows(partial, keep=kept)
+        repeated = kept.repeated is not None
+        _check_rows(rows, partial, by_id, settings_json, engine.name, lines=kept.line)
         _check_arithmetic(rows, partial, arithmetic)
     # A batch's rows go to disk in one write, so a batch with only some of its rows
     # there was cut by a crash (at a line boundary or inside a line, which _read_rows
@@ -614,7 +646,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "overrides", nargs="*", default=[], metavar="key=value", help="e.g. data.num_samples=64"
     )
     parser.add_argument("--no-progress", action="store_true",
-                        help="no progress bars (neither regeneration's nor the target's weight loading)")
+                        help="no progress bars (neither regeneration's, the overlap check's nor the "
+                        "target's weight loading)")
     parser.add_argument(
         "--device", default="auto",
         help="where the target runs: auto (default) is the recipe's first target GPU "
@@ -659,7 +692,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "they are and would never read the target's answers written here; set "
                     "data.regenerate: true (in the recipe, or data.regenerate=true for this command "
                     "and for 'draftforge train') to train on them")
-            prompts = load_prompts(cfg.data).conversations
+            prompts = load_prompts(cfg.data, progress=not args.no_progress).conversations
             if not prompts:
                 raise RegenerationError(f"data.train_files {cfg.data.train_files} hold no prompts; "
                                         "nothing to answer")
