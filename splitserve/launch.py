@@ -34,6 +34,7 @@ from draftforge.splitserve.multinode import (
     multinode_torchrun_command,
     node_layout,
     rank_command,
+    shown,
 )
 from draftforge.splitserve.supervisor import (
     JobInterrupted,
@@ -305,7 +306,8 @@ def _supervise(cfg, args, layout, env: dict[str, str], restarts: int) -> int:
             print(f"draftforge train: node 0 hosts the rendezvous: torch's TCPStore listens on "
                   f"every interface at port {args.master_port}; firewall it to the cluster "
                   "network", file=sys.stderr, flush=True)
-        print(f"draftforge train: {' '.join(command[1:])}", file=sys.stderr, flush=True)
+        # what this node runs, as one types it (quoted, torchrun for python -m torch.distributed.run)
+        print(f"draftforge train: node {args.node_rank} runs: {shown(command)}", file=sys.stderr, flush=True)
 
         def run() -> int:
             return run_torchrun(command, env=env, hint=_stop_hint(cfg, layout, args.node_rank, every_node=True))
@@ -345,15 +347,25 @@ def _supervise(cfg, args, layout, env: dict[str, str], restarts: int) -> int:
         env[RESTART_ENV] = str(attempt)
         status = start()
     if status != 0:
+        refused = status == INPUT_ERROR_STATUS
         print(f"draftforge train: the job failed (exit status {status}); the messages above name "
-              f"the failing rank. {_after_failure(cfg, layout, args.node_rank)}", file=sys.stderr)
+              f"the failing rank. {_after_failure(cfg, layout, args.node_rank, refused=refused)}",
+              file=sys.stderr, flush=True)
     return status
 
 
-def _after_failure(cfg, layout, node_rank: int | None) -> str:
-    """How to continue after the job failed: what a rerun of the same command does."""
+def _after_failure(cfg, layout, node_rank: int | None, *, refused: bool = False) -> str:
+    """How to continue after the job failed: what a rerun of the same command does. After a
+    rank refused its input (``refused``: exit status 2, a bad file or setting, a full disk) the
+    same command fails the same way until what it named is fixed: that comes first."""
     from draftforge.train import checkpoint as ckpt
 
+    if refused:
+        advice = _after_failure(cfg, layout, node_rank)
+        if advice.startswith("No checkpoint was written"):  # says "once the cause is fixed"
+            return advice
+        return ("A rank refused its input, and the same command would fail the same way: fix "
+                "what its message names first. " + advice.replace("Rerun", "Then rerun", 1))
     advice = _not_auto_advice(cfg)
     if advice is not None:  # the same command does not continue from the newest checkpoint
         return advice

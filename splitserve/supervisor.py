@@ -24,7 +24,8 @@ is named.
 
 Ctrl-C or a SIGTERM to the launcher stops the job, which is never restarted then:
 the ranks get the signal (once: a terminal's Ctrl-C already reached them), ``term_s``
-seconds later SIGTERM, then SIGKILL; a second signal kills them at once.
+seconds later SIGTERM, then SIGKILL; a second signal kills them at once. So does a first
+one that comes while the job, a rank of it already failed, waits ``grace_s`` for the others.
 :class:`JobInterrupted` (a ``SystemExit`` with status 128 + signal) says so.
 """
 
@@ -257,6 +258,7 @@ def run_ranks(
             failures: dict[int, int] = {}  # rank -> status, in the order they were seen
             seen_at: dict[int, float] = {}
             deadline = None
+            failed_first = False  # a rank failed before any signal: the grace is running
             while True:
                 codes = [proc.poll() for proc in procs]
                 new = {r: c for r, c in enumerate(codes) if c not in (None, 0) and r not in failures}
@@ -264,18 +266,29 @@ def run_ranks(
                     failures[rank] = new[rank]
                     seen_at[rank] = time.monotonic()
                     if deadline is None and not asked:
+                        failed_first = True
                         say(f"{name(rank)} failed ({describe_status(new[rank])}); waiting up to "
-                            f"{grace_s:g} s for the other ranks to stop")
+                            f"{grace_s:g} s for the other ranks to stop (Ctrl-C stops them now)")
                 if deadline is None and (failures or asked):
                     deadline = time.monotonic() + (term_s if asked else grace_s)
                 if all(code is not None for code in codes):
+                    break
+                if failed_first and asked:
+                    # Ctrl-C or SIGTERM while the job, already failed, waits for its other ranks
+                    # to explain themselves: no more waiting (those left are mostly stuck in a
+                    # collective with the dead rank, where SIGINT does not reach them)
+                    _kill_now(procs, say=say, name=name, why=signal.Signals(asked[0]).name)
                     break
                 if deadline is not None and time.monotonic() > deadline:
                     _stop(procs, term_s=term_s, say=say, name=name)
                     break
                 time.sleep(poll_s)
             if asked:
-                say(f"stopped on {signal.Signals(asked[0]).name}; {hint}")
+                after = ""
+                if failed_first:
+                    first = next(iter(failures))
+                    after = f" after {name(first)} failed ({describe_status(failures[first])})"
+                say(f"stopped on {signal.Signals(asked[0]).name}{after}; {hint}")
                 raise JobInterrupted(asked[0])
             if not failures:
                 return 0
@@ -307,6 +320,16 @@ def terminal_sent_it_to_the_group() -> bool:
         except (OSError, ValueError, AttributeError):
             continue
     return False
+
+
+def _kill_now(procs, *, say, name, why: str) -> None:
+    """SIGKILL every rank still running, and wait for them."""
+    running = [r for r, p in enumerate(procs) if p.poll() is None]
+    if running:
+        say(f"{why}: killing {', '.join(name(r) for r in running)} (SIGKILL)")
+    for rank in running:
+        procs[rank].kill()
+        procs[rank].wait()
 
 
 def _stop(procs, *, term_s: float, say, name) -> None:
