@@ -49,8 +49,10 @@ def random_llama(shape: TargetShape, *, seed: int, dtype: torch.dtype = torch.fl
         pad_token_id=None,
         tie_word_embeddings=False,
     )
+    # the weights are drawn on the CPU: seed its generator alone (``torch.manual_seed`` would
+    # also reseed every CUDA generator, which ``fork_rng(devices=[])`` does not restore)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.random.default_generator.manual_seed(seed)
         model = LlamaForCausalLM(config)
     return model.to(dtype).eval()
 
