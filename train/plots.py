@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
 
 from draftforge.files import write_atomic
@@ -17,8 +18,9 @@ def running_product(values: list[float]) -> list[float]:
 
 
 def acceptance_title(slot_means: list[float], tau: float | None) -> str:
-    """The plot's title: the run's tau when known, and what the drawn line sums to."""
-    measured = f"tau = {tau:.3f}, " if tau is not None else ""
+    """The plot's title: the run's tau when known (a summary whose last steps supervised
+    nothing has a not-a-number tau, which is no figure to show), and what the drawn line sums to."""
+    measured = f"tau = {tau:.3f}, " if tau is not None and math.isfinite(tau) else ""
     return f"per-slot acceptance ({measured}1 + sum of the line = {1 + sum(running_product(slot_means)):.3f})"
 
 
