@@ -15,8 +15,9 @@ Definitions (the same everywhere, printed at every log interval and in the summa
   and samples are those its steps trained (not the next batch's first sample, which
   the packer takes to close a batch, nor what is left when the data ends). Capacity:
   tokens per busy second.
-- queue depth: samples received by a trainer and not yet taken, sampled at each
-  take; never above the credits (``split.max_in_flight``).
+- queue depth: samples received by a trainer and not yet taken, the one being taken
+  included (so at least 1), sampled at each take; its mean is over the takes, not
+  weighted by time; never above the credits (``split.max_in_flight``).
 
 The recommended split puts ``T`` of the ``N`` ranks on the target so that
 ``min(feed_rate(T, N - T), (N - T) * consumer_capacity)`` is largest, where
@@ -142,6 +143,9 @@ def recommend_split(
     :func:`feed_rate`'s (producers that do not divide the trainers evenly feed less)."""
     if world < 2:
         raise ValueError("a split needs at least 2 ranks")
+    if world <= tensor_parallel:  # no room for a trainer beside one target group
+        raise ValueError(f"a split of {world} ranks has no trainer rank beside a target group of "
+                         f"{tensor_parallel}")
     best = (tensor_parallel, world - tensor_parallel, 0.0)
     for num_t in range(tensor_parallel, world, tensor_parallel):
         num_r = world - num_t
@@ -183,7 +187,9 @@ class ConsumerAccounting:
 
     # -- feeding
     def on_take(self, depth: int, tokens: int, waited_s: float, sample_id: str | None = None) -> None:
-        """A sample was taken off the queue (``depth`` left behind it). With its ``sample_id``
+        """A sample was taken off the queue, which held ``depth`` samples at the take (this
+        one included, as :class:`~draftforge.splitserve.consumer.ConsumerStream` counts them:
+        at least 1). With its ``sample_id``
         its tokens count once a step trains it (:meth:`on_step`), else at once."""
         self.depths.append((time.perf_counter() - self.started, depth))
         self.wait_s += waited_s

@@ -42,9 +42,10 @@ printed beside it). It prints
 
     split_efficiency=<ratio> trainer_idle=<share> target_idle=<share>
 
-The idle shares are those of phase 3 (trainer: waiting for samples, over the
-steady window when there is one, else over all steps; target: waiting for
-credits), as defined in :mod:`draftforge.splitserve.accounting`.
+The idle shares are those of phase 3 (trainer: waiting for samples; target: waiting for
+credits or for its turn at a trainer, from its reports on the wire), each over the
+steady window when there is one, else over all steps (the target's: its whole phase),
+as defined in :mod:`draftforge.splitserve.accounting`.
 """
 
 from __future__ import annotations
