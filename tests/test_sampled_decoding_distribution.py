@@ -42,9 +42,11 @@ DRAFT_LOGITS = [
 ]
 
 
-def cut_distribution(logits: list[float], temperature: float, top_k: int, top_p: float) -> list[float]:
+def cut_distribution(logits: list[float], temperature: float, top_k: int, top_p: float, *,
+                     clear_of_boundary: bool = True) -> list[float]:
     """softmax(logits / T), then the top_k most likely tokens (all when 0) renormalised, then the
-    most likely of those while the mass before a token is below top_p, renormalised."""
+    most likely of those while the mass before a token is below top_p, renormalised.
+    ``clear_of_boundary``: refuse a cut so close to top_p that float32 could fall either way."""
     scaled = [value / temperature for value in logits]
     peak = max(scaled)
     weights = [math.exp(value - peak) for value in scaled]
@@ -58,7 +60,7 @@ def cut_distribution(logits: list[float], temperature: float, top_k: int, top_p:
         if top_p < 1.0 and before >= top_p:
             break
         # a cut this close to the boundary could fall either way in float32: choose other logits
-        assert top_p >= 1.0 or abs(before - top_p) > 1e-4
+        assert not clear_of_boundary or top_p >= 1.0 or abs(before - top_p) > 1e-4
         nucleus.append(i)
         before += probs[i] / mass
     nucleus_mass = sum(probs[i] for i in nucleus)

@@ -17,6 +17,7 @@ import random
 
 import pytest
 import torch
+from test_sampled_decoding_distribution import cut_distribution as sampled_reference_cut
 
 import draftforge.eval.speculative as spec
 from draftforge.eval.baselines import ngram_lookup
@@ -26,23 +27,9 @@ NUM_DRAFTS = 2
 
 
 def cut_distribution(logits, temperature, top_k, top_p):
-    """softmax(logits / T), top_k most likely (all when 0), then the nucleus (a token stays while
-    the mass before it is below top_p), renormalised; plain Python floats."""
-    scaled = [x / temperature for x in logits]
-    peak = max(scaled)
-    weights = [math.exp(x - peak) for x in scaled]
-    probs = [w / sum(weights) for w in weights]
-    order = sorted(range(len(probs)), key=lambda i: -probs[i])
-    kept = order[:top_k] if 0 < top_k < len(probs) else order
-    mass = sum(probs[i] for i in kept)
-    nucleus, before = [], 0.0
-    for i in kept:
-        if top_p < 1.0 and before >= top_p:
-            break
-        nucleus.append(i)
-        before += probs[i] / mass
-    total = sum(probs[i] for i in nucleus)
-    return [probs[i] / total if i in nucleus else 0.0 for i in range(len(probs))]
+    """The independent cut of tests/test_sampled_decoding_distribution.py (softmax(logits / T),
+    top_k, then the nucleus), on cases that may lie near the top_p boundary."""
+    return sampled_reference_cut(logits, temperature, top_k, top_p, clear_of_boundary=False)
 
 
 class _Decision(float):
