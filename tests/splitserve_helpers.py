@@ -82,6 +82,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def run_script_rank(source: str, folder: Path, name: str) -> str:
+    """Write ``source`` to ``folder/name`` and run it as ``python SCRIPT RUN_DIR PORT`` (one
+    process that starts its own process group on a free port, writing its run under
+    ``folder/run``); it must exit 0. Returns its stdout."""
+    script = folder / name
+    script.write_text(source)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "tests"))
+    done = subprocess.run([PYTHON, str(script), str(folder / "run"), str(free_port())], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return done.stdout
+
+
 def rank_env(rank: int, world: int, port: int) -> dict:
     env = dict(os.environ)
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),

@@ -4,9 +4,7 @@ checkpoint folders that used to pass every check before the strategy's own load 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -56,16 +54,11 @@ dist.destroy_process_group()
 def deepspeed_resumes(tmp_path_factory) -> tuple[Path, str]:
     """A ZeRO-2 float32 checkpoint resumed with train.zero_stage=3, then with train.dtype=bfloat16."""
     pytest.importorskip("deepspeed")
-    from splitserve_helpers import PYTHON, ROOT, free_port
+    from splitserve_helpers import run_script_rank
 
     tmp_path = tmp_path_factory.mktemp("ds")
-    script = tmp_path / "ds_settings.py"
-    script.write_text(DEEPSPEED_OTHER_SETTINGS)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "tests"))
-    done = subprocess.run([PYTHON, str(script), str(tmp_path / "run"), str(free_port())], env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    return ckpt.checkpoint_path(tmp_path / "run", 1), done.stdout
+    stdout = run_script_rank(DEEPSPEED_OTHER_SETTINGS, tmp_path, "ds_settings.py")
+    return ckpt.checkpoint_path(tmp_path / "run", 1), stdout
 
 
 def test_a_deepspeed_resume_under_another_zero_stage_is_refused_naming_both_stages(deepspeed_resumes):

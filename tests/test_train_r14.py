@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 
 import pytest
 import torch
@@ -98,15 +96,10 @@ def test_deepspeed_drops_the_update_of_a_step_without_any_supervised_slot(tmp_pa
     """DeepSpeed steps inside engine.step(): a step without anchors must be dropped there too
     (not counted as a bad step, so max_bad_steps=0 does not stop the run)."""
     pytest.importorskip("deepspeed")
-    from splitserve_helpers import PYTHON, ROOT, free_port
+    from splitserve_helpers import run_script_rank
 
-    script = tmp_path / "ds_none.py"
-    script.write_text(DEEPSPEED_NO_ANCHOR)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "tests"))
-    done = subprocess.run([PYTHON, str(script), str(tmp_path / "run"), str(free_port())], env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert "RESULT steps_done 0 3 True True" in done.stdout, done.stdout[-2000:]
+    stdout = run_script_rank(DEEPSPEED_NO_ANCHOR, tmp_path, "ds_none.py")
+    assert "RESULT steps_done 0 3 True True" in stdout, stdout[-2000:]
 
 
 # --------------------------------------------------------------------------- a bigram table of zeros

@@ -541,17 +541,9 @@ def test_deepspeed_counts_a_step_whose_gradient_is_not_finite_as_skipped(tmp_pat
     """DeepSpeed drops such an update itself and reports an infinite norm; the trainer must
     count the step as skipped (here max_bad_steps=0 stops the run at it), as the other
     strategies do, not log it as applied."""
-    import os
-    import subprocess
-
     pytest.importorskip("deepspeed")
-    from splitserve_helpers import PYTHON, ROOT, free_port
+    from splitserve_helpers import run_script_rank
 
-    script = tmp_path / "ds_inf.py"
-    script.write_text(DEEPSPEED_INF_GRAD)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "tests"))
-    done = subprocess.run([PYTHON, str(script), str(tmp_path / "run"), str(free_port())], env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert "RESULT max_bad_steps 1 2 True" in done.stdout, done.stdout[-2000:]
+    stdout = run_script_rank(DEEPSPEED_INF_GRAD, tmp_path, "ds_inf.py")
+    assert "RESULT max_bad_steps 1 2 True" in stdout, stdout[-2000:]
 
