@@ -208,7 +208,7 @@ def _run(tmp_path, samples, *, steps, crash_at=None, resume="never", **overrides
                        **overrides)
     info = trainer.resume()
     if info is not None:
-        samples = [s for s in samples if s.sample_id not in info.all_consumed_ids]
+        samples = [s for s in samples if s.sample_id not in info.all_consumed]
     records = []
 
     def on_step(record):
@@ -328,7 +328,7 @@ def test_a_run_stopped_by_bad_steps_continues_when_rerun_with_good_data(tmp_path
     assert first.stopped_reason == "max_bad_steps" and first.skipped_steps == 2
     trainer = _trainer(tmp_path, steps=12, max_bad_steps=1, checkpoint_interval=100, resume="auto")
     info = trainer.resume()
-    good = [s for s in chain_samples(40) if s.sample_id not in info.all_consumed_ids]
+    good = [s for s in chain_samples(40) if s.sample_id not in info.all_consumed]
     result = trainer.fit(pack(good, 90))
     assert result.stopped_reason != "max_bad_steps" and result.step == 12
     assert result.skipped_steps == 2  # the lifetime count is still recorded

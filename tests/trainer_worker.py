@@ -113,7 +113,7 @@ def _run(job: dict, group, trainer_rank: int, num_trainers: int, built: list) ->
     info = trainer.resume()
     samples = chain_samples(job["num_samples"], nan_ids=tuple(job.get("nan_ids", ())))
     if info is not None:
-        samples = [s for s in samples if s.sample_id not in info.all_consumed_ids]
+        samples = [s for s in samples if s.sample_id not in info.all_consumed]
     batches = pack(samples, job["token_budget"])[trainer_rank::num_trainers]
     crash_at = job.get("crash_at")
 

@@ -71,11 +71,6 @@ class ResumeInfo:
     schedule_change: str = ""  # non-empty when this run's schedule differs from the resumed step on
     optimizer_change: str = ""  # non-empty when the checkpoint's AdamW settings were replaced
 
-    @property
-    def all_consumed_ids(self) -> set[str]:
-        """Every id a resumed producer skips."""
-        return set(self.all_consumed)
-
 
 @dataclass
 class FitResult:
