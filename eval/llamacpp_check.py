@@ -31,6 +31,7 @@ Exit status 0 when no prompt differs otherwise, 1 when one does, 2 for bad input
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import sys
@@ -231,7 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a llama.cpp checkout with build/bin/llama-speculative-simple and "
                         "build/bin/llama-tokenize (default: the source of llama-cpp-python 0.3.36, "
                         "fetched into the cache and built once)")
-    parser.add_argument("--work-dir", help="where the f32 GGUF files go, the target's at 4 bytes a parameter "
+    parser.add_argument("--work-dir", help="where the f32 GGUF files go and stay, the target's at 4 bytes a "
+                        "parameter, each named after its folder (target-NAME-DIGEST-f32.gguf, "
+                        "draft-NAME-DIGEST-f32.gguf), so checks of other exports can share it "
                         "(default: a temporary folder, removed)")
     parser.add_argument("--threads", type=argtypes.positive_int, default=1, help="llama.cpp threads (default 1)")
     parser.add_argument("--tie-tolerance", type=argtypes.non_negative_float, default=0.01,
@@ -301,9 +304,11 @@ def _check_export(args: argparse.Namespace) -> int:
         work = Path(args.work_dir).expanduser() if args.work_dir else Path(scratch)
         print(f"eval llamacpp: converting the target {target_dir} and the draft {draft_dir} (f32 GGUF, in {work})",
               flush=True)
-        target_gguf = llamacpp.convert(source, target_dir, work / "target-f32.gguf")
-        draft_gguf = llamacpp.convert(source, draft_dir, work / "draft-f32.gguf", target_dir=target_dir)
+        target_gguf = llamacpp.convert(source, target_dir, _gguf_path(work, "target", target_dir))
+        draft_gguf = llamacpp.convert(source, draft_dir, _gguf_path(work, "draft", draft_dir), target_dir=target_dir)
         checks = _check_all(args, target_cfg, draft_cfg, draft_dir, bin_dir, target_gguf, draft_gguf)
+    if args.work_dir:
+        print(f"eval llamacpp: kept {target_gguf} and {draft_gguf}", flush=True)
 
     print(_table(checks))
     for c in checks:
@@ -323,6 +328,14 @@ def _check_export(args: argparse.Namespace) -> int:
         f"al_llamacpp={_al(checks, 'llamacpp'):.3f} al_draftforge={_al(checks, 'draftforge'):.3f}"
     )
     return 1 if count["differ"] or count["error"] else 0
+
+
+def _gguf_path(work: Path, role: str, folder: Path) -> Path:
+    """Where the f32 GGUF of ``folder`` goes: named after the folder and a digest of its absolute
+    path, so that checks of other drafts or targets sharing one --work-dir never replace (or read)
+    each other's files, while a rerun of the same check replaces its own."""
+    digest = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:10]
+    return work / f"{role}-{folder.resolve().name}-{digest}-f32.gguf"
 
 
 def _check_llamacpp_can_run(draft_dir: Path, raw_cfg: dict) -> None:

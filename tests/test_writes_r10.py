@@ -120,7 +120,7 @@ def test_llamacpp_check_stopped_by_sigterm_removes_its_gguf_folder(tmp_path):
                 child.kill()
                 pytest.fail("".join(lines) + child.stderr.read())
             lines.append(line)
-        assert [p.name for p in scratch.iterdir() for p in p.iterdir()] == ["target-f32.gguf"]
+        assert [p.name[:7] for p in scratch.iterdir() for p in p.iterdir()] == ["target-"]
         child.send_signal(signal.SIGTERM)
         _, err = child.communicate(timeout=60)
     finally:
