@@ -10,9 +10,12 @@ own mode, as ``open(path, "w")`` would: a run's files made group-writable stay s
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -128,3 +131,45 @@ def replace_dir(staging: Path, out: Path) -> None:
         raise
     fsync_dir(out.parent)
     shutil.rmtree(retired, ignore_errors=True)
+
+
+class Locked(Exception):
+    """Another process holds the lock; ``holder`` is the process id it wrote there, or ``None``
+    when it has not written it yet."""
+
+    def __init__(self, holder: str | None) -> None:
+        super().__init__(holder)
+        self.holder = holder
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock file at ``path`` (``flock``, so a process that dies releases it)
+    while the block runs; raise :class:`Locked` at once when another process holds it. The file
+    holds the holder's process id and is removed on leaving, by the holder, while it holds the
+    lock; a process that opened it just before is told by the inode check and locks the new one."""
+    path = Path(path)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or None
+            os.close(fd)
+            raise Locked(holder) from None
+        try:
+            mine, there = os.fstat(fd), os.stat(path)
+            current = (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
+        except FileNotFoundError:
+            current = False
+        if current:
+            break
+        os.close(fd)  # the holder removed the file between our open and our lock
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        os.close(fd)

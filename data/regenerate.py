@@ -41,6 +41,9 @@ Resumable and crash-safe:
   replaces it: its rows go to ``<out>.partial`` with the first new batch, in one rename,
   so a run stopped part way leaves the finished file usable, and the ``.partial`` beside
   it (holding prompts ``<out>`` lacks) is continued by a rerun;
+- a second run on the same file while one writes it is refused at once (the first holds
+  ``<out>.lock``, an ``flock`` that a killed run releases), where both would otherwise
+  generate and the second fail at its end;
 - rows are reused only when their id is one of this run's prompts, their system prompt
   and user turns equal that prompt's, and their target (name and fingerprint) and settings
   equal this run's;
@@ -80,7 +83,7 @@ from draftforge.cores import usable_cores
 from draftforge.data.formats import Conversation, DataFormatError
 from draftforge.data.tokenize import ChatTemplateError, template_failure
 from draftforge.errors import InputError
-from draftforge.files import fsync_dir, write_atomic
+from draftforge.files import Locked, exclusive_lock, fsync_dir, write_atomic
 from draftforge.splitserve.supervisor import unwinding_on_sigterm
 
 if TYPE_CHECKING:
@@ -447,11 +450,33 @@ def regenerate(
     """Answer every prompt with ``engine`` and write ``out_path`` (see the module docstring).
 
     ``arithmetic`` (from :func:`arithmetic_record`) is written into every new row, and rows
-    already on disk with other arithmetic are refused instead of continued."""
+    already on disk with other arithmetic are refused instead of continued. A second run on the
+    same file while one writes it is refused at once (``<out>.lock``), not at its end."""
     out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock = out.with_name(out.name + ".lock")
+    try:
+        with exclusive_lock(lock):
+            return _regenerate(prompts, engine, settings, out, progress=progress, arithmetic=arithmetic)
+    except Locked as busy:
+        raise RegenerationError(
+            f"{out}: another draftforge data regenerate"
+            + (f" (process {busy.holder})" if busy.holder else "")
+            + f" is writing it ({lock} is held); wait for it to finish or stop it, then rerun"
+        ) from None
+
+
+def _regenerate(
+    prompts: Sequence[Conversation],
+    engine: ReplyEngine,
+    settings: GenerationConfig,
+    out: Path,
+    *,
+    progress: bool,
+    arithmetic: dict[str, Any] | None,
+) -> RegenerateReport:
     fingerprint = getattr(engine.name, "fingerprint", None)  # see splitserve.target.TargetName
     partial = out.with_name(out.name + ".partial")
-    out.parent.mkdir(parents=True, exist_ok=True)
     order = {p.id: i for i, p in enumerate(prompts)}
     if len(order) != len(prompts):
         raise DataFormatError("prompt ids are not unique")

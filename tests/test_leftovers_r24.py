@@ -3,13 +3,24 @@
 - ``draftforge eval llamacpp --work-dir``: two checks of other exports sharing one work folder
   converted into the same fixed names (``draft-f32.gguf``), so one replaced the other's draft and
   could check the wrong one.
+- ``draftforge data regenerate``: a second run on a file another run was writing generated
+  everything too and failed only at its end ("does not hold exactly one row per prompt"); it is
+  now refused at once, naming the other process, and a lock left by a killed run blocks nothing.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import types
 from pathlib import Path
 
+import pytest
+from regenerate_helpers import SETTINGS, FakeEngine, make_prompts
+
+from draftforge.data.regenerate import RegenerationError, regenerate
 from draftforge.eval import llamacpp, llamacpp_check
 
 
@@ -65,3 +76,50 @@ def test_llamacpp_checks_of_two_exports_sharing_a_work_dir_keep_their_own_gguf(m
     targets = sorted(p.name for p in work.glob("target-*"))
     assert len(targets) == 1 and targets[0].startswith("target-target-")  # one target, shared
     assert f"kept {work}" in capsys.readouterr().out
+
+
+_HOLD = """
+import sys, time
+from pathlib import Path
+from draftforge.files import exclusive_lock
+with exclusive_lock(Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+def _holder(lock: Path) -> subprocess.Popen:
+    child = subprocess.Popen([sys.executable, "-c", _HOLD, str(lock)], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "held\n"
+    return child
+
+
+def test_regenerate_refuses_a_file_another_run_is_writing_before_generating(tmp_path):
+    out = tmp_path / "answers.jsonl"
+    engine = FakeEngine()
+    child = _holder(tmp_path / "answers.jsonl.lock")
+    try:
+        with pytest.raises(RegenerationError, match=rf"answers.jsonl: another draftforge data regenerate "
+                           rf"\(process {child.pid}\) is writing it"):
+            regenerate(make_prompts(), engine, SETTINGS, out, progress=False)
+    finally:
+        child.kill()
+        child.wait()
+    assert engine.calls == [] and not out.exists() and not (tmp_path / "answers.jsonl.partial").exists()
+    # the holder was killed: its lock file stays, but no longer blocks
+    assert (tmp_path / "answers.jsonl.lock").exists()
+    report = regenerate(make_prompts(), engine, SETTINGS, out, progress=False)
+    assert report.num_generated == len(make_prompts()) and out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["answers.jsonl"]  # the lock went with the run
+
+
+def test_the_lock_is_released_when_its_holder_is_stopped(tmp_path):
+    lock = tmp_path / "x.lock"
+    child = _holder(lock)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    from draftforge.files import exclusive_lock
+
+    with exclusive_lock(lock):
+        assert lock.read_text() == str(os.getpid())
+    assert not lock.exists()
