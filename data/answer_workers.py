@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from draftforge.data.regenerate import RegenerationError
 from draftforge.errors import InputError
+from draftforge.signals import outside_finalizers
 from draftforge.splitserve.supervisor import die_with
 
 if TYPE_CHECKING:
@@ -45,26 +46,11 @@ class WorkerError(RegenerationError):
     """A worker could not build its target or failed on a batch; says which and why."""
 
 
+@outside_finalizers  # a SystemExit raised in a __del__ would be printed and lost
 def _exit_cleanly(signum: int, frame: object) -> None:
     """SIGTERM (the parent stopping us) as SystemExit, so that exit handlers run: the
-    semaphores our libraries made (tqdm's lock) are released instead of reported leaked.
-
-    A SystemExit raised inside a finalizer (a ``__del__`` the garbage collector was running
-    when the signal came) is not raised at all: Python prints it as "Exception ignored" and
-    goes on. There the exit is asked again 10 ms later (SIGALRM), once the finalizer is done."""
-    if _in_finalizer(frame):
-        signal.signal(signal.SIGALRM, lambda _alarm, later: _exit_cleanly(signum, later))
-        signal.setitimer(signal.ITIMER_REAL, 0.01)
-        return
+    semaphores our libraries made (tqdm's lock) are released instead of reported leaked."""
     raise SystemExit(128 + signum)
-
-
-def _in_finalizer(frame: Any) -> bool:
-    while frame is not None:
-        if frame.f_code.co_name == "__del__":
-            return True
-        frame = frame.f_back
-    return False
 
 
 class _ParentGone(Exception):

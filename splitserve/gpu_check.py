@@ -729,6 +729,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _child_main(name: str, work_dir: Path, timeout_s: float) -> int:
     import traceback
 
+    from draftforge.signals import outside_finalizers
+
+    @outside_finalizers  # raised in a __del__, the exit would be printed and lost
     def stopped(signum, _frame):  # the parent's SIGTERM: unwind, so the checks' finally blocks
         raise SystemExit(128 + signum)  # stop the servers they started in their own sessions
 

@@ -481,6 +481,9 @@ def interrupt_once() -> None:
     alone. A second KeyboardInterrupt landing in the first one's handler printed a traceback
     instead of 'interrupted'. No-op outside the main thread, where signals cannot be handled.
     """
+    from draftforge.signals import outside_finalizers
+
+    @outside_finalizers  # raised in a __del__, the interrupt would be printed and lost
     def first(_signum, _frame):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise KeyboardInterrupt

@@ -41,6 +41,8 @@ import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 
+from draftforge.signals import outside_finalizers
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -52,6 +54,7 @@ class JobInterrupted(SystemExit):
         self.signum = signum
 
 
+@outside_finalizers  # raised in a __del__, the stop would be printed and lost
 def _stop_on_sigterm(signum: int, frame: object) -> None:
     raise JobInterrupted(signum)
 

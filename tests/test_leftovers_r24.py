@@ -6,6 +6,10 @@
 - ``draftforge data regenerate``: a second run on a file another run was writing generated
   everything too and failed only at its end ("does not hold exactly one row per prompt"); it is
   now refused at once, naming the other process, and a lock left by a killed run blocks nothing.
+- a stop signal landing in a finalizer (a ``__del__`` the garbage collector runs) was printed as
+  "Exception ignored" and lost by every handler that raises, not only the regenerate workers'
+  (fixed last session): the commands' SIGTERM unwinding (eval, export, demo, llamacpp), a rank's
+  Ctrl-C (which then ignored every later one) and the GPU check's children.
 """
 
 from __future__ import annotations
@@ -123,3 +127,40 @@ def test_the_lock_is_released_when_its_holder_is_stopped(tmp_path):
     with exclusive_lock(lock):
         assert lock.read_text() == str(os.getpid())
     assert not lock.exists()
+
+
+_FINALISED = """
+import os, signal, sys, time
+class Finalised:
+    def __del__(self):
+        os.kill(os.getpid(), SIGNUM)  # handled at the next bytecode: in here
+        total = 0
+        for i in range(10000):
+            total += i
+"""
+
+
+@pytest.mark.parametrize(
+    "setup, signum, caught",
+    [
+        ("from draftforge.splitserve.supervisor import unwinding_on_sigterm\n"
+         "stack = unwinding_on_sigterm('lead', 'hint'); stack.__enter__()", signal.SIGTERM, "SystemExit"),
+        ("from draftforge.splitserve.roles import interrupt_once\ninterrupt_once()", signal.SIGINT,
+         "KeyboardInterrupt"),
+    ],
+    ids=["commands-sigterm", "rank-ctrl-c"],
+)
+def test_a_stop_landing_in_a_finalizer_still_stops(tmp_path, setup, signum, caught):
+    script = tmp_path / "stopped.py"
+    script.write_text(
+        _FINALISED.replace("SIGNUM", str(int(signum))) + setup + "\n"
+        "try:\n"
+        "    Finalised()\n"
+        "    time.sleep(5)\n"
+        "    print('not stopped', flush=True)\n"
+        f"except {caught}:\n"
+        "    print('stopped', flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.stdout == "stopped\n", done.stdout + done.stderr
+    assert "Exception ignored" not in done.stderr, done.stderr
