@@ -119,6 +119,19 @@ SECTION_NAMES = tuple(name for name in RecipeConfig.model_fields if name != "nam
 class _RecipeLoader(yaml.SafeLoader):
     """SafeLoader that also reads ``1e-4`` as a float (YAML 1.1 wants ``1.0e-4``)."""
 
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        """A scalar that its explicit tag cannot read (``!!int abc``) is an error at its line,
+        not the ValueError (or KeyError, AttributeError) of PyYAML's constructor."""
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, KeyError, AttributeError) as exc:
+            if not isinstance(node, yaml.ScalarNode):
+                raise
+            tag = node.tag.replace("tag:yaml.org,2002:", "!!")
+            raise yaml.constructor.ConstructorError(
+                None, None, f"cannot read {node.value!r} as {tag}", node.start_mark
+            ) from exc
+
 
 _EXPONENT_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
 _RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
@@ -138,9 +151,24 @@ _RecipeLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 _RecipeDumper.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
 
 
+def _line_column(text: str, position: int) -> tuple[int, int]:
+    """The 1-based line and column of the character at ``position`` in ``text``."""
+    start = text.rfind("\n", 0, position) + 1
+    return text.count("\n", 0, position) + 1, position - start + 1
+
+
 def _parse_yaml(text: str, source: str) -> tuple[Any, dict[KeyPath, int], list[str]]:
     """Parse YAML text: the data, the line of every key path, and structural problems."""
-    loader = _RecipeLoader(text)
+    try:
+        loader = _RecipeLoader(text)
+    except yaml.reader.ReaderError as exc:  # a control character (ESC of a pasted colour code, NUL)
+        line, column = _line_column(text, exc.position)
+        raise RecipeError(
+            [
+                f"{source}:{line}: YAML syntax error: character #x{exc.character:04x} at "
+                f"column {column} is not allowed in YAML; remove it"
+            ]
+        ) from None
     lines: dict[KeyPath, int] = {}
     problems: list[str] = []
     try:
@@ -167,11 +195,17 @@ def _parse_yaml(text: str, source: str) -> tuple[Any, dict[KeyPath, int], list[s
 
 
 def _index_lines(
-    node: yaml.Node, path: KeyPath, lines: dict[KeyPath, int], problems: list[str], source: str
+    node: yaml.Node,
+    path: KeyPath,
+    lines: dict[KeyPath, int],
+    problems: list[str],
+    source: str | None,
 ) -> None:
-    """Record the 1-based line of every key path; report duplicate and non-string keys.
+    """Record the 1-based line of every key path; report duplicate and non-string keys, led by
+    ``source:line`` (nothing for a value given on the command line, whose caller says where).
     A key that a merge (``<<: *anchor``) brings in is at the line of that merge: the anchor's
     own lines are shared by every mapping that merges it."""
+    at = (lambda line: f"{source}:{line}: ") if source is not None else (lambda line: "")
     if isinstance(node, yaml.MappingNode):
         seen: dict[str, int] = {}
         merged: dict[KeyPath, int] = {}
@@ -186,15 +220,15 @@ def _index_lines(
                     continue
                 shown = _dotted(path) or "top level"
                 problems.append(
-                    f"{source}:{line}: {shown}: keys must be plain names, got {key_node.value!r}"
+                    f"{at(line)}{shown}: keys must be plain names, got {key_node.value!r}"
                 )
                 continue
             key = key_node.value
             if key in seen:
-                problems.append(
-                    f"{source}:{line}: {_dotted(path + (key,))}: duplicate key "
-                    f"(first given at line {seen[key]})"
-                )
+                first = f" (first given at line {seen[key]})" if source is not None else ""
+                problems.append(f"{at(line)}{_dotted(path + (key,))}: duplicate key{first}")
+                for stale in [p for p in lines if p[: len(path) + 1] == path + (key,)]:
+                    del lines[stale]  # the lines of the first value's keys, which YAML dropped
             else:
                 seen[key] = line
             # YAML keeps the last value, so its problems are reported at the last line
@@ -240,11 +274,21 @@ def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
     parts = tuple(part.strip() for part in key.split("."))
     if not all(parts):
         raise RecipeError([f"{where}: empty key part in {key!r}; expected e.g. draft.block_size=8"])
+    problems: list[str] = []
     try:
-        value = yaml.load(raw, Loader=_RecipeLoader)  # noqa: S506 - SafeLoader subclass
+        loader = _RecipeLoader(raw)
+        try:
+            node = loader.get_single_node()
+            if node is not None:  # duplicate and non-string keys, as in a file
+                _index_lines(node, parts, {}, problems, None)
+            value = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
     except yaml.YAMLError as exc:
         problem = getattr(exc, "problem", None) or str(exc)
         raise RecipeError([f"{where}: value is not valid YAML: {problem}"]) from None
+    if problems:
+        raise RecipeError([f"{where}: {problem}" for problem in problems])
     return parts, value
 
 
@@ -982,9 +1026,20 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
     if path.is_dir():
         raise RecipeError([f"{source}: is a directory, expected a recipe .yaml file"])
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        raw = path.read_bytes()
+    except OSError as exc:
         raise RecipeError([f"{source}: cannot read: {exc}"]) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        before = raw[: exc.start].decode("utf-8")  # all good: the first bad byte is at exc.start
+        line, column = _line_column(before, len(before))
+        raise RecipeError(
+            [
+                f"{source}:{line}: not UTF-8 text: byte 0x{raw[exc.start]:02x} at column "
+                f"{column} ({exc.reason}); save the recipe as UTF-8"
+            ]
+        ) from None
     data, lines, problems = _parse_yaml(text, source)
     if problems:  # duplicate or odd keys: report them with whatever else is wrong
         try:
