@@ -26,11 +26,13 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 from pathlib import Path
 
 import torch
 
+from draftforge.errors import InputError
 from draftforge.eval.speculative import Round
 from draftforge.files import write_atomic
 
@@ -111,7 +113,8 @@ def calibrate(
     ``MIN_FIT_SAMPLES`` fitting samples keeps T = 1; one without held-out samples
     reports ECE 0 (SGLang's fields are plain floats); ``fit_samples`` and
     ``held_out_samples`` say which is which. ``held_out`` (not written to SGLang's
-    file) lists the held-out samples, for a pooled ECE over positions.
+    file) lists the held-out samples, for a pooled ECE over positions. A NaN or infinite
+    confidence logit is refused (:class:`InputError`).
     """
     temperatures, ece_before, ece_after, fit_counts, held_counts = [], [], [], [], []
     held_out: list[tuple[int, float, float]] = []
@@ -120,6 +123,7 @@ def calibrate(
     for n, prompt in enumerate(prompt_ids or ()):
         if not (isinstance(prompt, tuple) and len(prompt) == 2 and isinstance(prompt[1], int) and prompt[1] >= 0):
             raise ValueError(f"prompt_ids[{n}] must be a (workload, prompt index >= 0) pair, got {prompt!r}")
+    _check_finite(samples)
     for k in range(block_size):
         at_k = [i for i, sample in enumerate(samples) if sample[0] == k]
         if prompt_ids is None:
@@ -151,6 +155,20 @@ def calibrate(
         "held_out_samples": held_counts,
         "held_out": held_out,
     }
+
+
+def _check_finite(samples: Sequence[tuple[int, float, float]]) -> None:
+    """Refuse NaN or infinite confidence logits: one NaN made the fit's slope NaN and the
+    temperature its upper bound, and NaN probabilities fell in no ECE bin, so a draft whose
+    confidence head gives NaN everywhere was reported perfectly calibrated (ECE 0)."""
+    bad = Counter(k for k, z, _ in samples if not math.isfinite(z))
+    if bad:
+        where = ", ".join(f"{count} at position {k}" for k, count in sorted(bad.items()))
+        raise InputError(
+            f"calibration: the draft's confidence head gave {bad.total()} non-finite logits (NaN or "
+            f"inf) of {len(samples)} ({where}): no temperature fits them; check the draft for "
+            "non-finite weights (a diverged training?) before calibrating it"
+        )
 
 
 def pooled_ece(samples: Sequence[tuple[int, float, float]], temperatures: Sequence[float] | None = None) -> float:

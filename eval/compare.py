@@ -8,6 +8,9 @@ prompts (:mod:`draftforge.eval.uncertainty`). The last line is machine-readable:
 
     diff_macro=<difference> low=<bound> high=<bound> verdict=<ahead|behind|not_distinguishable|too_few_prompts>
 
+A draw that resampled only prompts on which A or B ran no verification round has no
+difference; it is left out of the interval, and a note above that line says how many.
+
 Two reports pair only when they were decoded alike (:func:`check_same_decoding`): the
 same target (name, dtype, backend; seed and shape for a random one), temperature,
 max_new_tokens and, when sampling, seed, top-k and top-p; for draft against draft the same
@@ -28,7 +31,7 @@ from pathlib import Path
 
 from draftforge import argtypes
 from draftforge.errors import InputError
-from draftforge.eval.uncertainty import DRAWS, LEVEL, SEED, PromptTotals, by_workload
+from draftforge.eval.uncertainty import DRAWS, LEVEL, SEED, Interval, PromptTotals, by_workload
 
 # The bootstrap holds draws x prompts resampled indices of a workload at once, and a gathered
 # copy: about 16 bytes each, so this bounds its memory at about 1.6 GB.
@@ -301,8 +304,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"| {name} | {prompts} | {al_a:.3f} | {al_b:.3f} | {diff.value:+.3f} "
             f"({diff.low:+.3f} to {diff.high:+.3f}) | {diff.verdict()} |"
         )
+    for note in _dropped_notes(diffs):
+        print(f"note: {note}")
     print(
         f"diff_macro={diff.value:.4f} low={diff.low:.4f} high={diff.high:.4f} "
         f"verdict={diff.verdict().replace(' ', '_')}"
     )
     return 0
+
+
+def _dropped_notes(diffs: dict[str, Interval]) -> list[str]:
+    """One note per row whose interval left out draws without any verification round."""
+    return [
+        f"{name}: {diff.dropped:,} of {diff.draws:,} draws resampled only prompts on which A or B "
+        "ran no verification round; they have no difference and are left out of its interval"
+        for name, diff in diffs.items()
+        if diff.dropped
+    ]

@@ -18,9 +18,14 @@ A difference whose interval lies above zero is reported as *ahead*, below zero
 as *behind*, and otherwise as *not distinguishable* with these prompts; with
 fewer than :data:`MIN_PROMPTS` prompts in a workload the resamples cannot show
 the spread (one prompt gives a zero-width interval), and the verdict is *too
-few prompts*. A method that ran no verification round at all (every prompt
-ended at its first token) has no acceptance length: its interval reads ``-``,
-and a difference with it *no rounds*. The interval says nothing about prompts
+few prompts*. Only prompts with a verification round count: one that ended at
+its first token adds nothing to either sum. A method that ran no verification
+round at all (every prompt ended at its first token) has no acceptance length:
+its interval reads ``-``, and a difference with it *no rounds*. A method that
+ran rounds on some prompts only has no acceptance length on a draw that
+resampled none of those: such draws are left out of the interval, which then
+holds for the draws with a round, and their number is kept (``dropped``) for
+the output to say. The interval says nothing about prompts
 unlike the workload's, and with 8 prompts a workload the percentile interval
 is itself rough; more prompts narrow it.
 """
@@ -78,6 +83,10 @@ class PromptTotals:
     def __len__(self) -> int:
         return len(self.rounds)
 
+    def with_rounds(self) -> int:
+        """The prompts that ran a verification round: the others add nothing to the pooled AL."""
+        return int((self.rounds > 0).sum())
+
     def pooled(self) -> float:
         total = self.rounds.sum()
         return float(self.al_sum.sum() / total) if total > 0 else math.nan
@@ -104,7 +113,8 @@ class Interval:
     high: float
     level: float
     draws: int
-    prompts: int  # the fewest prompts of any workload in the estimate
+    prompts: int  # the fewest prompts with a round, of any method and workload in the estimate
+    dropped: int = 0  # draws left out: they resampled no prompt with a round (of a or b)
 
     def verdict(self) -> str:
         """For a difference: which side of zero the whole interval lies on."""
@@ -120,7 +130,7 @@ class Interval:
 
     def as_dict(self) -> dict:
         return {"value": self.value, "low": self.low, "high": self.high, "level": self.level,
-                "draws": self.draws, "prompts": self.prompts}  # fmt: skip
+                "draws": self.draws, "prompts": self.prompts, "dropped": self.dropped}  # fmt: skip
 
 
 def _pooled_draws(totals: PromptTotals, index: np.ndarray) -> np.ndarray:
@@ -139,7 +149,9 @@ def bootstrap(
     """The mean over workloads of ``AL(a) - AL(b)`` (``AL(a)`` where ``b`` is None), with its interval.
 
     Prompts are resampled within each workload, the same indices for ``a`` and ``b``
-    (which must therefore hold the same prompts in the same order).
+    (which must therefore hold the same prompts in the same order). A draw in which a
+    workload resampled no prompt with a round (of ``a`` or ``b``) has no value: it is left
+    out of the interval and counted in ``dropped``.
     """
     if not workloads:
         raise ValueError("bootstrap needs at least one workload")
@@ -156,9 +168,10 @@ def bootstrap(
     value /= len(workloads)
     sampled /= len(workloads)
     tail = 100 * (1 - level) / 2
-    low, high = np.nanpercentile(sampled, [tail, 100 - tail]) if np.isfinite(sampled).any() else (math.nan,) * 2
-    prompts = min(len(a) for a, _ in workloads)
-    return Interval(float(value), float(low), float(high), level, draws, prompts)
+    kept = sampled[np.isfinite(sampled)]
+    low, high = np.percentile(kept, [tail, 100 - tail]) if kept.size else (math.nan,) * 2
+    prompts = min(t.with_rounds() for pair in workloads for t in pair if t is not None)
+    return Interval(float(value), float(low), float(high), level, draws, prompts, draws - kept.size)
 
 
 def by_workload(

@@ -19,7 +19,8 @@ first step instead of learning it from random weights:
   correction: a next token outside the table sits at its row's mean score (the
   centring's zero), above the kept tokens that are rarer than average after that
   previous token. Over the kept columns the centring changes nothing (softmax ignores
-  a row constant). Where the table's rank is below the head's, ``W2``'s spare columns
+  a row constant), but it makes the table's rank at most its number of next tokens less
+  one. Where the table's rank is below the head's, ``W2``'s spare columns
   are zero and ``W1``'s keep the draft's seeded random init: the product is still the
   table, and those columns learn (zero in both factors, neither would ever get a
   gradient). A table that centres to all zeros (one distinct next token) has rank 0:
@@ -92,6 +93,23 @@ def bigram_scores(
     return torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long), scores
 
 
+def _truncated_svd(
+    scores: torch.Tensor, rank: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(u, s, v) of the best approximation of ``scores`` of rank at most ``rank``
+    (randomised SVD, seeded), without the directions whose singular value is rounding noise
+    (at most ``s[0] * max(shape) * eps``, as ``torch.linalg.matrix_rank``): the centred table
+    has rank at most its number of next tokens less one, and such a direction would put two
+    all-but-zero columns in ``W1`` and ``W2``, each giving the other hardly any gradient."""
+    rank = min(rank, *scores.shape)
+    with torch.random.fork_rng(devices=[]):  # randomised SVD, oversampled for accuracy
+        torch.manual_seed(SVD_SEED)
+        u, s, v = torch.svd_lowrank(scores, q=min(rank + OVERSAMPLE, *scores.shape), niter=6)
+    noise = float(s[0]) * max(scores.shape) * torch.finfo(scores.dtype).eps
+    rank = min(rank, int((s > noise).sum()))
+    return u[:, :rank], s[:rank], v[:, :rank]
+
+
 @torch.no_grad()
 def init_markov_bigram(model, sequences: Iterable[Sequence[int]]) -> str:
     """Overwrite the draft's ``markov_w1``/``markov_w2`` with the rank-r bigram of
@@ -116,11 +134,8 @@ def init_markov_bigram(model, sequences: Iterable[Sequence[int]]) -> str:
             f"{len(cols)} next tokens, whose centred table is all zeros (every previous token "
             "predicts the same next tokens): the head starts with no correction"
         )
-    rank = min(head.rank, *scores.shape)
-    with torch.random.fork_rng(devices=[]):  # randomised SVD, oversampled for accuracy
-        torch.manual_seed(SVD_SEED)
-        u, s, v = torch.svd_lowrank(scores, q=min(rank + OVERSAMPLE, *scores.shape), niter=6)
-    u, s, v = u[:, :rank], s[:rank], v[:, :rank]
+    u, s, v = _truncated_svd(scores, head.rank)
+    rank = len(s)
     root = s.sqrt()
     w1, w2 = head.markov_w1.weight, head.markov_w2.weight
     # Below the head's rank, W1's spare columns keep their random init and W2's are zero:
