@@ -306,9 +306,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     samples = [s for r in results for s in r.confidence_samples]
     # calibrate holds out whole prompts: each sample's (workload, prompt)
     prompt_ids = [(r.name, p) for r in results for p in r.confidence_prompts]
-    if args.calibrate and samples:
+    refused = None  # a calibration refused (non-finite confidence logits): said after the report
+    try:
         calibration = calibrate(samples, draft_cfg.block_size, dataset=",".join(workloads),
-                                prompt_ids=prompt_ids)
+                                prompt_ids=prompt_ids) if args.calibrate and samples else None
+    except InputError as problem:
+        refused, calibration = problem, None
+    if calibration is not None:
         write_calibration(args.calibrate, calibration)
         held_out = calibration.pop("held_out")  # ECE on what the temperatures were not fitted on
         meta["calibration"] = {
@@ -336,6 +340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--calibrate {args.calibrate}: no confidence samples were recorded (no draft position "
             "was verified: every prompt ended at its first token), so nothing was written there"
         )
+    if refused is not None:  # the report is written: the decoding is not lost
+        raise InputError(f"--calibrate {args.calibrate}: nothing was written there: {refused}")
     return 0
 
 

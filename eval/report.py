@@ -252,6 +252,13 @@ def uncertainty_lines(u: dict) -> list[str]:
                   "| workload | difference | verdict |", "| --- | ---: | --- |"]  # fmt: skip
         for n in names:
             lines.append(f"| {n} | {interval_text(**_bounds(per[n]), signed=True)} | {per[n]['verdict']} |")
+    dropped = [(f"{m} AL", n, per_method[m][n]) for m in per_method for n in names]
+    dropped += [(pair, n, per[n]) for pair, per in u["paired"].items() for n in names]
+    notes = [f"{what}, {n}: {iv['dropped']:,} of {iv['draws']:,} draws" for what, n, iv in dropped
+             if iv.get("dropped")]  # fmt: skip
+    if notes:  # reports written before the count have no "dropped": nothing to say
+        lines += ["", "Draws that resampled only prompts without a verification round have no "
+                  "acceptance length and are left out of these intervals: " + "; ".join(notes) + "."]  # fmt: skip
     return [*lines, ""]
 
 

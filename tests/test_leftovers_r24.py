@@ -10,6 +10,10 @@
   "Exception ignored" and lost by every handler that raises, not only the regenerate workers'
   (fixed last session): the commands' SIGTERM unwinding (eval, export, demo, llamacpp), a rank's
   Ctrl-C (which then ignored every later one) and the GPU check's children.
+- the evaluation report's interval tables left out bootstrap draws without a verification round
+  silently (``eval compare`` says how many since review round 24); the report says it too.
+- ``draftforge eval --calibrate`` of a draft whose confidence head gives NaN (refused since review
+  round 24) lost the whole evaluation: the refusal came before the report was written.
 """
 
 from __future__ import annotations
@@ -164,3 +168,55 @@ def test_a_stop_landing_in_a_finalizer_still_stops(tmp_path, setup, signum, caug
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert done.stdout == "stopped\n", done.stdout + done.stderr
     assert "Exception ignored" not in done.stderr, done.stderr
+
+
+def test_the_report_says_how_many_bootstrap_draws_it_left_out():
+    import numpy as np
+
+    from draftforge.eval.report import uncertainty_lines
+    from draftforge.eval.uncertainty import PromptTotals, report_uncertainty
+
+    some = PromptTotals(np.array([2.0, 0, 0, 0, 0]), np.array([5.0, 0, 0, 0, 0]))  # rounds on one prompt
+    every = PromptTotals(np.full(5, 2.0), np.full(5, 3.0))
+    u = report_uncertainty({"w": {"dspark": some, "ngram": every}}, draws=400, seed=1)
+    # counted here: a draw is left out when it resampled none of prompt 0's copies
+    index = np.random.default_rng(1).integers(0, 5, size=(400, 5))
+    expected = int((index != 0).all(axis=1).sum())
+    assert u["acceptance_length"]["dspark"]["w"]["dropped"] == expected > 0
+    text = "\n".join(uncertainty_lines(u))
+    assert f"dspark AL, w: {expected} of 400 draws" in text
+    assert f"dspark-ngram, w: {expected} of 400 draws" in text
+    assert "ngram AL, w:" not in text  # every draw of n-gram has a round
+
+
+def test_a_refused_calibration_still_writes_the_report(tmp_path, capsys):
+    import json
+    import re
+
+    import torch
+    from eval_helpers import random_prompts, tiny_eval_draft
+
+    from draftforge.cli import main
+    from draftforge.config import load_recipe
+    from draftforge.splitserve.target import build_target
+    from draftforge.train.export import export_draft
+
+    tiny = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
+    recipe_path = tmp_path / "tiny-debug-512.yaml"
+    recipe_path.write_text(re.sub(r"vocab_size: 49152.*", "vocab_size: 512", tiny.read_text()))
+    recipe = load_recipe(recipe_path)
+    draft = tiny_eval_draft(build_target(recipe.target, recipe.draft.target_layer_ids))
+    with torch.no_grad():
+        draft.confidence_head.proj.bias.fill_(float("nan"))  # a diverged head: drafting unaffected
+    export_dir = export_draft(draft, tmp_path / "export", progress=lambda _: None)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"workload": "alpha", "input_ids": ids}) for ids in random_prompts(2)))
+    out, cal = tmp_path / "report", tmp_path / "cal.json"
+    status = main(["eval", str(export_dir), "--recipe", str(recipe_path), "--prompts-file", str(prompts),
+                   "--max-new-tokens", "10", "--calibrate", str(cal), "--out", str(out)])  # fmt: skip
+    assert status == 2
+    err = capsys.readouterr().err
+    assert f"--calibrate {cal}: nothing was written there: calibration: the draft's confidence head gave" in err
+    assert not cal.exists()
+    report = json.loads((out / "report.json").read_text())  # the decoding is kept
+    assert report["workloads"]["alpha"]["num_prompts"] == 2 and "calibration" not in report
