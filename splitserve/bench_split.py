@@ -429,7 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from draftforge.config import load_recipe
     from draftforge.splitserve.launch import launch_env
-    from draftforge.splitserve.multinode import rank_command
+    from draftforge.splitserve.multinode import rank_command, shown
     from draftforge.splitserve.roles import check_split
     from draftforge.splitserve.supervisor import run_ranks
 
@@ -443,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = rank_command(args.recipe, overrides)
         command += ["--bench-split", json.dumps({"steps": args.steps})]
         env = dict(launch_env(), **{RESULT_ENV: str(out)})
-        print(f"draftforge bench split: {cfg.split.world_size} ranks of {' '.join(command[1:])}",
+        print(f"draftforge bench split: {cfg.split.world_size} ranks of {shown(command)}",
               file=sys.stderr, flush=True)
         status = run_ranks(command, nproc=cfg.split.world_size, env=env, prefix="draftforge bench split")
         if status != 0 or not out.is_file():

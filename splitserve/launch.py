@@ -315,7 +315,7 @@ def _supervise(cfg, args, layout, env: dict[str, str], restarts: int) -> int:
         command = rank_command(args.recipe, args.overrides)
         labels = {r: f"target rank {r}" for r in cfg.split.target_ranks}
         labels.update({r: f"trainer rank {r}" for r in cfg.split.trainer_ranks})
-        print(f"draftforge train: {cfg.split.world_size} ranks of {' '.join(command[1:])} "
+        print(f"draftforge train: {cfg.split.world_size} ranks of {shown(command)} "
               f"(rendezvous on {args.master_addr})", file=sys.stderr, flush=True)
 
         def run() -> int:

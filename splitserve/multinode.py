@@ -118,7 +118,7 @@ def launch_plan(cfg, recipe: str, overrides: Sequence[str], *, master_addr: str 
         where = "loopback only" if is_loopback(host) else f"opened on {host} by --master-addr"
         lines.append(
             f"  one node, {split.world_size} processes (ranks 0-{split.world_size - 1}), each "
-            f"running: {shlex.join(rank_command(recipe, overrides)[1:])}"
+            f"running: {shown(rank_command(recipe, overrides))}"
         )
         lines.append(f"  rendezvous store hosted by draftforge train on {host} ({where})")
         by_hand = torchrun_command(recipe, overrides, split.world_size, master_addr=host)

@@ -1,5 +1,7 @@
 """Dry runs of the production recipes work on a CPU machine without the targets' weights."""
 
+import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -119,8 +121,9 @@ def test_one_node_dry_run_prints_its_rank_command_and_loopback_store(capsys, mon
     monkeypatch.chdir(ROOT)
     assert train_main(["recipes/tiny-debug.yaml", "train.steps=3", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert ("  one node, 2 processes (ranks 0-1), each running: -m draftforge.train "
-            "recipes/tiny-debug.yaml train.steps=3") in out
+    # the command as one could type it: the interpreter first (it was left out)
+    assert (f"  one node, 2 processes (ranks 0-1), each running: {shlex.quote(sys.executable)} -m "
+            "draftforge.train recipes/tiny-debug.yaml train.steps=3") in out
     assert "  rendezvous store hosted by draftforge train on 127.0.0.1 (loopback only)" in out
     assert ("  the same job by hand: torchrun --standalone --nproc_per_node=2 "
             "--local-addr=127.0.0.1 -m draftforge.train recipes/tiny-debug.yaml train.steps=3") in out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import time
@@ -268,7 +269,7 @@ def test_draftforge_train_command_end_to_end(tmp_path):
         capture_output=True, text=True, timeout=120,
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    assert "draftforge train: 2 ranks of -m draftforge.train" in done.stderr
+    assert f"draftforge train: 2 ranks of {shlex.quote(PYTHON)} -m draftforge.train" in done.stderr
     assert "(rendezvous on 127.0.0.1)" in done.stderr
     assert sorted(_by_step(metrics(tmp_path / "run"))) == list(range(1, 7))
     assert (tmp_path / "run" / "checkpoints" / "step_00000006").is_dir()
