@@ -54,7 +54,7 @@ def test_binary_recipe(tmp_path, capsys):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_bytes(b"\xff\xfe\x00\x89PNG garbage")
     code, err = _train(recipe, capsys)
-    assert code == 2 and f"{recipe}: cannot read" in err and "utf-8" in err
+    assert code == 2 and f"{recipe}:1: not UTF-8 text: byte 0xff at column 1" in err and "save the recipe as UTF-8" in err
 
 
 def test_recipe_that_is_a_list(tmp_path, capsys):
