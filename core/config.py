@@ -95,7 +95,8 @@ class RecipeConfig(Section):
         body = yaml.dump(data, Dumper=_RecipeDumper, sort_keys=False, width=100)
         if not header:
             return body
-        return f"# draftforge resolved recipe '{self.name}'\n{body}"
+        # repr: a name with a line break ("a\nb: 1") would end the comment and start a key
+        return f"# draftforge resolved recipe {self.name!r}\n{body}"
 
 
 class _RecipeDumper(yaml.SafeDumper):
@@ -117,7 +118,8 @@ SECTION_NAMES = tuple(name for name in RecipeConfig.model_fields if name != "nam
 
 
 class _RecipeLoader(yaml.SafeLoader):
-    """SafeLoader that also reads ``1e-4`` as a float (YAML 1.1 wants ``1.0e-4``)."""
+    """SafeLoader that also reads ``1e-4`` as a float (YAML 1.1 wants ``1.0e-4``), and reads
+    ``1:30`` and ``0b11`` as the strings YAML 1.2 reads, not 1.1's base-60 and binary numbers."""
 
     def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
         """A scalar that its explicit tag cannot read (``!!int abc``) is an error at its line,
@@ -133,6 +135,21 @@ class _RecipeLoader(yaml.SafeLoader):
             ) from exc
 
 
+# YAML 1.1's numbers less base 60 (1:30 was 90, 12:30 a name's 750) and binary (0b11 was 3),
+# which YAML 1.2 reads as strings: an int key refuses them by their text, a str key takes them.
+# Hex (0x10 is 16, as in YAML 1.2) and underscores (1_000) read as before.
+_INT = re.compile(r"^(?:[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$")
+_FLOAT = re.compile(
+    r"^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?"
+    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+)
+_RecipeLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers
+            if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:int", _INT, list("-+0123456789"))
+_RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
 _EXPONENT_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
 _RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
 
@@ -157,8 +174,9 @@ def _line_column(text: str, position: int) -> tuple[int, int]:
     return text.count("\n", 0, position) + 1, position - start + 1
 
 
-def _parse_yaml(text: str, source: str) -> tuple[Any, dict[KeyPath, int], list[str]]:
-    """Parse YAML text: the data, the line of every key path, and structural problems."""
+def _parse_yaml(text: str, source: str) -> tuple[Any, dict[KeyPath, int], dict[KeyPath, str], list[str]]:
+    """Parse YAML text: the data, the line of every key path, the spelling of every unquoted
+    boolean (see _index_lines), and structural problems."""
     try:
         loader = _RecipeLoader(text)
     except yaml.reader.ReaderError as exc:  # a control character (ESC of a pasted colour code, NUL)
@@ -170,13 +188,14 @@ def _parse_yaml(text: str, source: str) -> tuple[Any, dict[KeyPath, int], list[s
             ]
         ) from None
     lines: dict[KeyPath, int] = {}
+    booleans: dict[KeyPath, str] = {}
     problems: list[str] = []
     try:
         node = loader.get_single_node()
         if node is not None:
             # before constructing: construction flattens merge keys (<<: *anchor) into the
             # mapping, and an explicit key beside a merged one would look duplicated
-            _index_lines(node, (), lines, problems, source)
+            _index_lines(node, (), lines, problems, source, booleans)
         data = loader.construct_document(node) if node is not None else None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
@@ -191,7 +210,7 @@ def _parse_yaml(text: str, source: str) -> tuple[Any, dict[KeyPath, int], list[s
         raise RecipeError([f"{source}: YAML syntax error: {exc}"]) from None
     finally:
         loader.dispose()
-    return data, lines, problems
+    return data, lines, booleans, problems
 
 
 def _index_lines(
@@ -200,9 +219,12 @@ def _index_lines(
     lines: dict[KeyPath, int],
     problems: list[str],
     source: str | None,
+    booleans: dict[KeyPath, str],
 ) -> None:
-    """Record the 1-based line of every key path; report duplicate and non-string keys, led by
-    ``source:line`` (nothing for a value given on the command line, whose caller says where).
+    """Record the 1-based line of every key path, and in ``booleans`` how each unquoted boolean
+    was written (``off``, ``no``: YAML 1.1 reads them as false), for the message of a key that
+    wanted a string; report duplicate and non-string keys, led by ``source:line`` (nothing for
+    a value given on the command line, whose caller says where).
     A key that a merge (``<<: *anchor``) brings in is at the line of that merge: the anchor's
     own lines are shared by every mapping that merges it."""
     at = (lambda line: f"{source}:{line}: ") if source is not None else (lambda line: "")
@@ -233,14 +255,16 @@ def _index_lines(
                 seen[key] = line
             # YAML keeps the last value, so its problems are reported at the last line
             lines[path + (key,)] = line
-            _index_lines(value_node, path + (key,), lines, problems, source)
+            _index_lines(value_node, path + (key,), lines, problems, source, booleans)
         for merged_path, merged_line in merged.items():  # an explicit key replaces a merged one, whole
             if merged_path[len(path)] not in seen:
                 lines[merged_path] = merged_line
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
             lines[path + (index,)] = item.start_mark.line + 1
-            _index_lines(item, path + (index,), lines, problems, source)
+            _index_lines(item, path + (index,), lines, problems, source, booleans)
+    elif node.tag == "tag:yaml.org,2002:bool" and node.style is None:
+        booleans[path] = node.value
 
 
 def _key_paths(node: yaml.Node, path: KeyPath) -> list[KeyPath]:
@@ -265,8 +289,9 @@ def _key_paths(node: yaml.Node, path: KeyPath) -> list[KeyPath]:
 # --------------------------------------------------------------------------- overrides
 
 
-def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
-    """Split ``key.sub=value`` into a key path and a YAML-parsed value."""
+def parse_override(text: str, booleans: dict[KeyPath, str] | None = None) -> tuple[tuple[str, ...], Any]:
+    """Split ``key.sub=value`` into a key path and a YAML-parsed value; ``booleans``, when
+    given, gets how each unquoted boolean in the value was written, by key path."""
     key, sep, raw = text.partition("=")
     where = f"command line {text!r}"
     if not sep:
@@ -280,7 +305,7 @@ def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
         try:
             node = loader.get_single_node()
             if node is not None:  # duplicate and non-string keys, as in a file
-                _index_lines(node, parts, {}, problems, None)
+                _index_lines(node, parts, {}, problems, None, {} if booleans is None else booleans)
             value = loader.construct_document(node) if node is not None else None
         finally:
             loader.dispose()
@@ -292,11 +317,13 @@ def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
     return parts, value
 
 
-def _apply_override(data: dict[str, Any], text: str) -> tuple[tuple[str, ...], list[KeyPath]]:
+def _apply_override(
+    data: dict[str, Any], text: str, booleans: dict[KeyPath, str]
+) -> tuple[tuple[str, ...], list[KeyPath]]:
     """Set one override in the raw tree (before validation); return its key path and the key
     paths it gives a value: that path, or for a mapping merged into a section only the keys
     the mapping lists (the section's other keys are still where the recipe set them)."""
-    parts, value = parse_override(text)
+    parts, value = parse_override(text, booleans)
     node = data
     for depth, part in enumerate(parts[:-1]):
         child = node.get(part)
@@ -422,8 +449,8 @@ def _model_at(path: KeyPath) -> type[BaseModel] | None:
     return None
 
 
-def _describe(error: dict[str, Any]) -> tuple[KeyPath, str]:
-    """A pydantic error as (key path, problem text)."""
+def _describe(error: dict[str, Any], booleans: dict[KeyPath, str]) -> tuple[KeyPath, str]:
+    """A pydantic error as (key path, problem text); ``booleans`` as _index_lines records them."""
     loc = tuple(error["loc"])
     kind = error["type"]
     value = error.get("input")
@@ -436,6 +463,8 @@ def _describe(error: dict[str, Any]) -> tuple[KeyPath, str]:
         did_you_mean = f" (did you mean {hint[0]!r}?)" if hint else ""
         return path, f"unknown key{did_you_mean}; valid keys: {', '.join(valid)}"
     path, annotation = _walk(loc)
+    # off, no, yes: unquoted, YAML 1.1 reads these as booleans where a string was meant
+    spelled = booleans.get(path) if isinstance(value, bool) else None
     if kind == "literal_error":
         choices = typing.get_args(annotation) if typing.get_origin(annotation) is Literal else ()
         if choices:
@@ -448,12 +477,17 @@ def _describe(error: dict[str, Any]) -> tuple[KeyPath, str]:
                 else:
                     close = difflib.get_close_matches(value, [str(c) for c in choices], n=1, cutoff=0.6)
                     hint = f" (did you mean {close[0]!r}?)" if close else ""
+            elif spelled is not None:
+                hint = f" (unquoted {spelled} is a boolean in YAML, not the string {spelled!r})"
             return path, f"{value!r} is not one of {listed}{hint}"
         return path, f"{value!r} is not one of {error.get('ctx', {}).get('expected', '?')}"
     if kind == "missing":
         return path, "required key missing"
     if kind in _EXPECTED:
-        return path, f"expected {_EXPECTED[kind]}, got {_show(value)}"
+        hint = ""
+        if kind == "string_type" and spelled is not None:
+            hint = f" (unquoted {spelled} is a boolean in YAML; quote it: {spelled!r})"
+        return path, f"expected {_EXPECTED[kind]}, got {_show(value)}{hint}"
     message = str(error.get("msg", kind))
     if message.startswith("Value error, "):
         return path, message[len("Value error, ") :]
@@ -461,7 +495,7 @@ def _describe(error: dict[str, Any]) -> tuple[KeyPath, str]:
     return path, f"{message}, got {_show(value)}"
 
 
-def _describe_all(errors: Sequence[dict[str, Any]]) -> list[tuple[KeyPath, str]]:
+def _describe_all(errors: Sequence[dict[str, Any]], booleans: dict[KeyPath, str]) -> list[tuple[KeyPath, str]]:
     """Every pydantic error as (key path, problem text); a value that fits no member of a union
     (``train.loss.compile``: a bool or 'auto') is one problem naming every member, not one
     contradicting problem per member (their locations end in a member tag)."""
@@ -471,11 +505,11 @@ def _describe_all(errors: Sequence[dict[str, Any]]) -> list[tuple[KeyPath, str]]
         loc = tuple(error["loc"])
         path, _ = _walk(loc)
         if path == loc:
-            out.append(_describe(error))
+            out.append(_describe(error, booleans))
             continue
         kind = error["type"]
         expected = (str(error.get("ctx", {}).get("expected", "?")) if kind == "literal_error"
-                    else _EXPECTED.get(kind) or _describe(error)[1])
+                    else _EXPECTED.get(kind) or _describe(error, booleans)[1])
         if path not in members:
             members[path] = (len(out), [], error.get("input"))
             out.append((path, ""))
@@ -962,11 +996,13 @@ def validate_recipe(
     name: str | None = None,
     overrides: Sequence[str] = (),
     lines: dict[KeyPath, int] | None = None,
+    booleans: dict[KeyPath, str] | None = None,
 ) -> RecipeConfig:
     """Validate a raw recipe tree (as parsed from YAML) and return the resolved config.
 
-    ``overrides`` (``key.sub=value``) are applied before validation. ``source``
-    and ``lines`` only shape the error messages. Raises :class:`RecipeError`.
+    ``overrides`` (``key.sub=value``) are applied before validation. ``source``,
+    ``lines`` and ``booleans`` (how each unquoted boolean was written, by key path) only
+    shape the error messages. Raises :class:`RecipeError`.
     """
     if data is None:
         data = {}
@@ -981,8 +1017,9 @@ def validate_recipe(
     _fill_empty_sections(data, RecipeConfig)
     override_paths: dict[KeyPath, str] = {}
     given: dict[KeyPath, str] = {}  # the key paths each override gives a value, for the messages
+    booleans = dict(booleans or {})
     for text in overrides:
-        path, sets = _apply_override(data, text)
+        path, sets = _apply_override(data, text, booleans)
         if path in override_paths:  # the last would win silently
             raise RecipeError([f"command line {text!r}: {'.'.join(path)} is already set by "
                                f"{override_paths[path]!r}; give each key once"])
@@ -1004,13 +1041,22 @@ def validate_recipe(
     try:
         cfg = RecipeConfig.model_validate(data)
     except ValidationError as exc:
-        problems = [locator.line(*problem) for problem in _describe_all(exc.errors())]
+        problems = [locator.line(*problem) for problem in _describe_all(exc.errors(), booleans)]
         raise RecipeError(problems) from None
     problems = [locator.line(*problem) for problem in _cross_check(cfg)]
     if problems:
         raise RecipeError(problems)
     cfg._locator = locator
     return cfg
+
+
+def _string_keyed(data: Any) -> Any:
+    """``data`` without the keys that are not strings (``1:``, ``~:``), at every depth."""
+    if isinstance(data, dict):
+        return {key: _string_keyed(value) for key, value in data.items() if isinstance(key, str)}
+    if isinstance(data, list):
+        return [_string_keyed(item) for item in data]
+    return data
 
 
 def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> RecipeConfig:
@@ -1040,10 +1086,12 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
                 f"{column} ({exc.reason}); save the recipe as UTF-8"
             ]
         ) from None
-    data, lines, problems = _parse_yaml(text, source)
+    data, lines, booleans, problems = _parse_yaml(text, source)
     if problems:  # duplicate or odd keys: report them with whatever else is wrong
         try:
-            validate_recipe(data, source=source, name=path.stem, overrides=overrides, lines=lines)
+            # without the odd keys, reported above at their lines
+            validate_recipe(_string_keyed(data), source=source, name=path.stem, overrides=overrides,
+                            lines=lines, booleans=booleans)
         except RecipeError as exc:
             problems += exc.problems
         raise RecipeError(problems)
@@ -1061,7 +1109,8 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
                 f"({', '.join(SECTION_NAMES)}), got {_show(data)}"
             ]
         )
-    return validate_recipe(data, source=source, name=path.stem, overrides=overrides, lines=lines)
+    return validate_recipe(data, source=source, name=path.stem, overrides=overrides, lines=lines,
+                           booleans=booleans)
 
 
 def dump_recipe(cfg: RecipeConfig, path: str | os.PathLike[str]) -> Path:

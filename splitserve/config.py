@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from draftforge.argtypes import MAX_SEED
 from draftforge.precision import resolve_auto
@@ -138,6 +138,15 @@ class TargetConfig(Section):
         """The dtype for a target placed on ``device``: an ``auto`` dtype resolved there (a
         target put on the CPU of a CUDA machine takes the CPU's rule), else the recipe's."""
         return resolve_auto("auto", "cpu" if device == "cpu" else "cuda") if self._auto_dtype else self.dtype
+
+    @field_validator("shape")
+    @classmethod
+    def _random_shape_given_null(cls, shape: TargetShape | None, info: ValidationInfo) -> TargetShape | None:
+        # shape: null (or target.shape=null) is this key's problem, located at its line or
+        # override; a shape left out is _random_needs_shape's, the section's
+        if shape is None and info.data.get("model") == "random":
+            raise ValueError("model 'random' needs a declared 'shape' section, not null")
+        return shape
 
     @model_validator(mode="after")
     def _random_needs_shape(self) -> TargetConfig:
