@@ -98,8 +98,9 @@ def _read_segments(path: Path) -> list[dict]:
 
 def write_run_records(run_dir: Path, *, recipe_yaml: str | None, details: dict) -> None:
     """Append this training segment (a first run, a resume or a rerun) to run.json: its
-    command line, start time, git revision, versions, ``details`` and ``config``, the file
-    holding its resolved recipe. Earlier segments stay as they were written.
+    command line and ``cwd``, the folder it ran in (the base of the command's relative paths),
+    start time, git revision, versions, ``details`` and ``config``, the file holding its
+    resolved recipe. Earlier segments stay as they were written.
 
     config.yaml is the newest segment's recipe. An earlier one that differs is kept as
     ``config.<N>.yaml``, N the number (from 1) of the first segment that ran it, and the
@@ -115,6 +116,7 @@ def write_run_records(run_dir: Path, *, recipe_yaml: str | None, details: dict) 
             segments[n - 1]["config"] = kept
     segments.append({
         "command": [sys.executable, *sys.argv],
+        "cwd": os.getcwd(),
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "git_revision": git_revision(),
         "versions": package_versions(),
@@ -164,10 +166,8 @@ class MetricsLog:
 
     def _truncate_after(self, step: int) -> None:
         """Drop records of steps a resumed run will redo (written after its checkpoint)."""
-        if not self.path.exists():
-            return
-        kept = []
-        for line in self.path.read_text().splitlines():
+        kept = []  # the file is written even when absent: sync() then needs no fsync of its folder
+        for line in self.path.read_text().splitlines() if self.path.exists() else ():
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
@@ -191,6 +191,12 @@ class MetricsLog:
             for key, value in scalars.items():
                 if key != "step":
                     self._tensorboard.add_scalar(f"train/{key}", value, record["step"])
+
+    def sync(self) -> None:
+        """Make the records logged so far durable: the trainer calls this before each checkpoint,
+        which is fsynced, so that a machine crash never leaves a checkpoint ahead of its records
+        (a resume would redo none of the lost steps, leaving a gap in metrics.jsonl)."""
+        os.fsync(self._file.fileno())
 
     def close(self) -> None:
         self._file.close()

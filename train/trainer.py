@@ -618,11 +618,15 @@ class Trainer:
                         )
                     break
                 if self.step % train.checkpoint_interval == 0 and self.step < train.steps:
+                    if log is not None:
+                        log.sync()
                     result.checkpoint = self.save(extra_state=extra_state)
             done = ckpt.checkpoint_path(self.run_dir, self.step)
             if result.checkpoint == done or (result.steps_run == 0 and ckpt.is_complete(done)):
                 result.checkpoint = done  # nothing new since that checkpoint
             else:
+                if log is not None:
+                    log.sync()
                 result.checkpoint = self.save(extra_state=extra_state)
         finally:
             if progress is not None:
