@@ -16,6 +16,7 @@ Several machines (``split.num_nodes`` > 1): see ``multinode``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -48,6 +49,9 @@ RESTART_ENV = "DRAFTFORGE_RESTART"  # which restart of the job the ranks belong 
 # Where a rank of this node that refused its input (exit status 2) says so: torchrun exits 1
 # whatever its ranks' statuses were, and a restart would fail the same way.
 INPUT_ERROR_ENV = "DRAFTFORGE_INPUT_ERROR_FILE"
+# the user's own command (JSON list), which run.json records beside each rank's: its launcher
+# options (--nproc, --master-addr, --node-rank, --max-restarts) are not in the rank's command
+LAUNCH_COMMAND_ENV = "DRAFTFORGE_LAUNCH_COMMAND"
 
 
 def launch_env(master_addr: str = LOOPBACK, *, cpu: bool = True) -> dict[str, str]:
@@ -62,6 +66,7 @@ def launch_env(master_addr: str = LOOPBACK, *, cpu: bool = True) -> dict[str, st
         # node's GPUs talk over P2P or shared memory, not that socket
         env.setdefault("NCCL_SOCKET_IFNAME", "lo")
     env.setdefault("MASTER_ADDR", master_addr)
+    env[LAUNCH_COMMAND_ENV] = json.dumps([sys.executable, *sys.argv])
     return env
 
 

@@ -273,6 +273,10 @@ def test_draftforge_train_command_end_to_end(tmp_path):
     assert "(rendezvous on 127.0.0.1)" in done.stderr
     assert sorted(_by_step(metrics(tmp_path / "run"))) == list(range(1, 7))
     assert (tmp_path / "run" / "checkpoints" / "step_00000006").is_dir()
+    # run.json keeps the user's own command beside the rank's (whose launcher options it lacks)
+    segment = json.loads((tmp_path / "run" / "run.json").read_text())["segments"][0]
+    assert segment["launched_by"][0] == PYTHON and segment["launched_by"][2:] == ["train", str(recipe)]
+    assert segment["command"][2:] == [str(recipe)] and segment["cwd"] == str(ROOT)
 
 
 def test_ctrl_c_stops_the_job_with_one_message_and_no_rank_tracebacks(tmp_path):

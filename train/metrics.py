@@ -96,6 +96,19 @@ def _read_segments(path: Path) -> list[dict]:
     return record["segments"] if "segments" in record else [record]
 
 
+def _launch_command() -> dict:
+    """``launched_by``: the user's ``draftforge train`` (or ``bench split``) command line, which
+    the launcher passes to its ranks; absent for a rank torchrun started by hand."""
+    from draftforge.splitserve.launch import LAUNCH_COMMAND_ENV
+
+    text = os.environ.get(LAUNCH_COMMAND_ENV)
+    try:
+        command = json.loads(text) if text else None
+    except json.JSONDecodeError:
+        command = None
+    return {"launched_by": command} if isinstance(command, list) else {}
+
+
 def write_run_records(run_dir: Path, *, recipe_yaml: str | None, details: dict) -> None:
     """Append this training segment (a first run, a resume or a rerun) to run.json: its
     command line and ``cwd``, the folder it ran in (the base of the command's relative paths),
@@ -117,6 +130,7 @@ def write_run_records(run_dir: Path, *, recipe_yaml: str | None, details: dict) 
     segments.append({
         "command": [sys.executable, *sys.argv],
         "cwd": os.getcwd(),
+        **_launch_command(),
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "git_revision": git_revision(),
         "versions": package_versions(),
