@@ -192,6 +192,7 @@ def _parse_yaml(text: str, source: str) -> tuple[Any, dict[KeyPath, int], dict[K
     problems: list[str] = []
     try:
         node = loader.get_single_node()
+        _refuse_cycle(node, source)
         if node is not None:
             # before constructing: construction flattens merge keys (<<: *anchor) into the
             # mapping, and an explicit key beside a merged one would look duplicated
@@ -211,6 +212,27 @@ def _parse_yaml(text: str, source: str) -> tuple[Any, dict[KeyPath, int], dict[K
     finally:
         loader.dispose()
     return data, lines, booleans, problems
+
+
+def _cycle(node: yaml.Node, inside: frozenset[int] = frozenset()) -> yaml.Node | None:
+    """The first node that contains itself through an alias (``a: &x [*x]``), or None: a
+    recipe is a tree, and walking such a node would never end."""
+    if id(node) in inside:
+        return node
+    inside |= {id(node)}
+    children = (
+        [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode)
+        else node.value if isinstance(node, yaml.SequenceNode) else []
+    )  # fmt: skip
+    return next((found for child in children if (found := _cycle(child, inside)) is not None), None)
+
+
+def _refuse_cycle(node: yaml.Node | None, where: str, *, line: bool = True) -> None:
+    found = _cycle(node) if node is not None else None
+    if found is not None:
+        at = f"{where}:{found.start_mark.line + 1}" if line else where
+        raise RecipeError([f"{at}: YAML syntax error: an alias (*name) refers to a value that "
+                           "contains it; a recipe is a tree, not a cycle"])
 
 
 def _index_lines(
@@ -304,6 +326,7 @@ def parse_override(text: str, booleans: dict[KeyPath, str] | None = None) -> tup
         loader = _RecipeLoader(raw)
         try:
             node = loader.get_single_node()
+            _refuse_cycle(node, where, line=False)
             if node is not None:  # duplicate and non-string keys, as in a file
                 _index_lines(node, parts, {}, problems, None, {} if booleans is None else booleans)
             value = loader.construct_document(node) if node is not None else None

@@ -220,3 +220,21 @@ def test_a_refused_calibration_still_writes_the_report(tmp_path, capsys):
     assert not cal.exists()
     report = json.loads((out / "report.json").read_text())  # the decoding is kept
     assert report["workloads"]["alpha"]["num_prompts"] == 2 and "calibration" not in report
+
+
+@pytest.mark.parametrize("text, line", [("train:\n  loss: &x {ce_weight: *x}\n", 2), ("name: x\na: &x [1, *x]\n", 2)])
+def test_a_recipe_alias_inside_its_own_anchor_is_refused_at_its_line(tmp_path, text, line):
+    """``a: &x [*x]`` made the recipe loader recurse until RecursionError (a traceback)."""
+    from draftforge.config import RecipeError, load_recipe
+
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    with pytest.raises(RecipeError, match=rf"r.yaml:{line}: YAML syntax error: an alias \(\*name\) refers to a "
+                       "value that contains it"):
+        load_recipe(path)
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
+    with pytest.raises(RecipeError, match=r"command line 'train.loss=&x \{ce_weight: \*x\}': YAML syntax error: "
+                       "an alias"):
+        load_recipe(recipe, ["train.loss=&x {ce_weight: *x}"])
+    # an anchor merged elsewhere is no cycle
+    assert load_recipe(recipe, ["train.loss={ce_weight: &w 1.0, tv_weight: *w}"]).train.loss.tv_weight == 1.0
