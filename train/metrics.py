@@ -11,7 +11,6 @@ import re
 import secrets
 import subprocess
 import sys
-import time
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -279,7 +278,6 @@ class Progress:
         self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
                         disable=not enabled, file=sys.stderr,
                         mininterval=0.1 if sys.stderr.isatty() else 5.0)
-        self.started = time.perf_counter()
 
     def update(self, *, loss: float, tau: float, tokens_s: float) -> None:
         self.bar.set_postfix(loss=f"{loss:.4f}", tau=f"{tau:.3f}", tok_s=f"{tokens_s:.0f}", refresh=False)
