@@ -238,3 +238,21 @@ def test_a_recipe_alias_inside_its_own_anchor_is_refused_at_its_line(tmp_path, t
         load_recipe(recipe, ["train.loss=&x {ce_weight: *x}"])
     # an anchor merged elsewhere is no cycle
     assert load_recipe(recipe, ["train.loss={ce_weight: &w 1.0, tv_weight: *w}"]).train.loss.tv_weight == 1.0
+
+
+def test_git_revision_of_a_tree_whose_state_git_cannot_read_says_so(tmp_path):
+    """A corrupt index made ``git status`` fail; its empty output read as a clean tree."""
+    from draftforge.train.metrics import git_revision
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "draftforge"\n')
+    git("init", "-q")
+    git("add", "pyproject.toml")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+    head = git("rev-parse", "HEAD").strip()
+    assert git_revision(tmp_path) == head
+    (tmp_path / ".git" / "index").write_bytes(b"DIRC garbage")
+    assert subprocess.run(["git", "status", "--porcelain"], cwd=tmp_path, capture_output=True).returncode != 0
+    assert git_revision(tmp_path) == head + "-unknown-state"

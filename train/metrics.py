@@ -42,7 +42,8 @@ def _names_draftforge(pyproject: Path) -> bool:
 
 
 def git_revision(source: Path | None = None) -> str | None:
-    """The draftforge source tree's commit (with ``-dirty`` when it has changes), or None.
+    """The draftforge source tree's commit (with ``-dirty`` when it has changes, ``-unknown-state``
+    when git cannot tell), or None.
 
     ``source`` (default: the one this module runs from) is the folder above the package's;
     only a git work tree whose top is that folder, holding draftforge's pyproject.toml, counts.
@@ -62,6 +63,8 @@ def git_revision(source: Path | None = None) -> str | None:
             return None
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=source,
                                capture_output=True, text=True, timeout=10)
+        if dirty.returncode != 0:  # a corrupt index: whether the tree has changes is not known
+            return rev.stdout.strip() + "-unknown-state"
         return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return None
