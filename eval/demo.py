@@ -147,10 +147,24 @@ def dspark_overrides(cfg, paths: DemoPaths, markov_init: str) -> tuple[list[str]
 def dflash_overrides(paths: DemoPaths) -> list[str]:
     """The DFlash ablation's overrides: its objective and architecture, its own run
     directory, and the DSpark run's regenerated data (so it trains on the same answers)."""
-    overrides = [*DFLASH_OVERRIDES, f"train.output_dir={paths.dflash_dir}"]
+    overrides = [*DFLASH_OVERRIDES, _path_override("train.output_dir", paths.dflash_dir)]
     if paths.data_file is not None:
-        overrides.append(f"data.regenerated_file={paths.data_file}")
+        overrides.append(_path_override("data.regenerated_file", paths.data_file))
     return overrides
+
+
+def _path_override(key: str, path: Path) -> str:
+    """``key=PATH``, the path quoted where an override's YAML would read it as something else
+    (``/exp #3/run`` as ``/exp``, ``/a: b/run`` as a mapping)."""
+    from draftforge.config import RecipeError, parse_override
+
+    plain = f"{key}={path}"
+    try:
+        if parse_override(plain)[1] == str(path):
+            return plain
+    except RecipeError:
+        pass
+    return f"{key}={json.dumps(str(path), ensure_ascii=False)}"
 
 
 # -- stages ----------------------------------------------------------------------------
@@ -304,7 +318,8 @@ def run_side_by_side(jobs: dict[str, Sequence[str]], log_dir: Path, *, parallel:
             f"log {log_dir / (label + '.log')}"
             for label, status in failures
         )
-        raise DemoError(f"evaluation failed: {details}",
+        raise DemoError(f"evaluation failed: {details}\nThe logs say why; fix it and rerun the demo "
+                        "(finished stages are skipped, and so is an evaluation that finished).",
                         exit_status=_passed_on(*(status for _, status in failures)))
 
 
@@ -443,7 +458,7 @@ def eval_is_current(eval_dir: Path, args: Sequence[str], newer_than: Path, setti
     return all(recorded.get(key) == value for key, value in (settings or {}).items())
 
 
-EXPORT_STAMP = "demo-export.json"  # in the DSpark run folder: the command of the export stage
+EXPORT_STAMP = "demo-export.json"  # in the DSpark run folder: the export stage's command and files
 
 
 def checkpoint_step(checkpoint: Path) -> int:
@@ -487,15 +502,37 @@ def _check_trained_on(run_dir: Path, answers: str | None, what: str, *, skip_tra
         )
 
 
+def export_files(export_dir: Path) -> str:
+    """The digest of an export folder's files but its model card (the last stage writes it again):
+    its config and weights, the same for every export of one checkpoint by one command."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(export_dir.glob("*")):
+        if path.name != "README.md" and path.is_file():
+            content = hashlib.sha256()  # hashlib.file_digest needs Python 3.11
+            with path.open("rb") as handle:
+                for block in iter(lambda: handle.read(1 << 20), b""):
+                    content.update(block)
+            digest.update(path.name.encode() + content.digest())
+    return digest.hexdigest()
+
+
 def export_is_current(paths, export_args: Sequence[str], checkpoint: Path) -> bool:
-    """The export folder was written by exactly this command after the draft's last checkpoint."""
+    """The export folder was written by exactly this command after the draft's last checkpoint,
+    and holds what it wrote: not another export since (``draftforge export`` of an earlier
+    checkpoint writes to the same folder by default)."""
     stamp = paths.run_dir / EXPORT_STAMP
     if _mtime(paths.export_dir / "config.json") < _mtime(checkpoint / "COMPLETE"):
         return False
     try:
-        return _same_command(json.loads(stamp.read_text()).get("command"), export_args)
+        recorded = json.loads(stamp.read_text())
     except (OSError, json.JSONDecodeError):
         return False
+    if not _same_command(recorded.get("command"), export_args):
+        return False
+    files = recorded.get("files")  # stamps written before the digest: not checked
+    return files is None or files == export_files(paths.export_dir)
 
 
 def _remove(path: Path, keep: Sequence[Path]) -> None:
@@ -939,6 +976,9 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
 
     if paths.data_file is not None and paths.data_file.is_file() and not args.skip_train:
         _check_answers_file(cfg)
+    if not args.skip_train:  # both runs now: the DFlash one not after the hour of stages before it
+        for what, run_dir, run_cfg, _ in trainings:
+            check_same_recipe(run_dir, run_cfg.to_yaml(), what, other_option=other_options.get(what))
     # 1. data
     since = stages.banner("regenerate the training data: the target answers the prompts")
     if args.skip_train:
@@ -968,7 +1008,6 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
             else:
                 stages.skip(f"--skip-train: using the unfinished run's newest checkpoint {done}")
             continue
-        check_same_recipe(run_dir, run_cfg.to_yaml(), what, other_option=other_options.get(what))
         done = final_checkpoint(run_dir, run_cfg.train.steps)
         if done is not None:
             _check_trained_on(run_dir, answers, what)
@@ -1000,7 +1039,7 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
     else:
         stamp.unlink(missing_ok=True)  # the stamp names the folder's command: none while it changes
         run_stage("export", export_args, indent=True)
-        write_atomic(stamp, json.dumps({"command": export_args}))
+        write_atomic(stamp, json.dumps({"command": export_args, "files": export_files(paths.export_dir)}))
         stages.done(since)
 
     # 5. evaluation: DSpark export + baselines, and DFlash from its checkpoint, same prompts
