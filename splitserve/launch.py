@@ -73,8 +73,8 @@ def launch_env(master_addr: str = LOOPBACK, *, cpu: bool = True) -> dict[str, st
 def preflight(cfg) -> None:
     """Checks of the user's files that need no process group, before torchrun starts.
 
-    The checkpoint ``train.resume`` would pick must be readable and built for
-    this recipe's draft; the data is read and validated exactly as the target
+    No other run may be training in ``train.output_dir``; the checkpoint ``train.resume``
+    would pick must be readable and built for this recipe's draft; the data is read and validated exactly as the target
     ranks will read it (the overlap check is left to them); a logger the recipe
     turns on (``train.wandb``, ``train.tensorboard``) must be installed. Raises
     :class:`~draftforge.errors.InputError` (exit status 2) naming the file or key.
@@ -96,6 +96,9 @@ def preflight(cfg) -> None:
 
         where = "is a file" if existing == run_dir.absolute() else f"is under {existing}, a file"
         raise InputError(f"train.output_dir: {run_dir} {where}; name a folder for the run")
+    if run_dir.is_dir():  # another run training there: refused now, not once the target has loaded
+        ckpt.claim_run_dir(run_dir)
+        ckpt.release_run_dir(run_dir)
     found = ckpt.find_resume(run_dir, cfg.train.resume)
     if found is not None:
         model_config = _model_config(cfg)

@@ -256,3 +256,26 @@ def test_git_revision_of_a_tree_whose_state_git_cannot_read_says_so(tmp_path):
     (tmp_path / ".git" / "index").write_bytes(b"DIRC garbage")
     assert subprocess.run(["git", "status", "--porcelain"], cwd=tmp_path, capture_output=True).returncode != 0
     assert git_revision(tmp_path) == head + "-unknown-state"
+
+
+def test_draftforge_train_refuses_an_output_dir_another_run_trains_in_before_starting(tmp_path):
+    """The trainer refuses it (review round 25), but only once the target had loaded and the
+    ranks started; the launcher's preflight now says so first."""
+    from draftforge.config import load_recipe
+    from draftforge.splitserve.launch import preflight
+    from draftforge.train import checkpoint as ckpt
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = load_recipe(recipe, [f"train.output_dir={run}"])
+    child = _holder(run / ckpt.RUN_LOCK)
+    try:
+        with pytest.raises(ckpt.CheckpointError, match=rf"train.output_dir {run} is in use by another training run "
+                           rf"\(process {child.pid} holds"):
+            preflight(cfg)
+    finally:
+        child.kill()
+        child.wait()
+    preflight(cfg)  # free again, and left free
+    assert not (run / ckpt.RUN_LOCK).exists()

@@ -19,8 +19,9 @@ Layout of ``run_dir/checkpoints/step_XXXXXXXX``::
     deepspeed/            deepspeed: the engine's own checkpoint
     COMPLETE              written last
 
-Every rank writes into ``step_XXXXXXXX.tmp``; trainer rank 0 writes the state
-and the ``COMPLETE`` marker, then renames the folder: a checkpoint without its
+Every rank writes into ``step_XXXXXXXX.tmp``; trainer rank 0 writes the state, gives every
+file and folder the mode ``open``/``mkdir`` would (safetensors makes its files private) and
+writes the ``COMPLETE`` marker, then renames the folder: a checkpoint without its
 marker (or a ``.tmp`` folder) is never picked by resume. A failure on any rank
 while writing (a full disk, an exception) removes the ``.tmp`` folder and raises
 :class:`CheckpointError` on every rank, naming the failing ranks and their errors,
@@ -30,6 +31,8 @@ Loading checks every file first (an fsdp2 ``dcp/`` folder's data files against t
 sizes its metadata lists, every trainer rank's DeepSpeed files) and names the one that is
 missing, corrupt or truncated; a checkpoint of another draft shape, trainer count, strategy
 or (deepspeed) ZeRO stage or precision is refused.
+Trainer rank 0 holds a lock on the run directory (:func:`claim_run_dir`) from its resume
+until its training ends: a second run into the same ``train.output_dir`` is refused.
 DeepSpeed's engine is saved and loaded with its world-wide barriers narrowed to
 the trainer group (target ranks never join them). Nothing is unpickled except
 DeepSpeed's own files, read with ``torch.load(weights_only=True)``.
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shutil
 import uuid
@@ -48,7 +52,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftforge.errors import InputError
-from draftforge.files import fsync_tree, replace_dir, write_atomic
+from draftforge.files import (
+    Locked,
+    exclusive_lock,
+    fsync_tree,
+    replace_dir,
+    shareable,
+    write_atomic,
+)
 from draftforge.train import distributed as D
 
 COMPLETE = "COMPLETE"
@@ -57,6 +68,8 @@ DRAFT_CONFIG_FILE = "draft_config.json"  # the draft's DSparkConfig; export read
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _STALE_TMP = re.compile(r"^step_\d{8}\.tmp$")
 _RETIRED = re.compile(r"^\.step_(\d{8})\.old-")  # files.replace_dir's moved-aside copy
+RUN_LOCK = ".train.lock"  # in the run directory: held by the trainer rank 0 training there
+_claimed: dict[Path, contextlib.ExitStack] = {}  # run directories whose lock this process holds
 
 
 def checkpoints_root(run_dir: Path) -> Path:
@@ -84,6 +97,39 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=_step_of)
 
 
+def claim_run_dir(run_dir: Path) -> None:
+    """Hold the lock of ``run_dir`` until :func:`release_run_dir` or the end of this process (a
+    second claim by it is a no-op), or raise :class:`CheckpointError` when another process holds
+    it: another run into the same ``train.output_dir``, which would resume from the same
+    checkpoint, save into the same ``step_N.tmp`` folders and prune the other's checkpoints. The
+    lock is a ``flock``, so a killed run holds none; where the file system has no ``flock``,
+    nothing is held."""
+    key = Path(run_dir).absolute()
+    if key in _claimed:
+        return
+    stack = contextlib.ExitStack()
+    try:
+        key.mkdir(parents=True, exist_ok=True)
+        stack.enter_context(exclusive_lock(key / RUN_LOCK))
+    except Locked as busy:
+        holder = f"process {busy.holder}" if busy.holder else "a process that is starting"
+        raise CheckpointError(
+            f"train.output_dir {run_dir} is in use by another training run ({holder} holds "
+            f"{key / RUN_LOCK}): two runs in one folder would save over each other's checkpoints. "
+            "Wait for it to end (or stop it), or use another train.output_dir"
+        ) from None
+    except OSError:  # no flock here (some network file systems); the first write names another error
+        return
+    _claimed[key] = stack
+
+
+def release_run_dir(run_dir: Path) -> None:
+    """Let go of the lock :func:`claim_run_dir` took on ``run_dir`` (removing its file), if held."""
+    stack = _claimed.pop(Path(run_dir).absolute(), None)
+    if stack is not None:
+        stack.close()
+
+
 def find_resume(run_dir: Path, resume: str) -> Path | None:
     """The checkpoint ``train.resume`` asks for: ``auto`` (newest complete, or none), ``never``, or a path.
 
@@ -101,6 +147,7 @@ def find_resume(run_dir: Path, resume: str) -> Path | None:
     else:
         path = Path(resume)
         _check_resume_path(path)
+        _check_readable(path)
         start = int(_read_state(path)["step"])
     later = [p for p in complete_checkpoints(run_dir) if _step_of(p) > start]
     if later:
@@ -148,6 +195,28 @@ def _check_resume_path(path: Path) -> None:
         f"train.resume: {path} is not a complete checkpoint (no {COMPLETE} marker); "
         "pick another one or use train.resume=auto"
     )
+
+
+def _check_readable(path: Path) -> None:
+    """Refuse checkpoint ``path`` where this user may not read one of its files or folders (another
+    user wrote it, privately), before a check reads such a file as corrupt, or as missing (as
+    safetensors reports it), and advises deleting a checkpoint that may well be whole."""
+
+    def refuse(exc: OSError) -> None:
+        if isinstance(exc, PermissionError):
+            raise CheckpointError(
+                f"checkpoint {path}: this user cannot read {exc.filename} ({exc.strerror}); do not "
+                "delete the checkpoint for that, it may be whole: have its owner make it readable to "
+                f"this user (e.g. chmod -R a+rX {path}), or run as that user"
+            )
+
+    for root, _dirs, files in os.walk(path, onerror=refuse):
+        for name in files:
+            try:
+                with open(Path(root, name), "rb"):
+                    pass
+            except PermissionError as exc:
+                refuse(exc)
 
 
 def _read_state(path: Path) -> dict:
@@ -424,6 +493,7 @@ def save_checkpoint(
             if model_config is not None:
                 _write_json(tmp / DRAFT_CONFIG_FILE, model_config)
             _write_json(tmp / STATE_FILE, state)
+            shareable(tmp)  # safetensors writes its files 0600: another user could not resume or export
             fsync_tree(tmp)  # every file on disk before the marker that vouches for them
             write_atomic(tmp / COMPLETE, f"step {step}\n".encode())
             replace_dir(tmp, final)  # a re-save (after resuming further back) keeps the old one until then
@@ -624,12 +694,13 @@ def read_checked_state(path: Path, *, model_config: dict | None = None, strategy
                        dtype: str | None = None) -> dict:
     """The trainer state of checkpoint ``path``, its files checked before anything loads.
 
-    Checks that ``trainer_state.json`` parses, that every file the strategy that wrote
-    it reads back is there (every trainer rank's; ``optimizer.json`` parses, DeepSpeed's
+    Checks that this user may read every file, that ``trainer_state.json`` parses, that
+    every file the strategy that wrote it reads back is there (every trainer rank's;
+    ``optimizer.json`` parses, DeepSpeed's
     ``.pt`` files are whole zips), that every safetensors file's
     header is readable, that a ``dcp/`` folder's metadata is DCP's and its data
     files are all there and whole, and (given ``model_config``) that the stored draft
-    config has the same shape fields, and (given ``strategy``, ``trainer_ranks``,
+    config is there and has the same shape fields, and (given ``strategy``, ``trainer_ranks``,
     ``zero_stage``, ``dtype``: deepspeed's) that the run that wrote it had them; raises
     :class:`CheckpointError` naming the file and what to do. Reads no tensor data and runs
     no collective.
@@ -639,6 +710,7 @@ def read_checked_state(path: Path, *, model_config: dict | None = None, strategy
     from draftforge.train.compat import config_differences
 
     path = Path(path)
+    _check_readable(path)
     state = _read_state(path)
     if problem := _state_problem(state):
         raise _corrupt(path / STATE_FILE, ValueError(problem), path)
@@ -649,7 +721,9 @@ def read_checked_state(path: Path, *, model_config: dict | None = None, strategy
             raise _missing(rng_file, path)
     _check_strategy_files(path, state)
     draft_file = path / DRAFT_CONFIG_FILE
-    if model_config is not None and draft_file.is_file():
+    if model_config is not None and not draft_file.is_file():  # a draft of any shape would pass
+        raise _missing(draft_file, path)
+    if model_config is not None:
         try:
             saved = json.loads(draft_file.read_text())
             if not isinstance(saved, dict):  # the shape check would skip it, or raise TypeError

@@ -224,6 +224,7 @@ class Trainer:
     def resume(self) -> ResumeInfo | None:
         """Load the checkpoint ``train.resume`` selects (``auto``: newest complete one), if any."""
         self._check_shared_output_dir()
+        self._claim_output_dir()
         message = ""
         if self.is_main:
             try:
@@ -327,6 +328,20 @@ class Trainer:
                 f"train.output_dir {self.run_dir} must be on storage shared by all trainer ranks "
                 f"({ranks}, which trainer rank 0 wrote as {written}); point train.output_dir at a "
                 "shared file system")
+
+    def _claim_output_dir(self) -> None:
+        """Refuse a train.output_dir that another run is training in: trainer rank 0 holds its
+        lock (:func:`checkpoint.claim_run_dir`) until fit() ends. Collective."""
+        taken = ""
+        if self.is_main:
+            try:
+                ckpt.claim_run_dir(self.run_dir)
+            except ckpt.CheckpointError as exc:
+                taken = str(exc)
+        if self.world > 1:
+            taken = D.broadcast_string(taken, group=self.group, device=self._comm_device())
+        if taken:
+            raise ckpt.CheckpointError(taken)
 
     def _schedule_settings(self) -> dict:
         """What the learning rate of every step depends on (stored with each checkpoint)."""
@@ -545,6 +560,7 @@ class Trainer:
         """
         train = self.train
         self._check_shared_output_dir()
+        self._claim_output_dir()
         comm = self._comm_device()
         result = FitResult(step=self.step, steps_run=0, skipped_steps=self.skipped_steps,
                            stopped_reason="steps_done", checkpoint=None)
@@ -633,6 +649,8 @@ class Trainer:
                 progress.close()
             if log is not None:
                 log.close()
+            if self.is_main:  # another run may continue from here
+                ckpt.release_run_dir(self.run_dir)
         result.step = self.step
         result.skipped_steps = self.skipped_steps
         elapsed = time.perf_counter() - started
