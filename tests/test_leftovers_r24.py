@@ -279,3 +279,33 @@ def test_draftforge_train_refuses_an_output_dir_another_run_trains_in_before_sta
         child.wait()
     preflight(cfg)  # free again, and left free
     assert not (run / ckpt.RUN_LOCK).exists()
+
+
+def test_a_resumed_run_removes_the_earlier_plot_with_the_earlier_summary(tmp_path):
+    """A resumed run removed summary.json at its first step but left slot_acceptance.png: a crash
+    before the run's end left a plot describing no summary there is."""
+    from trainer_helpers import chain_samples, target_embeddings, tiny_model_config, train_config
+
+    from draftforge.train.sample import pack
+    from draftforge.train.trainer import Trainer
+
+    def trainer(steps):
+        return Trainer(model_config=tiny_model_config(), train=train_config(str(tmp_path), steps=steps,
+                       checkpoint_interval=2, resume="auto"), embeddings=target_embeddings(), run_dir=tmp_path)  # fmt: skip
+
+    trainer(2).fit(pack(chain_samples(12), 90))
+    assert (tmp_path / "slot_acceptance.png").is_file() and (tmp_path / "summary.json").is_file()
+
+    class Crash(Exception):
+        pass
+
+    def batches():  # the resumed run's first step trains, then the run dies
+        yield from pack(chain_samples(12), 90)[:1]
+        raise Crash
+
+    resumed = trainer(4)
+    resumed.resume()
+    with pytest.raises(Crash):
+        resumed.fit(batches())
+    assert not (tmp_path / "summary.json").exists()
+    assert not (tmp_path / "slot_acceptance.png").exists()

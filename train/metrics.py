@@ -19,6 +19,7 @@ from draftforge.files import write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
+PLOT_FILE = "slot_acceptance.png"  # the summary's per-slot acceptance, drawn
 RUN_FILE = "run.json"
 CONFIG_FILE = "config.yaml"
 WANDB_ID_FILE = "wandb_id.txt"

@@ -41,6 +41,7 @@ from draftforge.train import distributed as D
 from draftforge.train.blocks import build_layout, sample_anchors
 from draftforge.train.config import TrainConfig, warmup_steps
 from draftforge.train.metrics import (
+    PLOT_FILE,
     SUMMARY_FILE,
     MetricsLog,
     Progress,
@@ -617,6 +618,7 @@ class Trainer:
                     log.log(record)
                     if result.steps_run == 1:  # an earlier segment's summary no longer describes the run
                         (self.run_dir / SUMMARY_FILE).unlink(missing_ok=True)
+                        (self.run_dir / PLOT_FILE).unlink(missing_ok=True)  # nor its plot
                     progress.update(loss=record["loss"], tau=record["tau"], tokens_s=record["tokens_s"])
                     if self.step % train.log_interval == 0 or not applied:
                         progress.write(self._log_line(record))
@@ -809,7 +811,7 @@ class Trainer:
             if window:
                 from draftforge.train.plots import plot_slot_acceptance
 
-                plot_slot_acceptance(self.run_dir / "slot_acceptance.png", final=slots, first=first_slots,
+                plot_slot_acceptance(self.run_dir / PLOT_FILE, final=slots, first=first_slots,
                                      tau=summary["tau"])
             print(format_summary(summary), flush=True)
         return summary
