@@ -459,6 +459,7 @@ def eval_is_current(eval_dir: Path, args: Sequence[str], newer_than: Path, setti
 
 
 EXPORT_STAMP = "demo-export.json"  # in the DSpark run folder: the export stage's command and files
+EXPORT_RECIPE = "demo-export-recipe.yaml"  # beside it: the recipe the export stage names
 
 
 def checkpoint_step(checkpoint: Path) -> int:
@@ -1027,8 +1028,13 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
 
     # 4. export
     since = stages.banner(f"export the DSpark draft to {paths.export_dir}")
-    export_args = [  # --recipe: the run's own config.yaml would keep what an edit since changed
-        "export", str(paths.run_dir), "--recipe", recipe, "--out", str(paths.export_dir),
+    # --recipe: the DSpark training's recipe as resolved now, its overrides included (the recipe
+    # file alone would show the model card a random Markov start where the bigram one trained),
+    # with the eval and export sections as they are now (the run's config.yaml keeps older ones)
+    export_recipe = paths.run_dir / EXPORT_RECIPE
+    write_atomic(export_recipe, cfg.to_yaml())
+    export_args = [
+        "export", str(paths.run_dir), "--recipe", str(export_recipe), "--out", str(paths.export_dir),
         "--arch", cfg.export.arch,
         "--max-shard-size-mb", str(cfg.export.max_shard_size_mb),
         *(["--with-embeddings"] if cfg.export.with_embeddings else []),

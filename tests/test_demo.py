@@ -69,7 +69,10 @@ def test_demo_runs_every_stage_then_skips_them(tmp_path):
     # (d) the export, its model card holding the measured table
     export = json.loads((run / "export" / "config.json").read_text())
     assert export["markov_rank"] == 8 and export["block_size"] == 4
-    assert "Macro acceptance length" in (run / "export" / "README.md").read_text()
+    card = (run / "export" / "README.md").read_text()
+    assert "Macro acceptance length" in card
+    # its recipe is the one DSpark trained with, its overrides included (it showed the file alone)
+    assert "markov_init: bigram" in card, card
     # (e) the evaluations, same prompts
     dspark = json.loads((run / "eval" / "report.json").read_text())
     ablation = json.loads((run / "eval-dflash" / "report.json").read_text())

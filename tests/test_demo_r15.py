@@ -94,7 +94,8 @@ def test_an_export_folder_under_home_is_skipped_once_made_and_named_openable(tmp
     # the export stage as an earlier demo ran it: the folder, then the stamp naming its command
     (home / "drafts" / "x").mkdir(parents=True)
     (home / "drafts" / "x" / "config.json").write_text("{}")
-    command = ["export", str(paths.run_dir), "--recipe", str(recipe), "--out", str(home / "drafts" / "x"),
+    command = ["export", str(paths.run_dir), "--recipe", str(paths.run_dir / demo.EXPORT_RECIPE),
+               "--out", str(home / "drafts" / "x"),
                "--arch", cfg.export.arch, "--max-shard-size-mb", str(cfg.export.max_shard_size_mb)]  # fmt: skip
     (paths.run_dir / demo.EXPORT_STAMP).write_text(json.dumps({"command": command}))
     ran = _all_current(monkeypatch, paths, export_checked=True)
