@@ -309,3 +309,40 @@ def test_a_resumed_run_removes_the_earlier_plot_with_the_earlier_summary(tmp_pat
         resumed.fit(batches())
     assert not (tmp_path / "summary.json").exists()
     assert not (tmp_path / "slot_acceptance.png").exists()
+
+
+_READ_AS_ANOTHER_USER = """
+import os, sys
+from draftforge.train.export import ExportError, read_safetensors_file
+import safetensors.torch  # imported while the interpreter's files are readable
+if os.geteuid() == 0:
+    os.setgid(65534)
+    os.setuid(65534)  # root reads everything: nobody reads what the file's mode allows
+try:
+    read_safetensors_file(sys.argv[1])
+except ExportError as err:
+    print(err)
+"""
+
+
+def test_a_weights_file_this_user_may_not_read_is_not_called_missing_or_corrupt():
+    """export read a checkpoint's model.safetensors another user wrote privately (0600, as
+    safetensors writes it) as missing, or died on a PermissionError traceback."""
+    import shutil
+    import tempfile
+
+    import torch
+    from safetensors.torch import save_file
+
+    shared = Path(tempfile.mkdtemp(prefix="r24-", dir="/tmp"))  # a folder everyone may enter
+    try:
+        shared.chmod(0o755)
+        weights = shared / "model.safetensors"
+        save_file({"w": torch.zeros(2)}, str(weights))
+        weights.chmod(0o000)
+        done = subprocess.run([sys.executable, "-c", _READ_AS_ANOTHER_USER, str(weights)], capture_output=True,
+                              text=True, timeout=60)
+    finally:
+        shutil.rmtree(shared)
+    assert done.stdout.startswith(f"{weights}: this user cannot read it (Permission denied); do not delete it"), (
+        done.stdout + done.stderr)

@@ -585,13 +585,19 @@ def read_safetensors_file(path: str | os.PathLike[str]) -> dict[str, torch.Tenso
     from safetensors.torch import load_file
 
     path = Path(path)
+    try:  # safetensors reports a file this user may not read as missing
+        with open(path, "rb") as handle:
+            head = handle.read(2)
+    except PermissionError as err:
+        raise ExportError(
+            f"{path}: this user cannot read it ({err.strerror}); do not delete it for that, it may "
+            "be whole: have its owner make it readable to this user (chmod a+r), or run as that user"
+        ) from None
     try:
         return load_file(str(path))
     except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
         detail = str(err).splitlines()[0] if str(err) else type(err).__name__
         hint = ""
-        with open(path, "rb") as handle:
-            head = handle.read(2)
         if head[:1] == b"\x80" or head == b"PK":
             hint = " It looks like a pickle (torch.save) file: draftforge loads safetensors only."
         raise ExportError(
