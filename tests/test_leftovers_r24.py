@@ -346,3 +346,16 @@ def test_a_weights_file_this_user_may_not_read_is_not_called_missing_or_corrupt(
         shutil.rmtree(shared)
     assert done.stdout.startswith(f"{weights}: this user cannot read it (Permission denied); do not delete it"), (
         done.stdout + done.stderr)
+
+
+@pytest.mark.parametrize("name", ["ling3-flash-dspark.yaml", "ling3-flash-2node.yaml"])
+def test_the_ling_recipes_mask_is_no_token_ling_ends_a_turn_with(name):
+    """Ling's chat models end every turn with <|role_end|> = 156895 and text with <|endoftext|> =
+    156892 (eos [156892, 156895] in inclusionAI's Ling 2.6 generation_config.json); the recipes
+    used 156895 as the mask, taken from the diffusion models whose tokenizer adds a <|mask|>.
+    The target rank would refuse it, but only after loading the 124B-parameter target."""
+    from draftforge.config import load_recipe
+
+    cfg = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / name)
+    assert cfg.draft.mask_token_id not in (156892, 156895)
+    assert 0 <= cfg.draft.mask_token_id < cfg.target.shape.vocab_size == 157_184
