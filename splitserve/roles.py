@@ -514,12 +514,18 @@ def build_engine(ctx: RankContext):
     # an auto dtype was resolved for CUDA where there is one; a target rank placed on the CPU
     # (gloo, train.device cpu) takes the CPU's rule instead of an emulated bf16
     target = cfg.target.model_copy(update={"dtype": cfg.target.dtype_on(ctx.device.type)})
+    from draftforge.splitserve.target import check_mask_token_in_folder
+
+    checked = check_mask_token_in_folder(target, cfg.draft.mask_token_id)  # before minutes of loading
+    if checked is not None:
+        ctx.log(checked)
     ctx.log(f"loading target {target.model!r} ({target.dtype}) on {ctx.device}")
     begin = time.perf_counter()
     engine = build_target(target, cfg.draft.target_layer_ids, device=ctx.device,
                           tensor_parallel=cfg.split.target_tensor_parallel)
     ctx.log(f"target ready in {time.perf_counter() - begin:.1f} s")
-    if engine.trained:  # a random target's ids are all equally unused (and it may lack a tokenizer)
+    # a random target's ids are all equally unused (and it may lack a tokenizer)
+    if engine.trained and checked is None:
         from draftforge.splitserve.target import check_mask_token
 
         ctx.log(check_mask_token(engine.tokenizer, cfg.draft.mask_token_id,

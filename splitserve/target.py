@@ -200,6 +200,30 @@ def check_mask_token(
     return f"{where}: {token!r}, a special token the chat template does not use"
 
 
+def check_mask_token_in_folder(cfg: TargetConfig, mask_token_id: int) -> str | None:
+    """:func:`check_mask_token` from a local target folder's tokenizer, ``config.json`` and
+    ``generation_config.json`` alone, before its weights load (a refused id was found only
+    after minutes of loading a large target); its log line, or None where the folder does not
+    say its vocabulary size (the check then runs once the target has loaded)."""
+    from draftforge.splitserve.sglang_backend import eos_token_ids
+
+    folder = Path(cfg.model).expanduser()
+    if cfg.model == "random" or not (folder / "config.json").is_file():
+        return None
+    broken = broken_json_file(folder / "config.json")
+    if broken is not None:
+        raise InputError(broken)
+    config = json.loads((folder / "config.json").read_text())
+    vocab_size = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool):
+        return None
+    tokenizer = folder_tokenizer(folder, cfg)
+    return check_mask_token(tokenizer, mask_token_id, vocab_size=vocab_size,
+                            eos_ids=eos_token_ids(tokenizer, folder),
+                            chat_template=cfg.generation.chat_template,
+                            enable_thinking=cfg.generation.enable_thinking)
+
+
 def _rendered_chat_ids(
     tokenizer: PreTrainedTokenizerBase, *, chat_template: str | None, enable_thinking: bool
 ) -> set[int]:

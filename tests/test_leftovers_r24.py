@@ -359,3 +359,34 @@ def test_the_ling_recipes_mask_is_no_token_ling_ends_a_turn_with(name):
     cfg = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / name)
     assert cfg.draft.mask_token_id not in (156892, 156895)
     assert 0 <= cfg.draft.mask_token_id < cfg.target.shape.vocab_size == 157_184
+
+
+def test_a_mask_token_the_target_ends_turns_with_is_refused_before_its_weights_load(monkeypatch):
+    """The target rank checked draft.mask_token_id only once the target had loaded: minutes for
+    a large one (Ling-3.0-flash) before the refusal. A local folder's tokenizer, config.json and
+    generation_config.json say it first."""
+    import torch
+
+    from draftforge.config import load_recipe
+    from draftforge.errors import InputError
+    from draftforge.splitserve import smollm2
+    from draftforge.splitserve import target as target_mod
+    from draftforge.splitserve.roles import build_engine
+
+    folder = smollm2.ensure_smollm2()  # a local folder like any user's (eos 2: <|im_end|>)
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-cpu.yaml"
+
+    def not_loaded(*args, **kwargs):
+        raise AssertionError("the target's weights were loaded before the mask token was checked")
+
+    monkeypatch.setattr(target_mod, "build_target", not_loaded)
+    logged = []
+    for mask, refusal in ((2, "is an end-of-turn token of the target"), (1, "which the chat template writes")):
+        cfg = load_recipe(recipe, [f"target.model={folder}", f"draft.mask_token_id={mask}"])
+        ctx = types.SimpleNamespace(cfg=cfg, device=torch.device("cpu"), log=logged.append)
+        with pytest.raises(InputError, match=rf"draft.mask_token_id {mask} .*{refusal}"):
+            build_engine(ctx)
+    cfg = load_recipe(recipe, [f"target.model={folder}"])  # 16, <empty_output>: accepted, then loaded
+    with pytest.raises(AssertionError, match="were loaded"):
+        build_engine(types.SimpleNamespace(cfg=cfg, device=torch.device("cpu"), log=logged.append))
+    assert logged[0] == "draft.mask_token_id 16: '<empty_output>', a special token the chat template does not use"
