@@ -123,6 +123,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.path:
+        from draftforge.allocator import tune_malloc
+
+        # started with python -m, not through the CLI: the allocator settings of every draftforge
+        # process, a trainer rank's too, are this child's own to apply
+        tune_malloc()
         print(json.dumps(_child(args)))
         return 0
     base = [a for a in (argv if argv is not None else sys.argv[1:])]

@@ -236,15 +236,19 @@ def resolve_device(args, recipe) -> str:
         ) from None
 
 
-def estimate_for_bench(recipe, args):
+def estimate_for_bench(recipe, args, loss=None):
     """The dry run's trainer-rank estimate (strategy ``single``, one rank) at the bench's
     shapes: ``data.max_length`` = ``--seq``, ``train.num_anchors`` = ``--anchors``,
-    ``split.token_budget`` = batch x seq. None without a recipe."""
+    ``split.token_budget`` = batch x seq, and ``train.loss`` = ``loss``, the objective's
+    settings the steps ran with (:func:`_loss_config`; the recipe's when None). None without
+    a recipe."""
     if recipe is None:
         return None
     from draftforge.splitserve.dry_run import draft_parameter_counts, trainer_estimate
 
     cfg = recipe.model_copy(deep=True)
+    if loss is not None:  # --chunk-blocks sets the objective chunk the estimate counts
+        cfg.train.loss = loss
     cfg.data.max_length = args.seq
     cfg.train.num_anchors = args.anchors
     cfg.train.strategy = "single"
@@ -397,7 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     flops = step_flops(cfg, seq=args.seq, anchors=last["anchors"])
     tokens = sum(len(a) for a in last["anchors"]) * cfg.block_size
     tokens_s = tokens / step_s
-    print(f"step {step_s:.3f} s (median of {len(records)}), {tokens} block tokens -> {tokens_s:.0f} tokens/s")
+    cold = ("; no warm-up: the first step's first-call costs and any compilation are in it"
+            if args.warmup == 0 else "")
+    print(f"step {step_s:.3f} s (median of {len(records)}{cold}), {tokens} block tokens -> {tokens_s:.0f} tokens/s")
     print(f"FLOPs per step {flops['step'] / 1e9:.1f} G (forward: backbone {flops['backbone'] / 1e9:.2f} G, "
           f"attention {flops['attention'] / 1e9:.2f} G, vocabulary {flops['vocab'] / 1e9:.2f} G, heads "
           f"{flops['heads'] / 1e9:.2f} G; x3, fc x2)")
@@ -424,7 +430,7 @@ def _print_memory(recipe, args, peak_bytes: int) -> None:
 
     measured = peak_bytes / GIB
     line = f"CUDA memory: peak allocated {measured:.2f} GiB over the timed steps"
-    estimate = estimate_for_bench(recipe, args)
+    estimate = estimate_for_bench(recipe, args, _loss_config(recipe, args))
     if estimate is not None:
         line += (f"; dry-run estimate for one trainer rank at these shapes (strategy single) "
                  f"{estimate.total / GIB:.2f} GiB, measured/estimate {peak_bytes / estimate.total:.2f}")
