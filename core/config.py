@@ -894,7 +894,9 @@ def _check_split(cfg: RecipeConfig) -> list[Problem]:
         return problems
 
     if split.trainer_ranks is None:
-        world = split.world_size if split.world_size is not None else len(target) + 1
+        world = split.world_size
+        if world is None:  # one trainer rank, or one for each GPU trainer_devices names
+            world = len(target) + (len(split.trainer_devices) if split.trainer_devices else 1)
         split.trainer_ranks = [r for r in range(world) if r not in target]
     if split.world_size is None:
         split.world_size = len(target) + len(split.trainer_ranks)

@@ -115,9 +115,12 @@ def _weights_source(shape) -> str:
 def target_estimate(cfg: RecipeConfig) -> Estimate:
     """One target rank: weights, feature batch activations, generation KV cache, send buffers."""
     from draftforge.splitserve.registry import resolve_target_shape
+    from draftforge.splitserve.roles import comm_backend
 
     shape = resolve_target_shape(cfg.target)
-    dtype = BYTES[cfg.target.dtype]
+    # over gloo a target rank runs on the CPU, where an auto dtype takes the CPU's rule
+    dtype_name = cfg.target.dtype_on("cuda" if comm_backend(cfg, gpus_visible=True) == "nccl" else "cpu")
+    dtype = BYTES[dtype_name]
     tp = cfg.split.target_tensor_parallel
     k = len(cfg.draft.target_layer_ids)
     seq = cfg.data.max_length
@@ -134,7 +137,7 @@ def target_estimate(cfg: RecipeConfig) -> Estimate:
     logits = gen.batch_size * shape.vocab_size * 4
     wire = cfg.split.max_in_flight * seq * (k + 1) * hidden * 2
     weights = (target_parameters(shape) or 0) * dtype / tp
-    label = f"weights ({cfg.target.dtype}, tp {tp}, {_weights_source(shape)})"
+    label = f"weights ({dtype_name}, tp {tp}, {_weights_source(shape)})"
     if cfg.target.backend == "sglang":
         # two SGLang instances, each with its own copy: the engine and the feature runner;
         # their KV pools fill the rest of target.sglang_mem_fraction (sglang_pool_note)
@@ -206,11 +209,13 @@ def trainer_estimate(cfg: RecipeConfig, with_emb: int, without_emb: int) -> Esti
     ]
     k = len(draft.target_layer_ids)
     budget = cfg.split.token_budget
-    features = budget * (k + 1) * shape.hidden_size * 2  # bf16 on the wire
+    # a step collates all its grad_accum micro-batches before the first forward
+    features = train.grad_accum * budget * (k + 1) * shape.hidden_size * 2  # bf16 on the wire
     activations, objective = activation_bytes(cfg, shape, anchors_per_micro_batch(cfg, cfg.data.max_length))
     queue = cfg.split.max_in_flight * cfg.data.max_length * (k + 1) * shape.hidden_size * 2
     items += [
-        ("batch features (bf16)", features),
+        ("batch features (bf16" + (f", a step's {train.grad_accum} micro-batches)"
+                                   if train.grad_accum > 1 else ")"), features),
         ("context + backbone activations", activations),
         ("objective chunk (fp32, vocabulary)", objective),
         ("received queue (bf16)", queue),
@@ -319,22 +324,46 @@ def _shared_credits(split, topology) -> str:
     return f" ({'; '.join(shares)})" if shares else ""
 
 
+def _placed(cfg: RecipeConfig, ranks: list[int], devices: list[int] | None, *, trainer: bool) -> str:
+    """Where a group's ranks run, as the run places them: the group's device list; else over
+    NCCL each rank's GPU LOCAL_RANK; over gloo the CPU, or for a trainer of train.device
+    cuda (or auto where a GPU is visible) the current GPU, which nothing sets over gloo."""
+    from draftforge.splitserve.roles import comm_backend
+
+    split = cfg.split
+    if devices is not None:
+        return f"devices {devices}"
+    if comm_backend(cfg, gpus_visible=True) == "gloo":
+        if not trainer or cfg.train.device == "cpu":
+            return "cpu"
+        shared = "each on the current GPU, cuda:0 (gloo)"
+        return shared if cfg.train.device == "cuda" else f"{shared}, or cpu where no GPU is visible"
+    gpus = ("node-local GPUs LOCAL_RANK" if split.num_nodes > 1
+            else f"GPUs {[rank % split.world_size for rank in ranks]} (LOCAL_RANK)")
+    return gpus if split.comm_backend == "nccl" else f"{gpus}, or cpu where no GPU is visible"
+
+
 def dry_run(cfg: RecipeConfig) -> str:
     """The dry-run report."""
+    from draftforge.splitserve.roles import comm_backend
+
     split = cfg.split
     topology = build_topology(split)
     with_emb, without_emb = draft_parameter_counts(cfg)
     lines = [cfg.to_yaml().rstrip(), "", "split:"]
     nodes = "" if split.num_nodes == 1 else f" over {split.num_nodes} nodes"
-    lines.append(f"  world size {split.world_size}{nodes}; comm backend {split.comm_backend}")
-    auto = "cpu/auto" if split.num_nodes == 1 else "node-local GPU LOCAL_RANK"
+    backend = comm_backend(cfg, gpus_visible=True)
+    if split.comm_backend == "auto":
+        backend = ("auto: nccl where GPUs are visible, else gloo" if backend == "nccl"
+                   else "auto: gloo (train.device cpu)")
+    lines.append(f"  world size {split.world_size}{nodes}; comm backend {backend}")
     lines.append(
         f"  target ranks {split.target_ranks} (tensor parallel {split.target_tensor_parallel}, "
-        f"devices {split.target_devices or auto})"
+        f"{_placed(cfg, split.target_ranks, split.target_devices, trainer=False)})"
     )
     lines.append(
-        f"  trainer ranks {split.trainer_ranks} (strategy {cfg.train.strategy}, devices "
-        f"{split.trainer_devices or auto})"
+        f"  trainer ranks {split.trainer_ranks} (strategy {cfg.train.strategy}, "
+        f"{_placed(cfg, split.trainer_ranks, split.trainer_devices, trainer=True)})"
     )
     if split.target_tensor_parallel > 1:
         from draftforge.splitserve.roles import tensor_parallel_groups
