@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "lossless check needs float32 to be exact")  # fmt: skip
     parser.add_argument("--device", default="auto",
                         help="where the target and the draft run: auto (default) is the recipe's "
-                        "target GPUs (split.target_devices, else GPU 0) when CUDA is visible, else "
+                        "target GPUs (split.target_devices, else the GPUs LOCAL_RANK of its first "
+                        "target group's ranks, as training places them) when CUDA is visible, else "
                         "cpu; or cpu, cuda:N, or a list cuda:0,cuda:1,... Over several GPUs the "
                         "target is split by layers, filling them in order (one that fits on the "
                         "first stays there); the draft runs on the first")
@@ -111,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from draftforge.splitserve.config import TargetConfig
     from draftforge.splitserve.placement import (
         describe_placement,
+        recipe_target_gpus,
         resolve_devices,
         spread_placement,
     )
@@ -122,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         recipe = load_recipe(args.recipe)
         eval_cfg, target_cfg = recipe.eval, recipe.target
-        target_gpus = recipe.split.target_devices
+        target_gpus = recipe_target_gpus(recipe.split)
         if args.target and args.target != target_cfg.model:
             # another target: the recipe's declared shape was its target's ('random' needs one)
             shape = target_cfg.shape if args.target == "random" else None

@@ -30,13 +30,25 @@ WEIGHT_SHARE = 0.9
 DRAFT_HEADROOM_BYTES = 1 << 30  # beside the draft's weights on the first GPU: its activations
 
 
+def recipe_target_gpus(split) -> list[int]:
+    """The GPUs of the recipe's target group, which ``draftforge eval --device auto`` uses:
+    ``split.target_devices``; without them, the node-local GPUs (LOCAL_RANK) of its first
+    tensor-parallel group's ranks, where a training puts them."""
+    from draftforge.splitserve.roles import tensor_parallel_groups
+
+    if split.target_devices is not None:
+        return list(split.target_devices)
+    per_node = split.world_size // split.num_nodes
+    return [rank % per_node for rank in tensor_parallel_groups(split)[0]]
+
+
 def resolve_devices(choice: str, target_gpus: Sequence[int] | None = None, *,
                     cuda_available: bool | None = None) -> list[str]:
     """The devices ``draftforge eval --device`` names, lowest GPU first (where accelerate puts the
     target's first layers and the evaluator the draft).
 
-    ``auto``: every GPU of the recipe's target group (``split.target_devices``; GPU 0
-    when unset) when CUDA is visible, else ``cpu``. A comma-separated list of CUDA
+    ``auto``: every GPU of the recipe's target group (:func:`recipe_target_gpus`; GPU 0
+    without a recipe) when CUDA is visible, else ``cpu``. A comma-separated list of CUDA
     devices (``cuda:0,cuda:1``) names them; one device is checked as
     :func:`~draftforge.splitserve.target.resolve_device` checks it. Raises
     :class:`InputError` for a repeated device, a mix of CPU and GPUs, or a GPU

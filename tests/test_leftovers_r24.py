@@ -390,3 +390,23 @@ def test_a_mask_token_the_target_ends_turns_with_is_refused_before_its_weights_l
     with pytest.raises(AssertionError, match="were loaded"):
         build_engine(types.SimpleNamespace(cfg=cfg, device=torch.device("cpu"), log=logged.append))
     assert logged[0] == "draft.mask_token_id 16: '<empty_output>', a special token the chat template does not use"
+
+
+@pytest.mark.parametrize(
+    "recipe, overrides, gpus",
+    [
+        ("ling3-flash-2node.yaml", [], [0, 1, 2, 3]),  # no device lists: the first TP group's LOCAL_RANKs
+        ("ling3-flash-dspark.yaml", [], [0, 1, 2, 3]),  # its split.target_devices
+        ("qwen3-8b-dspark.yaml", ["split.target_devices=null", "split.trainer_devices=null"], [0]),
+        ("tiny-debug.yaml", [], [0]),
+    ],
+)
+def test_eval_device_auto_takes_the_gpus_training_gives_the_target(recipe, overrides, gpus):
+    """eval --device auto used split.target_devices, else GPU 0: the two-node Ling recipe (which
+    cannot list devices) would have put the whole 124B target on GPU 0."""
+    from draftforge.config import load_recipe
+    from draftforge.splitserve.placement import recipe_target_gpus, resolve_devices
+
+    cfg = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / recipe, overrides)
+    assert recipe_target_gpus(cfg.split) == gpus
+    assert resolve_devices("auto", recipe_target_gpus(cfg.split), cuda_available=True) == [f"cuda:{g}" for g in gpus]
