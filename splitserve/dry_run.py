@@ -147,13 +147,14 @@ def target_estimate(cfg: RecipeConfig) -> Estimate:
             ("features: captured layers", captured),
             ("send buffers (bf16)", wire),
         ])
+    generation = [_counted("generation: KV cache + logits", kv + logits, shape,
+                           ("num_attention_heads", "num_key_value_heads"))]
     return Estimate([
         (label, weights),
         ("features: captured layers", captured),
         _counted("features: one layer's activations", working + scores, shape,
                  ("num_attention_heads", "intermediate_size")),
-        _counted("generation: KV cache + logits", kv + logits, shape,
-                 ("num_attention_heads", "num_key_value_heads")),
+        *(generation if cfg.data.regenerate else []),  # the data's own answers: nothing generated
         ("send buffers (bf16)", wire),
     ])
 

@@ -410,3 +410,15 @@ def test_eval_device_auto_takes_the_gpus_training_gives_the_target(recipe, overr
     cfg = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / recipe, overrides)
     assert recipe_target_gpus(cfg.split) == gpus
     assert resolve_devices("auto", recipe_target_gpus(cfg.split), cuda_available=True) == [f"cuda:{g}" for g in gpus]
+
+
+def test_the_target_estimate_counts_generation_only_where_the_target_generates():
+    from draftforge.config import load_recipe
+    from draftforge.splitserve.dry_run import target_estimate
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-cpu.yaml"
+    answering = dict(target_estimate(load_recipe(recipe)).items)
+    reading = dict(target_estimate(load_recipe(recipe, ["data.regenerate=false"])).items)
+    assert answering["generation: KV cache + logits"] > 0
+    assert "generation: KV cache + logits" not in reading  # the data's own answers: none generated
+    assert {k: v for k, v in answering.items() if k != "generation: KV cache + logits"} == reading
