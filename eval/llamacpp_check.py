@@ -13,10 +13,10 @@ same text in the end.
 llama.cpp schedules rounds a little differently from ``draftforge eval``: its
 first round drafts from the prompt's last token (so the first answer token is
 drafted too), a round drafts no more than the budget leaves (but a whole block
-once nothing is left), and it stops once more than ``max_new_tokens`` tokens
-are out. The replay follows that schedule, so the two sides are compared round
-for round; their acceptance lengths are close to, not equal to, ``draftforge
-eval``'s.
+once nothing is left), it accepts no draft after an end-of-turn draft, and it
+stops once more than ``max_new_tokens`` tokens are out. The replay follows that
+schedule, so the two sides are compared round for round; their acceptance
+lengths are close to, not equal to, ``draftforge eval``'s.
 
 Both sides run the target in float32 (llama.cpp from an f32 GGUF), greedily,
 but add up in different orders, so a choice between two logits closer than
@@ -61,8 +61,10 @@ class Replay:
     # slots whose choice decided the round (what a small numerical difference could flip)
     target_margins: list[float] = field(default_factory=list)
     draft_margins: list[float] = field(default_factory=list)
-    # with p_min: how far the confidence logits that decided the cut lay from logit(p_min)
+    # with p_min: how far the confidence logits that decided the cut lay from logit(p_min), and the
+    # smallest margin among the draft slots whose choice fed one of them (the Markov head's input)
     confidence_margins: list[float] = field(default_factory=list)
+    cut_draft_margins: list[float] = field(default_factory=list)
 
     @property
     def rounds(self) -> int:
@@ -80,7 +82,9 @@ def replay(session, proposer, prompt: Sequence[int], *, max_new_tokens: int, eos
     ``max_new_tokens - emitted - 1`` tokens, or the whole block once that is 0 or less
     (``common_speculative_draft`` truncates only to a positive limit), and cut again before
     the first slot whose confidence (sigmoid of the head's logit) is below ``p_min`` when
-    ``p_min > 0``. The loop stops after an end-of-turn token or once more than
+    ``p_min > 0``. An accepted end-of-turn draft before the block's last slot is the round's
+    target token (``common_sampler_sample_and_accept_n`` stops there: the drafts after it are
+    not accepted). The loop stops after an end-of-turn token or once more than
     ``max_new_tokens`` tokens are out."""
     import torch
 
@@ -95,18 +99,25 @@ def replay(session, proposer, prompt: Sequence[int], *, max_new_tokens: int, eos
         proposal = proposer.propose(sequence, features)
         budget = max_new_tokens - run.predicted - 1
         drafts = proposal.tokens[:budget] if budget > 0 else proposal.tokens
-        confidence_margin = float("inf")
+        confidence_margin = cut_draft_margin = float("inf")
         if p_min > 0:
             logits_c = proposal.confidence_logits[: len(drafts)]
             cut = confidence_cut(logits_c, p_min)
             threshold = math.log(p_min / (1 - p_min)) if p_min < 1 else math.inf
-            if logits_c:  # the slots kept and the one that cut the block
+            if logits_c:  # the slots kept and the one that cut the block; slot k's reads slot k-1's token
                 confidence_margin = min(abs(z - threshold) for z in logits_c[: cut + 1])
+                cut_draft_margin = min((proposal.margins or [])[: min(cut, len(logits_c) - 1)], default=float("inf"))
             drafts = drafts[:cut]
         run.confidence_margins.append(confidence_margin)
+        run.cut_draft_margins.append(cut_draft_margin)
         anchor_pos = len(sequence) - 1
         logits, aux = session.extend([anchor] + drafts)
         hits, bonus = greedy_accept(drafts, logits)
+        # an end-of-turn draft before the block's last slot ends the round once accepted: llama.cpp
+        # accepts no draft after it and counts it as the round's target token
+        end = next((k for k, token in enumerate(drafts[:hits]) if token in eos and k + 1 < len(drafts)), None)
+        if end is not None:
+            hits, bonus = end, drafts[end]
         session.crop(anchor_pos + 1 + hits)
         features = torch.cat([features, aux[: hits + 1]], dim=0)
         run.target_margins.append(float(top2_margins(logits[: hits + 1]).min()))
@@ -132,9 +143,9 @@ class PromptCheck:
     """One prompt decoded by both: ``status`` is ``agree`` (every round the same: drafted,
     accepted, last token; and the same text), ``near-tie`` (the first round that differs is one
     where draftforge's target or draft had two choices within ``tie_tolerance`` logits, or a
-    confidence logit that close to the ``p_min`` cut: float32 arithmetic in a different order may
-    go either way), ``differ``, or ``error`` (llama.cpp failed on it: no counts, the reason in
-    ``detail``)."""
+    confidence logit that close to the ``p_min`` cut, that could have made the difference: float32
+    arithmetic in a different order may go either way), ``differ``, or ``error`` (llama.cpp
+    failed on it: no counts, the reason in ``detail``)."""
 
     workload: str
     index: int
@@ -162,7 +173,7 @@ def classify(theirs, ours: Replay, *, tie_tolerance: float, same_text: bool) -> 
         if a == b:
             continue
         where = f"round {i + 1} of {len(ours.round_log)}"
-        tie = _near_tie(ours, i, tie_tolerance)
+        tie = _near_tie(ours, i, tie_tolerance, cut=a[1] != b[1])
         if tie is None:
             return "differ", (
                 f"{where}: llama.cpp {a} against draftforge {b} (accepted, drafted, last token); "
@@ -179,13 +190,18 @@ def classify(theirs, ours: Replay, *, tie_tolerance: float, same_text: bool) -> 
     return ("near-tie", "; ".join(notes)) if notes else ("agree", "")
 
 
-def _near_tie(ours: Replay, i: int, tolerance: float) -> str | None:
-    """What made round ``i`` a near-tie on draftforge's side, or None."""
-    margins = {
-        "target": ours.target_margins[i],
-        "draft": ours.draft_margins[i],
-        "confidence": ours.confidence_margins[i] if ours.confidence_margins else math.inf,
-    }
+def _near_tie(ours: Replay, i: int, tolerance: float, *, cut: bool) -> str | None:
+    """What made round ``i`` a near-tie on draftforge's side, or None. Only a close choice that
+    could have made the difference counts: where the two drafted different numbers of tokens
+    (``cut``), the confidence cut or a draft choice feeding it (the target chooses after the block
+    is drafted); else the target's or the draft's (the same number drafted is the same cut)."""
+    if cut:
+        margins = {
+            "confidence": ours.confidence_margins[i] if ours.confidence_margins else math.inf,
+            "draft": ours.cut_draft_margins[i] if ours.cut_draft_margins else math.inf,
+        }
+    else:
+        margins = {"target": ours.target_margins[i], "draft": ours.draft_margins[i]}
     side = min(margins, key=margins.get)
     if margins[side] >= tolerance:
         return None
