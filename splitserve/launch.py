@@ -29,6 +29,7 @@ from draftforge import argtypes
 from draftforge.splitserve.multinode import (
     DEFAULT_MASTER_PORT,
     LOOPBACK,
+    check_master_port,
     check_node_args,
     is_loopback,
     launch_plan,
@@ -40,6 +41,7 @@ from draftforge.splitserve.multinode import (
 from draftforge.splitserve.supervisor import (
     JobInterrupted,
     SignalForwarder,
+    children,
     die_with,
     run_ranks,
 )
@@ -264,6 +266,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                f"node(s), 0..{layout.num_nodes - 1}"])
     else:
         layout = check_node_args(cfg, node_rank=args.node_rank, master_addr=args.master_addr)
+        if layout.num_nodes > 1 and args.node_rank == 0:  # node 0's torchrun hosts the rendezvous
+            check_master_port(args.master_port)
         _check_trainer_node(cfg, layout, args.node_rank)
     if args.nproc is not None and args.nproc != layout.nproc_per_node:
         raise RecipeError([
@@ -318,7 +322,8 @@ def _supervise(cfg, args, layout, env: dict[str, str], restarts: int) -> int:
         print(f"draftforge train: node {args.node_rank} runs: {shown(command)}", file=sys.stderr, flush=True)
 
         def run() -> int:
-            return run_torchrun(command, env=env, hint=_stop_hint(cfg, layout, args.node_rank, every_node=True))
+            return run_torchrun(command, env=env, nproc=layout.nproc_per_node,
+                                hint=_stop_hint(cfg, layout, args.node_rank, every_node=True))
     else:
         command = rank_command(args.recipe, args.overrides)
         labels = {r: f"target rank {r}" for r in cfg.split.target_ranks}
@@ -436,7 +441,7 @@ def _stop_hint(cfg, layout, node_rank: int | None, *, every_node: bool = False) 
     return _Hint(make)
 
 
-def run_torchrun(command: Sequence[str], *, env: Mapping[str, str],
+def run_torchrun(command: Sequence[str], *, env: Mapping[str, str], nproc: int | None = None,
                  hint: str = "rerun the same command on every node to continue from the newest "
                  "checkpoint") -> int:
     """Run this node's torchrun and wait for it; returns its exit status (128 + the signal
@@ -449,9 +454,17 @@ def run_torchrun(command: Sequence[str], *, env: Mapping[str, str],
     ranks; killed alone, it would leave those still stopping running on their own). torchrun
     dies with this process (SIGKILL, out of memory): the kernel sends it SIGTERM, and it
     stops its ranks.
+
+    With ``nproc`` (the ranks torchrun starts), so does a first signal that comes after some of
+    them ended and the others did not: torchrun, after a rank failed, waits up to its own
+    grace (30 s) for the others to stop, and a signal then adds that wait once more.
     """
     procs: list[subprocess.Popen] = []
-    with SignalForwarder(procs, kill_children=True) as forward:
+
+    def lost_a_rank() -> bool:
+        return nproc is not None and bool(procs) and 0 < len(children(procs[0].pid, living=True)) < nproc
+
+    with SignalForwarder(procs, kill_children=True, failed=lost_a_rank) as forward:
         try:
             procs.append(subprocess.Popen(list(command), env=dict(env),
                                           preexec_fn=die_with(os.getpid())))
@@ -464,8 +477,9 @@ def run_torchrun(command: Sequence[str], *, env: Mapping[str, str],
                 procs[0].wait()
     asked = forward.asked
     if asked:
-        print(f"draftforge train: stopped on {signal.Signals(asked[0]).name}; {hint}", file=sys.stderr,
-              flush=True)
+        after = " after a rank of this node ended (killed what was left)" if forward.killed_failed else ""
+        print(f"draftforge train: stopped on {signal.Signals(asked[0]).name}{after}; {hint}",
+              file=sys.stderr, flush=True)
         raise JobInterrupted(asked[0])
     # torchrun killed by a signal (out of memory: SIGKILL) exits as a shell says, 128 + signal,
     # as a one-machine job's does; Popen's -9 would leave this process with status 247

@@ -188,6 +188,28 @@ def is_unspecified(address: str) -> bool:
         return False
 
 
+def check_master_port(port: int) -> None:
+    """Refuse node 0's rendezvous port when it cannot listen there (another job or a torchrun
+    left running holds it): torchrun would end in a traceback, and each restart the same way.
+    Raises :class:`~draftforge.errors.InputError` naming the port."""
+    import errno
+    import socket
+
+    from draftforge.errors import InputError
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store: TIME_WAIT is free
+        try:
+            probe.bind(("", port))  # every interface, as torch's TCPStore listens
+        except OSError as exc:
+            held = (" another process listens on it (another job, or a torchrun left running: "
+                    f"`ss -ltnp 'sport = :{port}'` names it);" if exc.errno == errno.EADDRINUSE else "")
+            raise InputError(
+                f"--master-port {port}: node 0's rendezvous cannot listen on this port "
+                f"({exc.strerror or exc});{held} pass a free port with --master-port, the same on "
+                "every node") from None
+
+
 def check_node_args(cfg, *, node_rank: int | None, master_addr: str) -> NodeLayout:
     """The layout, after refusing a multi-node start without a node rank or a reachable node 0."""
     from draftforge.config import RecipeError

@@ -39,7 +39,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from draftforge.signals import outside_finalizers
 
@@ -78,19 +78,26 @@ class SignalForwarder:
     a Ctrl-C the terminal already sent their whole process group; a second signal kills them,
     and with ``kill_children`` their children's process groups first (torchrun's ranks, each
     in a session of its own, would outlive a killed torchrun holding their GPUs and ports).
+    So does a first signal when ``failed()`` says the job already failed (:attr:`killed_failed`
+    then): what is left of it only waits out a grace period.
     :attr:`asked` holds the signals received. Outside the main thread it installs nothing
     (the caller handles signals)."""
 
-    def __init__(self, procs: list[subprocess.Popen], *, kill_children: bool = False) -> None:
+    def __init__(self, procs: list[subprocess.Popen], *, kill_children: bool = False,
+                 failed: Callable[[], bool] | None = None) -> None:
         self.procs = procs
         self.kill_children = kill_children
+        self.failed = failed
+        self.killed_failed = False
         self.asked: list[int] = []
         self._previous: dict[int, object] = {}
 
     def __call__(self, signum: int, _frame: object = None) -> None:
         self.asked.append(signum)
         live = [proc for proc in self.procs if proc.poll() is None]
-        if len(self.asked) > 1:  # asked twice: no more waiting
+        if len(self.asked) == 1 and self.failed is not None and self.failed():
+            self.killed_failed = True
+        if len(self.asked) > 1 or self.killed_failed:  # asked twice, or after a failure: no more waiting
             for proc in live:
                 if self.kill_children:
                     for child in children(proc.pid):
@@ -113,8 +120,9 @@ class SignalForwarder:
             signal.signal(signum, handler)
 
 
-def children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid``, from Linux's /proc (none where there is none)."""
+def children(pid: int, *, living: bool = False) -> list[int]:
+    """The processes whose parent is ``pid``, from Linux's /proc (none where there is none);
+    with ``living``, not those that ended and wait to be reaped."""
     try:
         entries = [entry for entry in os.listdir("/proc") if entry.isdigit()]
     except OSError:
@@ -126,7 +134,7 @@ def children(pid: int) -> list[int]:
                 fields = stat.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid
         except (OSError, IndexError):
             continue  # gone meanwhile
-        if len(fields) > 1 and fields[1] == str(pid):
+        if len(fields) > 1 and fields[1] == str(pid) and not (living and fields[0] in ("Z", "X")):
             found.append(int(entry))
     return found
 
