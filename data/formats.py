@@ -23,7 +23,9 @@ wrong. What a row must contain depends on what it is read for (``expect``):
 - ``"prompt"``: prompts for regeneration; assistant turns, if any, are dropped (the target
   writes new ones) and plain prompts are allowed;
 - ``"conversation"``: finished conversations to train on; the last turn must be an
-  assistant reply.
+  assistant reply, and no assistant turn may keep its reasoning apart from its content
+  (``reasoning_content``, as servers with a reasoning parser return a reply): only the
+  content is trained on.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ Expect = Literal["prompt", "conversation"]
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
 _FORMAT_KEYS = {"messages": "messages", "sharegpt": "conversations", "prompt": "prompt"}
+# where a reply's reasoning is kept apart from its content: OpenAI-compatible servers with a
+# reasoning parser (SGLang, vLLM), Qwen3's template (reasoning_content), gpt-oss's (thinking)
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 
 
 class DataFormatError(InputError):
@@ -338,6 +343,8 @@ def parse_row(
     for i, message in enumerate(messages):
         what = "'system'" if i < len(system) else f"{noun} {i + 1 - len(system)} ({message['role']}) content"
         _check_unicode(message["content"], where, what)
+    if expect == "conversation" and chosen != "prompt":
+        _refuse_reasoning(row[_FORMAT_KEYS[chosen]], messages[len(system):], where, noun)
     extra = {k: v for k, v in row.items() if k not in ("id", "messages", "conversations", "prompt")}
     if "unfinished_turns" in extra:  # written by 'data regenerate': replies cut at the limit
         # indices into the row's own list, which a top-level 'system' key does not shift
@@ -347,6 +354,24 @@ def parse_row(
         messages = [m for m in messages if m["role"] != "assistant"]
         extra.pop("unfinished_turns", None)
     return Conversation(id=ident, messages=messages, source=str(where), extra=extra)
+
+
+def _refuse_reasoning(
+    turns: list[Any], messages: list[dict[str, str]], where: RowLocation, noun: str
+) -> None:
+    """Refuse an assistant turn to train on that holds its reasoning beside its content: only
+    role and content reach the chat template, so the reasoning (most of what a thinking
+    target generates) would be left out of training without a word."""
+    for i, (turn, message) in enumerate(zip(turns, messages, strict=True), start=1):
+        key = next((k for k in REASONING_KEYS if isinstance(turn.get(k), str) and turn[k].strip()), None)
+        if message["role"] == "assistant" and key is not None:
+            raise _fail(
+                where,
+                f"{noun} {i} (assistant) has its reasoning in {key!r}, beside its content, which "
+                "alone is trained on: put the reasoning into the content as the target writes it "
+                "(Qwen3: '<think>\\n...\\n</think>\\n\\n' before the reply), or remove the key "
+                "to train on the reply alone",
+            )
 
 
 def _unfinished_turns(value: Any, messages: list[dict[str, str]], where: str) -> list[int]:

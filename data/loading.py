@@ -1,7 +1,8 @@
 """Local data files -> validated conversations, offline.
 
-Supported files: ``.jsonl``, ``.jsonl.gz``, ``.json`` (a list of row objects), ``.json.gz``
-and ``.parquet``. JSON files are read with plain readers because every error must name
+Supported files: ``.jsonl``, ``.jsonl.gz``, ``.json`` (a list of row objects, or one object a
+line as in ``.jsonl``, which ``datasets`` reads from a ``.json`` too), ``.json.gz`` and
+``.parquet``. JSON files are read with plain readers because every error must name
 its row -- a jsonl row by its 1-based line, a ``.json`` row by its 1-based place in the list
 (``datasets`` infers one schema for the whole file and hides both); parquet files are read
 through ``datasets`` offline, row ``i`` being the i-th row of the table.
@@ -169,6 +170,10 @@ def _read_json(path: Path, suffix: str) -> Iterator[RawRow]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
+        if exc.msg == "Extra data" and _object_line(text.lstrip().split("\n", 1)[0]):
+            # one object a line (JSON Lines), as datasets (SpecForge's loader) reads a .json too
+            yield from _read_jsonl(path, suffix)
+            return
         raise DataFormatError(
             f"{path}, line {exc.lineno}: invalid JSON: {exc.msg} (column {exc.colno})"
         ) from None
@@ -181,6 +186,14 @@ def _read_json(path: Path, suffix: str) -> Iterator[RawRow]:
         )
     for number, value in enumerate(data, start=1):
         yield RawRow(RowLocation(str(path), number, "row"), value)
+
+
+def _object_line(line: str) -> bool:
+    """Whether ``line`` is a whole JSON object by itself."""
+    try:
+        return isinstance(json.loads(line), dict)
+    except (json.JSONDecodeError, RecursionError):
+        return False
 
 
 @contextlib.contextmanager

@@ -6,7 +6,9 @@ located by rendering the conversation up to that turn twice: once ending with th
 generation prompt (what the server sends before the model speaks) and once including
 the turn. What lies between is what the model generates: the reply and the template's
 end-of-turn marker (``<|im_end|>`` for ChatML). Whitespace the template puts after the
-marker is never generated (serving stops at the marker) and is not supervised.
+marker is never generated (serving stops at the marker) and is not supervised, nor is
+what a template appends after the last message when no generation prompt follows (Phi-3's
+``eos_token``): it ends the conversation, not a turn.
 
 The server tokenises the prompt alone, so no token of what it serves spans the end of the
 generation prompt. Tokenised as one string, a byte-level BPE merges the newline a
@@ -164,11 +166,14 @@ def _locate_turns(tokenizer, messages, *, chat_template, enable_thinking, unfini
     kwargs = {"chat_template": chat_template, "enable_thinking": enable_thinking}
     text = render(tokenizer, messages, add_generation_prompt=False, **kwargs)
     assistant = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
+    trailer = _trailer(tokenizer, messages[: assistant[0]], **kwargs) if assistant else ""
     spans, context, prompt_ends = [], [], []
     for index in assistant:
         message = messages[index]
         before = render(tokenizer, messages[:index], add_generation_prompt=True, **kwargs)
         upto = render(tokenizer, messages[: index + 1], add_generation_prompt=False, **kwargs)
+        if trailer and upto.endswith(trailer) and text.endswith(trailer):
+            upto = upto[: -len(trailer)]  # ends the conversation, not this turn
         if not (upto.startswith(before) and text.startswith(upto)):
             if index != assistant[-1]:
                 context.append(index)  # rewritten in the later prompts: context there
@@ -204,6 +209,25 @@ def _locate_turns(tokenizer, messages, *, chat_template, enable_thinking, unfini
             spans.append((start, end))
             prompt_ends.append(len(before))
     return text, spans, context, prompt_ends
+
+
+def _trailer(tokenizer, prompt, **kwargs) -> str:
+    """What the template appends after the last message when no generation prompt follows
+    (Phi-3's ``{% else %}{{ eos_token }}``): it ends every rendering of a conversation, so
+    it is neither the end of an assistant turn nor generated. Found in tokens, where the
+    rendering of ``prompt`` without and with the generation prompt part ways (as text,
+    ``<|endoftext|>`` and ``<|assistant|>`` share their first characters); whitespace is
+    left out of the spans anyway."""
+    closed = render(tokenizer, prompt, add_generation_prompt=False, **kwargs)
+    opened = render(tokenizer, prompt, add_generation_prompt=True, **kwargs)
+    ids, offsets = _encode(tokenizer, closed, ())
+    shared = 0
+    for ours, theirs in zip(ids, tokenizer(opened, add_special_tokens=False)["input_ids"], strict=False):
+        if ours != theirs:
+            break
+        shared += 1
+    trailer = closed[offsets[shared][0] :] if shared < len(ids) else ""
+    return trailer if trailer.strip() else ""
 
 
 def tokenize_messages(
