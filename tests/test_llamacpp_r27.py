@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+from test_llamacpp import _built_tools, _greedy_reference
 
 from draftforge.eval import llamacpp
 from draftforge.eval.llamacpp_check import Replay, classify, replay
@@ -129,3 +131,64 @@ def test_a_close_draft_choice_feeding_the_confidence_cut_is_a_near_tie():
     assert classify(theirs, ours, tie_tolerance=0.01, same_text=True) == (
         "near-tie", "round 1 of 1: the draft's top two logits are 0.004 apart"
     )
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(_built_tools() is None, reason="llama.cpp's tools not built (draftforge eval llamacpp builds them)")
+def test_llamacpp_itself_ends_a_round_at_an_end_of_turn_draft_as_the_replay_does(tmp_path):
+    """Against llama.cpp's own decoding: a draft memorising "2 + 2 = 4<|im_end|>\\n..." drafts
+    <|im_end|> in its block's third slot; llama.cpp logs that round as (2, 4, <|im_end|>). The
+    replay before the fix logged (4, 4, <|im_end|>), a false 'differ' (seen with these settings)."""
+    from draftforge.eval.speculative import DraftProposer, TargetSession
+    from draftforge.splitserve.config import TargetConfig
+    from draftforge.splitserve.smollm2 import ensure_smollm2
+    from draftforge.splitserve.target import build_target
+    from draftforge.train.blocks import sample_anchors
+    from draftforge.train.export import export_draft
+    from draftforge.train.hf_load import load_exported_draft
+    from draftforge.train.model import DSparkConfig, DSparkDraft
+
+    layer_ids = [1, 14, 27]
+    target = build_target(TargetConfig(model="smollm2-135m-instruct", dtype="float32"), layer_ids)
+    eos = set(target.eos_token_ids())
+    text = target.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2+2? Reply with the number only."}], tokenize=False,
+        add_generation_prompt=True)  # fmt: skip
+    prompt = target.tokenizer(text, add_special_tokens=False)["input_ids"]
+    reference = _greedy_reference(target, prompt, 24)  # runs on past the end of the turn
+    ids = torch.tensor([reference])
+    feats = target.features(ids)
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    mask[0, len(prompt) - 1 :] = True
+    torch.manual_seed(0)
+    cfg = DSparkConfig(
+        vocab_size=49152, hidden_size=576, num_hidden_layers=1, num_attention_heads=9, num_key_value_heads=3,
+        intermediate_size=768, target_hidden_size=576, num_target_layers=30, target_layer_ids=layer_ids,
+        block_size=4, mask_token_id=16, markov_rank=16, enable_confidence_head=True,
+        confidence_head_with_markov=True, max_position_embeddings=2048,
+    )  # fmt: skip
+    draft = DSparkDraft(cfg)
+    draft.load_target_embeddings(target.embed_tokens_weight(), target.lm_head_weight())
+    optimizer = torch.optim.AdamW(draft.trainable_parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(400):
+        anchors, valid = sample_anchors(mask, 48, generator=generator)
+        out = draft(ids, mask, feats.aux, feats.final, anchors, valid, objective=dict(ce_weight=1.0, tv_weight=0.5))
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+    export = export_draft(draft.eval(), tmp_path / "export", progress=lambda _: None)
+    source = llamacpp.source_dir()
+    target_gguf = llamacpp.convert(source, ensure_smollm2(), tmp_path / "target.gguf")
+    draft_gguf = llamacpp.convert(source, export, tmp_path / "draft.gguf", target_dir=ensure_smollm2())
+    theirs = llamacpp.run_speculative(_built_tools(), target_gguf, draft_gguf, text, max_new_tokens=32, block_size=4)
+    proposer = DraftProposer(load_exported_draft(export, target=target, dtype=torch.float32), temperature=0.0,
+                             generator=torch.Generator().manual_seed(0), record_margins=True)
+    stop = eos | theirs.end_tokens
+    ours = replay(TargetSession(target.model, layer_ids), proposer, prompt, max_new_tokens=32, eos=stop)
+    # the case this checks happened: a round whose drafts llama.cpp accepted up to an end-of-turn
+    assert any(last in stop and accepted < drafted for accepted, drafted, last in theirs.round_log)
+    assert theirs.round_log == ours.round_log
+    shown = ours.tokens[:-1] if ours.tokens and ours.tokens[-1] in stop else ours.tokens
+    assert classify(theirs, ours, tie_tolerance=0.01, same_text=theirs.text == target.tokenizer.decode(shown)) == (
+        "agree", "")
