@@ -56,7 +56,8 @@ demo: $(STAMP)
 # GPU checks (one GPU, under 8 minutes, nothing downloaded): SGLang feature capture ==
 # transformers, one SplitServe step (NCCL with 2+ GPUs), export + reload, SGLang DSPARK
 # serving against draftforge's evaluator. One PASS/FAIL/SKIP line per check; exit status
-# 0 (no failure), 1 (a check failed) or 77 (no CUDA device: everything skipped).
+# 0 (no failure), 1 (a check failed) or 77 (no CUDA device: everything skipped) from the
+# script, which make reports as Error 1 / Error 77 before exiting 2.
 # Options in GPU_CHECK_ARGS, e.g. GPU_CHECK_ARGS="--time-limit-s 400 --work-dir /tmp/gc".
 # It installs nothing (`make install` first, plus `pip install 'draftforge[sglang]'` for the
 # SGLang checks, which SKIP without it).

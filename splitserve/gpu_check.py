@@ -64,7 +64,7 @@ CHECK_CAPS_S = {"sglang-features": 150.0, "splitserve-step": 150.0, "export": 60
                 "sglang-dspark": 240.0}
 CHECK_ORDER = ("sglang-features", "splitserve-step", "export", "sglang-dspark")
 NEEDS = {"export": "splitserve-step"}
-MIN_START_S = 20.0  # a check is not started with less time than this left
+MIN_START_S = 40.0  # a check is not started with less time than this left (STOP_S to stop it)
 
 # Check 1: bf16 keeps about 3 significant digits and SGLang's kernels (fused norms,
 # flashinfer/triton attention) round differently from transformers' over 30 layers,
@@ -161,20 +161,34 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def stop_group(proc: subprocess.Popen, *, grace_s: float = 15.0) -> None:
-    """End a child started with ``start_new_session=True`` and everything it started."""
+TERM_GRACE_S, KILL_WAIT_S = 15.0, 5.0  # stop_group: SIGTERM, SIGKILL this much later, then wait
+STOP_S = TERM_GRACE_S + KILL_WAIT_S  # the longest stop_group takes
+
+
+def stop_group(proc: subprocess.Popen, *, grace_s: float = TERM_GRACE_S) -> None:
+    """End a child started with ``start_new_session=True`` and everything it started.
+
+    Interrupted while it waits (a check child's SIGTERM, Ctrl-C), it kills the group at
+    once: the group is in a session of its own, which nothing else would stop."""
     if proc.poll() is not None:
         return
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+    try:
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, KILL_WAIT_S)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(timeout=wait_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+    except BaseException:
         try:
-            os.killpg(proc.pid, sig)
+            os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            pass
+        raise
 
 
 def log_tail(path: Path, lines: int = 6) -> str:
@@ -183,7 +197,7 @@ def log_tail(path: Path, lines: int = 6) -> str:
         text = path.read_text(errors="replace")
     except OSError:
         return f"(no log at {path})"
-    return last_lines(text, lines)
+    return last_lines(text, lines) or "(empty)"
 
 
 @dataclass
@@ -222,9 +236,18 @@ def run_logged(command: Sequence[str], *, log: Path, timeout_s: float,
 
 
 def failed_command(name: str, what: str, done: Finished) -> CheckResult:
-    """The FAIL result of a command that timed out or exited non-zero."""
+    """The FAIL result of a command that timed out, was killed, exited non-zero, or (a check's
+    child) exited 0 without reporting a result."""
     if done.timed_out:
         why = f"{what} did not finish within {done.wall_s:.0f} s and was stopped"
+    elif done.returncode < 0:  # the OOM killer's SIGKILL, a crash's SIGSEGV or SIGABRT
+        try:
+            sig = signal.Signals(-done.returncode).name
+        except ValueError:
+            sig = f"signal {-done.returncode}"
+        why = f"{what} was killed by {sig}"
+    elif done.returncode == 0:
+        why = f"{what} exited with status 0 without reporting a result"
     else:
         why = f"{what} exited with status {done.returncode}"
     return CheckResult(name, FAIL, {"wall_s": round(done.wall_s, 1)},
@@ -664,9 +687,12 @@ def cuda_gpus() -> int:
 
 
 def run_all(work_dir: Path, limit_s: float, *, emit: Callable[[str], None] = print,
-            runner: Callable[[str, Path, float], CheckResult] = run_child) -> list[CheckResult]:
-    """Every check in order, each in a child process, within ``limit_s`` seconds."""
-    deadline = time.monotonic() + limit_s
+            runner: Callable[[str, Path, float], CheckResult] = run_child,
+            started: float | None = None) -> list[CheckResult]:
+    """Every check in order, each in a child process, within ``limit_s`` seconds of ``started``
+    (a ``time.monotonic()``; default now). A check is stopped ``STOP_S`` before the deadline:
+    stopping a hung one takes up to that long."""
+    deadline = (time.monotonic() if started is None else started) + limit_s
     results: dict[str, CheckResult] = {}
     for name in CHECK_ORDER:
         needed = NEEDS.get(name)
@@ -677,7 +703,7 @@ def run_all(work_dir: Path, limit_s: float, *, emit: Callable[[str], None] = pri
             result = CheckResult(name, FAIL, reason=f"not run: {left:.0f} s of the {limit_s:.0f} s "
                                  "limit (--time-limit-s) were left")
         else:
-            result = runner(name, work_dir, min(CHECK_CAPS_S[name], left))
+            result = runner(name, work_dir, min(CHECK_CAPS_S[name], left - STOP_S))
         results[name] = result
         emit(result.line())
     return list(results.values())
@@ -720,7 +746,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gpu-check: {gpus} GPU(s); work dir {work_dir}; limit {args.time_limit_s:.0f} s",
               flush=True)
         work_dir.mkdir(parents=True, exist_ok=True)
-        results = run_all(work_dir, args.time_limit_s, emit=lambda line: print(line, flush=True))
+        results = run_all(work_dir, args.time_limit_s, emit=lambda line: print(line, flush=True),
+                          started=started)
     print(summary_line(results, time.monotonic() - started, args.time_limit_s,
                        work_dir / "logs" if gpus else None))
     return exit_status(results, cuda=gpus > 0)

@@ -214,7 +214,9 @@ def _http(url: str, payload: dict | None = None, timeout_s: float = 60.0) -> tup
 
 
 def wait_until_ready(base: str, proc: subprocess.Popen, deadline: float) -> str | None:
-    """None once ``/health`` answers 200; otherwise why not (the server exited, or the deadline)."""
+    """None once ``/health`` answers 200; otherwise why not (the server exited, or the deadline:
+    the reason says how long the server had, which fitting the draft may have left short)."""
+    start = time.monotonic()
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return f"the server exited with status {proc.returncode} while starting"
@@ -225,7 +227,8 @@ def wait_until_ready(base: str, proc: subprocess.Popen, deadline: float) -> str 
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             pass
         time.sleep(1.0)
-    return "the server was not ready before the time limit"
+    return (f"the server was not ready within the {time.monotonic() - start:.0f} s the time "
+            "limit left it (--time-limit-s)")
 
 
 def serve_and_count(setup: Setup, model: str, prompts: Sequence[Sequence[int]],
