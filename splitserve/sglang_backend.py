@@ -172,6 +172,21 @@ def reply_ids(output: dict[str, Any], eos_token_ids: Sequence[int]) -> tuple[lis
     return ids, kind == "stop"
 
 
+def check_context(prompt_tokens: int, max_new_tokens: int, context: int | None, where: str) -> None:
+    """Refuse a prompt whose reply could run past the target's ``max_position_embeddings``
+    (``context``), as the transformers backend does. SGLang 0.5.23 refuses such a request
+    itself (``TokenizerManager._validate_one_request`` in
+    ``sglang/srt/managers/tokenizer_manager.py``), but with a ValueError that fails the
+    whole batch and names no prompt."""
+    if context is not None and prompt_tokens + max_new_tokens > context:
+        raise InputError(
+            f"{where} has {prompt_tokens} tokens: with target.generation.max_new_tokens "
+            f"{max_new_tokens}, it and its reply could take {prompt_tokens + max_new_tokens} "
+            f"positions, more than the target's max_position_embeddings {context}; shorten or "
+            "leave out that prompt, or lower max_new_tokens"
+        )
+
+
 def rows_from_batch(
     input_ids: torch.Tensor, attention_mask: torch.Tensor | None
 ) -> tuple[list[torch.Tensor], list[int]]:
@@ -591,6 +606,9 @@ class SGLangTarget:
         self.num_hidden_layers = int(config.num_hidden_layers)
         self.hidden_size = int(config.hidden_size)
         self.vocab_size = int(config.vocab_size)
+        #: the longest sequence the target was made for (None where its config does not say)
+        context = getattr(config, "max_position_embeddings", None)
+        self.max_position_embeddings = int(context) if context else None
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.layer_ids = check_layer_ids(layer_ids, self.num_hidden_layers)
         self._tokenizer = AutoTokenizer.from_pretrained(
@@ -626,9 +644,11 @@ class SGLangTarget:
         for index, conversation in enumerate(conversations):
             text = render_prompt(self._tokenizer, conversation, index, settings)
             prompts.append(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+            where = f"target {self.name!r}: the prompt of conversation {index}"
             try:
-                check_token_ids(torch.tensor([prompts[-1]], dtype=torch.long), self.vocab_size,
-                                f"target {self.name!r}: the prompt of conversation {index}", self._tokenizer)
+                check_token_ids(torch.tensor([prompts[-1]], dtype=torch.long), self.vocab_size, where,
+                                self._tokenizer)
+                check_context(len(prompts[-1]), settings.max_new_tokens, self.max_position_embeddings, where)
             except InputError as err:
                 err.conversation_index = index  # regeneration names the prompt's file, line and id
                 raise
