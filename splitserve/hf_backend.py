@@ -18,6 +18,7 @@ from draftforge.splitserve.target import (
     Reply,
     TargetFeatures,
     broken_json_file,
+    check_context,
     check_layer_ids,
     check_token_ids,
     folder_tokenizer,
@@ -233,7 +234,7 @@ class HFTarget:
                 where = f"target {self.name!r}: the prompt of conversation {start + offset}"
                 try:
                     check_token_ids(torch.tensor([row], dtype=torch.long), self.num_embeddings, where, tokenizer)
-                    self._check_context(len(row), settings.max_new_tokens, where)
+                    check_context(len(row), settings.max_new_tokens, self.max_position_embeddings, where)
                 except InputError as err:
                     err.conversation_index = start + offset  # callers that know its id name it
                     raise
@@ -243,19 +244,6 @@ class HFTarget:
             for row in output.tolist():
                 replies.append(_until_eos(row, eos))
         return replies
-
-    def _check_context(self, prompt_tokens: int, max_new_tokens: int, where: str) -> None:
-        """Refuse a prompt whose reply could run past the target's positions, as SGLang refuses
-        such a request: past ``max_position_embeddings`` a RoPE model still answers, but with
-        positions it never saw, and the draft would be trained on those answers."""
-        context = self.max_position_embeddings
-        if context is not None and prompt_tokens + max_new_tokens > context:
-            raise InputError(
-                f"{where} has {prompt_tokens} tokens: with target.generation.max_new_tokens "
-                f"{max_new_tokens}, it and its reply could take {prompt_tokens + max_new_tokens} "
-                f"positions, more than the target's max_position_embeddings {context}; shorten or "
-                "leave out that prompt, or lower max_new_tokens"
-            )
 
     def lm_head_weight(self) -> torch.Tensor:
         """The output projection [V, H_t], detached."""

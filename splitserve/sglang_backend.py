@@ -49,6 +49,7 @@ from draftforge.splitserve.target import (
     Reply,
     TargetFeatures,
     broken_json_file,
+    check_context,
     check_layer_ids,
     check_token_ids,
     merge_eos_ids,
@@ -170,21 +171,6 @@ def reply_ids(output: dict[str, Any], eos_token_ids: Sequence[int]) -> tuple[lis
         if token in eos:
             return ids[: position + 1], True
     return ids, kind == "stop"
-
-
-def check_context(prompt_tokens: int, max_new_tokens: int, context: int | None, where: str) -> None:
-    """Refuse a prompt whose reply could run past the target's ``max_position_embeddings``
-    (``context``), as the transformers backend does. SGLang 0.5.23 refuses such a request
-    itself (``TokenizerManager._validate_one_request`` in
-    ``sglang/srt/managers/tokenizer_manager.py``), but with a ValueError that fails the
-    whole batch and names no prompt."""
-    if context is not None and prompt_tokens + max_new_tokens > context:
-        raise InputError(
-            f"{where} has {prompt_tokens} tokens: with target.generation.max_new_tokens "
-            f"{max_new_tokens}, it and its reply could take {prompt_tokens + max_new_tokens} "
-            f"positions, more than the target's max_position_embeddings {context}; shorten or "
-            "leave out that prompt, or lower max_new_tokens"
-        )
 
 
 def rows_from_batch(

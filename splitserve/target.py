@@ -258,6 +258,21 @@ def _rendered_chat_ids(
     return ids
 
 
+def check_context(prompt_tokens: int, max_new_tokens: int, context: int | None, where: str) -> None:
+    """Refuse a prompt whose reply could run past the target's ``max_position_embeddings``
+    (``context``; None: not known). Past it a RoPE model still answers, but with positions it
+    never saw, and the draft would be trained on those answers; SGLang refuses such a request
+    itself (``TokenizerManager._validate_one_request``), with a ValueError that fails the whole
+    batch and names no prompt."""
+    if context is not None and prompt_tokens + max_new_tokens > context:
+        raise InputError(
+            f"{where} has {prompt_tokens} tokens: with target.generation.max_new_tokens "
+            f"{max_new_tokens}, it and its reply could take {prompt_tokens + max_new_tokens} "
+            f"positions, more than the target's max_position_embeddings {context}; shorten or "
+            "leave out that prompt, or lower max_new_tokens"
+        )
+
+
 def merge_eos_ids(sources: Sequence[object], *, where: str) -> list[int]:
     """End-of-turn token ids from several sources (an id, a list of ids or None each), in order,
     without repeats. A target with none cannot end a reply (every one would run to

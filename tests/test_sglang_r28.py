@@ -2,7 +2,7 @@
 
 A prompt whose reply could run past the target's positions is refused before SGLang sees the
 batch, naming its conversation, as the transformers backend refuses it
-(``HFTarget._check_context``). SGLang 0.5.23 refuses such a request itself:
+(``splitserve.target.check_context``). SGLang 0.5.23 refuses such a request itself:
 ``TokenizerManager._validate_one_request`` (``sglang/srt/managers/tokenizer_manager.py``,
 lines 1352-1378) raises ``ValueError("Requested token count exceeds the model's maximum
 context length ...")`` when ``max_new_tokens + len(input_ids) > context_len``, and
