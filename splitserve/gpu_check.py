@@ -724,7 +724,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--work-dir", default=DEFAULT_WORK_DIR,
                         help=f"recipe, run, export and logs go here (default {DEFAULT_WORK_DIR})")
-    parser.add_argument("--time-limit-s", type=float, default=DEFAULT_TIME_LIMIT_S,
+    from draftforge import argtypes
+
+    parser.add_argument("--time-limit-s", type=argtypes.positive_float, default=DEFAULT_TIME_LIMIT_S,
                         help=f"the whole run's time bound (default {DEFAULT_TIME_LIMIT_S:.0f})")
     parser.add_argument("--child", choices=CHECK_ORDER, help=argparse.SUPPRESS)
     return parser

@@ -422,3 +422,15 @@ def test_the_target_estimate_counts_generation_only_where_the_target_generates()
     assert answering["generation: KV cache + logits"] > 0
     assert "generation: KV cache + logits" not in reading  # the data's own answers: none generated
     assert {k: v for k, v in answering.items() if k != "generation: KV cache + logits"} == reading
+
+
+@pytest.mark.parametrize("value, says", [("nan", "must be a finite number"), ("0", "must be greater than 0"),
+                                         ("-5", "must be greater than 0")])
+def test_gpu_check_refuses_a_time_limit_it_cannot_keep(value, says, capsys):
+    """--time-limit-s nan ran every check to its cap ("limit nan s"); 0 or less gave four
+    'not run' FAILs instead of a usage error."""
+    from draftforge.splitserve import gpu_check
+
+    with pytest.raises(SystemExit) as stop:
+        gpu_check.main(["--time-limit-s", value])
+    assert stop.value.code == 2 and says in capsys.readouterr().err
