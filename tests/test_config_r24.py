@@ -5,37 +5,10 @@ of a byte that is not UTF-8."""
 from __future__ import annotations
 
 import pytest
+from recipe_helpers import TINY_RECIPE as BASE  # line numbers below count from its first line
+from recipe_helpers import problems
 
 from draftforge import cli
-from draftforge.config import RecipeError, load_recipe
-
-# A valid tiny recipe; line numbers below are counted from its first line.
-BASE = """\
-target:
-  model: random
-  shape:
-    num_hidden_layers: 4
-    hidden_size: 64
-    vocab_size: 512
-    num_attention_heads: 4
-    num_key_value_heads: 2
-draft:
-  hidden_size: 64
-  num_attention_heads: 4
-  num_key_value_heads: 2
-  target_layer_ids: [0, 1, 2]
-  block_size: 4
-  mask_token_id: 3
-  markov_rank: 16
-train:
-  strategy: single
-"""
-
-
-def problems(path, overrides=()) -> list[str]:
-    with pytest.raises(RecipeError) as info:
-        load_recipe(path, overrides)
-    return info.value.problems
 
 
 def test_a_control_character_in_the_file_is_refused_at_its_line_not_a_traceback(tmp_path, capsys):

@@ -6,36 +6,10 @@ null target.shape blamed on that key."""
 from __future__ import annotations
 
 import pytest
+from recipe_helpers import TINY_RECIPE as BASE  # line numbers below count from its first line
+from recipe_helpers import problems
 
-from draftforge.config import RecipeError, dump_recipe, load_recipe, parse_override
-
-# A valid tiny recipe; line numbers below are counted from its first line.
-BASE = """\
-target:
-  model: random
-  shape:
-    num_hidden_layers: 4
-    hidden_size: 64
-    vocab_size: 512
-    num_attention_heads: 4
-    num_key_value_heads: 2
-draft:
-  hidden_size: 64
-  num_attention_heads: 4
-  num_key_value_heads: 2
-  target_layer_ids: [0, 1, 2]
-  block_size: 4
-  mask_token_id: 3
-  markov_rank: 16
-train:
-  strategy: single
-"""
-
-
-def problems(path, overrides=()) -> list[str]:
-    with pytest.raises(RecipeError) as info:
-        load_recipe(path, overrides)
-    return info.value.problems
+from draftforge.config import dump_recipe, load_recipe, parse_override
 
 
 @pytest.mark.parametrize(
