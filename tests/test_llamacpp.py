@@ -373,30 +373,16 @@ def _built_tools() -> Path | None:
     return bin_dir if all((bin_dir / t).is_file() for t in (llamacpp.TOOL, llamacpp.TOKENIZER)) else None
 
 
-@pytest.mark.integration
-@pytest.mark.skipif(_built_tools() is None, reason="llama.cpp's tools not built (draftforge eval llamacpp builds them)")
-def test_llamacpp_decodes_a_memorised_answer_as_draftforge_does(tmp_path):
-    """A draft fitted to one SmolLM2 answer: llama.cpp's draft-dspark decoding must give the same
-    output and accept exactly as many drafts as draftforge on the same schedule."""
-    from draftforge.eval.cli import workload_texts
-    from draftforge.splitserve.config import TargetConfig
-    from draftforge.splitserve.smollm2 import ensure_smollm2
-    from draftforge.splitserve.target import build_target
+def memorised_export(target, layer_ids, reference, prompt_len, *, steps, out) -> Path:
+    """Export a 1-layer draft of block 4 fitted for ``steps`` steps to ``reference`` (a prompt of
+    ``prompt_len`` tokens and its answer), anchored from the prompt's last token on, as
+    llama.cpp's first round drafts from it."""
     from draftforge.train.blocks import sample_anchors
-    from draftforge.train.hf_load import load_exported_draft
 
-    layer_ids = [1, 14, 27]
-    target_cfg = TargetConfig(model="smollm2-135m-instruct", dtype="float32")
-    target = build_target(target_cfg, layer_ids)
-    eos = set(target.eos_token_ids())
-    text = workload_texts("gsm8k", target.tokenizer, target_cfg.generation, 1)[0]
-    prompt = target.tokenizer(text, add_special_tokens=False)["input_ids"]
-    new_tokens = 48
-    reference = _greedy_reference(target, prompt, new_tokens + 16)
     ids = torch.tensor([reference])
     feats = target.features(ids)
     mask = torch.zeros_like(ids, dtype=torch.bool)
-    mask[0, len(prompt) - 1 :] = True  # the prompt's last token anchors llama.cpp's first round
+    mask[0, prompt_len - 1 :] = True
     torch.manual_seed(0)
     cfg = DSparkConfig(
         vocab_size=49152, hidden_size=576, num_hidden_layers=1, num_attention_heads=9, num_key_value_heads=3,
@@ -408,13 +394,36 @@ def test_llamacpp_decodes_a_memorised_answer_as_draftforge_does(tmp_path):
     draft.load_target_embeddings(target.embed_tokens_weight(), target.lm_head_weight())
     optimizer = torch.optim.AdamW(draft.trainable_parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(0)
-    for _ in range(150):
+    for _ in range(steps):
         anchors, valid = sample_anchors(mask, 48, generator=generator)
-        out = draft(ids, mask, feats.aux, feats.final, anchors, valid, objective=dict(ce_weight=1.0, tv_weight=0.5))
+        loss = draft(ids, mask, feats.aux, feats.final, anchors, valid,
+                     objective=dict(ce_weight=1.0, tv_weight=0.5)).loss  # fmt: skip
         optimizer.zero_grad()
-        out.loss.backward()
+        loss.backward()
         optimizer.step()
-    export = export_draft(draft.eval(), tmp_path / "export", progress=lambda _: None)
+    return export_draft(draft.eval(), out, progress=lambda _: None)
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(_built_tools() is None, reason="llama.cpp's tools not built (draftforge eval llamacpp builds them)")
+def test_llamacpp_decodes_a_memorised_answer_as_draftforge_does(tmp_path):
+    """A draft fitted to one SmolLM2 answer: llama.cpp's draft-dspark decoding must give the same
+    output and accept exactly as many drafts as draftforge on the same schedule."""
+    from draftforge.eval.cli import workload_texts
+    from draftforge.splitserve.config import TargetConfig
+    from draftforge.splitserve.smollm2 import ensure_smollm2
+    from draftforge.splitserve.target import build_target
+    from draftforge.train.hf_load import load_exported_draft
+
+    layer_ids = [1, 14, 27]
+    target_cfg = TargetConfig(model="smollm2-135m-instruct", dtype="float32")
+    target = build_target(target_cfg, layer_ids)
+    eos = set(target.eos_token_ids())
+    text = workload_texts("gsm8k", target.tokenizer, target_cfg.generation, 1)[0]
+    prompt = target.tokenizer(text, add_special_tokens=False)["input_ids"]
+    new_tokens = 48
+    reference = _greedy_reference(target, prompt, new_tokens + 16)
+    export = memorised_export(target, layer_ids, reference, len(prompt), steps=150, out=tmp_path / "export")
     source = llamacpp.source_dir()
     target_gguf = llamacpp.convert(source, ensure_smollm2(), tmp_path / "target.gguf")
     draft_gguf = llamacpp.convert(source, export, tmp_path / "draft.gguf", target_dir=ensure_smollm2())

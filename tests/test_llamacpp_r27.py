@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_llamacpp import _built_tools, _greedy_reference
+from test_llamacpp import _built_tools, _greedy_reference, memorised_export
 
 from draftforge.eval import llamacpp
 from draftforge.eval.llamacpp_check import Replay, classify, replay
@@ -143,10 +143,7 @@ def test_llamacpp_itself_ends_a_round_at_an_end_of_turn_draft_as_the_replay_does
     from draftforge.splitserve.config import TargetConfig
     from draftforge.splitserve.smollm2 import ensure_smollm2
     from draftforge.splitserve.target import build_target
-    from draftforge.train.blocks import sample_anchors
-    from draftforge.train.export import export_draft
     from draftforge.train.hf_load import load_exported_draft
-    from draftforge.train.model import DSparkConfig, DSparkDraft
 
     layer_ids = [1, 14, 27]
     target = build_target(TargetConfig(model="smollm2-135m-instruct", dtype="float32"), layer_ids)
@@ -156,28 +153,7 @@ def test_llamacpp_itself_ends_a_round_at_an_end_of_turn_draft_as_the_replay_does
         add_generation_prompt=True)  # fmt: skip
     prompt = target.tokenizer(text, add_special_tokens=False)["input_ids"]
     reference = _greedy_reference(target, prompt, 24)  # runs on past the end of the turn
-    ids = torch.tensor([reference])
-    feats = target.features(ids)
-    mask = torch.zeros_like(ids, dtype=torch.bool)
-    mask[0, len(prompt) - 1 :] = True
-    torch.manual_seed(0)
-    cfg = DSparkConfig(
-        vocab_size=49152, hidden_size=576, num_hidden_layers=1, num_attention_heads=9, num_key_value_heads=3,
-        intermediate_size=768, target_hidden_size=576, num_target_layers=30, target_layer_ids=layer_ids,
-        block_size=4, mask_token_id=16, markov_rank=16, enable_confidence_head=True,
-        confidence_head_with_markov=True, max_position_embeddings=2048,
-    )  # fmt: skip
-    draft = DSparkDraft(cfg)
-    draft.load_target_embeddings(target.embed_tokens_weight(), target.lm_head_weight())
-    optimizer = torch.optim.AdamW(draft.trainable_parameters(), lr=3e-3)
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(400):
-        anchors, valid = sample_anchors(mask, 48, generator=generator)
-        out = draft(ids, mask, feats.aux, feats.final, anchors, valid, objective=dict(ce_weight=1.0, tv_weight=0.5))
-        optimizer.zero_grad()
-        out.loss.backward()
-        optimizer.step()
-    export = export_draft(draft.eval(), tmp_path / "export", progress=lambda _: None)
+    export = memorised_export(target, layer_ids, reference, len(prompt), steps=400, out=tmp_path / "export")
     source = llamacpp.source_dir()
     target_gguf = llamacpp.convert(source, ensure_smollm2(), tmp_path / "target.gguf")
     draft_gguf = llamacpp.convert(source, export, tmp_path / "draft.gguf", target_dir=ensure_smollm2())
