@@ -48,11 +48,10 @@ from draftforge.errors import InputError
 from draftforge.splitserve.target import (
     Reply,
     TargetFeatures,
-    broken_json_file,
     check_context,
     check_layer_ids,
     check_token_ids,
-    merge_eos_ids,
+    folder_eos_ids,
     render_prompt,
     sglang_layer_ids,
 )
@@ -436,18 +435,6 @@ def checkpoint_bytes(folder: Path) -> int:
     return sum(file.stat().st_size for file in folder.glob("*.safetensors"))
 
 
-def eos_token_ids(tokenizer: PreTrainedTokenizerBase, folder: Path) -> list[int]:
-    """End-of-turn ids: the tokenizer's eos plus ``generation_config.json``'s (as the transformers backend)."""
-    sources: list[Any] = [tokenizer.eos_token_id]
-    config_file = folder / "generation_config.json"
-    if config_file.is_file():
-        broken = broken_json_file(config_file)
-        if broken is not None:  # its end-of-turn ids would be lost: replies would run to the limit
-            raise InputError(f"{broken}; its end-of-turn ids (eos_token_id) are needed to end replies")
-        sources.append(json.loads(config_file.read_text()).get("eos_token_id"))
-    return merge_eos_ids(sources, where=f"target folder {folder}")
-
-
 # The input embedding's name: Llama/Qwen-style checkpoints, and Bailing/Ling (BailingMoeV3,
 # loaded by SGLang's bailing_moe_v3.py under model.word_embeddings).
 EMBEDDING_NAMES = ("model.embed_tokens.weight", "model.word_embeddings.weight")
@@ -611,7 +598,7 @@ class SGLangTarget:
 
     def eos_token_ids(self) -> list[int]:
         """Token ids that end an assistant turn."""
-        return eos_token_ids(self._tokenizer, self.folder)
+        return folder_eos_ids(self._tokenizer, self.folder)
 
     def generate(
         self, conversations: list[list[dict[str, str]]], settings: GenerationConfig

@@ -205,8 +205,6 @@ def check_mask_token_in_folder(cfg: TargetConfig, mask_token_id: int) -> str | N
     ``generation_config.json`` alone, before its weights load (a refused id was found only
     after minutes of loading a large target); its log line, or None where the folder does not
     say its vocabulary size (the check then runs once the target has loaded)."""
-    from draftforge.splitserve.sglang_backend import eos_token_ids
-
     folder = Path(cfg.model).expanduser()
     if cfg.model == "random" or not (folder / "config.json").is_file():
         return None
@@ -219,7 +217,7 @@ def check_mask_token_in_folder(cfg: TargetConfig, mask_token_id: int) -> str | N
         return None
     tokenizer = folder_tokenizer(folder, cfg)
     return check_mask_token(tokenizer, mask_token_id, vocab_size=vocab_size,
-                            eos_ids=eos_token_ids(tokenizer, folder),
+                            eos_ids=folder_eos_ids(tokenizer, folder),
                             chat_template=cfg.generation.chat_template,
                             enable_thinking=cfg.generation.enable_thinking)
 
@@ -271,6 +269,18 @@ def check_context(prompt_tokens: int, max_new_tokens: int, context: int | None, 
             f"positions, more than the target's max_position_embeddings {context}; shorten or "
             "leave out that prompt, or lower max_new_tokens"
         )
+
+
+def folder_eos_ids(tokenizer: PreTrainedTokenizerBase, folder: Path) -> list[int]:
+    """End-of-turn ids: the tokenizer's eos plus ``generation_config.json``'s (as the transformers backend)."""
+    sources: list[object] = [tokenizer.eos_token_id]
+    config_file = folder / "generation_config.json"
+    if config_file.is_file():
+        broken = broken_json_file(config_file)
+        if broken is not None:  # its end-of-turn ids would be lost: replies would run to the limit
+            raise InputError(f"{broken}; its end-of-turn ids (eos_token_id) are needed to end replies")
+        sources.append(json.loads(config_file.read_text()).get("eos_token_id"))
+    return merge_eos_ids(sources, where=f"target folder {folder}")
 
 
 def merge_eos_ids(sources: Sequence[object], *, where: str) -> list[int]:

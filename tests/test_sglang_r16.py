@@ -10,7 +10,7 @@ from test_sglang_backend import fake_target, folder, model  # noqa: F401  (fixtu
 
 from draftforge.errors import InputError
 from draftforge.splitserve.config import GenerationConfig
-from draftforge.splitserve.sglang_backend import eos_token_ids
+from draftforge.splitserve.target import folder_eos_ids
 
 
 def test_a_prompt_beyond_the_embedding_carries_its_conversation_index(fake_target):
@@ -31,8 +31,8 @@ def test_a_generation_config_that_does_not_parse_is_refused_naming_it(fake_targe
     config = tmp_path / "generation_config.json"
     config.write_text('{"eos_token_id": [2, 7],}\n')
     with pytest.raises(InputError) as err:
-        eos_token_ids(fake_target.tokenizer, tmp_path)
+        folder_eos_ids(fake_target.tokenizer, tmp_path)
     assert str(err.value).startswith(f"{config} is not valid JSON (")
     assert "line 1 column" in str(err.value) and "eos_token_id" in str(err.value)
     config.write_text('{"eos_token_id": [2, 7]}\n')
-    assert set(eos_token_ids(fake_target.tokenizer, tmp_path)) >= {2, 7}
+    assert set(folder_eos_ids(fake_target.tokenizer, tmp_path)) >= {2, 7}
