@@ -340,7 +340,7 @@ def _placed(cfg: RecipeConfig, ranks: list[int], devices: list[int] | None, *, t
         shared = "each on the current GPU, cuda:0 (gloo)"
         return shared if cfg.train.device == "cuda" else f"{shared}, or cpu where no GPU is visible"
     gpus = ("node-local GPUs LOCAL_RANK" if split.num_nodes > 1
-            else f"GPUs {[rank % split.world_size for rank in ranks]} (LOCAL_RANK)")
+            else f"GPUs {list(ranks)} (LOCAL_RANK)")  # one node: LOCAL_RANK is the rank
     return gpus if split.comm_backend == "nccl" else f"{gpus}, or cpu where no GPU is visible"
 
 
