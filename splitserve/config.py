@@ -206,7 +206,9 @@ class SplitConfig(Section):
     comm_backend: Literal["auto", "gloo", "nccl"] = Field(
         default="auto",
         description="transport of the features: auto is nccl when GPUs are visible and "
-        "train.device is not cpu, else gloo",
+        "train.device is not cpu, else gloo; over gloo the target ranks run on the CPU and "
+        "trainers of train.device cuda each on their own GPU (a node's first trainer rank on "
+        "GPU 0, its next on GPU 1, ...)",
     )
     feature_batch_size: int = Field(
         default=8, gt=0, description="sequences per target features() call on a target rank"

@@ -328,7 +328,7 @@ def _shared_credits(split, topology) -> str:
 def _placed(cfg: RecipeConfig, ranks: list[int], devices: list[int] | None, *, trainer: bool) -> str:
     """Where a group's ranks run, as the run places them: the group's device list; else over
     NCCL each rank's GPU LOCAL_RANK; over gloo the CPU, or for a trainer of train.device
-    cuda (or auto where a GPU is visible) the current GPU, which nothing sets over gloo."""
+    cuda (or auto where a GPU is visible) its own GPU, by its place among its node's trainers."""
     from draftforge.splitserve.roles import comm_backend
 
     split = cfg.split
@@ -337,8 +337,11 @@ def _placed(cfg: RecipeConfig, ranks: list[int], devices: list[int] | None, *, t
     if comm_backend(cfg, gpus_visible=True) == "gloo":
         if not trainer or cfg.train.device == "cpu":
             return "cpu"
-        shared = "each on the current GPU, cuda:0 (gloo)"
-        return shared if cfg.train.device == "cuda" else f"{shared}, or cpu where no GPU is visible"
+        if split.num_nodes > 1:
+            own = "each on its own GPU, by its place among its node's trainers (gloo)"
+        else:
+            own = f"GPUs {list(range(len(ranks)))} (gloo: in the order of the ranks)"
+        return own if cfg.train.device == "cuda" else f"{own}, or cpu where no GPU is visible"
     gpus = ("node-local GPUs LOCAL_RANK" if split.num_nodes > 1
             else f"GPUs {list(ranks)} (LOCAL_RANK)")  # one node: LOCAL_RANK is the rank
     return gpus if split.comm_backend == "nccl" else f"{gpus}, or cpu where no GPU is visible"

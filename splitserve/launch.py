@@ -489,14 +489,18 @@ def run_torchrun(command: Sequence[str], *, env: Mapping[str, str], nproc: int |
 def planned_gpus(cfg) -> int:
     """GPUs per node the recipe's split uses (what a dry run assumes): every GPU a group's
     device list names and, where samples go over NCCL as planned on a GPU machine, each
-    unlisted rank's node-local GPU LOCAL_RANK; the trainers' GPU 0 at least with
-    train.device cuda (over gloo they share their current GPU)."""
+    unlisted rank's node-local GPU LOCAL_RANK; with train.device cuda over gloo, one GPU
+    for each trainer rank of the node with the most."""
     from draftforge.splitserve.roles import comm_backend
 
     split = cfg.split
     per_node = split.world_size // split.num_nodes
     nccl = comm_backend(cfg, gpus_visible=True) == "nccl"
-    gpus = [0] if cfg.train.device == "cuda" else []
+    gpus = []
+    if cfg.train.device == "cuda" and not nccl:
+        most = max(sum(1 for r in split.trainer_ranks if r // per_node == node)
+                   for node in range(split.num_nodes))
+        gpus += list(range(most))
     for ranks, devices in ((split.target_ranks, split.target_devices),
                            (split.trainer_ranks, split.trainer_devices)):  # fmt: skip
         if devices is not None:

@@ -130,11 +130,13 @@ def split_problems(
         problems.append(
             f"split.target_devices / split.trainer_devices place ranks on GPUs for NCCL, but samples "
             f"go over gloo here (comm_backend {split.comm_backend}, train.device {train.device}), where "
-            "target ranks run on the CPU and each trainer on its current GPU: remove them, or set "
+            "target ranks run on the CPU and each trainer on its own GPU in its node's order: remove them, or set "
             "split.comm_backend=nccl"
         )
     if named and nccl and cuda_devices:
         problems += _shared_gpu_problems(split, per_node, cuda_devices)
+    if not nccl and cuda_devices and train.device != "cpu":
+        problems += _gloo_gpu_problems(split, cuda_devices)
     problems += tensor_parallel_problems(split, per_node=per_node, on_gpus=nccl)
     both = sorted(set(split.target_devices or []) & set(split.trainer_devices or []))
     if both:
@@ -260,9 +262,40 @@ def _shared_gpu_problems(split, per_node: int, cuda_devices: int) -> list[str]:
     return problems
 
 
+def gloo_trainer_gpu(split, rank: int) -> int:
+    """The GPU a trainer rank of ``train.device`` cuda takes when samples go over gloo: its
+    place among its node's trainer ranks (the first trainer of a node on GPU 0, the next on
+    GPU 1, ...), since the target ranks run on the CPU there."""
+    per_node = split.world_size // split.num_nodes
+    return [r for r in split.trainer_ranks if r // per_node == rank // per_node].index(rank)
+
+
+def _gloo_gpu_problems(split, cuda_devices: int) -> list[str]:
+    """Over gloo each trainer of train.device cuda takes its own GPU (:func:`gloo_trainer_gpu`):
+    a node with more trainer ranks than visible GPUs would put two on one."""
+    per_node = split.world_size // split.num_nodes
+    problems = []
+    for node in range(split.num_nodes):
+        here = [r for r in split.trainer_ranks if r // per_node == node]
+        if len(here) > cuda_devices:
+            where = f" on node {node}" if split.num_nodes > 1 else ""
+            problems.append(
+                f"split: {len(here)} trainer ranks {here}{where} would each take their own GPU "
+                f"(train.device cuda; over gloo the first trainer of a node takes GPU 0, the next "
+                f"GPU 1, ...), but {cuda_devices} GPU(s) are visible; use fewer trainer ranks "
+                "per node, or train.device=cpu"
+            )
+    return problems
+
+
 def _device(cfg: RecipeConfig, rank: int, backend: str) -> torch.device:
+    """This rank's transport device, which is also its compute device, except for a trainer of
+    train.device cuda over gloo: its samples arrive on the CPU, and its current GPU is set
+    here (:func:`gloo_trainer_gpu`) for the trainer to train on."""
     split = cfg.split
     if backend != "nccl":
+        if rank in split.trainer_ranks and cfg.train.device != "cpu" and torch.cuda.is_available():
+            torch.cuda.set_device(gloo_trainer_gpu(split, rank))
         return torch.device("cpu")
     if rank in split.target_ranks:
         devices, index = split.target_devices, split.target_ranks.index(rank)
