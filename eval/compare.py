@@ -258,9 +258,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--draws must be at least 1, got {args.draws}")
     if not 0 < args.level < 1:
         parser.error(f"--level must lie strictly between 0 and 1, got {args.level}")
-    if args.draws * (1 - args.level) / 2 < 1:  # else an interval end is the extreme draw, or none
+    # else an interval end is the extreme draw, or none; rounded as the message rounds it: the
+    # product draws * (1 - level) / 2 fell below 1 at the least it names (20 draws at 0.9: 1 - 0.9
+    # is 0.0999...), refusing the count the message asked for
+    least = math.ceil(round(2 / (1 - args.level), 9))
+    if args.draws < least:
         parser.error(f"--draws {args.draws} is too few for a {args.level:g} interval: each of its "
-                     f"tails needs a draw, so at least {math.ceil(round(2 / (1 - args.level), 9))}")
+                     f"tails needs a draw, so at least {least}")
     a = load_report(args.a)
     b = load_report(args.b) if args.b else a
     b_method = args.b_method or ("dspark" if args.b else "ngram")
