@@ -85,6 +85,8 @@ def test_the_reports_figures_are_those_of_the_rounds_decoded(recipe_path, tmp_pa
 
     def recording(session, prompt, proposer, settings, **kw):
         result = real(session, prompt, proposer, settings, **kw)
+        if current.get("warming"):  # the untimed warm-up's decodes, discarded
+            return result
         decoded.setdefault((current["workload"], _method_of(proposer)), []).append((list(prompt), result))
         return result
 
@@ -94,7 +96,17 @@ def test_the_reports_figures_are_those_of_the_rounds_decoded(recipe_path, tmp_pa
         current["workload"] = name
         return real_run(name, *args, **kw)
 
+    real_warm_up = harness.warm_up
+
+    def warm_up(*args):
+        current["warming"] = True
+        try:
+            real_warm_up(*args)
+        finally:
+            current["warming"] = False
+
     monkeypatch.setattr(harness, "speculative_decode", recording)
+    monkeypatch.setattr(harness, "warm_up", warm_up)
     drawn = {}
     real_save = report_mod._save
 
