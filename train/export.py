@@ -34,25 +34,29 @@ checkpoint instead (``draftforge eval RUN_DIR/checkpoints/step_...``).
 
 The export is atomic: everything is written into a temporary folder beside the
 destination, then renamed into place; a failure removes the temporary folder and
-leaves an older export at the destination untouched.
+leaves an older export at the destination untouched. What an export killed outright
+(SIGKILL, out of memory) leaves beside the destination is tidied by the next export
+into it (:func:`_tidy_leftovers`), which holds ``.NAME.lock`` there while it writes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import glob
 import json
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from draftforge.errors import InputError
-from draftforge.files import fsync_tree, replace_dir, shareable
+from draftforge.files import Locked, exclusive_lock, fsync_dir, fsync_tree, replace_dir, shareable
 from draftforge.train.model import DSparkConfig, DSparkDraft
 
 ARCHITECTURES = ("Qwen3DSparkModel", "LingDSparkModel")
@@ -335,13 +339,15 @@ def export_draft(
     staging = None
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-        _write_json(staging / CONFIG_FILE, config)
-        files = write_safetensors(state, staging, max_shard_size_mb=max_shard_size_mb)
-        (staging / CARD_FILE).write_text(model_card(config, card or ModelCard(), state))
-        shareable(staging)  # mkdtemp made it 0700: unreadable to a server running as another user
-        fsync_tree(staging)  # every file on disk before the folder takes its name
-        replace_dir(staging, out)
+        with _writing(out):
+            _tidy_leftovers(out, progress)
+            staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+            _write_json(staging / CONFIG_FILE, config)
+            files = write_safetensors(state, staging, max_shard_size_mb=max_shard_size_mb)
+            (staging / CARD_FILE).write_text(model_card(config, card or ModelCard(), state))
+            shareable(staging)  # mkdtemp made it 0700: unreadable to a server running as another user
+            fsync_tree(staging)  # every file on disk before the folder takes its name
+            replace_dir(staging, out)
     except BaseException:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
@@ -354,6 +360,41 @@ def export_draft(
     total = sum(t.numel() for t in state.values())
     progress(f"exported {total:,} parameters ({len(state)} tensors, {len(files)} file(s)) to {out}")
     return out
+
+
+@contextlib.contextmanager
+def _writing(out: Path) -> Iterator[None]:
+    """Hold ``.NAME.lock`` beside ``out`` while an export writes it: the leftovers
+    :func:`_tidy_leftovers` removes are then a killed export's, never a running one's."""
+    try:
+        with exclusive_lock(out.parent / f".{out.name}.lock"):
+            yield
+    except Locked as busy:
+        raise ExportError(f"another draftforge export (process {busy.holder or 'unknown'}) is writing "
+                          f"{out} now; wait for it to finish, or choose another --out") from None
+
+
+def _tidy_leftovers(out: Path, progress) -> None:
+    """What an export into ``out`` killed before it could clean up (SIGKILL, out of memory, a
+    power cut) left beside it: its staging folders ``.NAME.tmp-*`` (a partial copy of the
+    draft) are removed, and the earlier export that ``replace_dir`` had moved aside into
+    ``.NAME.old-*`` is put back where it is the only one left (killed between its two
+    renames), so that this export, should it fail too, leaves it in place; older copies go."""
+    name = glob.escape(out.name)
+    stale = sorted(out.parent.glob(f".{name}.tmp-*"))
+    aside = sorted(out.parent.glob(f".{name}.old-*"))
+    retired = sorted((p / out.name for p in aside if (p / out.name).is_dir()),
+                     key=lambda p: p.stat().st_mtime)
+    if retired and not out.exists():
+        os.replace(retired[-1], out)  # the newest: the one the killed export moved aside
+        fsync_dir(out.parent)
+        progress(f"export: put back the earlier export at {out}, which an export killed while "
+                 "replacing it had left moved aside")
+    for leftover in [*stale, *aside]:
+        shutil.rmtree(leftover, ignore_errors=True)
+    if stale:
+        progress(f"export: removed {len(stale)} partial folder(s) an export killed while writing left "
+                 f"beside {out}")
 
 
 def write_safetensors(
@@ -624,9 +665,15 @@ _CHECKPOINT_NAME = re.compile(r"step_\d{8}")  # checkpoint.py's names; equal wid
 
 
 def _strip_wrappers(name: str) -> str:
-    for prefix in ("_orig_mod.", "module."):
-        if name.startswith(prefix):
-            name = name[len(prefix) :]
+    """``name`` without the prefixes wrappers add, in whichever order they were nested
+    (``torch.compile(DDP(m))`` names ``_orig_mod.module.x``, ``DDP(torch.compile(m))``
+    ``module._orig_mod.x``)."""
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in ("_orig_mod.", "module."):
+            if name.startswith(prefix):
+                name, stripped = name[len(prefix) :], True
     return name
 
 

@@ -107,15 +107,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "Pass the recipe the run used (its run folder holds it as config.yaml)"
             )
     print(f"export: {source} -> {out}", flush=True)
+    from draftforge.splitserve.supervisor import unwinding_on_sigterm
+
     try:
-        path = export_draft(
-            (state, cfg),
-            out,
-            arch=args.arch or export_cfg.arch,
-            with_embeddings=export_cfg.with_embeddings if args.with_embeddings is None else args.with_embeddings,
-            max_shard_size_mb=args.max_shard_size_mb or export_cfg.max_shard_size_mb,
-            card=card,
-        )
+        # SIGTERM (timeout(1), a scheduler) unwinds like Ctrl-C: the staging folder (a partial
+        # copy of the draft) and the folders made above --out are removed, an older export kept
+        with unwinding_on_sigterm("draftforge export", "no partial folder was left; rerun the same command"):
+            path = export_draft(
+                (state, cfg),
+                out,
+                arch=args.arch or export_cfg.arch,
+                with_embeddings=export_cfg.with_embeddings if args.with_embeddings is None else args.with_embeddings,
+                max_shard_size_mb=args.max_shard_size_mb or export_cfg.max_shard_size_mb,
+                card=card,
+            )
     except (OSError, SafetensorError) as err:
         # a full disk, a read-only folder: export_draft left nothing partial. safetensors
         # reports its own write failing as "Error while serializing: I/O error: No space left

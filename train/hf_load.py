@@ -268,6 +268,21 @@ def read_safetensors_folder(folder: str | os.PathLike[str]) -> dict[str, torch.T
     raise ExportError(f"{folder}: neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
 
 
+def _check_dtypes(state: dict[str, torch.Tensor], folder: Path) -> None:
+    """Refuse a tensor of a dtype no export has (draftforge writes float32, bfloat16 or
+    float16), naming its file and key: ``load_state_dict`` would cast an integer, a bool or a
+    float8 tensor to the draft's dtype without a word and load another draft than the file's."""
+    wrong = sorted(name for name, tensor in state.items() if tensor.dtype not in _DTYPES.values())
+    if not wrong:
+        return
+    index = folder / INDEX_FILE
+    files = index_weight_map(index, advice="export the draft again") if index.is_file() else {}
+    shown = "; ".join(f"{folder / files.get(name, SINGLE_FILE)}: {name} is {state[name].dtype}"
+                      for name in wrong)
+    raise ExportError(f"{shown}; an exported draft's tensors are {', '.join(_DTYPES)} "
+                      "(draftforge export writes one of them); export the draft again")
+
+
 def load_exported_draft(
     folder: str | os.PathLike[str],
     *,
@@ -288,6 +303,7 @@ def load_exported_draft(
     raw = read_serving_config(folder)
     cfg = config_from_serving(raw, where=str(folder / CONFIG_FILE))
     state = read_safetensors_folder(folder)
+    _check_dtypes(state, folder)
     # each copy is optional (contract section 4): the folder's own is used where it holds one
     held = [name for name in EMBEDDING_KEYS if name in state]
     check_tensors(state, cfg, with_embeddings=bool(held), optional=EMBEDDING_KEYS, where=str(folder))
