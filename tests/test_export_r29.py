@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -173,3 +174,22 @@ def test_the_dtypes_exports_have_still_load_bit_identically(tmp_path, dtype):
     mine, theirs = model.state_dict(), loaded.state_dict()
     assert mine.keys() == theirs.keys()
     assert all(theirs[k].dtype == dtype and torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "sub/model.safetensors", "/abs/x.safetensors", ".."])
+def test_an_index_naming_a_shard_outside_its_folder_is_refused(tmp_path, shard):
+    """An index whose weight_map names a path, not a file beside it, read a safetensors file
+    from anywhere on the disk (``../``): refused, naming the index and the entry."""
+    from draftforge.train.hf_load import index_weight_map
+
+    folder = tmp_path / "export"
+    (folder / "sub").mkdir(parents=True)
+    for place in (tmp_path / "outside.safetensors", folder / "sub" / "model.safetensors"):
+        save_file({"w": torch.zeros(1)}, str(place))
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {"w": shard}}))
+    with pytest.raises(InputError, match=rf"names shard {re.escape(repr(shard))}, which is not a file name"):
+        index_weight_map(index, advice="export the draft again")
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {"w": "model.safetensors"}}))
+    save_file({"w": torch.zeros(1)}, str(folder / "model.safetensors"))
+    assert index_weight_map(index, advice="x") == {"w": "model.safetensors"}

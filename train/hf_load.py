@@ -233,6 +233,9 @@ def index_weight_map(index: Path, *, advice: str) -> dict[str, str]:
         raise InputError(f"{index}: not a valid safetensors index ('weight_map' is not an object of "
                          f"tensor names to file names); {advice}")
     for filename in sorted(set(weight_map.values())):
+        if Path(filename).name != filename or filename in ("", ".", ".."):
+            raise InputError(f"{index}: names shard {filename!r}, which is not a file name beside it "
+                             f"(a path would read a file outside {index.parent}); {advice}")
         if not (index.parent / filename).is_file():
             raise InputError(f"{index.parent / filename}: listed in {index.name} but missing; {advice}")
     return weight_map
