@@ -155,8 +155,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"draftforge eval: --workloads {','.join(args.workloads)} and --prompts-file "
             f"{args.prompts_file}: give one; the file's rows name their own workloads"
         )
-    if args.prompts_file and not Path(args.prompts_file).expanduser().is_file():  # as every path option
-        raise InputError(f"--prompts-file {args.prompts_file}: no such file")
+    if args.prompts_file:  # as every path option; a pipe (--prompts-file <(...), /dev/stdin) is read as a file
+        given = Path(args.prompts_file).expanduser()
+        if given.is_dir():
+            raise InputError(f"--prompts-file {args.prompts_file}: is a folder; give the JSONL file")
+        if not given.exists():
+            raise InputError(f"--prompts-file {args.prompts_file}: no such file")
     num_prompts = args.num_prompts or eval_cfg.num_prompts
     # read before the target loads: a bad row is found in seconds, not after minutes
     file_prompts, file_lines = _prompts_from_file(args.prompts_file, num_prompts) if args.prompts_file else (None, {})
@@ -495,7 +499,9 @@ def _prompts_from_file(
     except UnicodeDecodeError as err:
         raise InputError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason}); expected JSONL, one "
                          "{'workload': str, 'input_ids': [int, ...]} per line") from None
-    for line_no, line in enumerate(text.splitlines(), start=1):
+    # JSONL's rows end at "\n" alone: str.splitlines would also cut at U+2028, U+0085 and
+    # the like, which JSON allows inside a string, refusing a valid row and misnumbering the rest
+    for line_no, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         expected = "expected {'workload': str, 'input_ids': [int, ...]}"
@@ -503,6 +509,8 @@ def _prompts_from_file(
             row = json.loads(line)
         except json.JSONDecodeError as err:
             raise InputError(f"{path}:{line_no}: not JSON ({err}); {expected}") from None
+        except RecursionError:  # arrays or objects nested thousands deep
+            raise InputError(f"{path}:{line_no}: not a prompt row (JSON nested too deeply); {expected}") from None
         ids = row.get("input_ids") if isinstance(row, dict) else None
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise InputError(f"{path}:{line_no}: input_ids must be a list of token ids (integers), "
