@@ -36,6 +36,7 @@ from draftforge.data.formats import (
     Expect,
     RowFormat,
     RowLocation,
+    detect_format,
     parse_row,
 )
 
@@ -179,6 +180,12 @@ def _read_json(path: Path, suffix: str) -> Iterator[RawRow]:
         ) from None
     except RecursionError:
         raise DataFormatError(f"{path}: {NESTED_TOO_DEEPLY}") from None
+    if isinstance(data, dict) and detect_format(data) is not None and "\n" not in text.strip():
+        # one row object on one line: JSON Lines of one row, as datasets reads it (and as a
+        # .json file of two or more such lines is read above); another object ({"data": [...]})
+        # is refused below
+        yield from _read_jsonl(path, suffix)
+        return
     if not isinstance(data, list):
         raise DataFormatError(
             f"{path}: a .json data file must hold a list of row objects, got "

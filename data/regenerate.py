@@ -30,7 +30,9 @@ Resumable and crash-safe:
   extend;
 - a finished ``<out>`` ending in an incomplete line (cut while copied: this command renames
   only whole files into place) is continued from its whole rows, as an interrupted run's
-  ``.partial`` is, and replaced;
+  ``.partial`` is, and replaced; a larger recipe's file so cut (or ending in a blank line) whose
+  whole rows answer every prompt of this run is rewritten with its whole rows and accepted, as
+  the whole file would be;
 - a row repeated word for word (two runs appending to one file, a finished file
   concatenated with itself, which training would refuse) is dropped, the finished file
   rewritten with each row once; a second, different answer to one id is refused with the
@@ -508,6 +510,14 @@ def _regenerate(
             print(f"draftforge data regenerate: {out} repeats rows word for word; rewriting it "
                   "with each row once", file=sys.stderr)
             write_atomic(out, b"".join(_row_line(r) for r in rows))
+        if torn and len(rows) > len(ours) and {r["id"] for r in ours} == set(order):
+            # a larger recipe's file cut short (a copy) or ending in a blank line, which training
+            # refuses ("rerun draftforge data regenerate"): it answers every prompt of this run in
+            # its whole rows, and a whole larger file is accepted, so keep those rows as one
+            print(f"draftforge data regenerate: {out} ends with an incomplete line; rewriting it "
+                  f"with its {len(rows)} whole rows", file=sys.stderr)
+            write_atomic(out, b"".join(_row_line(r) for r in rows))
+            torn = False
         if {r["id"] for r in ours} == set(order) and not torn:
             others = len(rows) - len(ours)
             print(
