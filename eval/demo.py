@@ -806,7 +806,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-new-tokens",
         type=argtypes.positive_int,
-        help="tokens generated per prompt (default: the recipe's eval.max_new_tokens)",
+        help="tokens generated per prompt, 2 or more (default: the recipe's eval.max_new_tokens)",
     )
     parser.add_argument("--workloads", type=argtypes.names(WORKLOADS),
                         help=f"comma-separated subset of {','.join(WORKLOADS)} (default: the recipe's "

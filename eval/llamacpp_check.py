@@ -230,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Convert an export and its target with llama.cpp's converter, decode the workload "
         "prompts greedily with llama.cpp's draft-dspark speculative decoding and with draftforge on the "
         "same schedule, and check that every round (drafted, accepted, last token) agrees. Exit status "
-        "0 when no prompt differs beyond a float32 near-tie, 1 when one does or llama.cpp fails on one.",
+        "0 when no prompt differs beyond a float32 near-tie, 1 when one does or llama.cpp fails on one, "
+        "2 for refused input.",
     )
     parser.add_argument("draft", metavar="EXPORT", help="an export folder (draftforge export --out)")
     parser.add_argument("--recipe", required=True, help="the recipe whose target section names the target")

@@ -111,7 +111,7 @@ class TargetConfig(Section):
         default=False, description="let a local HF folder run its own modelling code"
     )
     cache_dir: str | None = Field(
-        default=None, description="conversion cache; default ~/.cache/draftforge"
+        default=None, description="conversion cache; default $DRAFTFORGE_CACHE, else ~/.cache/draftforge"
     )
     num_threads: int = Field(default=1, gt=0, description="intra-op threads per process on CPU")
     seed: int = Field(default=0, ge=0, le=MAX_SEED, description="seed of the random target (model: random)")
