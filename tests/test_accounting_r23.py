@@ -29,13 +29,21 @@ def test_the_queue_depth_is_documented_as_consumer_stream_counts_it():
     assert "its mean is over the takes, not\n  weighted by time" in accounting.__doc__
 
 
-def test_the_queue_mean_is_over_takes():
+def test_the_queue_mean_is_over_takes(monkeypatch):
     """Depths 4, 1, 1 at three takes: mean 2.0 whatever the time between them, max 4."""
+    import types
+
+    from draftforge.splitserve import accounting
     from draftforge.splitserve.accounting import ConsumerAccounting
 
+    clock = [0.0]
+    monkeypatch.setattr(accounting, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     acc = ConsumerAccounting(world=2, num_target=1, credits=4)
-    for depth in (4, 1, 1):
+    # depth 4 then held for 100 s, each 1 for a second and 99 s: weighted by time the mean
+    # would be (4 * 100 + 1 * 1 + 1 * 99) / 200 = 2.5, over the takes it is (4 + 1 + 1) / 3
+    for depth, then in ((4, 100.0), (1, 1.0), (1, 99.0)):
         acc.on_take(depth=depth, tokens=10, waited_s=0.0)
+        clock[0] += then
     queue = acc.snapshot()["queue"]
     assert queue == {"mean": 2.0, "max": 4, "credits": 4}
 

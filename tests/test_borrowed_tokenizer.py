@@ -87,14 +87,31 @@ def test_sizes_without_a_tokenizer_are_refused_with_the_range(vocab_size):
         load_tokenizer(TargetConfig(model="random", shape=shape))
 
 
-def test_a_random_target_of_a_cut_vocabulary_generates_and_tokenises_with_it():
+def test_a_random_target_of_a_cut_vocabulary_generates_and_tokenises_with_it(whole):
+    import torch
+
     shape = TargetShape(num_hidden_layers=2, hidden_size=32, vocab_size=1024)
     cfg = TargetConfig(model="random", shape=shape, dtype="float32")
     target = build_target(cfg, [0])
     assert len(target.tokenizer) == 1024 and len(load_tokenizer(cfg)) == 1024
-    reply = target.generate([[{"role": "user", "content": "Hello"}]],
-                            GenerationConfig(temperature=0.0, max_new_tokens=4))[0]
+    conversation = [{"role": "user", "content": "Hello"}]
+    reply = target.generate([conversation], GenerationConfig(temperature=0.0, max_new_tokens=8))[0]
     assert isinstance(reply, str)
+    # the reference: transformers' own greedy generate on the prompt the cut tokenizer renders,
+    # cut at the first end-of-turn token and decoded by SmolLM2's whole tokenizer
+    cut = _cut(1024)
+    text = cut.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    prompt = cut(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    assert int(prompt.max()) < 1024
+    eos = set(target.eos_token_ids())
+    with torch.no_grad():
+        out = target.model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                    max_new_tokens=8, eos_token_id=sorted(eos), pad_token_id=cut.pad_token_id)
+    new = out[0, prompt.shape[1]:].tolist()
+    new = new[: next((i + 1 for i, t in enumerate(new) if t in eos), len(new))]
+    assert new and max(new) < 1024
+    assert str(reply) == whole.decode(new, skip_special_tokens=True) != ""
+    assert reply.finished == (new[-1] in eos)
 
 
 def test_a_layout_other_than_smollm2s_is_not_cut():

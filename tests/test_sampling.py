@@ -54,6 +54,14 @@ def test_a_seeded_generator_repeats_its_draws():
     settings = GenerationConfig(temperature=1.0, top_k=10, top_p=0.9)
     first = next_tokens(logits, settings, torch.Generator().manual_seed(7))
     assert torch.equal(first, next_tokens(logits, settings, torch.Generator().manual_seed(7)))
+    # and it is that generator's stream which is drawn from: other seeds give other draws, and
+    # the generator moves on (a sampler that ignored it would repeat one fixed draw forever)
+    others = [next_tokens(logits, settings, torch.Generator().manual_seed(seed)) for seed in range(8, 14)]
+    assert any(not torch.equal(first, other) for other in others)
+    generator = torch.Generator().manual_seed(7)
+    assert torch.equal(next_tokens(logits, settings, generator), first)
+    draws = [next_tokens(logits, settings, generator) for _ in range(6)]
+    assert any(not torch.equal(first, draw) for draw in draws)
 
 
 class ScriptedModel(torch.nn.Module):

@@ -168,11 +168,17 @@ def test_features_from_sglang_packing_equal_hf_features(model):
 
 
 def test_features_cast_to_recipe_dtype():
-    out = features_from_packed(
-        torch.ones(3, 2 * H), torch.ones(3, H), [2, 1], 2, [0, 1], H, torch.bfloat16
-    )
+    # values bf16 cannot hold exactly: each must be rounded once, where its row puts it
+    gen = torch.Generator().manual_seed(4)
+    aux, final = torch.randn(3, 2 * H, generator=gen), torch.randn(3, H, generator=gen)
+    out = features_from_packed(aux, final, [2, 1], 2, [0, 1], H, torch.bfloat16)
     assert out.aux.dtype == torch.bfloat16 and out.final.dtype == torch.bfloat16
     assert out.aux.shape == (2, 2, 2 * H) and out.final.shape == (2, 2, H)
+    for got, packed in ((out.aux, aux), (out.final, final)):
+        # by hand: sequence 0 holds packed tokens 0 and 1, sequence 1 token 2 and a zero pad
+        want = torch.stack([packed[0:2], torch.stack([packed[2], torch.zeros_like(packed[2])])])
+        assert torch.equal(got, want.to(torch.bfloat16))
+        assert not torch.equal(got.float(), want)  # the cast did round
 
 
 # ---------------------------------------------------------------- generation settings and outputs

@@ -424,9 +424,18 @@ def test_dry_run_ling_scale_on_meta(tmp_path):
     cfg = load_recipe(recipe)
     with_emb, without = draft_parameter_counts(cfg)
     assert with_emb - without == 2 * 49152 * 8192
-    assert without > 1_000_000_000
+    # by hand (H 8192, 64 heads of 128, 8 KV heads, MLP 24576, vocabulary 49152, Markov rank 8):
+    # per layer q and o 2 * H * 8192, k and v 2 * H * 1024, MLP 3 * H * 24576, two RMS norms
+    # 2 * H and the q/k norms 2 * 128; fc 5H * H, hidden_norm and norm 2 * H; the Markov head's
+    # W1 and W2 2 * V * 8; the confidence head reads [hidden; Markov embedding]: H + 8 weights, a bias
+    layer = 2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 24576 + 2 * 8192 + 2 * 128
+    assert without == 2 * layer + 5 * 8192 * 8192 + 2 * 8192 + 2 * 49152 * 8 + (8192 + 8 + 1)
     estimate = trainer_estimate(cfg, with_emb, without)
-    assert estimate.total > without * 16  # fp32 params + grads + two Adam moments at least
+    items = dict(estimate.items)  # strategy single, float32
+    assert items["trainable params (fp32)"] == items["gradients (fp32)"] == without * 4
+    assert items["AdamW moments (fp32)"] == without * 8
+    assert items["frozen embed + lm_head"] == (with_emb - without) * 4
+    assert estimate.total > without * 16 + (with_emb - without) * 4
 
 
 def test_dry_run_says_how_much_more_short_samples_can_take(tmp_path):

@@ -162,9 +162,14 @@ def test_features_in_recipe_dtype():
 def test_features_usable_in_autograd(target):
     """Features come from no_grad, not inference_mode: a trainer can build a graph on them."""
     features = target.features(torch.zeros(1, 4, dtype=torch.long))
+    assert not features.aux.is_inference() and not features.final.is_inference()
+    # plain data, outside any graph: a trainer's backward never reaches the target's weights
+    assert not features.aux.requires_grad and not features.final.requires_grad
     weight = torch.ones(features.aux.shape[-1], requires_grad=True)
     (features.aux * weight).sum().backward()
-    assert weight.grad is not None
+    # d/dw sum_{b,s,d} aux[b,s,d] * w[d] = sum_{b,s} aux[b,s,d]
+    torch.testing.assert_close(weight.grad, features.aux.sum(dim=(0, 1)), rtol=0, atol=0)
+    assert all(p.grad is None for p in target.model.parameters())
 
 
 @pytest.mark.parametrize(
