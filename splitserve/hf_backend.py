@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -116,6 +117,11 @@ class HFTarget:
             raise
         except SafetensorError as err:  # a damaged file: the library's message names none
             raise _unreadable_weights_error(path, err) from err
+        except OSError as err:
+            layout = _layout_error(path)
+            if layout is not None:
+                raise layout from err
+            raise
         except RuntimeError as err:
             if "ignore_mismatched_sizes" in str(err):  # transformers' load report lists them
                 raise InputError(
@@ -254,9 +260,13 @@ class HFTarget:
         return self.model.get_input_embeddings().weight.detach()
 
     def eos_token_ids(self) -> list[int]:
-        """Token ids that end an assistant turn (tokenizer's eos plus the model's generation eos)."""
+        """Token ids that end an assistant turn: the tokenizer's eos, the model's generation eos
+        and its config's (SGLang stops at both; transformers' generation config holds the
+        config's only where the folder has no generation_config.json)."""
+        config = self.model.config
         return merge_eos_ids(
-            (self.tokenizer.eos_token_id, self.model.generation_config.eos_token_id),
+            (self.tokenizer.eos_token_id, self.model.generation_config.eos_token_id,
+             getattr(config, "eos_token_id", None), getattr(config.get_text_config(), "eos_token_id", None)),
             where=f"target {self.name!r}",
         )
 
@@ -368,11 +378,33 @@ def _checked_model_folder(folder: str | os.PathLike[str]) -> Path:
     return path
 
 
+def _layout_error(path: Path) -> InputError | None:
+    """The error for a folder whose safetensors files transformers does not find (it reads
+    ``model.safetensors`` or the shards a ``model.safetensors.index.json`` lists, and says only
+    "no file named model.safetensors" beside the shards); None for a folder laid out so.
+    SGLang loads every ``*.safetensors`` file: the SGLang backend takes such a folder."""
+    if (path / "model.safetensors").is_file() or (path / _SAFETENSORS_INDEX).is_file():
+        return None
+    present = sorted(p.name for p in path.glob("*.safetensors"))
+    shown = ", ".join(present[:3]) + (", ..." if len(present) > 3 else "")
+    hint = ("they are shards of a model whose index file is missing: the download or copy is "
+            f"incomplete, fetch {_SAFETENSORS_INDEX} too" if any(_SHARD_NAME.search(n) for n in present)
+            else "transformers reads the weights only from model.safetensors or from the shards a "
+            f"{_SAFETENSORS_INDEX} lists (save the model with `save_pretrained` to get that layout)")
+    return InputError(f"target folder {path} has {len(present)} safetensors file(s) ({shown}) but "
+                      f"neither model.safetensors nor {_SAFETENSORS_INDEX}: {hint}")
+
+
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
+#: how transformers names the shards of a model saved in several files
+_SHARD_NAME = re.compile(r"-\d{5}-of-\d{5}\.safetensors$")
+
+
 def _absent_shards(path: Path) -> list[str]:
     """The files ``model.safetensors.index.json`` maps weights to that are not in ``path`` (none
     when there is no readable index: transformers then says what is wrong)."""
     try:
-        weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+        weight_map = json.loads((path / _SAFETENSORS_INDEX).read_text())["weight_map"]
         files = {str(name) for name in weight_map.values()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return []

@@ -272,15 +272,29 @@ def check_context(prompt_tokens: int, max_new_tokens: int, context: int | None, 
 
 
 def folder_eos_ids(tokenizer: PreTrainedTokenizerBase, folder: Path) -> list[int]:
-    """End-of-turn ids: the tokenizer's eos plus ``generation_config.json``'s (as the transformers backend)."""
+    """End-of-turn ids: the tokenizer's eos plus ``generation_config.json``'s and ``config.json``'s
+    (as the transformers backend: SGLang stops at both files' ids, transformers at config.json's
+    where there is no generation_config.json)."""
     sources: list[object] = [tokenizer.eos_token_id]
-    config_file = folder / "generation_config.json"
-    if config_file.is_file():
+    for name in ("generation_config.json", "config.json"):
+        config_file = folder / name
+        if not config_file.is_file():
+            continue
         broken = broken_json_file(config_file)
         if broken is not None:  # its end-of-turn ids would be lost: replies would run to the limit
             raise InputError(f"{broken}; its end-of-turn ids (eos_token_id) are needed to end replies")
-        sources.append(json.loads(config_file.read_text()).get("eos_token_id"))
+        sources += config_eos_ids(json.loads(config_file.read_text()))
     return merge_eos_ids(sources, where=f"target folder {folder}")
+
+
+def config_eos_ids(config: object) -> list[object]:
+    """The ``eos_token_id`` entries of a parsed ``config.json`` or ``generation_config.json``:
+    its own and its ``text_config``'s (a multimodal model's language model)."""
+    if not isinstance(config, dict):
+        return []
+    text_config = config.get("text_config")
+    return [config.get("eos_token_id"),
+            text_config.get("eos_token_id") if isinstance(text_config, dict) else None]
 
 
 def merge_eos_ids(sources: Sequence[object], *, where: str) -> list[int]:
@@ -296,7 +310,8 @@ def merge_eos_ids(sources: Sequence[object], *, where: str) -> list[int]:
     if not ids:
         raise InputError(
             f"{where} defines no end-of-sequence token: neither its tokenizer (eos_token in "
-            "tokenizer_config.json) nor its generation_config.json (eos_token_id) names one; "
+            "tokenizer_config.json) nor its generation_config.json or config.json (eos_token_id) "
+            "names one; "
             "declare the token that ends an assistant turn there"
         )
     return ids
