@@ -629,8 +629,21 @@ def run_producer(
     summary["credits"] = credits
     summary["skipped_consumed"] = source.skipped_consumed
     summary["dropped_short"] = source.dropped_short
+    summary["truncated"] = source.truncated
     summary["context_turns"] = source.context_turns
+    if source.dropped_short or source.truncated:  # counted, and said: the rank's last line says neither
+        log(data_note(cfg, rank, source))
     return summary
+
+
+def data_note(cfg: RecipeConfig, rank: int, source: SampleSource) -> str:
+    """What target rank ``rank``'s tokenisation left out of training: the samples it dropped for
+    ``data.min_loss_tokens`` and those it cut to ``data.max_length`` (counted at each
+    tokenisation of a chunk, so once an epoch; a resumed run counts the chunks it computes)."""
+    return (f"target rank {rank}: {source.dropped_short} samples dropped (fewer than "
+            f"data.min_loss_tokens={cfg.data.min_loss_tokens} supervised tokens), "
+            f"{source.truncated} cut to data.max_length={cfg.data.max_length} tokens "
+            "(counted once an epoch)")
 
 
 def producer_alone(
