@@ -268,8 +268,13 @@ def _start_tensorboard(run_dir: Path, *, resume_step: int):
         raise RuntimeError(TENSORBOARD_MISSING) from exc
     # A resumed run redoes the steps after its checkpoint: purge_step drops the events
     # of the steps the interrupted run wrote past it, as the JSONL log drops its records.
-    return SummaryWriter(log_dir=str(run_dir / "tensorboard"),
-                         purge_step=resume_step + 1 if resume_step else None)
+    # A run that starts from step 0 over an earlier run's events (one that crashed before
+    # its first checkpoint) drops them all, as metrics.jsonl does: else TensorBoard draws
+    # both runs' steps 1.. as one series.
+    folder = run_dir / "tensorboard"
+    earlier = folder.is_dir() and any(folder.glob("events.out.tfevents.*"))
+    return SummaryWriter(log_dir=str(folder),
+                         purge_step=resume_step + 1 if resume_step or earlier else None)
 
 
 class Progress:
