@@ -320,9 +320,20 @@ def _supervise(cfg, args, layout, env: dict[str, str], restarts: int) -> int:
                   "network", file=sys.stderr, flush=True)
         # what this node runs, as one types it (quoted, torchrun for python -m torch.distributed.run)
         print(f"draftforge train: node {args.node_rank} runs: {shown(command)}", file=sys.stderr, flush=True)
+        # torchrun takes an option it is not given from PET_<OPTION> (a Kubeflow PyTorchJob sets
+        # them): PET_RDZV_BACKEND=c10d or PET_RDZV_ENDPOINT would replace the static rendezvous
+        # at --master-addr (ranks handed out in join order, the split's groups scattered over
+        # the nodes), PET_MAX_RESTARTS restart ranks behind the launcher's back, PET_LOG_DIR or
+        # PET_REDIRECTS hide their messages. The command above says everything.
+        ignored = sorted(key for key in env if key.startswith("PET_"))
+        if ignored:
+            print(f"draftforge train: ignoring torchrun's options from the environment "
+                  f"({', '.join(ignored)}): the command above sets the rendezvous",
+                  file=sys.stderr, flush=True)
 
-        def run() -> int:
-            return run_torchrun(command, env=env, nproc=layout.nproc_per_node,
+        def run() -> int:  # env as it is now: a restart sets RESTART_ENV
+            torchrun_env = {key: value for key, value in env.items() if not key.startswith("PET_")}
+            return run_torchrun(command, env=torchrun_env, nproc=layout.nproc_per_node,
                                 hint=_stop_hint(cfg, layout, args.node_rank, every_node=True))
     else:
         command = rank_command(args.recipe, args.overrides)
@@ -352,10 +363,11 @@ def _supervise(cfg, args, layout, env: dict[str, str], restarts: int) -> int:
             print("draftforge train: a rank refused its input (exit status 2); a restart would "
                   "fail the same way, so none is made", file=sys.stderr, flush=True)
             break
+        why = "--max-restarts" if args.max_restarts is not None else "split.restart_target"
         print(
             f"draftforge train: the job failed (exit status {status}); restart {attempt} of "
-            f"{restarts} (split.restart_target), continuing from the newest checkpoint in "
-            f"{cfg.train.output_dir}", file=sys.stderr, flush=True,
+            f"{restarts} ({why}), {_restart_from(cfg, layout, args.node_rank)}",
+            file=sys.stderr, flush=True,
         )
         env[RESTART_ENV] = str(attempt)
         status = start()
@@ -365,6 +377,20 @@ def _supervise(cfg, args, layout, env: dict[str, str], restarts: int) -> int:
               f"the failing rank. {_after_failure(cfg, layout, args.node_rank, refused=refused)}",
               file=sys.stderr, flush=True)
     return status
+
+
+def _restart_from(cfg, layout, node_rank: int | None) -> str:
+    """Where a restart continues: the newest checkpoint, or nothing yet (it starts over)."""
+    from draftforge.train import checkpoint as ckpt
+
+    try:
+        none = (_runs_trainers(cfg, layout, node_rank)  # else the trainers' node has them
+                and ckpt.find_resume(Path(cfg.train.output_dir), "auto") is None)
+    except OSError:  # a folder this process cannot list: no guess
+        none = False
+    if none:
+        return f"starting over: no checkpoint was written yet in {cfg.train.output_dir}"
+    return f"continuing from the newest checkpoint in {cfg.train.output_dir}"
 
 
 def _after_failure(cfg, layout, node_rank: int | None, *, refused: bool = False) -> str:
@@ -453,13 +479,16 @@ def run_torchrun(command: Sequence[str], *, env: Mapping[str, str], nproc: int |
     kills the ranks and torchrun at once (its first act on the first was to pass it to the
     ranks; killed alone, it would leave those still stopping running on their own). torchrun
     dies with this process (SIGKILL, out of memory): the kernel sends it SIGTERM, and it
-    stops its ranks.
+    stops its ranks. Ranks torchrun leaves running when it ends (itself killed outright, or
+    stopped in the middle of stopping them) are killed, with their process groups: orphans
+    would hold their GPUs, ports and the run's lock beside a restarted job.
 
     With ``nproc`` (the ranks torchrun starts), so does a first signal that comes after some of
     them ended and the others did not: torchrun, after a rank failed, waits up to its own
     grace (30 s) for the others to stop, and a signal then adds that wait once more.
     """
     procs: list[subprocess.Popen] = []
+    ranks: dict[int, str] = {}  # torchrun's ranks seen so far: pid -> start time
 
     def lost_a_rank() -> bool:
         return nproc is not None and bool(procs) and 0 < len(children(procs[0].pid, living=True)) < nproc
@@ -470,11 +499,24 @@ def run_torchrun(command: Sequence[str], *, env: Mapping[str, str], nproc: int |
                                           preexec_fn=die_with(os.getpid())))
             if forward.asked:  # a signal came while it started: it gets it now
                 forward(forward.asked.pop())
-            status = procs[0].wait()
+            while True:
+                try:
+                    status = procs[0].wait(timeout=0.5)
+                    break
+                except subprocess.TimeoutExpired:
+                    if nproc is not None and len(ranks) >= nproc:  # all seen (it restarts none)
+                        continue
+                    for pid in children(procs[0].pid, living=True):
+                        started = _started(pid)
+                        if started is not None:
+                            ranks.setdefault(pid, started)
         finally:
             if procs and procs[0].poll() is None:  # an exception other than the signals above
                 procs[0].terminate()
                 procs[0].wait()
+            if procs:  # a second signal (or one after a failure) killed them already: no word
+                _kill_orphans(ranks, procs[0].returncode,
+                              quiet=len(forward.asked) > 1 or forward.killed_failed)
     asked = forward.asked
     if asked:
         after = " after a rank of this node ended (killed what was left)" if forward.killed_failed else ""
@@ -484,6 +526,41 @@ def run_torchrun(command: Sequence[str], *, env: Mapping[str, str], nproc: int |
     # torchrun killed by a signal (out of memory: SIGKILL) exits as a shell says, 128 + signal,
     # as a one-machine job's does; Popen's -9 would leave this process with status 247
     return status if status >= 0 else 128 - status
+
+
+def _started(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot, /proc/PID/stat's field 22), None
+    once it is gone or ended (a zombie): with the pid, it names one process, never a later one
+    that got the same pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+    except (OSError, IndexError):
+        return None
+    return fields[19] if len(fields) > 19 and fields[0] not in ("Z", "X") else None
+
+
+def _kill_orphans(ranks: Mapping[int, str], status: int | None, *, quiet: bool = False) -> None:
+    """SIGKILL (with their process groups) the ranks torchrun left running when it ended: killed
+    outright (SIGKILL, out of memory) or stopped mid-shutdown, it did not stop them, and each,
+    in a session of its own, would go on holding its GPU, ports and the run's lock, beside a
+    restarted job's ranks."""
+    import time
+
+    from draftforge.splitserve.supervisor import _kill_group, describe_status
+
+    left = [pid for pid, started in ranks.items() if _started(pid) == started]
+    if not left:
+        return
+    if not quiet:
+        how = "ended" if status is None else f"ended ({describe_status(status)})"
+        print(f"draftforge train: torchrun {how} leaving {len(left)} of its ranks running (pid "
+              f"{', '.join(map(str, left))}); killing them (SIGKILL)", file=sys.stderr, flush=True)
+    for pid in left:
+        _kill_group(pid)
+    deadline = time.monotonic() + 10
+    while any(_started(pid) == ranks[pid] for pid in left) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def planned_gpus(cfg) -> int:
