@@ -359,8 +359,8 @@ def run_rank(cfg: RecipeConfig, *, mode: str = "train", bench: dict | None = Non
     ctx = RankContext(cfg, rank, world, mode=mode)
     restarts = int(os.environ.get("DRAFTFORGE_RESTART", "0") or 0)
     if restarts:
-        ctx.log(f"restart {restarts} of the job (split.restart_target): a rank had died; "
-                "continuing from the newest checkpoint")
+        ctx.log(f"restart {restarts} of the job: a rank had failed; the launcher's line above "
+                "says whether it continues from a checkpoint")
     try:
         if ctx.role == "target":
             _run_target(ctx, bench)

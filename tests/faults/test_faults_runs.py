@@ -180,7 +180,8 @@ def test_restart_target_restarts_the_job_and_training_continues_exactly(tmp_path
     assert job.wait(timeout=300) == 0, (work / "out.log").read_text()[-4000:]
     out = (work / "out.log").read_text()
     assert "restart 1 of 3 (split.restart_target)" in out
-    assert "restart 1 of the job (split.restart_target)" in out
+    assert "restart 1 of the job: a rank had failed" in out
+    assert "continuing from the newest checkpoint" in out  # the launcher's line: one exists
     assert "resumed from" in out
     resumed = _by_step(metrics(work / "run"))
     assert sorted(resumed) == sorted(reference) == list(range(1, steps + 1))
