@@ -14,8 +14,11 @@ The server tokenises the prompt alone, so no token of what it serves spans the e
 generation prompt. Tokenised as one string, a byte-level BPE merges the newline a
 generation prompt ends with and the first spaces or newlines of a reply that starts with
 two or more of them (``"\n   return"``: ``ĊĠĠ``, ``Ġreturn`` instead of ``Ċ``, ``ĠĠ``,
-``Ġreturn``): where a token spans that point, the text before it and the text from it
-are tokenised apart, as the server's prompt and the generated reply are.
+``Ġreturn``), and a pre-tokenizer's look-ahead (GPT-2's, SmolLM2's) splits a
+generation prompt's final ``"\n\n"`` (Llama-3's, Qwen3's with thinking off) as ``Ċ``, ``Ċ``
+before a reply but as ``ĊĊ`` at the end of the prompt the server tokenises: where a token
+spans that point, or the text before it tokenises differently alone, the text before it and
+the text from it are tokenised apart, as the server's prompt and the generated reply are.
 
 A template that rewrites earlier turns once the conversation goes on (Qwen3's drops the
 empty reasoning block from every assistant turn but the last) renders them in the
@@ -23,8 +26,10 @@ whole conversation as the server shows them in later prompts, not as the model w
 them: those turns are left unsupervised (context, counted in the stats) and the last
 assistant turn, rendered as it was generated, is supervised. A reply cut at the
 generation limit is supervised from where its text starts (anything the template puts
-before it was not generated) to where it ends; templates that strip replies are
-matched on the stripped text.
+before it was not generated; only whitespace there, such as Mistral's ``" " + content``, is
+supervised from the generation prompt's end as in a finished turn: the first generated
+token holds it, ``ĠHello``) to where it ends; templates that strip replies are matched on
+the stripped text.
 
 Tokens whose first character falls in such a span get loss mask 1. Samples are cut to
 ``max_length`` tokens; samples left with fewer than ``min_loss_tokens`` supervised
@@ -204,7 +209,11 @@ def _locate_turns(tokenizer, messages, *, chat_template, enable_thinking, unfini
                     f"cannot find the text of unfinished assistant turn {index + 1} in its "
                     "rendering; the chat template rewrites replies"
                 )
-            start, end = content_at, content_at + len(reply)
+            end = content_at + len(reply)
+            if text[start:content_at].strip():  # not whitespace: the template's, not generated
+                start = content_at
+            # else from the prompt's end, as a finished turn: the first token generated holds the
+            # template's space before the reply (Mistral's ``" " + content | trim``: "ĠHello")
         if end > start:
             spans.append((start, end))
             prompt_ends.append(len(before))
@@ -280,7 +289,11 @@ def _encode(tokenizer, text: str, cuts: Sequence[int]) -> tuple[list[int], list[
     ids = list(encoded["input_ids"])
     offsets = [tuple(offset) for offset in encoded["offset_mapping"]]
     for cut in cuts:
-        if any(start < cut < end for start, end in offsets):
+        # also where no token spans the cut: a pre-tokenizer's look-ahead (GPT-2's ``\s+(?!\S)``)
+        # splits a prompt's final "\n\n" as Ċ, Ċ before a reply but as ĊĊ at the end of the text
+        before = next((n for n, (start, _end) in enumerate(offsets) if start >= cut), len(offsets))
+        if (any(start < cut < end for start, end in offsets)
+                or tokenizer(text[:cut], add_special_tokens=False)["input_ids"] != ids[:before]):
             head_ids, head_offsets = _encode(tokenizer, text[:cut], [c for c in cuts if c < cut])
             tail_ids, tail_offsets = _encode(tokenizer, text[cut:], [c - cut for c in cuts if c > cut])
             return head_ids + tail_ids, head_offsets + [(start + cut, end + cut) for start, end in tail_offsets]
