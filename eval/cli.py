@@ -215,6 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         target_cfg = target_cfg.model_copy(update={"backend": "hf"})
     # refused now, not after minutes of decoding, when the report or calibration is written
     _check_output_paths(args.out, args.calibrate)
+    _check_out_is_not_the_export(args.out, args.draft)
     _warn_replacing(Path(args.out).expanduser())  # where write_report writes
     draft_cfg, load_draft = _draft_loader(args.draft)
     _check_fit(draft_cfg, target_cfg, args.draft)
@@ -373,6 +374,16 @@ def _check_output_paths(out: str, calibrate: str | None) -> None:
                              "which the report would write over the calibration; give another path, "
                              f"e.g. {out_path / 'calibration.json'}")
         _check_folder_writable(cal_path.parent, "--calibrate", calibrate)
+
+
+def _check_out_is_not_the_export(out: str, draft: str) -> None:
+    """Refuse an ``--out`` that is the export being evaluated: the report's files would sit
+    among its weights, where a server's loader does not expect them and a later
+    ``draftforge export`` into the folder refuses it as not an export."""
+    out_path, draft_path = Path(out).expanduser(), Path(draft).expanduser()
+    if (draft_path / "config.json").is_file() and out_path.resolve() == draft_path.resolve():
+        raise InputError(f"--out {out}: is the export being evaluated; the report would be written "
+                         f"among its weights; give another folder, e.g. {draft_path.parent / 'eval'}")
 
 
 def _check_folder_writable(folder: Path, option: str, given: str) -> None:

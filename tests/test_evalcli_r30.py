@@ -7,6 +7,7 @@ import os
 import threading
 
 import pytest
+from test_evalcli_r11 import recipe_path, tiny_export  # noqa: F401  (fixtures)
 
 from draftforge.errors import InputError
 
@@ -76,3 +77,21 @@ def test_a_prompts_file_given_as_a_pipe_is_read_and_a_folder_is_named(tmp_path):
         main([*base, "--prompts-file", str(tmp_path)])
     with pytest.raises(InputError, match="no such file"):
         main([*base, "--prompts-file", str(tmp_path / "missing.jsonl")])
+
+
+
+def test_an_out_folder_that_is_the_export_itself_is_refused_before_the_target_loads(
+        recipe_path, tiny_export, tmp_path, monkeypatch):  # noqa: F811
+    """`draftforge eval EXPORT --out EXPORT` wrote report.md, report.json and two PNGs among the
+    export's weights; a later `draftforge export` into that folder then refused it as not an
+    export. Refused at once, the export untouched and no target built."""
+    import draftforge.splitserve.target as target_module
+    from draftforge.eval.cli import main
+
+    before = sorted(p.name for p in tiny_export.iterdir())
+    loaded = []
+    monkeypatch.setattr(target_module, "build_target", lambda *a, **k: loaded.append(1))
+    same = tiny_export.parent / "." / tiny_export.name  # the same folder, spelt otherwise
+    with pytest.raises(InputError, match="is the export being evaluated"):
+        main([str(tiny_export), "--recipe", str(recipe_path), "--out", str(same)])
+    assert sorted(p.name for p in tiny_export.iterdir()) == before and loaded == []
