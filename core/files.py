@@ -85,10 +85,15 @@ def write_atomic(path: Path, payload: bytes | str) -> None:
     folder, fsynced, then renamed over it: readers see the old file or the whole new one.
 
     A failure (a full disk, an unwritable folder) leaves no temporary file and raises an
-    ``OSError`` with the failing call's errno whose ``filename`` is ``path``."""
+    ``OSError`` with the failing call's errno whose ``filename`` is ``path``. A ``path`` that
+    is a symbolic link is written through, as ``open(path, "w")`` would: the file it points to
+    is replaced and the link stays (renaming over the link would leave that file stale)."""
     if isinstance(payload, str):
         payload = payload.encode("utf-8")
-    path.parent.mkdir(parents=True, exist_ok=True)  # its error names the folder
+    asked = path = Path(path)
+    asked.parent.mkdir(parents=True, exist_ok=True)  # its error names the folder
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
@@ -109,7 +114,8 @@ def write_atomic(path: Path, payload: bytes | str) -> None:
             raise
         # a write or fsync on a full disk says only "[Errno 28] No space left on device", and
         # mkstemp names its temporary file: name the file the caller asked for instead
-        raise OSError(err.errno, err.strerror, str(path)) from err
+        # through a link: both, "link -> the file it points to"
+        raise OSError(err.errno, err.strerror, str(asked), *((None, str(path)) if path != asked else ())) from err
     fsync_dir(path.parent)
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftforge.errors import InputError, last_lines
+from draftforge.files import fsync_dir, fsync_tree
 
 PACKAGE = "llama-cpp-python"
 VERSION = "0.3.36"
@@ -89,11 +90,15 @@ def fetch_source(cache_dir: str | os.PathLike[str] | None = None, *, progress: C
                 tar.extractall(staging, members=members)
         if not (staging / CONVERTER).is_file():
             raise InputError(f"{archives[0].name} has no {_VENDORED}{CONVERTER}: not the expected archive")
+        # the rename is all a later fetch looks at: the files must be on disk before it is, or
+        # a power loss leaves a tree of empty files that is trusted from then on
+        fsync_tree(staging)
         try:
             os.replace(staging, dest)
         except OSError:  # another process put a complete copy there first
             if not (dest / CONVERTER).is_file():
                 raise
+        fsync_dir(dest.parent)
     progress(f"llama.cpp: source in {dest}")
     return dest
 
@@ -123,7 +128,9 @@ def convert(
         done = subprocess.run(command, capture_output=True, text=True, env=env)
         if done.returncode != 0:
             raise InputError(f"llama.cpp's {CONVERTER} refused {model_dir}: {last_lines(done.stderr)}")
+        fsync_tree(staging)  # the converter does not: a power loss would leave an empty GGUF at out
         os.replace(tmp, out)
+        fsync_dir(out.parent)
     finally:  # a refusal or an interrupt leaves no partial GGUF (4 bytes a parameter) behind
         shutil.rmtree(staging, ignore_errors=True)
     return out
