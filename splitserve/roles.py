@@ -84,8 +84,7 @@ def split_problems(
         problems.append(
             f"split.world_size: the recipe's split has {split.world_size} ranks "
             f"(target {split.target_ranks}, trainer {trainers}) but {world_size} processes were "
-            f"started; start {split.world_size} (torchrun --nproc_per_node={split.world_size}) "
-            "or change the split"
+            f"started; start {split.world_size} ({''.join(torchrun_hint(split))}) or change the split"
         )
     if cuda_devices is None:
         cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -113,12 +112,15 @@ def split_problems(
     per_node = (world_size or split.world_size) // split.num_nodes
     if nccl and cuda_devices and split.target_devices is None and split.trainer_devices is None \
             and per_node > cuda_devices:
+        fewer = ("fewer ranks in split.world_size, or a machine with more GPUs" if split.num_nodes == 1
+                 else "a larger split.num_nodes, or fewer ranks in split.world_size")
         problems.append(
             f"split: {per_node} ranks on this node would each take their own GPU (LOCAL_RANK) for "
             f"NCCL (comm_backend {split.comm_backend}), but {cuda_devices} GPU(s) are visible and "
-            "NCCL refuses two ranks on one GPU; name the GPUs with split.target_devices / "
-            "split.trainer_devices, or run the split on CPU with split.comm_backend=gloo "
-            "(train.device=cpu)"
+            "NCCL refuses two ranks on one GPU (no device list can avoid it: every rank needs a "
+            f"GPU of its own); run at most {cuda_devices} ranks on a node ({fewer}), or set "
+            "split.comm_backend=gloo, where the target ranks run on the CPU and each trainer on a "
+            "GPU of its own (train.device=cpu: on the CPU too)"
         )
     for key in ("target_devices", "trainer_devices"):
         devices = getattr(split, key) or []
@@ -159,6 +161,17 @@ def split_problems(
             "feeding one trainer; every link needs at least one credit"
         )
     return problems
+
+
+def torchrun_hint(split, command: str = "") -> tuple[str, str]:
+    """The torchrun command that starts ``split``'s ranks (its options, then ``command``) and,
+    on several nodes, where it runs (`` on each of its N nodes``; else ``""``):
+    ``--nproc_per_node`` counts one node's processes, ``world_size / num_nodes``."""
+    per_node = split.world_size // split.num_nodes
+    if split.num_nodes == 1:
+        return f"torchrun --nproc_per_node={per_node}{command}", ""
+    return (f"torchrun --nnodes={split.num_nodes} --nproc_per_node={per_node}{command}",
+            f" on each of its {split.num_nodes} nodes")
 
 
 def tensor_parallel_groups(split) -> list[list[int]]:
@@ -348,10 +361,10 @@ def run_rank(cfg: RecipeConfig, *, mode: str = "train", bench: dict | None = Non
     rank = int(os.environ.get("RANK", "-1"))
     world = int(os.environ.get("WORLD_SIZE", "-1"))
     if rank < 0 or world < 0:
+        command, where = torchrun_hint(cfg.split, " -m draftforge.train RECIPE")
         raise InputError(  # a launch mistake, not the recipe's
             "no RANK and WORLD_SIZE in the environment: draftforge.train runs one rank of a split "
-            f"job; start it with 'draftforge train RECIPE' or 'torchrun --nproc_per_node="
-            f"{cfg.split.world_size} -m draftforge.train RECIPE'"
+            f"job; start it with 'draftforge train RECIPE' or '{command}'{where}"
         )
     check_split(cfg, world_size=world)
     check_local_world(cfg, os.environ.get("LOCAL_WORLD_SIZE"))
