@@ -381,16 +381,21 @@ def _supervise(cfg, args, layout, env: dict[str, str], restarts: int) -> int:
 
 def _restart_from(cfg, layout, node_rank: int | None) -> str:
     """Where a restart continues: the newest checkpoint, or nothing yet (it starts over)."""
+    if _no_checkpoint_yet(cfg, layout, node_rank):
+        return f"starting over: no checkpoint was written yet in {cfg.train.output_dir}"
+    return f"continuing from the newest checkpoint in {cfg.train.output_dir}"
+
+
+def _no_checkpoint_yet(cfg, layout, node_rank: int | None) -> bool:
+    """Whether this node runs trainers and their output folder holds no checkpoint to resume
+    (False where the trainers run on another node, or the folder cannot be listed: no guess)."""
     from draftforge.train import checkpoint as ckpt
 
     try:
-        none = (_runs_trainers(cfg, layout, node_rank)  # else the trainers' node has them
+        return (_runs_trainers(cfg, layout, node_rank)
                 and ckpt.find_resume(Path(cfg.train.output_dir), "auto") is None)
-    except OSError:  # a folder this process cannot list: no guess
-        none = False
-    if none:
-        return f"starting over: no checkpoint was written yet in {cfg.train.output_dir}"
-    return f"continuing from the newest checkpoint in {cfg.train.output_dir}"
+    except OSError:
+        return False
 
 
 def _after_failure(cfg, layout, node_rank: int | None, *, refused: bool = False) -> str:
@@ -448,19 +453,13 @@ class _Hint:
 
 def _stop_hint(cfg, layout, node_rank: int | None, *, every_node: bool = False) -> _Hint:
     """How to continue after Ctrl-C or SIGTERM stopped the job, for the launcher's last line."""
-    from draftforge.train import checkpoint as ckpt
 
     def make() -> str:
         advice = _not_auto_advice(cfg)
         if advice is not None:
             return advice[0].lower() + advice[1:]
         on = " on every node" if every_node else ""
-        try:
-            none = (_runs_trainers(cfg, layout, node_rank)  # else the trainers' node has them
-                    and ckpt.find_resume(Path(cfg.train.output_dir), "auto") is None)
-        except OSError:  # a folder this process cannot list: no guess
-            none = False
-        if none:
+        if _no_checkpoint_yet(cfg, layout, node_rank):
             return f"no checkpoint was written yet: the same command{on} starts over"
         return f"rerun the same command{on} to continue from the newest checkpoint"
 

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_launch_r27 import _kill_pid_in
 
 
 def _alive(pid: int) -> bool:
@@ -18,14 +19,6 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except (OSError, IndexError):
         return False
-
-
-def _kill_pid_in(path: Path) -> None:
-    if path.exists() and path.read_text():
-        try:
-            os.kill(int(path.read_text()), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 # --------------------------------------------------------------------------- torchrun killed

@@ -19,6 +19,10 @@ import random
 import pytest
 import torch
 import transformers
+from test_speculative_r23 import LOOP_EOS as EOS  # the same 5-token stub target as round 23's
+from test_speculative_r23 import LOOP_VOCAB as V
+from test_speculative_r23 import PrefixTarget as _CachedStub
+from test_speculative_r23 import _prefix_logits as _logits
 
 import draftforge.eval.speculative as spec
 from draftforge.eval.baselines import NoDraft, ngram_lookup
@@ -26,34 +30,9 @@ from draftforge.eval.harness import summarize
 
 # ----------------------------------------------------------------------------- counts of the loop
 
-V, EOS = 5, 4
-
-
-def _logits(prefix) -> torch.Tensor:
-    return torch.randn(V, generator=torch.Generator().manual_seed(hash(tuple(prefix)) % 2**31))
-
 
 def _greedy(prefix) -> int:
     return int(_logits(prefix).argmax())
-
-
-class _CachedStub:
-    """Logits depend on every token the cache holds (a wrong crop changes later logits)."""
-
-    def prefill(self, ids):
-        self.tokens = list(ids)
-        return _logits(self.tokens)[None], None
-
-    def extend(self, ids):
-        rows = []
-        for token in ids:
-            self.tokens.append(token)
-            rows.append(_logits(self.tokens))
-        return torch.stack(rows), None
-
-    def crop(self, length):
-        assert length <= len(self.tokens)
-        del self.tokens[length:]
 
 
 class _Scripted(spec.Proposer):
