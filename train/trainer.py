@@ -594,11 +594,14 @@ class Trainer:
                         micro_batches.append(next(iterator))
                     except StopIteration:
                         break
-                wait_s = time.perf_counter() - wait_start
                 # Every rank must have a full step, or none runs it (no collective mismatch).
                 have = torch.tensor([1.0 if len(micro_batches) == train.grad_accum else 0.0], device=comm)
                 D.all_reduce(have, group=self.group, op=dist.ReduceOp.MIN)
-                if have.item() < 1:
+                full = have.item() >= 1
+                # waiting here for another trainer's data is waiting for data too: counted as
+                # neither busy nor idle, it left several trainers' idle shares short
+                wait_s = time.perf_counter() - wait_start
+                if not full:
                     result.stopped_reason = "data_exhausted"
                     break
                 record = self.train_step(micro_batches, wait_s=wait_s)
