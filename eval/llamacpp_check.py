@@ -65,6 +65,12 @@ class Replay:
     # smallest margin among the draft slots whose choice fed one of them (the Markov head's input)
     confidence_margins: list[float] = field(default_factory=list)
     cut_draft_margins: list[float] = field(default_factory=list)
+    # the same per round, position by position, to read the one where the two sides part: the
+    # target's margin at each position it verified (0 .. accepted), the draft's at each slot drafted,
+    # and each confidence logit's distance from logit(p_min) (with p_min, up to the budget)
+    target_position_margins: list[list[float]] = field(default_factory=list)
+    draft_slot_margins: list[list[float]] = field(default_factory=list)
+    confidence_slot_margins: list[list[float]] = field(default_factory=list)
 
     @property
     def rounds(self) -> int:
@@ -100,10 +106,12 @@ def replay(session, proposer, prompt: Sequence[int], *, max_new_tokens: int, eos
         budget = max_new_tokens - run.predicted - 1
         drafts = proposal.tokens[:budget] if budget > 0 else proposal.tokens
         confidence_margin = cut_draft_margin = float("inf")
+        confidence_slots = []
         if p_min > 0:
             logits_c = proposal.confidence_logits[: len(drafts)]
             cut = confidence_cut(logits_c, p_min)
             threshold = math.log(p_min / (1 - p_min)) if p_min < 1 else math.inf
+            confidence_slots = [abs(z - threshold) for z in logits_c]
             if logits_c:  # the slots kept and the one that cut the block; slot k's reads slot k-1's token
                 confidence_margin = min(abs(z - threshold) for z in logits_c[: cut + 1])
                 cut_draft_margin = min((proposal.margins or [])[: min(cut, len(logits_c) - 1)], default=float("inf"))
@@ -120,9 +128,13 @@ def replay(session, proposer, prompt: Sequence[int], *, max_new_tokens: int, eos
             hits, bonus = end, drafts[end]
         session.crop(anchor_pos + 1 + hits)
         features = torch.cat([features, aux[: hits + 1]], dim=0)
-        run.target_margins.append(float(top2_margins(logits[: hits + 1]).min()))
+        positions = top2_margins(logits[: hits + 1]).tolist()
+        run.target_margins.append(min(positions))
         decided = (proposal.margins or [])[: min(hits + 1, len(drafts))]
         run.draft_margins.append(min(decided, default=float("inf")))
+        run.target_position_margins.append(positions)
+        run.draft_slot_margins.append(list((proposal.margins or [])[: len(drafts)]))
+        run.confidence_slot_margins.append(confidence_slots)
         out = drafts[:hits] + [bonus]
         run.drafted, run.accepted, run.predicted = run.drafted + len(drafts), run.accepted + hits, run.predicted + len(out)
         sequence.extend(drafts[:hits])
@@ -173,7 +185,7 @@ def classify(theirs, ours: Replay, *, tie_tolerance: float, same_text: bool) -> 
         if a == b:
             continue
         where = f"round {i + 1} of {len(ours.round_log)}"
-        tie = _near_tie(ours, i, tie_tolerance, cut=a[1] != b[1])
+        tie = _near_tie(ours, i, tie_tolerance, a, b)
         if tie is None:
             return "differ", (
                 f"{where}: llama.cpp {a} against draftforge {b} (accepted, drafted, last token); "
@@ -190,16 +202,34 @@ def classify(theirs, ours: Replay, *, tie_tolerance: float, same_text: bool) -> 
     return ("near-tie", "; ".join(notes)) if notes else ("agree", "")
 
 
-def _near_tie(ours: Replay, i: int, tolerance: float, *, cut: bool) -> str | None:
-    """What made round ``i`` a near-tie on draftforge's side, or None. Only a close choice that
-    could have made the difference counts: where the two drafted different numbers of tokens
-    (``cut``), the confidence cut or a draft choice feeding it (the target chooses after the block
-    is drafted); else the target's or the draft's (the same number drafted is the same cut)."""
-    if cut:
-        margins = {
-            "confidence": ours.confidence_margins[i] if ours.confidence_margins else math.inf,
-            "draft": ours.cut_draft_margins[i] if ours.cut_draft_margins else math.inf,
-        }
+def _near_tie(ours: Replay, i: int, tolerance: float, theirs: tuple, mine: tuple) -> str | None:
+    """What made round ``i`` a near-tie on draftforge's side, or None, given the round as llama.cpp
+    (``theirs``) and draftforge (``mine``) logged it: (accepted, drafted, last token). Only a close
+    choice that could have made the difference counts: where the two drafted different numbers of
+    tokens, the confidence cut or a draft choice feeding it (the target chooses after the block is
+    drafted); else the target's or the draft's (the same number drafted is the same cut).
+
+    Where the positions are known, only the one where the two sides part is read: with ``c`` the
+    fewer drafted, the confidence of slot ``c`` (both kept the slots before it) and the draft's
+    choices at slots 0 .. c-1 (the Markov chain feeding it); with ``p`` the fewer accepted, the
+    target's choice at position ``p`` (both accepted the drafts before it: a different choice there
+    would have rejected one) and, when the two accepted differently, the draft's at slot ``p``."""
+    if theirs[1] != mine[1]:
+        c = min(theirs[1], mine[1])
+        if i < len(ours.confidence_slot_margins) and i < len(ours.draft_slot_margins):
+            slots = ours.confidence_slot_margins[i]
+            margins = {"confidence": slots[c] if c < len(slots) else math.inf,
+                       "draft": min(ours.draft_slot_margins[i][:c], default=math.inf)}  # fmt: skip
+        else:
+            margins = {
+                "confidence": ours.confidence_margins[i] if ours.confidence_margins else math.inf,
+                "draft": ours.cut_draft_margins[i] if ours.cut_draft_margins else math.inf,
+            }
+    elif i < len(ours.target_position_margins) and i < len(ours.draft_slot_margins):
+        p = min(theirs[0], mine[0])
+        positions, slots = ours.target_position_margins[i], ours.draft_slot_margins[i]
+        margins = {"target": positions[p] if p < len(positions) else math.inf,
+                   "draft": slots[p] if theirs[0] != mine[0] and p < len(slots) else math.inf}  # fmt: skip
     else:
         margins = {"target": ours.target_margins[i], "draft": ours.draft_margins[i]}
     side = min(margins, key=margins.get)
