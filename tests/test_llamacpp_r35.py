@@ -12,10 +12,10 @@ round, and must not excuse it as a float32 near-tie.
 from __future__ import annotations
 
 import torch
+from test_llamacpp_r27 import _Draft  # a stand-in proposing the same block every round
 
 from draftforge.eval import llamacpp
 from draftforge.eval.llamacpp_check import classify, replay
-from draftforge.eval.speculative import Proposal
 
 END = 0
 PROMPT = [1, 2, 3]
@@ -43,20 +43,6 @@ class _Target:
 
     def crop(self, length):
         self.length = length
-
-
-class _Draft:
-    """A stand-in DraftProposer proposing the same block every round."""
-
-    def __init__(self, tokens, confidence_logits=None, margins=None):
-        self.proposal = Proposal(tokens=tokens, confidence_logits=confidence_logits,
-                                 margins=margins or [1.0] * len(tokens))  # fmt: skip
-
-    def start(self):
-        pass
-
-    def propose(self, sequence, features):
-        return self.proposal
 
 
 def _theirs(rounds, prompt_tokens=3):  # len(PROMPT)
