@@ -7,32 +7,13 @@ import types
 
 import pytest
 import yaml
+from recipe_helpers import TINY_RECIPE
 
 from draftforge import cli
 from draftforge.config import RecipeConfig, RecipeError, dump_recipe, load_recipe
 
-# A valid tiny recipe; line numbers below are counted from its first line.
-BASE = """\
-target:
-  model: random
-  shape:
-    num_hidden_layers: 4
-    hidden_size: 64
-    vocab_size: 512
-    num_attention_heads: 4
-    num_key_value_heads: 2
-draft:
-  hidden_size: 64
-  num_attention_heads: 4
-  num_key_value_heads: 2
-  target_layer_ids: [0, 1, 2]
-  block_size: 4
-  mask_token_id: 3
-  markov_rank: 16
-train:
-  strategy: single
-  lr: 1e-4
-"""
+# recipe_helpers' tiny recipe with a learning rate; line numbers below count from its first line.
+BASE = TINY_RECIPE + "  lr: 1e-4\n"
 LINE_OF = {line.strip().split(":")[0]: n for n, line in enumerate(BASE.splitlines(), start=1)}
 
 
