@@ -19,10 +19,10 @@ END = 0
 
 class _Target:
     """A stand-in TargetSession whose greedy choice after position p is ``reference[p + 1]``,
-    whatever was fed, with margin 1 and no features."""
+    whatever was fed, by ``margins[p]`` (default 1) over the runner-up token 15; no features."""
 
-    def __init__(self, reference: list[int], vocab: int = 16):
-        self.reference, self.vocab, self.length = reference, vocab, 0
+    def __init__(self, reference: list[int], margins: dict[int, float] | None = None, vocab: int = 16):
+        self.reference, self.margins, self.vocab, self.length = reference, margins or {}, vocab, 0
 
     def prefill(self, tokens):
         self.length = len(tokens)
@@ -32,6 +32,7 @@ class _Target:
         start, self.length = self.length, self.length + len(tokens)
         logits = torch.zeros(len(tokens), self.vocab)
         for row in range(len(tokens)):
+            logits[row, 15] = 1.0 - self.margins.get(start + row, 1.0)
             logits[row, self.reference[start + row + 1]] = 1.0
         return logits, torch.zeros(len(tokens), 1)
 

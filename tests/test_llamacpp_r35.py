@@ -11,8 +11,10 @@ round, and must not excuse it as a float32 near-tie.
 
 from __future__ import annotations
 
-import torch
-from test_llamacpp_r27 import _Draft  # a stand-in proposing the same block every round
+from test_llamacpp_r27 import (  # stand-ins: the same block every round; a scripted target
+    _Draft,
+    _Target,
+)
 
 from draftforge.eval import llamacpp
 from draftforge.eval.llamacpp_check import classify, replay
@@ -20,29 +22,6 @@ from draftforge.eval.llamacpp_check import classify, replay
 END = 0
 PROMPT = [1, 2, 3]
 ANSWER = [4, 5, 6, END, 8, 9, 10, 11]  # the end of turn after 6: one round
-
-
-class _Target:
-    """A stand-in TargetSession choosing ``reference[p + 1]`` after position p, by ``margins[p]``
-    (default 1) over the runner-up token 15, whatever was fed; no features."""
-
-    def __init__(self, reference: list[int], margins: dict[int, float] | None = None, vocab: int = 16):
-        self.reference, self.margins, self.vocab, self.length = reference, margins or {}, vocab, 0
-
-    def prefill(self, tokens):
-        self.length = len(tokens)
-        return None, torch.zeros(len(tokens), 1)
-
-    def extend(self, tokens):
-        start, self.length = self.length, self.length + len(tokens)
-        logits = torch.zeros(len(tokens), self.vocab)
-        for row in range(len(tokens)):
-            logits[row, 15] = 1.0 - self.margins.get(start + row, 1.0)
-            logits[row, self.reference[start + row + 1]] = 1.0
-        return logits, torch.zeros(len(tokens), 1)
-
-    def crop(self, length):
-        self.length = length
 
 
 def _theirs(rounds, prompt_tokens=3):  # len(PROMPT)
