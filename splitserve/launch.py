@@ -567,16 +567,14 @@ def planned_gpus(cfg) -> int:
     device list names and, where samples go over NCCL as planned on a GPU machine, each
     unlisted rank's node-local GPU LOCAL_RANK; with train.device cuda over gloo, one GPU
     for each trainer rank of the node with the most."""
-    from draftforge.splitserve.roles import comm_backend
+    from draftforge.splitserve.roles import comm_backend, trainers_by_node
 
     split = cfg.split
     per_node = split.world_size // split.num_nodes
     nccl = comm_backend(cfg, gpus_visible=True) == "nccl"
     gpus = []
     if cfg.train.device == "cuda" and not nccl:
-        most = max(sum(1 for r in split.trainer_ranks if r // per_node == node)
-                   for node in range(split.num_nodes))
-        gpus += list(range(most))
+        gpus += list(range(max(map(len, trainers_by_node(split)))))
     for ranks, devices in ((split.target_ranks, split.target_devices),
                            (split.trainer_ranks, split.trainer_devices)):  # fmt: skip
         if devices is not None:

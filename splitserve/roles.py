@@ -275,21 +275,24 @@ def _shared_gpu_problems(split, per_node: int, cuda_devices: int) -> list[str]:
     return problems
 
 
+def trainers_by_node(split) -> list[list[int]]:
+    """The trainer ranks of each node, node by node, in the split's order."""
+    per_node = split.world_size // split.num_nodes
+    return [[r for r in split.trainer_ranks if r // per_node == node] for node in range(split.num_nodes)]
+
+
 def gloo_trainer_gpu(split, rank: int) -> int:
     """The GPU a trainer rank of ``train.device`` cuda takes when samples go over gloo: its
     place among its node's trainer ranks (the first trainer of a node on GPU 0, the next on
     GPU 1, ...), since the target ranks run on the CPU there."""
-    per_node = split.world_size // split.num_nodes
-    return [r for r in split.trainer_ranks if r // per_node == rank // per_node].index(rank)
+    return next(here for here in trainers_by_node(split) if rank in here).index(rank)
 
 
 def _gloo_gpu_problems(split, cuda_devices: int) -> list[str]:
     """Over gloo each trainer of train.device cuda takes its own GPU (:func:`gloo_trainer_gpu`):
     a node with more trainer ranks than visible GPUs would put two on one."""
-    per_node = split.world_size // split.num_nodes
     problems = []
-    for node in range(split.num_nodes):
-        here = [r for r in split.trainer_ranks if r // per_node == node]
+    for node, here in enumerate(trainers_by_node(split)):
         if len(here) > cuda_devices:
             where = f" on node {node}" if split.num_nodes > 1 else ""
             problems.append(
