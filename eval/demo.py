@@ -58,6 +58,7 @@ from draftforge import argtypes
 from draftforge.cores import usable_cores
 from draftforge.files import write_atomic
 from draftforge.precision import cpu_bf16_flags
+from draftforge.signals import interrupts_held
 from draftforge.splitserve.supervisor import terminal_sent_it_to_the_group, unwinding_on_sigterm
 
 DEFAULT_RECIPE = "recipes/smollm2-cpu.yaml"
@@ -223,14 +224,18 @@ def run_stage(name: str, args: Sequence[str], *, env: dict[str, str] | None = No
     print(f"    $ draftforge {shlex.join(args)}", flush=True)
     if indent:  # unbuffered: its lines keep their order with its messages on the terminal
         env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(command, env=env, **(
-        {"stdout": subprocess.PIPE, "text": True, "bufsize": 1, "errors": "replace"} if indent else {}))
+    proc: subprocess.Popen | None = None
     try:
+        with interrupts_held():  # one landing inside Popen would leave the stage running
+            proc = subprocess.Popen(command, env=env, **(
+                {"stdout": subprocess.PIPE, "text": True, "bufsize": 1, "errors": "replace"}
+                if indent else {}))
         for line in proc.stdout if indent else ():
             print(f"    {line.rstrip()}", flush=True)
         status = proc.wait()
     except BaseException as stop:  # Ctrl-C, SIGTERM (JobInterrupted)
-        _stop_stage(proc, stop)
+        if proc is not None:
+            _stop_stage(proc, stop)
         raise
     if status != 0:
         raise DemoError(
@@ -301,7 +306,8 @@ def run_side_by_side(jobs: dict[str, Sequence[str]], log_dir: Path, *, parallel:
     failures = []
     try:
         for label, args in jobs.items():
-            running[label] = start(label, args)
+            with interrupts_held():  # one landing inside Popen would leave the job unstopped
+                running[label] = start(label, args)
             if not parallel:
                 _finish(label, *running[label], failures)
         if parallel:

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from draftforge.errors import last_lines
+from draftforge.signals import interrupts_held
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 EXIT_OK, EXIT_FAIL, EXIT_NO_CUDA = 0, 1, 77
@@ -221,16 +222,19 @@ def run_logged(command: Sequence[str], *, log: Path, timeout_s: float,
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     with log.open("w") as out:
-        proc = subprocess.Popen(list(command), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=dict(env) if env is not None else None,
-                                cwd=cwd)
+        proc: subprocess.Popen | None = None
         try:
+            with interrupts_held():  # one landing inside Popen would leave the command running
+                proc = subprocess.Popen(list(command), stdout=out, stderr=subprocess.STDOUT,
+                                        start_new_session=True,
+                                        env=dict(env) if env is not None else None, cwd=cwd)
             code: int | None = proc.wait(timeout=max(0.1, timeout_s))
         except subprocess.TimeoutExpired:
             stop_group(proc)
             code = None
         except BaseException:
-            stop_group(proc)
+            if proc is not None:
+                stop_group(proc)
             raise
     return Finished(code, time.monotonic() - start, log)
 

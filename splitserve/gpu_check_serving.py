@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from draftforge.signals import interrupts_held
 from draftforge.splitserve.gpu_check import (
     FAIL,
     PASS,
@@ -237,14 +238,15 @@ def serve_and_count(setup: Setup, model: str, prompts: Sequence[Sequence[int]],
     or why it failed."""
     port = free_port()
     log = setup.log_dir / "sglang-server.log"
-    with log.open("w") as out:
-        block_size = json.loads((draft_dir / "config.json").read_text())["block_size"]
-        proc = subprocess.Popen(sglang_server_command(model, str(draft_dir), port,
-                                                      block_size=block_size),
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=child_env())
+    block_size = json.loads((draft_dir / "config.json").read_text())["block_size"]
+    command = sglang_server_command(model, str(draft_dir), port, block_size=block_size)
     base = f"http://127.0.0.1:{port}"
+    proc: subprocess.Popen | None = None
     try:
+        # interrupts held: one landing inside Popen would leave the server running, unstopped
+        with log.open("w") as out, interrupts_held():
+            proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True, env=child_env())
         problem = wait_until_ready(base, proc, deadline)
         if problem is not None:
             return f"{problem}; log {log}: {log_tail(log)}"
@@ -263,7 +265,8 @@ def serve_and_count(setup: Setup, model: str, prompts: Sequence[Sequence[int]],
             counts.append(parse_sglang_reply(reply, index=index))
         return counts
     finally:
-        stop_group(proc)
+        if proc is not None:
+            stop_group(proc)
 
 
 def memorise_for_check(setup: Setup, model: str, prompts: Sequence[Sequence[int]]) -> Memorised:
