@@ -163,6 +163,9 @@ def exclusive_lock(path: Path) -> Iterator[None]:
             holder = os.read(fd, 32).decode(errors="replace").strip() or None
             os.close(fd)
             raise Locked(holder) from None
+        except BaseException:  # no flock on this file system (ENOLCK, ...): the caller decides
+            os.close(fd)
+            raise
         try:
             mine, there = os.fstat(fd), os.stat(path)
             current = (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)

@@ -125,6 +125,7 @@ def test_a_checkpoint_file_this_user_may_not_read_is_named_and_not_to_be_deleted
         shutil.copytree(saved_run, run)
         for item in [run, *run.rglob("*")]:
             item.chmod(0o755 if item.is_dir() else 0o644)
+        run.chmod(0o777)  # the run folder (its lock) is the other user's to write; the files are not
         checkpoint = run / "checkpoints" / "step_00000002"
         (checkpoint / name).chmod(0o600)  # written by another user, privately
         trainer = _trainer(run, steps=4, resume="auto")

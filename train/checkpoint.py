@@ -41,6 +41,7 @@ DeepSpeed's own files, read with ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -97,13 +98,17 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=_step_of)
 
 
+NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # flock's "not here"
+
+
 def claim_run_dir(run_dir: Path) -> None:
     """Hold the lock of ``run_dir`` until :func:`release_run_dir` or the end of this process (a
     second claim by it is a no-op), or raise :class:`CheckpointError` when another process holds
     it: another run into the same ``train.output_dir``, which would resume from the same
     checkpoint, save into the same ``step_N.tmp`` folders and prune the other's checkpoints. The
     lock is a ``flock``, so a killed run holds none; where the file system has no ``flock``,
-    nothing is held."""
+    nothing is held. A folder it cannot create or write raises :class:`CheckpointError` too, as
+    the launcher checks before the target loads."""
     key = Path(run_dir).absolute()
     if key in _claimed:
         return
@@ -118,8 +123,12 @@ def claim_run_dir(run_dir: Path) -> None:
             f"{key / RUN_LOCK}): two runs in one folder would save over each other's checkpoints. "
             "Wait for it to end (or stop it), or use another train.output_dir"
         ) from None
-    except OSError:  # no flock here (some network file systems); the first write names another error
-        return
+    except OSError as err:
+        if err.errno in NO_FLOCK:  # a file system without flock (some network ones): nothing is held
+            return
+        raise CheckpointError(  # a folder it cannot write, a lock that is not a file: said now
+            f"train.output_dir {run_dir}: cannot create or lock {key / RUN_LOCK}: "
+            f"{err.strerror or err}") from None
     _claimed[key] = stack
 
 
