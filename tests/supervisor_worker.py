@@ -4,7 +4,8 @@ Modes (argv[1]): ``ok`` joins a gloo group, all-reduces its rank and writes what
 it saw; ``hold`` does the same, then waits for a release file (so the test can
 inspect the job's sockets while every rank is connected); ``fail`` makes rank 1
 exit 3 while rank 0 blocks in a collective that can never finish; ``stubborn``
-ignores SIGINT and SIGTERM and sleeps (a rank stuck in C code); ``race`` has rank 1
+ignores SIGINT (noting it in a file) and SIGTERM and sleeps (a rank stuck in C
+code); ``race`` has rank 1
 kill itself with SIGKILL and rank 0 exit 3 at the same moment, once both are ready (its
 reaction, as a trainer's to a dead target); ``late_abort`` has rank 0 exit 2 and rank 1
 abort (SIGABRT) 3 s after it, as an NCCL watchdog does after a peer vanished.
@@ -30,7 +31,8 @@ def main(mode: str, out_dir: str) -> int:
     if mode == "stubborn":
         import signal
 
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # SIGINT noted (the test's proof that the launcher passed it on), not acted on
+        signal.signal(signal.SIGINT, lambda *_: (out / f"rank{rank}.sigint").touch())
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         (out / f"rank{rank}.ready").touch()
         time.sleep(600)

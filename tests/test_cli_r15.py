@@ -161,6 +161,7 @@ def test_each_nodes_command_in_the_dry_run_keeps_max_restarts(capsys):
 _FAKE_TORCHRUN = """
 import signal, subprocess, sys, time
 def stopping(signum, frame):
+    open(sys.argv[1] + ".stopping", "w").close()  # the launcher passed the first signal on
     rank.terminate()
     time.sleep(60)
 signal.signal(signal.SIGTERM, stopping)
@@ -194,13 +195,17 @@ def test_a_second_signal_kills_the_ranks_of_torchrun_not_only_torchrun(tmp_path)
     if not Path("/proc/self/stat").exists():
         pytest.skip("needs Linux's /proc")
     pid_file = tmp_path / "rank.pid"
+    stopping = tmp_path / "rank.pid.stopping"
 
     def signal_twice() -> None:
         deadline = time.monotonic() + 60
         while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
             time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.5)
+        # the second only once the launcher handled the first (torchrun got it): sent before,
+        # the two could make one signal, as if the user had pressed Ctrl-C once
+        while not stopping.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=signal_twice, daemon=True).start()

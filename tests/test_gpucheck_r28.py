@@ -23,25 +23,34 @@ def test_a_check_interrupted_while_stopping_a_hung_command_still_kills_it(tmp_pa
     hung = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
             f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)")
     script = (
-        "import pathlib, signal, sys\n"
+        "import pathlib, signal, sys, time\n"
         "from draftforge.splitserve import gpu_check as G\n"
         "def stopped(signum, frame):\n"
         "    raise SystemExit(128 + signum)\n"
         "signal.signal(signal.SIGTERM, stopped)\n"
-        "real_stop = G.stop_group\n"
+        # the 1 s limit can come before the command, a Python starting on a loaded machine,
+        # ignores SIGTERM: the stop waits until it does (its pid file), so that it is hung
+        "real_stop, real_killpg = G.stop_group, G.os.killpg\n"
         "def stop_group(proc, **kwargs):\n"
-        "    print('stopping', flush=True)\n"
+        f"    pid_file = pathlib.Path({str(pid_file)!r})\n"
+        "    deadline = time.monotonic() + 60\n"
+        "    while not (pid_file.is_file() and pid_file.read_text()) and time.monotonic() < deadline:\n"
+        "        time.sleep(0.02)\n"
         "    real_stop(proc, **kwargs)\n"
-        "G.stop_group = stop_group\n"
+        "def killpg(pgid, signum):\n"
+        "    real_killpg(pgid, signum)\n"
+        "    if signum == signal.SIGTERM:  # sent: stop_group now waits out its grace\n"
+        "        print('stopping', flush=True)\n"
+        "G.stop_group, G.os.killpg = stop_group, killpg\n"
         f"G.run_logged([sys.executable, '-c', {hung!r}],\n"
         f"             log=pathlib.Path({str(tmp_path / 'logs' / 'x.log')!r}), timeout_s=1)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     command_pid = None
     try:
-        assert proc.stdout.readline().strip() == "stopping"  # the command timed out: SIGTERM
+        # the command timed out and got its SIGTERM: stop_group waits out the 15 s grace
+        assert proc.stdout.readline().strip() == "stopping"
         command_pid = int(pid_file.read_text())
-        time.sleep(0.5)  # inside the 15 s grace
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 128 + signal.SIGTERM
         deadline = time.monotonic() + 5

@@ -34,22 +34,34 @@ rank = subprocess.Popen([sys.executable, "-c", "import os, sys, time\\n"
 deadline = time.monotonic() + 60
 while not (os.path.exists(sys.argv[1]) and open(sys.argv[1]).read()) and time.monotonic() < deadline:
     time.sleep(0.02)
-time.sleep(1.5)  # the launcher has seen its rank
+while not os.path.exists(sys.argv[1] + ".seen") and time.monotonic() < deadline:
+    time.sleep(0.02)  # until the launcher has seen its rank (it looks every 0.5 s)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_the_ranks_of_a_killed_torchrun_do_not_outlive_it(tmp_path, capsys):
+def test_the_ranks_of_a_killed_torchrun_do_not_outlive_it(tmp_path, capsys, monkeypatch):
     """torchrun killed outright (SIGKILL: the out-of-memory killer, `kill -9`) left its ranks,
     in sessions of their own, running as orphans holding their GPUs, ports and the run's
     lock; the launcher then restarted the job beside them (whose trainer rank 0 was refused
     the lock, and the node stopped, "a rank refused its input")."""
+    from draftforge.splitserve import launch
     from draftforge.splitserve.launch import run_torchrun
 
     pid_file = tmp_path / "rank.pid"
     script = tmp_path / "torchrun.py"
     script.write_text(_TORCHRUN_KILLED)
+    real_started = launch._started
+
+    def started(pid: int):
+        """The launcher's look at a child of torchrun: once it has seen the rank, torchrun dies."""
+        found = real_started(pid)
+        if found is not None and pid_file.exists() and pid_file.read_text() == str(pid):
+            pid_file.with_name(pid_file.name + ".seen").touch()
+        return found
+
+    monkeypatch.setattr(launch, "_started", started)
     try:
         status = run_torchrun([sys.executable, str(script), str(pid_file)], env=os.environ, nproc=1)
         assert status == 128 + signal.SIGKILL

@@ -122,6 +122,7 @@ def test_ctrl_c_stops_ranks_that_ignore_it_and_a_second_one_kills_at_once(tmp_pa
     for second in (False, True):
         for r in range(2):
             (tmp_path / f"rank{r}.ready").unlink(missing_ok=True)
+            (tmp_path / f"rank{r}.sigint").unlink(missing_ok=True)
         # the second case's term_s is long, so that waiting for it and not waiting differ by
         # far more than a loaded machine's start-up and teardown times
         proc = _launcher(tmp_path, "stubborn", term_s=30.0 if second else 2.0)
@@ -132,7 +133,11 @@ def test_ctrl_c_stops_ranks_that_ignore_it_and_a_second_one_kills_at_once(tmp_pa
         started = time.monotonic()
         proc.send_signal(signal.SIGINT)
         if second:
-            time.sleep(0.3)
+            # only once the launcher handled the first (passed it on to the ranks): sent
+            # before, the two could make one signal, and the launcher wait out term_s
+            while not all((tmp_path / f"rank{r}.sigint").exists() for r in range(2)):
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
             proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
         took = time.monotonic() - started
