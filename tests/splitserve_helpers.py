@@ -76,8 +76,40 @@ def tiny_recipe(tmp: Path, *, trainers: int = 1, steps: int = 12, overrides: dic
     return path
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A port free on 127.0.0.1 now, for a process started later to listen on (a job's store).
+
+    Taken below the kernel's ephemeral range where there is room: a port the kernel chose
+    (``bind(port 0)``) is one it may give the next outgoing connection of any other test
+    (gloo opens many) in the seconds before our process binds it. Each pytest-xdist worker
+    draws from a slice of its own, and no port twice in one process."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            ephemeral_low = int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 0
+    low, high = 10000, ephemeral_low  # [low, high): never handed out by the kernel
+    if high - low >= 1000:
+        workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+        worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").lstrip("gw") or 0) % workers
+        width = (high - low) // workers
+        low, high = low + worker * width, low + (worker + 1) * width
+        rng = random.Random()
+        for _ in range(200):
+            port = rng.randrange(low, high)
+            if port in _HANDED_OUT:
+                continue
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _HANDED_OUT.add(port)
+            return port
+    with socket.socket() as sock:  # no room below the range: the kernel's choice
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 

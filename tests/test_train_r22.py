@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from splitserve_helpers import free_port
 from trainer_helpers import chain_samples, target_embeddings, tiny_model_config, train_config
 
 from draftforge.train.config import warmup_steps
@@ -167,9 +167,7 @@ def test_two_fsdp2_ranks_with_uneven_micro_batches_equal_one_batch(tmp_path):
     out = tmp_path / "multi.json"
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"train": train, "run_dir": str(tmp_path / "multi"), "out": str(out)}))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, __file__, str(job)], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True,
                               env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),

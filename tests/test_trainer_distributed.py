@@ -7,7 +7,6 @@ import importlib.util
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from splitserve_helpers import free_port
 from trainer_helpers import chain_samples, target_embeddings, tiny_model_config, train_config
 
 from draftforge.train.export import export_draft, load_training_checkpoint
@@ -31,12 +31,6 @@ NUM_SAMPLES, BUDGET = 48, 80
 ALL_ANCHORS = 40
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(tmp_path: Path, name: str, *, world: int, trainer_ranks: list[int], train: dict,
            timeout: float = 150, **job) -> dict:
     """Run the worker on ``world`` processes; returns trainer rank 0's output."""
@@ -45,7 +39,7 @@ def launch(tmp_path: Path, name: str, *, world: int, trainer_ranks: list[int], t
                num_samples=NUM_SAMPLES, token_budget=BUDGET, out=str(out), **job)
     job_path = tmp_path / f"{name}.job.json"
     job_path.write_text(json.dumps(job))
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from splitserve_helpers import free_port
 from trainer_helpers import chain_samples, target_embeddings, tiny_model_config, train_config
 
 from draftforge.train.sample import pack
@@ -37,9 +37,7 @@ def _launch(tmp_path: Path, *, world: int, trainer_ranks: list[int], train: dict
     job = tmp_path / "job.json"
     job.write_text(json.dumps(dict(trainer_ranks=trainer_ranks, train=train, run_dir=str(tmp_path / "multi"),
                                    num_samples=NUM_SAMPLES, token_budget=BUDGET, out=str(out))))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(job)], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True,
                               env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
