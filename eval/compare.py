@@ -70,7 +70,9 @@ def load_report(path: str) -> tuple[Path, dict]:
         raise InputError(f"{p}: not a text file (byte {err.start}: {err.reason}); give the report's "
                          "report.json or the folder holding it") from None
     except json.JSONDecodeError as err:
-        raise InputError(f"{p}: not valid JSON (line {err.lineno}, column {err.colno}): {err.msg}") from None
+        # e.g. the report.md beside it: name the file this takes
+        raise InputError(f"{p}: not valid JSON (line {err.lineno}, column {err.colno}): {err.msg}; give "
+                         "the report's report.json or the folder holding it") from None
     if not isinstance(report, dict) or not isinstance(report.get("workloads"), dict):
         raise InputError(f"{p}: not a draftforge eval report (no 'workloads' table)")
     if not report["workloads"]:

@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-shard-size-mb", type=argtypes.positive_float, help=f"shard above this size (default: the recipe's export.max_shard_size_mb, "
                         f"{defaults.max_shard_size_mb} when unset)")
     parser.add_argument("--recipe", help="the recipe the run used (default: the one saved in the run directory)")
-    parser.add_argument("--eval-report", help="markdown table from 'draftforge eval' for the model card (default: "
+    parser.add_argument("--eval-report", help="markdown table from 'draftforge eval' for the model card (its report.md, or the folder holding it; default: "
                         "RUN_DIR/eval/report.md when exporting a run directory, used only if its report.json "
                         "names this run, its checkpoint or its export as the draft and is not older than the "
                         "checkpoint; else the card says Not measured)")
@@ -58,6 +58,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not source.exists():
         raise InputError(f"{source} does not exist; give a run directory, a "
                          "checkpoint folder or a model.safetensors")
+    if args.eval_report and Path(args.eval_report).is_dir():
+        # the folder 'draftforge eval --out' wrote, as 'draftforge eval compare' takes it
+        if not (Path(args.eval_report) / "report.md").is_file():
+            raise InputError(f"--eval-report {args.eval_report}: a folder without report.md; give the "
+                             "report.md that 'draftforge eval' wrote, or the folder holding it")
+        args.eval_report = str(Path(args.eval_report) / "report.md")
     if args.eval_report and not Path(args.eval_report).is_file():
         raise InputError(f"--eval-report {args.eval_report}: no such file")
     run_dir = source if (source / "checkpoints").is_dir() else None
