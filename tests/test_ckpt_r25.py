@@ -97,7 +97,7 @@ def test_every_checkpoint_file_is_as_readable_as_the_umask_lets_open_make_it(tmp
     modes = {str(p.relative_to(checkpoint)): p.stat().st_mode & 0o777 for p in checkpoint.rglob("*")}
     assert modes == {"COMPLETE": 0o664, "draft_config.json": 0o664, "trainer_state.json": 0o664,
                      "model.safetensors": 0o664, "optimizer.safetensors": 0o664, "optimizer.json": 0o664,
-                     "rng": 0o775, "rng/rank_0.safetensors": 0o664}
+                     "recipe.yaml": 0o664, "rng": 0o775, "rng/rank_0.safetensors": 0o664}
 
 
 # -- 3. a checkpoint file this user may not read is not called corrupt or missing -------------

@@ -11,6 +11,8 @@ Layout of ``run_dir/checkpoints/step_XXXXXXXX``::
                           rank with the sample that told of them), the caller's
                           extra state per trainer rank
     draft_config.json     the draft's DSparkConfig (resume and export check it)
+    recipe.yaml           the resolved recipe of the run segment that wrote it (the model
+                          card's, where the run folder's config.yaml is a later rerun's)
     rng/rank_R.safetensors  torch RNG state of trainer rank R
     model.safetensors     the full model state, unsharded (fsdp2 and deepspeed gather it
                           onto trainer rank 0 too): what export and evaluation read
@@ -66,6 +68,7 @@ from draftforge.train import distributed as D
 COMPLETE = "COMPLETE"
 STATE_FILE = "trainer_state.json"
 DRAFT_CONFIG_FILE = "draft_config.json"  # the draft's DSparkConfig; export reads it too
+RECIPE_FILE = "recipe.yaml"  # the recipe that trained it, for export's model card
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _STALE_TMP = re.compile(r"^step_\d{8}\.tmp$")
 _RETIRED = re.compile(r"^\.step_(\d{8})\.old-")  # files.replace_dir's moved-aside copy
@@ -430,6 +433,7 @@ def save_checkpoint(
     keep_last: int,
     model_config: dict | None = None,
     full_state: dict[str, torch.Tensor] | None = None,
+    recipe_yaml: str | None = None,
 ) -> Path:
     """Write the checkpoint of ``step`` atomically (collective over the trainer group).
 
@@ -440,7 +444,8 @@ def save_checkpoint(
     ``draft_config.json`` so that export and resume can check it. ``full_state``
     (fsdp2, deepspeed: the gathered, unsharded model state) is written by trainer
     rank 0 as ``model.safetensors`` beside the strategy's own files, so every
-    checkpoint can be exported; resume reads the strategy's files.
+    checkpoint can be exported; resume reads the strategy's files. ``recipe_yaml`` (the run's
+    resolved recipe) is stored as ``recipe.yaml``: what export's model card shows for it.
     """
     rank = D.group_rank(group=group)
     final = checkpoint_path(run_dir, step)
@@ -501,6 +506,8 @@ def save_checkpoint(
         try:
             if model_config is not None:
                 _write_json(tmp / DRAFT_CONFIG_FILE, model_config)
+            if recipe_yaml is not None:
+                write_atomic(tmp / RECIPE_FILE, recipe_yaml)
             _write_json(tmp / STATE_FILE, state)
             shareable(tmp)  # safetensors writes its files 0600: another user could not resume or export
             fsync_tree(tmp)  # every file on disk before the marker that vouches for them

@@ -77,6 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         export_cfg, output_dir = recipe.export, recipe.train.output_dir
         card.target = recipe.target.model
         card.recipe = recipe.to_yaml()
+        print(f"model card: recipe from {recipe_path}", flush=True)
         card.data = training_data_line(recipe)
     out = args.out or export_cfg.out_dir
     if out is None:
@@ -239,7 +240,17 @@ def default_report(run_dir: Path, out: Path) -> Path | None:
 
 
 def _saved_recipe(source: Path) -> Path | None:
+    """The recipe saved with what ``source`` names: the checkpoint's own ``recipe.yaml`` (the run
+    segment that wrote it; a run folder's newest checkpoint's), else the run folder's
+    ``config.yaml``, the newest segment's, which may be a later rerun's that trained nothing."""
     folders = [source] if source.is_dir() else [source.parent]
+    if (source / "checkpoints").is_dir():
+        from draftforge.train.export import ExportError, latest_checkpoint
+
+        try:
+            folders.insert(0, latest_checkpoint(source))
+        except ExportError:  # no checkpoint: loading it says so
+            pass
     folders += [f.parent.parent for f in list(folders) if f.parent.name == "checkpoints"]
     for folder in folders:
         for name in RECIPE_NAMES:

@@ -729,7 +729,7 @@ class Trainer:
             run_dir=self.run_dir, step=self.step, strategy=self.train.strategy, model=self.model,
             optimizer=self.optimizer, engine=self.engine, state=state, group=self.group,
             keep_last=self.train.keep_last, model_config=self.model_config.to_dict(),
-            full_state=full,
+            full_state=full, recipe_yaml=self.recipe_yaml,
         )
 
     def full_state_dict(self, *, every_rank: bool = True) -> dict[str, torch.Tensor]:
