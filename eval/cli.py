@@ -149,10 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "--recipe RECIPE instead"
             ) from None
     else:
-        raise InputError("draftforge eval: give --target NAME_OR_DIR (or --recipe RECIPE)")
+        raise InputError("give --target NAME_OR_DIR (or --recipe RECIPE)")
     if args.prompts_file and args.workloads:  # the file's rows name their own workloads
         raise InputError(
-            f"draftforge eval: --workloads {','.join(args.workloads)} and --prompts-file "
+            f"--workloads {','.join(args.workloads)} and --prompts-file "
             f"{args.prompts_file}: give one; the file's rows name their own workloads"
         )
     if args.prompts_file:  # as every path option; a pipe (--prompts-file <(...), /dev/stdin) is read as a file
@@ -170,13 +170,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                      if value is not None]  # fmt: skip
     if temperature <= 0 and sampling_only:
         raise InputError(
-            f"draftforge eval: {', '.join(sampling_only)}: only for sampling, but the temperature is 0 "
+            f"{', '.join(sampling_only)}: only for sampling, but the temperature is 0 "
             "(greedy decoding, which they would not change): give --temperature above 0, or leave "
             "them out"
         )
     if temperature > 0 and args.tie_tolerance is not None:
         raise InputError(
-            f"draftforge eval: --tie-tolerance {args.tie_tolerance}: only for greedy decoding, whose "
+            f"--tie-tolerance {args.tie_tolerance}: only for greedy decoding, whose "
             f"outputs are checked against plain decoding, but the temperature is {temperature}"
             f"{_source(args.temperature, args.recipe, 'eval.temperature')} (sampled outputs are not "
             "checked, so it would change nothing): give --temperature 0, or leave it out"
@@ -184,20 +184,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     verify = args.verify or eval_cfg.verify
     if args.threshold is not None and verify != "threshold":
         raise InputError(
-            f"draftforge eval: --threshold {args.threshold}: only for --verify threshold, but "
+            f"--threshold {args.threshold}: only for --verify threshold, but "
             f"verification is {verify!r}{_source(args.verify, args.recipe, 'eval.verify')}, which "
             "verifies every block in full and ignores it: give --verify threshold, or leave it out"
         )
     if args.calibrate and verify == "threshold":
         raise InputError(
-            f"draftforge eval: --calibrate with threshold verification"
+            f"--calibrate with threshold verification"
             f"{_source(args.verify, args.recipe, 'eval.verify')}: it verifies only the slots before "
             "the first whose confidence is below the threshold, so the fit would see no position "
             "the head rates below it; give --verify full"
         )
     if args.max_new_tokens is not None and args.max_new_tokens < 2:  # a recipe's is checked by its schema
         raise InputError(
-            f"draftforge eval: --max-new-tokens {args.max_new_tokens}: the first new token "
+            f"--max-new-tokens {args.max_new_tokens}: the first new token "
             "comes from the prompt's prefill, so no verification round would run and no acceptance "
             "length be measured; give 2 or more"
         )
@@ -230,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             needs_head.append("--calibrate")
         if needs_head:
             raise InputError(
-                f"draftforge eval {args.draft}: {' and '.join(needs_head)} need the draft's "
+                f"{args.draft}: {' and '.join(needs_head)} {'need' if len(needs_head) > 1 else 'needs'} the draft's "
                 "confidence head, and this draft has none (enable_confidence_head false, as in "
                 "the DFlash ablation); use --verify full and leave out --calibrate"
             )
@@ -239,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         given = (f"{args.prompts_file} holds one prompt a workload" if num_prompts != 1
                  else "--num-prompts is 1" if args.num_prompts else "the recipe's eval.num_prompts is 1")
         raise InputError(
-            f"draftforge eval: --calibrate {args.calibrate}: every second prompt of each workload is "
+            f"--calibrate {args.calibrate}: every second prompt of each workload is "
             f"held out to measure the ECE after fitting, and {given}, so none would be: give a "
             "workload 2 prompts or more (one to fit on, one held out)"
         )

@@ -272,7 +272,7 @@ def test_threshold_verification_and_calibration_need_a_confidence_head(recipe_pa
             "--max-new-tokens", "6", "--out", str(tmp_path / "r"), "--baselines", "none"]
     for extra, what in ((["--verify", "threshold"], "--verify threshold"),
                         (["--calibrate", str(tmp_path / "c.json")], "--calibrate")):  # fmt: skip
-        with pytest.raises(InputError, match=f"{what} need the draft's confidence head"):
+        with pytest.raises(InputError, match=f"{what} needs the draft's confidence head"):
             main([*base, *extra])
     assert not (tmp_path / "r").exists() and not (tmp_path / "c.json").exists()
     assert main(base) == 0  # full verification needs none

@@ -59,7 +59,7 @@ def test_calibrate_with_one_prompt_a_workload_is_refused_before_the_target_loads
     for extra, given in cases:
         assert main([*base, *extra]) == 2, extra
         assert capsys.readouterr().err.strip() == (
-            f"draftforge eval: error: draftforge eval: --calibrate {cal}: every second prompt of each "
+            f"draftforge eval: error: --calibrate {cal}: every second prompt of each "
             f"workload is held out to measure the ECE after fitting, and {given}, so none would be: "
             "give a workload 2 prompts or more (one to fit on, one held out)"
         ), extra

@@ -61,3 +61,15 @@ def test_eval_compare_given_report_md_points_at_report_json(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"{report}: not valid JSON" in err
     assert "give the report's report.json or the folder holding it" in err and "Traceback" not in err
+
+
+def test_eval_refusals_name_the_command_once(tmp_path, capsys):
+    """The command line's handler puts ``draftforge eval: error:`` before a refusal; nine of
+    eval's own refusals began with ``draftforge eval:`` as well, so the prefix came twice."""
+    from draftforge.cli import main
+
+    export = tmp_path / "export"
+    export.mkdir()
+    assert main(["eval", str(export)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "draftforge eval: error: give --target NAME_OR_DIR (or --recipe RECIPE)")
