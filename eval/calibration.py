@@ -18,7 +18,17 @@ reads ``{"temperatures": [T_0 .. T_{γ-1}], "ece_before": [...], "ece_after":
 [...], "dataset": str, "num_samples": int}``, every temperature > 0. The file also
 carries ``fit_samples`` and ``held_out_samples`` per position: a position with fewer
 than ``MIN_FIT_SAMPLES`` fitting samples keeps T = 1 (one sample fits any temperature
-perfectly), and one with no held-out sample reports ECE 0.
+perfectly), and ``temperature_at_bound`` says, per position, whether the fit stopped at a bound
+of its search (``"upper"``, ``"lower"``, else null; see :func:`bound_hit`).
+
+A position with no held-out sample has no ECE: :func:`calibrate` gives None there (null in
+report.json's ``calibration``; "n/a" in report.md), never 0, which would claim a perfect
+calibration nobody measured. SGLang's reader (0.5.23, ``dspark_sts_table.py``) decodes
+``ece_before`` / ``ece_after`` as ``list[float]`` (msgspec: a null fails the server's start, and
+JSON has no NaN), with an empty list as its default for "none given": so
+:func:`write_calibration` writes the two lists into SGLang's file only when every position has
+its ECE, and empty lists otherwise (``held_out_samples`` says which positions had none; the
+measured ones are in report.json). SGLang reads only the temperatures.
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ from draftforge.eval.speculative import Round
 from draftforge.files import write_atomic
 
 MIN_TEMPERATURE = 0.05  # all-rejected positions would otherwise drive T to 0
-MAX_TEMPERATURE = 100.0
+MAX_TEMPERATURE = 100.0  # see bound_hit: a fit that stops here is not a fitted value
 MIN_FIT_SAMPLES = 8  # below this a position keeps T = 1
 
 
@@ -80,6 +90,23 @@ def fit_temperature(logits: torch.Tensor, labels: torch.Tensor, *, iterations: i
     return float(1.0 / math.exp(0.5 * (low + high)))
 
 
+def bound_hit(temperature: float) -> str | None:
+    """``"upper"`` or ``"lower"`` where :func:`fit_temperature` stopped at a bound of its
+    search ([MIN_TEMPERATURE, MAX_TEMPERATURE]) because the log loss still fell beyond it, else
+    None (the bisection's interior result never equals a bound, nor does the T = 1 kept without
+    enough samples). Such a temperature is the best one the search allows, not a minimum it
+    found: at the upper bound (100) the log loss falls on as T grows, i.e. as
+    ``sigmoid(z / T)`` flattens towards 0.5 whatever the logit: the confidence logits at that
+    position predict the outcome worse than a constant, as when nearly every draft is rejected
+    while the head says accept. The file keeps the bound (SGLang needs a number above 0, and
+    it is the loss's best in range); the report says it is the bound, not a fitted value."""
+    if temperature == MAX_TEMPERATURE:
+        return "upper"
+    if temperature == MIN_TEMPERATURE:
+        return "lower"
+    return None
+
+
 def expected_calibration_error(probs: torch.Tensor, labels: torch.Tensor, *, num_bins: int = 10) -> float:
     """ECE with equal-width probability bins: sum over bins of |mean label - mean prob| x bin share."""
     if probs.numel() == 0:
@@ -110,13 +137,14 @@ def calibrate(
     still counts): the held-out rounds come from other prompts than the fitted ones, so the
     ECE after is not an in-sample figure. Without, every ``holdout_every``-th sample of a position is held out
     (deterministic). ECE before and after is measured on the held-out samples alone. A position with fewer than
-    ``MIN_FIT_SAMPLES`` fitting samples keeps T = 1; one without held-out samples
-    reports ECE 0 (SGLang's fields are plain floats); ``fit_samples`` and
-    ``held_out_samples`` say which is which. ``held_out`` (not written to SGLang's
+    ``MIN_FIT_SAMPLES`` fitting samples keeps T = 1; one without held-out samples has
+    ECE None (not measured: see the module's note on SGLang's file); ``fit_samples`` and
+    ``held_out_samples`` say which is which, ``temperature_at_bound`` which temperatures are a
+    bound of the search (:func:`bound_hit`). ``held_out`` (not written to SGLang's
     file) lists the held-out samples, for a pooled ECE over positions. A NaN or infinite
     confidence logit is refused (:class:`InputError`).
     """
-    temperatures, ece_before, ece_after, fit_counts, held_counts = [], [], [], [], []
+    temperatures, ece_before, ece_after, fit_counts, held_counts, bounds = [], [], [], [], [], []
     held_out: list[tuple[int, float, float]] = []
     if prompt_ids is not None and len(prompt_ids) != len(samples):
         raise ValueError(f"{len(prompt_ids)} prompt ids for {len(samples)} samples")
@@ -140,6 +168,7 @@ def calibrate(
         z_held = torch.tensor([z for z, _ in held_rows], dtype=torch.float64)
         y_held = torch.tensor([y for _, y in held_rows], dtype=torch.float64)
         temperatures.append(temperature)
+        bounds.append(bound_hit(temperature))
         ece_before.append(expected_calibration_error(torch.sigmoid(z_held), y_held))
         ece_after.append(expected_calibration_error(torch.sigmoid(z_held / temperature), y_held))
         fit_counts.append(len(fit_rows))
@@ -147,12 +176,13 @@ def calibrate(
         held_out += [(k, z, y) for z, y in held_rows]
     return {
         "temperatures": temperatures,
-        "ece_before": [_finite_or_zero(e) for e in ece_before],
-        "ece_after": [_finite_or_zero(e) for e in ece_after],
+        "ece_before": [_measured(e) for e in ece_before],
+        "ece_after": [_measured(e) for e in ece_after],
         "dataset": dataset,
         "num_samples": len(samples),
         "fit_samples": fit_counts,
         "held_out_samples": held_counts,
+        "temperature_at_bound": bounds,
         "held_out": held_out,
     }
 
@@ -183,15 +213,20 @@ def pooled_ece(samples: Sequence[tuple[int, float, float]], temperatures: Sequen
 
 
 def write_calibration(path: str | os.PathLike[str], calibration: dict) -> Path:
-    """Write SGLang's calibration JSON atomically (temp file, then rename)."""
+    """Write SGLang's calibration JSON atomically (temp file, then rename). ``ece_before`` and
+    ``ece_after`` go in whole or as empty lists (SGLang's default): SGLang decodes them as lists
+    of floats, so a position without an ECE (None) cannot be written as null; 0 would claim a
+    perfect calibration nobody measured (see the module's docstring)."""
     path = Path(path).expanduser()
     if not calibration["temperatures"] or any(t <= 0 for t in calibration["temperatures"]):
         raise ValueError(f"calibration temperatures must be non-empty and > 0: {calibration['temperatures']}")
     written = {key: value for key, value in calibration.items() if key != "held_out"}
+    if any(e is None for key in ("ece_before", "ece_after") for e in written.get(key, ())):
+        written["ece_before"], written["ece_after"] = [], []
     write_atomic(path, (json.dumps(written, indent=2) + "\n").encode())
     return path
 
 
-def _finite_or_zero(value: float) -> float:
-    # SGLang decodes ece_before / ece_after as lists of floats: no null, no NaN.
-    return 0.0 if math.isnan(value) else value
+def _measured(value: float) -> float | None:
+    # an ECE of no sample (NaN) is not measured: None, not 0 (a perfect calibration)
+    return None if math.isnan(value) else value

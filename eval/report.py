@@ -188,7 +188,32 @@ def calibration_lines(calibration: dict | None) -> list[str]:
     else:
         ece = "no ECE: the held-out prompts (every second of each workload) verified no draft position"
     return [f"Confidence calibration written to `{calibration.get('path')}`: temperatures per "
-            f"position [{temperatures}]; {ece}.", ""]
+            f"position [{temperatures}]; {ece}.", *_calibration_positions(calibration), ""]
+
+
+def _calibration_positions(calibration: dict) -> list[str]:
+    """Per position, the held-out ECE before and after ("n/a" where no held-out sample reached
+    it: not measured, not 0), and which temperatures are a bound of the fit's search, not a
+    fitted value (:func:`draftforge.eval.calibration.bound_hit`). Nothing for a report.json
+    written before these were recorded."""
+    from draftforge.eval.calibration import MAX_TEMPERATURE, MIN_TEMPERATURE
+
+    lines = []
+    before, after = calibration.get("ece_before"), calibration.get("ece_after")
+    if before is not None and after is not None:
+        cells = [f"{k}: n/a (no held-out sample)" if b is None or a is None else f"{k}: {b:.4f} -> {a:.4f}"
+                 for k, (b, a) in enumerate(zip(before, after, strict=True))]
+        lines.append(f"ECE per position on the held-out samples, before -> after: {'; '.join(cells)}.")
+    bounds = {"upper": f"the search's upper bound {MAX_TEMPERATURE:g}",
+              "lower": f"the search's lower bound {MIN_TEMPERATURE:g}"}
+    hit = [f"position {k} ({bounds[b]})" for k, b in enumerate(calibration.get("temperature_at_bound") or ())
+           if b in bounds]
+    if hit:
+        lines.append(f"Temperature at a bound, not a fitted value: {', '.join(hit)}: the log loss still "
+                     "fell beyond it (at the upper bound the confidence there predicts acceptance "
+                     "worse than a constant, e.g. nearly every draft rejected while the head says "
+                     "accept); the file keeps the bound.")
+    return lines
 
 
 LOOKUP_NOTE = (
