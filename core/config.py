@@ -737,19 +737,37 @@ def _check_draft(cfg: RecipeConfig, shape: TargetShape | None) -> list[Problem]:
         if draft.max_position_embeddings is None and positions_known:
             draft.max_position_embeddings = shape.max_position_embeddings
         elif draft.max_position_embeddings is None:
-            config_json = Path(cfg.target.model).expanduser() / "config.json"
-            why = (f"{config_json} gives none" if config_json.is_file()
-                   else f"{config_json} cannot be read here")
-            problems.append(
-                (
-                    ("draft", "max_position_embeddings"),
-                    f"not set, and the target's is not known ({why} and target.shape does not "
-                    "declare max_position_embeddings): set it to the longest position the draft "
-                    f"is to serve (at least data.max_length {cfg.data.max_length}; it becomes the "
-                    "export's max_position_embeddings and bounds eval's prompts), or declare "
-                    "target.shape.max_position_embeddings",
+            folder = Path(cfg.target.model).expanduser()
+            config_json = folder / "config.json"
+            serve = (f"the longest position the draft is to serve (at least data.max_length "
+                     f"{cfg.data.max_length}; it becomes the export's max_position_embeddings and "
+                     "bounds eval's prompts)")
+            if not folder.exists():
+                # A mistyped path read as a missing setting: the folder comes first. It is not
+                # refused for itself: on several nodes it may be on the target's node alone.
+                problems.append(
+                    (
+                        ("target", "model"),
+                        f"no folder {cfg.target.model} on this machine (a typo? or the "
+                        "target's folder on another node), so the target's "
+                        "max_position_embeddings is not known here (target.shape does not declare "
+                        "it) and draft.max_position_embeddings is not set: fix the path; for a "
+                        "folder that is on the target's node only, set draft.max_position_embeddings "
+                        f"to {serve}, or declare target.shape.max_position_embeddings",
+                        (("draft", "max_position_embeddings"),),
+                    )
                 )
-            )
+            else:
+                why = (f"{config_json} gives none" if config_json.is_file()
+                       else f"{config_json} cannot be read here")
+                problems.append(
+                    (
+                        ("draft", "max_position_embeddings"),
+                        f"not set, and the target's is not known ({why} and target.shape does not "
+                        f"declare max_position_embeddings): set it to {serve}, or declare "
+                        "target.shape.max_position_embeddings",
+                    )
+                )
         if positions_known and cfg.data.max_length > shape.max_position_embeddings:
             problems.append(
                 (

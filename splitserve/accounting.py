@@ -299,7 +299,12 @@ class ConsumerAccounting:
         p, c, q, rec = s["producer"], s["consumer"], s["queue"], s["recommended"]
         return "\n".join([
             "split accounting:",
-            f"  target  (per producer): busy {p['busy_share']:.1%}  idle {p['idle_share']:.1%}  "
+            # the producers' figures as the header of the last sample taken carried them (at its
+            # send): not their whole serving (roles' "done (serving, to the trainers' stop)"
+            # line, on the target's rank), which adds the samples made after that one and the
+            # wait for the trainers' stop, so the two lines' figures differ
+            f"  target  (per producer, as of the last sample taken): busy {p['busy_share']:.1%}  "
+            f"idle {p['idle_share']:.1%}  "
             f"{p['tokens']} tokens  {p['rate_tok_s']:.0f} tok/s  capacity {p['capacity_tok_s']:.0f} tok/s",
             f"  trainer (this rank): busy {c['busy_share']:.1%}  idle {c['idle_share']:.1%}  "
             f"{c['tokens']} tokens  {c['rate_tok_s']:.0f} tok/s  capacity {c['capacity_tok_s']:.0f} tok/s",

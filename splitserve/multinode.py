@@ -121,6 +121,7 @@ def launch_plan(cfg, recipe: str, overrides: Sequence[str], *, master_addr: str 
             f"running: {shown(rank_command(recipe, overrides))}"
         )
         lines.append(f"  rendezvous store hosted by draftforge train on {host} ({where})")
+        lines += filter(None, [_one_node_gpus(cfg)])
         by_hand = torchrun_command(recipe, overrides, split.world_size, master_addr=host)
         lines.append(f"  the same job by hand: {shown(by_hand)} (its store listens on every interface)")
         return "\n".join(lines)
@@ -164,6 +165,32 @@ def launch_plan(cfg, recipe: str, overrides: Sequence[str], *, master_addr: str 
         "NCCL_SOCKET_IFNAME) to that network's interface on every node."
     )
     return "\n".join(lines)
+
+
+MOST_GPUS_PER_NODE = 8  # an HGX/DGX node; a split needing more on one node is named as such
+
+
+def _one_node_gpus(cfg) -> str:
+    """The GPUs a one-node plan needs (what ``planned_gpus`` assumes the machine has), so
+    that a split of more ranks than a node has GPUs is seen before the node is rented:
+    the dry run plans for the machine the recipe names and cannot refuse it."""
+    from draftforge.splitserve.launch import planned_gpus
+    from draftforge.splitserve.roles import comm_backend
+
+    gpus = planned_gpus(cfg)
+    if gpus == 0:
+        return ""
+    split = cfg.split
+    line = f"  GPUs: this machine needs {gpus} ({'GPU 0' if gpus == 1 else f'GPUs 0-{gpus - 1}'})"
+    if split.comm_backend == "auto" and cfg.train.device == "auto":
+        line += " where GPUs are visible (comm_backend auto); without GPUs every rank runs on the CPU"
+    elif comm_backend(cfg, gpus_visible=True) != "nccl":
+        line += " for its trainer ranks (gloo: the target ranks run on the CPU)"
+    if gpus > MOST_GPUS_PER_NODE:
+        line += (f"; more than the {MOST_GPUS_PER_NODE} of most GPU nodes: on {MOST_GPUS_PER_NODE}-GPU "
+                 "nodes spread the ranks with split.num_nodes (each node then runs "
+                 "split.world_size / split.num_nodes of them), or use fewer ranks")
+    return line
 
 
 def is_loopback(address: str) -> bool:

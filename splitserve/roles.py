@@ -143,7 +143,8 @@ def split_problems(
     both = sorted(set(split.target_devices or []) & set(split.trainer_devices or []))
     if both:
         problems.append(
-            f"split: GPUs {both} are in both target_devices and trainer_devices; give each group its own"
+            f"split.trainer_devices: GPUs {both} are in both target_devices and trainer_devices "
+            "(two ranks on one GPU, which NCCL refuses); give each group its own GPUs"
         )
     if cfg.target.model == "random" and cfg.target.shape is not None:
         if not borrowed_tokenizer.has_tokenizer(cfg.target.shape.vocab_size):
@@ -254,8 +255,8 @@ def _shared_gpu_problems(split, per_node: int, cuda_devices: int) -> list[str]:
     """Each rank's GPU as :func:`_device` picks it (the group's list, else LOCAL_RANK): two
     ranks of one node on one GPU, or a LOCAL_RANK GPU that does not exist."""
     problems, on_gpu = [], {}
-    for ranks, devices in ((split.target_ranks, split.target_devices),
-                           (split.trainer_ranks, split.trainer_devices)):  # fmt: skip
+    for key, ranks, devices in (("target_devices", split.target_ranks, split.target_devices),
+                                ("trainer_devices", split.trainer_ranks, split.trainer_devices)):  # fmt: skip
         for index, rank in enumerate(ranks):
             if devices is not None and index >= len(devices):
                 continue  # the list's length is refused elsewhere
@@ -263,15 +264,31 @@ def _shared_gpu_problems(split, per_node: int, cuda_devices: int) -> list[str]:
             if devices is None and gpu >= cuda_devices:
                 problems.append(f"split: rank {rank} has no GPU named and would take GPU {gpu} "
                                 f"(LOCAL_RANK), which does not exist ({cuda_devices} visible)")
-            on_gpu.setdefault((rank // per_node, gpu), []).append(rank)
-    for (node, gpu), ranks in sorted(on_gpu.items()):
-        if len(ranks) > 1:
-            where = f" on node {node}" if split.num_nodes > 1 else ""
-            problems.append(
-                f"split: ranks {ranks} would share GPU {gpu}{where} (a group without a device list "
-                "takes GPU LOCAL_RANK); NCCL refuses two ranks on one GPU: name each rank's GPU in "
-                "split.target_devices and split.trainer_devices"
-            )
+            # the list that named the GPU, or None: the rank's LOCAL_RANK
+            on_gpu.setdefault((rank // per_node, gpu), []).append((rank, key if devices is not None else None))
+    for (node, gpu), placed in sorted(on_gpu.items()):
+        if len(placed) < 2:
+            continue
+        ranks = [rank for rank, _ in placed]
+        lists = list(dict.fromkeys(key for _, key in placed if key is not None))
+        local = [rank for rank, key in placed if key is None]
+        if not local and len(lists) > 1:
+            continue  # one GPU in both lists: split_problems names it once, at trainer_devices
+        where = f" on node {node}" if split.num_nodes > 1 else ""
+        why = [f"split.{key} names GPU {gpu} for ranks {[r for r, k in placed if k == key]}"
+               for key in lists]
+        if local:
+            why.append(f"{'rank' if len(local) == 1 else 'ranks'} {', '.join(map(str, local))} "
+                       f"{'has' if len(local) == 1 else 'have'} no device list and "
+                       f"{'takes' if len(local) == 1 else 'take'} GPU LOCAL_RANK {gpu}")
+            lead, fix = "split", ("name each rank's GPU in split.target_devices and "
+                                  "split.trainer_devices")
+        else:  # one list names a GPU twice: lead with that list, so its line is shown
+            lead, fix = f"split.{lists[0]}", f"list each GPU once in split.{lists[0]}"
+        problems.append(
+            f"{lead}: ranks {ranks} would share GPU {gpu}{where} ({'; '.join(why)}); NCCL refuses "
+            f"two ranks on one GPU: {fix}"
+        )
     return problems
 
 
@@ -610,13 +627,24 @@ def _run_target(ctx: RankContext, bench: dict | None) -> None:
         ctx.cfg, engine, ctx.topology, ctx.rank, data_group=ctx.data_group,
         ack_group=ctx.ack_group, device=ctx.device, log=ctx.log, pulse=pulse, hellos=hellos,
     )
-    ctx.log(
-        f"done: busy {summary['busy_share']:.1%} idle {summary['idle_share']:.1%} "
+    ctx.log(done_line(summary))
+    release_members(ctx, engine)
+
+
+def done_line(summary: dict) -> str:
+    """A target rank's last line: its whole serving, from the start to its trainers' stop. The
+    trainers' ``split accounting`` block has a producer's figures only as of the last sample
+    they took (the stats its header carried at its send): without the samples made after it
+    (in transit, dropped, or waiting here) and the wait for the trainers' stop, so the two
+    differ (more idle here when the trainers' last steps and checkpoint took long), and each
+    line says its window."""
+    return (
+        f"done (serving, to the trainers' stop): busy {summary['busy_share']:.1%} "
+        f"idle {summary['idle_share']:.1%} "
         f"{summary['tokens']} tokens {summary['rate_tok_s']:.0f} tok/s; at most "
         f"{summary['max_outstanding']} samples in flight per trainer (credits {summary['credits']}) "
         f"and {summary['max_pending_tokens']} tokens waiting here for one trainer"
     )
-    release_members(ctx, engine)
 
 
 def wait_for_leader(ctx: RankContext) -> None:

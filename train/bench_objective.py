@@ -154,9 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(_child(args)))
         return 0
     base = [a for a in (argv if argv is not None else sys.argv[1:])]
+    threads = f"{args.threads} thread{'' if args.threads == 1 else 's'}"
     print(
         f"objective forward+backward: V={args.vocab} H={args.hidden} {args.anchors} anchors x "
-        f"{args.block} slots, Markov rank {args.markov_rank}, {args.dtype}, {args.threads} threads",
+        f"{args.block} slots, Markov rank {args.markov_rank}, {args.dtype}, {threads}",
         flush=True,
     )
     results = {}

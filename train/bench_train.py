@@ -421,7 +421,7 @@ def _where(args) -> str:
         import torch
 
         return f"on {torch.cuda.get_device_name()}"
-    return f"{args.threads} threads"
+    return f"{args.threads} thread{'' if args.threads == 1 else 's'}"
 
 
 def _print_memory(recipe, args, peak_bytes: int) -> None:
