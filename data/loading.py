@@ -125,14 +125,35 @@ def file_stem(path: Path) -> str:
     return path.name[: len(path.name) - len(data_suffix(path))]
 
 
+# byte-order marks of encodings other than UTF-8 (UTF-32's first: UTF-16 LE's is its prefix)
+_OTHER_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
+               (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"))
+
+
+def _refuse_other_encoding(path: Path, start: bytes) -> None:
+    """Refuse a file that starts with a UTF-16 or UTF-32 byte-order mark (what Windows
+    PowerShell 5's ``>`` and ``Out-File`` write): read as UTF-8, each of its lines failed as a
+    row of its own, "invalid UTF-8 at column 1" then "invalid JSON", and with
+    data.skip_invalid every row was skipped as malformed."""
+    for bom, name in _OTHER_BOMS:
+        if start.startswith(bom):
+            raise DataFormatError(
+                f"{path}: the file is encoded in {name} (it starts with a {name} byte-order "
+                "mark); data files must be UTF-8: save it as UTF-8 (PowerShell: "
+                "Out-File -Encoding utf8, or Set-Content -Encoding utf8)")
+
+
 def _read_jsonl(path: Path, suffix: str) -> Iterator[RawRow]:
     number = 0
     try:  # bytes, decoded line by line: invalid UTF-8 is that row's error, with its line
         with gzip.open(path, "rb") if suffix.endswith(".gz") else open(path, "rb") as handle:
             for number, raw in enumerate(handle, start=1):
                 where = RowLocation(str(path), number, "line")
-                if number == 1:  # a byte-order mark (Windows editors write one) is no JSON
-                    raw = raw.removeprefix(codecs.BOM_UTF8)
+                if number == 1:
+                    _refuse_other_encoding(path, raw)
+                # a byte-order mark (Windows editors write one) is no JSON; after line 1 it is
+                # the first line of another file joined on (cat a.jsonl b.jsonl)
+                raw = raw.removeprefix(codecs.BOM_UTF8)
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as exc:
@@ -161,6 +182,7 @@ def _read_json(path: Path, suffix: str) -> Iterator[RawRow]:
             raw = handle.read()
     except (OSError, EOFError, zlib.error) as exc:
         raise DataFormatError(f"{path}: cannot be read: {exc}") from None
+    _refuse_other_encoding(path, raw)
     raw = raw.removeprefix(codecs.BOM_UTF8)  # Windows editors write one; it is no JSON
     try:
         text = raw.decode("utf-8")
@@ -291,7 +313,9 @@ def load_conversations(
     seen: dict[str, str] = {}
     for path in paths:
         stem = file_stem(path)
+        rows = 0
         for raw in read_rows(path):
+            rows += 1
             try:
                 if raw.error is not None:
                     raise DataFormatError(f"{raw.where}: {raw.error}")
@@ -329,6 +353,13 @@ def load_conversations(
             result.conversations.append(conv)
             if limit is not None and len(result.conversations) >= limit:
                 return result
+        if not rows and len(paths) > 1:  # alone, it is "no prompts" / "no conversations"
+            # beside other files it added nothing without a word: a file emptied by a failed
+            # export or copy, or the wrong file listed
+            raise DataFormatError(
+                f"{path}: holds no rows (the file is empty, blank lines only or an empty list); "
+                "fill it or remove it from data.train_files"
+            )
     return result
 
 

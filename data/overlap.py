@@ -198,9 +198,10 @@ def find_overlaps(
     regenerated: a reply quoting a HumanEval prompt teaches it all the same)."""
     hits = []
     for conv in conversations:
-        turns = [(turn, "") for turn in [*conv.user_turns, *([conv.system] if conv.system else [])]]
+        turns = _turns(conv.user_turns, "user turn") + ([(conv.system, "system prompt")] if conv.system else [])
         if assistant:
-            turns += [(m["content"], "assistant turn") for m in conv.messages if m["role"] == "assistant"]
+            turns += _turns([m["content"] for m in conv.messages if m["role"] == "assistant"],
+                            "assistant turn")
         for turn, role in turns:
             found = index.query(turn)
             if found is not None:
@@ -208,6 +209,15 @@ def find_overlaps(
                 hits.append(OverlapHit(conv.id, found[0], found[1], found[2], where))
                 break
     return hits
+
+
+def _turns(texts: list[str], role: str) -> list[tuple[str, str]]:
+    """``texts`` with where each is in its conversation: the role, numbered among the turns
+    of that role where there are several (a hit in a long conversation names its turn), and
+    the system prompt by name; a lone user turn needs no label."""
+    if len(texts) == 1:
+        return [(texts[0], "" if role == "user turn" else role)]
+    return [(text, f"{role} {number}") for number, text in enumerate(texts, start=1)]
 
 
 def check_no_overlap(

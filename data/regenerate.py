@@ -777,6 +777,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (DataFormatError, OverlapError, RegenerationError, WorkloadUnavailableError) as exc:
             print(f"draftforge data regenerate: {exc}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:  # Ctrl-C: say what SIGTERM's stop says, the answers are kept
+            print("draftforge data regenerate: stopped on SIGINT; rerun the same command to "
+                  "continue", file=sys.stderr, flush=True)
+            raise
     return 0
 
 
