@@ -138,7 +138,7 @@ def test_bench_train_runs_on_the_recipes_threads_and_reports_per_step_mfu(capsys
     # the recipe's dtype: auto, resolved for this CPU
     from draftforge.precision import resolve_dtype
 
-    assert f"{resolve_dtype('auto', cuda=False)}, 1 threads;" in out.splitlines()[0]
+    assert f"{resolve_dtype('auto', cuda=False)}, 1 thread;" in out.splitlines()[0]
     timed = [line for line in out.splitlines() if line.startswith("  step") and "MFU" in line]
     assert len(timed) == 2  # each timed step carries its own ratio against its neighbouring peaks
     per_step = sorted(float(line.rsplit("MFU ", 1)[1]) for line in timed)
