@@ -80,12 +80,17 @@ class RecipeConfig(Section):
 
     def locate(self, problem: str) -> str:
         """``problem`` ("split.key: what is wrong"), led by where that key was set: the recipe's
-        file and line, or the override. Unchanged for a recipe not loaded from a file, or when
-        it does not start with a key."""
-        key = problem.split(":", 1)[0]
+        file and line, or the override. A key left at its default is located, as
+        :meth:`_Locator.line` does, where a key the problem names after it was set (the
+        override first), else at its section. Unchanged for a recipe not loaded from a file,
+        or when it does not start with a key."""
+        key, _, rest = problem.partition(":")
         if self._locator is None or not re.fullmatch(r"[a-z_]+(\.[a-z_0-9]+)*", key):
             return problem
-        return f"{self._locator.where(tuple(key.split('.')))}: {problem}"
+        sections = "|".join(SECTION_NAMES)
+        related = tuple(tuple(name.split(".")) for name in
+                        re.findall(rf"\b(?:{sections})(?:\.[a-z_0-9]+)+", rest) if name != key)
+        return f"{self._locator.place(tuple(key.split('.')), related)}: {problem}"
 
     def to_yaml(self, header: bool = True) -> str:
         """The resolved recipe (derived values filled in) as YAML that loads back unchanged."""
@@ -576,11 +581,16 @@ class _Locator:
         brings about (``train.warmup_ratio`` with ``train.steps=1``) is located where one of the
         ``related`` keys was set (an override before the file), not at the line of the section."""
         key = _dotted(path)
+        where = self.place(path, related)
+        return f"{where}: {key}: {problem}" if key else f"{where}: {problem}"
+
+    def place(self, path: KeyPath, related: Sequence[KeyPath] = ()) -> str:
+        """Where :meth:`line` locates a problem of ``path``."""
         where = self.where(path)
         if not self.given(path):
             found = [self.where(other) for other in related if self.given(other)]
             where = next((w for w in found if w.startswith("command line")), found[0] if found else where)
-        return f"{where}: {key}: {problem}" if key else f"{where}: {problem}"
+        return where
 
 
 # --------------------------------------------------------------------------- cross checks

@@ -53,35 +53,44 @@ def draft_parameter_counts(cfg: RecipeConfig) -> tuple[int, int]:
 
 def dspark_parameter_counts(dspark_cfg) -> tuple[int, int]:
     """(with embeddings, without) of a DSpark draft of ``dspark_cfg``, built on the meta device."""
-    from draftforge.train.model import DSparkDraft, count_parameters
+    from draftforge.train.model import count_parameters
+
+    model = _meta_draft(dspark_cfg)
+    return count_parameters(model, with_embeddings=True), count_parameters(model, with_embeddings=False)
+
+
+def _meta_draft(dspark_cfg):
+    """A DSpark draft of ``dspark_cfg`` on the meta device: shapes, no memory."""
+    from draftforge.train.model import DSparkDraft
 
     class _MetaDraft(DSparkDraft):
         def init_weights(self, *args, **kwargs) -> None:  # nothing to initialise on meta
             return None
 
     with torch.device("meta"):
-        model = _MetaDraft(dspark_cfg)
-    return count_parameters(model, with_embeddings=True), count_parameters(model, with_embeddings=False)
+        return _MetaDraft(dspark_cfg)
 
 
 DENSE_FIELDS = ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads",
                 "num_key_value_heads", "intermediate_size")
 
 
-def target_parameters(shape) -> int | None:
+def target_parameters(shape, head_dim: int | None = None) -> int | None:
     """Parameters of the target: ``shape.num_parameters`` when declared, else a dense estimate,
     else None (some field the estimate needs is only the section's placeholder default).
 
     The estimate is a Llama/Qwen-style dense model of ``shape`` (untied embedding
-    and lm_head); for a MoE target it counts one MLP per layer instead of every
-    expert, so such recipes declare ``target.shape.num_parameters``.
+    and lm_head) with heads ``head_dim`` wide (default hidden / heads; the target's
+    config.json may give another, :func:`~draftforge.splitserve.registry.target_head_dim`);
+    for a MoE target it counts one MLP per layer instead of every expert, so such
+    recipes declare ``target.shape.num_parameters``.
     """
     if shape.num_parameters is not None:
         return shape.num_parameters
     if _placeholder_fields(shape):
         return None
     hidden, inter, layers = shape.hidden_size, shape.intermediate_size, shape.num_hidden_layers
-    head_dim = hidden // shape.num_attention_heads
+    head_dim = head_dim or hidden // shape.num_attention_heads
     attn = hidden * head_dim * (2 * shape.num_attention_heads + 2 * shape.num_key_value_heads)
     per_layer = attn + 3 * hidden * inter + 2 * hidden
     return 2 * shape.vocab_size * hidden + layers * per_layer + hidden
@@ -102,19 +111,19 @@ def _counted(name: str, value: float, shape, fields: tuple[str, ...]) -> tuple[s
     return f"{name} (unknown, not counted: declare target.shape.{', '.join(missing)})", 0
 
 
-def _weights_source(shape) -> str:
+def _weights_source(shape, head_dim: int | None = None) -> str:
     if shape.num_parameters is not None:
         return f"{shape.num_parameters:,} declared params"
     missing = _placeholder_fields(shape)
     if missing:
         return (f"unknown, not counted: declare target.shape.num_parameters (a dense estimate "
                 f"would need {', '.join(missing)})")
-    return f"{target_parameters(shape):,} params, dense estimate"
+    return f"{target_parameters(shape, head_dim):,} params, dense estimate"
 
 
 def target_estimate(cfg: RecipeConfig) -> Estimate:
     """One target rank: weights, feature batch activations, generation KV cache, send buffers."""
-    from draftforge.splitserve.registry import resolve_target_shape
+    from draftforge.splitserve.registry import resolve_target_shape, target_head_dim
     from draftforge.splitserve.roles import comm_backend
 
     shape = resolve_target_shape(cfg.target)
@@ -126,7 +135,7 @@ def target_estimate(cfg: RecipeConfig) -> Estimate:
     seq = cfg.data.max_length
     batch = cfg.split.feature_batch_size
     hidden, heads = shape.hidden_size, shape.num_attention_heads
-    head_dim = hidden // heads
+    head_dim = target_head_dim(cfg.target, shape)  # config.json's, else hidden / heads
     # one layer's working set at a time: residual, qkv, attention scores, MLP intermediate
     working = batch * seq * (6 * hidden + 2 * shape.intermediate_size) * dtype
     scores = batch * heads * seq * seq * dtype
@@ -136,8 +145,8 @@ def target_estimate(cfg: RecipeConfig) -> Estimate:
           * gen.batch_size * (seq + gen.max_new_tokens) * dtype)
     logits = gen.batch_size * shape.vocab_size * 4
     wire = cfg.split.max_in_flight * seq * (k + 1) * hidden * 2
-    weights = (target_parameters(shape) or 0) * dtype / tp
-    label = f"weights ({dtype_name}, tp {tp}, {_weights_source(shape)})"
+    weights = (target_parameters(shape, head_dim) or 0) * dtype / tp
+    label = f"weights ({dtype_name}, tp {tp}, {_weights_source(shape, head_dim)})"
     if cfg.target.backend == "sglang":
         # two SGLang instances, each with its own copy: the engine and the feature runner;
         # their KV pools fill the rest of target.sglang_mem_fraction (sglang_pool_note)
@@ -163,10 +172,18 @@ def sglang_pool_note(cfg: RecipeConfig) -> str:
     """What the SGLang backend's target estimate leaves out: the KV pools SGLang sizes itself."""
     if cfg.target.backend != "sglang":
         return ""
+    from draftforge.splitserve.roles import comm_backend
+    from draftforge.splitserve.sglang_backend import RUNNER_TOKENS
+
     tp = cfg.split.target_tensor_parallel
-    where = "on its GPU" if tp == 1 else f"on each of a group's {tp} GPUs"
     leader = "" if tp == 1 else (
         "; features and send buffers are the group leader's alone, the rank that sends")
+    if comm_backend(cfg, gpus_visible=True) != "nccl":  # over gloo the target ranks run on the CPU
+        return (f"  (target.backend sglang over gloo: the target ranks run on the CPU, where the "
+                f"two SGLang instances hold their weights above in the machine's memory, and KV "
+                f"pools of {RUNNER_TOKENS} tokens each, not counted here; "
+                f"target.sglang_mem_fraction sizes GPU memory and is unused on the CPU{leader})")
+    where = "on its GPU" if tp == 1 else f"on each of a group's {tp} GPUs"
     return (f"  (target.backend sglang: {where} the two SGLang instances hold "
             f"target.sglang_mem_fraction = {cfg.target.sglang_mem_fraction:g} of its memory in "
             "all, half each: their weights above, and KV pools that fill the rest of each half; "
@@ -184,11 +201,17 @@ def trainer_estimate(cfg: RecipeConfig, with_emb: int, without_emb: int) -> Esti
     low = BYTES[train.dtype]
     shard = ranks if train.strategy in ("fsdp2", "deepspeed") else 1
     if train.strategy == "fsdp2":
-        # fp32 sharded masters, grads, Adam; plus one gathered layer in the compute dtype
-        layer = trainable / max(1, draft.num_hidden_layers)
+        # fp32 sharded masters, grads, Adam; gathered in the compute dtype (train/distributed.py
+        # shard_fsdp2): each draft layer is its own unit, resharded after its forward and
+        # gathered again for its backward, so two at once (the one computing and the next,
+        # prefetched); the root unit (fc, norms, Markov and confidence heads, the frozen embed
+        # and lm_head) is not resharded after forward, so it stays gathered from the first
+        # forward to the end of backward, beside the layers
+        layer, root = fsdp2_unit_parameters(cfg, shape)
         items = [
             ("trainable params (fp32, sharded)", trainable * 4 / shard),
-            ("gathered params (compute dtype)", layer * low * 2),
+            (f"gathered layers (compute dtype, 2 x {layer:,} params)", 2 * layer * low),
+            (f"gathered root (compute dtype, {root:,} params: fc, norms, heads)", root * low),
             ("frozen embed + lm_head (sharded)", frozen * 4 / shard),
             ("gathered embed + lm_head", frozen * low),
         ]
@@ -222,6 +245,20 @@ def trainer_estimate(cfg: RecipeConfig, with_emb: int, without_emb: int) -> Esti
         ("received queue (bf16)", queue),
     ]
     return Estimate(items)
+
+
+def fsdp2_unit_parameters(cfg: RecipeConfig, shape) -> tuple[int, int]:
+    """(one draft layer's parameters, the root unit's own trainable ones: fc, norms, Markov
+    and confidence heads) of the recipe's draft, built on the meta device: the units
+    ``fully_shard`` gathers under train.strategy fsdp2 (the root's frozen embed and lm_head
+    are counted apart)."""
+    from draftforge.train.config import build_dspark_config
+
+    model = _meta_draft(build_dspark_config(cfg.draft, shape))
+    in_units = {id(p) for layer in model.layers for p in layer.parameters()}
+    in_units |= {id(model.embed_tokens.weight), id(model.lm_head.weight)}
+    layer = max((sum(p.numel() for p in layer.parameters()) for layer in model.layers), default=0)
+    return layer, sum(p.numel() for p in model.parameters() if id(p) not in in_units)
 
 
 def anchors_per_micro_batch(cfg: RecipeConfig, sample_tokens: int) -> int:

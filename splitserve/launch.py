@@ -35,6 +35,7 @@ from draftforge.splitserve.multinode import (
     launch_plan,
     multinode_torchrun_command,
     node_layout,
+    node_rank_problem,
     rank_command,
     shown,
 )
@@ -261,9 +262,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = load_recipe(args.recipe, args.overrides)
     if args.dry_run:  # plans every node; a node rank given must still be one of them
         layout = node_layout(cfg)
-        if args.node_rank is not None and args.node_rank >= layout.num_nodes:
-            raise RecipeError([f"--node-rank {args.node_rank}: the recipe runs on {layout.num_nodes} "
-                               f"node(s), 0..{layout.num_nodes - 1}"])
+        problem = node_rank_problem(layout, args.node_rank, needed=False)
+        if problem is not None:  # the advice a start gives
+            raise RecipeError([problem])
     else:
         layout = check_node_args(cfg, node_rank=args.node_rank, master_addr=args.master_addr)
         if layout.num_nodes > 1 and args.node_rank == 0:  # node 0's torchrun hosts the rendezvous

@@ -237,26 +237,36 @@ def check_master_port(port: int) -> None:
                 "every node") from None
 
 
+def node_rank_problem(layout: NodeLayout, node_rank: int | None, *, needed: bool) -> str | None:
+    """What is wrong with ``--node-rank`` for ``layout``, or None: on one node any rank but 0;
+    on several a rank out of range, or none where ``needed`` (a start; a dry run plans every
+    node). The start and the dry run give the same advice."""
+    if layout.num_nodes == 1:
+        if node_rank in (None, 0):
+            return None
+        return (f"--node-rank {node_rank}: the recipe runs on one node (split.num_nodes 1); drop "
+                "--node-rank or set split.num_nodes")
+    if node_rank is None and not needed or node_rank is not None and 0 <= node_rank < layout.num_nodes:
+        return None
+    return (
+        f"--node-rank: split.num_nodes is {layout.num_nodes}; give this machine's node rank "
+        f"(0..{layout.num_nodes - 1}; node n runs the {layout.nproc_per_node} ranks from "
+        f"n*{layout.nproc_per_node})"
+        + ("" if node_rank is None else f", got {node_rank}")
+    )
+
+
 def check_node_args(cfg, *, node_rank: int | None, master_addr: str) -> NodeLayout:
     """The layout, after refusing a multi-node start without a node rank or a reachable node 0."""
     from draftforge.config import RecipeError
 
     layout = node_layout(cfg)
+    problem = node_rank_problem(layout, node_rank, needed=True)
     if layout.num_nodes == 1:
-        if node_rank not in (None, 0):
-            raise RecipeError([
-                f"--node-rank {node_rank}: the recipe runs on one node (split.num_nodes 1); drop "
-                "--node-rank or set split.num_nodes"
-            ])
+        if problem is not None:
+            raise RecipeError([problem])
         return layout
-    problems = []
-    if node_rank is None or not 0 <= node_rank < layout.num_nodes:
-        problems.append(
-            f"--node-rank: split.num_nodes is {layout.num_nodes}; give this machine's node rank "
-            f"(0..{layout.num_nodes - 1}; node n runs the {layout.nproc_per_node} ranks from "
-            f"n*{layout.nproc_per_node})"
-            + ("" if node_rank is None else f", got {node_rank}")
-        )
+    problems = [] if problem is None else [problem]
     if is_unspecified(master_addr):
         problems.append(
             f"--master-addr: {master_addr} is the wildcard address, which other nodes cannot "

@@ -88,6 +88,24 @@ def _known_shape(model: str, *, strict: bool) -> TargetShape | None:
     return None
 
 
+def target_head_dim(target: TargetConfig, shape: TargetShape) -> int:
+    """The width of one of the target's attention heads: the ``head_dim`` of its folder's
+    config.json where that gives one (Qwen3's, 128 where hidden / heads is 80 for Qwen3-4B),
+    else ``shape.hidden_size / shape.num_attention_heads``. target.shape declares no head_dim."""
+    config_path = Path(target.model).expanduser() / "config.json"
+    if target.model not in KNOWN_TARGETS and config_path.is_file():
+        try:
+            raw = json.loads(config_path.read_text())
+        except (OSError, ValueError):
+            raw = None
+        if isinstance(raw, dict):
+            raw = raw.get("text_config", raw)
+            value = raw.get("head_dim") if isinstance(raw, dict) else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return shape.hidden_size // shape.num_attention_heads
+
+
 def rope_theta_problem(cfg) -> str | None:
     """Why a trainer cannot build the draft here, or None: the draft takes the target's RoPE
     base unless draft.rope_theta sets one, and the recipe loader leaves it unset where the

@@ -223,7 +223,10 @@ def test_the_ling_recipes_trainer_estimate_by_hand():
     wide = 6 * 2560
     trainer = _items(trainer_estimate(cfg, 1_363_707_905, trainable))
     assert trainer["trainable params"] == trainable * 4 / 4
-    assert trainer["gathered params"] == trainable / 5 * 2 * 2  # a layer's share, twice, bf16
+    # FSDP2's units (r36): two layers of 89,134,336 gathered at once, and the root's own
+    # 113,254,145 (fc, norms, Markov and confidence heads), bf16; not trainable / 5 a layer
+    assert trainer["gathered layers"] == 2 * 89_134_336 * 2
+    assert trainer["gathered root"] == 113_254_145 * 2
     assert trainer["frozen embed + lm_head"] == frozen * 4 / 4
     assert trainer["gathered embed + lm_head"] == frozen * 2
     assert trainer["gradients"] == trainable * 4 / 4 and trainer["AdamW moments"] == trainable * 8 / 4

@@ -399,7 +399,8 @@ def test_dry_run_counts_two_target_copies_with_the_sglang_backend(tmp_path):
 
     hf = load_recipe(tiny_recipe(tmp_path))
     sglang = load_recipe(tiny_recipe(tmp_path), ["target.backend=sglang", "target.dtype=bfloat16",
-                                                 "target.sglang_mem_fraction=0.7"])
+                                                 "target.sglang_mem_fraction=0.7",
+                                                 "split.comm_backend=nccl"])  # on a GPU (r36)
     params = target_parameters(resolve_target_shape(hf.target))
     hf_weights = dict(target_estimate(hf).items)
     sg_weights = dict(target_estimate(sglang).items)

@@ -88,7 +88,7 @@ def test_restart_target_needs_resume_auto(tmp_path, capsys):
     (["train", "RECIPE", "--master-addr"], "argument --master-addr: expected one argument"),
     # a dry run refuses what the run itself would
     (["train", "RECIPE", "--dry-run", "--max-restarts", "-1"], "argument --max-restarts: must be 0 or more, got -1"),
-    (["train", "RECIPE", "--dry-run", "--node-rank", "3"], "--node-rank 3: the recipe runs on 1 node(s), 0..0"),
+    (["train", "RECIPE", "--dry-run", "--node-rank", "3"], "--node-rank 3: the recipe runs on one node (split.num_nodes 1); drop --node-rank or set split.num_nodes"),
     (["train", "RECIPE", "--dry-run", "--master-port", "99999"], "argument --master-port: must be a TCP port, 1..65535"),
     (["export", "nowhere/at/all"], "nowhere/at/all does not exist; give a run directory"),
     (["bench", "train", "--steps", "0"], "argument --steps: must be at least 1, got 0"),
