@@ -152,6 +152,21 @@ def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, in JSON's words: "null", "a list", "a number", "a string", "a boolean"."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    return type(value).__name__
+
+
 def _text(content: Any, where: RowLocation, what: str, *, role: str, parts: bool = True) -> str:
     """An OpenAI message's content as text: a string, or (``parts``) a list of text parts
     ``[{"type": "text", "text": ...}]`` joined with spaces, as SGLang's chat API joins them for
@@ -302,7 +317,7 @@ def parse_row(
     for regeneration.
     """
     if not isinstance(row, dict):
-        raise _fail(where, f"a row must be a JSON object, got {type(row).__name__}")
+        raise _fail(where, f"a row must be a JSON object, got {_json_kind(row)}")
     chosen = detect_format(row) if fmt == "auto" else fmt
     if chosen is None or row.get(_FORMAT_KEYS[chosen]) is None:
         # a null is no value (parquet fills a column a row lacks with null): say so, rather

@@ -26,6 +26,7 @@ from draftforge.splitserve.target import (
     merge_eos_ids,
     remote_code_error,
     render_prompt,
+    reply_text,
 )
 
 if TYPE_CHECKING:
@@ -205,14 +206,15 @@ class HFTarget:
         global RNG is left untouched): the same list of conversations with the
         same settings gives the same replies. Temperature 0 means greedy.
         Replies are decoded without special tokens; ``Reply.finished`` is False
-        for a reply cut at ``max_new_tokens``.
+        for a reply cut at ``max_new_tokens``, whose text ends with its last whole
+        character (``target.reply_text``: a cut inside an emoji drops its tokens).
         """
         replies = self.generate_token_ids(conversations, settings)
-        texts = self.tokenizer.batch_decode(replies, skip_special_tokens=True)
         eos = set(self.eos_token_ids())
+        finished = [bool(ids) and ids[-1] in eos for ids in replies]
         return [
-            Reply(text, finished=bool(ids) and ids[-1] in eos)
-            for text, ids in zip(texts, replies, strict=True)
+            Reply(reply_text(self.tokenizer, ids, done), finished=done)
+            for ids, done in zip(replies, finished, strict=True)
         ]
 
     @torch.no_grad()

@@ -53,6 +53,7 @@ from draftforge.splitserve.target import (
     check_token_ids,
     folder_eos_ids,
     render_prompt,
+    reply_text,
     sglang_layer_ids,
 )
 
@@ -633,8 +634,8 @@ class SGLangTarget:
         replies = []
         for output in outputs:
             ids, finished = reply_ids(output, eos)
-            text = self._tokenizer.decode(ids, skip_special_tokens=True)
-            replies.append(Reply(text, finished=finished))
+            # a reply cut inside a character ends at its last whole one (target.reply_text)
+            replies.append(Reply(reply_text(self._tokenizer, ids, finished), finished=finished))
         return replies
 
     @torch.no_grad()

@@ -59,6 +59,27 @@ class Reply(str):
         return reply
 
 
+def reply_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], finished: bool) -> str:
+    """A reply's text from its token ids, without special tokens.
+
+    A reply cut at ``max_new_tokens`` (``finished`` False) may end inside a character:
+    byte-level BPE spells an emoji or a CJK character over several tokens, and the cut
+    ones decode to U+FFFD. Training re-tokenises the text, which would then end in tokens
+    the target never generated (those of "\ufffd"), so the trailing tokens of an unfinished
+    character are dropped: the text ends with the last whole character, and re-tokenises as
+    the target wrote it. (A U+FFFD the target wrote itself at the very end of a cut reply
+    goes too: one character fewer supervised, never a wrong one.) A finished reply is
+    decoded as it is."""
+    ids = list(ids)
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    if finished:
+        return text
+    while ids and text.endswith("\ufffd"):
+        ids.pop()
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+    return text
+
+
 @runtime_checkable
 class TargetEngine(Protocol):
     """A running target model (transformers in-process, or SGLang: ``sglang_backend``)."""

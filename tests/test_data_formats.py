@@ -100,7 +100,7 @@ def test_error_row_not_an_object(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", ['{"prompt": "ok"}', "", '["a", "b"]'])
     with pytest.raises(DataFormatError) as err:
         load_conversations([path])
-    assert str(err.value) == f"{path}, line 3: a row must be a JSON object, got list"
+    assert str(err.value) == f"{path}, line 3: a row must be a JSON object, got a list"
 
 
 def test_error_missing_messages_conversations_prompt():

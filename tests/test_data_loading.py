@@ -243,7 +243,7 @@ def test_skip_invalid_counts_and_reports_every_skipped_row(tmp_path):
     assert [s.where for s in result.skipped] == [f"{path}, line {n}" for n in (2, 3, 4)]
     assert result.skipped[0].reason.startswith("invalid JSON")
     assert result.skipped[1].reason.startswith("message 1 has role 'robot'")
-    assert result.skipped[2].reason == "a row must be a JSON object, got list"
+    assert result.skipped[2].reason == "a row must be a JSON object, got a list"
     summary = result.summary()
     assert summary.splitlines()[0] == "2 rows loaded, 3 malformed rows skipped"
     assert f"skipped {path}, line 3: message 1 has role 'robot'" in summary
