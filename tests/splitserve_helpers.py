@@ -82,16 +82,15 @@ _HANDED_OUT: set[int] = set()
 def free_port() -> int:
     """A port free on 127.0.0.1 now, for a process started later to listen on (a job's store).
 
-    Taken below the kernel's ephemeral range where there is room: a port the kernel chose
+    Taken below the kernel's ephemeral range (as ``sglang_runner.free_port`` takes SGLang's,
+    from 22000 up: these are below those) where there is room: a port the kernel chose
     (``bind(port 0)``) is one it may give the next outgoing connection of any other test
     (gloo opens many) in the seconds before our process binds it. Each pytest-xdist worker
     draws from a slice of its own, and no port twice in one process."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
-            ephemeral_low = int(ports.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        ephemeral_low = 0
-    low, high = 10000, ephemeral_low  # [low, high): never handed out by the kernel
+    from draftforge.splitserve.sglang_runner import _ephemeral_low
+
+    # [low, high): never handed out by the kernel, nor by sglang_runner.free_port (22000 up)
+    low, high = 10000, min(_ephemeral_low(), 22000)
     if high - low >= 1000:
         workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
         worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").lstrip("gw") or 0) % workers

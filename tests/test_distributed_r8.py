@@ -13,7 +13,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from test_trainer_distributed import ALL_ANCHORS, _free_port, launch
+from splitserve_helpers import free_port
+from test_trainer_distributed import ALL_ANCHORS, launch
 
 pytestmark = [
     pytest.mark.distributed,
@@ -94,7 +95,7 @@ def test_subgroup_adapter_makes_the_trainer_group_deepspeeds_world(tmp_path):
     """Through the adapter, DeepSpeed's ranks, world, default group, broadcast sources and
     new groups are the trainer group's (global ranks 1 and 2 are DeepSpeed's 0 and 1), while
     rank 0 runs collectives of its own; undoing it restores DeepSpeed's backend."""
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, __file__, str(rank), str(port), str(tmp_path)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(3)]
     try:
