@@ -189,11 +189,19 @@ def decoding_keys(ra: dict, a_method: str, rb: dict, b_method: str) -> list[str]
     def either(key: str, test) -> bool:
         return any(test(v) for v in (_recorded(ra, key), _recorded(rb, key)) if v is not _UNRECORDED)
 
+    def both(key: str, test) -> bool:
+        # a setting in effect in one report only (a seed while the other decoded greedily, a
+        # threshold under the other's full verification): the mode itself differs and is named;
+        # its unused value in the other report is no difference to match (an unrecorded one is
+        # taken to be in effect, and warned about)
+        return either(key, test) and all(
+            test(v) for v in (_recorded(ra, key), _recorded(rb, key)) if v is not _UNRECORDED)
+
     keys = ["target", "target_config.dtype", "target_config.backend",
             "settings.temperature", "settings.max_new_tokens"]  # fmt: skip
     if either("target", lambda v: v == "random"):  # a random target is its seed and shape
         keys += ["target_config.seed", "target_config.shape"]
-    sampling = either("settings.temperature", lambda v: isinstance(v, (int, float)) and v > 0)
+    sampling = both("settings.temperature", lambda v: isinstance(v, (int, float)) and v > 0)
     if sampling:
         keys += ["settings.seed", "settings.top_k", "settings.top_p"]  # what draws the tokens
     methods = {a_method, b_method}
@@ -201,7 +209,7 @@ def decoding_keys(ra: dict, a_method: str, rb: dict, b_method: str) -> list[str]
         if sampling:
             keys.append("settings.draft_sampling")  # how the drafts propose (the baselines' are fixed)
         keys.append("settings.verify")
-        if either("settings.verify", lambda v: v == "threshold"):
+        if both("settings.verify", lambda v: v == "threshold"):
             keys.append("settings.threshold")
     if "ngram" in methods:  # n-gram proposes as many tokens as the report's draft block
         keys.append("block_size")

@@ -35,8 +35,14 @@ AL_NOTE = (
     "Acceptance length: the accepted draft tokens plus the bonus token of a verification round (a "
     "round that accepts the end of sequence counts up to it, without the bonus), mean over the "
     "workload's verification rounds: pooled over its prompts, so a prompt that runs more rounds "
-    "weighs more (not the mean of per-prompt means). Tokens verified / round: the tokens the target "
-    "ran per round, the anchor included. The macro figures are the unweighted mean over workloads."
+    "weighs more (not the mean of per-prompt means). A prompt's last round may reach past "
+    "max_new_tokens: it counts its whole accepted run and the output is cut after it (at most one "
+    "such round a prompt), so a prompt's summed acceptance lengths can exceed its new tokens. "
+    "Tokens verified / round: the tokens the target ran per round, the anchor included. Tokens/s: "
+    "the new tokens (the prefill's first one included, cut at max_new_tokens) over the decoding's "
+    "wall time (the prefill included, the untimed warm-up not), summed over the workload's prompts; "
+    "speed-up: over the no-draft method's tokens/s. The macro figures are the unweighted mean over "
+    "workloads."
 )
 
 
@@ -334,7 +340,12 @@ def plot(results: Sequence[WorkloadResult], out_dir: Path, *, block_size: int) -
     ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(results))])
     ax.set_xticklabels([r.name for r in results])
     ax.set_ylabel("acceptance length (mean per round)")
+    ax.set_title("Acceptance length: accepted drafts + 1 bonus token, mean per verification round",
+                 fontsize=9)
     ax.axhline(block_size + 1, color="grey", linestyle=":", linewidth=1)
+    # the dotted line is the ceiling, said on it (not in the legend, which names the methods)
+    ax.text(-0.45, block_size + 1, f"at most block size + 1 = {block_size + 1}", color="grey",
+            fontsize=7, va="bottom")
     # from 0 and around every workload's bars, measured or not: a plot without a bar (no
     # rounds) kept a scale about the ceiling line and its label off the bars' place
     ax.set_ylim(0, (block_size + 1) * 1.05)
@@ -354,6 +365,8 @@ def plot(results: Sequence[WorkloadResult], out_dir: Path, *, block_size: int) -
     ax.set_xticks(range(block_size))
     ax.set_xlabel("draft position k")
     ax.set_ylabel("P(accept k | 0..k-1 accepted)")
+    ax.set_title("Per-position conditional acceptance: accepted / reached (slot k verified, 0..k-1 "
+                 "accepted)", fontsize=9)
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -89,7 +89,8 @@ def test_compare_sampled_reports_need_the_same_seed_and_threshold(tmp_path, caps
     for key, flag in (("top_k", "--top-k"), ("top_p", "--top-p")):
         other = {"top_k": 20, "top_p": 0.8}[key]
         b = _write(tmp_path / f"b-{key}", **{**sampled, f"settings__{key}": other})
-        assert main(["eval", "compare", str(a), str(b)]) == 2
+        # against the sampled report: the greedy threshold one above uses no top-k or top-p
+        assert main(["eval", "compare", str(tmp_path / "a" / "report.json"), str(b)]) == 2
         err = capsys.readouterr().err
         assert f"settings.{key} is" in err and f"{other!r} in B" in err and flag in err
     drafting = {**sampled, "settings__draft_sampling": "greedy"}
