@@ -462,19 +462,23 @@ def save_checkpoint(
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise _write_failed(step, run_dir, errors)
+    writing = tmp / "rng" / f"rank_{rank}.safetensors"  # the file being written, for the message
     try:
-        save_file({"cpu": torch.get_rng_state()}, str(tmp / "rng" / f"rank_{rank}.safetensors"))
+        save_file({"cpu": torch.get_rng_state()}, str(writing))
         if strategy == "single":
             model_state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-            save_file(model_state, str(tmp / "model.safetensors"))
+            save_file(model_state, str(writing := tmp / "model.safetensors"))
             tensors, meta = _flatten_optimizer(optimizer.state_dict())
-            save_file(tensors, str(tmp / "optimizer.safetensors"))
-            _write_json(tmp / "optimizer.json", meta)
+            save_file(tensors, str(writing := tmp / "optimizer.safetensors"))
+            _write_json(writing := tmp / "optimizer.json", meta)
         elif full_state is not None and rank == 0:
             save_file({k: v.detach().contiguous().cpu() for k, v in full_state.items()},
-                      str(tmp / "model.safetensors"))
+                      str(writing := tmp / "model.safetensors"))
     except Exception as exc:  # noqa: BLE001 - reported on every rank below
-        error = f"{type(exc).__name__}: {exc}"
+        # safetensors' error ("I/O error: No space left on device (os error 28)") names no file
+        error = f"{type(exc).__name__}: {_first_line(str(exc), 200)}"
+        if str(writing) not in error:
+            error += f" (writing {writing})"
     if strategy == "fsdp2":
         # collective: dcp gathers every rank's failure and raises on all of them
         import torch.distributed.checkpoint as dcp
