@@ -779,7 +779,8 @@ def demo_markdown(
             "",
             f"AL: mean acceptance length per verification round (accepted drafts + 1 bonus token; "
             f"no draft = 1.00, at most {block_size + 1}). Tokens/s are measured in one process on the "
-            "same prompts (the speed-up is DSpark over no draft). Train-time tau: the training "
+            "same prompts (the speed-up is DSpark over no draft; the macro row's, the ratio of its two "
+            "mean speeds). Train-time tau: the training "
             "metric on the evaluation prompts (see the eval report). At the end of training, tau on "
             f"the training data was {_fmt(taus[0])} (DSpark) and {_fmt(taus[1])} (DFlash).",
             "",
