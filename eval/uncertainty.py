@@ -60,7 +60,8 @@ class PromptTotals:
         """From one method's entry of ``report.json`` (``prompt_rounds``, ``prompt_al_sum``).
 
         A hand-edited or damaged report is refused naming the key and the prompt: every
-        prompt's rounds and summed AL are numbers >= 0, and each round counts at least 1."""
+        prompt's rounds (a whole number) and summed AL are numbers >= 0, each round counts at
+        least 1, and a prompt without a round sums to 0."""
         if not isinstance(summary, dict):
             raise InputError(f"{where}: a method's entry must be a table, got {type(summary).__name__}")
         rounds, al_sum = summary.get("prompt_rounds"), summary.get("prompt_al_sum")
@@ -73,6 +74,13 @@ class PromptTotals:
         if len(rounds) != len(al_sum) or not rounds:
             raise InputError(f"{where}: prompt_rounds and prompt_al_sum must be equal, non-empty lists")
         for index, (n, total) in enumerate(zip(rounds, al_sum, strict=True)):
+            if n != int(n):
+                raise InputError(f"{where}: prompt {index}: prompt_rounds {n} is not a whole number of rounds")
+            if n == 0 and total != 0:  # it would add tokens to the pooled AL without a round
+                raise InputError(
+                    f"{where}: prompt {index}: prompt_al_sum {total} with prompt_rounds 0 "
+                    "(a prompt without a round accepts nothing)"
+                )
             if total < n:  # every round counts the bonus token or an accepted end of sequence
                 raise InputError(
                     f"{where}: prompt {index}: prompt_al_sum {total} is below prompt_rounds {n} "

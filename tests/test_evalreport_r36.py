@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from draftforge.cli import main
 from draftforge.eval import report
 from draftforge.eval.harness import WorkloadResult, summarize
@@ -105,3 +107,19 @@ def test_plots_say_what_they_show(tmp_path, monkeypatch):
     assert "at most block size + 1 = 5" in bars["texts"]
     assert bars["legend"] == ["dspark", "none"]  # the legend still names the methods alone
     assert "accepted / reached" in seen["position_acceptance.png"]["title"]
+
+
+@pytest.mark.parametrize(("rounds", "al_sum", "says"), [
+    ([3, 0], [5, 2], "prompt 1: prompt_al_sum 2 with prompt_rounds 0"),
+    ([2.5, 1], [4, 1], "prompt 0: prompt_rounds 2.5 is not a whole number of rounds"),
+])
+def test_a_damaged_reports_impossible_per_prompt_totals_are_refused(rounds, al_sum, says):
+    """A prompt with no round but a summed AL added tokens to the pooled AL out of nothing, and
+    half a round was taken as it came: both are refused naming the prompt."""
+    from draftforge.errors import InputError
+    from draftforge.eval.uncertainty import PromptTotals
+
+    with pytest.raises(InputError) as refused:
+        PromptTotals.from_summary({"prompt_rounds": rounds, "prompt_al_sum": al_sum}, "r.json: gsm8k dspark")
+    assert str(refused.value).startswith(f"r.json: gsm8k dspark: {says}")
+    assert len(PromptTotals.from_summary({"prompt_rounds": [3, 0], "prompt_al_sum": [5, 0]}, "ok")) == 2
