@@ -49,6 +49,7 @@ from draftforge.splitserve.supervisor import (
 
 DEFAULT_RESTARTS = 3  # with split.restart_target
 RESTART_ENV = "DRAFTFORGE_RESTART"  # which restart of the job the ranks belong to
+RESTARTS_LEFT_ENV = "DRAFTFORGE_RESTARTS_LEFT"  # how many more the launcher makes after a failure
 # Where a rank of this node that refused its input (exit status 2) says so: torchrun exits 1
 # whatever its ranks' statuses were, and a restart would fail the same way.
 INPUT_ERROR_ENV = "DRAFTFORGE_INPUT_ERROR_FILE"
@@ -353,6 +354,7 @@ def _supervise(cfg, args, layout, env: dict[str, str], restarts: int) -> int:
         # killed in reaction: the marker says a rank refused its input
         return INPUT_ERROR_STATUS if status != 0 and marker.exists() else status
 
+    env[RESTARTS_LEFT_ENV] = str(restarts)  # a rank then says the launcher restarts, not "rerun"
     status = start()  # JobInterrupted (Ctrl-C, SIGTERM) ends it here: never restarted
     # split.restart_target: a dead rank (a target, usually) ends the job; every rank
     # starts again, exactly as if the user reran the command, and continues from the
@@ -371,6 +373,7 @@ def _supervise(cfg, args, layout, env: dict[str, str], restarts: int) -> int:
             file=sys.stderr, flush=True,
         )
         env[RESTART_ENV] = str(attempt)
+        env[RESTARTS_LEFT_ENV] = str(restarts - attempt)
         status = start()
     if status != 0:
         refused = status == INPUT_ERROR_STATUS

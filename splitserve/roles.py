@@ -480,6 +480,13 @@ def _say_how_to_resume(ctx: RankContext, bench: dict | None) -> None:
     if advice is not None:
         ctx.log(advice)
         return
+    from draftforge.splitserve.launch import RESTARTS_LEFT_ENV
+
+    left = os.environ.get(RESTARTS_LEFT_ENV, "0")
+    if left.isdigit() and int(left) > 0:  # draftforge train restarts the job itself: no "rerun"
+        ctx.log(f"the launcher restarts the job ({left} restart(s) left), continuing from the "
+                f"newest checkpoint in {ctx.cfg.train.output_dir} where there is one")
+        return
     run_dir = Path(ctx.cfg.train.output_dir)
     # the folder is not here, or this node runs no trainer (a target node's folder may hold
     # regenerated.jsonl, never a checkpoint): the trainers' node has it, and may have checkpoints

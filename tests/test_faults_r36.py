@@ -40,3 +40,37 @@ def test_a_full_disk_under_safetensors_names_the_file_it_was_writing(tmp_path, m
     assert (f"(trainer rank 0: SafetensorError: Error while serializing: I/O error: No space left "
             f"on device (os error 28) (writing {written}));") in str(info.value)
     assert not list(ckpt.checkpoints_root(run_dir).iterdir())  # nothing partial left
+
+
+def test_a_rank_says_the_launcher_restarts_the_job_when_it_will(tmp_path, monkeypatch, capsys):
+    """With split.restart_target the surviving rank said 'rerun the same command' just before
+    the launcher restarted the job by itself. The launcher now tells its ranks how many restarts
+    are left; a rank says the launcher restarts the job while any are, else what it said."""
+    from splitserve_helpers import tiny_recipe
+    from test_ckpt_r16 import _rank_ctx, _single_checkpoint
+    from test_launch_restarts import TWO_NODES, fake_job
+
+    from draftforge.splitserve.launch import DEFAULT_RESTARTS, RESTARTS_LEFT_ENV
+    from draftforge.splitserve.launch import main as train_main
+    from draftforge.splitserve.roles import _say_how_to_resume
+
+    recipe = tiny_recipe(tmp_path, overrides={"split.num_nodes": 2, "split.restart_target": True})
+    starts = fake_job(monkeypatch, "run_torchrun", [1] * (DEFAULT_RESTARTS + 1))
+    assert train_main([str(recipe), *TWO_NODES]) == 1
+    capsys.readouterr()
+    left = [start.get(RESTARTS_LEFT_ENV) for start in starts]
+    assert left == [str(DEFAULT_RESTARTS - n) for n in range(DEFAULT_RESTARTS + 1)]
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    _single_checkpoint(run_dir, 4)
+    monkeypatch.setenv(RESTARTS_LEFT_ENV, "2")
+    ctx, lines = _rank_ctx("auto", run_dir)
+    _say_how_to_resume(ctx, None)
+    assert lines == [f"the launcher restarts the job (2 restart(s) left), continuing from the newest "
+                     f"checkpoint in {run_dir} where there is one"]
+    monkeypatch.setenv(RESTARTS_LEFT_ENV, "0")  # the last start: its failure ends the job
+    ctx, lines = _rank_ctx("auto", run_dir)
+    _say_how_to_resume(ctx, None)
+    assert lines == ["the run can be resumed: rerun the same command (train.resume=auto) to continue "
+                     f"from the newest checkpoint in {run_dir}"]
