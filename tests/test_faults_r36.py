@@ -74,3 +74,26 @@ def test_a_rank_says_the_launcher_restarts_the_job_when_it_will(tmp_path, monkey
     _say_how_to_resume(ctx, None)
     assert lines == ["the run can be resumed: rerun the same command (train.resume=auto) to continue "
                      f"from the newest checkpoint in {run_dir}"]
+
+
+def test_a_resume_says_it_leaves_a_save_that_did_not_finish(tmp_path, capsys):
+    """A kill mid-save leaves ``step_N.tmp``: resume picks the checkpoint before it, and the
+    folder went at the next checkpoint without a word; the run now says so when it resumes."""
+    from test_export_r36 import _fit
+
+    from draftforge.train import checkpoint as ckpt
+
+    run = tmp_path / "run"
+    _fit(run, "name: r36\n", steps=2)
+    ckpt.release_run_dir(run)
+    partial = run / "checkpoints" / "step_00000004.tmp"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"half")
+    capsys.readouterr()
+    _fit(run, "name: r36\n", steps=4)  # resumes from step 2, saves step 4
+    ckpt.release_run_dir(run)
+    out = capsys.readouterr().out
+    assert (f"[trainer] note: step_00000004.tmp in {run / 'checkpoints'} is left by a save that did "
+            "not finish (never resumed from; removed at the next checkpoint): resuming from "
+            "step_00000002") in out
+    assert not partial.exists() and ckpt.is_complete(run / "checkpoints" / "step_00000004")

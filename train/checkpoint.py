@@ -561,6 +561,15 @@ def _prune(run_dir: Path, *, step: int, keep_last: int) -> None:
                 shutil.rmtree(leftover, ignore_errors=True)
 
 
+def unfinished_saves(run_dir: Path) -> list[Path]:
+    """The ``step_N.tmp`` folders of saves that did not finish (a kill, a crash mid-save): never
+    resumed from, and removed at the next checkpoint's prune."""
+    root = checkpoints_root(run_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if _STALE_TMP.match(p.name))
+
+
 def _after_deleting(checkpoint: Path) -> str:
     """What a rerun does once ``checkpoint`` is deleted: resume from an earlier complete one
     beside it, or, where there is none, start over (which the advice must not hide)."""

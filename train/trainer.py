@@ -269,6 +269,12 @@ class Trainer:
         )
         if self.resumed.optimizer_change and self.is_main:
             print(f"[trainer] note: {self.resumed.optimizer_change}", flush=True)
+        unfinished = ckpt.unfinished_saves(self.run_dir) if self.is_main else []
+        if unfinished:  # said, not dropped without a word: the run resumes from an earlier step
+            print(f"[trainer] note: {', '.join(p.name for p in unfinished)} in {unfinished[0].parent} "
+                  f"{'is' if len(unfinished) == 1 else 'are'} left by a save that did not finish "
+                  f"(never resumed from; removed at the next checkpoint): resuming from "
+                  f"{Path(path).name}", flush=True)
         saved_seed = state.get("seed")
         if saved_seed is not None and saved_seed != self.train.seed and self.is_main:
             # anchors are drawn from (seed, step, micro-step, rank): the rest of the run differs
