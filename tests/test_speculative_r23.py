@@ -263,12 +263,18 @@ def _brute_force_lookup(sequence, num_tokens, max_ngram, min_ngram, match):
     return []
 
 
-def test_ngram_lookup_equals_a_brute_force_search():
-    rng = random.Random(0)
-    for _ in range(5000):
-        sequence = [rng.randrange(rng.randint(1, 4)) for _ in range(rng.randint(0, 14))]
+def random_lookup_cases(seed: int, count: int, max_length: int):
+    """``count`` random n-gram lookup cases ``(sequence, num_tokens, min_ngram, max_ngram)``:
+    sequences of up to ``max_length`` tokens over 1 to 4 symbols, so that matches are common."""
+    rng = random.Random(seed)
+    for _ in range(count):
+        sequence = [rng.randrange(rng.randint(1, 4)) for _ in range(rng.randint(0, max_length))]
         num_tokens, min_ngram = rng.randint(1, 6), rng.randint(1, 3)
-        max_ngram = rng.randint(min_ngram, 5)
+        yield sequence, num_tokens, min_ngram, rng.randint(min_ngram, 5)
+
+
+def test_ngram_lookup_equals_a_brute_force_search():
+    for sequence, num_tokens, min_ngram, max_ngram in random_lookup_cases(0, 5000, 14):
         for match in ("latest", "earliest"):
             assert ngram_lookup(sequence, num_tokens, max_ngram, min_ngram, match) == _brute_force_lookup(
                 sequence, num_tokens, max_ngram, min_ngram, match

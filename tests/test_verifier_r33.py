@@ -23,6 +23,7 @@ from test_speculative_r23 import LOOP_EOS as EOS  # the same 5-token stub target
 from test_speculative_r23 import LOOP_VOCAB as V
 from test_speculative_r23 import PrefixTarget as _CachedStub
 from test_speculative_r23 import _prefix_logits as _logits
+from test_speculative_r23 import random_lookup_cases
 
 import draftforge.eval.speculative as spec
 from draftforge.eval.baselines import NoDraft, ngram_lookup
@@ -264,10 +265,6 @@ def _vllm_kmp_lookup(origin, min_ngram, max_ngram, k):
 
 
 def test_earliest_lookup_equals_a_port_of_vllms_kmp_search():
-    rng = random.Random(33)
-    for _ in range(6000):
-        sequence = [rng.randrange(rng.randint(1, 4)) for _ in range(rng.randint(0, 16))]
-        k, min_ngram = rng.randint(1, 6), rng.randint(1, 3)
-        max_ngram = rng.randint(min_ngram, 5)
+    for sequence, k, min_ngram, max_ngram in random_lookup_cases(33, 6000, 16):
         assert ngram_lookup(sequence, k, max_ngram, min_ngram, "earliest") == _vllm_kmp_lookup(
             sequence, min_ngram, max_ngram, k), (sequence, k, min_ngram, max_ngram)
