@@ -362,11 +362,13 @@ def _first_line(text: str, limit: int = 300) -> str:
     return line if len(line) <= limit else line[:limit] + "..."
 
 
-def _write_failed(step: int, run_dir: Path, errors: list[str]) -> CheckpointError:
+def _write_failed(step: int, run_dir: Path, errors: list[str], ranks: list[int] | None = None) -> CheckpointError:
+    """``errors`` in group-rank order; ``ranks`` their job ranks (by default 0, 1, ...)."""
     previous = complete_checkpoints(run_dir)
     keep = (f"the previous checkpoint {previous[-1]} is intact and is what resume picks"
             if previous else "no earlier checkpoint exists")
-    what = "; ".join(f"trainer rank {rank}: {_first_line(e)}" for rank, e in enumerate(errors) if e)
+    ranks = list(range(len(errors))) if ranks is None else ranks
+    what = "; ".join(f"trainer rank {rank}: {_first_line(e)}" for rank, e in zip(ranks, errors, strict=True) if e)
     return CheckpointError(
         f"writing the checkpoint of step {step} into {checkpoints_root(run_dir)} failed ({what}); "
         f"nothing partial was kept, {keep}. "
@@ -461,7 +463,7 @@ def save_checkpoint(
     if any(errors):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise _write_failed(step, run_dir, errors)
+        raise _write_failed(step, run_dir, errors, D.job_ranks(group=group))
     writing = tmp / "rng" / f"rank_{rank}.safetensors"  # the file being written, for the message
     try:
         save_file({"cpu": torch.get_rng_state()}, str(writing))
@@ -505,7 +507,7 @@ def save_checkpoint(
     if any(errors):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise _write_failed(step, run_dir, errors)
+        raise _write_failed(step, run_dir, errors, D.job_ranks(group=group))
     if rank == 0:
         try:
             if model_config is not None:
@@ -524,7 +526,7 @@ def save_checkpoint(
             _prune(run_dir, step=step, keep_last=keep_last)
     errors = _agree_errors(error, group=group)
     if any(errors):
-        raise _write_failed(step, run_dir, errors)
+        raise _write_failed(step, run_dir, errors, D.job_ranks(group=group))
     return final
 
 

@@ -39,6 +39,15 @@ def group_size(*, group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def job_ranks(*, group) -> list[int]:
+    """The job ranks of ``group``'s members in group-rank order: the names the launcher and the
+    log prefixes ("[rank 1 trainer]") use. Without a group, this process's job rank (0 outside
+    torch.distributed)."""
+    if group is not None:
+        return list(dist.get_process_group_ranks(group))
+    return [dist.get_rank() if dist.is_initialized() else 0]
+
+
 def loss_scale(*, group) -> float:
     """Factor on the backward loss that undoes the gradient averaging of FSDP/DeepSpeed."""
     return float(group_size(group=group))

@@ -310,30 +310,31 @@ class Trainer:
             return
         self._output_dir_checked = True
         comm = self._comm_device()
+        ranks = D.job_ranks(group=self.group)  # the names the launcher and the logs use
         name = f".shared-check-{uuid.uuid4().hex}"
         written = ""
         if self.is_main:
             try:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
-                (self.run_dir / name).write_text("written by trainer rank 0\n")
+                (self.run_dir / name).write_text(f"written by trainer rank {ranks[0]}\n")
                 written = str((self.run_dir / name).absolute())
             except OSError as exc:
                 written = f"error:{exc}"
         written = D.broadcast_string(written, group=self.group, device=comm)
         if written.startswith("error:"):
             raise ckpt.CheckpointError(
-                f"train.output_dir {self.run_dir}: trainer rank 0 cannot write there ({written[6:]})")
+                f"train.output_dir {self.run_dir}: trainer rank {ranks[0]} cannot write there ({written[6:]})")
         marker = (self.run_dir / Path(written).name).absolute()
         problem = "" if marker.is_file() else str(marker)
         problems = D.all_gather_strings([problem], group=self.group, device=comm)
         if self.is_main:
             (self.run_dir / name).unlink(missing_ok=True)
-        missing = [(rank, p[0]) for rank, p in enumerate(problems) if p[0]]
+        missing = [(rank, p[0]) for rank, p in zip(ranks, problems, strict=True) if p[0]]
         if missing:
-            ranks = "; ".join(f"trainer rank {rank} does not see {path}" for rank, path in missing)
+            unseen = "; ".join(f"trainer rank {rank} does not see {path}" for rank, path in missing)
             raise InputError(
                 f"train.output_dir {self.run_dir} must be on storage shared by all trainer ranks "
-                f"({ranks}, which trainer rank 0 wrote as {written}); point train.output_dir at a "
+                f"({unseen}, which trainer rank {ranks[0]} wrote as {written}); point train.output_dir at a "
                 "shared file system")
 
     def _claim_output_dir(self) -> None:
