@@ -32,9 +32,11 @@ _WATCHED = (signal.SIGINT, signal.SIGTERM)
 def _signals_left_as_found():
     """Each test leaves SIGINT and SIGTERM as it found them in the worker process: handled the
     same way and not blocked. An ignored or blocked SIGINT is inherited by every child a later
-    test starts (across exec), so a Ctrl-C test run after the leak found its child deaf to
-    SIGINT (seen once: test_launch_r11's interrupted rank slept through its own SIGINT). The
-    test that changes them errors here, by name, and they are put back."""
+    test starts (across exec), and a Ctrl-C test run after the leak would find its child deaf
+    to SIGINT. The test that changes them errors here, by name, and they are put back. (What
+    made test_launch_r11's interrupted rank sleep through its SIGINT was not such a leak but the
+    suite started in the background, whose shell hands it SIGINT ignored: that test now sets
+    its child's handler itself.)"""
     before = {signum: signal.getsignal(signum) for signum in _WATCHED}
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     yield

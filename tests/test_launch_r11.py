@@ -23,6 +23,10 @@ _INTERRUPTED_RANK = """
 import os, runpy, signal, sys, time
 import draftforge.config as config
 
+# as started from a terminal: a suite run in the background ('make test &') hands its children
+# SIGINT ignored, and the rank slept through the SIGINT below
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 def load_recipe(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(30)  # the KeyboardInterrupt lands here
