@@ -311,6 +311,13 @@ def _rope_note(cfg: RecipeConfig) -> str | None:
     return None if problem is None else f"note: training would refuse: {problem}"
 
 
+def _zero_stage_note(cfg: RecipeConfig) -> str | None:
+    from draftforge.train.config import ignored_zero_stage_note
+
+    note = ignored_zero_stage_note(cfg.train)
+    return None if note is None else f"note: {note}"
+
+
 def uneven_feed_note(topology, tensor_parallel: int = 1) -> str:
     """Where the producers do not divide the trainers evenly (or these them): which producer or
     trainer sets the pace, and what the target side feeds (:func:`feed_rate`) against the sum
@@ -423,7 +430,7 @@ def dry_run(cfg: RecipeConfig) -> str:
         "",
         f"draft parameters: {with_emb:,} with embeddings, {without_emb:,} without "
         f"(trainable; embed_tokens and lm_head are the target's, frozen)",
-        *filter(None, [_rope_note(cfg)]),
+        *filter(None, [_rope_note(cfg), _zero_stage_note(cfg)]),
         "",
         "memory estimate per target rank:",
         *target_estimate(cfg).lines(),

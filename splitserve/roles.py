@@ -730,6 +730,7 @@ def _run_trainer(ctx: RankContext, bench: dict | None) -> None:
     from draftforge.splitserve.accounting import ConsumerAccounting
     from draftforge.splitserve.consumer import ConsumerStream, stream_pack
     from draftforge.splitserve.registry import rope_theta_problem
+    from draftforge.train.config import ignored_zero_stage_note
 
     cfg = ctx.cfg
     if (problem := rope_theta_problem(cfg)) is not None:  # torchrun started it directly
@@ -746,6 +747,8 @@ def _run_trainer(ctx: RankContext, bench: dict | None) -> None:
 
         bench_trainer_rank(ctx, trainer, bench, acks=acks)
         return
+    if ctx.rank == cfg.split.trainer_ranks[0] and (note := ignored_zero_stage_note(cfg.train)):
+        ctx.log(f"note: {note}")
     info = trainer.resume()
     consumed = info.all_consumed if info is not None else {}
     mine = len(info.consumed_ids) if info is not None else 0

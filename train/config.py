@@ -104,7 +104,12 @@ class TrainConfig(Section):
         description="fsdp2: fully_shard per layer, then the root; deepspeed: ZeRO (zero_stage); "
         "single: one trainer rank, no sharding",
     )
-    zero_stage: Literal[2, 3] = Field(default=2, description="ZeRO stage of strategy deepspeed")
+    zero_stage: Literal[2, 3] = Field(
+        default=2,
+        description="ZeRO stage of strategy deepspeed (2: gradients and optimizer state sharded; "
+        "3: the parameters too); the other strategies ignore it, and a 3 there is noted at start "
+        "and in the dry run",
+    )
     dtype: Literal["bfloat16", "float32", "auto"] = Field(
         default="auto",
         description="auto: bfloat16 on CUDA or a CPU with native bf16 matmuls (AMX, "
@@ -203,6 +208,18 @@ def build_dspark_config(draft: DraftConfig, target_shape, *, vocab_size: int | N
         num_target_layers=target_shape.num_hidden_layers,
         **fields,
     )
+
+
+def ignored_zero_stage_note(train: TrainConfig) -> str | None:
+    """train.zero_stage 3 under another strategy than deepspeed changes nothing: a note saying
+    so (not a refusal: a recipe resolved under deepspeed and switched to fsdp2 keeps the key).
+    Stage 2 is the default and says nothing."""
+    if train.zero_stage == 2 or train.strategy == "deepspeed":
+        return None
+    what = {"fsdp2": "FSDP2 shards parameters, gradients and optimizer state anyway, as ZeRO-3 does",
+            "single": "one trainer rank shards nothing"}[train.strategy]
+    return (f"train.zero_stage {train.zero_stage} is ignored: it is the ZeRO stage of "
+            f"train.strategy deepspeed, and this run's strategy is {train.strategy} ({what})")
 
 
 def warmup_steps(train: TrainConfig) -> int:
