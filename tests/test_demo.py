@@ -218,7 +218,7 @@ def test_demo_refuses_answers_written_for_other_settings(tmp_path, setting, old_
 
 def test_a_run_saved_before_an_option_existed_is_the_same_recipe(tmp_path, monkeypatch):
     from draftforge.config import load_recipe
-    from draftforge.eval import demo
+    from draftforge.eval import demo, demo_state
     from draftforge.train import checkpoint as ckpt
 
     monkeypatch.setattr(ckpt, "complete_checkpoints", lambda run_dir: [run_dir / "step"])
@@ -227,17 +227,17 @@ def test_a_run_saved_before_an_option_existed_is_the_same_recipe(tmp_path, monke
     saved = tmp_path / "config.yaml"
     # written by a version without train.markov_init: its default fills in
     saved.write_text(expected.replace("  markov_init: random\n", ""))
-    demo.check_same_recipe(tmp_path, expected, "DSpark")
+    demo_state.check_same_recipe(tmp_path, expected, "DSpark")
     # a value that differs is another recipe
     saved.write_text(expected.replace("  markov_init: random\n", "  markov_init: bigram\n"))
     with pytest.raises(demo.DemoError, match="markov_init: bigram") as info:
-        demo.check_same_recipe(tmp_path, expected, "DSpark")
+        demo_state.check_same_recipe(tmp_path, expected, "DSpark")
     assert info.value.exit_status == 2  # another recipe's run in the way: an input error
     # how it is evaluated or exported is not what it was trained as
     evaluated = load_recipe(ROOT / "recipes" / "smollm2-cpu.yaml", ["eval.num_prompts=20",
                                                                    "export.with_embeddings=true"])
     saved.write_text(evaluated.to_yaml())
-    demo.check_same_recipe(tmp_path, expected, "DSpark")
+    demo_state.check_same_recipe(tmp_path, expected, "DSpark")
 
 
 def test_the_bigram_start_applies_only_where_the_draft_and_the_data_allow_it(tmp_path):
@@ -283,28 +283,28 @@ def test_the_dflash_ablation_is_pure_cross_entropy_whatever_the_recipe_adds(tmp_
 def test_a_run_trained_on_answers_written_again_since_is_refused(tmp_path):
     """The answers file regenerated after a training (deleted, another machine's threads):
     the finished training was skipped and its draft evaluated as if trained on them."""
-    from draftforge.eval import demo
+    from draftforge.eval import demo, demo_state
 
     run = tmp_path / "run"
     run.mkdir()
-    demo._check_trained_on(run, "abc", "DSpark")  # a run from before the record: not checked
-    (run / demo.ANSWERS_STAMP).write_text(json.dumps({"sha256": "abc"}))
-    demo._check_trained_on(run, "abc", "DSpark")
+    demo_state._check_trained_on(run, "abc", "DSpark")  # a run from before the record: not checked
+    (run / demo_state.ANSWERS_STAMP).write_text(json.dumps({"sha256": "abc"}))
+    demo_state._check_trained_on(run, "abc", "DSpark")
     with pytest.raises(demo.DemoError) as err:
-        demo._check_trained_on(run, "def", "DSpark")
+        demo_state._check_trained_on(run, "def", "DSpark")
     assert err.value.exit_status == 2
     assert str(err.value).startswith(f"{run}: the DSpark draft was trained on other answers")
     # before a training (re)starts: without a checkpoint nothing was trained, so the new
     # answers are recorded; with one, a resume on other answers is refused
-    demo.stamp_answers(run, "def", "DSpark")
-    assert json.loads((run / demo.ANSWERS_STAMP).read_text()) == {"sha256": "def"}
+    demo_state.stamp_answers(run, "def", "DSpark")
+    assert json.loads((run / demo_state.ANSWERS_STAMP).read_text()) == {"sha256": "def"}
     checkpoint = run / "checkpoints" / "step_00000002"
     checkpoint.mkdir(parents=True)
     for name in ("COMPLETE", "trainer_state.json"):
         (checkpoint / name).write_text("{}")
     with pytest.raises(demo.DemoError, match="trained on other answers"):
-        demo.stamp_answers(run, "ghi", "DSpark")
-    demo.stamp_answers(run, "def", "DSpark")  # the same answers: a resume
+        demo_state.stamp_answers(run, "ghi", "DSpark")
+    demo_state.stamp_answers(run, "def", "DSpark")  # the same answers: a resume
 
 
 def test_the_table_says_when_a_draft_was_evaluated_before_the_end_of_its_training(monkeypatch):
@@ -313,16 +313,16 @@ def test_the_table_says_when_a_draft_was_evaluated_before_the_end_of_its_trainin
     from pathlib import Path
 
     from draftforge.config import load_recipe
-    from draftforge.eval import demo
+    from draftforge.eval import demo, demo_report, demo_state
 
     cfg = load_recipe(ROOT / "recipes" / "tiny-debug.yaml")  # 20 steps
     paths = demo.demo_paths(cfg.model_copy(update={"train": cfg.train.model_copy(
         update={"output_dir": "/nonexistent/run"})}))
 
-    monkeypatch.setattr(demo, "measured_when", lambda *stamps: "then")  # no reports here
+    monkeypatch.setattr(demo_report, "measured_when", lambda *stamps: "then")  # no reports here
 
     def text(trained, **kw):
-        return demo.demo_markdown("TABLE", command="c", cfg=cfg, paths=paths, num_prompts=2,
+        return demo_report.demo_markdown("TABLE", command="c", cfg=cfg, paths=paths, num_prompts=2,
                                   max_new_tokens=8, block_size=4, trained=trained, **kw)
 
     assert "Both drafts: 20 steps of the recipe in" in text({"DSpark": 20, "DFlash": 20})
@@ -334,13 +334,13 @@ def test_the_table_says_when_a_draft_was_evaluated_before_the_end_of_its_trainin
         assert ("Drafts evaluated at DSpark step 20, DFlash step 12 of the recipe's 20 (DFlash stopped "
                 "at step 12: the data ran out; not the full budget) in") in said
         assert "--skip-train" not in said
-    assert demo.checkpoint_step(Path("run/checkpoints/step_00000360")) == 360
+    assert demo_state.checkpoint_step(Path("run/checkpoints/step_00000360")) == 360
 
 
 def test_the_table_dates_both_evaluations_when_they_ran_apart():
     from datetime import datetime, timezone
 
-    from draftforge.eval.demo import measured_when
+    from draftforge.eval.demo_report import measured_when
 
     def stamp(text):
         return datetime.strptime(text, "%Y-%m-%d %H:%M").replace(tzinfo=timezone.utc).timestamp()
@@ -403,14 +403,14 @@ def test_a_stages_status_2_passes_through_and_any_other_failure_is_1(tmp_path, m
     output not lossless) stays 1, also when it ran beside a refusal."""
     import sys
 
-    from draftforge.eval import demo
+    from draftforge.eval import demo, demo_stages
 
-    monkeypatch.setattr(demo, "draftforge_command",
+    monkeypatch.setattr(demo_stages, "draftforge_command",
                         lambda *args: [sys.executable, "-c", f"import sys; sys.exit({args[0]})"])
     with pytest.raises(demo.DemoError) as info:
-        demo.run_stage("a stage", [str(statuses[0])])
+        demo_stages.run_stage("a stage", [str(statuses[0])])
     assert info.value.exit_status == (2 if statuses[0] == 2 else 1)
     jobs = {f"job{i}": [str(status)] for i, status in enumerate(statuses)}
     with pytest.raises(demo.DemoError, match="evaluation failed") as info:
-        demo.run_side_by_side(jobs, tmp_path / "logs", parallel=True)
+        demo_stages.run_side_by_side(jobs, tmp_path / "logs", parallel=True)
     assert info.value.exit_status == demo_status

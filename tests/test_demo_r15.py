@@ -14,7 +14,7 @@ from test_evalcli_r11 import _prompts_file, recipe_path, tiny_export  # noqa: F4
 
 from draftforge.config import load_recipe
 from draftforge.errors import InputError
-from draftforge.eval import demo
+from draftforge.eval import demo, demo_state
 from draftforge.eval.report import ESTIMATE_NOTE
 
 
@@ -94,10 +94,10 @@ def test_an_export_folder_under_home_is_skipped_once_made_and_named_openable(tmp
     # the export stage as an earlier demo ran it: the folder, then the stamp naming its command
     (home / "drafts" / "x").mkdir(parents=True)
     (home / "drafts" / "x" / "config.json").write_text("{}")
-    command = ["export", str(paths.run_dir), "--recipe", str(paths.run_dir / demo.EXPORT_RECIPE),
+    command = ["export", str(paths.run_dir), "--recipe", str(paths.run_dir / demo_state.EXPORT_RECIPE),
                "--out", str(home / "drafts" / "x"),
                "--arch", cfg.export.arch, "--max-shard-size-mb", str(cfg.export.max_shard_size_mb)]  # fmt: skip
-    (paths.run_dir / demo.EXPORT_STAMP).write_text(json.dumps({"command": command}))
+    (paths.run_dir / demo_state.EXPORT_STAMP).write_text(json.dumps({"command": command}))
     ran = _all_current(monkeypatch, paths, export_checked=True)
     monkeypatch.chdir(tmp_path)  # where a literal '~' folder would be looked for
 

@@ -17,7 +17,7 @@ from test_demo_r7 import _finished_run, _report
 from draftforge import argtypes
 from draftforge.cli import main as cli_main
 from draftforge.config import load_recipe
-from draftforge.eval import demo
+from draftforge.eval import demo, demo_report, demo_stages
 from draftforge.eval.harness import WorkloadResult
 from draftforge.eval.report import ESTIMATE_NOTE, markdown_table, report_dict
 
@@ -53,7 +53,7 @@ def test_only_the_demos_last_line_starts_with_export_dir(tmp_path, monkeypatch, 
     monkeypatch.setattr(demo, "model_card_is_current", lambda *a, **kw: False)
     # draftforge export as it prints: its progress, then its folder
     script = f"print('export: run -> out'); print('export_dir={paths.export_dir}')"
-    monkeypatch.setattr(demo, "draftforge_command", lambda *args: [sys.executable, "-c", script])
+    monkeypatch.setattr(demo_stages, "draftforge_command", lambda *args: [sys.executable, "-c", script])
 
     assert demo.main([str(recipe), "--skip-train", "--num-prompts", "8"]) == 0
     lines = capfd.readouterr().out.strip().splitlines()
@@ -122,7 +122,7 @@ def test_one_prompt_is_one_prompt(tmp_path, monkeypatch, capsys):
     assert ", 1 workload x 1 prompt, " in capsys.readouterr().out
     text = paths.table.read_text()
     assert ", 1 prompt per workload, up to" in text and "1 prompts" not in text
-    assert demo._prompts_text(8, {"humaneval": 8}) == "8 prompts per workload"
+    assert demo_report._prompts_text(8, {"humaneval": 8}) == "8 prompts per workload"
 
 
 def test_help_command_gives_that_commands_help(capsys):

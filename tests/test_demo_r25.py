@@ -12,7 +12,7 @@ from splitserve_helpers import tiny_recipe
 from test_demo_r7 import _finished_run, _report
 
 from draftforge.config import load_recipe
-from draftforge.eval import demo
+from draftforge.eval import demo, demo_stages
 
 
 def _stubbed_stages(monkeypatch, recipe, paths) -> list:
@@ -110,10 +110,10 @@ def test_a_failed_evaluation_says_how_to_continue(tmp_path, monkeypatch):
     a failed evaluation gave its status and log only, not what to run next."""
     import sys
 
-    monkeypatch.setattr(demo, "draftforge_command",
+    monkeypatch.setattr(demo_stages, "draftforge_command",
                         lambda *args: [sys.executable, "-c", f"import sys; sys.exit({args[0]})"])
     with pytest.raises(demo.DemoError) as info:
-        demo.run_side_by_side({"eval-dspark": ["0"], "eval-dflash": ["1"]}, tmp_path / "logs", parallel=True)
+        demo_stages.run_side_by_side({"eval-dspark": ["0"], "eval-dflash": ["1"]}, tmp_path / "logs", parallel=True)
     assert str(info.value) == (
         f"evaluation failed: 'eval-dflash' exited with status 1, log {tmp_path / 'logs' / 'eval-dflash.log'}\n"
         "The logs say why; fix it and rerun the demo (finished stages are skipped, and so is an "

@@ -12,7 +12,7 @@ import pytest
 from splitserve_helpers import tiny_recipe
 
 from draftforge.config import load_recipe
-from draftforge.eval import demo
+from draftforge.eval import demo, demo_state
 
 
 def _finished_run(run: Path, cfg_yaml: str) -> None:
@@ -41,12 +41,12 @@ def test_a_run_trained_with_the_other_markov_init_names_that_option(tmp_path, ca
                                                          else "bigram")[0]).to_yaml()
     other = (fix, load_recipe(recipe, demo.dspark_overrides(cfg, paths, trained_with)[0]).to_yaml())
     with pytest.raises(demo.DemoError, match=f"trained with {fix}: pass {fix} to use it, or --force") as info:
-        demo.check_same_recipe(paths.run_dir, expected, "DSpark", other_option=other)
+        demo_state.check_same_recipe(paths.run_dir, expected, "DSpark", other_option=other)
     assert info.value.exit_status == 2
     # a run of another recipe is still called one, the option or not
     edited = (fix, load_recipe(recipe, ["train.lr=0.1"]).to_yaml())
     with pytest.raises(demo.DemoError, match="holds a DSpark run of a different recipe"):
-        demo.check_same_recipe(paths.run_dir, expected, "DSpark", other_option=edited)
+        demo_state.check_same_recipe(paths.run_dir, expected, "DSpark", other_option=edited)
 
 
 def _report(prompts: dict[str, int], methods: dict[str, float]) -> dict:
@@ -135,7 +135,7 @@ def test_an_export_that_fails_leaves_no_stamp_naming_the_old_command(tmp_path, m
     paths = demo.demo_paths(cfg)
     _finished_run(paths.run_dir, cfg.to_yaml())
     _finished_run(paths.dflash_dir, load_recipe(recipe, demo.dflash_overrides(paths)).to_yaml())
-    stamp = paths.run_dir / demo.EXPORT_STAMP
+    stamp = paths.run_dir / demo_state.EXPORT_STAMP
     stamp.write_text(json.dumps({"command": ["export", "an", "earlier", "command"]}))
     monkeypatch.setattr(demo, "export_is_current", lambda *a, **kw: False)
 

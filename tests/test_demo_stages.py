@@ -11,7 +11,7 @@ import pytest
 from splitserve_helpers import tiny_recipe
 
 from draftforge.config import load_recipe
-from draftforge.eval import demo
+from draftforge.eval import demo, demo_report, demo_stages, demo_state
 
 
 def _report(verify: str, methods: dict) -> dict:
@@ -61,21 +61,21 @@ def test_the_paired_table_refuses_what_eval_compare_refuses_one_comparison_at_a_
     df = (Path("run/eval-dflash/report.json"), _report("full", {"dspark": _method(1.6)}))
     with pytest.raises(InputError) as refusal:
         check_same_decoding(ds, "dspark", df, "dspark")
-    table = demo.lead_table(ds, df)
+    table = demo_report.lead_table(ds, df)
     assert "| DSpark - n-gram | +0.30 (+0.30 to +0.30) | +0.30 (+0.30 to +0.30) | ahead |" in table
     assert "| DSpark - DFlash |" not in table and "behind" not in table
     assert table.endswith(f"\n\n(No intervals for DSpark - DFlash: {refusal.value}.)")
     # decoded alike: both rows
     df_full = (df[0], _report("threshold", {"dspark": _method(1.6)}))
     assert "| DSpark - DFlash | -0.10 (-0.10 to -0.10) | -0.10 (-0.10 to -0.10) | behind |" in (
-        demo.lead_table(ds, df_full))
+        demo_report.lead_table(ds, df_full))
     # a report without the n-gram baseline loses that row only (one try held both)
     no_ngram = (ds[0], _report("threshold", {"dspark": _method(1.5), "none": _method(1.0)}))
-    table = demo.lead_table(no_ngram, df_full)
+    table = demo_report.lead_table(no_ngram, df_full)
     assert "| DSpark - DFlash | -0.10" in table and "| DSpark - n-gram |" not in table
     assert "(No intervals for DSpark - n-gram: run/eval/report.json: workload 'gsm8k' has no method 'ngram'" in table
     # neither: the two refusals alone
-    table = demo.lead_table(no_ngram, df)
+    table = demo_report.lead_table(no_ngram, df)
     assert table.startswith("(No intervals for DSpark - n-gram:") and "| comparison |" not in table
     assert "\n\n(No intervals for DSpark - DFlash:" in table
 
@@ -109,7 +109,7 @@ def test_skip_train_force_refuses_another_recipes_run_before_deleting_anything(t
         assert (tmp_path / "run" / folder / "keep.txt").is_file(), folder
     # without --skip-train, --force is the fix it names (it deletes the run)
     with pytest.raises(demo.DemoError, match="Rerun with --force to train again from scratch"):
-        demo.check_same_recipe(tmp_path / "run", load_recipe(recipe).to_yaml(), "DSpark")
+        demo_state.check_same_recipe(tmp_path / "run", load_recipe(recipe).to_yaml(), "DSpark")
 
 
 def test_skip_train_force_refuses_a_run_trained_on_other_answers_before_deleting_anything(tmp_path, capsys):
@@ -117,7 +117,7 @@ def test_skip_train_force_refuses_a_run_trained_on_other_answers_before_deleting
     cfg = load_recipe(recipe)
     run = _trained_run(recipe, demo.dspark_overrides(cfg, demo.demo_paths(cfg), "bigram")[0])  # this recipe's
     (run / "regenerated.jsonl").write_text("answers written again\n")
-    (run / demo.ANSWERS_STAMP).write_text(json.dumps({"sha256": "the answers it trained on"}))
+    (run / demo_state.ANSWERS_STAMP).write_text(json.dumps({"sha256": "the answers it trained on"}))
     assert demo.main([str(recipe), "--skip-train", "--force"]) == 2
     err = capsys.readouterr().err
     assert "the DSpark draft was trained on other answers" in err
@@ -135,11 +135,11 @@ def test_the_machine_line_says_where_the_evaluations_ran(monkeypatch):
     cfg = load(root / "recipes" / "tiny-debug.yaml")
     paths = demo.demo_paths(cfg.model_copy(update={"train": cfg.train.model_copy(
         update={"output_dir": "/nonexistent/run"})}))
-    monkeypatch.setattr(demo, "measured_when", lambda *stamps: "then")  # no reports here
+    monkeypatch.setattr(demo_report, "measured_when", lambda *stamps: "then")  # no reports here
 
     def machine(*reports):
-        text = demo.demo_markdown("TABLE", command="c", cfg=cfg, paths=paths, num_prompts=2, max_new_tokens=8,
-                                  block_size=4, devices=demo.recorded_devices(*reports))  # fmt: skip
+        text = demo_report.demo_markdown("TABLE", command="c", cfg=cfg, paths=paths, num_prompts=2, max_new_tokens=8,
+                                  block_size=4, devices=demo_report.recorded_devices(*reports))  # fmt: skip
         return next(line for line in text.splitlines() if line.startswith("Measured: "))
 
     on_gpu = machine({"device": "cuda:0", "target_devices": ["cuda:0"]}, {"device": "cuda:0"})
@@ -153,9 +153,9 @@ def test_the_machine_line_says_where_the_evaluations_ran(monkeypatch):
 
 @pytest.mark.parametrize("cores,gpu,side_by_side", [(2, False, True), (16, True, False), (1, False, False)])
 def test_the_evaluations_share_a_gpu_one_after_the_other(monkeypatch, cores, gpu, side_by_side):
-    monkeypatch.setattr(demo, "usable_cores", lambda: cores)
-    monkeypatch.setattr(demo, "_cuda_visible", lambda: gpu)
-    assert demo.evaluations_side_by_side() is side_by_side
+    monkeypatch.setattr(demo_stages, "usable_cores", lambda: cores)
+    monkeypatch.setattr(demo_stages, "_cuda_visible", lambda: gpu)
+    assert demo_stages.evaluations_side_by_side() is side_by_side
 
 
 def test_a_report_md_newer_than_its_report_json_does_not_go_into_the_model_card(tmp_path):
@@ -170,9 +170,9 @@ def test_a_report_md_newer_than_its_report_json_does_not_go_into_the_model_card(
     for offset, path in enumerate((paths.eval_dir / "report.json", paths.export_dir / "README.md",
                                    paths.eval_dir / "report.md")):  # fmt: skip
         os.utime(path, (stamp + offset, stamp + offset))
-    assert demo.model_card_is_current(paths)
+    assert demo_state.model_card_is_current(paths)
     os.utime(paths.eval_dir / "report.json", (stamp + 5, stamp + 5))  # a finished evaluation since
-    assert not demo.model_card_is_current(paths)
+    assert not demo_state.model_card_is_current(paths)
 
 
 def test_an_evaluation_interrupted_while_plotting_leaves_the_old_reports(tmp_path, monkeypatch):

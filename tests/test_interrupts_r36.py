@@ -107,13 +107,13 @@ elif which == "serve_and_count":
     S.serve_and_count(setup, "/models/smol", [[1, 2, 3]], time.monotonic() + 60,
                       draft_dir=tmp / "draft")
 elif which == "run_stage":
-    from draftforge.eval import demo
-    demo.draftforge_command = lambda *args: command
-    demo.run_stage("a stage", ["x"])
+    from draftforge.eval import demo_stages
+    demo_stages.draftforge_command = lambda *args: command
+    demo_stages.run_stage("a stage", ["x"])
 elif which == "run_side_by_side":
-    from draftforge.eval import demo
-    demo.draftforge_command = lambda *args: command
-    demo.run_side_by_side({"a": ["x"]}, tmp / "logs", parallel=True)
+    from draftforge.eval import demo_stages
+    demo_stages.draftforge_command = lambda *args: command
+    demo_stages.run_side_by_side({"a": ["x"]}, tmp / "logs", parallel=True)
 print("returned", flush=True)
 """
 

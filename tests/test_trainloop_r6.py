@@ -79,7 +79,7 @@ def test_a_resumed_run_that_trains_drops_the_earlier_segments_summary(tmp_path):
     for the end of training (data_ran_out) and evaluates it instead of resuming from 8."""
     from trainer_helpers import chain_samples, target_embeddings, tiny_model_config, train_config
 
-    from draftforge.eval.demo import data_ran_out
+    from draftforge.eval.demo_state import data_ran_out
     from draftforge.train import checkpoint as ckpt
     from draftforge.train.sample import pack
     from draftforge.train.trainer import Trainer

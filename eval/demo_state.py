@@ -1,0 +1,280 @@
+"""What the demo finds already done: finished trainings, runs of this recipe and answers,
+an export, evaluations and a model card still current; and what ``--force`` deletes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+from draftforge.eval.demo_runs import DemoPaths
+from draftforge.eval.demo_stages import DemoError
+from draftforge.files import write_atomic
+
+ANSWERS_STAMP = "demo-answers.json"  # in each run folder: the digest of the answers it trained on
+
+
+def _mtime(path: Path) -> float:
+    return path.stat().st_mtime if path.exists() else -math.inf
+
+
+def final_checkpoint(run_dir: Path, steps: int) -> Path | None:
+    """The checkpoint that ends a finished run: ``step_<steps>``, or the last one of a run
+    that stopped early because its data ran out; None while the run is unfinished."""
+    from draftforge.train import checkpoint as ckpt
+
+    done = ckpt.checkpoint_path(run_dir, steps)
+    if ckpt.is_complete(done):
+        return done
+    return data_ran_out(run_dir)
+
+
+def data_ran_out(run_dir: Path) -> Path | None:
+    """The last checkpoint of a run that stopped before its steps because its data ran out
+    (its summary.json says so); None for any other run."""
+    from draftforge.train import checkpoint as ckpt
+
+    summary = run_dir / "summary.json"
+    if summary.is_file():
+        info = json.loads(summary.read_text())
+        path = Path(str(info.get("checkpoint") or ""))
+        if info.get("stopped_reason") == "data_exhausted" and path.name and ckpt.is_complete(path):
+            return path
+    return None
+
+
+def _resolved_again(saved: Path) -> str:
+    """A run's saved recipe resolved by this version, so that an option added since (with
+    its default) does not count as a difference; the text as it is if it no longer loads."""
+    from draftforge.config import load_recipe
+
+    try:
+        return load_recipe(saved).to_yaml()
+    except ValueError:
+        return saved.read_text()
+
+
+TRAINING_ONLY_AFTER = ("eval", "export")  # sections that do not change what a training run is
+
+
+def _training_part(recipe_yaml: str) -> str:
+    """The recipe without the sections read only after training, so that editing how the
+    demo evaluates or exports does not call a finished training run another recipe's."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(recipe_yaml)
+    except yaml.YAMLError:
+        return recipe_yaml
+    if not isinstance(data, dict):
+        return recipe_yaml
+    return yaml.safe_dump({k: v for k, v in data.items() if k not in TRAINING_ONLY_AFTER}, sort_keys=False)
+
+
+SKIP_TRAIN_FIX = "--skip-train uses the runs as they are: undo the edit, or drop --skip-train and pass --force"
+
+
+def check_same_recipe(run_dir: Path, expected_yaml: str, what: str, *, skip_train: bool = False,
+                      other_option: tuple[str, str] | None = None) -> None:
+    """Refuse to resume or reuse a run directory that holds a run of another recipe (its
+    eval and export sections aside). ``skip_train``: the demo would not train, so --force
+    (which then keeps the runs) is no fix. ``other_option``: a demo option and the recipe it
+    would train (``--markov-init``), named as the fix when the run is that recipe's."""
+    from draftforge.train import checkpoint as ckpt
+
+    saved = run_dir / "config.yaml"
+    if not ckpt.complete_checkpoints(run_dir) or not saved.is_file():
+        return
+    old_text, new_text = _training_part(_resolved_again(saved)), _training_part(expected_yaml)
+    if other_option is not None and old_text != new_text and old_text == _training_part(other_option[1]):
+        raise DemoError(
+            f"{run_dir} holds the {what} run of this recipe trained with {other_option[0]}: pass "
+            f"{other_option[0]} to use it"
+            + ("" if skip_train else ", or --force to train again from scratch (it deletes that run)"),
+            exit_status=2,
+        )
+    if old_text != new_text:
+        old = old_text.splitlines()
+        new = new_text.splitlines()
+        first = next(
+            (i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b),
+            min(len(old), len(new)),
+        )
+        line = lambda lines: lines[first].strip() if first < len(lines) else "(end of file)"  # noqa: E731
+        raise DemoError(
+            f"{run_dir} holds a {what} run of a different recipe ({saved} resolved, line {first + 1}: "
+            f"{line(old)!r}; this demo: {line(new)!r}). "
+            + (f"{SKIP_TRAIN_FIX}." if skip_train else "Rerun with --force to train again from "
+               "scratch (it deletes that run), or move the folder away."),
+            exit_status=2,
+        )
+
+
+def _same_command(recorded: str | list | None, args: Sequence[str]) -> bool:
+    """Whether a recorded command is ``args``, however the recipe's path was spelt."""
+    if isinstance(recorded, str):
+        recorded = shlex.split(recorded)[1:] if recorded.startswith("draftforge ") else None
+    if not isinstance(recorded, list):
+        return False
+
+    def normal(argv: Sequence[str]) -> list[str]:
+        return [os.path.realpath(a) if i and argv[i - 1] == "--recipe" else a for i, a in enumerate(argv)]
+
+    return normal(recorded) == normal(list(args))
+
+
+def eval_is_current(eval_dir: Path, args: Sequence[str], newer_than: Path, settings: dict | None = None) -> bool:
+    """An evaluation report written by exactly this command after its draft was made, with
+    ``settings`` (what the command takes from the recipe's eval section) as its own."""
+    report = eval_dir / "report.json"
+    if not report.is_file() or _mtime(report) < _mtime(newer_than):
+        return False
+    try:
+        written = json.loads(report.read_text())
+    except json.JSONDecodeError:
+        return False
+    if not _same_command(written.get("command"), ["eval", *args]):
+        return False
+    recorded = written.get("settings") or {}
+    return all(recorded.get(key) == value for key, value in (settings or {}).items())
+
+
+EXPORT_STAMP = "demo-export.json"  # in the DSpark run folder: the export stage's command and files
+EXPORT_RECIPE = "demo-export-recipe.yaml"  # beside it: the recipe the export stage names
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    """The step of a ``step_00000360`` checkpoint folder."""
+    return int(checkpoint.name.removeprefix("step_"))
+
+
+def _digest(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def stamp_answers(run_dir: Path, answers: str, what: str) -> None:
+    """Record the answers a training is about to train on; a run that already has
+    checkpoints must have trained on these (a resume), one without any may start afresh."""
+    from draftforge.train.checkpoint import complete_checkpoints
+
+    if complete_checkpoints(run_dir):
+        _check_trained_on(run_dir, answers, what)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(run_dir / ANSWERS_STAMP, json.dumps({"sha256": answers}))
+
+
+def _check_trained_on(run_dir: Path, answers: str | None, what: str, *, skip_train: bool = False) -> None:
+    """Refuse a run trained (or being trained) on other answers than the file holds now: the
+    file was regenerated since (another machine's threads give other answers in bf16). Runs
+    from before the record are not checked."""
+    try:
+        recorded = json.loads((run_dir / ANSWERS_STAMP).read_text()).get("sha256")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return
+    if answers is not None and recorded != answers:
+        raise DemoError(
+            f"{run_dir}: the {what} draft was trained on other answers than the regenerated file "
+            "holds now (it was written again since); "
+            + ("--skip-train uses the runs as they are: drop --skip-train and pass --force to "
+               "train on these answers" if skip_train else
+               "rerun the demo with --force to train on these answers"),
+            exit_status=2,
+        )
+
+
+def export_files(export_dir: Path) -> str:
+    """The digest of an export folder's files but its model card (the last stage writes it again):
+    its config and weights, the same for every export of one checkpoint by one command."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(export_dir.glob("*")):
+        if path.name != "README.md" and path.is_file():
+            content = hashlib.sha256()  # hashlib.file_digest needs Python 3.11
+            with path.open("rb") as handle:
+                for block in iter(lambda: handle.read(1 << 20), b""):
+                    content.update(block)
+            digest.update(path.name.encode() + content.digest())
+    return digest.hexdigest()
+
+
+def export_is_current(paths, export_args: Sequence[str], checkpoint: Path) -> bool:
+    """The export folder was written by exactly this command after the draft's last checkpoint,
+    and holds what it wrote: not another export since (``draftforge export`` of an earlier
+    checkpoint writes to the same folder by default)."""
+    stamp = paths.run_dir / EXPORT_STAMP
+    if _mtime(paths.export_dir / "config.json") < _mtime(checkpoint / "COMPLETE"):
+        return False
+    try:
+        recorded = json.loads(stamp.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    if not _same_command(recorded.get("command"), export_args):
+        return False
+    files = recorded.get("files")  # stamps written before the digest: not checked
+    return files is None or files == export_files(paths.export_dir)
+
+
+def _remove(path: Path, keep: Sequence[Path]) -> None:
+    """Delete a demo output (file or folder), refusing folders that hold what must stay."""
+    if not path.exists():
+        return
+    resolved = path.resolve()
+    for other in keep:
+        other = other.resolve()
+        if resolved == other or resolved in other.parents:
+            raise DemoError(f"--force would delete {path}, which holds {other}; refusing", exit_status=2)
+    print(f"    --force: removing {path}")
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def _check_answers_file(cfg) -> None:
+    """Refuse to skip regeneration when the existing answers are not this recipe's."""
+    from draftforge.data.regenerate import RegenerationError
+    from draftforge.splitserve.producer import load_source_conversations
+
+    try:
+        load_source_conversations(cfg)
+    except RegenerationError as err:
+        raise DemoError(f"{err}\n(or rerun the demo with --force to start over)", exit_status=2) from None
+
+
+def _answers_digest(paths: DemoPaths) -> str | None:
+    """The digest of the regenerated answers the trainings read, None while there are none."""
+    return _digest(paths.data_file) if paths.data_file is not None and paths.data_file.is_file() else None
+
+
+def _runs_as_they_are(trainings: Sequence[tuple], answers: str | None,
+                      other_options: dict[str, tuple[str, str]]) -> dict[str, Path]:
+    """--skip-train: each run's checkpoint to evaluate (its final one, else its newest),
+    refusing runs of another recipe or answers, or without a checkpoint."""
+    from draftforge.train.checkpoint import complete_checkpoints
+
+    checkpoints = {}
+    for what, run_dir, run_cfg, _ in trainings:
+        check_same_recipe(run_dir, run_cfg.to_yaml(), what, skip_train=True, other_option=other_options.get(what))
+        _check_trained_on(run_dir, answers, what, skip_train=True)
+        done = final_checkpoint(run_dir, run_cfg.train.steps)
+        if done is None:
+            found = complete_checkpoints(run_dir)
+            if not found:
+                raise DemoError(f"--skip-train: {run_dir} has no complete checkpoint; train it first",
+                                exit_status=2)
+            done = found[-1]
+        checkpoints[what] = done
+    return checkpoints
+
+
+def model_card_is_current(paths: DemoPaths) -> bool:
+    """The export's model card was written after the DSpark evaluation finished: report.json
+    marks that (written last; a report.md newer than it is an unfinished evaluation's)."""
+    return _mtime(paths.export_dir / "README.md") >= _mtime(paths.eval_dir / "report.json")
