@@ -1,0 +1,302 @@
+"""Recipe YAML: reading a recipe with the line of every key path (and how each unquoted
+boolean was written), ``key.sub=value`` overrides, and the dumper that writes a resolved recipe."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import yaml
+
+from draftforge.recipe_errors import KeyPath, RecipeError, _dotted
+
+
+class _RecipeDumper(yaml.SafeDumper):
+    """Block-style mappings, with lists of plain values on one line (``[0, 1, 2]``)."""
+
+
+def _represent_list(dumper: yaml.SafeDumper, data: list[Any]) -> yaml.Node:
+    flat = all(not isinstance(item, (dict, list)) for item in data)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flat)
+
+
+_RecipeDumper.add_representer(list, _represent_list)
+
+
+# --------------------------------------------------------------------------- YAML
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1e-4`` as a float (YAML 1.1 wants ``1.0e-4``), and reads
+    ``1:30`` and ``0b11`` as the strings YAML 1.2 reads, not 1.1's base-60 and binary numbers."""
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        """A scalar that its explicit tag cannot read (``!!int abc``) is an error at its line,
+        not the ValueError (or KeyError, AttributeError) of PyYAML's constructor."""
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, KeyError, AttributeError) as exc:
+            if not isinstance(node, yaml.ScalarNode):
+                raise
+            tag = node.tag.replace("tag:yaml.org,2002:", "!!")
+            raise yaml.constructor.ConstructorError(
+                None, None, f"cannot read {node.value!r} as {tag}", node.start_mark
+            ) from exc
+
+
+# YAML 1.1's numbers less base 60 (1:30 was 90, 12:30 a name's 750) and binary (0b11 was 3),
+# which YAML 1.2 reads as strings: an int key refuses them by their text, a str key takes them.
+# Hex (0x10 is 16, as in YAML 1.2) and underscores (1_000) read as before.
+_INT = re.compile(r"^(?:[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$")
+_FLOAT = re.compile(
+    r"^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?"
+    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+)
+_RecipeLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers
+            if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:int", _INT, list("-+0123456789"))
+_RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
+_EXPONENT_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+_RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    """Integers as YAML 1.2 reads them: a leading zero is decimal (``010`` is 10), not 1.1's octal."""
+    text = loader.construct_scalar(node).replace("_", "")
+    digits = text.lstrip("+-")
+    if len(digits) > 1 and digits.startswith("0") and digits.isdigit():
+        return int(text, 10)
+    return yaml.SafeLoader.construct_yaml_int(loader, node)
+
+
+_RecipeLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+# the writer knows the rule too, so that a string such as '1e5' is quoted and loads back a string
+_RecipeDumper.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
+
+
+def _line_column(text: str, position: int) -> tuple[int, int]:
+    """The 1-based line and column of the character at ``position`` in ``text``."""
+    start = text.rfind("\n", 0, position) + 1
+    return text.count("\n", 0, position) + 1, position - start + 1
+
+
+def _parse_yaml(text: str, source: str) -> tuple[Any, dict[KeyPath, int], dict[KeyPath, str], list[str]]:
+    """Parse YAML text: the data, the line of every key path, the spelling of every unquoted
+    boolean (see _index_lines), and structural problems."""
+    try:
+        loader = _RecipeLoader(text)
+    except yaml.reader.ReaderError as exc:  # a control character (ESC of a pasted colour code, NUL)
+        line, column = _line_column(text, exc.position)
+        raise RecipeError(
+            [
+                f"{source}:{line}: YAML syntax error: character #x{exc.character:04x} at "
+                f"column {column} is not allowed in YAML; remove it"
+            ]
+        ) from None
+    lines: dict[KeyPath, int] = {}
+    booleans: dict[KeyPath, str] = {}
+    problems: list[str] = []
+    try:
+        node = loader.get_single_node()
+        _refuse_cycle(node, source)
+        if node is not None:
+            # before constructing: construction flattens merge keys (<<: *anchor) into the
+            # mapping, and an explicit key beside a merged one would look duplicated
+            _index_lines(node, (), lines, problems, source, booleans)
+        data = loader.construct_document(node) if node is not None else None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{source}:{mark.line + 1}" if mark is not None else source
+        context = exc.context
+        if context and exc.context_mark is not None and mark is not exc.context_mark \
+                and exc.context_mark.line != mark.line:  # an unclosed quote: where it opened
+            context = f"{context} (line {exc.context_mark.line + 1})"
+        problem = ": ".join(p for p in (context, exc.problem) if p)
+        raise RecipeError([f"{where}: YAML syntax error: {problem}"]) from None
+    except yaml.YAMLError as exc:
+        raise RecipeError([f"{source}: YAML syntax error: {exc}"]) from None
+    finally:
+        loader.dispose()
+    return data, lines, booleans, problems
+
+
+def _cycle(node: yaml.Node, inside: frozenset[int] = frozenset()) -> yaml.Node | None:
+    """The first node that contains itself through an alias (``a: &x [*x]``), or None: a
+    recipe is a tree, and walking such a node would never end."""
+    if id(node) in inside:
+        return node
+    inside |= {id(node)}
+    children = (
+        [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode)
+        else node.value if isinstance(node, yaml.SequenceNode) else []
+    )  # fmt: skip
+    return next((found for child in children if (found := _cycle(child, inside)) is not None), None)
+
+
+def _refuse_cycle(node: yaml.Node | None, where: str, *, line: bool = True) -> None:
+    found = _cycle(node) if node is not None else None
+    if found is not None:
+        at = f"{where}:{found.start_mark.line + 1}" if line else where
+        raise RecipeError([f"{at}: YAML syntax error: an alias (*name) refers to a value that "
+                           "contains it; a recipe is a tree, not a cycle"])
+
+
+def _index_lines(
+    node: yaml.Node,
+    path: KeyPath,
+    lines: dict[KeyPath, int],
+    problems: list[str],
+    source: str | None,
+    booleans: dict[KeyPath, str],
+) -> None:
+    """Record the 1-based line of every key path, and in ``booleans`` how each unquoted boolean
+    was written (``off``, ``no``: YAML 1.1 reads them as false), for the message of a key that
+    wanted a string; report duplicate and non-string keys, led by ``source:line`` (nothing for
+    a value given on the command line, whose caller says where).
+    A key that a merge (``<<: *anchor``) brings in is at the line of that merge: the anchor's
+    own lines are shared by every mapping that merges it."""
+    at = (lambda line: f"{source}:{line}: ") if source is not None else (lambda line: "")
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        merged: dict[KeyPath, int] = {}
+        for key_node, value_node in node.value:
+            line = key_node.start_mark.line + 1
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag != "tag:yaml.org,2002:str":
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    # its problems are reported where the anchor is defined
+                    sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+                    for source_node in sources:
+                        merged.update(dict.fromkeys(_key_paths(source_node, path), line))
+                    continue
+                shown = _dotted(path) or "top level"
+                problems.append(
+                    f"{at(line)}{shown}: keys must be plain names, got {key_node.value!r}"
+                )
+                continue
+            key = key_node.value
+            if key in seen:
+                first = f" (first given at line {seen[key]})" if source is not None else ""
+                problems.append(f"{at(line)}{_dotted(path + (key,))}: duplicate key{first}")
+                for stale in [p for p in lines if p[: len(path) + 1] == path + (key,)]:
+                    del lines[stale]  # the lines of the first value's keys, which YAML dropped
+            else:
+                seen[key] = line
+            # YAML keeps the last value, so its problems are reported at the last line
+            lines[path + (key,)] = line
+            _index_lines(value_node, path + (key,), lines, problems, source, booleans)
+        for merged_path, merged_line in merged.items():  # an explicit key replaces a merged one, whole
+            if merged_path[len(path)] not in seen:
+                lines[merged_path] = merged_line
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            lines[path + (index,)] = item.start_mark.line + 1
+            _index_lines(item, path + (index,), lines, problems, source, booleans)
+    elif node.tag == "tag:yaml.org,2002:bool" and node.style is None:
+        booleans[path] = node.value
+
+
+def _key_paths(node: yaml.Node, path: KeyPath) -> list[KeyPath]:
+    """Every key path a node gives under ``path``, merged keys included."""
+    out: list[KeyPath] = []
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+                for source_node in sources:
+                    out += _key_paths(source_node, path)
+            elif isinstance(key_node, yaml.ScalarNode) and key_node.tag == "tag:yaml.org,2002:str":
+                out.append(path + (key_node.value,))
+                out += _key_paths(value_node, path + (key_node.value,))
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            out.append(path + (index,))
+            out += _key_paths(item, path + (index,))
+    return out
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+def parse_override(text: str, booleans: dict[KeyPath, str] | None = None) -> tuple[tuple[str, ...], Any]:
+    """Split ``key.sub=value`` into a key path and a YAML-parsed value; ``booleans``, when
+    given, gets how each unquoted boolean in the value was written, by key path."""
+    key, sep, raw = text.partition("=")
+    where = f"command line {text!r}"
+    if not sep:
+        raise RecipeError([f"{where}: expected key.sub=value"])
+    parts = tuple(part.strip() for part in key.split("."))
+    if not all(parts):
+        raise RecipeError([f"{where}: empty key part in {key!r}; expected e.g. draft.block_size=8"])
+    problems: list[str] = []
+    try:
+        loader = _RecipeLoader(raw)
+        try:
+            node = loader.get_single_node()
+            _refuse_cycle(node, where, line=False)
+            if node is not None:  # duplicate and non-string keys, as in a file
+                _index_lines(node, parts, {}, problems, None, {} if booleans is None else booleans)
+            value = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise RecipeError([f"{where}: value is not valid YAML: {problem}"]) from None
+    if problems:
+        raise RecipeError([f"{where}: {problem}" for problem in problems])
+    return parts, value
+
+
+def _apply_override(
+    data: dict[str, Any], text: str, booleans: dict[KeyPath, str]
+) -> tuple[tuple[str, ...], list[KeyPath]]:
+    """Set one override in the raw tree (before validation); return its key path and the key
+    paths it gives a value: that path, or for a mapping merged into a section only the keys
+    the mapping lists (the section's other keys are still where the recipe set them)."""
+    parts, value = parse_override(text, booleans)
+    node = data
+    for depth, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            prefix = ".".join(parts[: depth + 1])
+            raise RecipeError(
+                [
+                    f"command line {text!r}: {prefix} is a value, not a section; cannot set {'.'.join(parts)}"
+                ]
+            )
+        else:  # a copy: a YAML alias shares this mapping with other keys, which keep their values
+            child = node[part] = dict(child)
+        node = child
+    current = node.get(parts[-1])
+    if isinstance(value, dict) and isinstance(current, dict):
+        # a mapping merges into the section it names: train.loss={ce_weight: 1} changes
+        # ce_weight and keeps the recipe's other loss settings
+        node[parts[-1]] = _merged(current, value)
+        return parts, [parts + leaf for leaf in _leaves(value)]
+    node[parts[-1]] = value
+    return parts, [parts]
+
+
+def _leaves(mapping: dict[Any, Any], prefix: KeyPath = ()) -> list[KeyPath]:
+    """The key paths of a mapping's values, nested mappings followed down (an empty one is a value)."""
+    out: list[KeyPath] = []
+    for key, value in mapping.items():
+        if isinstance(value, dict) and value:
+            out += _leaves(value, prefix + (key,))
+        else:
+            out.append(prefix + (key,))
+    return out
+
+
+def _merged(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = value
+    return out
