@@ -15,8 +15,12 @@ any other version, and a new release must pass the GPU parity test in
 
 The runner lives in spawned child processes (``FeatureRunnerProcess``): SGLang
 builds its own ``torch.distributed`` world and process-wide state, which must
-not meet a draftforge rank's. Token ids go in and states come back through a
-``torch.multiprocessing`` pipe (shared memory on CPU, CUDA IPC on GPU).
+not meet a draftforge rank's. States come back through a ``torch.multiprocessing``
+pipe (shared memory on CPU, CUDA IPC on GPU); token ids go in as numpy arrays, pickled
+by value. Sent as CPU tensors, each row's storage was a file descriptor that the
+parent's multiprocessing ``resource_sharer`` thread served until the child fetched it:
+a child stopped during that fetch (``close(force=True)`` stopping the other ranks after
+one failed) made the thread print a ``ConnectionResetError`` traceback.
 
 Under tensor parallelism (``tp_size`` > 1 in the server arguments) there is one
 child per tensor-parallel rank, on GPUs ``base_gpu_id`` .. ``base_gpu_id +
@@ -246,7 +250,7 @@ def _serve(
         if message[0] == "stop":
             return
         try:
-            states = runner.features(message[1])
+            states = runner.features([torch.from_numpy(row) for row in message[1]])
             conn.send(("ok", states if tp_rank == 0 else None))
         except Exception:  # reported to the parent, which raises
             conn.send(("error", traceback.format_exc()))
@@ -297,9 +301,11 @@ class FeatureRunnerProcess:
         """Packed aux ``[T, K*H]`` and final ``[T, H]`` states for ``rows``, computed in the children."""
         if not self._conns:
             raise RuntimeError("the SGLang feature runner was stopped (close() or a failure)")
+        # by value, not as shared tensors: nothing for the children to fetch (module docstring)
+        arrays = [row.cpu().numpy() for row in rows]
         for conn in self._conns:
             try:
-                conn.send(("features", rows))
+                conn.send(("features", arrays))
             except (BrokenPipeError, OSError):
                 pass  # that child is gone: _gather reports how it ended
         try:
