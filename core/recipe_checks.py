@@ -66,7 +66,7 @@ def _check_target(cfg: RecipeConfig) -> tuple[TargetShape | None, list[Problem]]
             # used, so that reloading it, as export does, compares real values only.
             target.shape = shape
     if target.model == "random" and shape is not None:
-        if shape.hidden_size % shape.num_attention_heads:
+        if shape.head_dim is None and shape.hidden_size % shape.num_attention_heads:
             problems.append(
                 (
                     ("target", "shape", "hidden_size"),

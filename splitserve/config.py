@@ -32,6 +32,14 @@ class TargetShape(Section):
         "target's only for model: random)",
     )
     rope_theta: float = Field(default=10000.0, gt=0, description="RoPE base of the target")
+    head_dim: int | None = Field(
+        default=None,
+        gt=0,
+        description="width of one attention head, where it is not hidden_size / "
+        "num_attention_heads (Qwen3-4B: 128, where that is 80); read from the target's "
+        "config.json when it gives one; used by --dry-run's weights and KV cache, and by "
+        "model: random",
+    )
     num_parameters: int | None = Field(
         default=None,
         gt=0,

@@ -75,22 +75,24 @@ DENSE_FIELDS = ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention
                 "num_key_value_heads", "intermediate_size")
 
 
-def target_parameters(shape, head_dim: int | None = None) -> int | None:
+def target_parameters(shape) -> int | None:
     """Parameters of the target: ``shape.num_parameters`` when declared, else a dense estimate,
     else None (some field the estimate needs is only the section's placeholder default).
 
     The estimate is a Llama/Qwen-style dense model of ``shape`` (untied embedding
-    and lm_head) with heads ``head_dim`` wide (default hidden / heads; the target's
-    config.json may give another, :func:`~draftforge.splitserve.registry.target_head_dim`);
+    and lm_head) with heads ``shape.head_dim`` wide (default hidden / heads,
+    :func:`~draftforge.splitserve.registry.target_head_dim`);
     for a MoE target it counts one MLP per layer instead of every expert, so such
     recipes declare ``target.shape.num_parameters``.
     """
+    from draftforge.splitserve.registry import target_head_dim
+
     if shape.num_parameters is not None:
         return shape.num_parameters
     if _placeholder_fields(shape):
         return None
     hidden, inter, layers = shape.hidden_size, shape.intermediate_size, shape.num_hidden_layers
-    head_dim = head_dim or hidden // shape.num_attention_heads
+    head_dim = target_head_dim(shape)
     attn = hidden * head_dim * (2 * shape.num_attention_heads + 2 * shape.num_key_value_heads)
     per_layer = attn + 3 * hidden * inter + 2 * hidden
     return 2 * shape.vocab_size * hidden + layers * per_layer + hidden
@@ -111,14 +113,14 @@ def _counted(name: str, value: float, shape, fields: tuple[str, ...]) -> tuple[s
     return f"{name} (unknown, not counted: declare target.shape.{', '.join(missing)})", 0
 
 
-def _weights_source(shape, head_dim: int | None = None) -> str:
+def _weights_source(shape) -> str:
     if shape.num_parameters is not None:
         return f"{shape.num_parameters:,} declared params"
     missing = _placeholder_fields(shape)
     if missing:
         return (f"unknown, not counted: declare target.shape.num_parameters (a dense estimate "
                 f"would need {', '.join(missing)})")
-    return f"{target_parameters(shape, head_dim):,} params, dense estimate"
+    return f"{target_parameters(shape):,} params, dense estimate"
 
 
 def target_estimate(cfg: RecipeConfig) -> Estimate:
@@ -135,7 +137,7 @@ def target_estimate(cfg: RecipeConfig) -> Estimate:
     seq = cfg.data.max_length
     batch = cfg.split.feature_batch_size
     hidden, heads = shape.hidden_size, shape.num_attention_heads
-    head_dim = target_head_dim(cfg.target, shape)  # config.json's, else hidden / heads
+    head_dim = target_head_dim(shape)  # declared or config.json's, else hidden / heads
     # one layer's working set at a time: residual, qkv, attention scores, MLP intermediate
     working = batch * seq * (6 * hidden + 2 * shape.intermediate_size) * dtype
     scores = batch * heads * seq * seq * dtype
@@ -145,8 +147,8 @@ def target_estimate(cfg: RecipeConfig) -> Estimate:
           * gen.batch_size * (seq + gen.max_new_tokens) * dtype)
     logits = gen.batch_size * shape.vocab_size * 4
     wire = cfg.split.max_in_flight * seq * (k + 1) * hidden * 2
-    weights = (target_parameters(shape, head_dim) or 0) * dtype / tp
-    label = f"weights ({dtype_name}, tp {tp}, {_weights_source(shape, head_dim)})"
+    weights = (target_parameters(shape) or 0) * dtype / tp
+    label = f"weights ({dtype_name}, tp {tp}, {_weights_source(shape)})"
     if cfg.target.backend == "sglang":
         # two SGLang instances, each with its own copy: the engine and the feature runner;
         # their KV pools fill the rest of target.sglang_mem_fraction (sglang_pool_note)

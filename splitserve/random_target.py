@@ -25,7 +25,7 @@ def random_llama(shape: TargetShape, *, seed: int, dtype: torch.dtype = torch.fl
     """A ``LlamaForCausalLM`` of ``shape`` with weights drawn from ``seed`` (global RNG untouched)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if shape.hidden_size % shape.num_attention_heads:
+    if shape.head_dim is None and shape.hidden_size % shape.num_attention_heads:
         raise ValueError(
             f"target.shape.hidden_size {shape.hidden_size} is not a multiple of "
             f"num_attention_heads {shape.num_attention_heads}"
@@ -42,6 +42,7 @@ def random_llama(shape: TargetShape, *, seed: int, dtype: torch.dtype = torch.fl
         num_hidden_layers=shape.num_hidden_layers,
         num_attention_heads=shape.num_attention_heads,
         num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim,  # None: hidden_size / num_attention_heads
         max_position_embeddings=shape.max_position_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
         bos_token_id=None,

@@ -23,6 +23,7 @@ KNOWN_TARGETS: dict[str, TargetShape] = {
         intermediate_size=1536,
         max_position_embeddings=8192,
         rope_theta=100000.0,
+        head_dim=64,
         num_parameters=134_515_008,  # embedding and lm_head tied: the dense estimate counts both
     ),
 }
@@ -88,22 +89,11 @@ def _known_shape(model: str, *, strict: bool) -> TargetShape | None:
     return None
 
 
-def target_head_dim(target: TargetConfig, shape: TargetShape) -> int:
-    """The width of one of the target's attention heads: the ``head_dim`` of its folder's
-    config.json where that gives one (Qwen3's, 128 where hidden / heads is 80 for Qwen3-4B),
-    else ``shape.hidden_size / shape.num_attention_heads``. target.shape declares no head_dim."""
-    config_path = Path(target.model).expanduser() / "config.json"
-    if target.model not in KNOWN_TARGETS and config_path.is_file():
-        try:
-            raw = json.loads(config_path.read_text())
-        except (OSError, ValueError):
-            raw = None
-        if isinstance(raw, dict):
-            raw = raw.get("text_config", raw)
-            value = raw.get("head_dim") if isinstance(raw, dict) else None
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return shape.hidden_size // shape.num_attention_heads
+def target_head_dim(shape: TargetShape) -> int:
+    """The width of one of the target's attention heads: ``shape.head_dim`` where given
+    (declared, or read from the folder's config.json by :func:`resolve_target_shape`),
+    else ``hidden_size / num_attention_heads``."""
+    return shape.head_dim or shape.hidden_size // shape.num_attention_heads
 
 
 def rope_theta_problem(cfg) -> str | None:

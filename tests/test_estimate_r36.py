@@ -94,7 +94,9 @@ def test_the_targets_head_dim_comes_from_its_config_json(tmp_path):
     assert items["generation: KV cache + logits"] == (
         2 * 36 * 8 * 128 * 8 * (4096 + 4096) * 2 + 8 * 151936 * 4)
     from draftforge.splitserve.registry import resolve_target_shape
-    assert target_parameters(resolve_target_shape(cfg.target)) == 4_057_520_640  # no head_dim: 80
+    shape = resolve_target_shape(cfg.target)
+    assert shape.head_dim == 128  # read from config.json with the rest of the shape
+    assert target_parameters(shape.model_copy(update={"head_dim": None})) == 4_057_520_640  # 80
 
 
 def test_an_sglang_target_over_gloo_is_said_to_run_on_the_cpu():

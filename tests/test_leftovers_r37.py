@@ -1,14 +1,19 @@
-"""Round 37 leftovers: train.zero_stage set where no strategy reads it."""
+"""Round 37 leftovers: train.zero_stage set where no strategy reads it; target.shape.head_dim."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
+import yaml
 from splitserve_helpers import read_logs, spawn_ranks, tiny_recipe, wait_all
 
-from draftforge.config import load_recipe
+from draftforge.config import RecipeError, load_recipe
 from draftforge.splitserve.dry_run import dry_run
 from draftforge.train.config import ignored_zero_stage_note
 
+ROOT = Path(__file__).resolve().parents[1]
 NOTE = "train.zero_stage 3 is ignored: it is the ZeRO stage of train.strategy deepspeed"
 
 
@@ -43,3 +48,70 @@ def test_a_run_with_an_ignored_zero_stage_says_so_once(tmp_path):
     assert NOTE not in target
     [line] = [line for line in trainer.splitlines() if NOTE in line]
     assert line.startswith("[rank 1 trainer] note: ")
+
+
+# -- target.shape.head_dim: declared, read from config.json, used by model: random -------------
+
+QWEN3_4B_SHAPE = {"num_hidden_layers": 36, "hidden_size": 2560, "vocab_size": 151936,
+                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                  "intermediate_size": 9728, "max_position_embeddings": 40960,
+                  "rope_theta": 1000000.0}
+
+
+def _estimate(cfg) -> dict[str, float]:
+    from draftforge.splitserve.dry_run import target_estimate
+
+    return {name.split(" (")[0]: value for name, value in target_estimate(cfg).items}
+
+
+def test_a_declared_head_dim_sizes_the_dry_runs_weights_and_kv_cache(tmp_path):
+    """A multi-node plan without the target's folder declares its shape; Qwen3-4B's heads are
+    128 wide where hidden / heads is 80. target.shape had no head_dim to declare, so the
+    estimate took 80 (weights 4,057,520,640 parameters instead of 4,411,415,040)."""
+    from draftforge.splitserve.registry import target_head_dim
+
+    recipe = yaml.safe_load((ROOT / "recipes/qwen3-8b-dspark.yaml").read_text())
+    recipe["target"].update(model="/nowhere/Qwen3-4B", backend="hf", shape=dict(QWEN3_4B_SHAPE))
+    recipe["draft"].update(hidden_size=2560, intermediate_size=9728)
+    path = tmp_path / "qwen3-4b.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    cfg = load_recipe(path)
+    assert target_head_dim(cfg.target.shape) == 128
+    items = _estimate(cfg)
+    per_layer = 2560 * 128 * (2 * 32 + 2 * 8) + 3 * 2560 * 9728 + 2 * 2560
+    assert items["weights"] == (2 * 151936 * 2560 + 36 * per_layer + 2560) * 2  # bf16
+    gen = cfg.target.generation
+    seq = cfg.data.max_length + gen.max_new_tokens
+    assert items["generation: KV cache + logits"] == (
+        2 * 36 * 8 * 128 * gen.batch_size * seq * 2 + gen.batch_size * 151936 * 4)
+
+
+def test_a_declared_head_dim_is_checked_against_the_folders_config(tmp_path):
+    recipe = tiny_recipe(tmp_path)
+    shape = yaml.safe_load(recipe.read_text())["target"]["shape"]
+    folder = tmp_path / "target"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(  # hidden / heads: 16
+        {**shape, "head_dim": 32, "max_position_embeddings": 2048, "rope_theta": 10000.0}))
+    with pytest.raises(RecipeError) as err:
+        load_recipe(recipe, [f"target.model={folder}", "target.shape.head_dim=64"])
+    assert (f"command line 'target.shape.head_dim=64': target.shape.head_dim: 64 differs from "
+            f"{folder}'s head_dim 32; remove it or fix it") in err.value.problems, err.value.problems
+    cfg = load_recipe(recipe, [f"target.model={folder}"])  # the declared shape, head_dim read
+    assert cfg.target.shape.head_dim == 32
+
+
+def test_a_random_target_takes_a_declared_head_dim(tmp_path):
+    """model: random with heads wider than hidden / heads (as Qwen3's): the recipe loader
+    refused a hidden size not divisible by the heads, and the head width was ignored."""
+    from draftforge.splitserve.random_target import random_llama
+
+    cfg = load_recipe(tiny_recipe(tmp_path), ["target.shape.hidden_size=72",
+                                               "target.shape.head_dim=32",
+                                               "draft.hidden_size=72", "draft.head_dim=16"])
+    assert cfg.target.shape.head_dim == 32
+    model = random_llama(cfg.target.shape, seed=0)
+    attention = model.model.layers[0].self_attn
+    assert attention.q_proj.weight.shape == (4 * 32, 72)
+    assert attention.k_proj.weight.shape == (2 * 32, 72)
+    assert attention.o_proj.weight.shape == (72, 4 * 32)
