@@ -46,7 +46,7 @@ from pathlib import Path
 
 from draftforge import argtypes
 from draftforge.eval.demo_report import (
-    _count,
+    counted,
     demo_markdown,
     lead_table,
     markdown_table,
@@ -64,12 +64,10 @@ from draftforge.eval.demo_stages import (
 from draftforge.eval.demo_state import (
     EXPORT_RECIPE,
     EXPORT_STAMP,
-    _answers_digest,
-    _check_answers_file,
-    _check_trained_on,
-    _remove,
-    _runs_as_they_are,
+    answers_digest,
+    check_answers_file,
     check_same_recipe,
+    check_trained_on,
     checkpoint_step,
     data_ran_out,
     eval_is_current,
@@ -77,6 +75,8 @@ from draftforge.eval.demo_state import (
     export_is_current,
     final_checkpoint,
     model_card_is_current,
+    remove_output,
+    runs_as_they_are,
     stamp_answers,
 )
 from draftforge.files import write_atomic
@@ -192,8 +192,8 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
     stages = Stages(total=6)
     print(
         f"draftforge demo: recipe {recipe} (target {cfg.target.model} in {cfg.target.dtype}, "
-        f"{cfg.train.steps} training steps per draft in {cfg.train.dtype}), {_count(len(workloads), 'workload')} "
-        f"x {_count(args.num_prompts, 'prompt')}, "
+        f"{cfg.train.steps} training steps per draft in {cfg.train.dtype}), {counted(len(workloads), 'workload')} "
+        f"x {counted(args.num_prompts, 'prompt')}, "
         f"{args.max_new_tokens} new tokens; outputs under {paths.run_dir} and {paths.dflash_dir}\n"
         f"DSpark's Markov head starts as {markov_start}",
         flush=True,
@@ -209,7 +209,7 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
                                 load_recipe(recipe, dspark_overrides(base, paths, other_init)[0]).to_yaml())}
     checkpoints: dict[str, Path] = {}
     if args.skip_train:  # checked before --force deletes anything: it keeps these runs
-        checkpoints = _runs_as_they_are(trainings, _answers_digest(paths), other_options)
+        checkpoints = runs_as_they_are(trainings, answers_digest(paths), other_options)
 
     if args.force:
         keep = [Path(recipe), Path.cwd()]
@@ -221,10 +221,10 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
                 else []
             )
         for path in outputs:
-            _remove(path, keep)
+            remove_output(path, keep)
 
     if paths.data_file is not None and paths.data_file.is_file() and not args.skip_train:
-        _check_answers_file(cfg)
+        check_answers_file(cfg)
     if not args.skip_train:  # both runs now: the DFlash one not after the hour of stages before it
         for what, run_dir, run_cfg, _ in trainings:
             check_same_recipe(run_dir, run_cfg.to_yaml(), what, other_option=other_options.get(what))
@@ -242,7 +242,7 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
         stages.done(since)
 
     # 2-3. the two trainings
-    answers = _answers_digest(paths)
+    answers = answers_digest(paths)
     for what, run_dir, run_cfg, overrides in trainings:
         title = f"train the {what} draft ({run_cfg.train.steps} steps) into {run_dir}" + (
             " -- the ablation: no Markov or confidence head, cross-entropy only"
@@ -259,7 +259,7 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
             continue
         done = final_checkpoint(run_dir, run_cfg.train.steps)
         if done is not None:
-            _check_trained_on(run_dir, answers, what)
+            check_trained_on(run_dir, answers, what)
             stages.skip(f"finished: {done}")
         else:
             if answers is not None:  # before it starts: a resumed training must not switch files

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from draftforge.cores import usable_cores
 from draftforge.eval.demo_runs import DFLASH_OVERRIDES, DemoPaths
-from draftforge.eval.demo_state import _mtime
+from draftforge.eval.demo_state import mtime
 from draftforge.precision import cpu_bf16_flags
 
 
@@ -148,7 +148,7 @@ def measured_when(dspark_finished: float, dflash_finished: float) -> str:
     return f"{utc(dspark_finished)} (DSpark evaluation), {utc(dflash_finished)} (DFlash evaluation)"
 
 
-def _count(n: int, noun: str) -> str:
+def counted(n: int, noun: str) -> str:
     """``1 prompt``, ``8 prompts``."""
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
@@ -157,7 +157,7 @@ def _prompts_text(asked: int, prompts: dict[str, int] | None) -> str:
     """How many prompts the evaluations ran: ``--num-prompts`` takes all of a workload that
     has fewer (MT-Bench has 80)."""
     if not prompts or all(n == asked for n in prompts.values()):
-        return f"{_count(asked, 'prompt')} per workload"
+        return f"{counted(asked, 'prompt')} per workload"
     each = ", ".join(f"{name} {n}" for name, n in prompts.items())
     return f"prompts per workload: {each} (all of a workload with fewer than the {asked} asked)"
 
@@ -209,8 +209,8 @@ def demo_markdown(
         verified += "; the recipe's `eval.verify: threshold` is not applied"
     taus = (_training_tau(paths.run_dir), _training_tau(paths.dflash_dir))
     # when the evaluations finished (a rerun that skips every stage keeps those dates)
-    measured = measured_when(_mtime(paths.eval_dir / "report.json"),
-                             _mtime(paths.dflash_eval_dir / "report.json"))
+    measured = measured_when(mtime(paths.eval_dir / "report.json"),
+                             mtime(paths.dflash_eval_dir / "report.json"))
     return "\n".join(
         [
             f"# draftforge demo: {cfg.name}",

@@ -18,7 +18,7 @@ from draftforge.files import write_atomic
 ANSWERS_STAMP = "demo-answers.json"  # in each run folder: the digest of the answers it trained on
 
 
-def _mtime(path: Path) -> float:
+def mtime(path: Path) -> float:
     return path.stat().st_mtime if path.exists() else -math.inf
 
 
@@ -131,7 +131,7 @@ def eval_is_current(eval_dir: Path, args: Sequence[str], newer_than: Path, setti
     """An evaluation report written by exactly this command after its draft was made, with
     ``settings`` (what the command takes from the recipe's eval section) as its own."""
     report = eval_dir / "report.json"
-    if not report.is_file() or _mtime(report) < _mtime(newer_than):
+    if not report.is_file() or mtime(report) < mtime(newer_than):
         return False
     try:
         written = json.loads(report.read_text())
@@ -164,12 +164,12 @@ def stamp_answers(run_dir: Path, answers: str, what: str) -> None:
     from draftforge.train.checkpoint import complete_checkpoints
 
     if complete_checkpoints(run_dir):
-        _check_trained_on(run_dir, answers, what)
+        check_trained_on(run_dir, answers, what)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / ANSWERS_STAMP, json.dumps({"sha256": answers}))
 
 
-def _check_trained_on(run_dir: Path, answers: str | None, what: str, *, skip_train: bool = False) -> None:
+def check_trained_on(run_dir: Path, answers: str | None, what: str, *, skip_train: bool = False) -> None:
     """Refuse a run trained (or being trained) on other answers than the file holds now: the
     file was regenerated since (another machine's threads give other answers in bf16). Runs
     from before the record are not checked."""
@@ -209,7 +209,7 @@ def export_is_current(paths, export_args: Sequence[str], checkpoint: Path) -> bo
     and holds what it wrote: not another export since (``draftforge export`` of an earlier
     checkpoint writes to the same folder by default)."""
     stamp = paths.run_dir / EXPORT_STAMP
-    if _mtime(paths.export_dir / "config.json") < _mtime(checkpoint / "COMPLETE"):
+    if mtime(paths.export_dir / "config.json") < mtime(checkpoint / "COMPLETE"):
         return False
     try:
         recorded = json.loads(stamp.read_text())
@@ -221,7 +221,7 @@ def export_is_current(paths, export_args: Sequence[str], checkpoint: Path) -> bo
     return files is None or files == export_files(paths.export_dir)
 
 
-def _remove(path: Path, keep: Sequence[Path]) -> None:
+def remove_output(path: Path, keep: Sequence[Path]) -> None:
     """Delete a demo output (file or folder), refusing folders that hold what must stay."""
     if not path.exists():
         return
@@ -237,7 +237,7 @@ def _remove(path: Path, keep: Sequence[Path]) -> None:
         path.unlink()
 
 
-def _check_answers_file(cfg) -> None:
+def check_answers_file(cfg) -> None:
     """Refuse to skip regeneration when the existing answers are not this recipe's."""
     from draftforge.data.regenerate import RegenerationError
     from draftforge.splitserve.producer import load_source_conversations
@@ -248,13 +248,13 @@ def _check_answers_file(cfg) -> None:
         raise DemoError(f"{err}\n(or rerun the demo with --force to start over)", exit_status=2) from None
 
 
-def _answers_digest(paths: DemoPaths) -> str | None:
+def answers_digest(paths: DemoPaths) -> str | None:
     """The digest of the regenerated answers the trainings read, None while there are none."""
     return _digest(paths.data_file) if paths.data_file is not None and paths.data_file.is_file() else None
 
 
-def _runs_as_they_are(trainings: Sequence[tuple], answers: str | None,
-                      other_options: dict[str, tuple[str, str]]) -> dict[str, Path]:
+def runs_as_they_are(trainings: Sequence[tuple], answers: str | None,
+                     other_options: dict[str, tuple[str, str]]) -> dict[str, Path]:
     """--skip-train: each run's checkpoint to evaluate (its final one, else its newest),
     refusing runs of another recipe or answers, or without a checkpoint."""
     from draftforge.train.checkpoint import complete_checkpoints
@@ -262,7 +262,7 @@ def _runs_as_they_are(trainings: Sequence[tuple], answers: str | None,
     checkpoints = {}
     for what, run_dir, run_cfg, _ in trainings:
         check_same_recipe(run_dir, run_cfg.to_yaml(), what, skip_train=True, other_option=other_options.get(what))
-        _check_trained_on(run_dir, answers, what, skip_train=True)
+        check_trained_on(run_dir, answers, what, skip_train=True)
         done = final_checkpoint(run_dir, run_cfg.train.steps)
         if done is None:
             found = complete_checkpoints(run_dir)
@@ -277,4 +277,4 @@ def _runs_as_they_are(trainings: Sequence[tuple], answers: str | None,
 def model_card_is_current(paths: DemoPaths) -> bool:
     """The export's model card was written after the DSpark evaluation finished: report.json
     marks that (written last; a report.md newer than it is an unfinished evaluation's)."""
-    return _mtime(paths.export_dir / "README.md") >= _mtime(paths.eval_dir / "report.json")
+    return mtime(paths.export_dir / "README.md") >= mtime(paths.eval_dir / "report.json")

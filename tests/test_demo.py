@@ -287,11 +287,11 @@ def test_a_run_trained_on_answers_written_again_since_is_refused(tmp_path):
 
     run = tmp_path / "run"
     run.mkdir()
-    demo_state._check_trained_on(run, "abc", "DSpark")  # a run from before the record: not checked
+    demo_state.check_trained_on(run, "abc", "DSpark")  # a run from before the record: not checked
     (run / demo_state.ANSWERS_STAMP).write_text(json.dumps({"sha256": "abc"}))
-    demo_state._check_trained_on(run, "abc", "DSpark")
+    demo_state.check_trained_on(run, "abc", "DSpark")
     with pytest.raises(demo.DemoError) as err:
-        demo_state._check_trained_on(run, "def", "DSpark")
+        demo_state.check_trained_on(run, "def", "DSpark")
     assert err.value.exit_status == 2
     assert str(err.value).startswith(f"{run}: the DSpark draft was trained on other answers")
     # before a training (re)starts: without a checkpoint nothing was trained, so the new
