@@ -31,9 +31,11 @@ sees exactly the samples an uninterrupted run would have:
   of the balance, by that run and by every later resume alike: the trainers later
   samples go to differ from a run that never met such a checkpoint (a note says
   so), nothing is lost or repeated, and the resumes after it are exact again.
-  The ids of conversations dropped for ``data.min_loss_tokens``
-  go to the trainers with the next sample, and their checkpoint records them as
-  consumed with it (0 tokens), so a chunk that holds one counts as consumed too.
+  The ids of conversations dropped for ``data.min_loss_tokens``, or because an
+  assistant reply's text holds a special token's text (``<|im_end|>`` inside a reply:
+  :mod:`draftforge.data.tokenize`), go to the trainers with the next sample, and their
+  checkpoint records them as consumed with it (0 tokens), so a chunk that holds one counts
+  as consumed too.
 
 Epochs repeat until every trainer says stop (or ``split.max_epochs``).
 """
@@ -146,7 +148,7 @@ class ProducedSample:
     final: torch.Tensor  # [S, H_t]
     chunk_end: bool = False  # the last sample of its chunk sent to ``dest``
     chunk_last: bool = False  # the last sample of its chunk (on any link)
-    dropped_ids: tuple[str, ...] = ()  # dropped for data.min_loss_tokens since the last sample
+    dropped_ids: tuple[str, ...] = ()  # dropped by tokenisation (either reason) since the last sample
 
     @property
     def num_tokens(self) -> int:
@@ -266,10 +268,14 @@ class SampleSource:
         self.chunk_size = cfg.target.generation.batch_size
         self.skipped_consumed = 0
         self.dropped_short = 0
+        # dropped because an assistant reply's text holds a special token's text (data.tokenize),
+        # and the first such (conversation id, token text), for the rank's note
+        self.dropped_special = 0
+        self.special_example: tuple[str, str] | None = None
         self.truncated = 0  # cut to data.max_length: with a prompt that fills it, no reply is left
         self.context_turns = 0  # assistant turns the chat template rewrites later: not supervised
         self._answers: dict[int, list[Conversation]] = {}
-        self._dropped: list[str] = []  # ids dropped for data.min_loss_tokens, for the next sample
+        self._dropped: list[str] = []  # ids tokenisation dropped (either reason), for the next sample
         if not self.conversations:
             raise InputError("no training conversations: data.train_files gave no rows")
 
@@ -327,11 +333,16 @@ class SampleSource:
                 cut = (f"; {self.truncated} were cut to data.max_length={self.cfg.data.max_length} "
                        "tokens, which leaves no room for a reply after a prompt that long: raise "
                        "data.max_length") if self.truncated else ""
-                raise InputError(
-                    f"target rank {self.producer}: epoch {epoch} produced no sample (every "
-                    f"conversation had fewer than data.min_loss_tokens={self.cfg.data.min_loss_tokens} "
-                    f"supervised tokens{cut})"
-                )
+                short = (f"fewer than data.min_loss_tokens={self.cfg.data.min_loss_tokens} "
+                         f"supervised tokens{cut}")
+                if self.dropped_special:
+                    from draftforge.data.tokenize import special_note
+
+                    why = (f"every conversation was dropped: {self.dropped_short} had {short}"
+                           f"{special_note(self.dropped_special, self.special_example)}")
+                else:
+                    why = f"every conversation had {short}"
+                raise InputError(f"target rank {self.producer}: epoch {epoch} produced no sample ({why})")
 
     def _assign(self, ids: Sequence[str], fresh: Mapping[str, int], rotation: int) -> dict[str, int]:
         """Give the samples of a chunk (``ids``: its sample ids, in chunk order) to the trainers;
@@ -400,6 +411,10 @@ class SampleSource:
                 enable_thinking=settings.enable_thinking,
             )
         self.dropped_short += stats.num_dropped_short
+        self.dropped_special += stats.num_dropped_special
+        if stats.special_example and not self.special_example:
+            conv_id, token = stats.special_example
+            self.special_example = (epoch_id(conv_id, epoch), token)
         self.truncated += stats.num_truncated
         dropped = (epoch_id(conv_id, epoch) for conv_id in stats.dropped_ids)
         self._dropped += [i for i in dropped if i not in self.consumed]
@@ -629,19 +644,24 @@ def run_producer(
     summary["credits"] = credits
     summary["skipped_consumed"] = source.skipped_consumed
     summary["dropped_short"] = source.dropped_short
+    summary["dropped_special"] = source.dropped_special
     summary["truncated"] = source.truncated
     summary["context_turns"] = source.context_turns
-    if source.dropped_short or source.truncated:  # counted, and said: the rank's last line says neither
-        log(data_note(cfg, rank, source))
+    if source.dropped_short or source.truncated or source.dropped_special:
+        log(data_note(cfg, rank, source))  # counted, and said: the rank's last line says none of them
     return summary
 
 
 def data_note(cfg: RecipeConfig, rank: int, source: SampleSource) -> str:
     """What target rank ``rank``'s tokenisation left out of training: the samples it dropped for
-    ``data.min_loss_tokens`` and those it cut to ``data.max_length`` (counted at each
-    tokenisation of a chunk, so once an epoch; a resumed run counts the chunks it computes)."""
+    ``data.min_loss_tokens`` or for special-token text in a reply, and those it cut to
+    ``data.max_length`` (counted at each tokenisation of a chunk, so once an epoch; a resumed
+    run counts the chunks it computes)."""
+    from draftforge.data.tokenize import special_note
+
     return (f"target rank {rank}: {source.dropped_short} samples dropped (fewer than "
-            f"data.min_loss_tokens={cfg.data.min_loss_tokens} supervised tokens), "
+            f"data.min_loss_tokens={cfg.data.min_loss_tokens} supervised tokens)"
+            f"{special_note(source.dropped_special, source.special_example)}, "
             f"{source.truncated} cut to data.max_length={cfg.data.max_length} tokens "
             "(counted once an epoch)")
 

@@ -10,8 +10,8 @@ of :data:`HEADER_LEN` values ``[MAGIC, kind, ...]``:
     (``busy_us`` to ``wall_us``: the producer's running accounting; ``chunk_end`` = 1
     on the last sample of a regeneration chunk sent on this link, which ``bench
     split`` times to; ``n_dropped`` and ``dropped_bytes``: how many ids of conversations
-    the producer dropped for ``data.min_loss_tokens`` since its last sample follow, and
-    their UTF-8 length; the trainer's checkpoint records them with this sample), then
+    the producer dropped (``data.min_loss_tokens``, special-token text in a reply) since its
+    last sample follow, and their UTF-8 length; the trainer's checkpoint records them with this sample), then
     ``ints`` int64 ``[2*S + id_bytes + n_dropped + dropped_bytes]`` = input ids, loss
     mask, the sample id's UTF-8 bytes, the dropped ids' lengths and UTF-8 bytes, then
     ``feats`` ``[S, aux_dim + final_dim]`` in bf16 (aux and final side by side).
@@ -120,7 +120,7 @@ class WireSample:
     seq_no: int
     producer_stats: dict[str, float]
     chunk_end: bool = False
-    dropped_ids: tuple[str, ...] = ()  # dropped for data.min_loss_tokens (see the SAMPLE message)
+    dropped_ids: tuple[str, ...] = ()  # dropped by tokenisation (see the SAMPLE message)
 
 
 def _header(kind: int, values: Sequence[int] = (), device: torch.device | str = "cpu"):

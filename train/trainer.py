@@ -169,8 +169,9 @@ class Trainer:
         self.skipped_steps = 0
         self.consumed_ids: list[str] = []
         self.consumed_tokens: list[int] = []  # each consumed sample's, for the producers' balance
-        # ids of conversations their producer dropped (too few supervised tokens), recorded with
-        # the sample that told of them: a resumed producer counts them as consumed
+        # ids of conversations their producer dropped (too few supervised tokens, or special-token
+        # text in a reply), recorded with the sample that told of them: a resumed producer
+        # counts them as consumed
         self.dropped_ids: list[str] = []
         self.resumed: ResumeInfo | None = None
         self._output_dir_checked = False
