@@ -107,6 +107,12 @@ def _work(build: Callable[[], Any], settings: GenerationConfig, conn: Connection
             _send(conn, ("error", batch, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         except _ParentGone:
             pass
+    finally:
+        # Done (finished, refused, failed): this process only exits now, and the parent may
+        # still SIGTERM it (it stops every worker once one fails). A SystemExit raised then in
+        # the interpreter's shutdown would print "Exception ignored ... Traceback" under the
+        # run's own message: from here SIGTERM changes nothing.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _died(i: int, process: multiprocessing.process.BaseProcess, remaining: int) -> WorkerError:

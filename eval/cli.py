@@ -481,6 +481,15 @@ def _workload_prompts(name: str, target, target_cfg, num_prompts: int | None) ->
     except RuntimeError as err:  # a target built without one (a random target not of SmolLM2's vocabulary)
         raise InputError(f"workload {name!r}: its prompts are text, and {err}; give --prompts-file with "
                          "token ids instead") from None
+    if target_cfg.generation.chat_template is None and not getattr(tokenizer, "chat_template", None):
+        # a base model's folder: "set target.generation.chat_template" alone names a recipe
+        # key that `eval --target DIR` without --recipe has nowhere to set
+        raise InputError(
+            f"workload {name!r}: its prompts are chats, and the tokenizer of target "
+            f"{target_cfg.model} has no chat template (its tokenizer_config.json or "
+            "chat_template.jinja gives none): pass --recipe with a recipe whose "
+            "target.generation.chat_template holds the Jinja text of one, or give --prompts-file "
+            "with token ids")
     texts = workload_texts(name, tokenizer, target_cfg.generation, num_prompts)
     return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
 
