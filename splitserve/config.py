@@ -40,6 +40,12 @@ class TargetShape(Section):
         "config.json when it gives one; used by --dry-run's weights and KV cache, and by "
         "model: random",
     )
+    tie_word_embeddings: bool = Field(
+        default=False,
+        description="whether the target's lm_head is its embedding matrix (SmolLM2, Qwen3-4B); "
+        "read from its config.json when it says; --dry-run's dense estimate then counts the "
+        "matrix once",
+    )
     num_parameters: int | None = Field(
         default=None,
         gt=0,

@@ -79,9 +79,9 @@ def target_parameters(shape) -> int | None:
     """Parameters of the target: ``shape.num_parameters`` when declared, else a dense estimate,
     else None (some field the estimate needs is only the section's placeholder default).
 
-    The estimate is a Llama/Qwen-style dense model of ``shape`` (untied embedding
-    and lm_head) with heads ``shape.head_dim`` wide (default hidden / heads,
-    :func:`~draftforge.splitserve.registry.target_head_dim`);
+    The estimate is a Llama/Qwen-style dense model of ``shape`` (embedding and lm_head one
+    matrix where ``shape.tie_word_embeddings``, else two) with heads ``shape.head_dim`` wide
+    (default hidden / heads, :func:`~draftforge.splitserve.registry.target_head_dim`);
     for a MoE target it counts one MLP per layer instead of every expert, so such
     recipes declare ``target.shape.num_parameters``.
     """
@@ -95,7 +95,8 @@ def target_parameters(shape) -> int | None:
     head_dim = target_head_dim(shape)
     attn = hidden * head_dim * (2 * shape.num_attention_heads + 2 * shape.num_key_value_heads)
     per_layer = attn + 3 * hidden * inter + 2 * hidden
-    return 2 * shape.vocab_size * hidden + layers * per_layer + hidden
+    embeddings = (1 if shape.tie_word_embeddings else 2) * shape.vocab_size * hidden
+    return embeddings + layers * per_layer + hidden
 
 
 def _placeholder_fields(shape, fields: tuple[str, ...] = DENSE_FIELDS) -> list[str]:

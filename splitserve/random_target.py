@@ -48,7 +48,7 @@ def random_llama(shape: TargetShape, *, seed: int, dtype: torch.dtype = torch.fl
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
-        tie_word_embeddings=False,
+        tie_word_embeddings=shape.tie_word_embeddings,
     )
     # the weights are drawn on the CPU: seed its generator alone (``torch.manual_seed`` would
     # also reseed every CUDA generator, which ``fork_rng(devices=[])`` does not restore)

@@ -24,7 +24,8 @@ KNOWN_TARGETS: dict[str, TargetShape] = {
         max_position_embeddings=8192,
         rope_theta=100000.0,
         head_dim=64,
-        num_parameters=134_515_008,  # embedding and lm_head tied: the dense estimate counts both
+        tie_word_embeddings=True,
+        num_parameters=134_515_008,
     ),
 }
 

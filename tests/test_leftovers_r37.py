@@ -115,3 +115,36 @@ def test_a_random_target_takes_a_declared_head_dim(tmp_path):
     assert attention.q_proj.weight.shape == (4 * 32, 72)
     assert attention.k_proj.weight.shape == (2 * 32, 72)
     assert attention.o_proj.weight.shape == (72, 4 * 32)
+
+
+# -- target.shape.tie_word_embeddings: a tied target's matrix counted once ------------------
+
+
+def test_a_tied_targets_dense_estimate_counts_its_embedding_once(tmp_path):
+    """SmolLM2-135M ties its lm_head to its embedding: the dense estimate counted the
+    49,152 x 576 matrix twice (162,826,560 against the real 134,515,008, which the registry
+    declares from the weights). A folder's config.json says whether it ties."""
+    from transformers import LlamaConfig
+
+    from draftforge.splitserve.config import TargetConfig
+    from draftforge.splitserve.dry_run import target_parameters
+    from draftforge.splitserve.registry import KNOWN_TARGETS, resolve_target_shape
+
+    known = KNOWN_TARGETS["smollm2-135m-instruct"]
+    config = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, intermediate_size=1536, vocab_size=49152,
+                         tie_word_embeddings=True)
+    config.save_pretrained(tmp_path / "tied")
+    shape = resolve_target_shape(TargetConfig(model=str(tmp_path / "tied")))
+    assert shape.tie_word_embeddings is True and shape.num_parameters is None
+    assert target_parameters(shape) == known.num_parameters == 134_515_008
+    untied = shape.model_copy(update={"tie_word_embeddings": False})
+    assert target_parameters(untied) == 134_515_008 + 49152 * 576
+
+
+def test_a_random_target_takes_a_declared_tie(tmp_path):
+    from draftforge.splitserve.random_target import random_llama
+
+    cfg = load_recipe(tiny_recipe(tmp_path), ["target.shape.tie_word_embeddings=true"])
+    model = random_llama(cfg.target.shape, seed=0)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()

@@ -577,6 +577,7 @@ def test_a_local_target_folder_gives_its_rope_base_wherever_transformers_wrote_i
     config = LlamaConfig(hidden_size=known.hidden_size, num_hidden_layers=known.num_hidden_layers,
                          num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
                          vocab_size=known.vocab_size, max_position_embeddings=8192,
+                         tie_word_embeddings=True,
                          rope_parameters={"rope_type": "default", "rope_theta": 100000.0})  # fmt: skip
     config.save_pretrained(tmp_path / "target")
     # every field of the registered shape but the parameter count, which a config.json lacks
