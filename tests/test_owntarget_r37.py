@@ -68,3 +68,20 @@ def test_eval_workloads_without_a_chat_template_say_how_to_give_one():
     assert "/models/base-llama" in message
     assert "--recipe" in message and "target.generation.chat_template" in message
     assert "--prompts-file" in message
+
+
+def test_the_model_card_says_what_an_export_with_embeddings_carries(tmp_path):
+    """The card said only "It needs the target's embedding and lm_head at serving time" of an
+    export that holds copies of both (--with-embeddings)."""
+    from test_llamacpp import _smollm2_shaped_draft
+
+    from draftforge.train.export import export_draft
+
+    draft = _smollm2_shaped_draft(num_hidden_layers=1)
+    sentence = "It needs the target's embedding and lm_head at serving time (servers attach them)"
+    with_copies = export_draft(draft, tmp_path / "with", with_embeddings=True, progress=lambda _: None)
+    card = (with_copies / "README.md").read_text()
+    assert (sentence + "; this folder also carries copies of them (exported with --with-embeddings), "
+            "which SGLang ignores.") in card
+    without = export_draft(draft, tmp_path / "without", progress=lambda _: None)
+    assert sentence + "." in (without / "README.md").read_text()

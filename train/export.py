@@ -443,7 +443,9 @@ def model_card(config: dict, card: ModelCard, state: Mapping[str, torch.Tensor])
         "",
         f"A DSpark speculative-decoding draft ({config['architectures'][0]}) trained with draftforge "
         f"against `{card.target}`. It needs the target's embedding and lm_head at serving time "
-        "(servers attach them).",
+        "(servers attach them)"
+        + ("; this folder also carries copies of them (exported with --with-embeddings), which "
+           "SGLang ignores." if "embed_tokens.weight" in state else "."),
         "",
         "| field | value |",
         "| --- | --- |",
