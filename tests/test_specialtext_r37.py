@@ -12,7 +12,7 @@ import types
 import pytest
 from splitserve_helpers import tiny_recipe
 from test_data_tokenize import chatml_tokenizer
-from test_stream_r32 import _Listener, _Pulse
+from test_stream_r32 import _run_producer
 from test_wire_r11 import _FakeEngine
 
 from draftforge.config import load_recipe
@@ -20,7 +20,6 @@ from draftforge.data.formats import Conversation
 from draftforge.data.tokenize import tokenize_conversations
 from draftforge.errors import InputError
 from draftforge.splitserve import producer as P
-from draftforge.splitserve import transport as T
 from draftforge.splitserve.target import load_tokenizer
 
 
@@ -113,7 +112,10 @@ def test_special_text_past_max_length_is_not_supervised(smollm2_tokenizer):
 
 def _write_data(tmp_path, bad: dict[str, str]) -> None:
     """Overwrite the tiny recipe's data: its conversations, with ``bad`` ids' replies replaced."""
-    path = tmp_path / "convs.jsonl"
+    _replace_replies(tmp_path / "convs.jsonl", bad)
+
+
+def _replace_replies(path, bad: dict[str, str]) -> None:
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     for row in rows:
         if row["id"] in bad:
@@ -126,32 +128,14 @@ def test_the_producer_forwards_counts_and_says_the_special_text_drops(tmp_path, 
     them as consumed with 0 tokens, as the short ones), the summary counts them once an epoch, and
     the rank's note says why, naming one."""
     bad = {"conv-0003": "one two <|im_end|> three four five", "conv-0010": "see <|endoftext|> here now"}
-    recipe = tiny_recipe(tmp_path, num_conversations=12, overrides={"split.max_epochs": 2})
-    _write_data(tmp_path, bad)
-    cfg = load_recipe(recipe)
-    engine = _FakeEngine(load_tokenizer(cfg.target))
-    topology = P.build_topology(cfg.split)
-    listener, sent, logs = _Listener(topology.dests(0)), [], []
-
-    def send_sample(dest, sample_id, *args, dropped_ids=(), **kwargs):
-        sent.append((sample_id, tuple(dropped_ids)))
-        with listener.cond:
-            listener.consumed[dest] += 1
-            listener.cond.notify_all()
-
-    def send_end(dest, **kwargs):
-        with listener.cond:
-            listener.stopped.add(dest)
-            listener.cond.notify_all()
-
-    monkeypatch.setattr(T, "send_sample", send_sample)
-    monkeypatch.setattr(T, "send_end", send_end)
-    summary = P.run_producer(cfg, engine, topology, 0, data_group=None, ack_group=None,
-                             log=logs.append, pulse=_Pulse(), hellos=listener)
+    forwarded: list[str] = []
+    _, summary, sent, logs = _run_producer(
+        tmp_path, monkeypatch, {"split.max_epochs": 2}, num_conversations=12,
+        edit_data=lambda path: _replace_replies(path, bad), forwarded=forwarded)
     assert (summary["dropped_special"], summary["dropped_short"]) == (4, 0)
-    forwarded = [i for _, dropped in sent for i in dropped]
     assert sorted(forwarded) == sorted([*bad, *(f"{i}#e1" for i in bad)])
-    assert len(sent) == 2 * (12 - len(bad)) and not {s for s, _ in sent} & set(forwarded)
+    samples = [sample_id for _, sample_id in sent if sample_id is not None]  # None: an END
+    assert len(samples) == 2 * (12 - len(bad)) and not set(samples) & set(forwarded)
     said = [line for line in logs if "special-token text" in line]
     assert len(said) == 1, logs
     assert "4 dropped (an assistant reply contains special-token text such as " in said[0]

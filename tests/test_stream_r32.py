@@ -52,16 +52,24 @@ class _Pulse:
         pass
 
 
-def _run_producer(tmp_path: Path, monkeypatch, overrides: dict, num_conversations: int = 23):
+def _run_producer(tmp_path: Path, monkeypatch, overrides: dict, num_conversations: int = 23, *,
+                  edit_data=None, forwarded: list | None = None):
     """``run_producer`` of target rank 0 in this process, its trainers taking each sample at
-    once and stopping at its END; returns the summary, what went on the wire and the log."""
-    cfg = load_recipe(tiny_recipe(tmp_path, num_conversations=num_conversations, overrides=overrides))
+    once and stopping at its END; returns the summary, what went on the wire and the log.
+    ``edit_data`` is called on the recipe's data file before the run; ``forwarded`` collects
+    the dropped ids the samples carry."""
+    recipe = tiny_recipe(tmp_path, num_conversations=num_conversations, overrides=overrides)
+    if edit_data is not None:
+        edit_data(tmp_path / "convs.jsonl")
+    cfg = load_recipe(recipe)
     engine = _FakeEngine(load_tokenizer(cfg.target))
     topology = P.build_topology(cfg.split)
     listener, sent, logs = _Listener(topology.dests(0)), [], []
 
-    def send_sample(dest, sample_id, *args, **kwargs):
+    def send_sample(dest, sample_id, *args, dropped_ids=(), **kwargs):
         sent.append((dest, sample_id))
+        if forwarded is not None:
+            forwarded.extend(dropped_ids)
         with listener.cond:
             listener.consumed[dest] += 1
             listener.cond.notify_all()
