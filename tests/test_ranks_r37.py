@@ -5,10 +5,8 @@ a full disk: a one-target, one-trainer run)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
+from test_checkpoint_edges import _errors
 from test_trainer_distributed import launch
 
 
@@ -20,9 +18,8 @@ def test_a_failed_save_names_the_job_rank_of_the_trainer_that_failed(tmp_path):
     with pytest.raises(AssertionError):
         launch(tmp_path, "fail", world=3, trainer_ranks=[1, 2], train=train, fail_save_rank=1,
                pg_timeout_s=30, timeout=120)
-    # the worker writes OUT.rank<i>.error with i the rank within the trainer group
-    for i in range(2):
-        error = json.loads(Path(f"{tmp_path / 'fail.json'}.rank{i}.error").read_text())
+    # the worker writes OUT.rank<i>.error with i the rank within the trainer group (2 trainers)
+    for error in _errors(tmp_path, "fail", 2):
         assert error["type"] == "CheckpointError" and error["step"] == 2
         assert "(trainer rank 2: OSError: [Errno 28] No space left on device" in error["message"]
         assert "trainer rank 1:" not in error["message"]
@@ -35,8 +32,7 @@ def test_an_unshared_output_dir_names_the_job_ranks_of_the_trainers(tmp_path):
         launch(tmp_path, "split", world=3, trainer_ranks=[1, 2], train=train, rank_dirs=True,
                pg_timeout_s=30, timeout=120)
     first = tmp_path / "split" / "node0" / "run"  # the worker's folder per rank within the group
-    for i in range(2):
-        message = json.loads(Path(f"{tmp_path / 'split.json'}.rank{i}.error").read_text())["message"]
+    for message in (error["message"] for error in _errors(tmp_path, "split", 2)):
         assert message.startswith(
             "train.output_dir run must be on storage shared by all trainer ranks (trainer rank 2 "
             f"does not see {tmp_path / 'split' / 'node1' / 'run' / '.shared-check-'}")
