@@ -238,7 +238,7 @@ def trainer_estimate(cfg: RecipeConfig, with_emb: int, without_emb: int) -> Esti
     budget = cfg.split.token_budget
     # a step collates all its grad_accum micro-batches before the first forward
     features = train.grad_accum * budget * (k + 1) * shape.hidden_size * 2  # bf16 on the wire
-    activations, objective = activation_bytes(cfg, shape, anchors_per_micro_batch(cfg, cfg.data.max_length))
+    activations, objective = activation_bytes(cfg, shape, cfg.data.max_length)
     queue = cfg.split.max_in_flight * cfg.data.max_length * (k + 1) * shape.hidden_size * 2
     items += [
         ("batch features (bf16" + (f", a step's {train.grad_accum} micro-batches)"
@@ -273,17 +273,21 @@ def anchors_per_micro_batch(cfg: RecipeConfig, sample_tokens: int) -> int:
     return sequences * min(cfg.train.num_anchors, max(1, sample_tokens - 1))
 
 
-def activation_bytes(cfg: RecipeConfig, shape, anchors: int) -> tuple[float, float]:
-    """(context + backbone activations, the objective's vocabulary chunk) for ``anchors``."""
+def activation_bytes(cfg: RecipeConfig, shape, sample_tokens: int) -> tuple[float, float]:
+    """(context + backbone activations, the objective's vocabulary chunk) for a micro-batch of
+    samples ``sample_tokens`` long (``splitserve/draft_activations.py`` counts the first)."""
+    from draftforge.splitserve.draft_activations import backbone_saved_bytes, precision_of
+
     draft, train = cfg.draft, cfg.train
-    block_tokens = anchors * draft.block_size
-    ctx = cfg.split.token_budget * draft.hidden_size * 4 * 3
-    # per layer and block token: residual, norms, q/k/v/o, MLP (2 x intermediate), kept for backward
-    per_token = (10 * draft.hidden_size + 3 * draft.intermediate_size) * 4
-    backbone = block_tokens * per_token * draft.num_hidden_layers
+    sequences = max(1, cfg.split.token_budget // max(1, sample_tokens))
+    block_tokens = anchors_per_micro_batch(cfg, sample_tokens) * draft.block_size
+    backbone = backbone_saved_bytes(
+        draft, target_hidden_size=shape.hidden_size, block_tokens=block_tokens,
+        context_tokens=sequences * sample_tokens, sequences=sequences,
+        precision=precision_of(train.strategy, train.dtype))
     chunk = min(block_tokens, train.loss.chunk_blocks * draft.block_size)
     objective = chunk * shape.vocab_size * 4 * 4  # draft and target logits, probabilities, grads
-    return ctx + backbone, objective
+    return backbone, objective
 
 
 def short_sample_note(cfg: RecipeConfig) -> str:
@@ -301,7 +305,8 @@ def short_sample_note(cfg: RecipeConfig) -> str:
     short = anchors_per_micro_batch(cfg, short_len)
     if short <= full:
         return ""
-    extra = sum(activation_bytes(cfg, shape, short)) - sum(activation_bytes(cfg, shape, full))
+    extra = (sum(activation_bytes(cfg, shape, short_len))
+             - sum(activation_bytes(cfg, shape, cfg.data.max_length)))
     return (f"    (above: samples of data.max_length, {full} anchors a micro-batch; samples of "
             f"{short_len} tokens could pack {short}: up to {extra / GIB:.3f} GiB more)")
 

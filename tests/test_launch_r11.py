@@ -209,8 +209,13 @@ def test_the_cpu_recipes_memory_estimate_by_hand():
     assert trainer["frozen embed + lm_head"] == 2 * 49152 * 576 * 4
     assert trainer["gradients"] == without * 4 and trainer["AdamW moments"] == without * 8
     assert trainer["batch features"] == 1024 * wide * 2
-    assert trainer["context + backbone activations"] == (
-        1024 * 576 * 4 * 3 + blocks * (10 * 576 + 3 * 1536) * 4 * 2)
+    # float32, sdpa (GQA 9/3 repeated to 9 heads of 64, a dense mask per row), 2 layers, 3 rows
+    # of 320 context tokens (960) and 768 block tokens: splitserve/draft_activations.py's terms
+    ctx = 3 * seq
+    per_layer = (blocks * (4 * 1536 + 5 * 576 + 4 * 576 + 2 * 192) + 2 * ctx * 192
+                 + 2 * (ctx + blocks) * 576 + blocks * (ctx + blocks) // 3)
+    outside = ctx * 5 * 576 + 2 * ctx * 576 + 3 * blocks * 576
+    assert trainer["context + backbone activations"] == 4 * (2 * per_layer + outside)
     assert trainer["objective chunk"] == 8 * 8 * 49152 * 16  # chunk_blocks 8 of 8 tokens
     assert trainer["received queue"] == 16 * seq * wide * 2
 
@@ -236,8 +241,14 @@ def test_the_ling_recipes_trainer_estimate_by_hand():
     assert trainer["gradients"] == trainable * 4 / 4 and trainer["AdamW moments"] == trainable * 8 / 4
     assert trainer["batch features"] == 8192 * wide * 2
     # one sample of 8192 tokens a micro-batch: 512 anchors x 8 block tokens
-    assert trainer["context + backbone activations"] == (
-        8192 * 2560 * 4 * 3 + 512 * 8 * (10 * 2560 + 3 * 6144) * 4 * 5)
+    # bf16 parameters (FSDP2), flex attention (32 key/value heads of 128 kept as they are, no
+    # dense mask), 5 layers: splitserve/draft_activations.py's terms, fp32 norm upcasts and the rest in bf16
+    block, ctx = 512 * 8, 8192
+    fp32 = block * (3 * 2560 // 2 + 4096 + 4096) + ctx * 4096
+    bf16 = (block * (4 * 6144 + 7 * 2560 // 2 + 3 * 4096 + 4096) + ctx * 4096
+              + 2 * (ctx + block) * 4096)
+    outside = 2 * (ctx * 5 * 2560 + 2 * ctx * 2560 + 3 * block * 2560)
+    assert trainer["context + backbone activations"] == 5 * (4 * fp32 + 2 * bf16) + outside
     assert trainer["objective chunk"] == 32 * 8 * 157_184 * 16
     assert trainer["received queue"] == 4 * 8192 * wide * 2  # 4 credits
 
