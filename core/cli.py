@@ -225,6 +225,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from draftforge.allocator import tune_malloc
 
         tune_malloc()
+        if os.environ.get("DRAFTFORGE_PACKED_LINEAR") is not None:  # torch loads only when set
+            from draftforge.splitserve.packed_linear import packing_enabled
+
+            packing_enabled()
         status = _load(command.handler)(argv[len(command.words) :])
         if sys.stdout is not None:  # None: started with standard output closed (`>&-`)
             sys.stdout.flush()  # a reader gone (`| head`) is found here, not at interpreter exit

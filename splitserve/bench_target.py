@@ -154,7 +154,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             load_s, engine = _time(lambda cfg=cfg: build_target(cfg, layers))
         except InputError as exc:  # it names the recipe's keys; these are the options that set them
             raise InputError(f"--model {args.model} --layers {','.join(map(str, layers))}: {exc}") from exc
-        print(f"loaded {engine.name} in {dtype} in {load_s:.1f}s", file=sys.stderr, flush=True)
+        packed = getattr(engine, "packed_linears", 0)
+        print(f"loaded {engine.name} in {dtype} in {load_s:.1f}s"
+              + (f"; {packed} linear weights packed for oneDNN" if packed else ""), file=sys.stderr, flush=True)
         rows.extend(_bench_engine(engine, dtype, batch_sizes, args.seq_len, args.new_tokens,
                                   args.temperature))
         del engine  # free it before loading the next dtype

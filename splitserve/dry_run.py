@@ -171,6 +171,24 @@ def target_estimate(cfg: RecipeConfig) -> Estimate:
     ])
 
 
+def packed_weights_note(cfg: RecipeConfig) -> str:
+    """On a CPU in bf16 a transformers target keeps a second, oneDNN-packed copy of its linear
+    weights (``splitserve/packed_linear.py``): every layer's projections and the lm_head."""
+    from draftforge.splitserve.registry import resolve_target_shape, target_head_dim
+
+    shape = resolve_target_shape(cfg.target)
+    if (cfg.target.backend != "hf" or cfg.target.dtype_on("cpu") != "bfloat16"
+            or _placeholder_fields(shape)):
+        return ""
+    hidden, head_dim = shape.hidden_size, target_head_dim(shape)
+    per_layer = (2 * hidden * shape.num_attention_heads * head_dim
+                 + 2 * hidden * shape.num_key_value_heads * head_dim + 3 * hidden * shape.intermediate_size)
+    linears = shape.num_hidden_layers * per_layer + shape.vocab_size * hidden
+    packed = linears * 2 / cfg.split.target_tensor_parallel
+    return (f"  (a target rank on a CPU in bfloat16 also keeps a packed copy of its linear weights, "
+            f"up to {packed / GIB:.3f} GiB more: splitserve/packed_linear.py)")
+
+
 def sglang_pool_note(cfg: RecipeConfig) -> str:
     """What the SGLang backend's target estimate leaves out: the KV pools SGLang sizes itself."""
     if cfg.target.backend != "sglang":
@@ -442,7 +460,7 @@ def dry_run(cfg: RecipeConfig) -> str:
         "",
         "memory estimate per target rank:",
         *target_estimate(cfg).lines(),
-        *filter(None, [sglang_pool_note(cfg)]),
+        *filter(None, [sglang_pool_note(cfg), packed_weights_note(cfg)]),
         "memory estimate per trainer rank:",
         *trainer_estimate(cfg, with_emb, without_emb).lines(),
     ]

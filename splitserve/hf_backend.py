@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from draftforge.errors import InputError
+from draftforge.splitserve.packed_linear import pack_linear_weights
 from draftforge.splitserve.sampling import decode
 from draftforge.splitserve.target import (
     Reply,
@@ -55,6 +56,8 @@ class HFTarget:
         no_tokenizer_reason: str = "this target was built without a tokenizer",
     ) -> None:
         self.model = model.eval()
+        #: linear layers whose no-grad CPU bf16 forward uses a weight packed once (bit-identical)
+        self.packed_linears = pack_linear_weights(model)
         self.name = name
         self.trained = True
         self._tokenizer = tokenizer

@@ -49,9 +49,11 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     from draftforge.allocator import tune_malloc
     from draftforge.errors import InputError
+    from draftforge.splitserve.packed_linear import packing_enabled
 
     try:
         tune_malloc()
+        packing_enabled()
     except InputError as exc:
         print(f"draftforge train: error: {exc}", file=sys.stderr)
         note_input_error(exc)  # so a node's launcher does not restart it
