@@ -18,7 +18,7 @@ With sdpa attention the layers repeat grouped key/value heads to the query heads
 a dense mask, both of which attention keeps; flex attention keeps neither (its keys and
 values stay grouped, its block mask is small). Widths: ``H`` hidden, ``I`` intermediate,
 ``Q`` heads x head_dim, ``K`` key/value heads x head_dim; ``L`` block tokens (anchors x
-block size) and ``C`` context tokens (the micro-batch's token budget).
+block size) and ``C`` context tokens (the micro-batch's rows x their padded length).
 """
 
 from __future__ import annotations
