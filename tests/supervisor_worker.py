@@ -6,8 +6,8 @@ inspect the job's sockets while every rank is connected); ``fail`` makes rank 1
 exit 3 while rank 0 blocks in a collective that can never finish; ``stubborn``
 ignores SIGINT (noting it in a file) and SIGTERM and sleeps (a rank stuck in C
 code); ``race`` has rank 1
-kill itself with SIGKILL and rank 0 exit 3 at the same moment, once both are ready (its
-reaction, as a trainer's to a dead target); ``late_abort`` has rank 0 exit 2 and rank 1
+kill itself with SIGKILL and rank 0 exit 3 at the same moment, once both are ready and rank
+1 is about to die (its reaction, as a trainer's to a dead target); ``late_abort`` has rank 0 exit 2 and rank 1
 abort (SIGABRT) 3 s after it, as an NCCL watchdog does after a peer vanished.
 """
 
@@ -64,7 +64,15 @@ def main(mode: str, out_dir: str) -> int:
                 return 4
             time.sleep(0.01)
         if rank == 1:
+            (out / "rank1.killing").touch()
             os.kill(os.getpid(), signal.SIGKILL)
+        # rank 0 leaves only once rank 1 is about to die: on a loaded machine rank 1's loop over
+        # the ready files can run a second or more after rank 0's, and the launcher then saw
+        # rank 0's exit a poll or two before rank 1's death, no longer "at the same moment"
+        while not (out / "rank1.killing").exists():
+            if time.monotonic() > deadline:
+                return 4
+            time.sleep(0.001)
         os._exit(3)  # at once, as the real ranks leave (interpreter teardown takes seconds)
     dist.init_process_group("gloo")
     value = torch.tensor([float(rank)])
