@@ -85,18 +85,24 @@ def target_parameters(shape) -> int | None:
     for a MoE target it counts one MLP per layer instead of every expert, so such
     recipes declare ``target.shape.num_parameters``.
     """
-    from draftforge.splitserve.registry import target_head_dim
-
     if shape.num_parameters is not None:
         return shape.num_parameters
     if _placeholder_fields(shape):
         return None
-    hidden, inter, layers = shape.hidden_size, shape.intermediate_size, shape.num_hidden_layers
-    head_dim = target_head_dim(shape)
-    attn = hidden * head_dim * (2 * shape.num_attention_heads + 2 * shape.num_key_value_heads)
-    per_layer = attn + 3 * hidden * inter + 2 * hidden
+    hidden = shape.hidden_size
+    per_layer = layer_matrix_parameters(shape) + 2 * hidden  # and the layer's two norms
     embeddings = (1 if shape.tie_word_embeddings else 2) * shape.vocab_size * hidden
-    return embeddings + layers * per_layer + hidden
+    return embeddings + shape.num_hidden_layers * per_layer + hidden
+
+
+def layer_matrix_parameters(shape) -> int:
+    """One dense decoder layer's weight matrices: the attention projections, with heads
+    ``target_head_dim`` wide, and a gated MLP."""
+    from draftforge.splitserve.registry import target_head_dim
+
+    hidden = shape.hidden_size
+    attn = hidden * target_head_dim(shape) * (2 * shape.num_attention_heads + 2 * shape.num_key_value_heads)
+    return attn + 3 * hidden * shape.intermediate_size
 
 
 def _placeholder_fields(shape, fields: tuple[str, ...] = DENSE_FIELDS) -> list[str]:
@@ -174,16 +180,13 @@ def target_estimate(cfg: RecipeConfig) -> Estimate:
 def packed_weights_note(cfg: RecipeConfig) -> str:
     """On a CPU in bf16 a transformers target keeps a second, oneDNN-packed copy of its linear
     weights (``splitserve/packed_linear.py``): every layer's projections and the lm_head."""
-    from draftforge.splitserve.registry import resolve_target_shape, target_head_dim
+    from draftforge.splitserve.registry import resolve_target_shape
 
     shape = resolve_target_shape(cfg.target)
     if (cfg.target.backend != "hf" or cfg.target.dtype_on("cpu") != "bfloat16"
             or _placeholder_fields(shape)):
         return ""
-    hidden, head_dim = shape.hidden_size, target_head_dim(shape)
-    per_layer = (2 * hidden * shape.num_attention_heads * head_dim
-                 + 2 * hidden * shape.num_key_value_heads * head_dim + 3 * hidden * shape.intermediate_size)
-    linears = shape.num_hidden_layers * per_layer + shape.vocab_size * hidden
+    linears = shape.num_hidden_layers * layer_matrix_parameters(shape) + shape.vocab_size * shape.hidden_size
     packed = linears * 2 / cfg.split.target_tensor_parallel
     return (f"  (a target rank on a CPU in bfloat16 also keeps a packed copy of its linear weights, "
             f"up to {packed / GIB:.3f} GiB more: splitserve/packed_linear.py)")
@@ -286,9 +289,12 @@ def anchors_per_micro_batch(cfg: RecipeConfig, sample_tokens: int) -> int:
     """Anchors in one micro-batch of samples ``sample_tokens`` long: as many samples as the
     token budget holds, each with train.num_anchors or, when the samples are shorter, one
     per token with a supervised successor (the trainer runs no block that only pads)."""
-    budget = cfg.split.token_budget
-    sequences = max(1, budget // max(1, sample_tokens))
-    return sequences * min(cfg.train.num_anchors, max(1, sample_tokens - 1))
+    return rows_per_micro_batch(cfg, sample_tokens) * min(cfg.train.num_anchors, max(1, sample_tokens - 1))
+
+
+def rows_per_micro_batch(cfg: RecipeConfig, sample_tokens: int) -> int:
+    """Samples ``sample_tokens`` long that the token budget holds (at least one)."""
+    return max(1, cfg.split.token_budget // max(1, sample_tokens))
 
 
 def activation_bytes(cfg: RecipeConfig, shape, sample_tokens: int) -> tuple[float, float]:
@@ -297,7 +303,7 @@ def activation_bytes(cfg: RecipeConfig, shape, sample_tokens: int) -> tuple[floa
     from draftforge.splitserve.draft_activations import backbone_saved_bytes, precision_of
 
     draft, train = cfg.draft, cfg.train
-    sequences = max(1, cfg.split.token_budget // max(1, sample_tokens))
+    sequences = rows_per_micro_batch(cfg, sample_tokens)
     block_tokens = anchors_per_micro_batch(cfg, sample_tokens) * draft.block_size
     backbone = backbone_saved_bytes(
         draft, target_hidden_size=shape.hidden_size, block_tokens=block_tokens,
