@@ -117,6 +117,8 @@ def pack_linear_weights(model: nn.Module) -> int:
     for module in linears:
         weight = module.weight
         key = (tuple(weight.shape), module.bias is not None)
+        if verdicts.get(key) is False:  # a shape found not bit-identical: not packed again
+            continue
         packed = _packed(weight)
         if key not in verdicts:
             verdicts[key] = _reproduces_linear(module, packed)
