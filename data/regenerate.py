@@ -47,8 +47,8 @@ Resumable and crash-safe:
   ``<out>.lock``, an ``flock`` that a killed run releases), where both would otherwise
   generate and the second fail at its end;
 - rows are reused only when their id is one of this run's prompts, their system prompt
-  and user turns equal that prompt's, and their target (name and fingerprint) and settings
-  equal this run's;
+  and user turns equal that prompt's, and their target (name and fingerprint; a local folder
+  renamed or moved since is recognised by its fingerprint) and settings equal this run's;
   anything else is refused with the file and id, never mixed in. A finished file that
   answers every prompt and more (a larger recipe's) is accepted as it is; training
   reads its first ``data.num_samples`` rows (``check_answers``).
@@ -374,13 +374,16 @@ def _check_rows(
                 f"{row['id']!r} (the prompt set changed since it was written, e.g. a newer "
                 "built-in set); move it away and rerun to answer the current prompts"
             )
-        if row.get("target") != target:
+        written = row.get("target_fingerprint")
+        # a local folder renamed or moved since (the same config, tokenizer and weights) is
+        # the same target: its fingerprint says so where the name cannot
+        moved = written is not None and written == fingerprint
+        if row.get("target") != target and not moved:
             raise RegenerationError(
                 f"{where} (id {row['id']!r}) holds answers of target {row.get('target')!r}, but "
                 f"this run's target is {target!r}; move it away and rerun to answer with this "
                 "target (or restore target.model)"
             )
-        written = row.get("target_fingerprint")
         # Rows written before fingerprints were recorded have none, nor do a registered
         # target's: those are accepted on the name alone.
         if written is not None and fingerprint is not None and written != fingerprint:

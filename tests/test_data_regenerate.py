@@ -824,6 +824,43 @@ def test_answers_of_another_folder_of_the_same_name_are_refused(tmp_path):
     check_answers(out, make_prompts(4), SETTINGS, names[1])
 
 
+def test_answers_of_a_renamed_copy_of_the_target_folder_are_accepted(tmp_path):
+    """The fingerprint reads the folder's files, not its path: the same model under another
+    name answers the same, so its answers are reused (checked, and continued by a rerun);
+    a folder of that new name holding other weights is still refused."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from draftforge.splitserve.config import TargetConfig
+    from draftforge.splitserve.target import target_name
+
+    first = tmp_path / "runs" / "final"
+    first.mkdir(parents=True)
+    (first / "config.json").write_text('{"model_type": "llama"}')
+    save_file({"w": torch.full((4,), 1.0)}, str(first / "model.safetensors"))
+    moved = tmp_path / "models" / "sft-v1"
+    shutil.copytree(first, moved)
+    other = tmp_path / "other" / "sft-v1"
+    shutil.copytree(first, other)
+    save_file({"w": torch.full((4,), 2.0)}, str(other / "model.safetensors"))
+    names = [target_name(TargetConfig(model=str(folder))) for folder in (first, moved, other)]
+    assert names[0] != names[1] and names[0].fingerprint == names[1].fingerprint
+
+    engine = FakeEngine()
+    engine.name = names[0]
+    out, _ = run(tmp_path, "r.jsonl", engine, prompts=make_prompts(4))
+    check_answers(out, make_prompts(4), SETTINGS, names[1])
+    out, _ = run(tmp_path, "r.jsonl", FakeEngineNamed(names[1]), prompts=make_prompts(6))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    # batches of 3: the short last batch (p03) is answered again with the batch it now starts
+    assert [row["target"] for row in rows] == ["final"] * 3 + ["sft-v1"] * 3
+    check_answers(out, make_prompts(6), SETTINGS, names[1])
+    with pytest.raises(RegenerationError, match=r"line 1 \(id 'p00'\) holds answers of target 'final', "
+                       r"but this run's target is 'sft-v1'"):
+        check_answers(out, make_prompts(6), SETTINGS, names[2])
+
+
 class FakeEngineNamed(FakeEngine):
     def __init__(self, name):
         super().__init__()
