@@ -62,6 +62,17 @@ def _check_target(cfg: RecipeConfig) -> tuple[TargetShape | None, list[Problem]]
                             "remove it or fix it",
                         )
                     )
+            # a config.json without head_dim (Llama's, Qwen2's) means hidden / heads: a
+            # declared one is checked against that
+            derivable = {"hidden_size", "num_attention_heads"} <= known.model_fields_set
+            if ("head_dim" in target.shape.model_fields_set and target.shape.head_dim is not None
+                    and known.head_dim is None and derivable):
+                real = known.hidden_size // known.num_attention_heads
+                if target.shape.head_dim != real:
+                    problems.append((("target", "shape", "head_dim"), (
+                        f"{target.shape.head_dim!r} differs from {target.model}'s head_dim {real} "
+                        f"(its config.json gives none, so hidden_size {known.hidden_size} / "
+                        f"num_attention_heads {known.num_attention_heads}); remove it or fix it")))
             # The resolved recipe (config.yaml of a run) records the whole shape the run
             # used, so that reloading it, as export does, compares real values only.
             target.shape = shape

@@ -101,6 +101,28 @@ def test_a_declared_head_dim_is_checked_against_the_folders_config(tmp_path):
     assert cfg.target.shape.head_dim == 32
 
 
+def test_a_declared_head_dim_is_checked_where_the_folders_config_gives_none(tmp_path):
+    """Llama's and Qwen2's config.json have no head_dim (or null): the model's is hidden /
+    heads, and a declared one that differs is refused as a differing declared field is."""
+    recipe = tiny_recipe(tmp_path)
+    shape = yaml.safe_load(recipe.read_text())["target"]["shape"]
+    shape.pop("head_dim", None)
+    derived = shape["hidden_size"] // shape["num_attention_heads"]
+    for name, extra in (("absent", {}), ("null", {"head_dim": None})):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(
+            {**shape, **extra, "max_position_embeddings": 2048, "rope_theta": 10000.0}))
+        with pytest.raises(RecipeError) as err:
+            load_recipe(recipe, [f"target.model={folder}", f"target.shape.head_dim={2 * derived}"])
+        assert (f"command line 'target.shape.head_dim={2 * derived}': target.shape.head_dim: "
+                f"{2 * derived} differs from {folder}'s head_dim {derived} (its config.json gives "
+                f"none, so hidden_size {shape['hidden_size']} / num_attention_heads "
+                f"{shape['num_attention_heads']}); remove it or fix it") in err.value.problems, err.value.problems
+        cfg = load_recipe(recipe, [f"target.model={folder}", f"target.shape.head_dim={derived}"])
+        assert cfg.target.shape.head_dim == derived
+
+
 def test_a_random_target_takes_a_declared_head_dim(tmp_path):
     """model: random with heads wider than hidden / heads (as Qwen3's): the recipe loader
     refused a hidden size not divisible by the heads, and the head width was ignored."""
