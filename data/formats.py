@@ -209,7 +209,8 @@ def _messages_from_sharegpt(value: Any, where: RowLocation) -> list[dict[str, st
         if who not in turn:
             raise _fail(where, f"turn {i} has no 'from' (nor 'role')")
         speaker = turn[who]
-        if speaker not in roles:
+        # not a string: a list or an object is no role, and not hashable (a TypeError in the lookup)
+        if not isinstance(speaker, str) or speaker not in roles:
             raise _fail(
                 where,
                 f"turn {i} has {who!r} {speaker!r}; valid values: {', '.join(roles)}",
