@@ -36,7 +36,8 @@ The export is atomic: everything is written into a temporary folder beside the
 destination, then renamed into place; a failure removes the temporary folder and
 leaves an older export at the destination untouched. What an export killed outright
 (SIGKILL, out of memory) leaves beside the destination is tidied by the next export
-into it (:func:`_tidy_leftovers`), which holds ``.NAME.lock`` there while it writes.
+into it (:func:`_tidy_leftovers`), which holds ``.NAME.lock`` there while it writes (on a file
+system without ``flock`` it writes unlocked and tidies nothing: :func:`_writing`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 CARD_FILE = "README.md"
 TRAINING_CONFIG_FILE = "draft_config.json"
+TRAINING_STATE_FILE = "trainer_state.json"  # checkpoint.STATE_FILE: a checkpoint folder holds it
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -339,8 +341,12 @@ def export_draft(
     staging = None
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        with _writing(out):
-            _tidy_leftovers(out, progress)
+        with _writing(out) as locked:
+            if locked:
+                _tidy_leftovers(out, progress)
+            else:  # a running export's staging folder would look like a killed one's
+                progress(f"export: this file system has no file locks (flock), so the export into {out} "
+                         "runs unlocked and leaves whatever killed exports left beside it in place")
             staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
             _write_json(staging / CONFIG_FILE, config)
             files = write_safetensors(state, staging, max_shard_size_mb=max_shard_size_mb)
@@ -363,15 +369,32 @@ def export_draft(
 
 
 @contextlib.contextmanager
-def _writing(out: Path) -> Iterator[None]:
+def _writing(out: Path) -> Iterator[bool]:
     """Hold ``.NAME.lock`` beside ``out`` while an export writes it: the leftovers
-    :func:`_tidy_leftovers` removes are then a killed export's, never a running one's."""
-    try:
-        with exclusive_lock(out.parent / f".{out.name}.lock"):
-            yield
-    except Locked as busy:
-        raise ExportError(f"another draftforge export (process {busy.holder or 'unknown'}) is writing "
-                          f"{out} now; wait for it to finish, or choose another --out") from None
+    :func:`_tidy_leftovers` removes are then a killed export's, never a running one's. Yields
+    whether the lock is held: on a file system without ``flock`` (some network ones) the export
+    runs unlocked, as training does there (``checkpoint.claim_run_dir``), instead of failing."""
+    from draftforge.train.checkpoint import NO_FLOCK
+
+    lock = out.parent / f".{out.name}.lock"
+
+    def remove_lock_file() -> None:  # exclusive_lock made it before flock failed
+        with contextlib.suppress(OSError):
+            lock.unlink()
+
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(exclusive_lock(lock))
+            locked = True
+        except Locked as busy:
+            raise ExportError(f"another draftforge export (process {busy.holder or 'unknown'}) is writing "
+                              f"{out} now; wait for it to finish, or choose another --out") from None
+        except OSError as err:
+            if err.errno not in NO_FLOCK:
+                raise
+            locked = False
+            stack.callback(remove_lock_file)
+        yield locked
 
 
 def _tidy_leftovers(out: Path, progress) -> None:
@@ -567,6 +590,18 @@ def _read_checkpoint(path: Path, weights: Path, folder: Path) -> tuple[DSparkCon
 def _read_checkpoint_files(path: Path, weights: Path, folder: Path) -> tuple[DSparkConfig, dict[str, torch.Tensor]]:
     config_path = folder / TRAINING_CONFIG_FILE
     if not weights.is_file():
+        held = (("COMPLETE", "COMPLETE marker"), (TRAINING_STATE_FILE, TRAINING_STATE_FILE))
+        marker = next((what for name, what in held if (folder / name).is_file()), None)
+        if marker is not None and weights == folder / SINGLE_FILE:
+            # a checkpoint (it has its marker or state) without the file: "neither a checkpoint folder
+            # nor a run directory" or "pass a run directory" would misname what was passed
+            which = f"checkpoint {folder}" if folder == path else f"{path}: its newest checkpoint {folder}"
+            raise ExportError(
+                f"{which} has no {SINGLE_FILE} (it has its {marker}): export reads the full model state "
+                "from that file, which training writes into every checkpoint under every strategy, so "
+                "this one was copied partially or its file was removed; copy the checkpoint whole, or "
+                "export another one"
+            )
         if path.is_dir() and folder == path:  # "pass a run directory" misleads a run that saved none
             raise ExportError(
                 f"{path}: no {SINGLE_FILE} found in it and no checkpoints/ folder, so it is neither a "

@@ -1,0 +1,113 @@
+"""Round 43: export and checkpoint edges (advice on a broken checkpoint, a checkpoint without its
+model file, an export on a file system without flock)."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import shutil
+from dataclasses import asdict
+
+import pytest
+import torch
+from dspark_helpers import tiny_draft
+
+from draftforge.errors import InputError
+from draftforge.train import checkpoint as ckpt
+from draftforge.train.export import export_draft, load_training_checkpoint
+from draftforge.train.hf_load import load_exported_draft
+
+
+def _checkpoint_without_rng(folder):
+    """A checkpoint folder that passes every check before the RNG files, and lacks them."""
+    folder.mkdir(parents=True)
+    (folder / ckpt.STATE_FILE).write_text(json.dumps(
+        {"step": 1, "skipped_steps": 0, "strategy": "single", "consumed_ids": [["a"]]}))
+    (folder / ckpt.COMPLETE).write_text("step 1\n")
+    return folder
+
+
+@pytest.mark.parametrize("earlier_name,resumable", [
+    ("step_00000010", True),  # a real earlier checkpoint: the rerun resumes from it
+    ("step_00000010.bak", False),  # a user's backup copy: resume ignores it
+    ("step_00000010.tmp", False),  # a save killed after its marker, before its rename
+])
+def test_the_advice_on_a_broken_checkpoint_promises_a_resume_only_where_resume_finds_one(
+        tmp_path, earlier_name, resumable):
+    """The advice after deleting a broken checkpoint says whether the rerun resumes or starts
+    over; it must agree with what resume: auto then picks (find_resume), so a complete-looking
+    folder resume ignores (a .bak copy, a .tmp) must not be offered as "the previous checkpoint"."""
+    run = tmp_path / "run"
+    _checkpoint_without_rng(run / "checkpoints" / earlier_name)
+    broken = _checkpoint_without_rng(run / "checkpoints" / "step_00000020")
+    with pytest.raises(ckpt.CheckpointError) as info:
+        ckpt.read_checked_state(broken)
+    message = str(info.value)
+    assert message.startswith(f"checkpoint {broken} has no rng/rank_0.safetensors; it is incomplete")
+    shutil.rmtree(broken)  # what the advice says to do
+    picked = ckpt.find_resume(run, "auto")  # what the rerun then does
+    assert (picked is not None) == resumable
+    if resumable:
+        assert picked.name == earlier_name
+        assert message.endswith("delete it to resume from the previous complete checkpoint")
+    else:
+        assert message.endswith("delete it and rerun: the run starts over, as no earlier complete "
+                                "checkpoint exists")
+
+
+def _partial_copy(folder, model):
+    """A checkpoint copied without its model.safetensors: marker, state and draft config only."""
+    folder.mkdir(parents=True)
+    (folder / "draft_config.json").write_text(json.dumps(asdict(model.config)))
+    (folder / ckpt.STATE_FILE).write_text(json.dumps({"step": int(folder.name[5:])}))
+    (folder / ckpt.COMPLETE).write_text("done\n")
+    return folder
+
+
+@pytest.mark.parametrize("named", ["run", "checkpoint"])
+def test_a_checkpoint_without_its_model_file_is_named_as_a_checkpoint(tmp_path, named):
+    """A checkpoint (its COMPLETE marker is there, the very folder resume would pick) copied
+    without its model.safetensors: not "neither a checkpoint folder nor a run directory", nor
+    "pass a run directory" to a user who passed one; the message names the checkpoint and says
+    the file is what it lacks."""
+    run = tmp_path / "run"
+    folder = _partial_copy(run / "checkpoints" / "step_00000004", tiny_draft())
+    assert ckpt.find_resume(run, "auto") == folder  # resume calls it a complete checkpoint
+    source = run if named == "run" else folder
+    with pytest.raises(InputError) as info:
+        load_training_checkpoint(source)
+    message = str(info.value)
+    assert f"checkpoint {folder} has no model.safetensors (it has its COMPLETE marker)" in message
+    assert message.startswith(f"{run}: its newest" if named == "run" else f"checkpoint {folder}")
+    assert "neither a checkpoint folder" not in message and "pass a run directory" not in message
+    assert "copy the checkpoint whole, or export another one" in message
+
+
+@pytest.mark.parametrize("code", [errno.ENOLCK, errno.EOPNOTSUPP])
+def test_an_export_on_a_file_system_without_flock_runs_unlocked(tmp_path, monkeypatch, code):
+    """Training runs unlocked where the file system has no flock (some network ones); the export of
+    its run there must not fail on the lock ("No locks available") with advice to free space. It
+    writes the same folder as a locked export, leaves no lock file, and, unable to tell a running
+    export's staging folder from a killed one's, removes none."""
+    model = tiny_draft().eval()
+    reference = export_draft(model, tmp_path / "locked" / "export", progress=lambda _: None)
+
+    def no_flock(fd, how):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    parent = tmp_path / "nfs"
+    parent.mkdir()
+    other = parent / ".export.tmp-running"  # another export's staging folder, as far as it can tell
+    other.mkdir()
+    lines = []
+    out = export_draft(model, parent / "export", progress=lines.append)
+    assert sorted(p.name for p in parent.iterdir()) == [".export.tmp-running", "export"]
+    assert any("no file locks (flock)" in line for line in lines)
+    for name in ("config.json", "model.safetensors", "README.md"):
+        assert (out / name).read_bytes() == (reference / name).read_bytes()
+    loaded = load_exported_draft(out, embed_tokens=model.embed_tokens.weight, lm_head=model.lm_head.weight)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
