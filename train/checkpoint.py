@@ -575,7 +575,10 @@ def unfinished_saves(run_dir: Path) -> list[Path]:
 def _after_deleting(checkpoint: Path) -> str:
     """What a rerun does once ``checkpoint`` is deleted: resume from an earlier complete one
     beside it, or, where there is none, start over (which the advice must not hide)."""
-    earlier = [p for p in checkpoint.parent.glob("step_*") if p.name < checkpoint.name and is_complete(p)]
+    # only step_XXXXXXXX folders: resume ignores a backup copy (step_N.bak) or a crashed save's
+    # step_N.tmp, so counting one would promise a resume where the rerun starts over
+    earlier = [p for p in checkpoint.parent.glob("step_*")
+               if _STEP_DIR.match(p.name) and p.name < checkpoint.name and is_complete(p)]
     if earlier:
         return "to resume from the previous complete checkpoint"
     return "and rerun: the run starts over, as no earlier complete checkpoint exists"
