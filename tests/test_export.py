@@ -424,6 +424,7 @@ def test_load_training_checkpoint_picks_the_newest_complete_step(tmp_path):
     done, partial = tiny_draft(seed=1), tiny_draft(seed=2)
     _write_checkpoint(tmp_path / "run" / "checkpoints" / "step_00000010", done)
     (tmp_path / "run" / "checkpoints" / "step_00000010" / "COMPLETE").touch()
+    (tmp_path / "run" / "checkpoints" / "step_00000010" / "trainer_state.json").write_text("{}")  # complete, as resume reads it
     _write_checkpoint(tmp_path / "run" / "checkpoints" / "step_00000020", partial)  # no marker
     cfg, state = load_training_checkpoint(tmp_path / "run")
     assert cfg == done.config
@@ -522,6 +523,7 @@ def _run_with_report(root, draft):
     checkpoint = run / "checkpoints" / "step_00000010"
     _write_checkpoint(checkpoint, tiny_draft(seed=3))
     (checkpoint / "COMPLETE").touch()
+    (checkpoint / "trainer_state.json").write_text("{}")  # complete, as resume reads it
     (run / "eval").mkdir()
     (run / "eval" / "report.md").write_text("| workload | dspark AL |\n| gsm8k | 4.99 |\n")
     (run / "eval" / "report.json").write_text(json.dumps({"draft": draft}))

@@ -105,6 +105,7 @@ def test_a_runs_eval_report_that_is_no_table_leaves_the_card_unmeasured(tmp_path
     run = tmp_path / "run"
     checkpoint = _checkpoint(run / "checkpoints" / "step_00000010", tiny_draft())
     (checkpoint / "COMPLETE").touch()
+    (checkpoint / "trainer_state.json").write_text("{}")  # complete, as resume reads it
     (run / "eval").mkdir()
     (run / "eval" / "report.md").write_bytes(b"\xff\xfe binary")
     (run / "eval" / "report.json").write_text(json.dumps({"draft": str(run)}))

@@ -19,6 +19,7 @@ def _checkpoint(run, step, model):
     """Run ``run``'s complete checkpoint ``step`` of ``model``."""
     folder = training_checkpoint(run / "checkpoints" / f"step_{step:08d}", model)
     (folder / "COMPLETE").touch()
+    (folder / "trainer_state.json").write_text("{}")  # complete, as resume reads it
     return folder
 
 

@@ -685,20 +685,17 @@ def read_safetensors_file(path: str | os.PathLike[str]) -> dict[str, torch.Tenso
 
 
 def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path:
-    """The newest ``run_dir/checkpoints/step_XXXXXXXX`` folder that has a ``COMPLETE`` marker: the
-    one ``resume: auto`` picks (a crashed save's ``step_XXXXXXXX.tmp`` or a copy named
-    otherwise is not one)."""
-    root = Path(run_dir) / "checkpoints"
-    complete = sorted(
-        p for p in root.glob("step_*")
-        if _CHECKPOINT_NAME.fullmatch(p.name) and p.is_dir() and (p / "COMPLETE").exists()
-    )
+    """The newest complete ``run_dir/checkpoints/step_XXXXXXXX`` folder, by the rule ``resume:
+    auto`` picks with (``checkpoint.complete_checkpoints``: its ``COMPLETE`` marker and its
+    ``trainer_state.json``; a crashed save's ``step_XXXXXXXX.tmp`` or a copy named otherwise is
+    not one), so that an export and a resume of one run take the same checkpoint."""
+    from draftforge.train.checkpoint import STATE_FILE, checkpoints_root, complete_checkpoints
+
+    complete = complete_checkpoints(Path(run_dir))
     if not complete:
-        raise ExportError(f"{root}: no complete checkpoint (step_* with a COMPLETE marker)")
+        raise ExportError(f"{checkpoints_root(Path(run_dir))}: no complete checkpoint (step_* with a "
+                          f"COMPLETE marker and {STATE_FILE})")
     return complete[-1]
-
-
-_CHECKPOINT_NAME = re.compile(r"step_\d{8}")  # checkpoint.py's names; equal widths sort by step
 
 
 def _strip_wrappers(name: str) -> str:
