@@ -131,3 +131,23 @@ def test_an_export_of_a_run_takes_the_checkpoint_resume_takes(tmp_path):
     assert ckpt.find_resume(run, "auto") == run / "checkpoints" / "step_00000004"
     _, state = load_training_checkpoint(run)
     assert torch.equal(state["fc.weight"], models[4].fc.weight)
+
+
+@pytest.mark.parametrize("kind", ["dangling link", "folder"])
+def test_an_export_whose_weights_file_is_a_dangling_link_or_a_folder_says_so(tmp_path, kind):
+    """``model.safetensors`` is there but holds no file (a hub cache's link whose blob was
+    removed, or a folder): the message names it, not "neither model.safetensors nor ..."."""
+    from draftforge.train.hf_load import read_safetensors_folder
+
+    out = tmp_path / "export"
+    out.mkdir()
+    if kind == "dangling link":
+        (out / "model.safetensors").symlink_to(tmp_path / "blobs" / "gone")
+        expected = f"{out / 'model.safetensors'} is a link to {tmp_path / 'blobs' / 'gone'}, which does not exist"
+    else:
+        (out / "model.safetensors").mkdir()
+        expected = f"{out / 'model.safetensors'} is not a file"
+    with pytest.raises(InputError) as info:
+        read_safetensors_folder(out)
+    assert str(info.value).startswith(expected), str(info.value)
+    assert "neither" not in str(info.value)

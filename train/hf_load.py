@@ -266,6 +266,12 @@ def read_safetensors_folder(folder: str | os.PathLike[str]) -> dict[str, torch.T
         return state
     if single.is_file():
         return read_safetensors_file(single)
+    for path in (index, single):  # there, but no file: say so, not "neither"
+        if path.is_symlink() and not path.exists():
+            raise ExportError(f"{path} is a link to {os.readlink(path)}, which does not exist (a hub "
+                              "cache whose blobs were removed?); restore it or export the draft again")
+        if path.exists():
+            raise ExportError(f"{path} is not a file (a folder?); export the draft again")
     pickled = sorted(p.name for p in folder.glob("*") if p.suffix in {".bin", ".pt", ".pth"})
     hint = f" (found pickled weights {pickled}: draftforge loads safetensors only)" if pickled else ""
     raise ExportError(f"{folder}: neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
