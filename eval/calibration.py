@@ -218,8 +218,9 @@ def write_calibration(path: str | os.PathLike[str], calibration: dict) -> Path:
     of floats, so a position without an ECE (None) cannot be written as null; 0 would claim a
     perfect calibration nobody measured (see the module's docstring)."""
     path = Path(path).expanduser()
-    if not calibration["temperatures"] or any(t <= 0 for t in calibration["temperatures"]):
-        raise ValueError(f"calibration temperatures must be non-empty and > 0: {calibration['temperatures']}")
+    # NaN passes "t <= 0", and json writes NaN / Infinity, which no JSON reader (SGLang's) takes
+    if not calibration["temperatures"] or any(not (math.isfinite(t) and t > 0) for t in calibration["temperatures"]):
+        raise ValueError(f"calibration temperatures must be non-empty, finite and > 0: {calibration['temperatures']}")
     written = {key: value for key, value in calibration.items() if key != "held_out"}
     if any(e is None for key in ("ece_before", "ece_after") for e in written.get(key, ())):
         written["ece_before"], written["ece_after"] = [], []
