@@ -266,10 +266,11 @@ def _vocab_head(lm_head: torch.Tensor, markov_w2: torch.Tensor) -> torch.Tensor:
     """``[lm_head, W2]`` as one ``[V, H + r]`` matrix. ``lm_head`` is frozen, so on CPU its
     columns are copied once and only W2's are refreshed per call. The copy is reused only for
     the very same tensor (a weak reference: a new draft at a recycled address is not it) at
-    the same in-place version; elsewhere, and whenever that changes, it is rebuilt."""
+    the same in-place version and storage (``param.data = other`` keeps the version); elsewhere,
+    and whenever one of those changes, it is rebuilt."""
     if lm_head.is_cuda:  # a fresh cat is cheap there, and a cached copy would hold memory
         return torch.cat([lm_head, markov_w2], dim=1)
-    key = (lm_head._version, tuple(lm_head.shape), lm_head.dtype, tuple(markov_w2.shape),
+    key = (lm_head._version, lm_head.data_ptr(), tuple(lm_head.shape), lm_head.dtype, tuple(markov_w2.shape),
            markov_w2.dtype)
     owner = _HEAD_CACHE.get("owner")
     if owner is None or owner() is not lm_head or _HEAD_CACHE.get("key") != key:
