@@ -151,3 +151,17 @@ def test_an_export_whose_weights_file_is_a_dangling_link_or_a_folder_says_so(tmp
         read_safetensors_folder(out)
     assert str(info.value).startswith(expected), str(info.value)
     assert "neither" not in str(info.value)
+
+
+def test_a_path_that_does_not_exist_is_named_as_missing(tmp_path, capsys):
+    """``draftforge eval`` of a mistyped path: "does not exist", as ``draftforge export`` says,
+    not "no model.safetensors found at <typo>/model.safetensors" as if it were a folder."""
+    from draftforge.cli import main
+
+    typo = tmp_path / "runs" / "smolm2-cpu"
+    with pytest.raises(InputError, match=rf"^{typo} does not exist; give a run directory"):
+        load_training_checkpoint(typo)
+    recipe = os.path.join(os.path.dirname(__file__), "..", "recipes", "tiny-debug.yaml")
+    assert main(["eval", str(typo), "--recipe", recipe, "--out", str(tmp_path / "eval")]) == 2
+    err = capsys.readouterr().err
+    assert f"{typo} does not exist; give a run directory" in err and "found at" not in err

@@ -548,6 +548,9 @@ def load_training_checkpoint(path: str | os.PathLike[str]) -> tuple[DSparkConfig
     one, with a line saying so; a checkpoint folder named directly is not.
     """
     path = Path(path).expanduser()
+    if not path.exists():  # a typo: not "no model.safetensors found at <typo>/model.safetensors"
+        raise ExportError(f"{path} does not exist; give a run directory, a checkpoint folder or a "
+                          f"{SINGLE_FILE}")
     if path.is_file():
         return _read_checkpoint(path, path, path.parent)
     if not (path / "checkpoints").is_dir():
