@@ -62,4 +62,4 @@ def test_a_folder_that_never_was_is_not_called_pruned(tmp_path):
     with pytest.raises(InputError) as err:
         load_training_checkpoint(tmp_path / "typo")
     assert "removed while it was read" not in str(err.value)
-    assert str(err.value).startswith(f"{tmp_path / 'typo'}: no model.safetensors found")
+    assert str(err.value).startswith(f"{tmp_path / 'typo'} does not exist")
