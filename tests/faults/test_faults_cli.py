@@ -259,7 +259,7 @@ def test_export_of_a_garbage_draft_config(trained, tmp_path, capsys):
 def test_export_of_a_run_without_complete_checkpoints(tmp_path, capsys):
     (tmp_path / "run" / "checkpoints" / "step_00000004.tmp").mkdir(parents=True)
     code, err = _run(["export", tmp_path / "run", "--out", tmp_path / "out"], capsys)
-    assert code == 2 and "no complete checkpoint (step_* with a COMPLETE marker)" in err
+    assert code == 2 and "no complete checkpoint (step_* with a COMPLETE marker and trainer_state.json)" in err
 
 
 def _export(tmp_path) -> Path:
