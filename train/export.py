@@ -67,7 +67,6 @@ INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 CARD_FILE = "README.md"
 TRAINING_CONFIG_FILE = "draft_config.json"
-TRAINING_STATE_FILE = "trainer_state.json"  # checkpoint.STATE_FILE: a checkpoint folder holds it
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -593,7 +592,9 @@ def _read_checkpoint(path: Path, weights: Path, folder: Path) -> tuple[DSparkCon
 def _read_checkpoint_files(path: Path, weights: Path, folder: Path) -> tuple[DSparkConfig, dict[str, torch.Tensor]]:
     config_path = folder / TRAINING_CONFIG_FILE
     if not weights.is_file():
-        held = (("COMPLETE", "COMPLETE marker"), (TRAINING_STATE_FILE, TRAINING_STATE_FILE))
+        from draftforge.train.checkpoint import COMPLETE, STATE_FILE
+
+        held = ((COMPLETE, f"{COMPLETE} marker"), (STATE_FILE, STATE_FILE))
         marker = next((what for name, what in held if (folder / name).is_file()), None)
         if marker is not None and weights == folder / SINGLE_FILE:
             # a checkpoint (it has its marker or state) without the file: "neither a checkpoint folder
