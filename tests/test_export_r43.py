@@ -117,15 +117,12 @@ def test_an_export_of_a_run_takes_the_checkpoint_resume_takes(tmp_path):
     """A newest step with its COMPLETE marker but no trainer_state.json (a copy cut short) is no
     checkpoint to resume: ``resume: auto`` takes the step before it, and so does an export of the
     run, where it used to export the newest marker."""
-    from safetensors.torch import save_file
+    from test_export_r11 import _checkpoint as training_checkpoint
 
     run = tmp_path / "run"
     models = {4: tiny_draft(seed=1), 8: tiny_draft(seed=2)}
     for step, model in models.items():
-        folder = run / "checkpoints" / f"step_{step:08d}"
-        folder.mkdir(parents=True)
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
-        (folder / "draft_config.json").write_text(json.dumps(asdict(model.config)))
+        folder = training_checkpoint(run / "checkpoints" / f"step_{step:08d}", model)
         (folder / ckpt.COMPLETE).write_text("done\n")
     (run / "checkpoints" / "step_00000004" / ckpt.STATE_FILE).write_text(json.dumps({"step": 4}))
     assert ckpt.find_resume(run, "auto") == run / "checkpoints" / "step_00000004"
