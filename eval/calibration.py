@@ -142,8 +142,15 @@ def calibrate(
     ``held_out_samples`` say which is which, ``temperature_at_bound`` which temperatures are a
     bound of the search (:func:`bound_hit`). ``held_out`` (not written to SGLang's
     file) lists the held-out samples, for a pooled ECE over positions. A NaN or infinite
-    confidence logit is refused (:class:`InputError`).
+    confidence logit is refused (:class:`InputError`). ``holdout_every`` is a whole number >= 2
+    (:class:`ValueError` else): 1 would hold out every prompt and fit on none, 0 divides by
+    zero, and a negative one would hold out none.
     """
+    if isinstance(holdout_every, bool) or not isinstance(holdout_every, int) or holdout_every < 2:
+        raise ValueError(
+            f"holdout_every must be a whole number >= 2 (every holdout_every-th prompt is held out, "
+            f"the others fitted on), got {holdout_every!r}"
+        )
     temperatures, ece_before, ece_after, fit_counts, held_counts, bounds = [], [], [], [], [], []
     held_out: list[tuple[int, float, float]] = []
     if prompt_ids is not None and len(prompt_ids) != len(samples):
