@@ -299,6 +299,7 @@ class _Tokenized(NamedTuple):
     offsets: list[tuple[int, int]]  # each token's characters in ``text``
     context: list[int]  # the assistant turns left unsupervised (rewritten later)
     replies: list[tuple[int, int] | int]  # each supervised reply's text in ``text`` (_locate_turns)
+    spans: list[tuple[int, int]]  # each supervised turn's characters in ``text``, as ``replies``
 
 
 def _tokenize(tokenizer, messages, *, chat_template, enable_thinking, unfinished_turns) -> _Tokenized:
@@ -322,7 +323,7 @@ def _tokenize(tokenizer, messages, *, chat_template, enable_thinking, unfinished
             span_index += 1
         inside = span_index < len(spans) and spans[span_index][0] <= start
         mask.append(1 if inside else 0)
-    return _Tokenized(text, ids, mask, offsets, context, replies)
+    return _Tokenized(text, ids, mask, offsets, context, replies, spans)
 
 
 def special_tokens(tokenizer: Any) -> dict[int, str]:
@@ -346,9 +347,13 @@ def _special_in_replies(tokenizer: Any, done: _Tokenized, messages: Sequence[dic
 
     A token counts where it lies in the reply's text and is that token's text, not an unknown
     piece the tokenizer maps to its ``unk_token``; the template's end-of-turn marker lies after
-    the reply and does not count. A reply the template rewrites beyond finding is checked alone."""
+    the reply and does not count. A reply the template rewrites beyond finding is checked alone,
+    as far as its turn is kept: not at all when the cut to ``max_length`` falls before it, else
+    as many of its characters as its turn keeps (its rewritten text's length, so approximate)."""
     if not special:
         return None
+    # where the cut to max_length falls in ``text`` (the offsets are those of the whole rendering)
+    kept_end = done.offsets[len(done.ids)][0] if len(done.ids) < len(done.offsets) else len(done.text)
     places = [place for place in done.replies if not isinstance(place, int)]
     for token_id, supervised, (start, end) in zip(done.ids, done.mask, done.offsets, strict=False):
         if not supervised or token_id not in special:
@@ -357,11 +362,13 @@ def _special_in_replies(tokenizer: Any, done: _Tokenized, messages: Sequence[dic
         inside = any(lo <= start < hi or (start < lo < end) for lo, hi in places)
         if inside and done.text[start:end].strip() == token.strip():
             return token
-    for place in done.replies:
-        if isinstance(place, int):
+    for place, (turn_start, _turn_end) in zip(done.replies, done.spans, strict=True):
+        if isinstance(place, int) and turn_start < kept_end:
             reply = messages[place]["content"]
             encoded = tokenizer(reply, add_special_tokens=False, return_offsets_mapping=True)
             for token_id, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"], strict=False):
+                if start >= kept_end - turn_start:
+                    break  # cut off by max_length: never trained on
                 if token_id in special and reply[start:end].strip() == special[token_id].strip():
                     return special[token_id]
     return None
@@ -369,7 +376,29 @@ def _special_in_replies(tokenizer: Any, done: _Tokenized, messages: Sequence[dic
 
 def _encode(tokenizer, text: str, cuts: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
     """Token ids and character offsets of ``text``, no token spanning a position in ``cuts``
-    (where a generation prompt ends: see the module notes)."""
+    (where a generation prompt ends: see the module notes).
+
+    Pieces are split off in a loop, not by recursion: a conversation of a thousand turns whose
+    every reply starts with spaces split at each turn and passed Python's recursion limit."""
+    ids: list[int] = []
+    offsets: list[tuple[int, int]] = []
+    pending = [(0, len(text), list(cuts))]  # pieces of ``text`` left to encode, the next last
+    while pending:
+        lo, hi, piece_cuts = pending.pop()
+        piece_ids, piece_offsets, cut = _encode_piece(tokenizer, text[lo:hi], [c - lo for c in piece_cuts])
+        if cut is None:
+            ids += piece_ids
+            offsets += [(start + lo, end + lo) for start, end in piece_offsets]
+            continue
+        at = lo + cut  # tokenised apart: the text before it, then the text from it
+        pending.append((at, hi, [c for c in piece_cuts if c > at]))
+        pending.append((lo, at, [c for c in piece_cuts if c < at]))
+    return ids, offsets
+
+
+def _encode_piece(tokenizer, text: str, cuts: Sequence[int]):
+    """``text``'s token ids and offsets, and the first position in ``cuts`` where it must be
+    tokenised in two (None if none)."""
     try:
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     except (NotImplementedError, ValueError) as exc:
@@ -384,10 +413,8 @@ def _encode(tokenizer, text: str, cuts: Sequence[int]) -> tuple[list[int], list[
         before = next((n for n, (start, _end) in enumerate(offsets) if start >= cut), len(offsets))
         if (any(start < cut < end for start, end in offsets)
                 or tokenizer(text[:cut], add_special_tokens=False)["input_ids"] != ids[:before]):
-            head_ids, head_offsets = _encode(tokenizer, text[:cut], [c for c in cuts if c < cut])
-            tail_ids, tail_offsets = _encode(tokenizer, text[cut:], [c - cut for c in cuts if c > cut])
-            return head_ids + tail_ids, head_offsets + [(start + cut, end + cut) for start, end in tail_offsets]
-    return ids, offsets
+            return ids, offsets, cut
+    return ids, offsets, None
 
 
 def tokenize_conversations(
