@@ -37,6 +37,12 @@ class Estimate:
 
 def draft_parameter_counts(cfg: RecipeConfig) -> tuple[int, int]:
     """(with embeddings, without) of the recipe's draft, built on the meta device."""
+    return _parameter_counts(recipe_meta_draft(cfg))
+
+
+def recipe_meta_draft(cfg: RecipeConfig):
+    """The recipe's draft on the meta device (:func:`_meta_draft`), or :class:`InputError` where
+    the target's shape is unknown without loading it."""
     from draftforge.splitserve.registry import resolve_target_shape
     from draftforge.train.config import build_dspark_config
 
@@ -48,14 +54,17 @@ def draft_parameter_counts(cfg: RecipeConfig) -> tuple[int, int]:
             f"target.model: the shape of target {cfg.target.model!r} is unknown without loading "
             "it (no config.json in that folder gives it); declare target.shape for a dry run"
         )
-    return dspark_parameter_counts(build_dspark_config(cfg.draft, shape))
+    return _meta_draft(build_dspark_config(cfg.draft, shape))
 
 
 def dspark_parameter_counts(dspark_cfg) -> tuple[int, int]:
     """(with embeddings, without) of a DSpark draft of ``dspark_cfg``, built on the meta device."""
+    return _parameter_counts(_meta_draft(dspark_cfg))
+
+
+def _parameter_counts(model) -> tuple[int, int]:
     from draftforge.train.model import count_parameters
 
-    model = _meta_draft(dspark_cfg)
     return count_parameters(model, with_embeddings=True), count_parameters(model, with_embeddings=False)
 
 
@@ -214,8 +223,10 @@ def sglang_pool_note(cfg: RecipeConfig) -> str:
             f"the run refuses to start where the weights alone fill a half{leader})")
 
 
-def trainer_estimate(cfg: RecipeConfig, with_emb: int, without_emb: int) -> Estimate:
-    """One trainer rank: parameters, gradients, AdamW states (sharded as the strategy does) and activations."""
+def trainer_estimate(cfg: RecipeConfig, with_emb: int, without_emb: int, *, meta_draft=None) -> Estimate:
+    """One trainer rank: parameters, gradients, AdamW states (sharded as the strategy does) and
+    activations. ``meta_draft``: the recipe's meta-device draft where the caller has built it already
+    (:func:`recipe_meta_draft`; fsdp2 reads its units from it), else it is built here."""
     from draftforge.splitserve.registry import resolve_target_shape
 
     shape = resolve_target_shape(cfg.target)
@@ -231,7 +242,7 @@ def trainer_estimate(cfg: RecipeConfig, with_emb: int, without_emb: int) -> Esti
         # prefetched); the root unit (fc, norms, Markov and confidence heads, the frozen embed
         # and lm_head) is not resharded after forward, so it stays gathered from the first
         # forward to the end of backward, beside the layers
-        layer, root = fsdp2_unit_parameters(cfg, shape)
+        layer, root = fsdp2_unit_parameters(cfg, shape, meta_draft=meta_draft)
         items = [
             ("trainable params (fp32, sharded)", trainable * 4 / shard),
             (f"gathered layers (compute dtype, 2 x {layer:,} params)", 2 * layer * low),
@@ -271,14 +282,14 @@ def trainer_estimate(cfg: RecipeConfig, with_emb: int, without_emb: int) -> Esti
     return Estimate(items)
 
 
-def fsdp2_unit_parameters(cfg: RecipeConfig, shape) -> tuple[int, int]:
+def fsdp2_unit_parameters(cfg: RecipeConfig, shape, *, meta_draft=None) -> tuple[int, int]:
     """(one draft layer's parameters, the root unit's own trainable ones: fc, norms, Markov
-    and confidence heads) of the recipe's draft, built on the meta device: the units
-    ``fully_shard`` gathers under train.strategy fsdp2 (the root's frozen embed and lm_head
-    are counted apart)."""
+    and confidence heads) of the recipe's draft (``meta_draft``, or built on the meta device when
+    None): the units ``fully_shard`` gathers under train.strategy fsdp2 (the root's frozen
+    embed and lm_head are counted apart)."""
     from draftforge.train.config import build_dspark_config
 
-    model = _meta_draft(build_dspark_config(cfg.draft, shape))
+    model = meta_draft if meta_draft is not None else _meta_draft(build_dspark_config(cfg.draft, shape))
     in_units = {id(p) for layer in model.layers for p in layer.parameters()}
     in_units |= {id(model.embed_tokens.weight), id(model.lm_head.weight)}
     layer = max((sum(p.numel() for p in layer.parameters()) for layer in model.layers), default=0)
@@ -429,7 +440,8 @@ def dry_run(cfg: RecipeConfig) -> str:
 
     split = cfg.split
     topology = build_topology(split)
-    with_emb, without_emb = draft_parameter_counts(cfg)
+    meta_draft = recipe_meta_draft(cfg)  # built once: the parameter counts and the trainer estimate
+    with_emb, without_emb = _parameter_counts(meta_draft)
     lines = [cfg.to_yaml().rstrip(), "", "split:"]
     nodes = "" if split.num_nodes == 1 else f" over {split.num_nodes} nodes"
     backend = comm_backend(cfg, gpus_visible=True)
@@ -468,7 +480,7 @@ def dry_run(cfg: RecipeConfig) -> str:
         *target_estimate(cfg).lines(),
         *filter(None, [sglang_pool_note(cfg), packed_weights_note(cfg)]),
         "memory estimate per trainer rank:",
-        *trainer_estimate(cfg, with_emb, without_emb).lines(),
+        *trainer_estimate(cfg, with_emb, without_emb, meta_draft=meta_draft).lines(),
     ]
     note = short_sample_note(cfg)
     if note:

@@ -44,11 +44,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import json
 import os
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -58,6 +60,7 @@ from draftforge.errors import InputError
 from draftforge.files import (
     Locked,
     exclusive_lock,
+    fsync_dir,
     fsync_tree,
     replace_dir,
     shareable,
@@ -90,6 +93,52 @@ def is_complete(path: Path) -> bool:
 
 def _step_of(path: Path) -> int:
     return int(_STEP_DIR.match(path.name).group(1))
+
+
+def put_back_aside(out: Path, usable: Callable[[Path], bool] | None = None) -> bool:
+    """Move back the folder that ``files.replace_dir`` had moved aside into ``.NAME.old-*/NAME``
+    beside ``out`` where a kill between its two renames left it the only copy: ``out`` does not
+    exist. Of several such copies (those ``usable`` accepts, when given) the newest goes back;
+    the ``.NAME.old-*`` folders are left for the caller to clear. Returns whether one was put
+    back. The caller holds the lock of whatever writes ``out`` (an export's, a run directory's),
+    so that no replace_dir is between its renames meanwhile."""
+    out = Path(out)
+    if out.exists():
+        return False
+    aside = out.parent.glob(f".{glob.escape(out.name)}.old-*")
+    retired = sorted((p / out.name for p in aside
+                      if (p / out.name).is_dir() and (usable is None or usable(p / out.name))),
+                     key=lambda p: p.stat().st_mtime)
+    if not retired:
+        return False
+    os.replace(retired[-1], out)  # the newest: the one the killed replace_dir moved aside
+    fsync_dir(out.parent)
+    return True
+
+
+def _put_back_retired(run_dir: Path) -> list[Path]:
+    """Put back each complete checkpoint a save killed between replace_dir's two renames left
+    only in ``.step_N.old-*`` (:func:`put_back_aside`), so that resume sees it; the emptied
+    folders go at the next prune (a copy that is no complete checkpoint stays where it is). Done under the run directory's lock: where another run holds it, its own
+    save may be between those renames, and nothing is moved. Returns the checkpoints put back."""
+    root = checkpoints_root(run_dir)
+    if not root.is_dir():
+        return []
+    steps = sorted({int(m.group(1)) for p in root.iterdir() if (m := _RETIRED.match(p.name))})
+    if not steps:
+        return []
+    held = Path(run_dir).absolute() in _claimed
+    if not held:
+        try:
+            claim_run_dir(run_dir)
+        except CheckpointError:  # another run trains there (or the folder cannot be locked)
+            return []
+    try:
+        return [checkpoint_path(run_dir, step) for step in steps
+                if put_back_aside(checkpoint_path(run_dir, step), usable=is_complete)]
+    finally:
+        if not held:
+            release_run_dir(run_dir)
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
@@ -150,7 +199,11 @@ def find_resume(run_dir: Path, resume: str) -> Path | None:
     checkpoint. Its checkpoints would sit below the abandoned ones, so ``resume: auto`` and
     ``draftforge export RUN_DIR`` would keep picking those, and pruning to ``keep_last``
     would delete its own.
+
+    A checkpoint that a save killed between the two renames of its re-save left only in its
+    moved-aside ``.step_N.old-*`` copy is put back first (:func:`_put_back_retired`).
     """
+    _put_back_retired(Path(run_dir))
     if resume == "auto":
         found = complete_checkpoints(run_dir)
         return found[-1] if found else None

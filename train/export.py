@@ -46,6 +46,8 @@ import contextlib
 import dataclasses
 import glob
 import json
+import math
+import numbers
 import os
 import re
 import shutil
@@ -57,7 +59,7 @@ from pathlib import Path
 import torch
 
 from draftforge.errors import InputError
-from draftforge.files import Locked, exclusive_lock, fsync_dir, fsync_tree, replace_dir, shareable
+from draftforge.files import Locked, exclusive_lock, fsync_tree, replace_dir, shareable
 from draftforge.train.model import DSparkConfig, DSparkDraft
 
 ARCHITECTURES = ("Qwen3DSparkModel", "LingDSparkModel")
@@ -299,6 +301,7 @@ def export_draft(
     Embedding tensors are written only with ``with_embeddings`` (servers attach
     the target's own); a state dict without them is fine otherwise.
     """
+    check_shard_size(max_shard_size_mb)  # before any work, not once the staging folder is written
     if isinstance(source, DSparkDraft):
         state, cfg = source.state_dict(), source.config
     else:
@@ -402,14 +405,12 @@ def _tidy_leftovers(out: Path, progress) -> None:
     draft) are removed, and the earlier export that ``replace_dir`` had moved aside into
     ``.NAME.old-*`` is put back where it is the only one left (killed between its two
     renames), so that this export, should it fail too, leaves it in place; older copies go."""
+    from draftforge.train.checkpoint import put_back_aside  # resume puts back a checkpoint so too
+
     name = glob.escape(out.name)
     stale = sorted(out.parent.glob(f".{name}.tmp-*"))
     aside = sorted(out.parent.glob(f".{name}.old-*"))
-    retired = sorted((p / out.name for p in aside if (p / out.name).is_dir()),
-                     key=lambda p: p.stat().st_mtime)
-    if retired and not out.exists():
-        os.replace(retired[-1], out)  # the newest: the one the killed export moved aside
-        fsync_dir(out.parent)
+    if put_back_aside(out):
         progress(f"export: put back the earlier export at {out}, which an export killed while "
                  "replacing it had left moved aside")
     for leftover in [*stale, *aside]:
@@ -419,12 +420,23 @@ def _tidy_leftovers(out: Path, progress) -> None:
                  f"beside {out}")
 
 
+def check_shard_size(max_shard_size_mb: float) -> None:
+    """Refuse a ``max_shard_size_mb`` that is no positive, finite number (0 or a negative one
+    would put every tensor in a shard of its own, NaN none past the first, inf fails to convert),
+    naming the parameter and the value, as the CLI's ``--max-shard-size-mb`` and the recipe do."""
+    number = isinstance(max_shard_size_mb, numbers.Real) and not isinstance(max_shard_size_mb, bool)
+    if not (number and math.isfinite(max_shard_size_mb) and max_shard_size_mb > 0):
+        raise ExportError(f"max_shard_size_mb must be a positive, finite number of megabytes, "
+                          f"got {max_shard_size_mb!r}")
+
+
 def write_safetensors(
     state: Mapping[str, torch.Tensor], folder: Path, *, max_shard_size_mb: float
 ) -> list[str]:
     """``model.safetensors``, or shards plus ``model.safetensors.index.json`` when larger than the limit."""
     from safetensors.torch import save_file
 
+    check_shard_size(max_shard_size_mb)
     limit = int(max_shard_size_mb * 1024 * 1024)
     names = sorted(state)
     shards: list[list[str]] = [[]]
