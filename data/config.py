@@ -28,7 +28,12 @@ class DataConfig(Section):
     min_loss_tokens: int = Field(
         default=8, ge=1, description="drop samples with fewer supervised tokens"
     )
-    skip_invalid: bool = Field(default=False, description="count and skip malformed rows")
+    skip_invalid: bool = Field(
+        default=False,
+        description="count and skip rows that are no valid conversation (bad JSON, missing or "
+        "mistyped fields); a conversation the chat template refuses still stops the run, "
+        "naming its file and line",
+    )
     regenerate: bool = Field(default=True, description="answer prompts with the target itself")
     regenerated_file: str | None = Field(
         default=None,
