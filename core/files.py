@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -137,6 +138,27 @@ def replace_dir(staging: Path, out: Path) -> None:
         raise
     fsync_dir(out.parent)
     shutil.rmtree(retired, ignore_errors=True)
+
+
+def put_back_aside(out: Path, usable: Callable[[Path], bool] | None = None) -> bool:
+    """Move back the folder that :func:`replace_dir` had moved aside into ``.NAME.old-*/NAME``
+    beside ``out`` where a kill between its two renames left it the only copy: ``out`` does not
+    exist. Of several such copies (those ``usable`` accepts, when given) the newest goes back;
+    the ``.NAME.old-*`` folders are left for the caller to clear. Returns whether one was put
+    back. The caller holds the lock of whatever writes ``out`` (an export's, a run directory's),
+    so that no replace_dir is between its renames meanwhile."""
+    out = Path(out)
+    if out.exists():
+        return False
+    aside = out.parent.glob(f".{glob.escape(out.name)}.old-*")
+    retired = sorted((p / out.name for p in aside
+                      if (p / out.name).is_dir() and (usable is None or usable(p / out.name))),
+                     key=lambda p: p.stat().st_mtime)
+    if not retired:
+        return False
+    os.replace(retired[-1], out)  # the newest: the one the killed replace_dir moved aside
+    fsync_dir(out.parent)
+    return True
 
 
 class Locked(Exception):

@@ -44,13 +44,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import glob
 import json
 import os
 import re
 import shutil
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -60,8 +58,8 @@ from draftforge.errors import InputError
 from draftforge.files import (
     Locked,
     exclusive_lock,
-    fsync_dir,
     fsync_tree,
+    put_back_aside,
     replace_dir,
     shareable,
     write_atomic,
@@ -95,32 +93,12 @@ def _step_of(path: Path) -> int:
     return int(_STEP_DIR.match(path.name).group(1))
 
 
-def put_back_aside(out: Path, usable: Callable[[Path], bool] | None = None) -> bool:
-    """Move back the folder that ``files.replace_dir`` had moved aside into ``.NAME.old-*/NAME``
-    beside ``out`` where a kill between its two renames left it the only copy: ``out`` does not
-    exist. Of several such copies (those ``usable`` accepts, when given) the newest goes back;
-    the ``.NAME.old-*`` folders are left for the caller to clear. Returns whether one was put
-    back. The caller holds the lock of whatever writes ``out`` (an export's, a run directory's),
-    so that no replace_dir is between its renames meanwhile."""
-    out = Path(out)
-    if out.exists():
-        return False
-    aside = out.parent.glob(f".{glob.escape(out.name)}.old-*")
-    retired = sorted((p / out.name for p in aside
-                      if (p / out.name).is_dir() and (usable is None or usable(p / out.name))),
-                     key=lambda p: p.stat().st_mtime)
-    if not retired:
-        return False
-    os.replace(retired[-1], out)  # the newest: the one the killed replace_dir moved aside
-    fsync_dir(out.parent)
-    return True
-
-
 def _put_back_retired(run_dir: Path) -> list[Path]:
     """Put back each complete checkpoint a save killed between replace_dir's two renames left
     only in ``.step_N.old-*`` (:func:`put_back_aside`), so that resume sees it; the emptied
-    folders go at the next prune (a copy that is no complete checkpoint stays where it is). Done under the run directory's lock: where another run holds it, its own
-    save may be between those renames, and nothing is moved. Returns the checkpoints put back."""
+    folders go at the next prune (a copy that is no complete checkpoint stays where it is).
+    Done under the run directory's lock: where another run holds it, its own save may be
+    between those renames, and nothing is moved. Returns the checkpoints put back."""
     root = checkpoints_root(run_dir)
     if not root.is_dir():
         return []

@@ -59,7 +59,14 @@ from pathlib import Path
 import torch
 
 from draftforge.errors import InputError
-from draftforge.files import Locked, exclusive_lock, fsync_tree, replace_dir, shareable
+from draftforge.files import (
+    Locked,
+    exclusive_lock,
+    fsync_tree,
+    put_back_aside,
+    replace_dir,
+    shareable,
+)
 from draftforge.train.model import DSparkConfig, DSparkDraft
 
 ARCHITECTURES = ("Qwen3DSparkModel", "LingDSparkModel")
@@ -405,8 +412,6 @@ def _tidy_leftovers(out: Path, progress) -> None:
     draft) are removed, and the earlier export that ``replace_dir`` had moved aside into
     ``.NAME.old-*`` is put back where it is the only one left (killed between its two
     renames), so that this export, should it fail too, leaves it in place; older copies go."""
-    from draftforge.train.checkpoint import put_back_aside  # resume puts back a checkpoint so too
-
     name = glob.escape(out.name)
     stale = sorted(out.parent.glob(f".{name}.tmp-*"))
     aside = sorted(out.parent.glob(f".{name}.old-*"))
