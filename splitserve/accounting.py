@@ -40,6 +40,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+_SERIES_KEPT = 400  # queue-depth points kept for the summary (thinned by half when reached)
+
 
 class Meter:
     """Busy / idle stopwatch of one process, by part."""
@@ -178,7 +180,13 @@ class ConsumerAccounting:
         self.step_wait_s = 0.0  # the trainer's wait_s, from its step records
         self.steps = 0
         self.stepped = self.started  # when the last step ended: the trainer's figures run to it
-        self.depths: list[tuple[float, int]] = []
+        # the queue's depth at each take, kept as running counts per depth (so a window's mean and
+        # maximum come from two readings, not a list as long as the run) and as a thinned series
+        # for the summary's plot; both bounded, whatever the number of samples
+        self.takes = 0
+        self._depth_counts: list[int] = []  # takes at depth d: _depth_counts[d]
+        self._series: list[tuple[float, int]] = []  # (seconds, depth) of every _stride-th take
+        self._stride = 1
         self.producers: dict[int, dict] = {}
         self._untrained: dict[str, int] = {}  # taken, not yet in a step: sample id -> tokens
         self._last: dict | None = None
@@ -191,7 +199,15 @@ class ConsumerAccounting:
         one included, as :class:`~draftforge.splitserve.consumer.ConsumerStream` counts them:
         at least 1). With its ``sample_id``
         its tokens count once a step trains it (:meth:`on_step`), else at once."""
-        self.depths.append((time.perf_counter() - self.started, depth))
+        if depth >= len(self._depth_counts):
+            self._depth_counts.extend([0] * (depth + 1 - len(self._depth_counts)))
+        self._depth_counts[depth] += 1
+        if self.takes % self._stride == 0:
+            self._series.append((time.perf_counter() - self.started, depth))
+            if len(self._series) >= _SERIES_KEPT:  # every other one: the stride doubles
+                self._series = self._series[::2]
+                self._stride *= 2
+        self.takes += 1
         self.wait_s += waited_s
         if sample_id is not None:
             self._untrained[sample_id] = tokens
@@ -243,22 +259,25 @@ class ConsumerAccounting:
             "wire_wait": self.wait_s,
             "tokens": self.tokens,
             "samples": self.samples,
-            "depths": len(self.depths),
+            "depth_counts": tuple(self._depth_counts),
             **{f"p_{key}": value / count for key, value in prod.items()},
         }
 
     def snapshot(self, since: dict | None = None) -> dict:
         """Both sides and the queue, over the whole run or since the totals ``since``."""
         now = self._totals()
-        base = since or dict.fromkeys(now, 0)
-        d = {key: now[key] - base[key] for key in now}
+        base = since or {}
+        d = {key: value - base.get(key, 0) for key, value in now.items() if key != "depth_counts"}
         consumer = side_summary(d["compute"], d["wait"], d["wall"], d["tokens"])
         consumer["wire_wait_s"] = round(d["wire_wait"], 3)
         producer = side_summary(d["p_busy_s"], d["p_idle_s"], d["p_wall_s"], d["p_tokens"])
-        depths = [depth for _, depth in self.depths[base["depths"] :]]
+        before = base.get("depth_counts", ())
+        counts = [n - (before[depth] if depth < len(before) else 0)
+                  for depth, n in enumerate(now["depth_counts"])]
+        takes = sum(counts)
         queue = {
-            "mean": sum(depths) / len(depths) if depths else 0.0,
-            "max": max(depths) if depths else 0,
+            "mean": sum(depth * n for depth, n in enumerate(counts)) / takes if takes else 0.0,
+            "max": max((depth for depth, n in enumerate(counts) if n), default=0),
             "credits": self.credits,
         }
         recommended = None  # a side with no capacity measured: no advice (see _verdict)
@@ -375,8 +394,8 @@ class ConsumerAccounting:
 
     def depth_series(self, points: int = 200) -> list[list[float]]:
         """Queue depth over time, ``[[seconds, depth], ...]``, thinned to at most ``points``."""
-        stride = max(1, -(-len(self.depths) // points))
-        return [[round(t, 3), d] for t, d in self.depths[::stride]]
+        stride = max(1, -(-len(self._series) // points))
+        return [[round(t, 3), d] for t, d in self._series[::stride]]
 
     def begin(self, step: int) -> None:
         """Open this run's segment of ``accounting.jsonl`` with a ``start`` record at ``step``.

@@ -463,10 +463,16 @@ def send_ack(dst: int, consumed: int, *, stop: bool = False, group) -> None:
     _send(_header(ACK, [consumed, int(stop)]), dst, group, "target", doing)
 
 
+def _use_device(device: torch.device | str) -> None:
+    """Make a CUDA ``device`` current on the calling thread (a thread starts on device 0)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(torch.device(device))
+
+
 class _Heartbeat:
     """A daemon thread that calls :meth:`_send_beats` under :attr:`lock` every ``every_s``
-    until :meth:`close`. A :class:`PeerDied` it meets ends it: kept in :attr:`error` and
-    handed to :meth:`_failed`. Subclasses send their other messages under :attr:`lock`
+    until :meth:`close`. A :class:`PeerDied` it meets, or any other error (a device it
+    cannot use), ends it: kept in :attr:`error` and handed to :meth:`_failed`. Subclasses send their other messages under :attr:`lock`
     too, so a beat never lands between the parts of one, and call :meth:`_start` last in
     their ``__init__``."""
 
@@ -482,16 +488,15 @@ class _Heartbeat:
         self._thread.start()
 
     def _run(self) -> None:
-        if torch.device(self._device).type == "cuda":
-            torch.cuda.set_device(torch.device(self._device))
-        while not self._halt.wait(self._every_s):
-            with self.lock:
-                try:
+        try:
+            _use_device(self._device)
+            while not self._halt.wait(self._every_s):
+                with self.lock:
                     self._send_beats()
-                except PeerDied as exc:
-                    self.error = exc
-                    self._failed(exc)
-                    return
+        except BaseException as exc:  # noqa: BLE001 - a dead peer or any other failure: kept, not lost with the thread
+            with self.lock:
+                self.error = exc
+                self._failed(exc)
 
     def _send_beats(self) -> None:
         raise NotImplementedError
@@ -768,11 +773,10 @@ class SampleReceiver:
         self._thread.start()
 
     def _run(self) -> None:
-        if torch.device(self._device).type == "cuda":
-            torch.cuda.set_device(torch.device(self._device))
         active = list(self.sources)
         index = self._start % len(active)
         try:
+            _use_device(self._device)  # inside: a failure reaches get() instead of leaving it waiting
             while active:
                 src = active[index % len(active)]
                 with self._cond:

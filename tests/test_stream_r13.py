@@ -132,8 +132,8 @@ def test_the_trainers_tokens_and_samples_are_those_its_steps_trained(monkeypatch
         trained += [s.sample_id for s in batch]
         # a step's ids are every trainer rank's: another rank's are not this one's tokens
         acc.on_step({"compute_s": 0.5, "wait_s": 0.0, "sample_ids": [s.sample_id for s in batch] + ["z"]})
-    assert trained == ["a", "b", "c", "d"] and acc.depths[-1][1] == 1  # "e" taken: 5 takes
-    assert len(acc.depths) == 5
+    assert trained == ["a", "b", "c", "d"] and acc.depth_series()[-1][1] == 1  # "e" taken: 5 takes
+    assert acc.takes == 5
     s = acc.snapshot()
     tokens = sum(lengths[i] for i in trained)
     assert (s["samples"], s["consumer"]["tokens"]) == (4, tokens) == (4, 140)
