@@ -320,8 +320,9 @@ def export_draft(
     if with_embeddings and not all(name in state for name in EMBEDDING_KEYS):
         raise ExportError(
             "with_embeddings needs embed_tokens.weight and lm_head.weight in the draft's state dict, "
-            "and this checkpoint has none; export without --with-embeddings (servers attach the "
-            "target's own) or load the target's into the draft first"
+            "and this checkpoint has none; export without them (--no-with-embeddings, which also "
+            "overrides a recipe's export.with_embeddings: true; servers attach the target's own) or "
+            "load the target's into the draft first"
         )
     if with_embeddings:
         # a bf16 run keeps the frozen target matrices in bf16 beside fp32 weights (the trainer
@@ -811,7 +812,13 @@ def push_to_hub(folder: str | os.PathLike[str], repo_id: str, *, private: bool =
         raise RuntimeError("pushing needs huggingface_hub: pip install huggingface_hub") from err
     offline = hub_offline_setting()
     if offline is not None:
-        name = offline.split("=")[0]
+        from huggingface_hub import constants
+
+        # the client reads TRANSFORMERS_OFFLINE once HF_HUB_OFFLINE is unset: advice to unset
+        # one of two offline variables would fail again after a whole export
+        name = " and ".join(dict.fromkeys([offline.split("=")[0], *(
+            other for other in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+            if os.environ.get(other, "").upper() in constants.ENV_VARS_TRUE_VALUES)]))
         raise RuntimeError(
             f"cannot push to {repo_id}: {offline} is set, so huggingface_hub is offline. The export "
             f"is complete at {folder}; unset {name} and run `draftforge export ... --push-to-hub` "

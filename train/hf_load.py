@@ -151,6 +151,7 @@ def _check_implemented(raw: dict, where: str) -> None:
             f"{where}: attention_bias is {bias!r}, but draftforge's draft has no attention biases: "
             "only false is supported (what draftforge export writes)"
         )
+    _check_attention_implemented(raw, where)
     arch = raw.get("architectures")
     if arch is not None and (not isinstance(arch, list) or len(arch) != 1 or arch[0] not in ARCHITECTURES):
         valid = " or ".join(f'["{name}"]' for name in ARCHITECTURES)
@@ -158,6 +159,35 @@ def _check_implemented(raw: dict, where: str) -> None:
             f"{where}: architectures is {json.dumps(arch)}, but a DSpark draft's is {valid} "
             "(what draftforge export --arch writes)"
         )
+
+
+def _check_attention_implemented(raw: dict, where: str) -> None:
+    """Refuse attention draftforge's draft does not implement, which servers read from config.json
+    (llama.cpp's converter: ``partial_rotary_factor``, ``use_sliding_window`` with
+    ``sliding_window``, ``layer_types``, ``dflash_config.use_swa``, ``is_causal`` /
+    ``dflash_config.causal``): RoPE over part of each head (drafts for Qwen3.5-family targets), a
+    sliding window or causal attention inside the block would load into a draft whose logits
+    differ from the server's. ``draftforge export`` writes none of them."""
+    nested = raw.get("dflash_config") if isinstance(raw.get("dflash_config"), dict) else {}
+    rope = [(key, raw[key]) for key in ("rope_parameters", "rope_scaling") if isinstance(raw.get(key), dict)]
+    for key, value in [("partial_rotary_factor", raw.get("partial_rotary_factor")),
+                       *((f"{name}.partial_rotary_factor", spec.get("partial_rotary_factor")) for name, spec in rope)]:
+        if value is not None and value != 1:  # fmt: skip
+            raise ExportError(f"{where}: {key} is {value!r}, but draftforge's draft rotates whole heads "
+                              "(RoPE over every head dimension, what draftforge export writes); a server "
+                              "would rotate part of each head and compute other logits")
+    layer_types = raw.get("layer_types")
+    windowed = [
+        ("use_sliding_window", raw.get("use_sliding_window")) if raw.get("use_sliding_window") and raw.get("sliding_window") else None,
+        ("layer_types", layer_types) if isinstance(layer_types, list) and any(t != "full_attention" for t in layer_types) else None,
+        ("dflash_config.use_swa", nested.get("use_swa")) if nested.get("use_swa") else None,
+        ("is_causal", raw.get("is_causal")) if raw.get("is_causal") else None,
+        ("dflash_config.causal", nested.get("causal")) if nested.get("causal") else None,
+    ]  # fmt: skip
+    for key, value in filter(None, windowed):
+        raise ExportError(f"{where}: {key} is {json.dumps(value)}, but draftforge's draft attends over the "
+                          "whole context and bidirectionally inside the block (what draftforge export "
+                          "writes); a server would build another attention than the one loaded")
 
 
 def _check_layer_order(ids: list[int]) -> None:
