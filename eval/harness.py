@@ -8,6 +8,7 @@ checked lossless against plain decoding, prompt by prompt.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
@@ -17,6 +18,7 @@ import torch
 from draftforge.errors import InputError
 from draftforge.eval.baselines import NgramProposer, NoDraft
 from draftforge.eval.calibration import round_samples
+from draftforge.eval.config import NGRAM_MATCHES
 from draftforge.eval.estimate import check_target_layers, train_time_estimate
 from draftforge.eval.speculative import (
     DecodeResult,
@@ -60,6 +62,33 @@ class EvalSettings:
                 f"EvalSettings.baselines must be a sequence of names out of {', '.join(known)}, "
                 f"got {self.baselines!r}"
             )
+        # the rest as the recipe's eval section bounds them (a library caller bypasses it):
+        # top_p 0 gave NaN probabilities, a misspelt verify or ngram_match a silent default
+        wrong = [f"{name} must be {rule}, got {getattr(self, name)!r}" for name, rule, ok in (
+            ("max_new_tokens", "an integer of at least 2", _whole(self.max_new_tokens, 2)),
+            ("temperature", "a finite number of at least 0", _number(self.temperature, 0, math.inf)),
+            ("top_k", "an integer of at least 0", _whole(self.top_k, 0)),
+            ("top_p", "a number above 0 and at most 1", _number(self.top_p, 0, 1) and self.top_p > 0),
+            ("draft_sampling", "'greedy' or 'sample'", self.draft_sampling in ("greedy", "sample")),
+            ("verify", "'full' or 'threshold'", self.verify in ("full", "threshold")),
+            ("threshold", "a number from 0 to 1", _number(self.threshold, 0, 1)),
+            ("ngram_max", "an integer of at least 1", _whole(self.ngram_max, 1)),
+            ("ngram_match", f"one of {NGRAM_MATCHES}", self.ngram_match in NGRAM_MATCHES),
+            ("tie_tolerance", "a finite number of at least 0", _number(self.tie_tolerance, 0, math.inf)),
+            ("estimate_anchors", "an integer of at least 1", _whole(self.estimate_anchors, 1)),
+        ) if not ok]  # fmt: skip
+        if wrong:
+            raise InputError(f"EvalSettings: {'; '.join(wrong)}")
+
+
+def _whole(value, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _number(value, low: float, high: float) -> bool:
+    """A real number in ``[low, high]`` (finite unless ``high`` is infinite; NaN never)."""
+    return (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            and low <= value <= high)
 
 
 @dataclass

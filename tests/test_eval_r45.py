@@ -91,3 +91,28 @@ def test_greedy_loop_matches_a_slow_uncached_reference_round_by_round(target, tr
     assert result.tokens == output
     assert [r.acceptance_length for r in result.rounds] == lengths
     assert all(r.acceptance_length <= gamma + 1 for r in result.rounds)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("top_p", 0.0), ("top_p", 1.5), ("top_p", float("nan")), ("temperature", -0.1),
+    ("temperature", float("inf")), ("top_k", -1), ("top_k", 2.5), ("max_new_tokens", 1),
+    ("verify", "Full"), ("threshold", 1.2), ("ngram_match", "first"), ("ngram_max", 0),
+    ("draft_sampling", "argmax"), ("tie_tolerance", -1e-3), ("estimate_anchors", 0),
+])
+def test_eval_settings_refuse_what_the_recipe_section_refuses(field, value):
+    """A library caller bypasses the recipe's bounds: top_p 0 gave NaN probabilities mid-run, a
+    misspelt verify mode or n-gram rule silently ran the default."""
+    from draftforge.errors import InputError
+    from draftforge.eval.harness import EvalSettings
+
+    with pytest.raises(InputError, match=rf"EvalSettings: {field} must be .*, got {value!r}"):
+        EvalSettings(**{field: value})
+
+
+def test_eval_settings_take_the_bounds_themselves():
+    from draftforge.eval.harness import EvalSettings
+
+    EvalSettings()
+    EvalSettings(max_new_tokens=2, temperature=0.0, top_k=0, top_p=1.0, verify="threshold", threshold=0.0,
+                 ngram_match="earliest", ngram_max=1, tie_tolerance=0.0, estimate_anchors=1)
+    EvalSettings(temperature=1, top_p=1e-6, threshold=1, draft_sampling="sample")
