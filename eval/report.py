@@ -200,9 +200,10 @@ def calibration_lines(calibration: dict | None) -> list[str]:
 def _calibration_positions(calibration: dict) -> list[str]:
     """Per position, the held-out ECE before and after ("n/a" where no held-out sample reached
     it: not measured, not 0), and which temperatures are a bound of the fit's search, not a
-    fitted value (:func:`draftforge.eval.calibration.bound_hit`). Nothing for a report.json
-    written before these were recorded."""
-    from draftforge.eval.calibration import MAX_TEMPERATURE, MIN_TEMPERATURE
+    fitted value (:func:`draftforge.eval.calibration.bound_hit`), or no fit at all (fewer than
+    ``MIN_FIT_SAMPLES`` fitting samples: T = 1 kept, which read as a fitted 1.000). Nothing for
+    a report.json written before these were recorded."""
+    from draftforge.eval.calibration import MAX_TEMPERATURE, MIN_FIT_SAMPLES, MIN_TEMPERATURE
 
     lines = []
     before, after = calibration.get("ece_before"), calibration.get("ece_after")
@@ -219,6 +220,11 @@ def _calibration_positions(calibration: dict) -> list[str]:
                      "fell beyond it (at the upper bound the confidence there predicts acceptance "
                      "worse than a constant, e.g. nearly every draft rejected while the head says "
                      "accept); the file keeps the bound.")
+    unfitted = [f"position {k} ({n} fitting sample{'' if n == 1 else 's'})"
+                for k, n in enumerate(calibration.get("fit_samples") or ()) if n < MIN_FIT_SAMPLES]
+    if unfitted:
+        lines.append(f"Temperature not fitted, kept at 1 (fewer than {MIN_FIT_SAMPLES} fitting samples): "
+                     f"{', '.join(unfitted)}.")
     return lines
 
 
