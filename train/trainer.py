@@ -150,6 +150,15 @@ class Trainer:
                 f"train.strategy=single runs one trainer process, the trainer group has "
                 f"{D.group_size(group=group)}; use fsdp2 or deepspeed"
             )
+        if train.loss.position_weighting == "dpace" and train.grad_accum > 1:
+            # the recipe refuses it too; a library caller's TrainConfig bypasses that check
+            raise InputError(
+                f"train.grad_accum={train.grad_accum} with train.loss.position_weighting=dpace: "
+                "D-PACE weights depend on the draft's own acceptance, so the step's weight sum is "
+                "known only after every micro-batch's forward, and each micro-batch would be "
+                "normalised alone (a loss and gradient about grad_accum times the step's); use "
+                "position_weighting exp, or grad_accum 1 with larger micro-batches"
+            )
         self.group = group
         self.rank = D.group_rank(group=group)
         self.world = D.group_size(group=group)
@@ -408,7 +417,7 @@ class Trainer:
         rank, so that accumulated micro-batches weigh each supervised slot alike (the
         contract's sums, not a mean of per-micro-batch means). Exp weights depend only on
         which slots are supervised, so it is known before any forward: one all-reduce per
-        step. D-PACE weights need the forward; the recipe refuses them with accumulation,
+        step. D-PACE weights need the forward; the recipe and __init__ refuse them with accumulation,
         and each micro-batch's forward sums them over the ranks instead (``None``)."""
         loss = self.train.loss
         if loss.position_weighting != "exp":
@@ -528,6 +537,13 @@ class Trainer:
 
     def train_step(self, micro_batches: list[list[Sample]], *, wait_s: float = 0.0) -> dict:
         """One optimizer step over ``grad_accum`` micro-batches (collective); returns its record."""
+        for micro, samples in enumerate(micro_batches):  # before any collective of the step
+            empty = next((s.sample_id for s in samples if s.num_tokens == 0), None)
+            if empty is not None:  # it trained, then resume refused every checkpoint as corrupt
+                raise InputError(
+                    f"sample {empty!r} (micro-batch {micro} of step {self.step + 1}) has no tokens: "
+                    "nothing in it can be trained, and a checkpoint records each consumed sample "
+                    "with its positive token count; leave empty samples out of the batches")
         gamma = self.model_config.block_size
         comm = self._comm_device()
         compute_start = time.perf_counter()

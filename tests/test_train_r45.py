@@ -1,0 +1,60 @@
+"""Review round 45 of the training loop: D-PACE weights with accumulation refused by the trainer
+itself (a library caller's TrainConfig bypasses the recipe's check and trained on a loss about
+grad_accum times the step's), and a sample without tokens refused before it trains (it trained,
+and then every checkpoint holding it was refused as corrupt)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from trainer_helpers import chain_samples, target_embeddings, tiny_model_config, train_config
+
+from draftforge.errors import InputError
+from draftforge.train import checkpoint as ckpt
+from draftforge.train.config import LossConfig
+from draftforge.train.sample import Sample
+from draftforge.train.trainer import Trainer
+
+
+def _trainer(run_dir, **overrides) -> Trainer:
+    return Trainer(model_config=tiny_model_config(), train=train_config(**overrides),
+                   embeddings=target_embeddings(), run_dir=run_dir)
+
+
+def test_dpace_with_accumulation_is_refused_by_the_trainer(tmp_path):
+    """Unrefused, grad_accum=2 over [short], [long] logged a loss about twice the one of a
+    step on [short + long] (each micro-batch divided by its own weight sum, then summed)."""
+    dpace = LossConfig(position_weighting="dpace")
+    with pytest.raises(InputError) as info:
+        _trainer(tmp_path / "two", loss=dpace, grad_accum=2)
+    message = str(info.value)
+    assert "train.grad_accum=2" in message and "position_weighting=dpace" in message
+    # one micro-batch a step, and exp weights with accumulation, still train
+    short = chain_samples(1, seed=1, min_len=8, max_len=8)
+    record = _trainer(tmp_path / "one", loss=dpace, num_anchors=200).train_step([short])
+    assert torch.isfinite(torch.tensor(record["loss"]))
+    _trainer(tmp_path / "exp", grad_accum=2)
+
+
+def _empty(like: Sample) -> Sample:
+    return Sample("empty-1", like.input_ids[:0], like.loss_mask[:0], like.aux[:0], like.final[:0])
+
+
+def test_a_sample_without_tokens_is_refused_before_the_step(tmp_path):
+    """Beside other samples it used to train, and the checkpoint recorded its 0 tokens, which
+    resume then refused as a corrupt trainer_state.json (advising to delete the checkpoint);
+    alone in a micro-batch it failed with an IndexError deep in the draft."""
+    samples = chain_samples(4)
+    trainer = _trainer(tmp_path, steps=2, grad_accum=2)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    for micro in ([[samples[0]], [samples[1], _empty(samples[0])]], [[_empty(samples[0])], [samples[1]]]):
+        with pytest.raises(InputError, match=r"sample 'empty-1' \(micro-batch \d of step 1\) has no tokens"):
+            trainer.train_step(micro)
+    assert trainer.step == 0 and trainer.consumed_ids == []
+    for name, value in trainer.model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    # the run goes on with its other samples, and its checkpoint resumes
+    result = trainer.fit([[samples[0]], [samples[1]], [samples[2]], [samples[3]]])
+    assert result.step == 2 and result.checkpoint == ckpt.checkpoint_path(tmp_path, 2)
+    again = _trainer(tmp_path, steps=3, resume="auto")
+    assert again.resume().consumed_ids == [s.sample_id for s in samples]
