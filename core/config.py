@@ -28,7 +28,15 @@ from draftforge.data.config import DataConfig
 from draftforge.eval.config import EvalConfig
 from draftforge.files import write_atomic
 from draftforge.recipe_checks import _cross_check
-from draftforge.recipe_errors import KeyPath, RecipeError, _describe_all, _Locator, _show
+from draftforge.recipe_errors import (
+    NONE_IS_A_STRING,
+    KeyPath,
+    RecipeError,
+    _describe_all,
+    _Locator,
+    _nullable,
+    _show,
+)
 from draftforge.recipe_yaml import (
     _apply_override,
     _line_column,
@@ -127,7 +135,8 @@ def validate_recipe(
 
     ``overrides`` (``key.sub=value``) are applied before validation. ``source``,
     ``lines`` and ``booleans`` (how each unquoted boolean was written, by key path) only
-    shape the error messages. Raises :class:`RecipeError`.
+    shape the error messages; ``booleans`` also marks each unquoted ``None``, which a key
+    that takes null refuses (YAML reads it as the string 'None'). Raises :class:`RecipeError`.
     """
     if data is None:
         data = {}
@@ -169,11 +178,25 @@ def validate_recipe(
         problems = [locator.line(*problem)
                     for problem in _describe_all(exc.errors(), booleans, RecipeConfig)]
         raise RecipeError(problems) from None
-    problems = [locator.line(*problem) for problem in _cross_check(cfg)]
+    problems = [locator.line(path, f"{NONE_IS_A_STRING}, or quote 'None' for the string")
+                for path, spelled in booleans.items() if spelled == "None" and _nullable(path, RecipeConfig)
+                and _value_at(cfg, path) == "None"]  # export.out_dir=None: a folder ./None
+    problems += [locator.line(*problem) for problem in _cross_check(cfg)]
     if problems:
         raise RecipeError(problems)
     cfg._locator = locator
     return cfg
+
+
+def _value_at(cfg: RecipeConfig, path: KeyPath) -> Any:
+    """The validated value at ``path`` (None where the path goes through a value)."""
+    value: Any = cfg
+    for part in path:
+        if isinstance(part, int):
+            value = value[part] if isinstance(value, list) and part < len(value) else None
+        else:
+            value = getattr(value, part, None) if isinstance(value, BaseModel) else None
+    return value
 
 
 def _string_keyed(data: Any) -> Any:

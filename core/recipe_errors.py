@@ -103,6 +103,16 @@ def _model_at(path: KeyPath, root: type[BaseModel]) -> type[BaseModel] | None:
     return None
 
 
+NONE_IS_A_STRING = "unquoted None is the string 'None' in YAML, not null; write null (or ~) for none"
+
+
+def _nullable(path: KeyPath, root: type[BaseModel]) -> bool:
+    """Whether the key at ``path`` takes null (its field is ``X | None``)."""
+    model = _model_at(path[:-1], root) if path and isinstance(path[-1], str) else None
+    field = model.model_fields.get(path[-1]) if model is not None else None
+    return field is not None and type(None) in typing.get_args(field.annotation)
+
+
 def _describe(
     error: dict[str, Any], booleans: dict[KeyPath, str], root: type[BaseModel]
 ) -> tuple[KeyPath, str]:
@@ -144,6 +154,8 @@ def _describe(
         hint = ""
         if kind == "string_type" and spelled is not None:
             hint = f" (unquoted {spelled} is a boolean in YAML; quote it: {spelled!r})"
+        elif value == "None" and booleans.get(path) == "None" and _nullable(path, root):
+            hint = f" ({NONE_IS_A_STRING})"
         return path, f"expected {_EXPECTED[kind]}, got {_show(value)}{hint}"
     message = str(error.get("msg", kind))
     if message.startswith("Value error, "):

@@ -75,6 +75,8 @@ def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
 _RecipeLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 # the writer knows the rule too, so that a string such as '1e5' is quoted and loads back a string
 _RecipeDumper.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
+# and the string 'None' is written quoted: unquoted, a nullable key refuses it (validate_recipe)
+_RecipeDumper.add_implicit_resolver("tag:yaml.org,2002:null", re.compile(r"^None$"), ["N"])
 
 
 def _line_column(text: str, position: int) -> tuple[int, int]:
@@ -154,8 +156,9 @@ def _index_lines(
 ) -> None:
     """Record the 1-based line of every key path, and in ``booleans`` how each unquoted boolean
     was written (``off``, ``no``: YAML 1.1 reads them as false), for the message of a key that
-    wanted a string; report duplicate and non-string keys, led by ``source:line`` (nothing for
-    a value given on the command line, whose caller says where).
+    wanted a string, and each unquoted ``None`` (a string in YAML, not null); report duplicate
+    and non-string keys, led by ``source:line`` (nothing for a value given on the command line,
+    whose caller says where).
     A key that a merge (``<<: *anchor``) brings in is at the line of that merge: the anchor's
     own lines are shared by every mapping that merges it."""
     at = (lambda line: f"{source}:{line}: ") if source is not None else (lambda line: "")
@@ -196,6 +199,8 @@ def _index_lines(
             _index_lines(item, path + (index,), lines, problems, source, booleans)
     elif node.tag == "tag:yaml.org,2002:bool" and node.style is None:
         booleans[path] = node.value
+    elif node.tag == "tag:yaml.org,2002:str" and node.style is None and node.value == "None":
+        booleans[path] = node.value  # Python's None, which YAML reads as the string 'None'
 
 
 def _key_paths(node: yaml.Node, path: KeyPath) -> list[KeyPath]:

@@ -569,15 +569,16 @@ def _kill_orphans(ranks: Mapping[int, str], status: int | None, *, quiet: bool =
 def planned_gpus(cfg) -> int:
     """GPUs per node the recipe's split uses (what a dry run assumes): every GPU a group's
     device list names and, where samples go over NCCL as planned on a GPU machine, each
-    unlisted rank's node-local GPU LOCAL_RANK; with train.device cuda over gloo, one GPU
-    for each trainer rank of the node with the most."""
+    unlisted rank's node-local GPU LOCAL_RANK; over gloo with train.device cuda (or auto,
+    which a GPU machine runs on its GPUs: ``roles._device``), one GPU for each trainer rank of
+    the node with the most."""
     from draftforge.splitserve.roles import comm_backend, trainers_by_node
 
     split = cfg.split
     per_node = split.world_size // split.num_nodes
     nccl = comm_backend(cfg, gpus_visible=True) == "nccl"
     gpus = []
-    if cfg.train.device == "cuda" and not nccl:
+    if cfg.train.device != "cpu" and not nccl:
         gpus += list(range(max(map(len, trainers_by_node(split)))))
     for ranks, devices in ((split.target_ranks, split.target_devices),
                            (split.trainer_ranks, split.trainer_devices)):  # fmt: skip
