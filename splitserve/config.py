@@ -180,7 +180,9 @@ class SplitConfig(Section):
         default=None, description="default: every rank not in target_ranks"
     )
     world_size: int | None = Field(
-        default=None, gt=0, description="default: len(target_ranks) + len(trainer_ranks)"
+        default=None, gt=0,
+        description="default: len(target_ranks) + len(trainer_ranks); with neither set, "
+        "len(target_ranks) + one trainer rank (one per trainer_devices entry where it is set)",
     )
     num_nodes: int = Field(
         default=1,
@@ -221,8 +223,8 @@ class SplitConfig(Section):
         default="auto",
         description="transport of the features: auto is nccl when GPUs are visible and "
         "train.device is not cpu, else gloo; over gloo the target ranks run on the CPU and "
-        "trainers of train.device cuda each on their own GPU (a node's first trainer rank on "
-        "GPU 0, its next on GPU 1, ...)",
+        "trainers of train.device cuda (or auto where GPUs are visible) each on their own GPU "
+        "(a node's first trainer rank on GPU 0, its next on GPU 1, ...)",
     )
     feature_batch_size: int = Field(
         default=8, gt=0, description="sequences per target features() call on a target rank"

@@ -186,6 +186,8 @@ def _one_node_gpus(cfg) -> str:
         line += " where GPUs are visible (comm_backend auto); without GPUs every rank runs on the CPU"
     elif comm_backend(cfg, gpus_visible=True) != "nccl":
         line += " for its trainer ranks (gloo: the target ranks run on the CPU)"
+        if cfg.train.device == "auto":
+            line += "; where no GPU is visible the trainers run on the CPU too (train.device auto)"
     if gpus > MOST_GPUS_PER_NODE:
         line += (f"; more than the {MOST_GPUS_PER_NODE} of most GPU nodes: on {MOST_GPUS_PER_NODE}-GPU "
                  "nodes spread the ranks with split.num_nodes (each node then runs "
