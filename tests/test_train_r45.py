@@ -92,3 +92,25 @@ def test_strings_gathered_and_broadcast_over_gloo_arrive_as_sent(tmp_path):
     for rank in range(2):
         result = json.loads((tmp_path / f"result.{rank}").read_text(encoding="utf-8"))
         assert result == {"gathered": expected, "told": "from one: ∑"}
+
+
+def test_fit_without_resume_in_a_folder_holding_another_runs_checkpoints_is_refused(tmp_path):
+    """A library caller who forgot resume(): the new run saved below the old run's checkpoints
+    and pruning to keep_last deleted the old run's as they aged out; the job itself calls
+    resume(), which refused such a start already."""
+    samples = chain_samples(6)
+    first = _trainer(tmp_path, steps=3, checkpoint_interval=1, keep_last=3)
+    assert first.fit([[s] for s in samples[:3]]).step == 3
+    saved = sorted(p.name for p in ckpt.complete_checkpoints(tmp_path))
+    second = _trainer(tmp_path, steps=3, checkpoint_interval=1, keep_last=3)
+    with pytest.raises(ckpt.CheckpointError, match=r"already holds checkpoints.*call Trainer\.resume\(\) before fit\(\)"):
+        second.fit([[s] for s in samples[3:]])
+    assert sorted(p.name for p in ckpt.complete_checkpoints(tmp_path)) == saved
+    # resumed, it continues that run; a fit() after a fit() of the same trainer is no fresh start
+    third = _trainer(tmp_path, steps=5, checkpoint_interval=1, keep_last=3, resume="auto")
+    assert third.resume().step == 3
+    assert third.fit([[s] for s in samples[3:5]]).step == 5
+    fourth = _trainer(tmp_path / "other", steps=1)
+    fourth.fit([[samples[0]]])
+    fourth.train = fourth.train.model_copy(update={"steps": 2})
+    assert fourth.fit([[samples[1]]]).step == 2

@@ -175,6 +175,7 @@ class Trainer:
         self.reduce_sum = D.reduce_sum_fn(group=group)
         self.objective = train.loss.model_dump()
         self.step = 0
+        self._resume_checked = False  # resume() looked at the run's checkpoints (fit() checks otherwise)
         self.skipped_steps = 0
         self.consumed_ids: list[str] = []
         self.consumed_tokens: list[int] = []  # each consumed sample's, for the producers' balance
@@ -252,6 +253,7 @@ class Trainer:
         message = D.broadcast_string(message, group=self.group, device=self._comm_device())
         if message.startswith("error:"):
             raise ckpt.CheckpointError(message[len("error:"):])
+        self._resume_checked = True
         if not message:
             return None
         path = message[len("path:"):]
@@ -569,6 +571,22 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------
 
+    def _check_fresh_start(self) -> None:
+        """Refuse a fit() from step 0, resume() never called, in a folder holding another run's
+        complete checkpoints (a library caller's; the job calls resume()): its checkpoints would
+        sit below them, export and train.resume=auto would keep picking theirs, and pruning to
+        keep_last would delete its own (:func:`~draftforge.train.checkpoint.find_resume`)."""
+        message = ""
+        if self.is_main:
+            try:
+                ckpt.find_resume(self.run_dir, "never")
+            except (OSError, ValueError) as exc:
+                message = f"{exc}; to continue that run, call Trainer.resume() before fit()"
+        message = D.broadcast_string(message, group=self.group, device=self._comm_device())
+        if message:
+            raise ckpt.CheckpointError(message)
+        self._resume_checked = True
+
     def fit(
         self,
         batches: Iterable[list[Sample]],
@@ -586,6 +604,8 @@ class Trainer:
         train = self.train
         self._check_shared_output_dir()
         self._claim_output_dir()
+        if not self._resume_checked and self.step == 0:
+            self._check_fresh_start()
         comm = self._comm_device()
         result = FitResult(step=self.step, steps_run=0, skipped_steps=self.skipped_steps,
                            stopped_reason="steps_done", checkpoint=None)
