@@ -525,7 +525,10 @@ def _regenerate(
             others = len(rows) - len(ours)
             print(
                 f"draftforge data regenerate: all {len(order)} prompts already answered in {out}"
-                + (f" (it also answers {others} other prompts, which training skips)" if others else ""),
+                + (f" (it also answers {others} other prompts, which training skips)" if others else "")
+                # a larger recipe's run stopped part way: this run does not need it, nor touch it
+                + (f"; {partial.name} beside it, a larger run's stopped extension, is left for that "
+                   "run to continue" if partial.exists() else ""),
                 file=sys.stderr,
             )
             return RegenerateReport(out, len(order), len(ours), 0)
