@@ -472,9 +472,9 @@ def _use_device(device: torch.device | str) -> None:
 class _Heartbeat:
     """A daemon thread that calls :meth:`_send_beats` under :attr:`lock` every ``every_s``
     until :meth:`close`. A :class:`PeerDied` it meets, or any other error (a device it
-    cannot use), ends it: kept in :attr:`error` and handed to :meth:`_failed`. Subclasses send their other messages under :attr:`lock`
-    too, so a beat never lands between the parts of one, and call :meth:`_start` last in
-    their ``__init__``."""
+    cannot use), ends it: kept in :attr:`error` and handed to :meth:`_failed`. Subclasses
+    send their other messages under :attr:`lock` too, so a beat never lands between the
+    parts of one, and call :meth:`_start` last in their ``__init__``."""
 
     def __init__(self, *, every_s: float, name: str, device: torch.device | str = "cpu"):
         self.lock = threading.Lock()

@@ -177,17 +177,20 @@ def _check_attention_implemented(raw: dict, where: str) -> None:
                               "(RoPE over every head dimension, what draftforge export writes); a server "
                               "would rotate part of each head and compute other logits")
     layer_types = raw.get("layer_types")
-    windowed = [
-        ("use_sliding_window", raw.get("use_sliding_window")) if raw.get("use_sliding_window") and raw.get("sliding_window") else None,
-        ("layer_types", layer_types) if isinstance(layer_types, list) and any(t != "full_attention" for t in layer_types) else None,
-        ("dflash_config.use_swa", nested.get("use_swa")) if nested.get("use_swa") else None,
-        ("is_causal", raw.get("is_causal")) if raw.get("is_causal") else None,
-        ("dflash_config.causal", nested.get("causal")) if nested.get("causal") else None,
-    ]  # fmt: skip
-    for key, value in filter(None, windowed):
-        raise ExportError(f"{where}: {key} is {json.dumps(value)}, but draftforge's draft attends over the "
-                          "whole context and bidirectionally inside the block (what draftforge export "
-                          "writes); a server would build another attention than the one loaded")
+    other_layers = isinstance(layer_types, list) and any(t != "full_attention" for t in layer_types)
+    asked = {  # key -> (its value, whether it asks for other attention)
+        "use_sliding_window": (raw.get("use_sliding_window"),
+                               bool(raw.get("use_sliding_window") and raw.get("sliding_window"))),
+        "layer_types": (layer_types, other_layers),
+        "dflash_config.use_swa": (nested.get("use_swa"), bool(nested.get("use_swa"))),
+        "is_causal": (raw.get("is_causal"), bool(raw.get("is_causal"))),
+        "dflash_config.causal": (nested.get("causal"), bool(nested.get("causal"))),
+    }
+    for key, (value, other) in asked.items():
+        if other:
+            raise ExportError(f"{where}: {key} is {json.dumps(value)}, but draftforge's draft attends over "
+                              "the whole context and bidirectionally inside the block (what draftforge "
+                              "export writes); a server would build another attention than the one loaded")
 
 
 def _check_layer_order(ids: list[int]) -> None:
