@@ -14,7 +14,10 @@ row counts, and a shape whose results differ in any bit keeps ``F.linear``. So
 regenerated answers, features and the evaluator's verification are the same as
 without packing (the tests compare generated tokens and features). A module whose weight
 was changed in place or replaced, or a call with gradients enabled, on another device
-or in another dtype, also takes ``F.linear``.
+or in another dtype, also takes ``F.linear``. An edit through ``weight.data`` (``.data.copy_``,
+an adapter merged as ``weight.data += delta``) is not seen: it moves no version counter, and
+the packed copy would keep the old weight; edit weights before :func:`pack_linear_weights`,
+or with ``DRAFTFORGE_PACKED_LINEAR=off`` (nothing in draftforge edits a target's weights).
 
 The cost: a second copy of the linear weights in memory (SmolLM2-135M: 269 MB in bf16).
 Nothing is packed when that copy would take more than a quarter of the memory the
