@@ -66,6 +66,7 @@ from draftforge.eval.demo_state import (
     EXPORT_STAMP,
     answers_digest,
     check_answers_file,
+    check_removable,
     check_same_recipe,
     check_trained_on,
     checkpoint_step,
@@ -220,6 +221,7 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
                 if paths.data_file is not None
                 else []
             )
+        check_removable(outputs, keep, paths.export_dir)  # all of them before any is deleted
         for path in outputs:
             remove_output(path, keep)
 

@@ -221,8 +221,27 @@ def export_is_current(paths, export_args: Sequence[str], checkpoint: Path) -> bo
     return files is None or files == export_files(paths.export_dir)
 
 
-def remove_output(path: Path, keep: Sequence[Path]) -> None:
-    """Delete a demo output (file or folder), refusing folders that hold what must stay."""
+def check_removable(outputs: Sequence[Path], keep: Sequence[Path], export_dir: Path) -> None:
+    """Refuse ``--force`` before it deletes anything: an output holding what must stay, or an
+    ``export_dir`` (the recipe's ``export.out_dir``, outside the folders deleted with it) that
+    is not an earlier export, which ``draftforge export`` itself would refuse to replace."""
+    from draftforge.train.export import ExportError, _check_destination
+
+    for path in outputs:
+        _check_keeps(path, keep)
+    if export_dir not in outputs or any(
+        other != export_dir and export_dir.resolve().is_relative_to(other.resolve()) for other in outputs
+    ):
+        return
+    try:
+        _check_destination(export_dir)
+    except ExportError as err:
+        raise DemoError(f"--force would delete {export_dir} (export.out_dir): "
+                        f"{str(err).replace('choose another --out', 'set another export.out_dir')}",
+                        exit_status=2) from None
+
+
+def _check_keeps(path: Path, keep: Sequence[Path]) -> None:
     if not path.exists():
         return
     resolved = path.resolve()
@@ -230,6 +249,13 @@ def remove_output(path: Path, keep: Sequence[Path]) -> None:
         other = other.resolve()
         if resolved == other or resolved in other.parents:
             raise DemoError(f"--force would delete {path}, which holds {other}; refusing", exit_status=2)
+
+
+def remove_output(path: Path, keep: Sequence[Path]) -> None:
+    """Delete a demo output (file or folder), refusing folders that hold what must stay."""
+    if not path.exists():
+        return
+    _check_keeps(path, keep)
     print(f"    --force: removing {path}")
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
