@@ -24,8 +24,8 @@ wrong. What a row must contain depends on what it is read for (``expect``):
   writes new ones) and plain prompts are allowed;
 - ``"conversation"``: finished conversations to train on; the last turn must be an
   assistant reply, and no assistant turn may keep its reasoning apart from its content
-  (``reasoning_content``, as servers with a reasoning parser return a reply): only the
-  content is trained on.
+  (``reasoning_content``, as servers with a reasoning parser return a reply) or hold a tool
+  call (``tool_calls``, ``function_call``): only the content is trained on.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ _FORMAT_KEYS = {"messages": "messages", "sharegpt": "conversations", "prompt": "
 # where a reply's reasoning is kept apart from its content: OpenAI-compatible servers with a
 # reasoning parser (SGLang, vLLM), Qwen3's template (reasoning_content), gpt-oss's (thinking)
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+# where a reply's tool calls are kept apart from its content: OpenAI's (and the legacy one)
+TOOL_CALL_KEYS = ("tool_calls", "function_call")
 
 
 class DataFormatError(InputError):
@@ -375,11 +377,20 @@ def parse_row(
 def _refuse_reasoning(
     turns: list[Any], messages: list[dict[str, str]], where: RowLocation, noun: str
 ) -> None:
-    """Refuse an assistant turn to train on that holds its reasoning beside its content: only
-    role and content reach the chat template, so the reasoning (most of what a thinking
-    target generates) would be left out of training without a word."""
+    """Refuse an assistant turn to train on that holds its reasoning or a tool call beside its
+    content: only role and content reach the chat template, so the reasoning (most of what a
+    thinking target generates) or the call would be left out of training without a word."""
     for i, (turn, message) in enumerate(zip(turns, messages, strict=True), start=1):
         key = next((k for k in REASONING_KEYS if isinstance(turn.get(k), str) and turn[k].strip()), None)
+        calls = next((k for k in TOOL_CALL_KEYS if turn.get(k)), None)  # null or [] is none
+        if message["role"] == "assistant" and calls is not None:
+            raise _fail(
+                where,
+                f"{noun} {i} (assistant) holds {calls!r} beside its content: the target generated "
+                "a tool call there, which only role and content cannot show, so the draft would "
+                "learn to end the turn where the target calls a tool; draftforge trains on text "
+                "replies: remove the conversation (or the key, if the call is not the target's)",
+            )
         if message["role"] == "assistant" and key is not None:
             raise _fail(
                 where,

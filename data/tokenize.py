@@ -29,7 +29,9 @@ generation limit is supervised from where its text starts (anything the template
 before it was not generated; only whitespace there, such as Mistral's ``" " + content``, is
 supervised from the generation prompt's end as in a finished turn: the first generated
 token holds it, ``ĠHello``) to where it ends; templates that strip replies are matched on
-the stripped text.
+the stripped text. What else the template puts before the last turn's cut reply is left out
+of the sample: the served prompt did not show it either (Qwen3's empty reasoning block before
+a reply cut inside its reasoning, which has no ``</think>``).
 
 Tokens whose first character falls in such a span get loss mask 1. Samples are cut to
 ``max_length`` tokens; samples left with fewer than ``min_loss_tokens`` supervised
@@ -209,6 +211,18 @@ def _locate_turns(tokenizer, messages, *, chat_template, enable_thinking, unfini
             if index != assistant[-1]:
                 context.append(index)  # rewritten in the later prompts: context there
                 continue
+            if (not upto.startswith(before)
+                    and _extends(tokenizer, messages[: index + 1], chat_template, not enable_thinking)):
+                # Qwen3's thinking off: a reply holding a reasoning block, which the served
+                # prompt's empty block would precede
+                raise ChatTemplateError(
+                    f"assistant turn {index + 1} is not what the target writes with thinking "
+                    f"{'on' if enable_thinking else 'off'} (the chat template renders it as an "
+                    f"extension of the prompt only with thinking {'off' if enable_thinking else 'on'}"
+                    f"{': its reply holds a reasoning block' if '</think>' in message['content'] else ''}); "
+                    f"set target.generation.enable_thinking: {str(not enable_thinking).lower()} if "
+                    "the data was written so, or regenerate it with the thinking mode served"
+                )
             raise ChatTemplateError(
                 f"the chat template does not render assistant turn {index + 1} as an extension "
                 "of the conversation before it (it rewrites the prompt once the reply is added); "
@@ -236,7 +250,13 @@ def _locate_turns(tokenizer, messages, *, chat_template, enable_thinking, unfini
                     "rendering; the chat template rewrites replies"
                 )
             end = content_at + len(reply)
-            if text[start:content_at].strip():  # not whitespace: the template's, not generated
+            if text[start:content_at].strip() and index == len(messages) - 1:
+                # the template's, neither generated nor seen by the target as it generated this
+                # reply (Qwen3's empty reasoning block before a reply cut in its reasoning, which
+                # has no '</think>'): the reply follows the generation prompt, as it was served
+                text = text[:start] + text[content_at:]
+                end -= content_at - start
+            elif text[start:content_at].strip():  # not whitespace: the template's, not generated
                 start = content_at
             # else from the prompt's end, as a finished turn: the first token generated holds the
             # template's space before the reply (Mistral's ``" " + content | trim``: "ĠHello")
@@ -245,6 +265,18 @@ def _locate_turns(tokenizer, messages, *, chat_template, enable_thinking, unfini
             prompt_ends.append(len(before))
             replies.append(_reply_place(text, message["content"], start, end, index))
     return text, spans, context, prompt_ends, replies
+
+
+def _extends(tokenizer, messages, chat_template, enable_thinking: bool) -> bool:
+    """Whether the template renders the last message of ``messages`` (an assistant turn) as an
+    extension of the generation prompt before it, in thinking mode ``enable_thinking``."""
+    kwargs = {"chat_template": chat_template, "enable_thinking": enable_thinking}
+    try:
+        before = render(tokenizer, messages[:-1], add_generation_prompt=True, **kwargs)
+        upto = render(tokenizer, messages, add_generation_prompt=False, **kwargs)
+    except ChatTemplateError:
+        return False
+    return upto.startswith(before)
 
 
 def _reply_place(text: str, reply: str, start: int, end: int, index: int) -> tuple[int, int] | int:

@@ -170,12 +170,13 @@ def test_a_cut_reply_is_found_where_the_template_strips_it_or_puts_text_before_i
         messages = [*CONVERSATION[:2], {"role": "assistant", "content": reply}]
         text, spans, _ = assistant_spans(tok, messages, chat_template=stripping, unfinished_turns=(2,))
         assert [text[a:b] for a, b in spans] == ["Hello there!"]
-    # a template that adds an empty reasoning block before a reply without one: not generated
+    # a template that adds an empty reasoning block before a reply without one: not generated,
+    # and not in the served prompt either, so left out of the sample (round 45)
     inserting = QWEN3_LIKE.replace("{% if add_generation_prompt %}{{ '<|im_start|>assistant\n<think>\n\n</think>\n\n' }}",
                                    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}")
     messages = [*CONVERSATION[:2], {"role": "assistant", "content": "<think>\nLet me"}]
     text, spans, _ = assistant_spans(tok, messages, chat_template=inserting, unfinished_turns=(2,))
-    assert "<think>\n\n</think>\n\n<think>\nLet me" in text
+    assert "<|im_start|>assistant\n<think>\nLet me<|im_end|>" in text
     assert [text[a:b] for a, b in spans] == ["<think>\nLet me"]
 
 
