@@ -415,7 +415,7 @@ def run_rank(cfg: RecipeConfig, *, mode: str = "train", bench: dict | None = Non
         os._exit(130)
     except RuntimeError as exc:
         if ctx.role == "trainer" and lost_peer(exc):  # a trainer-group collective lost a rank
-            ctx.log(f"stopping: {T.PeerDied(-1, 'trainer', 'in a collective of the trainer group', exc)}")
+            ctx.log(f"stopping: {T.PeerDied(-1, 'trainer', _trainer_group_doing(ctx), exc)}")
             _say_how_to_resume(ctx, bench)
             sys.stdout.flush()
             os._exit(EXIT_PEER_DIED)
@@ -532,6 +532,17 @@ def lost_peer(exc: BaseException) -> bool:
     """Whether ``exc`` is a collective failing because another rank of its group went away."""
     text = str(exc).lower()
     return any(marker in text for marker in _LOST_PEER)
+
+
+def _trainer_group_doing(ctx: RankContext) -> str:
+    """What a trainer whose trainer-group collective lost a rank was doing, naming the other
+    trainer ranks (gloo and NCCL name the lost peer by address only): with two trainers, the
+    one that died or hung."""
+    others = [rank for rank in ctx.cfg.split.trainer_ranks if rank != ctx.rank]
+    if not others:
+        return "in a collective of the trainer group"
+    which = f"trainer rank {others[0]}" if len(others) == 1 else f"trainer ranks {others}"
+    return f"in a collective of the trainer group with {which}"
 
 
 def _rotation_start(sources: list[int], info) -> int:
