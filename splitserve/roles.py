@@ -37,6 +37,7 @@ from draftforge.errors import InputError
 from draftforge.splitserve import borrowed_tokenizer
 from draftforge.splitserve import transport as T
 from draftforge.splitserve.producer import Topology, build_topology
+from draftforge.train import distributed as D
 
 EXIT_PEER_DIED = 3
 EXIT_BAD_INPUT = 2
@@ -414,7 +415,7 @@ def run_rank(cfg: RecipeConfig, *, mode: str = "train", bench: dict | None = Non
         sys.stdout.flush()
         os._exit(130)
     except RuntimeError as exc:
-        if ctx.role == "trainer" and lost_peer(exc):  # a trainer-group collective lost a rank
+        if ctx.role == "trainer" and D.lost_peer(exc):  # a trainer-group collective lost a rank
             ctx.log(f"stopping: {T.PeerDied(-1, 'trainer', _trainer_group_doing(ctx), exc)}")
             _say_how_to_resume(ctx, bench)
             sys.stdout.flush()
@@ -520,18 +521,6 @@ def note_input_error(exc: BaseException) -> None:
     except OSError as err:  # the status still says it where nothing stands between
         print(f"draftforge train: cannot leave the input-error marker {path}: {err}", file=sys.stderr,
               flush=True)
-
-
-# What gloo and NCCL say when a collective loses a rank (it exited, was killed, or hung).
-_LOST_PEER = ("connection reset by peer", "connection closed by peer", "broken pipe", "timed out",
-              "application timeout caused pair closure", "communicator was aborted",
-              "remote process exited")
-
-
-def lost_peer(exc: BaseException) -> bool:
-    """Whether ``exc`` is a collective failing because another rank of its group went away."""
-    text = str(exc).lower()
-    return any(marker in text for marker in _LOST_PEER)
 
 
 def _trainer_group_doing(ctx: RankContext) -> str:

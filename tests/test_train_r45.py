@@ -114,3 +114,54 @@ def test_fit_without_resume_in_a_folder_holding_another_runs_checkpoints_is_refu
     fourth.fit([[samples[0]]])
     fourth.train = fourth.train.model_copy(update={"steps": 2})
     assert fourth.fit([[samples[1]]]).step == 2
+
+
+def _fsdp2_checkpoint(run_dir):
+    """An fsdp2-layout checkpoint of a small AdamW-trained module (one process, no group)."""
+    import warnings
+
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4, generator=torch.Generator().manual_seed(0))).sum().backward()
+    optimizer.step()
+    state = {"step": 2, "skipped_steps": 0, "strategy": "fsdp2", "consumed_ids": [["a"]]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: "assuming the intent is to save in a single process"
+        return ckpt.save_checkpoint(run_dir=run_dir, step=2, strategy="fsdp2", model=model,
+                                    optimizer=optimizer, engine=None, state=state, group=None, keep_last=2)
+
+
+@pytest.mark.parametrize("failure", ["plain", "collected"])
+def test_a_trainer_lost_during_a_resumes_load_is_a_lost_peer_not_a_corrupt_checkpoint(tmp_path, monkeypatch, failure):
+    """Another trainer dying inside DCP's load made the survivor call a whole checkpoint corrupt:
+    exit status 2 (no restart) and the advice to delete it. It is raised as the collective's
+    RuntimeError now, which the rank reports as a lost peer (exit 3, resumable)."""
+    import traceback
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from draftforge.train import distributed as D
+
+    path = _fsdp2_checkpoint(tmp_path)
+    lost = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                        "[127.0.0.1]:10146")
+
+    def load(*args, **kwargs):
+        # DCP collects each rank's failure with its stack: rank 1's collective lost rank 0
+        raise lost if failure == "plain" else CheckpointException("load", {1: (lost, traceback.StackSummary())})
+
+    monkeypatch.setattr(dcp, "load", load)
+    model = torch.nn.Linear(4, 3)
+    with warnings.catch_warnings(), pytest.raises(RuntimeError) as raised:
+        warnings.simplefilter("ignore")
+        ckpt.load_checkpoint(path=path, strategy="fsdp2", model=model,
+                             optimizer=torch.optim.AdamW(model.parameters()), engine=None, group=None)
+    assert not isinstance(raised.value, ckpt.CheckpointError) and D.lost_peer(raised.value)
+    # any other failure of the load still names the checkpoint as corrupt
+    monkeypatch.setattr(dcp, "load", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("bad storage")))
+    with warnings.catch_warnings(), pytest.raises(ckpt.CheckpointError, match="corrupt"):
+        warnings.simplefilter("ignore")
+        ckpt.load_checkpoint(path=path, strategy="fsdp2", model=model,
+                             optimizer=torch.optim.AdamW(model.parameters()), engine=None, group=None)

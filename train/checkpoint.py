@@ -819,6 +819,18 @@ def read_checked_state(path: Path, *, model_config: dict | None = None, strategy
     return state
 
 
+def _raise_lost_peer(exc: BaseException) -> None:
+    """Raise, as the RuntimeError it is, a collective's failure inside a strategy's load that
+    another trainer going away caused (DCP collects every rank's failure in ``failures``): not
+    the checkpoint's fault, so not a :class:`CheckpointError`, whose exit status 2 stops the
+    launcher's restarts and whose advice is to delete a checkpoint that may be whole."""
+    failures = getattr(exc, "failures", None)
+    found = [exc, *(f[0] if isinstance(f, tuple) else f for f in (failures or {}).values())]
+    for error in found:
+        if isinstance(error, BaseException) and D.lost_peer(error):
+            raise (error if isinstance(error, RuntimeError) else RuntimeError(str(error))) from None
+
+
 def _missing(file: Path, checkpoint: Path) -> CheckpointError:
     return CheckpointError(
         f"checkpoint {checkpoint} has no {file.relative_to(checkpoint)}; it is incomplete: delete it "
@@ -885,6 +897,7 @@ def load_checkpoint(*, path: Path, strategy: str, model, optimizer, engine, grou
                     f"{path / 'dcp'} holds a non-tensor item that is not plain data; refusing to "
                     f"unpickle it (it could run code): {unsafe}"
                 ) from None
+            _raise_lost_peer(exc)
             raise _corrupt(path / "dcp", exc, path) from None
         set_state_dict(model, optimizer, model_state_dict=target["model"],
                        optim_state_dict=target["optimizer"])
@@ -895,6 +908,7 @@ def load_checkpoint(*, path: Path, strategy: str, model, optimizer, engine, grou
                     str(path / "deepspeed"), tag="state", load_optimizer_states=True,
                     load_lr_scheduler_states=False)
             except Exception as exc:  # noqa: BLE001 - torch.load / DeepSpeed raise many types
+                _raise_lost_peer(exc)
                 raise _corrupt(path / "deepspeed", exc, path) from None
         if load_path is None:
             raise CheckpointError(f"deepspeed could not load the checkpoint in {path / 'deepspeed'}")

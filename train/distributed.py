@@ -79,6 +79,18 @@ def reduce_sum_fn(*, group) -> Callable[[torch.Tensor], torch.Tensor] | None:
     return reduce_sum
 
 
+# What gloo and NCCL say when a collective loses a rank (it exited, was killed, or hung).
+_LOST_PEER = ("connection reset by peer", "connection closed by peer", "broken pipe", "timed out",
+              "application timeout caused pair closure", "communicator was aborted",
+              "remote process exited")
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective failing because another rank of its group went away."""
+    text = str(exc).lower()
+    return any(marker in text for marker in _LOST_PEER)
+
+
 def all_gather_strings(values: Iterable[str], *, group, device: torch.device) -> list[list[str]]:
     """Every rank's list of strings, in group-rank order, moved as uint8 tensors (nothing pickled)."""
     payload = json.dumps(list(values)).encode()
