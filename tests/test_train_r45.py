@@ -7,7 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from trainer_helpers import chain_samples, target_embeddings, tiny_model_config, train_config
+from trainer_helpers import (
+    chain_samples,
+    gather_strings_worker,
+    target_embeddings,
+    tiny_model_config,
+    train_config,
+)
 
 from draftforge.errors import InputError
 from draftforge.train import checkpoint as ckpt
@@ -60,25 +66,6 @@ def test_a_sample_without_tokens_is_refused_before_the_step(tmp_path):
     assert again.resume().consumed_ids == [s.sample_id for s in samples]
 
 
-def _gather_worker(rank: int, world: int, init: str, out: str) -> None:
-    import json
-
-    import torch.distributed as dist
-
-    from draftforge.train import distributed as D
-
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        mine = [f"r{rank}-é-{k}" for k in range(3 * rank)] + (["日本", ""] if rank else [])
-        gathered = D.all_gather_strings(mine, group=dist.group.WORLD, device=torch.device("cpu"))
-        told = D.broadcast_string("from one: ∑" if rank == 1 else None, group=dist.group.WORLD,
-                                  device=torch.device("cpu"), src_group_rank=1)
-        with open(f"{out}.{rank}", "w", encoding="utf-8") as f:
-            json.dump({"gathered": gathered, "told": told}, f)
-    finally:
-        dist.destroy_process_group()
-
-
 def test_strings_gathered_and_broadcast_over_gloo_arrive_as_sent(tmp_path):
     """Every rank's consumed sample ids reach every rank (a checkpoint's data cursor), text
     outside ASCII and empty lists included; decoded through numpy's bytes since round 45."""
@@ -87,7 +74,7 @@ def test_strings_gathered_and_broadcast_over_gloo_arrive_as_sent(tmp_path):
     import torch.multiprocessing as mp
 
     out = str(tmp_path / "result")
-    mp.spawn(_gather_worker, args=(2, f"file://{tmp_path / 'store'}", out), nprocs=2, join=True)
+    mp.spawn(gather_strings_worker, args=(2, f"file://{tmp_path / 'store'}", out), nprocs=2, join=True)
     expected = [[], ["r1-é-0", "r1-é-1", "r1-é-2", "日本", ""]]
     for rank in range(2):
         result = json.loads((tmp_path / f"result.{rank}").read_text(encoding="utf-8"))

@@ -71,3 +71,24 @@ def train_config(tmp_output: str = "runs/test", **overrides) -> TrainConfig:
     )
     fields.update(overrides)
     return TrainConfig(**fields)
+
+
+def gather_strings_worker(rank: int, world: int, init: str, out: str) -> None:
+    """A rank of test_train_r45's gather test (here, not in the test module: spawned processes
+    unpickle it by module name, and pytest's importlib mode names test modules unimportably)."""
+    import json
+
+    import torch.distributed as dist
+
+    from draftforge.train import distributed as D
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        mine = [f"r{rank}-é-{k}" for k in range(3 * rank)] + (["日本", ""] if rank else [])
+        gathered = D.all_gather_strings(mine, group=dist.group.WORLD, device=torch.device("cpu"))
+        told = D.broadcast_string("from one: ∑" if rank == 1 else None, group=dist.group.WORLD,
+                                  device=torch.device("cpu"), src_group_rank=1)
+        with open(f"{out}.{rank}", "w", encoding="utf-8") as f:
+            json.dump({"gathered": gathered, "told": told}, f)
+    finally:
+        dist.destroy_process_group()
