@@ -237,26 +237,9 @@ class Trainer:
         """Load the checkpoint ``train.resume`` selects (``auto``: newest complete one), if any."""
         self._check_shared_output_dir()
         self._claim_output_dir()
-        message = ""
-        if self.is_main:
-            try:
-                found = ckpt.find_resume(self.run_dir, self.train.resume)
-                if found is not None:  # its files and its draft shape, before any collective
-                    ckpt.read_checked_state(found, model_config=self.model_config.to_dict(),
-                                            strategy=self.train.strategy, trainer_ranks=self.world,
-                                            zero_stage=self.train.zero_stage,
-                                            dtype="bfloat16" if self.bf16 else "float32")
-                message = "" if found is None else f"path:{found}"
-            except (OSError, ValueError) as exc:
-                message = f"error:{exc}"
-        # Rank 0 decides and tells the others (an error too, so that no rank waits forever).
-        message = D.broadcast_string(message, group=self.group, device=self._comm_device())
-        if message.startswith("error:"):
-            raise ckpt.CheckpointError(message[len("error:"):])
-        self._resume_checked = True
-        if not message:
+        path = self._find_resume(self.train.resume)
+        if path is None:
             return None
-        path = message[len("path:"):]
         state = ckpt.load_checkpoint(path=Path(path), strategy=self.train.strategy, model=self.model,
                                      optimizer=self.optimizer, engine=self.engine, group=self.group,
                                      model_config=self.model_config.to_dict())
@@ -571,21 +554,34 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------
 
+    def _find_resume(self, mode: str, *, advice: str = "") -> str | None:
+        """The checkpoint :func:`~draftforge.train.checkpoint.find_resume` selects for ``mode``
+        (its files and draft shape checked), decided on the main rank and told to every rank;
+        its refusal (followed by ``advice``) raised on every rank, so that no rank waits forever."""
+        message = ""
+        if self.is_main:
+            try:
+                found = ckpt.find_resume(self.run_dir, mode)
+                if found is not None:  # its files and its draft shape, before any collective
+                    ckpt.read_checked_state(found, model_config=self.model_config.to_dict(),
+                                            strategy=self.train.strategy, trainer_ranks=self.world,
+                                            zero_stage=self.train.zero_stage,
+                                            dtype="bfloat16" if self.bf16 else "float32")
+                message = "" if found is None else f"path:{found}"
+            except (OSError, ValueError) as exc:
+                message = f"error:{exc}{advice}"
+        message = D.broadcast_string(message, group=self.group, device=self._comm_device())
+        if message.startswith("error:"):
+            raise ckpt.CheckpointError(message[len("error:"):])
+        self._resume_checked = True
+        return message[len("path:"):] or None
+
     def _check_fresh_start(self) -> None:
         """Refuse a fit() from step 0, resume() never called, in a folder holding another run's
         complete checkpoints (a library caller's; the job calls resume()): its checkpoints would
         sit below them, export and train.resume=auto would keep picking theirs, and pruning to
-        keep_last would delete its own (:func:`~draftforge.train.checkpoint.find_resume`)."""
-        message = ""
-        if self.is_main:
-            try:
-                ckpt.find_resume(self.run_dir, "never")
-            except (OSError, ValueError) as exc:
-                message = f"{exc}; to continue that run, call Trainer.resume() before fit()"
-        message = D.broadcast_string(message, group=self.group, device=self._comm_device())
-        if message:
-            raise ckpt.CheckpointError(message)
-        self._resume_checked = True
+        keep_last would delete its own (``find_resume`` with ``never``)."""
+        self._find_resume("never", advice="; to continue that run, call Trainer.resume() before fit()")
 
     def fit(
         self,
