@@ -824,9 +824,9 @@ def _raise_lost_peer(exc: BaseException) -> None:
     another trainer going away caused (DCP collects every rank's failure in ``failures``): not
     the checkpoint's fault, so not a :class:`CheckpointError`, whose exit status 2 stops the
     launcher's restarts and whose advice is to delete a checkpoint that may be whole."""
-    failures = getattr(exc, "failures", None)
-    found = [exc, *(f[0] if isinstance(f, tuple) else f for f in (failures or {}).values())]
-    for error in found:
+    from draftforge.train.dcp_safe import failures
+
+    for error in failures(exc):
         if isinstance(error, BaseException) and D.lost_peer(error):
             raise (error if isinstance(error, RuntimeError) else RuntimeError(str(error))) from None
 

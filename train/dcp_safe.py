@@ -100,16 +100,17 @@ def short_storage_file(dcp_dir: Path, metadata) -> tuple[Path, str] | None:
     return None
 
 
+def failures(exc: BaseException) -> list[BaseException]:
+    """``exc`` and, for DCP's ``CheckpointException``, every rank's failure it collects in
+    ``failures`` (each an ``(exception, stack)`` pair)."""
+    collected = getattr(exc, "failures", None) or {}
+    return [exc, *(f[0] if isinstance(f, tuple) else f for f in collected.values())]
+
+
 def unsafe_failure(exc: BaseException) -> UnsafeCheckpointError | None:
-    """The :class:`UnsafeCheckpointError` inside DCP's ``CheckpointException`` (which
-    collects every rank's failure in ``failures``), if there is one."""
-    if isinstance(exc, UnsafeCheckpointError):
-        return exc
-    for failure in getattr(exc, "failures", {}).values():
-        error = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(error, UnsafeCheckpointError):
-            return error
-    return None
+    """The :class:`UnsafeCheckpointError` that is or is inside ``exc`` (:func:`failures`), if
+    there is one."""
+    return next((error for error in failures(exc) if isinstance(error, UnsafeCheckpointError)), None)
 
 
 class CheckedLoadPlanner(DefaultLoadPlanner):
