@@ -250,14 +250,15 @@ def _locate_turns(tokenizer, messages, *, chat_template, enable_thinking, unfini
                     "rendering; the chat template rewrites replies"
                 )
             end = content_at + len(reply)
-            if text[start:content_at].strip() and index == len(messages) - 1:
-                # the template's, neither generated nor seen by the target as it generated this
-                # reply (Qwen3's empty reasoning block before a reply cut in its reasoning, which
-                # has no '</think>'): the reply follows the generation prompt, as it was served
-                text = text[:start] + text[content_at:]
-                end -= content_at - start
-            elif text[start:content_at].strip():  # not whitespace: the template's, not generated
-                start = content_at
+            if text[start:content_at].strip():  # not whitespace: the template's, not generated
+                if index == len(messages) - 1:
+                    # nor seen by the target as it generated this reply (Qwen3's empty reasoning
+                    # block before a reply cut in its reasoning, which has no '</think>'): the
+                    # reply follows the generation prompt, as it was served
+                    text = text[:start] + text[content_at:]
+                    end -= content_at - start
+                else:
+                    start = content_at
             # else from the prompt's end, as a finished turn: the first token generated holds the
             # template's space before the reply (Mistral's ``" " + content | trim``: "ĠHello")
         if end > start:
