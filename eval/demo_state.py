@@ -225,7 +225,7 @@ def check_removable(outputs: Sequence[Path], keep: Sequence[Path], export_dir: P
     """Refuse ``--force`` before it deletes anything: an output holding what must stay, or an
     ``export_dir`` (the recipe's ``export.out_dir``, outside the folders deleted with it) that
     is not an earlier export, which ``draftforge export`` itself would refuse to replace."""
-    from draftforge.train.export import ExportError, _check_destination
+    from draftforge.train.export import ExportError, check_destination
 
     for path in outputs:
         _check_keeps(path, keep)
@@ -234,7 +234,7 @@ def check_removable(outputs: Sequence[Path], keep: Sequence[Path], export_dir: P
     ):
         return
     try:
-        _check_destination(export_dir)
+        check_destination(export_dir)
     except ExportError as err:
         raise DemoError(f"--force would delete {export_dir} (export.out_dir): "
                         f"{str(err).replace('choose another --out', 'set another export.out_dir')}",

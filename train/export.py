@@ -345,7 +345,7 @@ def export_draft(
                  "and llama.cpp uses the target's own")
 
     out = Path(out_dir).expanduser().resolve()
-    _check_destination(out)
+    check_destination(out)
     # the folders above out that this export makes: a failed export removes them too
     made = [folder for folder in (out.parent, *out.parent.parents) if not folder.exists()]
     staging = None
@@ -753,7 +753,7 @@ _EXPORT_FILE = re.compile("|".join(
      r"model-\d{5}-of-\d{5}\.safetensors"]))
 
 
-def _check_destination(out: Path) -> None:
+def check_destination(out: Path) -> None:
     """An export replaces only an earlier export: a folder whose config.json names a DSpark
     architecture and which holds nothing an export does not write (a Hugging Face model
     folder has a config.json too, and its tokenizer and weights would be deleted)."""
