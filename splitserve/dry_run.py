@@ -279,6 +279,9 @@ def trainer_estimate(cfg: RecipeConfig, with_emb: int, without_emb: int, *, meta
         ("objective chunk (fp32, vocabulary)", objective),
         ("received queue (bf16)", queue),
     ]
+    w2_group = w2_group_bytes(cfg, shape, cfg.data.max_length)
+    if w2_group:
+        items.append(("objective's W2 gradient group (a trainer on a CPU)", w2_group))
     return Estimate(items)
 
 
@@ -325,6 +328,23 @@ def activation_bytes(cfg: RecipeConfig, shape, sample_tokens: int) -> tuple[floa
     return backbone, objective
 
 
+def w2_group_bytes(cfg: RecipeConfig, shape, sample_tokens: int) -> float:
+    """The buffer a trainer on a CPU gathers the objective's chunks in for the Markov head's
+    W2 gradient (``train/objective.py``, ``_W2GradientSum``), for a micro-batch of samples
+    ``sample_tokens`` long: 0 without a Markov head, on a GPU, or where a micro-batch's blocks
+    fit one chunk."""
+    from draftforge.train.objective import w2_group_rows
+
+    draft, train = cfg.draft, cfg.train
+    if not draft.markov_rank or not _trainer_may_run_on_cpu(cfg):
+        return 0.0
+    element = BYTES[train.dtype]
+    rows = w2_group_rows(shape.vocab_size, element, chunk_rows=train.loss.chunk_blocks * draft.block_size,
+                         total_rows=anchors_per_micro_batch(cfg, sample_tokens) * draft.block_size,
+                         on_cpu=True)
+    return rows * (shape.vocab_size + draft.markov_rank) * element
+
+
 def short_sample_note(cfg: RecipeConfig) -> str:
     """How much more a trainer may need when micro-batches pack many shorter samples: the
     estimate assumes samples of data.max_length, the packing allows any from
@@ -340,8 +360,9 @@ def short_sample_note(cfg: RecipeConfig) -> str:
     short = anchors_per_micro_batch(cfg, short_len)
     if short <= full:
         return ""
-    extra = (sum(activation_bytes(cfg, shape, short_len))
-             - sum(activation_bytes(cfg, shape, cfg.data.max_length)))
+    extra = (sum(activation_bytes(cfg, shape, short_len)) + w2_group_bytes(cfg, shape, short_len)
+             - sum(activation_bytes(cfg, shape, cfg.data.max_length))
+             - w2_group_bytes(cfg, shape, cfg.data.max_length))
     return (f"    (above: samples of data.max_length, {full} anchors a micro-batch; samples of "
             f"{short_len} tokens could pack {short}: up to {extra / GIB:.3f} GiB more)")
 
@@ -410,6 +431,16 @@ def _shared_credits(split, topology) -> str:
             shares.append(f"a trainer fed by {count} {unit}: {per_link} per link, "
                           f"{per_link * count} in all")
     return f" ({'; '.join(shares)})" if shares else ""
+
+
+def _trainer_may_run_on_cpu(cfg: RecipeConfig) -> bool:
+    """Whether :func:`_placed` puts the trainers on a CPU, or on one where no GPU is visible."""
+    from draftforge.splitserve.roles import comm_backend
+
+    split = cfg.split
+    if split.trainer_devices is not None or cfg.train.device == "cuda":
+        return False
+    return comm_backend(cfg, gpus_visible=True) == "gloo" or split.comm_backend != "nccl"
 
 
 def _placed(cfg: RecipeConfig, ranks: list[int], devices: list[int] | None, *, trainer: bool) -> str:

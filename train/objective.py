@@ -187,10 +187,12 @@ def _chunked_vocab_sums(hidden, latent, markov_w2, lm_head, target_hidden, label
     if with_grad:
         grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
         grad_latent = None if latent is None else torch.empty_like(latent)
-        grad_w2 = None if latent is None else torch.zeros_like(markov_w2, dtype=acc)
+        if latent is not None:
+            w2_sum = _W2GradientSum(markov_w2, dtype, acc, chunk_blocks * block_size,
+                                    num_blocks * block_size)
     # One matmul for both logit terms: [h, latent] @ [lm_head, W2]^T. A single
     # vocabulary-sized product (and conversion) instead of two, in both directions.
-    head = lm_head if latent is None else _vocab_head(lm_head, markov_w2.to(dtype))
+    head = lm_head if latent is None else _vocab_head(lm_head, markov_w2)
     width = hidden.shape[-1]
     terms = _chunk_terms_compiled_or_eager if compiled else chunk_terms
     c_star = torch.zeros(num_blocks, block_size, dtype=acc, device=hidden.device)
@@ -223,10 +225,82 @@ def _chunked_vocab_sums(hidden, latent, markov_w2, lm_head, target_hidden, label
         grad_hidden[sl] = grad_in[..., :width].to(hidden.dtype)
         if latent is not None:
             grad_latent[sl] = grad_in[..., width:].to(latent.dtype)
-            grad_w2 += (grad.flatten(0, 1).t() @ lat.flatten(0, 1)).to(acc)
+            w2_sum.add(grad.flatten(0, 1), lat.flatten(0, 1))
         del grad, grad_in
+    if with_grad and latent is not None:
+        grad_w2 = w2_sum.total()
     total = ce_weight * sum_ce + tv_weight * sum_tv + kl_weight * sum_kl
     return total, sum_ce, sum_tv, sum_kl, c_star, weights, (grad_hidden, grad_latent, grad_w2)
+
+
+#: on a CPU, bytes of chunk gradients gathered before W2's gradient is multiplied out
+#: (:class:`_W2GradientSum`)
+W2_GROUP_BYTES = 256 << 20
+
+
+def w2_group_rows(vocab: int, element_bytes: int, *, chunk_rows: int, total_rows: int, on_cpu: bool) -> int:
+    """Rows of the buffer that :class:`_W2GradientSum` gathers chunks in, 0 for none (a GPU, or
+    a group that would hold a single chunk): whole chunks, up to ``W2_GROUP_BYTES`` of
+    gradient, no more than the call's ``total_rows``. The dry run's estimate counts it too."""
+    if not on_cpu:
+        return 0
+    rows = min(max(chunk_rows, W2_GROUP_BYTES // (vocab * element_bytes) // chunk_rows * chunk_rows),
+               total_rows)
+    return rows if rows > chunk_rows else 0
+
+
+class _W2GradientSum:
+    """W2's gradient, the sum over chunks of ``grad^T @ latent``, multiplied out per group of chunks.
+
+    Each chunk's product is a ``[V, r]`` matrix. On a CPU, converting it to fp32 and adding
+    it, chunk by chunk, took about three times as long as the product itself (V = 49,152,
+    r = 256, 64 rows a chunk, one thread: 11 ms for the product, 35 ms for the conversion and
+    the addition, which stream 125 MB through memory). So there the chunks' gradient and latent
+    rows are copied into one buffer of up to ``W2_GROUP_BYTES`` and multiplied in one product
+    over all of them: one conversion and addition per group, and the product rounded to the
+    logits' dtype once per group instead of once per chunk (the matmul accumulates its whole
+    inner dimension in fp32). On a GPU, where that addition is a small part of a chunk, each
+    chunk is its own group and the objective holds no buffer."""
+
+    def __init__(self, markov_w2: torch.Tensor, dtype: torch.dtype, sum_dtype: torch.dtype,
+                 chunk_rows: int, total_rows: int):
+        vocab, rank = markov_w2.shape
+        self.sum_dtype = sum_dtype
+        self.sum = torch.zeros_like(markov_w2, dtype=sum_dtype) if total_rows == 0 else None
+        rows = w2_group_rows(vocab, torch.empty((), dtype=dtype).element_size(), chunk_rows=chunk_rows,
+                             total_rows=total_rows, on_cpu=markov_w2.device.type == "cpu")
+        self.grads = self.latents = None
+        if rows:
+            self.grads = torch.empty(rows, vocab, dtype=dtype, device=markov_w2.device)
+            self.latents = torch.empty(rows, rank, dtype=dtype, device=markov_w2.device)
+        self.filled = 0
+
+    def add(self, grad: torch.Tensor, latent: torch.Tensor) -> None:
+        """One chunk's ``[rows, V]`` gradient of the logits and its ``[rows, r]`` latents."""
+        if self.grads is None:
+            self._accumulate(grad.t() @ latent)
+            return
+        if self.filled + grad.shape[0] > self.grads.shape[0]:
+            self._flush()
+        end = self.filled + grad.shape[0]
+        self.grads[self.filled:end].copy_(grad)
+        self.latents[self.filled:end].copy_(latent)
+        self.filled = end
+
+    def _accumulate(self, product: torch.Tensor) -> None:
+        self.sum = product.to(self.sum_dtype) if self.sum is None else self.sum.add_(product)
+
+    def _flush(self) -> None:
+        if self.filled:
+            self._accumulate(self.grads[:self.filled].t() @ self.latents[:self.filled])
+            self.filled = 0
+
+    def total(self) -> torch.Tensor:
+        """The whole sum, in the sum's dtype."""
+        if self.grads is not None:
+            self._flush()
+            self.grads = self.latents = None
+        return self.sum
 
 
 class _FusedVocabLoss(torch.autograd.Function):
@@ -269,15 +343,15 @@ def _vocab_head(lm_head: torch.Tensor, markov_w2: torch.Tensor) -> torch.Tensor:
     the same in-place version and storage (``param.data = other`` keeps the version); elsewhere,
     and whenever one of those changes, it is rebuilt."""
     if lm_head.is_cuda:  # a fresh cat is cheap there, and a cached copy would hold memory
-        return torch.cat([lm_head, markov_w2], dim=1)
+        return torch.cat([lm_head, markov_w2.to(lm_head.dtype)], dim=1)
     key = (lm_head._version, lm_head.data_ptr(), tuple(lm_head.shape), lm_head.dtype, tuple(markov_w2.shape),
            markov_w2.dtype)
     owner = _HEAD_CACHE.get("owner")
     if owner is None or owner() is not lm_head or _HEAD_CACHE.get("key") != key:
         _HEAD_CACHE.clear()
         _HEAD_CACHE.update(owner=weakref.ref(lm_head), key=key,
-                           head=torch.cat([lm_head, markov_w2], dim=1))
-    else:
+                           head=torch.cat([lm_head, markov_w2.to(lm_head.dtype)], dim=1))
+    else:  # copy_ rounds as .to(lm_head.dtype) does, without the separate converted copy
         _HEAD_CACHE["head"][:, lm_head.shape[1]:].copy_(markov_w2)
     return _HEAD_CACHE["head"]
 

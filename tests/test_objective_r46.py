@@ -1,0 +1,127 @@
+"""W2's gradient multiplied out per group of chunks (``objective._W2GradientSum``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dspark_helpers import tiny_draft
+from test_objective import _inputs, reference_loss
+
+from draftforge.train import objective
+from draftforge.train.objective import dspark_objective
+
+W2 = "markov_head.markov_w2.weight"
+
+
+def _grads(model, inputs, chunk_blocks):
+    model.zero_grad()
+    hidden, prev, labels, valid, target_hidden = inputs
+    hidden = hidden.to(model.lm_head.weight.dtype).requires_grad_()
+    out = dspark_objective(model, hidden, prev, labels, valid, target_hidden.to(hidden.dtype),
+                           chunk_blocks=chunk_blocks)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads["hidden"] = hidden.grad.clone()
+    return out.loss.detach(), grads
+
+
+def _reference_grads(model, inputs):
+    hidden, prev, labels, valid, target_hidden = inputs
+    model.zero_grad()
+    hidden = hidden.detach().double().requires_grad_()
+    ref, _ = reference_loss(model, hidden, prev, labels, valid, target_hidden)
+    ref.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads["hidden"] = hidden.grad.clone()
+    model.zero_grad()
+    return ref.detach(), grads
+
+
+@pytest.mark.parametrize("group_chunks", [0, 1, 2, 3, 1000])
+def test_w2_gradient_in_groups_matches_the_float64_reference(group_chunks, monkeypatch):
+    """9 anchors in chunks of 2 blocks (5 chunks, the last of one block), W2's gradient
+    multiplied out per chunk (0 and 1: no buffer), per 2 or 3 chunks (a group left part-filled
+    at the end) or all at once: every gradient as autograd through the float64 reference."""
+    model = tiny_draft(markov_head_type="vanilla")
+    inputs = _inputs(model, seed=11, num_anchors=9)
+    chunk_rows = 2 * model.config.block_size
+    row_bytes = model.config.vocab_size * 4
+    monkeypatch.setattr(objective, "W2_GROUP_BYTES", group_chunks * chunk_rows * row_bytes)
+    loss, grads = _grads(model, inputs, chunk_blocks=2)
+    ref, want = _reference_grads(model, inputs)
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-6)
+    assert set(grads) == set(want) and W2 in grads
+    for name in want:
+        torch.testing.assert_close(grads[name], want[name].float(), rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_group_buffer_is_used_only_on_a_cpu_and_only_above_one_chunk(monkeypatch):
+    w2 = torch.zeros(64, 4)
+    monkeypatch.setattr(objective, "W2_GROUP_BYTES", 3 * 16 * 64 * 2)
+    grouped = objective._W2GradientSum(w2, torch.bfloat16, torch.float32, chunk_rows=16, total_rows=100)
+    assert grouped.grads.shape == (48, 64) and grouped.latents.shape == (48, 4)
+    # fewer rows in the call than a group holds: the buffer is only as large as the call
+    small = objective._W2GradientSum(w2, torch.bfloat16, torch.float32, chunk_rows=16, total_rows=40)
+    assert small.grads.shape == (40, 64)
+    # a single chunk, or a group of one chunk: no buffer, each chunk's product added directly
+    assert objective._W2GradientSum(w2, torch.bfloat16, torch.float32, 16, 16).grads is None
+    monkeypatch.setattr(objective, "W2_GROUP_BYTES", 0)
+    assert objective._W2GradientSum(w2, torch.bfloat16, torch.float32, 16, 100).grads is None
+    meta = objective._W2GradientSum(torch.zeros(64, 4, device="meta"), torch.bfloat16, torch.float32,
+                                    16, 100)
+    assert meta.grads is None  # any device but a CPU: per chunk
+
+
+def _sum_in_groups(grads, latents, group_bytes, monkeypatch):
+    monkeypatch.setattr(objective, "W2_GROUP_BYTES", group_bytes)
+    rows = sum(g.shape[0] for g in grads)
+    w2 = torch.zeros(grads[0].shape[1], latents[0].shape[1])
+    total = objective._W2GradientSum(w2, torch.bfloat16, torch.float32, grads[0].shape[0], rows)
+    for g, lat in zip(grads, latents, strict=True):
+        total.add(g, lat)
+    return total.total()
+
+
+def test_bf16_sum_in_one_group_is_closer_to_the_exact_sum_than_per_chunk(monkeypatch):
+    """In bf16 each product is rounded once: per group instead of per chunk. 12 chunks of 16
+    rows against the float64 product of the same bf16 values."""
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(16, 300, generator=gen).bfloat16() for _ in range(12)]
+    latents = [torch.randn(16, 8, generator=gen).bfloat16() for _ in range(12)]
+    exact = torch.cat(grads).double().t() @ torch.cat(latents).double()
+    per_chunk = _sum_in_groups(grads, latents, 0, monkeypatch)
+    one_group = _sum_in_groups(grads, latents, 1 << 30, monkeypatch)
+    four_groups = _sum_in_groups(grads, latents, 3 * 16 * 300 * 2, monkeypatch)
+    assert per_chunk.dtype == one_group.dtype == torch.float32
+    err = {name: float((got.double() - exact).abs().mean()) for name, got in
+           (("per chunk", per_chunk), ("one group", one_group), ("four groups", four_groups))}
+    assert err["one group"] < err["four groups"] < err["per chunk"], err
+    # each element of a group's product is within half a bf16 unit of the exact value
+    assert torch.all((one_group.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-12)
+
+
+def _w2_item(cfg):
+    from draftforge.splitserve.dry_run import draft_parameter_counts, trainer_estimate
+
+    with_emb, without = draft_parameter_counts(cfg)
+    items = {name.split(" (")[0]: value for name, value in trainer_estimate(cfg, with_emb, without).items}
+    return items.get("objective's W2 gradient group")
+
+
+def test_the_dry_run_counts_the_w2_group_of_a_cpu_trainer_by_hand():
+    """recipes/smollm2-cpu.yaml in float32: 3 samples of 320 tokens a micro-batch, 32 anchors
+    each, blocks of 8 (768 rows, under the 1,344 that 256 MiB of 49,152-wide float32 rows hold
+    in whole chunks of 64): 768 rows of gradient (49,152) and latent (256), 4 bytes each. None on
+    a GPU trainer, nor where a micro-batch's blocks fit one chunk."""
+    from pathlib import Path
+
+    from draftforge.config import load_recipe
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes/smollm2-cpu.yaml"
+    cfg = load_recipe(recipe, ["target.dtype=float32", "train.dtype=float32"])
+    assert _w2_item(cfg) == 768 * (49152 + 256) * 4
+    assert _w2_item(load_recipe(recipe, ["train.device=cuda"])) is None
+    assert _w2_item(load_recipe(recipe, ["train.loss.chunk_blocks=96"])) is None
+    assert _w2_item(load_recipe(recipe, ["draft.markov_rank=0", "draft.enable_confidence_head=false"])) is None
+    ling = Path(__file__).resolve().parents[1] / "recipes/ling3-flash-dspark.yaml"
+    assert _w2_item(load_recipe(ling, [])) is None  # devices [4, 5, 6, 7]
