@@ -279,9 +279,13 @@ def trainer_estimate(cfg: RecipeConfig, with_emb: int, without_emb: int, *, meta
         ("objective chunk (fp32, vocabulary)", objective),
         ("received queue (bf16)", queue),
     ]
-    w2_group = w2_group_bytes(cfg, shape, cfg.data.max_length)
-    if w2_group:
-        items.append(("objective's W2 gradient group (a trainer on a CPU)", w2_group))
+    if _trainer_may_run_on_cpu(cfg):
+        w2_group = w2_group_bytes(cfg, shape, cfg.data.max_length)
+        if w2_group:
+            items.append(("objective's W2 gradient group (a trainer on a CPU)", w2_group))
+        if train.dtype == "bfloat16":  # train/objective.py, _target_logits
+            items.append(("objective's packed lm_head (a trainer on a CPU)",
+                          shape.vocab_size * shape.hidden_size * 2))
     return Estimate(items)
 
 

@@ -73,6 +73,21 @@ def _packed(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
 
 
+def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """A bf16 CPU ``weight`` ``[out, in]`` reordered once for :func:`packed_product`; None where
+    packing is off, the ops are missing, or the weight is not bf16 on a CPU. Whether the
+    product gives ``x @ weight.T``'s bits is the caller's to check (at its row counts)."""
+    if (weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not packing_enabled()
+            or not _ops_available()):
+        return None
+    return _packed(weight)
+
+
+def packed_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` through :func:`packed_copy`'s reordered weight (x: bf16, contiguous)."""
+    return _packed_linear(x, packed, None)
+
+
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 

@@ -100,19 +100,23 @@ def test_bf16_sum_in_one_group_is_closer_to_the_exact_sum_than_per_chunk(monkeyp
     assert torch.all((one_group.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-12)
 
 
-def _w2_item(cfg):
+def _estimate_items(cfg):
     from draftforge.splitserve.dry_run import draft_parameter_counts, trainer_estimate
 
     with_emb, without = draft_parameter_counts(cfg)
-    items = {name.split(" (")[0]: value for name, value in trainer_estimate(cfg, with_emb, without).items}
-    return items.get("objective's W2 gradient group")
+    return {name.split(" (")[0]: value for name, value in trainer_estimate(cfg, with_emb, without).items}
 
 
-def test_the_dry_run_counts_the_w2_group_of_a_cpu_trainer_by_hand():
+def _w2_item(cfg):
+    return _estimate_items(cfg).get("objective's W2 gradient group")
+
+
+def test_the_dry_run_counts_the_w2_group_and_packed_lm_head_of_a_cpu_trainer_by_hand():
     """recipes/smollm2-cpu.yaml in float32: 3 samples of 320 tokens a micro-batch, 32 anchors
     each, blocks of 8 (768 rows, under the 1,344 that 256 MiB of 49,152-wide float32 rows hold
     in whole chunks of 64): 768 rows of gradient (49,152) and latent (256), 4 bytes each. None on
-    a GPU trainer, nor where a micro-batch's blocks fit one chunk."""
+    a GPU trainer, nor where a micro-batch's blocks fit one chunk. In bf16 the same in 2 bytes,
+    and the objective's packed copy of the 49,152 x 576 lm_head."""
     from pathlib import Path
 
     from draftforge.config import load_recipe
@@ -120,8 +124,61 @@ def test_the_dry_run_counts_the_w2_group_of_a_cpu_trainer_by_hand():
     recipe = Path(__file__).resolve().parents[1] / "recipes/smollm2-cpu.yaml"
     cfg = load_recipe(recipe, ["target.dtype=float32", "train.dtype=float32"])
     assert _w2_item(cfg) == 768 * (49152 + 256) * 4
+    assert "objective's packed lm_head" not in _estimate_items(cfg)  # float32: not packed
+    bf16 = _estimate_items(load_recipe(recipe, ["target.dtype=bfloat16", "train.dtype=bfloat16"]))
+    assert bf16["objective's packed lm_head"] == 49152 * 576 * 2
+    assert bf16["objective's W2 gradient group"] == 768 * (49152 + 256) * 2
     assert _w2_item(load_recipe(recipe, ["train.device=cuda"])) is None
     assert _w2_item(load_recipe(recipe, ["train.loss.chunk_blocks=96"])) is None
     assert _w2_item(load_recipe(recipe, ["draft.markov_rank=0", "draft.enable_confidence_head=false"])) is None
     ling = Path(__file__).resolve().parents[1] / "recipes/ling3-flash-dspark.yaml"
     assert _w2_item(load_recipe(ling, [])) is None  # devices [4, 5, 6, 7]
+
+
+def test_target_logits_through_the_packed_lm_head_are_the_plain_products_bits(monkeypatch):
+    """bf16 on a CPU: the frozen lm_head reordered once; each row count is checked against the
+    plain product on its first use, and a changed lm_head (in place, or another tensor) is
+    packed again. Compared with the plain product for every call."""
+    from draftforge.splitserve import packed_linear
+
+    products = []
+    real = packed_linear.packed_product
+    monkeypatch.setattr(packed_linear, "packed_product",
+                        lambda x, p: products.append(x.shape) or real(x, p))
+    objective._PACKED_CACHE.clear()
+    gen = torch.Generator().manual_seed(4)
+    lm_head = torch.randn(1000, 64, generator=gen).bfloat16()
+    for blocks in (8, 8, 3, 8, 3):
+        th = torch.randn(blocks, 8, 64, generator=gen).bfloat16()
+        assert torch.equal(objective._target_logits(th, lm_head), th @ lm_head.t())
+    packed_ok = packed_linear.packed_copy(lm_head) is not None
+    if packed_ok:  # first use of 64 and 24 rows checks; the later ones take the packed product
+        assert products == [(8, 8, 64), (8, 8, 64), (3, 8, 64), (8, 8, 64), (3, 8, 64)]
+        assert objective._PACKED_CACHE["exact"] == {64: True, 24: True}
+    before = objective._PACKED_CACHE["packed"]
+    with torch.no_grad():
+        lm_head.mul_(2)  # an in-place change: packed again, not the stale copy
+    th = torch.randn(8, 8, 64, generator=gen).bfloat16()
+    assert torch.equal(objective._target_logits(th, lm_head), th @ lm_head.t())
+    assert objective._PACKED_CACHE["packed"] is not before or before is None
+    # float32, or packing off: the plain product, no packed copy
+    lm32 = lm_head.float()
+    assert torch.equal(objective._target_logits(th.float(), lm32), th.float() @ lm32.t())
+    monkeypatch.setenv("DRAFTFORGE_PACKED_LINEAR", "off")
+    other = lm_head.clone()
+    assert torch.equal(objective._target_logits(th, other), th @ other.t())
+    assert objective._PACKED_CACHE["packed"] is None
+
+
+def test_a_row_count_whose_packed_product_differs_keeps_the_plain_product(monkeypatch):
+    from draftforge.splitserve import packed_linear
+
+    objective._PACKED_CACHE.clear()
+    lm_head = torch.randn(100, 16).bfloat16()
+    if packed_linear.packed_copy(lm_head) is None:
+        pytest.skip("no oneDNN packing on this machine")
+    monkeypatch.setattr(packed_linear, "packed_product", lambda x, p: torch.zeros(1))
+    th = torch.randn(2, 8, 16).bfloat16()
+    for _ in range(2):
+        assert torch.equal(objective._target_logits(th, lm_head), th @ lm_head.t())
+    assert objective._PACKED_CACHE["exact"] == {16: False}
