@@ -75,10 +75,14 @@ def _packed(weight: torch.Tensor) -> torch.Tensor:
 
 def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
     """A bf16 CPU ``weight`` ``[out, in]`` reordered once for :func:`packed_product`; None where
-    packing is off, the ops are missing, or the weight is not bf16 on a CPU. Whether the
+    packing is off, the ops are missing, the weight is not bf16 on a CPU, or the copy would take
+    over a quarter of the memory the kernel reports available. Whether the
     product gives ``x @ weight.T``'s bits is the caller's to check (at its row counts)."""
     if (weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not packing_enabled()
             or not _ops_available()):
+        return None
+    available = _available_bytes()
+    if available is not None and 4 * weight.nbytes > available:  # as pack_linear_weights
         return None
     return _packed(weight)
 

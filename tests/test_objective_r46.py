@@ -182,3 +182,19 @@ def test_a_row_count_whose_packed_product_differs_keeps_the_plain_product(monkey
     for _ in range(2):
         assert torch.equal(objective._target_logits(th, lm_head), th @ lm_head.t())
     assert objective._PACKED_CACHE["exact"] == {16: False}
+
+
+def test_the_packed_lm_head_is_skipped_where_it_would_take_over_a_quarter_of_available_memory(monkeypatch):
+    from draftforge.splitserve import packed_linear
+
+    lm_head = torch.randn(100, 16).bfloat16()
+    if not packed_linear._ops_available():
+        pytest.skip("no oneDNN packing on this machine")
+    monkeypatch.setattr(packed_linear, "_available_bytes", lambda: 4 * lm_head.nbytes - 1)
+    assert packed_linear.packed_copy(lm_head) is None
+    objective._PACKED_CACHE.clear()
+    th = torch.randn(2, 8, 16).bfloat16()
+    assert torch.equal(objective._target_logits(th, lm_head), th @ lm_head.t())
+    assert objective._PACKED_CACHE["packed"] is None
+    monkeypatch.setattr(packed_linear, "_available_bytes", lambda: 4 * lm_head.nbytes)
+    assert packed_linear.packed_copy(lm_head) is not None

@@ -22,7 +22,10 @@ Vocabulary-sized tensors exist for one chunk of blocks at a time: the fused
 function below computes the loss of a chunk and, in the same pass, its
 gradient with respect to the chunk's hidden states, Markov latents and the
 Markov output matrix (analytic softmax / L1 gradients), so backward never
-recomputes or stores the vocabulary tensors.
+recomputes or stores the vocabulary tensors. On a CPU, the chunks' logit
+gradients are also gathered, up to ``W2_GROUP_BYTES``, for the Markov output
+matrix's gradient (:class:`_W2GradientSum`), and the target's logits use a
+copy of the frozen lm_head in oneDNN's blocked layout (:func:`_target_logits`).
 """
 
 from __future__ import annotations
