@@ -438,13 +438,12 @@ def _shared_credits(split, topology) -> str:
 
 
 def _trainer_may_run_on_cpu(cfg: RecipeConfig) -> bool:
-    """Whether :func:`_placed` puts the trainers on a CPU, or on one where no GPU is visible."""
-    from draftforge.splitserve.roles import comm_backend
-
+    """Whether the trainers run on a CPU, or may where no GPU is visible: not with a device
+    list, not with train.device cuda (refused where no GPU is visible), not over NCCL."""
     split = cfg.split
     if split.trainer_devices is not None or cfg.train.device == "cuda":
         return False
-    return comm_backend(cfg, gpus_visible=True) == "gloo" or split.comm_backend != "nccl"
+    return split.comm_backend != "nccl"
 
 
 def _placed(cfg: RecipeConfig, ranks: list[int], devices: list[int] | None, *, trainer: bool) -> str:

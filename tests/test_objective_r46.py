@@ -141,20 +141,30 @@ def test_target_logits_through_the_packed_lm_head_are_the_plain_products_bits(mo
     packed again. Compared with the plain product for every call."""
     from draftforge.splitserve import packed_linear
 
-    products = []
+    products, outputs = [], []
     real = packed_linear.packed_product
-    monkeypatch.setattr(packed_linear, "packed_product",
-                        lambda x, p: products.append(x.shape) or real(x, p))
+
+    def recording(x, p):
+        products.append(x.shape)
+        outputs.append(real(x, p))
+        return outputs[-1]
+
+    monkeypatch.setattr(packed_linear, "packed_product", recording)
     objective._PACKED_CACHE.clear()
     gen = torch.Generator().manual_seed(4)
     lm_head = torch.randn(1000, 64, generator=gen).bfloat16()
+    returned = []
     for blocks in (8, 8, 3, 8, 3):
         th = torch.randn(blocks, 8, 64, generator=gen).bfloat16()
-        assert torch.equal(objective._target_logits(th, lm_head), th @ lm_head.t())
+        returned.append(objective._target_logits(th, lm_head))
+        assert torch.equal(returned[-1], th @ lm_head.t())
     packed_ok = packed_linear.packed_copy(lm_head) is not None
     if packed_ok:  # first use of 64 and 24 rows checks; the later ones take the packed product
         assert products == [(8, 8, 64), (8, 8, 64), (3, 8, 64), (8, 8, 64), (3, 8, 64)]
         assert objective._PACKED_CACHE["exact"] == {64: True, 24: True}
+        # the checks return the plain product; calls 2, 4 and 5 return the packed one itself
+        assert returned[0] is not outputs[0] and returned[2] is not outputs[2]
+        assert returned[1] is outputs[1] and returned[3] is outputs[3] and returned[4] is outputs[4]
     before = objective._PACKED_CACHE["packed"]
     with torch.no_grad():
         lm_head.mul_(2)  # an in-place change: packed again, not the stale copy
@@ -198,3 +208,42 @@ def test_the_packed_lm_head_is_skipped_where_it_would_take_over_a_quarter_of_ava
     assert objective._PACKED_CACHE["packed"] is None
     monkeypatch.setattr(packed_linear, "_available_bytes", lambda: 4 * lm_head.nbytes)
     assert packed_linear.packed_copy(lm_head) is not None
+
+
+def test_a_first_chunk_with_nan_or_a_refusing_op_decides_nothing_or_keeps_the_plain_product(monkeypatch):
+    """NaN equals nothing, so a non-finite first chunk would have sent its row count to the
+    plain product for the whole run: it records no verdict. An op that raises is a verdict
+    for the plain product, not a failed step."""
+    from draftforge.splitserve import packed_linear
+
+    objective._PACKED_CACHE.clear()
+    lm_head = torch.randn(100, 16).bfloat16()
+    if packed_linear.packed_copy(lm_head) is None:
+        pytest.skip("no oneDNN packing on this machine")
+    th = torch.randn(2, 8, 16).bfloat16()
+    bad = th.clone()
+    bad[0, 0, 0] = float("nan")
+    got = objective._target_logits(bad, lm_head)
+    assert torch.allclose(got, bad @ lm_head.t(), equal_nan=True)
+    assert objective._PACKED_CACHE["exact"] == {}
+    objective._target_logits(th, lm_head)
+    assert objective._PACKED_CACHE["exact"] == {16: True}
+
+    def refusing(x, p):
+        raise RuntimeError("mkldnn refused")
+
+    monkeypatch.setattr(packed_linear, "packed_product", refusing)
+    other = torch.randn(3, 8, 16).bfloat16()
+    assert torch.equal(objective._target_logits(other, lm_head), other @ lm_head.t())
+    assert objective._PACKED_CACHE["exact"] == {16: True, 24: False}
+    assert torch.equal(objective._target_logits(other, lm_head), other @ lm_head.t())
+
+
+def test_the_w2_group_buffers_are_kept_for_the_next_call_of_the_same_shape():
+    objective._GROUP_BUFFERS.clear()
+    w2 = torch.zeros(5000, 4)
+    first = objective._W2GradientSum(w2, torch.bfloat16, torch.float32, chunk_rows=16, total_rows=64)
+    again = objective._W2GradientSum(w2, torch.bfloat16, torch.float32, chunk_rows=16, total_rows=64)
+    assert first.grads is again.grads and first.latents is again.latents
+    other = objective._W2GradientSum(w2, torch.bfloat16, torch.float32, chunk_rows=16, total_rows=48)
+    assert other.grads.shape == (48, 5000) and other.grads is not first.grads
