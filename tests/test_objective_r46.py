@@ -239,11 +239,26 @@ def test_a_first_chunk_with_nan_or_a_refusing_op_decides_nothing_or_keeps_the_pl
     assert torch.equal(objective._target_logits(other, lm_head), other @ lm_head.t())
 
 
-def test_the_w2_group_buffers_are_kept_for_the_next_call_of_the_same_shape():
+def test_the_w2_group_buffers_are_kept_for_later_calls_and_replaced_only_by_larger_ones():
+    """Micro-batches differ in rows: a call needing fewer rows uses the front of the held
+    buffer, one needing more replaces it, another vocabulary or dtype replaces it."""
     objective._GROUP_BUFFERS.clear()
     w2 = torch.zeros(5000, 4)
-    first = objective._W2GradientSum(w2, torch.bfloat16, torch.float32, chunk_rows=16, total_rows=64)
-    again = objective._W2GradientSum(w2, torch.bfloat16, torch.float32, chunk_rows=16, total_rows=64)
-    assert first.grads is again.grads and first.latents is again.latents
-    other = objective._W2GradientSum(w2, torch.bfloat16, torch.float32, chunk_rows=16, total_rows=48)
-    assert other.grads.shape == (48, 5000) and other.grads is not first.grads
+
+    def buffers(total_rows, dtype=torch.bfloat16, weight=w2):
+        grouped = objective._W2GradientSum(weight, dtype, torch.float32, chunk_rows=16, total_rows=total_rows)
+        return grouped.grads, grouped.latents
+
+    grads, latents = buffers(64)
+    assert grads.shape == (64, 5000) and latents.shape == (64, 4)
+    again, _ = buffers(64)
+    assert again.data_ptr() == grads.data_ptr()
+    smaller, smaller_latents = buffers(48)
+    assert smaller.shape == (48, 5000) and smaller.data_ptr() == grads.data_ptr()
+    assert smaller_latents.shape == (48, 4) and smaller_latents.data_ptr() == latents.data_ptr()
+    larger, _ = buffers(96)
+    assert larger.shape == (96, 5000) and objective._GROUP_BUFFERS["buffers"][0].shape == (96, 5000)
+    assert buffers(64)[0].data_ptr() == larger.data_ptr()
+    assert buffers(64, torch.float32)[0].dtype == torch.float32
+    assert objective._GROUP_BUFFERS["buffers"][0].shape == (64, 5000)
+    assert buffers(64, weight=torch.zeros(6000, 4))[0].shape == (64, 6000)

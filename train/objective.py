@@ -256,16 +256,19 @@ _GROUP_BUFFERS: dict = {}
 
 
 def _group_buffers(rows: int, vocab: int, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """:class:`_W2GradientSum`'s CPU buffers, kept for the next call of the same shape: a fresh
-    buffer above glibc's mmap threshold is new pages that fault on first touch (filling a
-    768 x 49,152 bf16 buffer took 45 ms fresh against 14 ms reused, one thread). Only the
-    last shape is kept; the dry run counts the buffer as held."""
-    key = (rows, vocab, rank, dtype)
-    if _GROUP_BUFFERS.get("key") != key:
-        _GROUP_BUFFERS.clear()
+    """:class:`_W2GradientSum`'s CPU buffers (their first ``rows`` rows), kept for later calls:
+    a fresh buffer above glibc's mmap threshold is new pages that fault on first touch
+    (filling a 768 x 49,152 bf16 buffer took 45 ms fresh against 14 ms reused, one thread).
+    Micro-batches differ in rows, so the buffer is replaced only by a larger one or another
+    shape: it holds the most rows a call has needed (the dry run counts it as held)."""
+    key = (vocab, rank, dtype)
+    held = _GROUP_BUFFERS.get("buffers")
+    if _GROUP_BUFFERS.get("key") != key or held[0].shape[0] < rows:
+        _GROUP_BUFFERS.clear()  # the old buffers go before the new ones are allocated
         _GROUP_BUFFERS.update(key=key, buffers=(torch.empty(rows, vocab, dtype=dtype),
                                                 torch.empty(rows, rank, dtype=dtype)))
-    return _GROUP_BUFFERS["buffers"]
+    grads, latents = _GROUP_BUFFERS["buffers"]
+    return grads[:rows], latents[:rows]
 
 
 class _W2GradientSum:
