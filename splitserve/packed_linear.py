@@ -69,6 +69,13 @@ def _available_bytes() -> int | None:
     return None
 
 
+def _copy_fits(nbytes: int) -> bool:
+    """Whether a packed copy of ``nbytes`` takes at most a quarter of ``MemAvailable`` (True
+    where that is unknown)."""
+    available = _available_bytes()
+    return available is None or 4 * nbytes <= available
+
+
 def _packed(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
 
@@ -81,10 +88,7 @@ def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
     if (weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not packing_enabled()
             or not _ops_available()):
         return None
-    available = _available_bytes()
-    if available is not None and 4 * weight.nbytes > available:  # as pack_linear_weights
-        return None
-    return _packed(weight)
+    return _packed(weight) if _copy_fits(weight.nbytes) else None
 
 
 def packed_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -131,8 +135,7 @@ def pack_linear_weights(model: nn.Module) -> int:
         return 0
     linears = [m for m in model.modules() if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16
                and m.weight.device.type == "cpu" and "_draftforge_packed" not in m.__dict__]
-    available = _available_bytes()
-    if available is not None and 4 * sum(m.weight.nbytes for m in linears) > available:
+    if not _copy_fits(sum(m.weight.nbytes for m in linears)):
         return 0
     verdicts: dict[tuple, bool] = {}
     count = 0

@@ -354,6 +354,19 @@ class _FusedVocabLoss(torch.autograd.Function):
         return (out_hidden, out_latent, out_w2) + (None,) * 11
 
 
+def _rebuilt(cache: dict, lm_head: torch.Tensor, key: tuple) -> bool:
+    """Whether ``cache`` must be filled again: it was built for another tensor (a weak
+    reference, so a new draft at a recycled address is not the same one) or under another
+    ``key``. Then it is emptied first (the old copy goes before a new one is made) and holds
+    only the new owner and key, for the caller to fill."""
+    owner = cache.get("owner")
+    if owner is not None and owner() is lm_head and cache.get("key") == key:
+        return False
+    cache.clear()
+    cache.update(owner=weakref.ref(lm_head), key=key)
+    return True
+
+
 _HEAD_CACHE: dict = {}
 
 
@@ -367,11 +380,8 @@ def _vocab_head(lm_head: torch.Tensor, markov_w2: torch.Tensor) -> torch.Tensor:
         return torch.cat([lm_head, markov_w2.to(lm_head.dtype)], dim=1)
     key = (lm_head._version, lm_head.data_ptr(), tuple(lm_head.shape), lm_head.dtype, tuple(markov_w2.shape),
            markov_w2.dtype)
-    owner = _HEAD_CACHE.get("owner")
-    if owner is None or owner() is not lm_head or _HEAD_CACHE.get("key") != key:
-        _HEAD_CACHE.clear()
-        _HEAD_CACHE.update(owner=weakref.ref(lm_head), key=key,
-                           head=torch.cat([lm_head, markov_w2.to(lm_head.dtype)], dim=1))
+    if _rebuilt(_HEAD_CACHE, lm_head, key):
+        _HEAD_CACHE["head"] = torch.cat([lm_head, markov_w2.to(lm_head.dtype)], dim=1)
     else:  # copy_ rounds as .to(lm_head.dtype) does, without the separate converted copy
         _HEAD_CACHE["head"][:, lm_head.shape[1]:].copy_(markov_w2)
     return _HEAD_CACHE["head"]
@@ -392,10 +402,8 @@ def _target_logits(target_hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.
     if lm_head.device.type != "cpu" or lm_head.dtype != torch.bfloat16:
         return target_hidden @ lm_head.t()
     key = (lm_head._version, lm_head.data_ptr(), tuple(lm_head.shape))
-    owner = _PACKED_CACHE.get("owner")
-    if owner is None or owner() is not lm_head or _PACKED_CACHE.get("key") != key:
-        _PACKED_CACHE.clear()
-        _PACKED_CACHE.update(owner=weakref.ref(lm_head), key=key, packed=packed_copy(lm_head), exact={})
+    if _rebuilt(_PACKED_CACHE, lm_head, key):
+        _PACKED_CACHE.update(packed=packed_copy(lm_head), exact={})
     packed, exact = _PACKED_CACHE["packed"], _PACKED_CACHE["exact"]
     rows = target_hidden.numel() // target_hidden.shape[-1]
     if packed is None or not target_hidden.is_contiguous() or exact.get(rows) is False:
