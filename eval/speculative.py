@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from draftforge.splitserve.hf_backend import captured_outputs, decoder_layers_and_norm
-from draftforge.splitserve.sampling import kv_cache_argument, top_k_top_p
+from draftforge.splitserve.sampling import kv_cache_argument, prefill_arguments, top_k_top_p
 from draftforge.train.model import ContextCache
 
 
@@ -136,9 +136,12 @@ class TargetSession:
 
     def prefill(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Start a new sequence: the next-token logits of its last token [1, V] fp32 (the lm_head
-        runs on that one: [L, V] of a long prompt would not fit) and aux features [L, K*H_t]."""
+        runs on that one where the model's forward takes ``logits_to_keep``: [L, V] of a long
+        prompt would not fit; one whose forward lacks it computes every row and the last is
+        kept) and aux features [L, K*H_t]."""
         self.cache, self.length, self._kept = None, 0, 0
-        return self._run(token_ids, logits_to_keep=1)
+        logits, aux = self._run(token_ids, **prefill_arguments(self.model))
+        return logits[-1:], aux
 
     def extend(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Append tokens at positions ``length ..``; their logits and aux features. A
@@ -273,11 +276,14 @@ class DraftProposer(Proposer):
             def distribution(logits):
                 return sampling_probs(logits.float(), self.temperature, self.top_k, self.top_p).cpu()
 
+            drawn_from = []  # each slot's distribution as drawn: rejection sampling needs those
+
             def sample(logits, _k):
-                return torch.multinomial(distribution(logits), 1, generator=self.generator)[:, 0].to(device)
+                drawn_from.append(distribution(logits))
+                return torch.multinomial(drawn_from[-1], 1, generator=self.generator)[:, 0].to(device)
 
             tokens, logits, conf = self.draft.draft_block(hidden, anchor, sample=sample)
-            probs = distribution(logits[0])
+            probs = torch.cat(drawn_from)
         else:
             tokens, logits, conf = self.draft.draft_block(hidden, anchor)
             probs = None

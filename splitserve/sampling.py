@@ -46,10 +46,11 @@ def kv_cache_argument(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def _prefill_arguments(model) -> dict[str, int]:
+def prefill_arguments(model) -> dict[str, int]:
     """``logits_to_keep=1`` where ``model.forward`` names that argument (only the last position's
     logits are needed), else nothing: as ``transformers``' ``generate`` decides, since a model
-    whose forward lacks it (remote code written before it existed) raises a TypeError on it."""
+    whose forward lacks it (remote code written before it existed) raises a TypeError on it.
+    The evaluator's prefill (``draftforge.eval.speculative.TargetSession``) asks the same."""
     return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
@@ -122,7 +123,7 @@ def decode(
     positions = (mask.cumsum(-1) - 1).clamp_(min=0)
     cache = growing_cache(model, input_ids.shape[1] + settings.max_new_tokens)
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                **_prefill_arguments(model), **({} if cache is None else {cache_arg: cache}))
+                **prefill_arguments(model), **({} if cache is None else {cache_arg: cache}))
     cache, logits = getattr(out, cache_arg), out.logits[:, -1]
     next_position = positions[:, -1:] + 1
     result = torch.full((batch, settings.max_new_tokens), pad_id, dtype=torch.long, device=device)
