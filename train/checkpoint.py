@@ -48,6 +48,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import uuid
 from pathlib import Path
 
@@ -554,7 +555,12 @@ def save_checkpoint(
             error = f"{type(exc).__name__}: {exc}"
             shutil.rmtree(tmp, ignore_errors=True)
         if not error:
-            _prune(run_dir, step=step, keep_last=keep_last)
+            try:
+                _prune(run_dir, step=step, keep_last=keep_last)
+            except OSError as exc:  # housekeeping: never fails a save that is complete
+                print(f"[trainer] warning: {final} is saved, but removing older checkpoints failed "
+                      f"({type(exc).__name__}: {exc}); they stay until the next save prunes them",
+                      file=sys.stderr, flush=True)
     errors = _agree_errors(error, group=group)
     if any(errors):
         raise _write_failed(step, run_dir, errors, D.job_ranks(group=group))

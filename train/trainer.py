@@ -51,6 +51,7 @@ from draftforge.train.metrics import (
 )
 from draftforge.train.model import DSparkConfig, DSparkDraft, count_parameters
 from draftforge.train.objective import exp_weights
+from draftforge.train.recipe_changes import resume_note
 from draftforge.train.sample import Sample, collate
 
 # A step's summed scalars: loss, ce, tv, bce, tau sum, blocks, tokens, block tokens,
@@ -276,6 +277,9 @@ class Trainer:
             print(f"[trainer] note: train.seed {saved_seed} -> {self.train.seed}: the steps from "
                   f"{self.step + 1} on draw their anchors from the new seed, so this run no longer "
                   "repeats the checkpointed one's", flush=True)
+        changed = resume_note(Path(path), self.recipe_yaml, next_step=self.step + 1) if self.is_main else ""
+        if changed:
+            print(f"[trainer] note: {changed}", flush=True)
         return self.resumed
 
     def _restore_optimizer_settings(self) -> str:
