@@ -54,7 +54,11 @@ Resumable and crash-safe:
   reads its first ``data.num_samples`` rows (``check_answers``).
 
 So an interrupted run followed by a rerun writes exactly the same file as an
-uninterrupted run (given a deterministic engine, which the transformers backend is).
+uninterrupted run (given a deterministic engine, which the transformers backend is) over
+the same prompts in the same order. Rows are reused by id: prompts reordered between runs
+(``data.train_files`` in another order, rows inserted before others) keep answers that
+were generated in other batches, with other seeds: valid answers of the same target and
+settings, but not the file an uninterrupted run in the new order writes.
 
 On a CPU with the transformers backend, ``--workers`` processes (default: one per
 core, at most one per batch) answer whole batches side by side, each with its own
@@ -497,6 +501,11 @@ def _regenerate(
         same = sorted(map(_row_line, finished)) == sorted(map(_row_line, leftover))
         if same and not torn_out and not torn_partial:
             partial.unlink()  # a run that wrote the file and stopped before removing its .partial
+            fsync_dir(out.parent)
+        elif same and torn_out and not torn_partial:
+            # stopped after moving a cut file's whole rows to the .partial (below), before
+            # removing the file: the .partial holds them, continued as an interrupted run's
+            out.unlink()
             fsync_dir(out.parent)
         elif torn_out or not {r["id"] for r in leftover} - {r["id"] for r in finished}:
             raise RegenerationError(
