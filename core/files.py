@@ -129,11 +129,12 @@ def replace_dir(staging: Path, out: Path) -> None:
         fsync_dir(out.parent)
         return
     retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    os.replace(out, retired / out.name)
-    try:
+    try:  # both renames: a signal's exception raised as the first returns must move it back too
+        os.replace(out, retired / out.name)
         os.replace(staging, out)
     except BaseException:
-        os.replace(retired / out.name, out)
+        if not out.exists() and (retired / out.name).exists():
+            os.replace(retired / out.name, out)
         shutil.rmtree(retired, ignore_errors=True)
         raise
     fsync_dir(out.parent)
