@@ -58,7 +58,9 @@ class ConsumerStream:
             begin = time.perf_counter()
             depth = self.receiver.depth()
             self.acks.check()
-            item = self.receiver.get()  # the heartbeat runs meanwhile, and while the trainer works
+            # the heartbeat runs meanwhile (and while the trainer works); what it meets is raised
+            # while waiting too, not only at the next sample
+            item = self.receiver.get(check=self.acks.check)
             waited = time.perf_counter() - begin
             if item is None:
                 return

@@ -632,11 +632,13 @@ def run_producer(
         if not gate.all_stopped():
             log(f"target rank {rank}: data finished (split.max_epochs={split.max_epochs})")
         finish_links()
+        pulse.close()
+        # The trainers still return credits for what they hold; their stop is the last message.
+        # Counted as idle: the done line covers the serving to the trainers' stop.
+        with meter.idle("stop"):
+            gate.wait_all_stopped(split.peer_timeout_s)
     finally:
         meter.stop()
-    pulse.close()
-    # The trainers still return credits for what they hold; their stop is the last message.
-    gate.wait_all_stopped(split.peer_timeout_s)
     gate.join(timeout=10.0)
     summary = meter.summary()
     summary["max_outstanding"] = gate.max_outstanding

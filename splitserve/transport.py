@@ -804,9 +804,13 @@ class SampleReceiver:
     def _hear(self) -> None:
         self.heard = time.monotonic()
 
-    def get(self, poll_s: float = 0.5, max_wait_s: float | None = None):
+    def get(self, poll_s: float = 0.5, max_wait_s: float | None = None,
+            check: Callable[[], None] | None = None):
         """The next ``(src, WireSample)``, None once every source has ended, or
-        :attr:`IDLE` when nothing came within ``max_wait_s``."""
+        :attr:`IDLE` when nothing came within ``max_wait_s``. ``check`` runs at every poll
+        while nothing has come and may raise: the trainer's acknowledgement link, whose
+        heartbeat notices a dead producer that the data receive may never report (on NCCL
+        a receive from a dead rank blocks in the GPU wait, not in an exception)."""
         deadline = None if max_wait_s is None else time.monotonic() + max_wait_s
         while True:
             try:
@@ -814,6 +818,8 @@ class SampleReceiver:
             except queue.Empty:
                 if self.error is not None and self.queue.empty():
                     raise self.error from None
+                if check is not None:
+                    check()
                 if deadline is not None and time.monotonic() >= deadline:
                     return self.IDLE
                 continue

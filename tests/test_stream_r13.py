@@ -100,7 +100,7 @@ class _Receiver:
     def depth(self) -> int:
         return 0
 
-    def get(self, poll_s: float = 0.5, max_wait_s: float | None = None):
+    def get(self, poll_s: float = 0.5, max_wait_s: float | None = None, check=None):
         return self._items.pop(0) if self._items else None
 
 
