@@ -98,7 +98,7 @@ def test_draftforges_own_exports_still_load_for_each_architecture(tmp_path, arch
 
 
 @pytest.mark.parametrize("kept", ["embed_tokens.weight", "lm_head.weight"])
-def test_an_export_holding_one_embedding_copy_loads_the_other_from_the_target(tmp_path, kept):
+def test_an_export_holding_one_embedding_copy_loads_the_other_from_the_target(tmp_path, kept, capsys):
     """The contract makes each copy optional; one alone used to be refused as an unexpected tensor."""
     model = tiny_draft()
     out = export_draft(model, tmp_path / "export", with_embeddings=True, progress=_quiet)
@@ -112,13 +112,22 @@ def test_an_export_holding_one_embedding_copy_loads_the_other_from_the_target(tm
     assert str(err.value) == (f"{out} holds only {kept}, not {dropped}; pass the target (or its "
                               "embedding and lm_head) to load it")
 
-    # the target's copy of the one it lacks; the folder's own copy of the one it holds
+    # the target's matrices for both, as servers attach them (since 2026-12-06: the folder's
+    # own copy of the one it holds won before), and a note that the held copy is not the target's
     other = tiny_draft(seed=9)
+    capsys.readouterr()
     loaded = load_exported_draft(out, embed_tokens=other.embed_tokens.weight, lm_head=other.lm_head.weight)
     weights = loaded.state_dict()
-    assert torch.equal(weights[kept], model.state_dict()[kept])
+    assert torch.equal(weights[kept], other.state_dict()[kept])
     assert torch.equal(weights[dropped], other.state_dict()[dropped])
+    assert capsys.readouterr().err == (f"draftforge: note: {out}'s {kept} differ from the target's; "
+                                       "using the target's, as servers do\n")
+    # the folder's own copy where nothing is given for it
+    given = {"embed_tokens" if dropped == "embed_tokens.weight" else "lm_head": other.state_dict()[dropped]}
+    alone = load_exported_draft(out, **given).state_dict()
+    assert torch.equal(alone[kept], model.state_dict()[kept])
     same = load_exported_draft(out, embed_tokens=model.embed_tokens.weight, lm_head=model.lm_head.weight)
+    assert capsys.readouterr().err == ""  # the held copy is the target's: nothing to say
     for want, got in zip(_outputs(model), _outputs(same), strict=True):
         assert torch.equal(want, got)
 

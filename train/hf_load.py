@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -337,9 +338,11 @@ def load_exported_draft(
     """Build the draft an export folder describes and load its tensors exactly.
 
     Each of ``embed_tokens.weight``/``lm_head.weight`` is optional in the folder (contract
-    section 4): one it lacks is taken from ``embed_tokens``/``lm_head`` (or ``target``'s),
-    then required; given ones of another shape than the config's vocabulary and hidden size
-    are refused. ``dtype`` defaults to the export's.
+    section 4): ``embed_tokens``/``lm_head`` (or ``target``'s) are used where given, as servers
+    attach the target's whatever the folder holds (a folder copy that differs from them is
+    noted), and the folder's own copy only where none is given; given ones of another shape
+    than the config's vocabulary and hidden size are refused. ``dtype`` defaults to the
+    export's.
     """
     folder = Path(folder).expanduser()
     raw = read_serving_config(folder)
@@ -368,7 +371,15 @@ def load_exported_draft(
         raise ExportError(
             f"{folder} holds {what}; pass the target (or its embedding and lm_head) to load it"
         )
-    state = {**state, **{name: given[name].detach() for name in lacking}}  # shapes checked above
+    # servers ignore the folder's copies and attach the target's (contract section 4): so does
+    # loading, wherever the target's (or given) matrices are at hand; a copy that is not the
+    # target's (another revision of it, say) is said, since serving would not use it either
+    stale = [name for name in held if given[name] is not None
+             and not torch.equal(state[name], given[name].detach().to(state[name].dtype))]
+    if stale:
+        print(f"draftforge: note: {folder}'s {' and '.join(stale)} differ from the target's; "
+              "using the target's, as servers do", file=sys.stderr, flush=True)
+    state = {**state, **{name: matrix.detach() for name, matrix in given.items() if matrix is not None}}
     load_dtype = dtype or _DTYPES.get(str(raw.get("torch_dtype")), next(iter(state.values())).dtype)
     model.to(load_dtype)
     model.load_state_dict({k: v.to(load_dtype) for k, v in state.items()}, strict=True)
