@@ -104,3 +104,15 @@ def test_a_failed_prune_leaves_the_complete_save_standing(tmp_path, monkeypatch,
     assert ckpt.complete_checkpoints(tmp_path / "run") == [first, second]
     assert (f"[trainer] warning: {second} is saved, but removing older checkpoints failed (OSError: "
             "[Errno 5] Input/output error)") in capsys.readouterr().err
+
+
+def test_a_steps_token_count_is_exact_past_float32(tmp_path, monkeypatch):
+    """The step's scalars were summed in float32: three micro-batches of 2^24 + 1 tokens each
+    (a large multi-rank step) logged 50,331,648 tokens, not 50,331,651. They are float64 now."""
+    from draftforge.train import sample as S
+
+    monkeypatch.setattr(S.Batch, "num_tokens", property(lambda self: 2**24 + 1))
+    logged = []
+    _trainer(tmp_path / "run", SAVED, steps=1, grad_accum=3).fit(
+        pack(chain_samples(12), 90), on_step=logged.append)
+    assert [record["tokens"] for record in logged] == [3 * (2**24 + 1)]

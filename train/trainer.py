@@ -449,11 +449,12 @@ class Trainer:
         blocks = out.valid[:, 0]
         # masked by multiplication, not boolean indexing (a host sync on the GPU)
         tau_sum = ((1.0 + torch.cumprod(out.c_star, dim=-1).sum(-1)) * blocks).sum()
+        # float64: the counts (tokens, slots) of a large step are exact past float32's 2^24
         parts = torch.cat([
             torch.stack([loss.detach(), out.ce, out.tv, out.bce, tau_sum.float(), blocks.sum().float(),
-                         torch.tensor(float(batch.num_tokens), device=loss.device), valid.sum(),
-                         nonfinite, out.kl if out.kl is not None else torch.zeros_like(out.ce)]).float(),
-            (out.c_star * valid).sum(0).float(), valid.sum(0),
+                         torch.tensor(float(batch.num_tokens), device=loss.device, dtype=torch.float64), valid.sum(),
+                         nonfinite, out.kl if out.kl is not None else torch.zeros_like(out.ce)]).double(),
+            (out.c_star * valid).sum(0).double(), valid.sum(0).double(),
         ]).to(sums.device)
         sums[: STEP_SCALARS + 2 * gamma] += parts.detach()
 
@@ -537,7 +538,7 @@ class Trainer:
         comm = self._comm_device()
         compute_start = time.perf_counter()
         self._set_lr(lr_at(self.step, train=self.train))
-        sums = torch.zeros(STEP_SCALARS + 2 * gamma, dtype=torch.float32, device=comm)
+        sums = torch.zeros(STEP_SCALARS + 2 * gamma, dtype=torch.float64, device=comm)
         prepared = [self._prepare(samples, micro) for micro, samples in enumerate(micro_batches)]
         denominator = self._step_denominator(prepared)
         for micro, batch in enumerate(prepared):
