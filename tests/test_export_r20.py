@@ -253,3 +253,17 @@ def test_an_export_error_names_the_command_once(argv, capsys, tmp_path, monkeypa
     assert main(["export", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("draftforge export: error: ") and err.count("draftforge export") == 1, err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_target_on_a_gpu_replaces_the_folders_cpu_copies(tmp_path, capsys):
+    """The folder's copies are read onto the CPU and a target's matrices may sit on a GPU:
+    comparing the two must not fail on the devices (draftforge eval loads so on a GPU)."""
+    model = tiny_draft()
+    out = export_draft(model, tmp_path / "export", with_embeddings=True, progress=_quiet)
+    loaded = load_exported_draft(out, embed_tokens=model.embed_tokens.weight.cuda(),
+                                 lm_head=model.lm_head.weight.cuda(), device="cuda")
+    assert capsys.readouterr().err == ""  # the same matrices: nothing to note
+    for want, got in zip(model.state_dict().values(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(want, got.cpu())

@@ -375,7 +375,7 @@ def load_exported_draft(
     # loading, wherever the target's (or given) matrices are at hand; a copy that is not the
     # target's (another revision of it, say) is said, since serving would not use it either
     stale = [name for name in held if given[name] is not None
-             and not torch.equal(state[name], given[name].detach().to(state[name].dtype))]
+             and not torch.equal(state[name], given[name].detach().to(state[name].device, state[name].dtype))]
     if stale:
         print(f"draftforge: note: {folder}'s {' and '.join(stale)} differ from the target's; "
               "using the target's, as servers do", file=sys.stderr, flush=True)
