@@ -191,11 +191,13 @@ def assistant_spans(
     return text, spans, context
 
 
-def _locate_turns(tokenizer, messages, *, chat_template, enable_thinking, unfinished_turns):
+def _locate_turns(tokenizer, messages, *, chat_template, enable_thinking, unfinished_turns,
+                  added_messages: int = 0):
     """:func:`assistant_spans` plus where each supervised turn's generation prompt ends (the
     end of the text the server tokenises as that turn's prompt) and where its reply's own text
     lies in the rendering (``(start, end)``, or its message index where the template rewrites
-    the reply so that it cannot be found there)."""
+    the reply so that it cannot be found there). Errors number a turn by its place in the
+    row's own list: ``added_messages`` (a top-level ``system`` key's message) go before it."""
     kwargs = {"chat_template": chat_template, "enable_thinking": enable_thinking}
     text = render(tokenizer, messages, add_generation_prompt=False, **kwargs)
     assistant = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
@@ -216,7 +218,7 @@ def _locate_turns(tokenizer, messages, *, chat_template, enable_thinking, unfini
                 # Qwen3's thinking off: a reply holding a reasoning block, which the served
                 # prompt's empty block would precede
                 raise ChatTemplateError(
-                    f"assistant turn {index + 1} is not what the target writes with thinking "
+                    f"assistant turn {index + 1 - added_messages} is not what the target writes with thinking "
                     f"{'on' if enable_thinking else 'off'} (the chat template renders it as an "
                     f"extension of the prompt only with thinking {'off' if enable_thinking else 'on'}"
                     f"{': its reply holds a reasoning block' if '</think>' in message['content'] else ''}); "
@@ -224,7 +226,7 @@ def _locate_turns(tokenizer, messages, *, chat_template, enable_thinking, unfini
                     "the data was written so, or regenerate it with the thinking mode served"
                 )
             raise ChatTemplateError(
-                f"the chat template does not render assistant turn {index + 1} as an extension "
+                f"the chat template does not render assistant turn {index + 1 - added_messages} as an extension "
                 "of the conversation before it (it rewrites the prompt once the reply is added); "
                 "cannot locate the supervised tokens. Use a template that keeps the prompt "
                 "unchanged (target.generation.chat_template)"
@@ -234,7 +236,7 @@ def _locate_turns(tokenizer, messages, *, chat_template, enable_thinking, unfini
         if end == start and message["content"].strip():
             # e.g. a chat_template given as a file path: that text, the same for every conversation
             raise ChatTemplateError(
-                f"the chat template renders assistant turn {index + 1} as nothing (neither its "
+                f"the chat template renders assistant turn {index + 1 - added_messages} as nothing (neither its "
                 "text nor an end-of-turn marker), so none of it can be supervised; "
                 "target.generation.chat_template takes the template's Jinja text, not a file path"
             )
@@ -246,7 +248,7 @@ def _locate_turns(tokenizer, messages, *, chat_template, enable_thinking, unfini
                 content_at = text.find(reply, start, end)
             if content_at < 0:
                 raise ChatTemplateError(
-                    f"cannot find the text of unfinished assistant turn {index + 1} in its "
+                    f"cannot find the text of unfinished assistant turn {index + 1 - added_messages} in its "
                     "rendering; the chat template rewrites replies"
                 )
             end = content_at + len(reply)
@@ -335,7 +337,8 @@ class _Tokenized(NamedTuple):
     spans: list[tuple[int, int]]  # each supervised turn's characters in ``text``, as ``replies``
 
 
-def _tokenize(tokenizer, messages, *, chat_template, enable_thinking, unfinished_turns) -> _Tokenized:
+def _tokenize(tokenizer, messages, *, chat_template, enable_thinking, unfinished_turns,
+              added_messages: int = 0) -> _Tokenized:
     """:func:`tokenize_messages` plus the assistant turns left unsupervised and where things are."""
     text, spans, context, prompt_ends, replies = _locate_turns(
         tokenizer,
@@ -343,6 +346,7 @@ def _tokenize(tokenizer, messages, *, chat_template, enable_thinking, unfinished
         chat_template=chat_template,
         enable_thinking=enable_thinking,
         unfinished_turns=unfinished_turns,
+        added_messages=added_messages,
     )
     ids, offsets = _encode(tokenizer, text, prompt_ends)
     mask = []
@@ -478,6 +482,8 @@ def tokenize_conversations(
                 chat_template=chat_template,
                 enable_thinking=enable_thinking,
                 unfinished_turns=conv.extra.get("unfinished_turns", ()),
+                # a row's top-level 'system' key became its first message (data/formats.py)
+                added_messages=1 if conv.extra.get("system") else 0,
             )
         except ChatTemplateError as err:
             raise ChatTemplateError(f"{conv.source or 'conversation'} (id {conv.id!r}): {err}") from err
