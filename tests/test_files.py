@@ -97,12 +97,18 @@ def test_shareable_walks_a_folder(tmp_path, umask_027):
     assert modes == {"export": 0o750, "nested": 0o750, "a.bin": 0o640, "b.json": 0o640}
 
 
-def test_replace_dir_puts_the_old_folder_back_when_the_new_one_cannot_go_in(tmp_path, monkeypatch):
+def _old_out_and_new_staging(tmp_path):
+    """``out`` holding old.txt and ``staging`` holding new.txt, for replace_dir."""
     out, staging = tmp_path / "out", tmp_path / "staging"
     out.mkdir()
     (out / "old.txt").write_text("old")
     staging.mkdir()
     (staging / "new.txt").write_text("new")
+    return out, staging
+
+
+def test_replace_dir_puts_the_old_folder_back_when_the_new_one_cannot_go_in(tmp_path, monkeypatch):
+    out, staging = _old_out_and_new_staging(tmp_path)
     real = os.replace
 
     def fail_for_staging(src, dst):
@@ -121,6 +127,29 @@ def test_replace_dir_puts_the_old_folder_back_when_the_new_one_cannot_go_in(tmp_
     assert sorted(os.listdir(out)) == ["new.txt"]
     assert sorted(os.listdir(tmp_path)) == ["out"]
 
+
+
+@pytest.mark.parametrize("interrupted", ["moving the old aside", "moving the new in"])
+def test_an_interrupt_as_a_rename_returns_leaves_a_whole_folder_at_out(tmp_path, monkeypatch, interrupted):
+    """The first rename (the old folder moved aside) sat outside the try that moves it back, so
+    Ctrl-C or SIGTERM raised as it returned left no folder at ``out`` (2026-12-06)."""
+    out, staging = _old_out_and_new_staging(tmp_path)
+    real = os.replace
+
+    def interrupt_after(src, dst):  # the rename happens; the handler's exception comes as it returns
+        real(src, dst)
+        if (interrupted == "moving the old aside") == (os.fspath(src) == os.fspath(out)):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", interrupt_after)
+    with pytest.raises(KeyboardInterrupt):
+        files.replace_dir(staging, out)
+    monkeypatch.undo()
+    # the old folder back in place, or the new one whole where its rename had completed
+    expected = ["old.txt"] if interrupted == "moving the old aside" else ["new.txt"]
+    assert sorted(os.listdir(out)) == expected
+    left = ["out", "staging"] if interrupted == "moving the old aside" else ["out"]
+    assert sorted(os.listdir(tmp_path)) == left  # nothing retired is left behind
 
 def test_fsync_tree_reads_every_file_it_flushes(tmp_path, monkeypatch):
     (tmp_path / "a" / "b").mkdir(parents=True)
