@@ -275,6 +275,28 @@ def test_out_of_memory_and_errors_after_compiling_propagate(monkeypatch, capsys)
     assert "torch.compile of the objective failed" not in capsys.readouterr().err
 
 
+def test_an_error_of_the_inputs_is_not_blamed_on_the_compiler(monkeypatch, capsys):
+    """A first call that fails because of its inputs (a label past the vocabulary) fails eagerly
+    too: that error propagates alone, compilation stays on, and no compile failure is printed."""
+    from draftforge.train import objective
+
+    def kernel(*args):  # stands in for the compiled kernel: the inputs' error surfaces the same way
+        return objective.chunk_terms(*args)
+
+    monkeypatch.setattr(objective, "_COMPILED_CHUNK_TERMS", kernel)
+    monkeypatch.setattr(objective, "_COMPILE_FAILED", None)
+    monkeypatch.setattr(objective, "_KERNEL_THAT_RAN", None)
+    model = tiny_draft(markov_head_type="vanilla")
+    hidden, prev, labels, valid, target_hidden = _inputs(model, seed=6)
+    labels = labels.clone()
+    labels[valid] = model.config.vocab_size + 3
+    with pytest.raises((IndexError, RuntimeError)) as caught:
+        dspark_objective(model, hidden, prev, labels, valid, target_hidden, chunk_blocks=4, compile=True)
+    assert caught.value.__context__ is None  # not raised while handling the compiled kernel's error
+    assert objective._COMPILE_FAILED is None and objective._KERNEL_THAT_RAN is None
+    assert "torch.compile of the objective failed" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_kl_term_matches_the_reference_in_value_and_gradients(compiled, monkeypatch):
     """train.loss.kl_weight: KL(p_t || p_d) summed token by token in the float64 reference,

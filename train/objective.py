@@ -144,8 +144,11 @@ def _chunk_terms_compiled_or_eager(*args):
     why once and run eagerly for the rest of the process: same results, only slower.
 
     Only failures before the kernel's first successful call (the one that compiles) fall
-    back. An error of a kernel that has already run, and an out-of-memory error at any
-    call, belong to the run and propagate: eager mode would not cure them."""
+    back, and only when the eager kernel then succeeds on the same inputs: an error that
+    eager mode raises too (a label past the vocabulary) is the inputs', and propagates as
+    eager mode raises it, without blaming the compiler. An error of a kernel that has
+    already run, and an out-of-memory error at any call, belong to the run and propagate:
+    eager mode would not cure them."""
     global _COMPILE_FAILED, _KERNEL_THAT_RAN
     if _COMPILE_FAILED is None:
         kernel = compiled_chunk_terms()
@@ -158,11 +161,15 @@ def _chunk_terms_compiled_or_eager(*args):
         except Exception as exc:  # noqa: BLE001 - inductor raises many types; eager is always right
             if _out_of_memory(exc):
                 raise
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            _COMPILE_FAILED = f"{type(exc).__name__}: {first}"
-            print(f"train.loss.compile: torch.compile of the objective failed ({_COMPILE_FAILED[:300]}); "
-                  "running it eagerly (same results, slower). Set train.loss.compile: false to skip "
-                  "the attempt.", file=sys.stderr, flush=True)
+            failure = exc
+        # outside the handler: an error of the inputs' own propagates alone, as eager raises it
+        out = chunk_terms(*args)
+        first = (str(failure).strip().splitlines() or [type(failure).__name__])[0]
+        _COMPILE_FAILED = f"{type(failure).__name__}: {first}"
+        print(f"train.loss.compile: torch.compile of the objective failed ({_COMPILE_FAILED[:300]}); "
+              "running it eagerly (same results, slower). Set train.loss.compile: false to skip "
+              "the attempt.", file=sys.stderr, flush=True)
+        return out
     return chunk_terms(*args)
 
 
