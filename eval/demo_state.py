@@ -58,13 +58,14 @@ def _resolved_again(saved: Path) -> str:
         return saved.read_text()
 
 
-TRAINING_ONLY_AFTER = ("eval", "export")  # sections that do not change what a training run is
-
-
 def _training_part(recipe_yaml: str) -> str:
-    """The recipe without the sections read only after training, so that editing how the
-    demo evaluates or exports does not call a finished training run another recipe's."""
+    """The recipe without what does not change what the steps train (its eval and export
+    sections, log and checkpoint intervals, the run's name...: ``NOT_TRAINED``, the list the
+    trainer's resume uses), so that editing those does not call a finished run another
+    recipe's."""
     import yaml
+
+    from draftforge.train.recipe_changes import without_untrained
 
     try:
         data = yaml.safe_load(recipe_yaml)
@@ -72,7 +73,7 @@ def _training_part(recipe_yaml: str) -> str:
         return recipe_yaml
     if not isinstance(data, dict):
         return recipe_yaml
-    return yaml.safe_dump({k: v for k, v in data.items() if k not in TRAINING_ONLY_AFTER}, sort_keys=False)
+    return yaml.safe_dump(without_untrained(data), sort_keys=False)
 
 
 SKIP_TRAIN_FIX = "--skip-train uses the runs as they are: undo the edit, or drop --skip-train and pass --force"

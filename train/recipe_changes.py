@@ -51,6 +51,16 @@ def _exempt(key: str) -> bool:
                for name in (*NOT_TRAINED, *NOTED_ELSEWHERE))
 
 
+def without_untrained(tree: object, prefix: str = "") -> object:
+    """A resolved recipe (nested mappings, as ``yaml.safe_load`` reads it) without the
+    ``NOT_TRAINED`` settings: two runs whose recipes are equal after it trained alike."""
+    if not isinstance(tree, dict):
+        return tree
+    return {key: without_untrained(value, f"{prefix}{key}.") for key, value in tree.items()
+            if not any(f"{prefix}{key}" == name or (name.endswith(".") and f"{prefix}{key}." == name)
+                       for name in NOT_TRAINED)}
+
+
 _ABSENT = object()
 
 
