@@ -66,6 +66,7 @@ from draftforge.eval.demo_state import (
     EXPORT_STAMP,
     answers_digest,
     check_answers_file,
+    check_dflash_removable,
     check_removable,
     check_same_recipe,
     check_trained_on,
@@ -140,13 +141,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)  # a wrong option: argparse's usage error, status 2
     # SIGTERM unwinds like Ctrl-C, so the running stage (a whole training job) is stopped too
-    with unwinding_on_sigterm("\ndraftforge demo",
+    with unwinding_on_sigterm("\ndraftforge demo", RERUN_WITHOUT_FORCE if args.force else
                               "rerun the same command to continue (finished stages are skipped)"):
         try:
             return run_demo(args, command=" ".join(["draftforge demo", *map(shlex.quote, argv)]))
         except DemoError as err:
             print(f"\ndraftforge demo: {err}", file=sys.stderr)
+            if getattr(args, "forced", False):  # the stages' "rerun the demo" means without --force
+                print(f"draftforge demo: {RERUN_WITHOUT_FORCE}", file=sys.stderr)
             return err.exit_status
+
+
+RERUN_WITHOUT_FORCE = ("rerun without --force to continue (finished stages are skipped; with --force "
+                       "the demo deletes them and starts over)")
 
 
 def evaluation_commands(recipe: str, paths: DemoPaths, *, workloads: Sequence[str], num_prompts: int,
@@ -222,8 +229,11 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
                 else []
             )
         check_removable(outputs, keep, paths.export_dir)  # all of them before any is deleted
+        if paths.dflash_dir in outputs:
+            check_dflash_removable(paths.dflash_dir)
         for path in outputs:
             remove_output(path, keep)
+        args.forced = True  # from here on a rerun continues without --force
 
     if paths.data_file is not None and paths.data_file.is_file() and not args.skip_train:
         check_answers_file(cfg)
@@ -302,10 +312,12 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
     eval_args, dflash_args = evaluation_commands(recipe, paths, workloads=workloads,
                                                  num_prompts=args.num_prompts,
                                                  max_new_tokens=args.max_new_tokens)  # fmt: skip
-    parallel = evaluations_side_by_side()
+    threads = cfg.target.num_threads
+    parallel = evaluations_side_by_side(threads)
+    each = "one thread" if threads == 1 else f"{threads} threads"
     since = stages.banner(
         f"evaluate on {', '.join(workloads)}: DSpark vs no draft and n-gram, and the DFlash "
-        f"ablation ({'side by side, one thread each' if parallel else 'one after the other'})"
+        f"ablation ({f'side by side, {each} each' if parallel else 'one after the other'})"
     )
     # what draftforge eval takes from the recipe's eval section and uses here: an edit there
     # means another evaluation (the seed only where something is drawn: greedy DFlash

@@ -41,6 +41,14 @@ def demo_paths(cfg) -> DemoPaths:
     from draftforge.data.loading import regenerated_path
 
     run_dir = Path(cfg.train.output_dir)
+    if run_dir.name in ("", ".."):
+        from draftforge.eval.demo_stages import DemoError
+
+        raise DemoError(
+            f"train.output_dir {str(cfg.train.output_dir)!r}: the demo writes the DFlash ablation's "
+            "run beside the DSpark run, in a folder named after it with '-dflash' added, so the "
+            "output folder needs a name of its own: set train.output_dir to one such as "
+            "runs/smollm2-cpu", exit_status=2)
     return DemoPaths(
         run_dir=run_dir,
         dflash_dir=run_dir.with_name(run_dir.name + "-dflash"),

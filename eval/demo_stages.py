@@ -201,8 +201,8 @@ def _cuda_visible() -> bool:
     return torch.cuda.is_available()
 
 
-def evaluations_side_by_side() -> bool:
-    """Whether the two evaluations run at once: on two or more cores, one thread each, but
-    not where a GPU is visible (``draftforge eval --device auto`` takes it, and both would
-    share it)."""
-    return usable_cores() >= 2 and not _cuda_visible()
+def evaluations_side_by_side(threads: int = 1) -> bool:
+    """Whether the two evaluations run at once: where the cores hold both at ``threads`` each
+    (the recipe's ``target.num_threads``, which ``draftforge eval`` sets), but not where a GPU
+    is visible (``draftforge eval --device auto`` takes it, and both would share it)."""
+    return usable_cores() >= 2 * max(1, threads) and not _cuda_visible()

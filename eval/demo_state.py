@@ -242,6 +242,28 @@ def check_removable(outputs: Sequence[Path], keep: Sequence[Path], export_dir: P
                         exit_status=2) from None
 
 
+def check_dflash_removable(dflash_dir: Path) -> None:
+    """Refuse ``--force`` where the folder the demo derives for its DFlash run (the recipe's
+    ``train.output_dir`` with ``-dflash`` added; no recipe names it) holds something else than
+    a DFlash run written there: a run folder of the user's own that happens to have that name."""
+    import yaml
+
+    if not dflash_dir.exists() or (dflash_dir.is_dir() and not any(dflash_dir.iterdir())):
+        return
+    try:
+        saved = yaml.safe_load((dflash_dir / "config.yaml").read_text(encoding="utf-8"))
+        draft, train = saved["draft"], saved["train"]
+        ours = (draft["markov_rank"] == 0 and draft["enable_confidence_head"] is False
+                and Path(train["output_dir"]).name == dflash_dir.name)  # resolved elsewhere: the name
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError):
+        ours = False
+    if not ours:
+        raise DemoError(
+            f"--force would delete {dflash_dir}, where the demo puts its DFlash ablation's run, but it "
+            "does not hold a DFlash run written there (its config.yaml names another run or none); "
+            "refusing. Move it away, or set another train.output_dir", exit_status=2)
+
+
 def _check_keeps(path: Path, keep: Sequence[Path]) -> None:
     if not path.exists():
         return
@@ -259,7 +281,13 @@ def remove_output(path: Path, keep: Sequence[Path]) -> None:
     _check_keeps(path, keep)
     print(f"    --force: removing {path}")
     if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
+        # renamed aside first: a stop in the middle of the deletion leaves no half-deleted run
+        # (a checkpoint whose COMPLETE marker outlived its weights) where a rerun would take it
+        aside = path.with_name(f".{path.name}.removing")
+        if aside.is_dir() and not aside.is_symlink():
+            shutil.rmtree(aside)  # what an earlier stopped removal left
+        os.replace(path, aside)
+        shutil.rmtree(aside)
     else:
         path.unlink()
 

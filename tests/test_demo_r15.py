@@ -72,7 +72,7 @@ def _all_current(monkeypatch, paths, *, export_checked: bool) -> list:
     monkeypatch.setattr(demo, "run_side_by_side", lambda *a, **kw: pytest.fail("an evaluation ran"))
     monkeypatch.setattr(demo, "eval_is_current", lambda *a, **kw: True)
     monkeypatch.setattr(demo, "model_card_is_current", lambda *a, **kw: True)
-    monkeypatch.setattr(demo, "evaluations_side_by_side", lambda: False)
+    monkeypatch.setattr(demo, "evaluations_side_by_side", lambda threads=1: False)
     if not export_checked:
         monkeypatch.setattr(demo, "export_is_current", lambda *a, **kw: True)
     return ran
@@ -133,7 +133,7 @@ def test_a_recipe_without_regeneration_is_timed_as_the_whole_demo(tmp_path, monk
 
     monkeypatch.setattr(demo, "run_stage", run_stage)
     monkeypatch.setattr(demo, "run_side_by_side", run_side_by_side)
-    monkeypatch.setattr(demo, "evaluations_side_by_side", lambda: False)
+    monkeypatch.setattr(demo, "evaluations_side_by_side", lambda threads=1: False)
 
     assert demo.main([str(recipe), "--num-prompts", "8"]) == 0
     out = capsys.readouterr().out

@@ -40,7 +40,7 @@ def _trained(tmp_path, monkeypatch, *, workloads=("humaneval",), prompts: int = 
     checked = []
     monkeypatch.setattr(demo, "eval_is_current", lambda eval_dir, args, *a, **kw: checked.append(list(args)) or True)
     monkeypatch.setattr(demo, "run_side_by_side", lambda *a, **kw: pytest.fail("an evaluation ran"))
-    monkeypatch.setattr(demo, "evaluations_side_by_side", lambda: False)
+    monkeypatch.setattr(demo, "evaluations_side_by_side", lambda threads=1: False)
     return recipe, paths, checked
 
 

@@ -48,7 +48,7 @@ def _stubbed_stages(monkeypatch, recipe, paths) -> list:
 
     monkeypatch.setattr(demo, "run_stage", run_stage)
     monkeypatch.setattr(demo, "run_side_by_side", run_side_by_side)
-    monkeypatch.setattr(demo, "evaluations_side_by_side", lambda: False)
+    monkeypatch.setattr(demo, "evaluations_side_by_side", lambda threads=1: False)
     return ran, export
 
 

@@ -18,7 +18,7 @@ def _no_stages(monkeypatch):
 
     monkeypatch.setattr(demo, "run_stage", stop)
     monkeypatch.setattr(demo, "run_side_by_side", stop)
-    monkeypatch.setattr(demo, "evaluations_side_by_side", lambda: False)
+    monkeypatch.setattr(demo, "evaluations_side_by_side", lambda threads=1: False)
 
 
 @pytest.mark.parametrize("skip_train", [False, True])

@@ -86,7 +86,7 @@ def test_demo_md_gives_the_prompts_each_workload_ran_where_fewer_than_asked(tmp_
         monkeypatch.setattr(demo, name, lambda *a, **kw: pytest.fail("a stage ran"))
     for name in ("export_is_current", "eval_is_current", "model_card_is_current"):
         monkeypatch.setattr(demo, name, lambda *a, **kw: True)
-    monkeypatch.setattr(demo, "evaluations_side_by_side", lambda: False)
+    monkeypatch.setattr(demo, "evaluations_side_by_side", lambda threads=1: False)
 
     assert demo.main([str(recipe), "--skip-train", "--num-prompts", "200"]) == 0
     text = paths.table.read_text()

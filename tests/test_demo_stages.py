@@ -151,11 +151,15 @@ def test_the_machine_line_says_where_the_evaluations_ran(monkeypatch):
     assert machine({}, {}).endswith(", the evaluations' device not recorded.")
 
 
-@pytest.mark.parametrize("cores,gpu,side_by_side", [(2, False, True), (16, True, False), (1, False, False)])
-def test_the_evaluations_share_a_gpu_one_after_the_other(monkeypatch, cores, gpu, side_by_side):
+@pytest.mark.parametrize("cores,gpu,threads,side_by_side", [
+    (2, False, 1, True), (16, True, 1, False), (1, False, 1, False),
+    (2, False, 2, False), (4, False, 2, True), (3, False, 2, False)])
+def test_the_evaluations_share_a_gpu_one_after_the_other(monkeypatch, cores, gpu, threads, side_by_side):
+    """Side by side only where the cores hold both at the recipe's target.num_threads each
+    (which draftforge eval sets, over the demo's OMP_NUM_THREADS=1) and no GPU is shared."""
     monkeypatch.setattr(demo_stages, "usable_cores", lambda: cores)
     monkeypatch.setattr(demo_stages, "_cuda_visible", lambda: gpu)
-    assert demo_stages.evaluations_side_by_side() is side_by_side
+    assert demo_stages.evaluations_side_by_side(threads) is side_by_side
 
 
 def test_a_report_md_newer_than_its_report_json_does_not_go_into_the_model_card(tmp_path):
