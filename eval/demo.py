@@ -131,8 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
         "recipe's own train.markov_init",
     )
     parser.add_argument("--force", action="store_true",
-                        help="redo every stage: deletes the demo's runs (with --skip-train: only "
-                        "the export and evaluations)")  # fmt: skip
+                        help="redo every stage: deletes the demo's two runs (train.output_dir and "
+                        "its -dflash twin), the regenerated answers (data.regenerated_file, wherever "
+                        "it is), the export and the evaluations (with --skip-train: only the export "
+                        "and evaluations)")  # fmt: skip
     return parser
 
 
