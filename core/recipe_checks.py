@@ -301,12 +301,14 @@ def _check_draft(cfg: RecipeConfig, shape: TargetShape | None) -> list[Problem]:
                 (("data", "max_length"),),
             )
         )
-    if cfg.train.loss.ce_weight == 0 and cfg.train.loss.tv_weight == 0:
+    loss = cfg.train.loss
+    if loss.ce_weight == 0 and loss.tv_weight == 0 and loss.kl_weight == 0:
         problems.append(
             (
                 ("train", "loss", "tv_weight"),
-                "0 with ce_weight 0 as well: nothing would train the draft's predictions (the "
-                "confidence head's BCE only fits the head); give either a positive weight",
+                "0 with ce_weight and kl_weight 0 as well: nothing would train the draft's "
+                "predictions (the confidence head's BCE only fits the head); give one of the "
+                "three a positive weight",
             )
         )
     warmup = warmup_steps(cfg.train)

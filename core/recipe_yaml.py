@@ -47,7 +47,7 @@ class _RecipeLoader(yaml.SafeLoader):
 # YAML 1.1's numbers less base 60 (1:30 was 90, 12:30 a name's 750) and binary (0b11 was 3),
 # which YAML 1.2 reads as strings: an int key refuses them by their text, a str key takes them.
 # Hex (0x10 is 16, as in YAML 1.2) and underscores (1_000) read as before.
-_INT = re.compile(r"^(?:[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$")
+_INT = re.compile(r"^(?:[-+]?0[0-9_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$")
 _FLOAT = re.compile(
     r"^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?"
     r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
@@ -120,6 +120,9 @@ def _parse_yaml(text: str, source: str) -> tuple[Any, dict[KeyPath, int], dict[K
         raise RecipeError([f"{where}: YAML syntax error: {problem}"]) from None
     except yaml.YAMLError as exc:
         raise RecipeError([f"{source}: YAML syntax error: {exc}"]) from None
+    except RecursionError:  # hundreds of nested [ or { (the parser recurses once a level)
+        raise RecipeError([f"{source}: nesting too deep: a recipe's values are a few levels of "
+                           "sections, lists and mappings"]) from None
     finally:
         loader.dispose()
     return data, lines, booleans, problems
@@ -249,9 +252,28 @@ def parse_override(text: str, booleans: dict[KeyPath, str] | None = None) -> tup
     except yaml.YAMLError as exc:
         problem = getattr(exc, "problem", None) or str(exc)
         raise RecipeError([f"{where}: value is not valid YAML: {problem}"]) from None
+    except RecursionError:
+        raise RecipeError([f"{where}: value nested too deep"]) from None
     if problems:
         raise RecipeError([f"{where}: {problem}" for problem in problems])
+    comment = _comment_start(raw)
+    if comment is not None:  # YAML drops it: 'output_dir=runs/exp #2' would be runs/exp
+        raise RecipeError([
+            f"{where}: the value's {raw[comment:].strip()!r} reads as a YAML comment and would be "
+            f"dropped, leaving {raw[:comment].strip()!r}; quote the text that holds the '#' to keep "
+            f"it (in a shell: {'.'.join(parts)}='\"{raw.strip()}\"'), or leave the comment out"])
     return parts, value
+
+
+def _comment_start(raw: str) -> int | None:
+    """Where a YAML comment starts in an override's value text (which parsed), or None: the
+    scanner skips comments, so one is text after the last token's end."""
+    end = 0
+    for token in yaml.scan(raw, Loader=_RecipeLoader):
+        if not isinstance(token, yaml.StreamEndToken):
+            end = max(end, token.end_mark.index)
+    rest = raw[end:]
+    return end + rest.index("#") if "#" in rest else None
 
 
 def _apply_override(

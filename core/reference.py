@@ -65,12 +65,17 @@ def type_name(annotation) -> str:
 
 
 def bounds(field: FieldInfo) -> str:
-    """The field's numeric bounds, e.g. ``> 0``, ``>= 0, < 1``; empty when there are none."""
+    """The field's bounds, e.g. ``> 0``, ``>= 0, < 1``, or a list's ``at least 1 item``; empty
+    when there are none."""
     found = []
     for meta in field.metadata:
         for kind, attr, symbol in _BOUNDS:
             if isinstance(meta, kind):
                 found.append(f"{symbol} {getattr(meta, attr)}")
+        least = getattr(meta, "min_length", None)
+        if isinstance(least, int) and least > 0:
+            unit = "item" if typing.get_origin(field.annotation) is list else "character"
+            found.append(f"at least {least} {unit}{'s' if least > 1 else ''}")
     return ", ".join(found)
 
 

@@ -55,6 +55,9 @@ class TargetShape(Section):
     )
 
 
+REQUIRED_SHAPE_FIELDS = ("num_hidden_layers", "hidden_size", "vocab_size")
+
+
 class GenerationConfig(Section):
     """Sampling settings used to regenerate responses (distribution-aligned data)."""
 
@@ -137,6 +140,29 @@ class TargetConfig(Section):
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
 
     _auto_dtype: bool = PrivateAttr(default=False)  # dtype was auto, resolved for CUDA if any
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shape_completed_from_the_target(cls, data: object) -> object:
+        """A shape declared in part for a registered or local target (only its
+        ``max_position_embeddings`` or ``num_parameters``, as errors and the dry run advise)
+        takes the fields it must have from the target's own config, where that can be read;
+        a random target, or one whose config cannot be read, must still declare them."""
+        if not isinstance(data, dict) or not isinstance(data.get("shape"), dict):
+            return data
+        model = data.get("model", cls.model_fields["model"].default)
+        missing = [name for name in REQUIRED_SHAPE_FIELDS if name not in data["shape"]]
+        if model == "random" or not missing or not isinstance(model, str):
+            return data
+        from draftforge.splitserve.registry import _known_shape
+
+        try:
+            known = _known_shape(model, strict=False)
+        except (OSError, ValueError):  # an unreadable config.json: the target's own check says so
+            known = None
+        if known is None:
+            return data
+        return {**data, "shape": {**{name: getattr(known, name) for name in missing}, **data["shape"]}}
 
     @model_validator(mode="after")
     def _resolve_dtype(self) -> TargetConfig:

@@ -66,7 +66,11 @@ def _known_shape(model: str, *, strict: bool) -> TargetShape | None:
             ) from None
         if not isinstance(raw, dict):
             raise InputError(f"{config_path} holds a JSON {type(raw).__name__}, not an object")
-        raw = raw.get("text_config", raw)
+        text_config = raw.get("text_config")
+        if text_config is not None and not isinstance(text_config, dict):
+            raise InputError(f"{config_path}: text_config holds a JSON {type(text_config).__name__}, "
+                             "not an object (the text model's settings)")
+        raw = raw if text_config is None else text_config
         fields = {k: raw[k] for k in TargetShape.model_fields if k in raw}
         try:
             theta = rope_theta_of(raw)

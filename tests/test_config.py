@@ -334,7 +334,7 @@ def test_infinite_values_and_a_loss_that_trains_nothing_are_refused(tmp_path):
     (problem,) = problems(path, ["train.lr=.inf"])
     assert "train.lr: must be a finite number, got float inf" in problem
     (problem,) = problems(path, ["train.loss.ce_weight=0.0", "train.loss.tv_weight=0.0"])
-    assert "train.loss.tv_weight: 0 with ce_weight 0 as well: nothing would train" in problem
+    assert "train.loss.tv_weight: 0 with ce_weight and kl_weight 0 as well: nothing would train" in problem
     assert load_recipe(path, ["train.loss.tv_weight=0.0"]).train.loss.ce_weight > 0
 
 

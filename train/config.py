@@ -167,7 +167,7 @@ class TrainConfig(Section):
         default=10, ge=0, description="steps of one run skipped for a non-finite loss or gradient before it stops"
     )
 
-    @field_validator("output_dir")
+    @field_validator("output_dir", "resume")
     @classmethod
     def _expand_home(cls, value: str) -> str:
         # one folder for every reader: the trainer wrote a literal "./~/run" while export,
