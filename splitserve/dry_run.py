@@ -279,6 +279,14 @@ def trainer_estimate(cfg: RecipeConfig, with_emb: int, without_emb: int, *, meta
         ("objective chunk (fp32, vocabulary)", objective),
         ("received queue (bf16)", queue),
     ]
+    if draft.markov_rank:  # train/objective.py: one [V, H + r] head for both logit terms, and
+        # W2's gradient summed in fp32 from the forward's chunks to the backward
+        items += [
+            (f"objective's joined [lm_head | W2] (compute dtype, {shape.vocab_size:,} x "
+             f"{shape.hidden_size + draft.markov_rank:,})",
+             shape.vocab_size * (shape.hidden_size + draft.markov_rank) * low),
+            ("objective's W2 gradient (fp32)", shape.vocab_size * draft.markov_rank * 4),
+        ]
     if _trainer_may_run_on_cpu(cfg):
         w2_group = w2_group_bytes(cfg, shape, cfg.data.max_length)
         if w2_group:
