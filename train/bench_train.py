@@ -239,12 +239,13 @@ def resolve_device(args, recipe) -> str:
 def estimate_for_bench(recipe, args, loss=None):
     """The dry run's trainer-rank estimate (strategy ``single``, one rank) at the bench's
     shapes: ``data.max_length`` = ``--seq``, ``train.num_anchors`` = ``--anchors``,
-    ``split.token_budget`` = batch x seq, and ``train.loss`` = ``loss``, the objective's
-    settings the steps ran with (:func:`_loss_config`; the recipe's when None). None without
-    a recipe."""
+    ``split.token_budget`` = batch x seq, ``train.grad_accum`` = 1, ``train.device`` = the
+    bench's, and ``train.loss`` = ``loss``, the objective's settings the steps ran with
+    (:func:`_loss_config`; the recipe's when None), less the received queue (the bench has
+    none). None without a recipe."""
     if recipe is None:
         return None
-    from draftforge.splitserve.dry_run import draft_parameter_counts, trainer_estimate
+    from draftforge.splitserve.dry_run import Estimate, draft_parameter_counts, trainer_estimate
 
     cfg = recipe.model_copy(deep=True)
     if loss is not None:  # --chunk-blocks sets the objective chunk the estimate counts
@@ -254,8 +255,11 @@ def estimate_for_bench(recipe, args, loss=None):
     cfg.train.strategy = "single"
     cfg.train.dtype = args.dtype
     cfg.split.token_budget = args.batch * args.seq
+    cfg.train.grad_accum = 1  # a bench step is one micro-batch
+    cfg.train.device = args.device  # resolved: cpu or cuda (a CUDA step has no CPU-only buffers)
     with_emb, without_emb = draft_parameter_counts(cfg)
-    return trainer_estimate(cfg, with_emb, without_emb)
+    estimate = trainer_estimate(cfg, with_emb, without_emb)
+    return Estimate([(name, value) for name, value in estimate.items if not name.startswith("received queue")])
 
 
 def _synthetic_samples(cfg, args, generator):
