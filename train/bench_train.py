@@ -256,7 +256,8 @@ def estimate_for_bench(recipe, args, loss=None):
     cfg.train.dtype = args.dtype
     cfg.split.token_budget = args.batch * args.seq
     cfg.train.grad_accum = 1  # a bench step is one micro-batch
-    cfg.train.device = args.device  # resolved: cpu or cuda (a CUDA step has no CPU-only buffers)
+    # where the steps ran (resolved by then: cpu or cuda; a CUDA step has no CPU-only buffers)
+    cfg.train.device = getattr(args, "device", None) or cfg.train.device
     with_emb, without_emb = draft_parameter_counts(cfg)
     estimate = trainer_estimate(cfg, with_emb, without_emb)
     return Estimate([(name, value) for name, value in estimate.items if not name.startswith("received queue")])
