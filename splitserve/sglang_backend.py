@@ -52,6 +52,8 @@ from draftforge.splitserve.target import (
     check_layer_ids,
     check_token_ids,
     folder_eos_ids,
+    folder_tokenizer,
+    remote_code_error,
     render_prompt,
     reply_text,
     sglang_layer_ids,
@@ -562,7 +564,7 @@ class SGLangTarget:
         tensor_parallel: int = 1,
     ) -> None:
         require_sglang()
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig
 
         from draftforge.splitserve.hf_backend import _checked_model_folder
 
@@ -574,9 +576,15 @@ class SGLangTarget:
         self.tensor_parallel = int(tensor_parallel)
         self.gpus = tensor_parallel_gpus(self.device, self.tensor_parallel)
         self.dtype = DTYPES[cfg.dtype]
-        config = AutoConfig.from_pretrained(
-            str(self.folder), trust_remote_code=cfg.trust_remote_code
-        ).get_text_config()
+        try:  # the transformers backend's errors for the same folder, not a library traceback
+            config = AutoConfig.from_pretrained(
+                str(self.folder), trust_remote_code=cfg.trust_remote_code
+            ).get_text_config()
+        except ValueError as err:
+            if "trust_remote_code" in str(err) and not cfg.trust_remote_code:
+                raise remote_code_error(self.folder, err) from err
+            raise InputError(f"target folder {self.folder}: transformers cannot read its config.json "
+                             f"({err})") from err
         self.num_hidden_layers = int(config.num_hidden_layers)
         self.hidden_size = int(config.hidden_size)
         self.vocab_size = int(config.vocab_size)
@@ -585,9 +593,7 @@ class SGLangTarget:
         self.max_position_embeddings = int(context) if context else None
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.layer_ids = check_layer_ids(layer_ids, self.num_hidden_layers)
-        self._tokenizer = AutoTokenizer.from_pretrained(
-            str(self.folder), trust_remote_code=cfg.trust_remote_code
-        )
+        self._tokenizer = folder_tokenizer(self.folder, cfg)
         self.max_total_tokens = max_total_tokens
         self._engine: Any = None
         self._runner: Any = None

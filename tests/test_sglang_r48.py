@@ -1,0 +1,64 @@
+"""The SGLang backend after a review (session 48): a target folder it cannot use is named in an
+InputError as the transformers backend names it, not a library traceback. Runs without SGLang
+(its presence is simulated: the constructor reads only the folder)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from test_target_capture import SHAPE, tiny_tokenizer
+
+from draftforge.errors import InputError
+from draftforge.splitserve import sglang_backend
+from draftforge.splitserve.config import TargetConfig
+from draftforge.splitserve.random_target import random_llama
+from draftforge.splitserve.sglang_backend import SGLANG_VERSION, SGLangTarget
+
+LAYERS = [0, 2]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sglang-r48-target")
+    random_llama(SHAPE, seed=5).save_pretrained(path, safe_serialization=True)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def _copy(saved, tmp_path, *, tokenizer: bool = True):
+    folder = tmp_path / "target"
+    shutil.copytree(saved, folder)
+    if not tokenizer:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                     "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json"):
+            (folder / name).unlink(missing_ok=True)
+    return folder
+
+
+def test_a_folder_without_a_tokenizer_is_named(monkeypatch, saved, tmp_path):
+    monkeypatch.setattr(sglang_backend, "require_sglang", lambda: SGLANG_VERSION)
+    folder = _copy(saved, tmp_path, tokenizer=False)
+    with pytest.raises(InputError, match=f"target folder {folder} has no tokenizer"):
+        SGLangTarget(folder, LAYERS, TargetConfig(model=str(folder), dtype="float32"))
+
+
+def test_a_config_needing_remote_code_names_the_setting(monkeypatch, saved, tmp_path):
+    monkeypatch.setattr(sglang_backend, "require_sglang", lambda: SGLANG_VERSION)
+    folder = _copy(saved, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="made_up_r48", auto_map={"AutoConfig": "configuration_x.XConfig"})
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match="set target.trust_remote_code: true only if you trust"):
+        SGLangTarget(folder, LAYERS, TargetConfig(model=str(folder), dtype="float32"))
+
+
+def test_a_config_of_an_unknown_type_is_an_input_error(monkeypatch, saved, tmp_path):
+    monkeypatch.setattr(sglang_backend, "require_sglang", lambda: SGLANG_VERSION)
+    folder = _copy(saved, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = "made_up_r48"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match=f"target folder {folder}: transformers cannot read its config.json"):
+        SGLangTarget(folder, LAYERS, TargetConfig(model=str(folder), dtype="float32"))
