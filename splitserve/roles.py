@@ -27,6 +27,7 @@ import sys
 import time
 import traceback
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -601,10 +602,14 @@ def build_engine(ctx: RankContext):
     if engine.trained and checked is None:
         from draftforge.splitserve.target import check_mask_token
 
-        ctx.log(check_mask_token(engine.tokenizer, cfg.draft.mask_token_id,
-                                 vocab_size=engine.vocab_size, eos_ids=engine.eos_token_ids(),
-                                 chat_template=cfg.target.generation.chat_template,
-                                 enable_thinking=cfg.target.generation.enable_thinking))
+        try:
+            ctx.log(check_mask_token(engine.tokenizer, cfg.draft.mask_token_id,
+                                     vocab_size=engine.vocab_size, eos_ids=engine.eos_token_ids(),
+                                     chat_template=cfg.target.generation.chat_template,
+                                     enable_thinking=cfg.target.generation.enable_thinking))
+        except BaseException:
+            close_after_failure(engine, ctx.log)
+            raise
     return engine
 
 
@@ -622,20 +627,37 @@ def _run_target(ctx: RankContext, bench: dict | None) -> None:
     # they are ready for a phase) from now on, while the target loads
     hellos = T.AckListener(ctx.topology.dests(ctx.rank), group=ctx.ack_group)
     engine = build_engine(ctx)
-    send_embeddings(engine, ctx.topology, ctx.rank, data_group=ctx.data_group, device=ctx.device,
-                    pulse=pulse)
-    if bench is not None:
-        from draftforge.splitserve.bench_split import bench_target_rank
+    try:
+        send_embeddings(engine, ctx.topology, ctx.rank, data_group=ctx.data_group, device=ctx.device,
+                        pulse=pulse)
+        if bench is not None:
+            from draftforge.splitserve.bench_split import bench_target_rank
 
-        bench_target_rank(ctx, engine, bench, pulse=pulse, hellos=hellos)
-        release_members(ctx, engine)
-        return
-    summary = run_producer(
-        ctx.cfg, engine, ctx.topology, ctx.rank, data_group=ctx.data_group,
-        ack_group=ctx.ack_group, device=ctx.device, log=ctx.log, pulse=pulse, hellos=hellos,
-    )
-    ctx.log(done_line(summary))
+            bench_target_rank(ctx, engine, bench, pulse=pulse, hellos=hellos)
+        else:
+            summary = run_producer(
+                ctx.cfg, engine, ctx.topology, ctx.rank, data_group=ctx.data_group,
+                ack_group=ctx.ack_group, device=ctx.device, log=ctx.log, pulse=pulse, hellos=hellos,
+            )
+            ctx.log(done_line(summary))
+    except BaseException:
+        close_after_failure(engine, ctx.log)
+        raise
     release_members(ctx, engine)
+
+
+def close_after_failure(engine, log: Callable[[str], None]) -> None:
+    """Stop a failed target rank's SGLang instances before the error propagates: left to the
+    exit, SGLang's own handler SIGKILLs every child of the process, the feature runner's with
+    them, which then leaves its shared memory behind. A failure to close is said, not raised
+    over the error that got here."""
+    close = getattr(engine, "close", None)
+    if close is None:
+        return
+    try:
+        close()
+    except Exception as exc:  # noqa: BLE001 - the original error is the one to report
+        log(f"closing the target after the failure failed too: {type(exc).__name__}: {exc}")
 
 
 def done_line(summary: dict) -> str:

@@ -62,3 +62,52 @@ def test_a_config_of_an_unknown_type_is_an_input_error(monkeypatch, saved, tmp_p
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(InputError, match=f"target folder {folder}: transformers cannot read its config.json"):
         SGLangTarget(folder, LAYERS, TargetConfig(model=str(folder), dtype="float32"))
+
+
+def _failing_rank(monkeypatch, closed, *, close_fails=False):
+    """A target rank whose producer fails, its transport and target replaced by fakes."""
+    import types
+
+    from draftforge.splitserve import producer, roles
+
+    class Engine:
+        def close(self):
+            closed.append("close")
+            if close_fails:
+                raise RuntimeError("runner already gone")
+
+    class Quiet:
+        def __init__(self, *args, **kwargs): ...
+        def expect(self, *args): ...
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("a chunk's features failed")
+
+    monkeypatch.setattr(roles.T, "Pulse", Quiet)
+    monkeypatch.setattr(roles.T, "AckListener", Quiet)
+    monkeypatch.setattr(roles, "build_engine", lambda ctx: Engine())
+    monkeypatch.setattr(producer, "embedding_dests", lambda topology, rank: [1])
+    monkeypatch.setattr(producer, "send_embeddings", lambda *args, **kwargs: None)
+    monkeypatch.setattr(producer, "run_producer", fails)
+    logged = []
+    ctx = types.SimpleNamespace(
+        rank=0, topology=types.SimpleNamespace(producers=[0], dests=lambda rank: [1]),
+        cfg=types.SimpleNamespace(split=types.SimpleNamespace(peer_timeout_s=60)),
+        data_group=None, ack_group=None, device="cpu", log=logged.append, tp_group=None)
+    return roles, ctx, logged
+
+
+def test_a_failed_target_rank_closes_its_instances_before_the_error_propagates(monkeypatch):
+    """Left to the exit, SGLang's Engine.shutdown (atexit) SIGKILLs the feature runner's
+    processes, leaving their shared memory behind; close() stops the runner first."""
+    closed = []
+    roles, ctx, logged = _failing_rank(monkeypatch, closed)
+    with pytest.raises(RuntimeError, match="a chunk's features failed"):
+        roles._run_target(ctx, bench=None)
+    assert closed == ["close"]
+    closed.clear()
+    roles, ctx, logged = _failing_rank(monkeypatch, closed, close_fails=True)
+    with pytest.raises(RuntimeError, match="a chunk's features failed"):  # the first error, not close's
+        roles._run_target(ctx, bench=None)
+    assert closed == ["close"]
+    assert any("closing the target after the failure failed too" in line for line in logged)
