@@ -62,7 +62,11 @@ class GenerationConfig(Section):
     """Sampling settings used to regenerate responses (distribution-aligned data)."""
 
     temperature: float = Field(default=0.7, ge=0.0, description="0 means greedy")
-    top_p: float = Field(default=0.8, gt=0.0, le=1.0, description="nucleus sampling; 1 disables it")
+    top_p: float = Field(
+        default=0.8, gt=0.0, le=1.0,
+        description="nucleus sampling; 1 disables it. Backend hf (and draftforge eval) cuts it after "
+        "top_k, on the renormalised top_k tokens, as transformers does; SGLang cuts both on the "
+        "whole distribution (a note says so)")
     top_k: int = Field(default=20, ge=0, description="0 disables top-k")
     max_new_tokens: int = Field(default=256, gt=0, description="longest reply per assistant turn")
     seed: int = Field(

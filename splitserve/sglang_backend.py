@@ -38,6 +38,7 @@ import importlib.metadata
 import json
 import math
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -153,6 +154,21 @@ def sampling_params(settings: GenerationConfig, stop_token_ids: Sequence[int]) -
             sampling_seed=int(settings.seed),
         )
     return params
+
+
+def joint_filter_note(settings: GenerationConfig) -> str | None:
+    """What SGLang samples differently from the transformers backend under ``settings``, or
+    None. With both ``top_k`` and ``top_p`` set, SGLang's sampler applies both to the target's
+    whole distribution (``top_p`` counts the mass of all tokens), where transformers, the
+    transformers backend and draftforge's evaluator take the ``top_k`` tokens, renormalise,
+    then cut at ``top_p``: a smaller nucleus, the same where the ``top_k`` tokens hold almost
+    all the mass. Greedy decoding is the same on both."""
+    if settings.temperature == 0 or settings.top_k <= 0 or settings.top_p >= 1.0:
+        return None
+    return (f"target.generation top_k {settings.top_k} with top_p {settings.top_p}: SGLang cuts both "
+            "on the whole distribution, the transformers backend (and draftforge eval) cuts top_p "
+            "after renormalising the top_k tokens, so the two backends sample slightly different "
+            "answers from the same settings")
 
 
 def reply_ids(output: dict[str, Any], eos_token_ids: Sequence[int]) -> tuple[list[int], bool]:
@@ -597,6 +613,7 @@ class SGLangTarget:
         self.max_total_tokens = max_total_tokens
         self._engine: Any = None
         self._runner: Any = None
+        self._noted: set[str] = set()  # notes printed once per target
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -636,6 +653,10 @@ class SGLangTarget:
             return []
         eos = self.eos_token_ids()
         params = sampling_params(settings, eos)
+        note = joint_filter_note(settings)
+        if note is not None and note not in self._noted:
+            self._noted.add(note)
+            print(f"draftforge: note: {note}", file=sys.stderr, flush=True)
         outputs = self._generation_engine().generate(input_ids=prompts, sampling_params=params)
         replies = []
         for output in outputs:

@@ -111,3 +111,54 @@ def test_a_failed_target_rank_closes_its_instances_before_the_error_propagates(m
         roles._run_target(ctx, bench=None)
     assert closed == ["close"]
     assert any("closing the target after the failure failed too" in line for line in logged)
+
+
+def _sglang_joint_rule(probs, top_k, top_p):
+    """SGLang's torch sampler, restated: sort, cut past top_k, and cut where the mass of the
+    whole distribution before a token exceeds top_p (no renormalisation in between)."""
+    import torch
+
+    probs_sort, order = probs.sort(descending=True)
+    before = probs_sort.cumsum(0) - probs_sort
+    keep = (torch.arange(len(probs)) < top_k) & ~(before > top_p)
+    return sorted(order[keep].tolist())
+
+
+def test_the_two_backends_nuclei_differ_as_the_note_says():
+    """probabilities .4 .3 .2 .1, top_k 2, top_p 0.5: transformers' order (top-k, renormalise,
+    then top-p) keeps token 0 alone (0.571 >= 0.5); SGLang's joint cut keeps 0 and 1 (the
+    mass before token 1 is 0.4 <= 0.5). Greedy, or either filter off, is the same on both."""
+    import torch
+
+    from draftforge.splitserve.config import GenerationConfig
+    from draftforge.splitserve.sampling import top_k_top_p
+    from draftforge.splitserve.sglang_backend import joint_filter_note
+
+    logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    probs, ids = top_k_top_p(logits, 1.0, 2, 0.5)
+    assert sorted(ids[probs > 0].tolist()) == [0]
+    assert _sglang_joint_rule(logits.softmax(-1), 2, 0.5) == [0, 1]
+    both = GenerationConfig(temperature=0.7, top_k=2, top_p=0.5)
+    assert "SGLang cuts both on the whole distribution" in joint_filter_note(both)
+    for same in (GenerationConfig(temperature=0, top_k=2, top_p=0.5), GenerationConfig(top_k=0, top_p=0.5),
+                 GenerationConfig(top_k=20, top_p=1.0)):
+        assert joint_filter_note(same) is None
+
+
+def test_the_sglang_target_says_it_once(monkeypatch, saved, capsys):
+    from draftforge.splitserve.config import GenerationConfig
+
+    monkeypatch.setattr(sglang_backend, "require_sglang", lambda: SGLANG_VERSION)
+    target = SGLangTarget(saved, LAYERS, TargetConfig(model=str(saved), dtype="float32"))
+    eos = target.eos_token_ids()
+
+    class Engine:
+        def generate(self, input_ids, sampling_params):
+            return [{"output_ids": [5, eos[0]], "meta_info": {"finish_reason": {"type": "stop"}}}
+                    for _ in input_ids]
+
+    target._engine = Engine()
+    settings = GenerationConfig(temperature=0.7, top_k=20, top_p=0.8, max_new_tokens=4)
+    for _ in range(2):
+        target.generate([[{"role": "user", "content": "hi"}]], settings)
+    assert capsys.readouterr().err.count("SGLang cuts both on the whole distribution") == 1
