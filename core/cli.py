@@ -133,7 +133,8 @@ def config_show(argv: Sequence[str]) -> int:
     """``draftforge config show RECIPE [key=value ...]``: print the resolved recipe."""
     parser = argparse.ArgumentParser(
         prog="draftforge config show",
-        description="Load RECIPE strictly, apply key.sub=value overrides, print the resolved YAML.",
+        description="Load RECIPE strictly, apply key.sub=value overrides, check the split's rules "
+        "that hold on every machine, print the resolved YAML.",
     )
     parser.add_argument("recipe", metavar="RECIPE", help="path to a recipe YAML file")
     # default=[]: without a default argparse counts a nargs="*" positional as required and
@@ -146,6 +147,13 @@ def config_show(argv: Sequence[str]) -> int:
     from draftforge.config import load_recipe
 
     cfg = load_recipe(args.recipe, args.overrides)
+    # the split's rules that hold on every machine (draftforge train adds this machine's)
+    from draftforge.config import RecipeError
+    from draftforge.splitserve.roles import recipe_split_problems
+
+    problems = recipe_split_problems(cfg)
+    if problems:
+        raise RecipeError([cfg.locate(problem) for problem in problems])
     sys.stdout.write(cfg.to_yaml())
     return 0
 

@@ -45,14 +45,9 @@ EXIT_BAD_INPUT = 2
 MEMBER_WAIT = datetime.timedelta(days=30)  # a tensor-parallel member's wait for its leader
 
 
-def split_problems(
-    cfg: RecipeConfig, *, world_size: int | None = None, cuda_devices: int | None = None
-) -> list[str]:
-    """What stops this recipe's split from running, beyond what ``load_recipe`` checks.
-
-    ``world_size``: the process count actually started (torchrun's); ``cuda_devices``:
-    the GPUs visible (default: ask torch).
-    """
+def recipe_split_problems(cfg: RecipeConfig) -> list[str]:
+    """What stops this recipe's split from running on any machine (``draftforge config show``
+    says them too; :func:`split_problems` adds the machine's)."""
     split, train = cfg.split, cfg.train
     problems = []
     trainers = split.trainer_ranks or []
@@ -82,6 +77,36 @@ def split_problems(
             f"split.target_tensor_parallel: {split.target_tensor_parallel} needs a tensor-parallel "
             "target engine; the hf backend runs one target per rank (set it to 1)"
         )
+    if cfg.target.model == "random" and cfg.target.shape is not None:
+        if not borrowed_tokenizer.has_tokenizer(cfg.target.shape.vocab_size):
+            problems.append(
+                f"target.shape.vocab_size: a random target of vocabulary {cfg.target.shape.vocab_size} "
+                f"has no tokenizer, and target ranks tokenise conversations; declare "
+                f"{borrowed_tokenizer.MIN_VOCAB} <= vocab_size <= {borrowed_tokenizer.FULL_VOCAB} "
+                "(SmolLM2's tokenizer cut to that size is borrowed) or use a real target"
+            )
+    topology = build_topology(split)
+    per_link = split.max_in_flight // max(len(topology.sources(r)) for r in topology.trainers)
+    if per_link < 1:
+        problems.append(
+            f"split.max_in_flight: {split.max_in_flight} is less than the number of target ranks "
+            "feeding one trainer; every link needs at least one credit"
+        )
+    return problems
+
+
+def split_problems(
+    cfg: RecipeConfig, *, world_size: int | None = None, cuda_devices: int | None = None
+) -> list[str]:
+    """What stops this recipe's split from running, beyond what ``load_recipe`` checks: those
+    of :func:`recipe_split_problems` and those of this machine.
+
+    ``world_size``: the process count actually started (torchrun's); ``cuda_devices``:
+    the GPUs visible (default: ask torch).
+    """
+    split, train = cfg.split, cfg.train
+    problems = recipe_split_problems(cfg)
+    trainers = split.trainer_ranks or []
     if world_size is not None and world_size != split.world_size:
         problems.append(
             f"split.world_size: the recipe's split has {split.world_size} ranks "
@@ -147,21 +172,6 @@ def split_problems(
         problems.append(
             f"split.trainer_devices: GPUs {both} are in both target_devices and trainer_devices "
             "(two ranks on one GPU, which NCCL refuses); give each group its own GPUs"
-        )
-    if cfg.target.model == "random" and cfg.target.shape is not None:
-        if not borrowed_tokenizer.has_tokenizer(cfg.target.shape.vocab_size):
-            problems.append(
-                f"target.shape.vocab_size: a random target of vocabulary {cfg.target.shape.vocab_size} "
-                f"has no tokenizer, and target ranks tokenise conversations; declare "
-                f"{borrowed_tokenizer.MIN_VOCAB} <= vocab_size <= {borrowed_tokenizer.FULL_VOCAB} "
-                "(SmolLM2's tokenizer cut to that size is borrowed) or use a real target"
-            )
-    topology = build_topology(split)
-    per_link = split.max_in_flight // max(len(topology.sources(r)) for r in topology.trainers)
-    if per_link < 1:
-        problems.append(
-            f"split.max_in_flight: {split.max_in_flight} is less than the number of target ranks "
-            "feeding one trainer; every link needs at least one credit"
         )
     return problems
 

@@ -106,3 +106,20 @@ def test_the_reference_says_a_list_may_not_be_empty():
     assert bounds(DataConfig.model_fields["train_files"]) == "at least 1 item"
     with pytest.raises(RecipeError, match="data.train_files"):
         load_recipe(TINY, ["data.train_files=[]"])
+
+
+def test_config_show_refuses_what_no_machine_could_run(capsys):
+    """config show validated only what load_recipe checks; the split's rules that do not
+    depend on the machine (here: strategy single with two trainer ranks, a restart without
+    resume auto) were left to draftforge train."""
+    from draftforge import cli
+
+    assert cli.main(["config", "show", str(TINY), "train.strategy=single", "split.trainer_ranks=[1, 2]",
+                     "split.restart_target=true", "train.resume=never"]) == 2
+    err = capsys.readouterr().err
+    assert "train.strategy 'single' trains in one process but the split has 2 trainer ranks" in err
+    assert "split.restart_target: a restarted job continues from the newest checkpoint" in err
+    assert "Traceback" not in err
+    for recipe in sorted((ROOT / "recipes").glob("*.yaml")):  # every shipped recipe still shows
+        assert cli.main(["config", "show", str(recipe)]) == 0, recipe
+    capsys.readouterr()
