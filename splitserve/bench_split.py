@@ -321,19 +321,24 @@ def bench_trainer_rank(ctx, trainer, bench: dict, *, acks: T.AckLink) -> None:
 
 
 # The values each trainer rank contributes to the result, in order, and how they combine over
-# the trainer ranks: token counts and rates add up, walls are the slowest rank's, the trainer's
-# wait and idle share are the ranks' mean, the target's idle share and "no steady window" the
-# worst rank's.
+# the trainer ranks: token counts and rates add up; walls, the idle shares and "no steady
+# window" are the worst rank's. The trainers step in lockstep (each step's gradients are
+# reduced over all of them), so while one waits for a sample the others wait in that reduction,
+# which their own receive-wait does not count: the group is idle at least as long as its most
+# starved rank, and a mean would halve that for two trainers of which one starves.
 RANK_VALUES = (
     ("prod_tokens", "sum"), ("prod_wall", "max"), ("cons_tokens", "sum"), ("cons_wall", "max"),
-    ("both_tokens", "sum"), ("both_wall", "max"), ("trainer_wait", "mean"), ("target_idle", "max"),
-    ("steady_tok_s", "sum"), ("steady_chunks", "sum"), ("no_steady", "max"), ("steady_idle", "mean"),
+    ("both_tokens", "sum"), ("both_wall", "max"), ("trainer_wait", "max"), ("target_idle", "max"),
+    ("steady_tok_s", "sum"), ("steady_chunks", "sum"), ("no_steady", "max"), ("steady_idle", "max"),
 )
 
 
 def merge_rank_values(sums: Sequence[float], maxes: Sequence[float], num_ranks: int) -> list[float]:
-    """The trainer ranks' :data:`RANK_VALUES` combined, from their elementwise sums and maxima."""
-    pick = {"sum": lambda i: sums[i], "max": lambda i: maxes[i], "mean": lambda i: sums[i] / num_ranks}
+    """The trainer ranks' :data:`RANK_VALUES` combined, from their elementwise sums and maxima
+    (``num_ranks`` trainer ranks: the sums of one are its own values)."""
+    if num_ranks == 1:
+        return list(sums)
+    pick = {"sum": lambda i: sums[i], "max": lambda i: maxes[i]}
     return [pick[how](i) for i, (_, how) in enumerate(RANK_VALUES)]
 
 

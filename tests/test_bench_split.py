@@ -166,15 +166,16 @@ def test_two_trainer_ranks_combine_into_the_ratio_against_the_slower_side():
     rank1 = [600.0, 2.0, 800.0, 1.0, 300.0, 2.5, 0.5, 0.1, 120.0, 5.0, 0.0, 0.25]
     rank2 = [0.0, 0.0, 1000.0, 2.0, 300.0, 3.0, 1.5, 0.3, 150.0, 4.0, 0.0, 0.75]
     merged = merge_rank_values(*_all_reduce(rank1, rank2), num_ranks=2)
-    # tokens and rates add up, walls are the slowest rank's, the trainer's wait and idle averaged
-    assert merged == [600.0, 2.0, 1800.0, 2.0, 600.0, 3.0, 1.0, 0.3, 270.0, 9.0, 0.0, 0.5]
+    # tokens and rates add up; walls and the trainer's wait and idle share are the worst rank's
+    # (in lockstep, rank 1 waits in the gradient reduction while rank 2 waits for samples)
+    assert merged == [600.0, 2.0, 1800.0, 2.0, 600.0, 3.0, 1.5, 0.3, 270.0, 9.0, 0.0, 0.75]
     result = bench_result(7, merged)
     assert result == pytest.approx({
         "steps": 7, "producer_tok_s": 300.0, "consumer_tok_s": 900.0,
         "from_empty_tok_s": 200.0, "steady_tok_s": 270.0, "steady_chunks": 9,
-        "from_empty_trainer_idle": 1.0 / 3.0, "steady_trainer_idle": 0.5, "target_idle": 0.3,
+        "from_empty_trainer_idle": 0.5, "steady_trainer_idle": 0.75, "target_idle": 0.3,
         "from_empty_efficiency": 200.0 / 300.0, "end_to_end_tok_s": 270.0,
-        "split_efficiency": 0.9, "trainer_idle": 0.5,
+        "split_efficiency": 0.9, "trainer_idle": 0.75,
     })  # fmt: skip
     # rank 2 found no steady window: the ratio falls back to the from-empty rate; and with the
     # producer now the faster side (600 tok/s), it is taken against the consumers' 300
@@ -184,7 +185,7 @@ def test_two_trainer_ranks_combine_into_the_ratio_against_the_slower_side():
     assert (result["producer_tok_s"], result["consumer_tok_s"]) == (600.0, 300.0)
     assert result["steady_tok_s"] is None and result["end_to_end_tok_s"] == 200.0
     assert result["split_efficiency"] == result["from_empty_efficiency"] == pytest.approx(200.0 / 300.0)
-    assert result["trainer_idle"] == result["from_empty_trainer_idle"] == pytest.approx(1.0 / 3.0)
+    assert result["trainer_idle"] == result["from_empty_trainer_idle"] == pytest.approx(0.5)
     # a single trainer rank: its own values
     single = bench_result(3, [400.0, 2.0, 500.0, 1.0, 300.0, 2.0, 0.5, 0.2, 180.0, 4.0, 0.0, 0.25])
     assert (single["producer_tok_s"], single["consumer_tok_s"], single["steady_tok_s"]) == (200.0, 500.0, 180.0)
