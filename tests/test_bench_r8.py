@@ -44,7 +44,7 @@ def _objective_children(monkeypatch, outcomes: dict[str, tuple[int, str]]):
     def run(cmd, **_):
         path = cmd[cmd.index("--path") + 1]
         code, stderr = outcomes[path]
-        stdout = json.dumps({"peak_added_gib": 1.0, "baseline_gib": 0.5, "seconds": 2.0, "loss": 3.0})
+        stdout = json.dumps({"peak_added_gib": 1.0, "cached_gib": 0.25, "baseline_gib": 0.5, "seconds": 2.0, "loss": 3.0})
         return subprocess.CompletedProcess(cmd, code, stdout if code == 0 else "", stderr)
 
     monkeypatch.setattr(bench_objective.subprocess, "run", run)
