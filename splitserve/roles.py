@@ -135,6 +135,14 @@ def split_problems(
             "train.device: cuda, but no CUDA GPU is visible on this machine; use train.device=cpu "
             "(or auto, which takes a GPU when there is one)"
         )
+    if cfg.draft.attention_backend == "flex" and train.device == "auto" and cuda_devices == 0:
+        # the recipe check refuses flex with train.device cpu; auto resolves to the CPU here,
+        # and the trainer's first step would fail after the target had loaded and answered
+        problems.append(
+            "draft.attention_backend: flex cannot train on the CPU (torch's flex attention has no "
+            "backward there), and train.device auto trains on the CPU on this machine, where no "
+            "GPU is visible; use draft.attention_backend: sdpa here, or train on a GPU"
+        )
     nccl = comm_backend(cfg, gpus_visible=cuda_devices > 0) == "nccl"
     per_node = (world_size or split.world_size) // split.num_nodes
     if nccl and cuda_devices and split.target_devices is None and split.trainer_devices is None \

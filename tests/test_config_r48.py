@@ -123,3 +123,15 @@ def test_config_show_refuses_what_no_machine_could_run(capsys):
     for recipe in sorted((ROOT / "recipes").glob("*.yaml")):  # every shipped recipe still shows
         assert cli.main(["config", "show", str(recipe)]) == 0, recipe
     capsys.readouterr()
+
+
+def test_flex_with_device_auto_is_refused_before_the_target_loads_where_no_gpu_is_visible():
+    """The recipe check refused flex with train.device cpu only; with auto on a machine without
+    a GPU the trainer's first step failed after the target had loaded and answered."""
+    from draftforge.splitserve.roles import split_problems
+
+    overrides = ["draft.attention_backend=flex", "train.device=auto", "draft.head_dim=16"]
+    cfg = load_recipe(TINY, overrides)
+    (problem,) = [p for p in split_problems(cfg, world_size=2, cuda_devices=0) if "flex" in p]
+    assert problem.startswith("draft.attention_backend: flex cannot train on the CPU")
+    assert not [p for p in split_problems(cfg, world_size=2, cuda_devices=1) if "flex" in p]
