@@ -500,10 +500,13 @@ def _say_how_to_resume(ctx: RankContext, bench: dict | None) -> None:
     if advice is not None:
         ctx.log(advice)
         return
-    from draftforge.splitserve.launch import RESTARTS_LEFT_ENV
+    from draftforge.splitserve.launch import INPUT_ERROR_ENV, RESTARTS_LEFT_ENV
 
     left = os.environ.get(RESTARTS_LEFT_ENV, "0")
-    if left.isdigit() and int(left) > 0:  # draftforge train restarts the job itself: no "rerun"
+    marker = os.environ.get(INPUT_ERROR_ENV)
+    if marker and Path(marker).exists():  # a rank refused its input: the launcher restarts nothing
+        ctx.log("a rank refused its input (its message says why), so no restart is made: fix it first")
+    elif left.isdigit() and int(left) > 0:  # draftforge train restarts the job itself: no "rerun"
         ctx.log(f"the launcher restarts the job ({left} restart(s) left), continuing from the "
                 f"newest checkpoint in {ctx.cfg.train.output_dir} where there is one")
         return

@@ -228,3 +228,26 @@ def test_the_faults_readme_lists_the_round_15_checks():
     text = " ".join((ROOT / "tests" / "faults" / "README.md").read_text().split())
     for name in ("test_ckpt_r15.py", "test_cli_r15.py", "test_target_r15.py", "test_ckpt_r16.py"):
         assert f"`tests/{name}` (" in text, name
+
+
+def test_a_rank_does_not_promise_a_restart_after_an_input_error(tmp_path, monkeypatch):
+    """With restarts left, a rank whose peer died said the launcher restarts the job; after a
+    rank refused its input (the launcher's marker exists) the launcher makes none."""
+    from draftforge.splitserve.launch import INPUT_ERROR_ENV, RESTARTS_LEFT_ENV
+    from draftforge.splitserve.roles import _say_how_to_resume
+
+    run_dir = tmp_path / "run"
+    _single_checkpoint(run_dir, 4)
+    marker = tmp_path / "input-error"
+    monkeypatch.setenv(RESTARTS_LEFT_ENV, "3")
+    monkeypatch.setenv(INPUT_ERROR_ENV, str(marker))
+    ctx, lines = _rank_ctx("auto", run_dir)
+    _say_how_to_resume(ctx, None)
+    assert lines == ["the launcher restarts the job (3 restart(s) left), continuing from the newest "
+                     f"checkpoint in {run_dir} where there is one"]
+    marker.write_text("rank 0: bad prompt file\n")
+    ctx, lines = _rank_ctx("auto", run_dir)
+    _say_how_to_resume(ctx, None)
+    assert lines == ["a rank refused its input (its message says why), so no restart is made: fix it first",
+                     "the run can be resumed: rerun the same command (train.resume=auto) to continue "
+                     f"from the newest checkpoint in {run_dir}"]
