@@ -65,10 +65,14 @@ def launch_env(master_addr: str = LOOPBACK, *, cpu: bool = True) -> dict[str, st
         # one intra-op thread per process unless told otherwise: ranks share the cores
         env.setdefault("OMP_NUM_THREADS", "1")
     if is_loopback(master_addr) and sys.platform.startswith("linux"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         # NCCL's bootstrap listens on the interface it picks, never lo unless told; one
         # node's GPUs talk over P2P or shared memory, not that socket
-        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            given = env.setdefault(name, "lo")
+            if given != "lo":  # the user's to choose, but not silently: it is not loopback
+                print(f"draftforge: {name}={given} from the environment: this one-node job's "
+                      f"sockets listen there, not on loopback only (unset it to keep them on lo)",
+                      file=sys.stderr, flush=True)
     env.setdefault("MASTER_ADDR", master_addr)
     env[LAUNCH_COMMAND_ENV] = json.dumps([sys.executable, *sys.argv])
     return env

@@ -255,3 +255,19 @@ def test_launcher_binds_rendezvous_to_loopback_by_default():
     assert "--local-addr=10.0.0.5" in torchrun_command("r.yaml", [], 2, master_addr="10.0.0.5")
     assert opened.get("GLOO_SOCKET_IFNAME") == os.environ.get("GLOO_SOCKET_IFNAME")
     assert opened.get("NCCL_SOCKET_IFNAME") == os.environ.get("NCCL_SOCKET_IFNAME")
+
+
+def test_an_interface_from_the_environment_is_kept_but_said(monkeypatch, capsys):
+    """GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME left exported (the dry run's multi-node note asks
+    for them) put a one-node job's sockets on that interface: the user's choice, now said."""
+    from draftforge.splitserve.launch import launch_env
+
+    if not os.sys.platform.startswith("linux"):
+        pytest.skip("the interfaces are set on Linux only")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    env = launch_env()
+    assert env["GLOO_SOCKET_IFNAME"] == "eth0" and env["NCCL_SOCKET_IFNAME"] == "lo"
+    err = capsys.readouterr().err
+    assert "GLOO_SOCKET_IFNAME=eth0 from the environment" in err and "not on loopback only" in err
+    assert "NCCL_SOCKET_IFNAME" not in err
