@@ -211,9 +211,9 @@ NO_ANSWERS_FOR_MARKOV_INIT = (
 )
 
 
-def markov_init_token_ids(cfg: RecipeConfig) -> list[list[int]]:
-    """Token ids of the first training samples, tokenised as the producer does, for
-    ``train.markov_init: bigram``. The answers must exist before training."""
+def markov_init_samples(cfg: RecipeConfig) -> tuple[list[list[int]], list[list[bool]]]:
+    """Token ids and loss masks of the first training samples, tokenised as the producer
+    does, for ``train.markov_init: bigram``. The answers must exist before training."""
     from draftforge.data.tokenize import tokenize_conversations
     from draftforge.splitserve.target import load_tokenizer
 
@@ -230,7 +230,7 @@ def markov_init_token_ids(cfg: RecipeConfig) -> list[list[int]]:
         chat_template=settings.chat_template,
         enable_thinking=settings.enable_thinking,
     )
-    return [s.input_ids for s in samples]
+    return [s.input_ids for s in samples], [s.loss_mask for s in samples]
 
 
 class SampleSource:

@@ -747,11 +747,11 @@ def build_trainer(ctx: RankContext, embeddings):
     init_draft = None
     resuming = ckpt.find_resume(Path(cfg.train.output_dir), cfg.train.resume) is not None
     if cfg.train.markov_init == "bigram" and not resuming:  # a resume loads its weights
-        from draftforge.splitserve.producer import markov_init_token_ids
+        from draftforge.splitserve.producer import markov_init_samples
         from draftforge.train.markov_init import init_markov_bigram
 
         def init_draft(model):
-            return init_markov_bigram(model, markov_init_token_ids(cfg))
+            return init_markov_bigram(model, *markov_init_samples(cfg))
 
     return Trainer(
         model_config=model_config, train=cfg.train, embeddings=embeddings,

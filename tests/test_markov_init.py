@@ -145,14 +145,14 @@ def test_a_head_without_a_table_is_refused():
 
 def test_bigram_needs_the_answers_before_training(tmp_path):
     from draftforge.splitserve.launch import preflight
-    from draftforge.splitserve.producer import markov_init_token_ids
+    from draftforge.splitserve.producer import markov_init_samples
 
     # tiny-debug regenerates on the fly: no answers exist before the first step
     cfg = load_recipe(TINY, [f"train.output_dir={tmp_path}", "train.markov_init=bigram"])
     with pytest.raises(InputError, match="draftforge data regenerate RECIPE' first"):
         preflight(cfg)
     with pytest.raises(InputError, match="draftforge data regenerate RECIPE' first"):
-        markov_init_token_ids(cfg)
+        markov_init_samples(cfg)
     # conversations given as they are: their tokens, as the producer tokenises them
     from splitserve_helpers import tiny_recipe
 
@@ -167,4 +167,29 @@ def test_bigram_needs_the_answers_before_training(tmp_path):
         conversations, load_tokenizer(cfg.target), max_length=cfg.data.max_length,
         min_loss_tokens=cfg.data.min_loss_tokens,
     )  # fmt: skip
-    assert markov_init_token_ids(cfg) == [s.input_ids for s in samples]
+    assert markov_init_samples(cfg) == ([s.input_ids for s in samples], [s.loss_mask for s in samples])
+
+
+def test_with_loss_masks_only_the_supervised_pairs_count():
+    """The head corrects answer tokens from the token before them (both supervised, as every
+    slot's previous token and label are); a prompt's pairs counted 50 times (7 then 8) would
+    make 8 the favourite after 7, where every answer has 9 after 7."""
+    prompt, answer = [7, 8] * 50, [7, 9, 7, 9, 7, 9]
+    ids = [prompt + answer]
+    mask = [[0] * len(prompt) + [1] * len(answer)]
+    rows, cols, scores = bigram_scores(ids, masks=mask)
+    row, col = {int(t): i for i, t in enumerate(rows)}, {int(t): j for j, t in enumerate(cols)}
+    assert 8 not in col  # never a supervised next token
+    assert 7 in row and 9 in col
+    unmasked_rows, unmasked_cols, unmasked = bigram_scores(ids)  # every pair: the prompt's win
+    r = {int(t): i for i, t in enumerate(unmasked_rows)}[7]
+    c = {int(t): j for j, t in enumerate(unmasked_cols)}
+    assert unmasked[r, c[8]] > unmasked[r, c[9]]
+    # by hand: the answer's pairs 7-9, 9-7, 7-9, 9-7, 7-9 (the seam 8-7 has 8 unsupervised):
+    # c(7,9) = 3, c(9,7) = 2; next-token unigram P(7) = 2/5, P(9) = 3/5; rows centred
+    assert rows.tolist() == [7, 9] and cols.tolist() == [7, 9]
+    raw = torch.tensor([[math.log((0 + 0.4) / 4), math.log((3 + 0.6) / 4)],
+                        [math.log((2 + 0.4) / 3), math.log((0 + 0.6) / 3)]], dtype=torch.float64)
+    torch.testing.assert_close(scores, raw - raw.mean(dim=1, keepdim=True))
+    with pytest.raises(ValueError, match="1 loss masks for 2 sequences"):
+        bigram_scores([[1, 2], [3, 4]], masks=[[1, 1]])

@@ -313,7 +313,7 @@ def test_bigram_markov_init_at_the_start_and_not_on_resume(tmp_path):
     procs = spawn_ranks(recipe, 2, log_dir=tmp_path / "logs")
     assert wait_all(procs, 90) == [0, 0], read_logs(tmp_path / "logs", 2)
     trainer_log = read_logs(tmp_path / "logs", 2)[1]
-    assert "markov head initialised as a rank-8 bigram of the training samples" in trainer_log
+    assert "markov head initialised as a rank-8 bigram of the training answers" in trainer_log
     # continuing the run loads the checkpoint's weights: no second initialisation
     procs = spawn_ranks(recipe, 2, "train.steps=6", log_dir=tmp_path / "logs2")
     assert wait_all(procs, 90) == [0, 0], read_logs(tmp_path / "logs2", 2)

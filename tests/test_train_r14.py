@@ -119,7 +119,7 @@ def test_a_bigram_table_that_centres_to_zero_is_reported_and_leaves_a_head_that_
     model = tiny_draft(markov_rank=8, markov_head_type=head_type)
     w1 = model.markov_head.markov_w1.weight.detach().clone()
     message = init_markov_bigram(model, sequences)
-    assert message == ("markov head initialised as a bigram of the training samples: 1 previous x 1 next "
+    assert message == ("markov head initialised as a bigram of the training answers: 1 previous x 1 next "
                        "tokens, whose centred table is all zeros (every previous token predicts the same "
                        "next tokens): the head starts with no correction")
     head = model.markov_head

@@ -7,8 +7,11 @@ draft predicts its first token no better than a count table of the same answers 
 first step instead of learning it from random weights:
 
 - count the adjacent token pairs of the training samples' token ids, tokenised as the
-  producer tokenises them: every pair, the prompts' and the chat template's included,
-  not only the supervised ones the objective trains on;
+  producer tokenises them, where both tokens are supervised (their loss mask is set): the
+  pairs the draft's Markov head is trained on, each a slot's previous token and label, so
+  the answers' pairs and not the prompts' or the chat template's (a system prompt repeated
+  in every sample would otherwise outweigh the answers, and a template's "newline then
+  turn marker" would be taught for newlines in answers);
 - keep the :data:`MAX_TOKENS` most frequent previous tokens (seen at least twice) and
   next tokens;
 - score ``log((c(a, b) + P(b)) / (c(a) + 1))``: the next-token probability with one
@@ -49,17 +52,29 @@ OVERSAMPLE = 16  # extra directions of the randomised SVD, dropped after it
 
 
 def bigram_scores(
-    sequences: Iterable[Sequence[int]], *, max_tokens: int = MAX_TOKENS
+    sequences: Iterable[Sequence[int]], *, masks: Iterable[Sequence[bool]] | None = None,
+    max_tokens: int = MAX_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rows, cols, scores): the kept previous and next token ids and the row-centred
     smoothed log-probabilities ``[len(rows), len(cols)]`` in float64. ``sequences``: token
-    id lists or 1-D integer tensors."""
+    id lists or 1-D integer tensors; ``masks``: their loss masks, where given only pairs of
+    two supervised tokens count (else every adjacent pair)."""
     pairs: Counter[tuple[int, int]] = Counter()
-    for ids in sequences:
+    sequences = list(sequences)
+    masks = [None] * len(sequences) if masks is None else list(masks)
+    if len(masks) != len(sequences):
+        raise ValueError(f"{len(masks)} loss masks for {len(sequences)} sequences")
+    for ids, mask in zip(sequences, masks, strict=True):
         # Plain ints: the elements of a tensor (a Sample's input_ids) hash by identity, so
         # no pair would ever be counted twice.
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
-        pairs.update(zip(ids, ids[1:], strict=False))
+        if mask is None:
+            pairs.update(zip(ids, ids[1:], strict=False))
+            continue
+        mask = mask.tolist() if isinstance(mask, torch.Tensor) else [bool(m) for m in mask]
+        if len(mask) != len(ids):
+            raise ValueError(f"a loss mask of {len(mask)} positions for {len(ids)} tokens")
+        pairs.update((ids[j], ids[j + 1]) for j in range(len(ids) - 1) if mask[j] and mask[j + 1])
     prev_count: Counter[int] = Counter()
     next_count: Counter[int] = Counter()
     for (a, b), count in pairs.items():
@@ -67,8 +82,8 @@ def bigram_scores(
         next_count[b] += count
     if not pairs:
         raise InputError(
-            "train.markov_init: bigram: the training samples hold no token pair; use more samples "
-            "or train.markov_init=random"
+            "train.markov_init: bigram: the training samples hold no token pair (of two supervised "
+            "tokens); use more samples or train.markov_init=random"
         )
     rows = sorted(a for a, c in prev_count.most_common(max_tokens) if c >= 2)
     if not rows:
@@ -111,16 +126,18 @@ def _truncated_svd(
 
 
 @torch.no_grad()
-def init_markov_bigram(model, sequences: Iterable[Sequence[int]]) -> str:
+def init_markov_bigram(model, sequences: Iterable[Sequence[int]],
+                       masks: Iterable[Sequence[bool]] | None = None) -> str:
     """Overwrite the draft's ``markov_w1``/``markov_w2`` with the rank-r bigram of
-    ``sequences`` (token id lists); returns a one-line description for the log."""
+    ``sequences`` (token id lists; with ``masks``, their supervised pairs only: see
+    :func:`bigram_scores`); returns a one-line description for the log."""
     head = model.markov_head
     if head is None or head.head_type == "rnn":
         raise ValueError(
             "train.markov_init: bigram needs a vanilla or gated Markov head "
             "(draft.markov_rank > 0, draft.markov_head_type vanilla or gated)"
         )
-    rows, cols, scores = bigram_scores(sequences)
+    rows, cols, scores = bigram_scores(sequences, masks=masks)
     energy = float((scores**2).sum())
     if energy == 0.0:
         # Every kept previous token scores the next tokens alike (one next token, say): the
@@ -130,7 +147,7 @@ def init_markov_bigram(model, sequences: Iterable[Sequence[int]]) -> str:
             head.gate_proj.weight.zero_()
             head.gate_proj.bias.zero_()
         return (
-            f"markov head initialised as a bigram of the training samples: {len(rows)} previous x "
+            f"markov head initialised as a bigram of the training answers: {len(rows)} previous x "
             f"{len(cols)} next tokens, whose centred table is all zeros (every previous token "
             "predicts the same next tokens): the head starts with no correction"
         )
@@ -151,6 +168,6 @@ def init_markov_bigram(model, sequences: Iterable[Sequence[int]]) -> str:
         w2.mul_(2.0)
     kept = float((s**2).sum()) / energy
     return (
-        f"markov head initialised as a rank-{rank} bigram of the training samples: "
+        f"markov head initialised as a rank-{rank} bigram of the training answers: "
         f"{len(rows)} previous x {len(cols)} next tokens, {kept:.0%} of the table's energy"
     )
