@@ -173,7 +173,10 @@ class _GroupMPU:
 
     def __init__(self, group) -> None:
         self.group = group
-        self.model_group = dist.new_group([dist.get_rank()]) if group is not None else None
+        # each trainer names a different one-rank list, which new_group allows only with local
+        # synchronisation (the target ranks never make this call)
+        self.model_group = (dist.new_group([dist.get_rank()], use_local_synchronization=True)
+                            if group is not None else None)
 
     def get_data_parallel_group(self):
         return self.group
@@ -209,7 +212,10 @@ def deepspeed_config(*, zero_stage: int, bf16: bool, max_grad_norm: float, micro
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": float(max_grad_norm),
-        "bf16": {"enabled": bool(bf16)},
+        # said, not left to the default: the trainer drops a step by making its gradients NaN,
+        # which bf16 ZeRO-2 skips only with this check, off by default before DeepSpeed 0.19
+        # (a release without the key refuses the config instead of applying a NaN update)
+        "bf16": {"enabled": bool(bf16), "check_grad_overflow": True},
         "communication_data_type": "fp32",
         "data_types": {"grad_accum_dtype": "fp32"},
         "zero_optimization": {
