@@ -128,6 +128,9 @@ def convert(
         done = subprocess.run(command, capture_output=True, text=True, env=env)
         if done.returncode != 0:
             raise InputError(f"llama.cpp's {CONVERTER} refused {model_dir}: {last_lines(done.stderr)}")
+        if not tmp.is_file():
+            raise InputError(f"llama.cpp's {CONVERTER} exited 0 on {model_dir} but wrote no GGUF at "
+                             f"{tmp}: {last_lines(done.stderr or done.stdout) or 'it printed nothing'}")
         fsync_tree(staging)  # the converter does not: a power loss would leave an empty GGUF at out
         os.replace(tmp, out)
         fsync_dir(out.parent)
@@ -166,15 +169,24 @@ def build_tools(source: Path, *, jobs: int | None = None, progress: Callable[[st
     return bin_dir
 
 
+TOKENIZE_TIMEOUT_S = 120  # seconds: llama-tokenize loads the GGUF's vocabulary and prints ids
+
+
 def tokenize(bin_dir: Path, model_gguf: Path, text: str) -> list[int]:
     """The token ids llama.cpp feeds its model for ``text`` (BOS as the vocabulary asks, special
-    tokens parsed), as llama-speculative-simple tokenizes its prompt."""
+    tokens parsed), as llama-speculative-simple tokenizes its prompt. A run past
+    :data:`TOKENIZE_TIMEOUT_S` is stopped and is an error like a failed one."""
     with tempfile.TemporaryDirectory() as tmp:
         prompt_file = Path(tmp) / "prompt.txt"
         prompt_file.write_text(text, encoding="utf-8")
         # its log (on stderr) stays on: --log-disable would also silence why it failed
         command = [str(bin_dir / TOKENIZER), "-m", str(model_gguf), "-f", str(prompt_file), "--ids", "--no-escape"]
-        done = subprocess.run(command, capture_output=True, text=True, env=_tool_env())
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, env=_tool_env(),
+                                  timeout=TOKENIZE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise InputError(f"{TOKENIZER} gave no ids within {TOKENIZE_TIMEOUT_S} s on {model_gguf}; "
+                             "stopped") from None
     found = re.findall(r"^\[[\d, ]*\]$", done.stdout, flags=re.MULTILINE)
     if done.returncode != 0 or not found:
         reason = last_lines(done.stderr or done.stdout) or "it printed nothing"

@@ -163,7 +163,8 @@ class PromptCheck:
     index: int
     llamacpp: dict
     draftforge: dict
-    same_tokenization: bool  # transformers' token ids equal llama.cpp's (both decode llama.cpp's)
+    same_tokenization: bool | None  # transformers' token ids equal llama.cpp's (both decode
+    # llama.cpp's); None where llama-tokenize failed on the prompt (status error)
     status: str
     detail: str = ""
 
@@ -358,10 +359,13 @@ def _check_export(args: argparse.Namespace) -> int:
         print(f"eval llamacpp: kept {target_gguf} and {draft_gguf}", flush=True)
 
     print(_table(checks))
+    if args.p_min == 0 and draft_cfg.enable_confidence_head:
+        print("  the draft's confidence head was not exercised (--p-min 0: every block verified "
+              "whole, as serving's default); pass --p-min P to check llama.cpp's reading of it too")
     for c in checks:
         if c.status != "agree":
             print(f"  {c.status}: {c.workload} prompt {c.index}: {c.detail}")
-    retokenized = [c for c in checks if not c.same_tokenization]
+    retokenized = [c for c in checks if c.same_tokenization is False]
     if retokenized:
         print(
             f"  {len(retokenized)} prompt(s) tokenized differently by transformers and llama.cpp: "
@@ -371,7 +375,7 @@ def _check_export(args: argparse.Namespace) -> int:
     count = {status: sum(c.status == status for c in checks) for status in STATUSES}
     print(
         f"llamacpp_prompts={len(checks)} agree={count['agree']} near_tie={count['near-tie']} "
-        f"differ={count['differ']} error={count['error']} same_tokenization={len(checks) - len(retokenized)} "
+        f"differ={count['differ']} error={count['error']} same_tokenization={sum(c.same_tokenization is True for c in checks)} "
         f"al_llamacpp={_al(checks, 'llamacpp'):.3f} al_draftforge={_al(checks, 'draftforge'):.3f}"
     )
     return 1 if count["differ"] or count["error"] else 0
@@ -444,9 +448,10 @@ def _check_all(args, target_cfg, draft_cfg, draft_dir: Path, bin_dir: Path, targ
     for name in args.workloads or WORKLOAD_NAMES:
         texts = workload_texts(name, tokenizer, target_cfg.generation, args.num_prompts)
         for index, text in enumerate(texts):
-            prompt = tokenize(bin_dir, target_gguf, text)  # what llama.cpp decodes, on both sides
-            same_tokenization = tokenizer(text, add_special_tokens=False)["input_ids"] == prompt
+            same_tokenization = None
             try:
+                prompt = tokenize(bin_dir, target_gguf, text)  # what llama.cpp decodes, on both sides
+                same_tokenization = tokenizer(text, add_special_tokens=False)["input_ids"] == prompt
                 theirs = run_speculative(
                     bin_dir, target_gguf, draft_gguf, text, max_new_tokens=args.max_new_tokens,
                     block_size=draft_cfg.block_size, p_min=args.p_min, threads=args.threads,
