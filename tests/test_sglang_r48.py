@@ -8,12 +8,11 @@ import json
 import shutil
 
 import pytest
-from test_target_capture import SHAPE, tiny_tokenizer
+from test_target_capture import save_tiny_target
 
 from draftforge.errors import InputError
 from draftforge.splitserve import sglang_backend
 from draftforge.splitserve.config import TargetConfig
-from draftforge.splitserve.random_target import random_llama
 from draftforge.splitserve.sglang_backend import SGLANG_VERSION, SGLangTarget
 
 LAYERS = [0, 2]
@@ -21,10 +20,7 @@ LAYERS = [0, 2]
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    path = tmp_path_factory.mktemp("sglang-r48-target")
-    random_llama(SHAPE, seed=5).save_pretrained(path, safe_serialization=True)
-    tiny_tokenizer().save_pretrained(path)
-    return path
+    return save_tiny_target(tmp_path_factory.mktemp("sglang-r48-target"))
 
 
 def _copy(saved, tmp_path, *, tokenizer: bool = True):

@@ -74,13 +74,16 @@ def tiny_tokenizer(vocab_size: int = SHAPE.vocab_size, chat_template: str | None
     return tokenizer
 
 
-@pytest.fixture(scope="module")
-def local_folder(tmp_path_factory):
-    """A random Llama plus a word-level chat tokenizer saved as a local HF folder."""
-    folder = tmp_path_factory.mktemp("tiny-target")
+def save_tiny_target(folder):
+    """A random Llama plus a word-level chat tokenizer saved as a local HF folder ``folder``."""
     random_llama(SHAPE, seed=5).save_pretrained(folder, safe_serialization=True)
     tiny_tokenizer().save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def local_folder(tmp_path_factory):
+    return save_tiny_target(tmp_path_factory.mktemp("tiny-target"))
 
 
 def test_targets_satisfy_protocol(target, local_folder):
