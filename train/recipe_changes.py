@@ -46,9 +46,13 @@ def _flattened(tree: object, prefix: str = "") -> dict[str, object]:
     return {key.removesuffix("."): value for key, value in flat.items()}
 
 
+def _listed(key: str, names: tuple[str, ...]) -> bool:
+    """Whether the dotted ``key`` is one of ``names`` or inside a section listed there."""
+    return any(key == name or (name.endswith(".") and f"{key}.".startswith(name)) for name in names)
+
+
 def _exempt(key: str) -> bool:
-    return any(key == name or (name.endswith(".") and key.startswith(name))
-               for name in (*NOT_TRAINED, *NOTED_ELSEWHERE))
+    return _listed(key, (*NOT_TRAINED, *NOTED_ELSEWHERE))
 
 
 def without_untrained(tree: object, prefix: str = "") -> object:
@@ -57,8 +61,7 @@ def without_untrained(tree: object, prefix: str = "") -> object:
     if not isinstance(tree, dict):
         return tree
     return {key: without_untrained(value, f"{prefix}{key}.") for key, value in tree.items()
-            if not any(f"{prefix}{key}" == name or (name.endswith(".") and f"{prefix}{key}." == name)
-                       for name in NOT_TRAINED)}
+            if not _listed(f"{prefix}{key}", NOT_TRAINED)}
 
 
 _ABSENT = object()
