@@ -308,8 +308,7 @@ def bench_trainer_rank(ctx, trainer, bench: dict, *, acks: T.AckLink) -> None:
         dist.all_reduce(sums, group=group)
         maxes = values.to(ctx.device, copy=True)
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
-        merged = merge_rank_values(sums.cpu().tolist(), maxes.cpu().tolist(),
-                                   len(cfg.split.trainer_ranks))
+        merged = merge_rank_values(sums.cpu().tolist(), maxes.cpu().tolist())
     else:
         merged = values.tolist()
     if ctx.rank != cfg.split.trainer_ranks[0]:
@@ -333,11 +332,8 @@ RANK_VALUES = (
 )
 
 
-def merge_rank_values(sums: Sequence[float], maxes: Sequence[float], num_ranks: int) -> list[float]:
-    """The trainer ranks' :data:`RANK_VALUES` combined, from their elementwise sums and maxima
-    (``num_ranks`` trainer ranks: the sums of one are its own values)."""
-    if num_ranks == 1:
-        return list(sums)
+def merge_rank_values(sums: Sequence[float], maxes: Sequence[float]) -> list[float]:
+    """The trainer ranks' :data:`RANK_VALUES` combined, from their elementwise sums and maxima."""
     pick = {"sum": lambda i: sums[i], "max": lambda i: maxes[i]}
     return [pick[how](i) for i, (_, how) in enumerate(RANK_VALUES)]
 

@@ -165,7 +165,7 @@ def test_two_trainer_ranks_combine_into_the_ratio_against_the_slower_side():
     # is counted on its first destination only: rank 2 saw no producer tokens.
     rank1 = [600.0, 2.0, 800.0, 1.0, 300.0, 2.5, 0.5, 0.1, 120.0, 5.0, 0.0, 0.25]
     rank2 = [0.0, 0.0, 1000.0, 2.0, 300.0, 3.0, 1.5, 0.3, 150.0, 4.0, 0.0, 0.75]
-    merged = merge_rank_values(*_all_reduce(rank1, rank2), num_ranks=2)
+    merged = merge_rank_values(*_all_reduce(rank1, rank2))
     # tokens and rates add up; walls and the trainer's wait and idle share are the worst rank's
     # (in lockstep, rank 1 waits in the gradient reduction while rank 2 waits for samples)
     assert merged == [600.0, 2.0, 1800.0, 2.0, 600.0, 3.0, 1.5, 0.3, 270.0, 9.0, 0.0, 0.75]
@@ -181,7 +181,7 @@ def test_two_trainer_ranks_combine_into_the_ratio_against_the_slower_side():
     # producer now the faster side (600 tok/s), it is taken against the consumers' 300
     rank1[0], rank1[2], rank1[3] = 1200.0, 200.0, 2.0
     rank2[2], rank2[10] = 400.0, 1.0
-    result = bench_result(7, merge_rank_values(*_all_reduce(rank1, rank2), num_ranks=2))
+    result = bench_result(7, merge_rank_values(*_all_reduce(rank1, rank2)))
     assert (result["producer_tok_s"], result["consumer_tok_s"]) == (600.0, 300.0)
     assert result["steady_tok_s"] is None and result["end_to_end_tok_s"] == 200.0
     assert result["split_efficiency"] == result["from_empty_efficiency"] == pytest.approx(200.0 / 300.0)
