@@ -9,7 +9,9 @@ Layout of ``run_dir/checkpoints/step_XXXXXXXX``::
                           its assignment to trainers from them), the ids of
                           conversations dropped as too short (recorded per trainer
                           rank with the sample that told of them), the caller's
-                          extra state per trainer rank
+                          extra state per trainer rank; fsdp2: whether the optimizer
+                          had taken a step (``optimizer_stepped``; if not, the moments
+                          in ``dcp/`` are only the filler DCP needs and are not loaded)
     draft_config.json     the draft's DSparkConfig (resume and export check it)
     recipe.yaml           the resolved recipe of the run segment that wrote it (the model
                           card's, where the run folder's config.yaml is a later rerun's)
@@ -305,6 +307,8 @@ def _state_problem(state: dict) -> str:
         return f"'extra_per_rank' is not a list of objects, one per trainer rank ({len(ranks)})"
     if not isinstance(state.get("schedule", {}), dict):
         return "'schedule' is not an object"
+    if not isinstance(state.get("optimizer_stepped", False), bool):
+        return "'optimizer_stepped' is not true or false"
     return ""
 
 
@@ -519,12 +523,20 @@ def save_checkpoint(
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        # get_state_dict gives an optimizer without state one by a zero-lr AdamW step (step
+        # count 1): the first real update would then use step 2's bias correction (0.744x at
+        # betas 0.9/0.999). Such state is saved (DCP needs it) but taken back here and on load.
+        stepped = bool(optimizer.state)
+        state = {**state, "optimizer_stepped": stepped}
         try:
             model_state, optim_state = get_state_dict(model, optimizer)
             dcp.save({"model": model_state, "optimizer": optim_state},
                      checkpoint_id=str(tmp / "dcp"), process_group=group)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - the latter is a BaseException
             error = error or _own_dcp_failure(exc, rank)
+        finally:
+            if not stepped:
+                optimizer.state.clear()
     elif strategy == "deepspeed":
         written: list[str] = []
         try:
@@ -907,6 +919,8 @@ def load_checkpoint(*, path: Path, strategy: str, model, optimizer, engine, grou
             raise _corrupt(path / "dcp", exc, path) from None
         set_state_dict(model, optimizer, model_state_dict=target["model"],
                        optim_state_dict=target["optimizer"])
+        if state.get("optimizer_stepped") is False:  # the saved moments are get_state_dict's filler
+            optimizer.state.clear()
     elif strategy == "deepspeed":
         with _deepspeed_barriers_on(group):
             try:
