@@ -92,3 +92,58 @@ def gather_strings_worker(rank: int, world: int, init: str, out: str) -> None:
             json.dump({"gathered": gathered, "told": told}, f)
     finally:
         dist.destroy_process_group()
+
+
+def full_state_worker(rank: int, world: int, init: str, out: str) -> None:
+    """A rank of test_distributed_r49's gather test: an FSDP2-sharded module's full state,
+    kept on rank 0 only, with the most gathered tensors alive at once on each rank."""
+    import json
+    import weakref
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from draftforge.train import distributed as D
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3), torch.nn.Linear(3, 7))
+        model.register_buffer("scale", torch.tensor([2.0, 3.0]))
+        unsharded = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        mesh = D.device_mesh(group=dist.group.WORLD, device_type="cpu")
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        alive: list = []
+        most = 0
+        original = DTensor.full_tensor
+
+        def counting(self, *args, **kwargs):
+            nonlocal most
+            result = original(self, *args, **kwargs)
+            alive[:] = [ref for ref in alive if ref() is not None] + [weakref.ref(result)]
+            most = max(most, len(alive))
+            return result
+
+        DTensor.full_tensor = counting
+        try:
+            state = D.full_state_fsdp2(model, keep=rank == 0)
+        finally:
+            DTensor.full_tensor = original
+        equal = [name for name in state if torch.equal(state[name], unsharded[name])]
+        for value in state.values():  # the result is a copy: the module's state stays as it is
+            value.add_(1.0)
+        again = D.full_state_fsdp2(model, keep=True)
+        result = {
+            "keys": sorted(state),
+            "equal": equal,
+            "untouched": all(torch.equal(again[name], unsharded[name]) for name in unsharded),
+            "most_alive": most,
+            "gathers": len(unsharded) - 1,
+        }
+        with open(f"{out}.{rank}", "w", encoding="utf-8") as f:
+            json.dump(result, f)
+    finally:
+        dist.destroy_process_group()

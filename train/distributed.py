@@ -156,6 +156,25 @@ def shard_fsdp2(*, model: nn.Module, mesh, param_dtype: torch.dtype) -> nn.Modul
     return model
 
 
+def full_state_fsdp2(model: nn.Module, *, keep: bool) -> dict[str, torch.Tensor]:
+    """The unsharded state of an FSDP2 module, on CPU (collective over its mesh: every rank
+    walks the same names in the same order). One tensor is gathered at a time and, on a
+    rank with ``keep=False``, dropped at once; torch's ``get_model_state_dict`` with
+    ``full_state_dict=True`` holds every gathered tensor on the device until the end (and
+    with ``cpu_offload`` keeps them on global rank 0 only, which may be a target rank)."""
+    from torch.distributed.tensor import DTensor
+
+    state: dict[str, torch.Tensor] = {}
+    for name, value in model.state_dict().items():
+        gathered = isinstance(value, DTensor)
+        full = value.full_tensor() if gathered else value
+        if keep:
+            # a gathered tensor is a fresh one (state_dict's are detached); the others are live
+            state[name] = full.cpu() if gathered else full.detach().cpu().clone()
+        del full
+    return state
+
+
 def clip_grad_norm(*, parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """Clip to ``max_norm`` and return the total (global) norm as a plain fp32 scalar.
 

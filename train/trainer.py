@@ -794,14 +794,7 @@ class Trainer:
             return {k: v.detach().cpu() if fresh else v.detach().cpu().clone() for k, v in state.items()}
 
         if self.train.strategy == "fsdp2":
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                get_model_state_dict,
-            )
-
-            # cpu_offload would keep the result on global rank 0 only, which may not train.
-            options = StateDictOptions(full_state_dict=True, cpu_offload=False)
-            return on_cpu(get_model_state_dict(self.model, options=options), fresh=True)
+            return D.full_state_fsdp2(self.model, keep=keep)
         if self.engine is not None:
             return self._deepspeed_full_state(on_cpu)
         return on_cpu(self.model.state_dict())

@@ -1,0 +1,25 @@
+"""FSDP2's full state for checkpoints and export: gathered one tensor at a time."""
+
+from __future__ import annotations
+
+import json
+
+from trainer_helpers import full_state_worker
+
+
+def test_the_full_state_is_gathered_one_tensor_at_a_time_and_kept_on_rank_zero_only(tmp_path):
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "result")
+    mp.spawn(full_state_worker, args=(2, f"file://{tmp_path / 'store'}", out), nprocs=2, join=True)
+    main = json.loads((tmp_path / "result.0").read_text())
+    other = json.loads((tmp_path / "result.1").read_text())
+    names = sorted(["0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias", "scale"])
+    # rank 0: every tensor, equal to the module before sharding, and a copy of it
+    assert main["keys"] == names and sorted(main["equal"]) == names
+    assert main["untouched"] and main["gathers"] == 6
+    # rank 1 joined the same gathers and kept nothing: never more than one gathered tensor alive
+    assert other["keys"] == [] and other["untouched"]
+    assert other["most_alive"] == 1
+    # rank 0 keeps them (on CPU here, the same tensors; on a GPU, copies while the device one goes)
+    assert main["most_alive"] == 6
