@@ -239,16 +239,15 @@ def trainer_estimate(cfg: RecipeConfig, with_emb: int, without_emb: int, *, meta
         # fp32 sharded masters, grads, Adam; gathered in the compute dtype (train/distributed.py
         # shard_fsdp2): each draft layer is its own unit, resharded after its forward and
         # gathered again for its backward, so two at once (the one computing and the next,
-        # prefetched); the root unit (fc, norms, Markov and confidence heads, the frozen embed
-        # and lm_head) is not resharded after forward, so it stays gathered from the first
-        # forward to the end of backward, beside the layers
+        # prefetched); the root unit (fc, norms, Markov and confidence heads) is not resharded
+        # after forward, so it stays gathered from the first forward to the end of backward,
+        # beside the layers; the frozen embed and lm_head are not sharded: whole on every rank
         layer, root = fsdp2_unit_parameters(cfg, shape, meta_draft=meta_draft)
         items = [
             ("trainable params (fp32, sharded)", trainable * 4 / shard),
             (f"gathered layers (compute dtype, 2 x {layer:,} params)", 2 * layer * low),
             (f"gathered root (compute dtype, {root:,} params: fc, norms, heads)", root * low),
-            ("frozen embed + lm_head (sharded)", frozen * 4 / shard),
-            ("gathered embed + lm_head", frozen * low),
+            ("frozen embed + lm_head (compute dtype, whole on every trainer)", frozen * low),
         ]
     elif train.strategy == "deepspeed":
         zero3 = train.zero_stage == 3
@@ -300,8 +299,8 @@ def trainer_estimate(cfg: RecipeConfig, with_emb: int, without_emb: int, *, meta
 def fsdp2_unit_parameters(cfg: RecipeConfig, shape, *, meta_draft=None) -> tuple[int, int]:
     """(one draft layer's parameters, the root unit's own trainable ones: fc, norms, Markov
     and confidence heads) of the recipe's draft (``meta_draft``, or built on the meta device when
-    None): the units ``fully_shard`` gathers under train.strategy fsdp2 (the root's frozen
-    embed and lm_head are counted apart)."""
+    None): the units ``fully_shard`` gathers under train.strategy fsdp2 (the frozen embed and
+    lm_head, which it leaves whole, are counted apart)."""
     from draftforge.train.config import build_dspark_config
 
     model = meta_draft if meta_draft is not None else _meta_draft(build_dspark_config(cfg.draft, shape))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from trainer_helpers import full_state_worker
+from trainer_helpers import fsdp2_layout_worker, full_state_worker
 
 
 def test_the_full_state_is_gathered_one_tensor_at_a_time_and_kept_on_rank_zero_only(tmp_path):
@@ -23,3 +23,23 @@ def test_the_full_state_is_gathered_one_tensor_at_a_time_and_kept_on_rank_zero_o
     assert other["most_alive"] == 1
     # rank 0 keeps them (on CPU here, the same tensors; on a GPU, copies while the device one goes)
     assert main["most_alive"] == 6
+
+
+def test_fsdp2_leaves_the_frozen_embedding_and_lm_head_whole_in_bf16(tmp_path):
+    """Sharded, they kept an fp32 shard on every rank and were all-gathered again at every
+    micro-batch's forward; they are frozen, so every rank now holds them whole, as bf16."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "result")
+    mp.spawn(fsdp2_layout_worker, args=(2, f"file://{tmp_path / 'store'}", out), nprocs=2, join=True)
+    for rank in range(2):
+        result = json.loads((tmp_path / f"result.{rank}").read_text())
+        layout = result["layout"]
+        frozen = {name for name, (_, _, trainable) in layout.items() if not trainable}
+        assert frozen == {"embed_tokens.weight", "lm_head.weight"}
+        assert all(layout[name][:2] == [False, "bfloat16"] for name in frozen), layout
+        assert result["frozen_equal"]  # the target's matrices, rounded once, on every rank
+        # the trainable weights are fp32 master shards
+        assert all(layout[name][:2] == [True, "float32"] for name in layout if name not in frozen), layout
+        assert result["full_dtypes"]["lm_head.weight"] == "bfloat16"
+        assert result["full_dtypes"]["fc.weight"] == "float32"

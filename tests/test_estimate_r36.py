@@ -60,7 +60,8 @@ def test_fsdp2_gathers_a_layer_at_a_time_and_holds_the_root(recipe, layer, root)
     items = _items(trainer_estimate(cfg, with_emb, without))
     assert items["gathered layers"] == 2 * layer * 2  # bf16
     assert items["gathered root"] == root * 2
-    assert items["gathered embed + lm_head"] == (with_emb - without) * 2
+    assert items["frozen embed + lm_head"] == (with_emb - without) * 2  # bf16, whole (r49)
+    assert "gathered embed + lm_head" not in items
     assert "gathered params" not in items
 
 

@@ -147,3 +147,34 @@ def full_state_worker(rank: int, world: int, init: str, out: str) -> None:
             json.dump(result, f)
     finally:
         dist.destroy_process_group()
+
+
+def fsdp2_layout_worker(rank: int, world: int, init: str, out: str) -> None:
+    """A rank of test_distributed_r49's layout test: a bf16 FSDP2 trainer's parameters (sharded
+    or whole, and their dtype) after one step, and its gathered full state."""
+    import json
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from draftforge.train.sample import pack
+    from draftforge.train.trainer import Trainer
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        run_dir = f"{out}.run"
+        trainer = Trainer(model_config=tiny_model_config(), embeddings=target_embeddings(), run_dir=run_dir,
+                          train=train_config(run_dir, strategy="fsdp2", dtype="bfloat16", steps=1),
+                          group=dist.group.WORLD)
+        trainer.fit(pack(chain_samples(8)[rank::world], 80)[:1])
+        layout = {name: [isinstance(p, DTensor), str(p.dtype).removeprefix("torch."), p.requires_grad]
+                  for name, p in trainer.model.named_parameters()}
+        embed, lm_head = target_embeddings()
+        frozen_equal = (torch.equal(trainer.model.embed_tokens.weight, embed.to(torch.bfloat16))
+                        and torch.equal(trainer.model.lm_head.weight, lm_head.to(torch.bfloat16)))
+        full = trainer.full_state_dict()
+        with open(f"{out}.{rank}", "w", encoding="utf-8") as f:
+            json.dump({"layout": layout, "frozen_equal": frozen_equal,
+                       "full_dtypes": {k: str(v.dtype).removeprefix("torch.") for k, v in full.items()}}, f)
+    finally:
+        dist.destroy_process_group()

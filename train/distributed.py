@@ -6,7 +6,7 @@ ranks, never global ranks. ``group=None`` means "no collectives": one process.
 
 Strategies: ``single`` (one process), ``fsdp2`` (``fully_shard`` per draft
 layer then the root; bf16 parameters, fp32 reduction, fp32 sharded master
-weights) and ``deepspeed`` (ZeRO-2 / ZeRO-3; fp32 gradient reduction and accumulation).
+weights; the frozen embedding and lm_head whole on every rank) and ``deepspeed`` (ZeRO-2 / ZeRO-3; fp32 gradient reduction and accumulation).
 
 Loss scaling: the model's loss on a rank is its local weighted sum divided by
 the weight sum over *all* ranks (``reduce_sum``), so the sum of the per-rank
@@ -137,22 +137,29 @@ def device_mesh(*, group, device_type: str):
 
 
 def shard_fsdp2(*, model: nn.Module, mesh, param_dtype: torch.dtype) -> nn.Module:
-    """``fully_shard`` each draft layer, then the root (fc, norms, heads, frozen embeddings).
+    """``fully_shard`` each draft layer, then the root (fc, norms, heads).
 
     Parameters are gathered in ``param_dtype``, gradients reduced in fp32; the
-    sharded master weights stay fp32. The root does not cast its forward inputs: FSDP2
-    would round every floating argument to ``param_dtype``, the trainer's fp32 loss
-    denominator too (up to 0.4 % on the loss and gradient in bf16); the draft casts
-    its features itself (``aux`` to ``fc``'s dtype, ``final`` to ``lm_head``'s).
+    sharded master weights stay fp32. The frozen parameters (the target's embedding
+    and lm_head) are left out (``ignored_params``): every rank holds them whole, as
+    the caller placed them (bf16 under bf16), where sharding them kept an fp32 shard
+    that was all-gathered again at every micro-batch's forward. The root does not
+    cast its forward inputs: FSDP2 would round every floating argument to
+    ``param_dtype``, the trainer's fp32 loss denominator too (up to 0.4 % on the loss
+    and gradient in bf16); the draft casts its features itself (``aux`` to ``fc``'s
+    dtype, ``final`` to ``lm_head``'s).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    def frozen(module: nn.Module) -> set[nn.Parameter] | None:
+        return {p for p in module.parameters() if not p.requires_grad} or None
+
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, ignored_params=frozen(layer))
     root_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
                                        cast_forward_inputs=False)
-    fully_shard(model, mesh=mesh, mp_policy=root_policy)
+    fully_shard(model, mesh=mesh, mp_policy=root_policy, ignored_params=frozen(model))
     return model
 
 

@@ -208,9 +208,9 @@ class Trainer:
                 print(f"[trainer] {message}", flush=True)
         self.num_trainable = count_parameters(model, with_embeddings=False)  # before sharding
         model.to(self.device)
-        if self.bf16 and train.strategy in ("single", "deepspeed"):
+        if self.bf16:
             # Frozen, so no fp32 master copy is needed: bf16 avoids casting the
-            # vocabulary-sized matrices on every autocast matmul.
+            # vocabulary-sized matrices on every autocast matmul (fsdp2 leaves them unsharded).
             model.embed_tokens.to(torch.bfloat16)
             model.lm_head.to(torch.bfloat16)
         if train.strategy == "fsdp2":
@@ -779,8 +779,8 @@ class Trainer:
 
     def full_state_dict(self, *, every_rank: bool = True) -> dict[str, torch.Tensor]:
         """The full (unsharded) model state on CPU (collective): the trainable weights are the
-        fp32 masters under every strategy; the frozen embedding and lm_head are bf16 under bf16
-        single and deepspeed (they have no master), fp32 under fsdp2.
+        fp32 masters under every strategy; the frozen embedding and lm_head are in the training
+        dtype (bf16 under bf16: they have no master).
 
         Every trainer rank gets it, or with ``every_rank=False`` trainer rank 0 only (the
         others join the gather and return ``{}``: no full CPU copy on ranks that discard it).
