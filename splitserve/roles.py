@@ -429,10 +429,11 @@ def run_rank(cfg: RecipeConfig, *, mode: str = "train", bench: dict | None = Non
         _say_how_to_resume(ctx, bench)
         sys.stdout.flush()
         os._exit(EXIT_PEER_DIED)
-    except KeyboardInterrupt:  # Ctrl-C: the launcher says how to continue; no traceback per rank
-        ctx.log("interrupted")
+    except KeyboardInterrupt as stop:  # the launcher says how to continue; no traceback per rank
+        terminated = isinstance(stop, Terminated)
+        ctx.log("stopped on SIGTERM" if terminated else "interrupted")
         sys.stdout.flush()
-        os._exit(130)
+        os._exit(128 + (signal.SIGTERM if terminated else signal.SIGINT))
     except RuntimeError as exc:
         if ctx.role == "trainer" and D.lost_peer(exc):  # a trainer-group collective lost a rank
             ctx.log(f"stopping: {T.PeerDied(-1, 'trainer', _trainer_group_doing(ctx), exc)}")
@@ -568,23 +569,37 @@ def _rotation_start(sources: list[int], info) -> int:
     return len(info.consumed_ids) % len(sources)  # a checkpoint without it: strict rotation
 
 
-def interrupt_once() -> None:
-    """Make the first SIGINT a KeyboardInterrupt and ignore the ones after it.
+class Terminated(KeyboardInterrupt):
+    """SIGTERM to a rank (the launcher stopping the job after a failure or a second Ctrl-C,
+    torchrun, a scheduler's stop): unwound as Ctrl-C is, so that a target rank's ``finally``
+    closes its SGLang instances (killed by the default action, their children were left to
+    SGLang's own handlers and the feature runner's shared memory behind)."""
 
-    A rank often gets two: a group-wide SIGINT (``kill -INT -PGID``, a scheduler) reaches
+
+def interrupt_once() -> None:
+    """Make the first SIGINT a KeyboardInterrupt and the first SIGTERM a :class:`Terminated`;
+    after either, SIGINT is ignored and SIGTERM kills at once (its default action).
+
+    A rank often gets two SIGINTs: a group-wide one (``kill -INT -PGID``, a scheduler) reaches
     it directly and again through the launcher, which cannot tell it from one sent to itself
     alone. A second KeyboardInterrupt landing in the first one's handler printed a traceback
-    instead of 'interrupted'. No-op outside the main thread, where signals cannot be handled.
+    instead of 'interrupted'. Whoever sent the first signal follows with SIGTERM and SIGKILL
+    (the launcher, torchrun, a scheduler), and the launcher's death SIGKILLs its ranks
+    (:func:`~draftforge.splitserve.supervisor.die_with`): a rank held in a collective, which
+    handles no signal until the collective returns, never outlives its job.
+    No-op outside the main thread, where signals cannot be handled.
     """
     from draftforge.signals import outside_finalizers
 
     @outside_finalizers  # raised in a __del__, the interrupt would be printed and lost
-    def first(_signum, _frame):
+    def first(signum, _frame):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        raise KeyboardInterrupt
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
 
     try:
         signal.signal(signal.SIGINT, first)
+        signal.signal(signal.SIGTERM, first)
     except ValueError:
         pass
 

@@ -207,10 +207,12 @@ def describe_status(code: int) -> str:
     return f"exit status {code}"
 
 
-def die_with(launcher_pid: int):
-    """A ``preexec_fn`` (Linux) that has the kernel SIGTERM the rank when the launcher dies,
-    even by SIGKILL or an out-of-memory kill, so no rank outlives its job holding memory and
-    ports. ``None`` elsewhere (no such kernel feature)."""
+def die_with(launcher_pid: int, signum: int = signal.SIGTERM):
+    """A ``preexec_fn`` (Linux) that has the kernel send the child ``signum`` when the launcher
+    dies, even by SIGKILL or an out-of-memory kill, so no child outlives its job holding memory
+    and ports. SIGTERM for a child that stops what it started on it (torchrun, an answer
+    worker); SIGKILL for a rank, which unwinds on SIGTERM and can be held up in a collective
+    with no launcher left to follow up. ``None`` elsewhere (no such kernel feature)."""
     if not sys.platform.startswith("linux"):
         return None
     import ctypes
@@ -218,10 +220,10 @@ def die_with(launcher_pid: int):
     # Resolved here, in the launcher: the hook runs in the child between fork and exec, where
     # an import could wait forever on a lock that another launcher thread held at the fork.
     prctl = ctypes.CDLL(None, use_errno=True).prctl
-    pr_set_pdeathsig, sigterm, getppid, exit_now = 1, int(signal.SIGTERM), os.getppid, os._exit
+    pr_set_pdeathsig, death_signal, getppid, exit_now = 1, int(signum), os.getppid, os._exit
 
     def set_parent_death_signal() -> None:
-        prctl(pr_set_pdeathsig, sigterm)
+        prctl(pr_set_pdeathsig, death_signal)
         if getppid() != launcher_pid:  # the launcher died before the call
             exit_now(1)
 
@@ -265,7 +267,8 @@ def run_ranks(
             for rank in range(nproc):
                 procs.append(subprocess.Popen(list(command), env=rank_env(base, rank=rank, world=nproc,
                                                                          host=host, port=port),
-                                              preexec_fn=die_with(os.getpid())))
+                                              # a rank unwinds on SIGTERM: see die_with
+                                              preexec_fn=die_with(os.getpid(), signal.SIGKILL)))
             failures: dict[int, int] = {}  # rank -> status, in the order they were seen
             seen_at: dict[int, float] = {}
             deadline = None

@@ -1,0 +1,167 @@
+"""Review round 49: SIGTERM unwinds a rank as Ctrl-C does (a target rank closes its SGLang
+instances), and the launcher's death still takes every rank with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+from splitserve_helpers import tiny_recipe
+
+from draftforge.config import load_recipe
+from draftforge.splitserve import roles
+
+ENV = dict(os.environ, PYTHONUNBUFFERED="1")
+
+
+def test_the_first_sigterm_unwinds_a_rank_and_a_second_kills_it():
+    script = (
+        "import os, signal, time\n"
+        "from draftforge.splitserve.roles import Terminated, interrupt_once\n"
+        "interrupt_once()\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(30)\n"
+        "    print('not stopped', flush=True)\n"
+        "except Terminated:\n"
+        "    print('unwound', flush=True)\n"
+        "    assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(30)\n"
+        "    print('survived a second SIGTERM', flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout == "unwound\n", done.stdout + done.stderr
+    assert done.returncode == -signal.SIGTERM
+
+
+def test_a_sigterm_after_ctrl_c_kills_at_once():
+    """The launcher's SIGTERM comes 5 s after the Ctrl-C it passed on: a rank still unwinding
+    from the Ctrl-C is killed by it, as before."""
+    script = (
+        "import os, signal, time\n"
+        "from draftforge.splitserve.roles import interrupt_once\n"
+        "interrupt_once()\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(30)\n"
+        "except KeyboardInterrupt as stop:\n"
+        "    print(type(stop).__name__, flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(30)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout == "KeyboardInterrupt\n", done.stdout + done.stderr
+    assert done.returncode == -signal.SIGTERM
+
+
+@pytest.mark.parametrize("role", ["target", "trainer"])
+def test_a_rank_stopped_by_sigterm_says_so_and_exits_with_143(tmp_path, monkeypatch, capsys, role):
+    cfg = load_recipe(tiny_recipe(tmp_path))
+    monkeypatch.setenv("RANK", "0" if role == "target" else "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(roles, "interrupt_once", lambda: None)
+    lines: list[str] = []
+    monkeypatch.setattr(roles, "RankContext", lambda cfg, rank, world, mode="train": types.SimpleNamespace(
+        cfg=cfg, rank=rank, world=world, role=role, log=lines.append))
+
+    def stopped(ctx, bench):
+        raise roles.Terminated
+
+    class Exited(Exception):
+        pass
+
+    def exit_now(code):
+        raise Exited(code)
+
+    monkeypatch.setattr(roles, f"_run_{role}", stopped)
+    monkeypatch.setattr(roles.os, "_exit", exit_now)
+    with pytest.raises(Exited) as info:
+        roles.run_rank(cfg)
+    assert info.value.args == (143,)
+    assert lines == ["stopped on SIGTERM"]
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_target_rank_closes_its_engine_when_sigterm_unwinds_it(monkeypatch):
+    """_run_target closes the engine on any exception that leaves it: Terminated is one."""
+    closed: list[str] = []
+    engine = types.SimpleNamespace(close=lambda: closed.append("closed"))
+    ctx = types.SimpleNamespace(rank=0, topology=types.SimpleNamespace(producers=[0]), log=print)
+    monkeypatch.setattr(roles, "build_engine", lambda ctx: engine)
+    monkeypatch.setattr(roles.T, "Pulse", lambda **kwargs: types.SimpleNamespace(expect=lambda dests: None))
+    monkeypatch.setattr(roles.T, "AckListener", lambda *args, **kwargs: None)
+    ctx.cfg = types.SimpleNamespace(split=types.SimpleNamespace(peer_timeout_s=60.0))
+    ctx.data_group = ctx.ack_group = ctx.device = None
+    ctx.topology.dests = lambda rank: [1]
+
+    import draftforge.splitserve.producer as producer
+
+    monkeypatch.setattr(producer, "embedding_dests", lambda topology, rank: [1])
+
+    def sending(*args, **kwargs):
+        raise roles.Terminated
+
+    monkeypatch.setattr(producer, "send_embeddings", sending)
+    with pytest.raises(roles.Terminated):
+        roles._run_target(ctx, None)
+    assert closed == ["closed"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")
+def test_a_rank_held_up_unwinding_does_not_outlive_a_killed_launcher(tmp_path):
+    """A rank unwinds on SIGTERM, and one held in a collective handles it only when the
+    collective returns: the launcher's death SIGKILLs its ranks, so none outlives it."""
+    pid_file = tmp_path / "rank.pid"
+    rank = (
+        "import os, time\n"
+        "from draftforge.splitserve.roles import interrupt_once\n"
+        "interrupt_once()\n"
+        f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+        "try:\n"
+        "    time.sleep(120)\n"
+        "except KeyboardInterrupt:\n"
+        "    time.sleep(120)  # unwinding held up, as in a collective waiting for a peer\n"
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys; from draftforge.splitserve.supervisor import run_ranks; "
+         f"sys.exit(run_ranks([sys.executable, '-c', {rank!r}], nproc=1))"],
+        env=ENV,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert time.monotonic() < deadline, "the rank never started"
+            time.sleep(0.1)
+        rank_pid = int(pid_file.read_text())
+        launcher.kill()
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while Path(f"/proc/{rank_pid}").exists() and _state(rank_pid) != "Z":
+            assert time.monotonic() < deadline, "the rank outlived its launcher"
+            time.sleep(0.1)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        if pid_file.exists() and pid_file.read_text():
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
