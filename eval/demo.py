@@ -219,7 +219,8 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
                                 load_recipe(recipe, dspark_overrides(base, paths, other_init)[0]).to_yaml())}
     checkpoints: dict[str, Path] = {}
     if args.skip_train:  # checked before --force deletes anything: it keeps these runs
-        checkpoints = runs_as_they_are(trainings, answers_digest(paths), other_options)
+        checkpoints = runs_as_they_are(trainings, answers_digest(paths, cfg), other_options,
+                                       regenerated=paths.data_file is not None)
 
     if args.force:
         keep = [Path(recipe), Path.cwd()]
@@ -256,7 +257,7 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
         stages.done(since)
 
     # 2-3. the two trainings
-    answers = answers_digest(paths)
+    answers, regenerated = answers_digest(paths, cfg), paths.data_file is not None
     for what, run_dir, run_cfg, overrides in trainings:
         title = f"train the {what} draft ({run_cfg.train.steps} steps) into {run_dir}" + (
             " -- the ablation: no Markov or confidence head, cross-entropy only"
@@ -273,11 +274,11 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
             continue
         done = final_checkpoint(run_dir, run_cfg.train.steps)
         if done is not None:
-            check_trained_on(run_dir, answers, what)
+            check_trained_on(run_dir, answers, what, regenerated=regenerated)
             stages.skip(f"finished: {done}")
         else:
             if answers is not None:  # before it starts: a resumed training must not switch files
-                stamp_answers(run_dir, answers, what)
+                stamp_answers(run_dir, answers, what, regenerated=regenerated)
             run_stage(f"train {what}", ["train", recipe, *overrides])
             done = final_checkpoint(run_dir, run_cfg.train.steps)
             if done is None:

@@ -159,29 +159,34 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def stamp_answers(run_dir: Path, answers: str, what: str) -> None:
+def stamp_answers(run_dir: Path, answers: str, what: str, *, regenerated: bool = True) -> None:
     """Record the answers a training is about to train on; a run that already has
     checkpoints must have trained on these (a resume), one without any may start afresh."""
     from draftforge.train.checkpoint import complete_checkpoints
 
     if complete_checkpoints(run_dir):
-        check_trained_on(run_dir, answers, what)
+        check_trained_on(run_dir, answers, what, regenerated=regenerated)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / ANSWERS_STAMP, json.dumps({"sha256": answers}))
 
 
-def check_trained_on(run_dir: Path, answers: str | None, what: str, *, skip_train: bool = False) -> None:
-    """Refuse a run trained (or being trained) on other answers than the file holds now: the
-    file was regenerated since (another machine's threads give other answers in bf16). Runs
-    from before the record are not checked."""
+def check_trained_on(run_dir: Path, answers: str | None, what: str, *, skip_train: bool = False,
+                     regenerated: bool = True) -> None:
+    """Refuse a run trained (or being trained) on other answers than the training data holds
+    now: the regenerated file written again since (another machine's threads give other
+    answers in bf16), or with ``regenerated=False`` data.train_files edited since. Runs from
+    before the record are not checked."""
     try:
         recorded = json.loads((run_dir / ANSWERS_STAMP).read_text()).get("sha256")
     except (OSError, json.JSONDecodeError, AttributeError):
         return
     if answers is not None and recorded != answers:
         raise DemoError(
-            f"{run_dir}: the {what} draft was trained on other answers than the regenerated file "
-            "holds now (it was written again since); "
+            f"{run_dir}: the {what} draft was trained on "
+            + ("other answers than the regenerated file holds now (it was written again since); "
+               if regenerated else
+               "other conversations than data.train_files hold now (a file was edited or the list "
+               "changed since); ")
             + ("--skip-train uses the runs as they are: drop --skip-train and pass --force to "
                "train on these answers" if skip_train else
                "rerun the demo with --force to train on these answers"),
@@ -303,13 +308,28 @@ def check_answers_file(cfg) -> None:
         raise DemoError(f"{err}\n(or rerun the demo with --force to start over)", exit_status=2) from None
 
 
-def answers_digest(paths: DemoPaths) -> str | None:
-    """The digest of the regenerated answers the trainings read, None while there are none."""
-    return _digest(paths.data_file) if paths.data_file is not None and paths.data_file.is_file() else None
+def answers_digest(paths: DemoPaths, cfg) -> str | None:
+    """The digest of what the trainings read: the regenerated answers, or where the recipe
+    does not regenerate, its data.train_files in their order; None while a file is missing
+    (the training then says which)."""
+    import hashlib
+
+    if paths.data_file is not None:
+        return _digest(paths.data_file) if paths.data_file.is_file() else None
+    from draftforge.data.loading import DataFormatError, resolve_data_path
+
+    parts = []
+    for spec in cfg.data.train_files:
+        try:
+            parts.append(f"{spec}\0{_digest(resolve_data_path(spec))}")
+        except (DataFormatError, OSError):
+            return None
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 def runs_as_they_are(trainings: Sequence[tuple], answers: str | None,
-                     other_options: dict[str, tuple[str, str]]) -> dict[str, Path]:
+                     other_options: dict[str, tuple[str, str]], *,
+                     regenerated: bool = True) -> dict[str, Path]:
     """--skip-train: each run's checkpoint to evaluate (its final one, else its newest),
     refusing runs of another recipe or answers, or without a checkpoint."""
     from draftforge.train.checkpoint import complete_checkpoints
@@ -317,7 +337,7 @@ def runs_as_they_are(trainings: Sequence[tuple], answers: str | None,
     checkpoints = {}
     for what, run_dir, run_cfg, _ in trainings:
         check_same_recipe(run_dir, run_cfg.to_yaml(), what, skip_train=True, other_option=other_options.get(what))
-        check_trained_on(run_dir, answers, what, skip_train=True)
+        check_trained_on(run_dir, answers, what, skip_train=True, regenerated=regenerated)
         done = final_checkpoint(run_dir, run_cfg.train.steps)
         if done is None:
             found = complete_checkpoints(run_dir)
