@@ -171,11 +171,15 @@ def _check_output_dir_writable(cfg) -> None:
             "folder this machine can write for the run") from None
 
 
+def _node_ranks(layout, node_rank: int | None) -> range:
+    """The ranks this machine (node ``node_rank``, 0 on one node) runs."""
+    node = node_rank or 0
+    return range(node * layout.nproc_per_node, (node + 1) * layout.nproc_per_node)
+
+
 def _runs_trainers(cfg, layout, node_rank: int | None) -> bool:
     """Whether this machine (node ``node_rank``, 0 on one node) runs a trainer rank."""
-    node = node_rank or 0
-    ranks = range(node * layout.nproc_per_node, (node + 1) * layout.nproc_per_node)
-    return any(rank in cfg.split.trainer_ranks for rank in ranks)
+    return any(rank in cfg.split.trainer_ranks for rank in _node_ranks(layout, node_rank))
 
 
 def _check_trainer_node(cfg, layout, node_rank: int | None) -> None:
@@ -283,7 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{layout.nproc_per_node}, drop --nproc or change the split (e.g. split.world_size=N)"
         ])
     # A dry run plans the job for the machine the recipe names: its GPUs need not be here.
-    check_split(cfg, cuda_devices=planned_gpus(cfg) if args.dry_run else None)
+    check_split(cfg, cuda_devices=planned_gpus(cfg) if args.dry_run else None,
+                ranks=None if args.dry_run else _node_ranks(layout, args.node_rank))
     restarts = args.max_restarts
     if restarts is None:
         restarts = DEFAULT_RESTARTS if cfg.split.restart_target else 0

@@ -27,7 +27,7 @@ import sys
 import time
 import traceback
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -96,17 +96,22 @@ def recipe_split_problems(cfg: RecipeConfig) -> list[str]:
 
 
 def split_problems(
-    cfg: RecipeConfig, *, world_size: int | None = None, cuda_devices: int | None = None
+    cfg: RecipeConfig, *, world_size: int | None = None, cuda_devices: int | None = None,
+    ranks: Iterable[int] | None = None,
 ) -> list[str]:
     """What stops this recipe's split from running, beyond what ``load_recipe`` checks: those
     of :func:`recipe_split_problems` and those of this machine.
 
     ``world_size``: the process count actually started (torchrun's); ``cuda_devices``:
-    the GPUs visible (default: ask torch).
+    the GPUs visible (default: ask torch); ``ranks``: the ranks this machine runs (default:
+    all), so that under split.comm_backend gloo a node of target ranks alone (which run on
+    the CPU) is not refused for what only a trainer needs (a GPU for train.device cuda). Under
+    auto it still is: that node would pick gloo where the trainers' nodes pick NCCL.
     """
     split, train = cfg.split, cfg.train
     problems = recipe_split_problems(cfg)
     trainers = split.trainer_ranks or []
+    trains_here = ranks is None or split.comm_backend != "gloo" or bool(set(ranks) & set(trainers))
     if world_size is not None and world_size != split.world_size:
         problems.append(
             f"split.world_size: the recipe's split has {split.world_size} ranks "
@@ -130,12 +135,12 @@ def split_problems(
             "split: comm_backend nccl / target_devices / trainer_devices need CUDA GPUs and none "
             "is visible; remove them to run on CPU (gloo)"
         )
-    if train.device == "cuda" and cuda_devices == 0:
+    if train.device == "cuda" and cuda_devices == 0 and trains_here:
         problems.append(
             "train.device: cuda, but no CUDA GPU is visible on this machine; use train.device=cpu "
             "(or auto, which takes a GPU when there is one)"
         )
-    if cfg.draft.attention_backend == "flex" and train.device == "auto" and cuda_devices == 0:
+    if cfg.draft.attention_backend == "flex" and train.device == "auto" and cuda_devices == 0 and trains_here:
         # the recipe check refuses flex with train.device cpu; auto resolves to the CPU here,
         # and the trainer's first step would fail after the target had loaded and answered
         problems.append(
@@ -406,7 +411,7 @@ def run_rank(cfg: RecipeConfig, *, mode: str = "train", bench: dict | None = Non
             "no RANK and WORLD_SIZE in the environment: draftforge.train runs one rank of a split "
             f"job; start it with 'draftforge train RECIPE' or '{command}'{where}"
         )
-    check_split(cfg, world_size=world)
+    check_split(cfg, world_size=world, ranks=[rank])
     check_local_world(cfg, os.environ.get("LOCAL_WORLD_SIZE"))
     interrupt_once()
     ctx = RankContext(cfg, rank, world, mode=mode)

@@ -165,3 +165,18 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+@pytest.mark.parametrize("backend, ranks, refused", [
+    ("gloo", [0], False),  # node 0 runs the target rank alone: it runs on the CPU
+    ("gloo", [1], True),   # node 1 runs the trainer, which needs the GPU train.device names
+    ("gloo", None, True),  # every rank (one node, or a dry run's plan)
+    ("auto", [0], True),   # auto picks gloo here and NCCL on a node with GPUs: still refused
+])
+def test_a_cpu_node_of_target_ranks_alone_is_not_refused_for_the_trainers_gpu(tmp_path, backend, ranks, refused):
+    cfg = load_recipe(tiny_recipe(tmp_path, overrides={
+        "split.num_nodes": 2, "split.comm_backend": backend, "train.device": "cuda"}))
+    assert (cfg.split.world_size, cfg.split.target_ranks, cfg.split.trainer_ranks) == (2, [0], [1])
+    problems = roles.split_problems(cfg, cuda_devices=0, ranks=ranks)
+    named = [p for p in problems if p.startswith("train.device: cuda, but no CUDA GPU")]
+    assert bool(named) == refused, problems
