@@ -503,7 +503,9 @@ def run_torchrun(command: Sequence[str], *, env: Mapping[str, str], nproc: int |
     ranks: dict[int, str] = {}  # torchrun's ranks seen so far: pid -> start time
 
     def lost_a_rank() -> bool:
-        return nproc is not None and bool(procs) and 0 < len(children(procs[0].pid, living=True)) < nproc
+        # a rank seen running has ended (fewer living than nproc is no sign: while the job
+        # starts, torchrun has not started them all yet, and a Ctrl-C then must stop it gently)
+        return nproc is not None and any(_started(pid) != started for pid, started in ranks.items())
 
     with SignalForwarder(procs, kill_children=True, failed=lost_a_rank) as forward:
         try:
