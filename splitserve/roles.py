@@ -435,10 +435,12 @@ def run_rank(cfg: RecipeConfig, *, mode: str = "train", bench: dict | None = Non
         sys.stdout.flush()
         os._exit(EXIT_PEER_DIED)
     except KeyboardInterrupt as stop:  # the launcher says how to continue; no traceback per rank
-        terminated = isinstance(stop, Terminated)
-        ctx.log("stopped on SIGTERM" if terminated else "interrupted")
+        if isinstance(stop, Terminated):
+            ctx.log("stopped on SIGTERM")
+            die_of_sigterm()
+        ctx.log("interrupted")
         sys.stdout.flush()
-        os._exit(128 + (signal.SIGTERM if terminated else signal.SIGINT))
+        os._exit(130)
     except RuntimeError as exc:
         if ctx.role == "trainer" and D.lost_peer(exc):  # a trainer-group collective lost a rank
             ctx.log(f"stopping: {T.PeerDied(-1, 'trainer', _trainer_group_doing(ctx), exc)}")
@@ -575,10 +577,22 @@ def _rotation_start(sources: list[int], info) -> int:
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM to a rank (the launcher stopping the job after a failure or a second Ctrl-C,
+    """SIGTERM to a rank (the launcher stopping the job after a failure or after Ctrl-C,
     torchrun, a scheduler's stop): unwound as Ctrl-C is, so that a target rank's ``finally``
-    closes its SGLang instances (killed by the default action, their children were left to
-    SGLang's own handlers and the feature runner's shared memory behind)."""
+    closes its target, then ended by SIGTERM (:func:`die_of_sigterm`). An SGLang engine
+    that has served a request has replaced the handler with its own graceful exit (a flag
+    its event loop acts on by ending its process tree), so there it does not run."""
+
+
+def die_of_sigterm() -> None:
+    """End the process by SIGTERM's default action, once a :class:`Terminated` has unwound it:
+    its status says it was killed by SIGTERM, as before the rank handled it (the launcher
+    takes a rank killed by a signal for a failure's cause before those that exited)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+    os._exit(128 + signal.SIGTERM)  # not reached where the signal is delivered
 
 
 def interrupt_once() -> None:

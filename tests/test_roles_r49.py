@@ -64,7 +64,7 @@ def test_a_sigterm_after_ctrl_c_kills_at_once():
 
 
 @pytest.mark.parametrize("role", ["target", "trainer"])
-def test_a_rank_stopped_by_sigterm_says_so_and_exits_with_143(tmp_path, monkeypatch, capsys, role):
+def test_a_rank_stopped_by_sigterm_says_so_and_dies_of_it(tmp_path, monkeypatch, capsys, role):
     cfg = load_recipe(tiny_recipe(tmp_path))
     monkeypatch.setenv("RANK", "0" if role == "target" else "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -77,44 +77,50 @@ def test_a_rank_stopped_by_sigterm_says_so_and_exits_with_143(tmp_path, monkeypa
     def stopped(ctx, bench):
         raise roles.Terminated
 
-    class Exited(Exception):
+    class Died(Exception):
         pass
 
-    def exit_now(code):
-        raise Exited(code)
+    def die():
+        raise Died
 
     monkeypatch.setattr(roles, f"_run_{role}", stopped)
-    monkeypatch.setattr(roles.os, "_exit", exit_now)
-    with pytest.raises(Exited) as info:
+    monkeypatch.setattr(roles, "die_of_sigterm", die)
+    with pytest.raises(Died):
         roles.run_rank(cfg)
-    assert info.value.args == (143,)
     assert lines == ["stopped on SIGTERM"]
     assert "Traceback" not in capsys.readouterr().err
 
 
-def test_a_target_rank_closes_its_engine_when_sigterm_unwinds_it(monkeypatch):
-    """_run_target closes the engine on any exception that leaves it: Terminated is one."""
-    closed: list[str] = []
-    engine = types.SimpleNamespace(close=lambda: closed.append("closed"))
-    ctx = types.SimpleNamespace(rank=0, topology=types.SimpleNamespace(producers=[0]), log=print)
-    monkeypatch.setattr(roles, "build_engine", lambda ctx: engine)
-    monkeypatch.setattr(roles.T, "Pulse", lambda **kwargs: types.SimpleNamespace(expect=lambda dests: None))
-    monkeypatch.setattr(roles.T, "AckListener", lambda *args, **kwargs: None)
-    ctx.cfg = types.SimpleNamespace(split=types.SimpleNamespace(peer_timeout_s=60.0))
-    ctx.data_group = ctx.ack_group = ctx.device = None
-    ctx.topology.dests = lambda rank: [1]
-
-    import draftforge.splitserve.producer as producer
-
-    monkeypatch.setattr(producer, "embedding_dests", lambda topology, rank: [1])
-
-    def sending(*args, **kwargs):
-        raise roles.Terminated
-
-    monkeypatch.setattr(producer, "send_embeddings", sending)
-    with pytest.raises(roles.Terminated):
-        roles._run_target(ctx, None)
-    assert closed == ["closed"]
+@pytest.mark.parametrize("where", ["run_rank", "starting"])
+def test_after_unwinding_the_rank_is_killed_by_sigterm_so_the_launcher_sees_a_signal(where):
+    """Exiting 143 would read as an exit status, and the launcher takes a rank killed by a
+    signal for a failure's cause before those that exited. While the rank starts (before
+    run_rank's own handler), train/__main__ says the same."""
+    if where == "run_rank":
+        body = ("from draftforge.splitserve.roles import Terminated, die_of_sigterm, interrupt_once\n"
+                "interrupt_once()\n"
+                "try:\n"
+                "    os.kill(os.getpid(), signal.SIGTERM)\n"
+                "    time.sleep(30)\n"
+                "except Terminated:\n"
+                "    print('unwound', flush=True)\n"
+                "    die_of_sigterm()\n")
+    else:
+        body = ("from draftforge.splitserve import roles\n"
+                "from draftforge.train import __main__ as rank_main\n"
+                "def starting(args):\n"
+                "    roles.interrupt_once()\n"
+                "    os.kill(os.getpid(), signal.SIGTERM)\n"
+                "    time.sleep(30)\n"
+                "rank_main._run = starting\n"
+                "rank_main.main(['recipe.yaml'])\n")
+    done = subprocess.run([sys.executable, "-c", "import os, signal, time\n" + body],
+                          env=dict(ENV, RANK="3"), capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGTERM, done.stdout + done.stderr
+    if where == "starting":
+        assert done.stderr.strip().endswith("[rank 3] stopped on SIGTERM"), done.stderr
+    else:
+        assert done.stdout == "unwound\n"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")

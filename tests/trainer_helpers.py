@@ -141,7 +141,6 @@ def full_state_worker(rank: int, world: int, init: str, out: str) -> None:
             "equal": equal,
             "untouched": all(torch.equal(again[name], unsharded[name]) for name in unsharded),
             "most_alive": most,
-            "gathers": len(unsharded) - 1,
         }
         with open(f"{out}.{rank}", "w", encoding="utf-8") as f:
             json.dump(result, f)

@@ -27,10 +27,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
     try:
         return _run(args)
-    except KeyboardInterrupt:
-        # Ctrl-C while the rank starts (importing torch, loading the recipe, waiting for its
-        # peers): one line, as run_rank says once started, not a traceback from every rank
-        print(f"[rank {os.environ.get('RANK', '?')}] interrupted", file=sys.stderr, flush=True)
+    except KeyboardInterrupt as stop:
+        # Ctrl-C (or SIGTERM, once run_rank handles it) while the rank starts (loading the
+        # recipe, waiting for its peers): one line, as run_rank says once started, not a
+        # traceback from every rank
+        from draftforge.splitserve.roles import Terminated, die_of_sigterm
+
+        terminated = isinstance(stop, Terminated)
+        print(f"[rank {os.environ.get('RANK', '?')}] {'stopped on SIGTERM' if terminated else 'interrupted'}",
+              file=sys.stderr, flush=True)
+        if terminated:
+            die_of_sigterm()
         return 130
 
 
