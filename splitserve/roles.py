@@ -580,8 +580,9 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM to a rank (the launcher stopping the job after a failure or after Ctrl-C,
     torchrun, a scheduler's stop): unwound as Ctrl-C is, so that a target rank's ``finally``
     closes its target, then ended by SIGTERM (:func:`die_of_sigterm`). An SGLang engine
-    that has served a request has replaced the handler with its own graceful exit (a flag
-    its event loop acts on by ending its process tree), so there it does not run."""
+    installs a SIGTERM handler of its own at its first request; the SGLang backend puts
+    this one back after each generation call
+    (:func:`~draftforge.splitserve.sglang_backend.sigterm_kept`)."""
 
 
 def die_of_sigterm() -> None:

@@ -501,6 +501,31 @@ TORCHRUN_STORE_VARIABLE = "TORCHELASTIC_USE_AGENT_STORE"
 
 
 @contextlib.contextmanager
+def sigterm_kept() -> Iterator[None]:
+    """SIGTERM's handler as it was before the block, put back after it where the engine
+    replaced it: SGLang's first request installs, in the main thread, an event-loop handler
+    whose graceful exit ends the process tree by SIGKILL once the loop next runs. A rank's
+    own handler (:func:`~draftforge.splitserve.roles.interrupt_once`) unwinds instead, closing
+    the feature runner before the engine (:meth:`SGLangTarget.close`)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if before is not None and signal.getsignal(signal.SIGTERM) is not before:
+            import asyncio
+
+            with contextlib.suppress(Exception):  # the loop forgets it (no graceful exit later)
+                asyncio.get_event_loop_policy().get_event_loop().remove_signal_handler(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, before)
+
+
+@contextlib.contextmanager
 def without_torchrun_store() -> Iterator[None]:
     """Starts processes (SGLang's ranks) that build their own ``torch.distributed`` world
     without torchrun's agent-store variable, restoring it afterwards."""
@@ -657,7 +682,9 @@ class SGLangTarget:
         if note is not None and note not in self._noted:
             self._noted.add(note)
             print(f"draftforge: note: {note}", file=sys.stderr, flush=True)
-        outputs = self._generation_engine().generate(input_ids=prompts, sampling_params=params)
+        engine = self._generation_engine()
+        with sigterm_kept():
+            outputs = engine.generate(input_ids=prompts, sampling_params=params)
         replies = []
         for output in outputs:
             ids, finished = reply_ids(output, eos)

@@ -186,3 +186,32 @@ def test_a_cpu_node_of_target_ranks_alone_is_not_refused_for_the_trainers_gpu(tm
     problems = roles.split_problems(cfg, cuda_devices=0, ranks=ranks)
     named = [p for p in problems if p.startswith("train.device: cuda, but no CUDA GPU")]
     assert bool(named) == refused, problems
+
+
+def test_the_sglang_backend_takes_sigterm_back_from_its_engine():
+    """SGLang's first request installs, in the main thread, an event-loop SIGTERM handler (a
+    graceful exit that later SIGKILLs the process tree); the rank's own handler, which closes
+    the feature runner and the engine in order, is put back after each generate call.
+    In a child process: the handlers of the test process stay as they are."""
+    script = (
+        "import asyncio, signal\n"
+        "from draftforge.splitserve.sglang_backend import sigterm_kept\n"
+        "from draftforge.splitserve.roles import Terminated, interrupt_once\n"
+        "interrupt_once()\n"
+        "ours = signal.getsignal(signal.SIGTERM)\n"
+        "loop = asyncio.new_event_loop()\n"
+        "asyncio.set_event_loop(loop)\n"
+        "graceful = []\n"
+        "with sigterm_kept():\n"
+        "    loop.add_signal_handler(signal.SIGTERM, lambda: graceful.append(1))  # as SGLang does\n"
+        "    assert signal.getsignal(signal.SIGTERM) is not ours\n"
+        "assert signal.getsignal(signal.SIGTERM) is ours\n"
+        "assert signal.SIGTERM not in loop._signal_handlers\n"
+        "try:\n"
+        "    signal.raise_signal(signal.SIGTERM)\n"
+        "except Terminated:\n"
+        "    loop.run_until_complete(asyncio.sleep(0.05))  # the loop no longer acts on it\n"
+        "    print('unwound', graceful, flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=120)
+    assert done.stdout == "unwound []\n", done.stdout + done.stderr
