@@ -432,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from draftforge.splitserve.launch import launch_env
     from draftforge.splitserve.multinode import rank_command, shown
     from draftforge.splitserve.roles import check_split
-    from draftforge.splitserve.supervisor import run_ranks
+    from draftforge.splitserve.supervisor import run_ranks, term_seconds
 
     with tempfile.TemporaryDirectory(prefix="draftforge-bench-split-") as tmp:
         mine = ("train.output_dir=", "train.resume=")  # the benchmark's own, in a scratch folder
@@ -446,7 +446,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         env = dict(launch_env(), **{RESULT_ENV: str(out)})
         print(f"draftforge bench split: {cfg.split.world_size} ranks of {shown(command)}",
               file=sys.stderr, flush=True)
-        status = run_ranks(command, nproc=cfg.split.world_size, env=env, prefix="draftforge bench split")
+        status = run_ranks(command, nproc=cfg.split.world_size, env=env, prefix="draftforge bench split",
+                           term_s=term_seconds(cfg.target.backend))
         if status != 0 or not out.is_file():
             print(f"draftforge bench split: the job failed (exit status {status})", file=sys.stderr)
             return status or 1

@@ -45,6 +45,7 @@ from draftforge.splitserve.supervisor import (
     children,
     die_with,
     run_ranks,
+    term_seconds,
 )
 
 DEFAULT_RESTARTS = 3  # with split.restart_target
@@ -355,7 +356,8 @@ def _supervise(cfg, args, layout, env: dict[str, str], restarts: int) -> int:
 
         def run() -> int:
             return run_ranks(command, nproc=cfg.split.world_size, env=env,
-                             host=args.master_addr, labels=labels, hint=_stop_hint(cfg, layout, args.node_rank))
+                             host=args.master_addr, labels=labels, hint=_stop_hint(cfg, layout, args.node_rank),
+                             term_s=term_seconds(cfg.target.backend))
 
     def start() -> int:
         status = run()

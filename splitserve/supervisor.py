@@ -152,6 +152,14 @@ def _kill_group(pid: int) -> None:
 
 DEFAULT_GRACE_S = 15.0
 DEFAULT_TERM_S = 5.0
+# An SGLang target rank stopping closes its feature runner first: the children finish their
+# batch (up to 30 s) and get 10 s after their own SIGTERM (sglang_runner.FeatureRunnerProcess.close)
+SGLANG_TERM_S = 45.0
+
+
+def term_seconds(target_backend: str) -> float:
+    """How long ranks get between SIGTERM and SIGKILL for a recipe's target backend."""
+    return SGLANG_TERM_S if target_backend == "sglang" else DEFAULT_TERM_S
 
 
 def host_store(host: str = LOOPBACK):

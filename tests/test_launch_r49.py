@@ -145,3 +145,24 @@ def test_a_signal_after_a_rank_ended_kills_what_is_left_at_once(tmp_path, capsys
     finally:
         if _alive(rank):
             os.kill(rank, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("backend, term_s", [("hf", 5.0), ("sglang", 45.0)])
+def test_an_sglang_target_gets_time_to_close_its_runner_before_sigkill(tmp_path, monkeypatch, backend, term_s):
+    """The launcher SIGKILLed ranks 5 s after SIGTERM; an SGLang target rank closing its
+    feature runner waits up to 30 s for its children's batch and 10 s after their SIGTERM."""
+    from splitserve_helpers import tiny_recipe
+
+    from draftforge.splitserve import launch
+
+    asked: list[float] = []
+
+    def job(*args, term_s, **kwargs):
+        asked.append(term_s)
+        return 0
+
+    monkeypatch.setattr(launch, "run_ranks", job)
+    monkeypatch.setattr(launch, "preflight", lambda cfg: None)  # the target is not loaded here
+    recipe = tiny_recipe(tmp_path)
+    assert launch.main([str(recipe), f"target.backend={backend}"]) == 0
+    assert asked == [term_s]
