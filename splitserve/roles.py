@@ -178,7 +178,7 @@ def split_problems(
     if named and nccl and cuda_devices:
         problems += _shared_gpu_problems(split, per_node, cuda_devices)
     if not nccl and cuda_devices and train.device != "cpu":
-        problems += _gloo_gpu_problems(split, cuda_devices)
+        problems += _gloo_gpu_problems(split, cuda_devices, ranks)
     problems += tensor_parallel_problems(split, per_node=per_node, on_gpus=nccl)
     both = sorted(set(split.target_devices or []) & set(split.trainer_devices or []))
     if both:
@@ -330,11 +330,15 @@ def gloo_trainer_gpu(split, rank: int) -> int:
     return next(here for here in trainers_by_node(split) if rank in here).index(rank)
 
 
-def _gloo_gpu_problems(split, cuda_devices: int) -> list[str]:
+def _gloo_gpu_problems(split, cuda_devices: int, ranks: Iterable[int] | None = None) -> list[str]:
     """Over gloo each trainer of train.device cuda takes its own GPU (:func:`gloo_trainer_gpu`):
-    a node with more trainer ranks than visible GPUs would put two on one."""
+    a node with more trainer ranks than visible GPUs would put two on one. ``ranks``: those
+    this machine runs (default: all); another node's trainers are not counted against its GPUs."""
     problems = []
+    mine = None if ranks is None else set(ranks)
     for node, here in enumerate(trainers_by_node(split)):
+        if mine is not None and not mine & set(here):
+            continue
         if len(here) > cuda_devices:
             where = f" on node {node}" if split.num_nodes > 1 else ""
             problems.append(

@@ -215,3 +215,19 @@ def test_the_sglang_backend_takes_sigterm_back_from_its_engine():
     )
     done = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=120)
     assert done.stdout == "unwound []\n", done.stdout + done.stderr
+
+
+def test_another_nodes_trainers_are_not_counted_against_this_nodes_gpus(tmp_path):
+    """Node 0 runs the target rank alone on a machine with one GPU; node 1's two trainers
+    each take a GPU of node 1. Only a machine running those trainers is checked for them."""
+    cfg = load_recipe(tiny_recipe(tmp_path, trainers=3, overrides={
+        "split.num_nodes": 2, "split.comm_backend": "gloo", "train.device": "cuda", "split.world_size": 4,
+        "split.target_ranks": [0, 1], "split.trainer_ranks": [2, 3]}))
+
+    def named(ranks):
+        return [p for p in roles.split_problems(cfg, cuda_devices=1, ranks=ranks)
+                if "trainer ranks [2, 3] on node 1" in p]
+
+    assert named([0, 1]) == []
+    assert len(named([2, 3])) == 1
+    assert len(named(None)) == 1
