@@ -166,3 +166,29 @@ def test_an_sglang_target_gets_time_to_close_its_runner_before_sigkill(tmp_path,
     recipe = tiny_recipe(tmp_path)
     assert launch.main([str(recipe), f"target.backend={backend}"]) == 0
     assert asked == [term_s]
+
+
+@pytest.mark.parametrize("node, refused", [(0, False), (1, True)])
+def test_the_launcher_checks_the_ranks_of_its_own_node(tmp_path, monkeypatch, node, refused):
+    """A two-node gloo split on machines without GPUs, train.device cuda: node 0 runs the
+    target rank alone (on the CPU) and starts; node 1 runs the trainer and is refused."""
+    from splitserve_helpers import tiny_recipe
+
+    from draftforge.config import RecipeError
+    from draftforge.splitserve import launch
+
+    started = []
+    monkeypatch.setattr(launch, "run_torchrun", lambda *a, **k: started.append(a) or 0)
+    monkeypatch.setattr(launch, "check_master_port", lambda port: None)
+    monkeypatch.setattr(launch, "preflight", lambda cfg: None)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    recipe = tiny_recipe(tmp_path, overrides={"split.num_nodes": 2, "split.comm_backend": "gloo",
+                                              "train.device": "cuda"})
+    args = [str(recipe), "--node-rank", str(node), "--master-addr", "10.0.0.5"]
+    if refused:
+        with pytest.raises(RecipeError, match="train.device: cuda, but no CUDA GPU is visible"):
+            launch.main(args)
+        assert not started
+    else:
+        assert launch.main(args) == 0
+        assert len(started) == 1
