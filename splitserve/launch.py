@@ -505,9 +505,9 @@ def run_torchrun(command: Sequence[str], *, env: Mapping[str, str], nproc: int |
     ranks: dict[int, str] = {}  # torchrun's ranks seen so far: pid -> start time
 
     def lost_a_rank() -> bool:
-        # a rank seen running has ended (fewer living than nproc is no sign: while the job
-        # starts, torchrun has not started them all yet, and a Ctrl-C then must stop it gently)
-        return nproc is not None and any(_started(pid) != started for pid, started in ranks.items())
+        # torchrun starts a node's ranks together, after the rendezvous: fewer living than
+        # nproc, but some, means one ended (one that lived a few ms is never seen by a poll)
+        return nproc is not None and bool(procs) and 0 < len(children(procs[0].pid, living=True)) < nproc
 
     with SignalForwarder(procs, kill_children=True, failed=lost_a_rank) as forward:
         try:
