@@ -153,6 +153,12 @@ def _check_implemented(raw: dict, where: str) -> None:
             "only false is supported (what draftforge export writes)"
         )
     _check_attention_implemented(raw, where)
+    if raw.get("speculators_model_type") == "dspark":
+        raise ExportError(
+            f"{where}: speculators_model_type is 'dspark', which SGLang's DSPARK loader refuses: "
+            "it reads the DSpark fields from config.json itself; remove the key (draftforge export "
+            "never writes it)"
+        )
     arch = raw.get("architectures")
     if arch is not None and (not isinstance(arch, list) or len(arch) != 1 or arch[0] not in ARCHITECTURES):
         valid = " or ".join(f'["{name}"]' for name in ARCHITECTURES)
