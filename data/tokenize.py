@@ -71,6 +71,12 @@ class ChatTemplateError(InputError):
     conversation_index: int | None = None
 
 
+class RewrittenReply(ChatTemplateError):
+    """The text of an assistant reply cut at ``max_new_tokens`` is not in its rendering: the
+    template rewrote it (Qwen3's ``\\n\\n</think>`` printed as ``\\n</think>``), so where its
+    supervised tokens end cannot be found. The conversation is dropped and counted."""
+
+
 # What rendering a chat template raises: jinja2's errors (``raise_exception(...)``, syntax), and
 # Python's own from an expression in the template (``message['content'] + 1``: TypeError).
 TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, ArithmeticError)
@@ -120,6 +126,9 @@ class TokenizeStats:
     # dropped because an assistant reply's text holds a special token's text (see the module notes)
     num_dropped_special: int = 0
     special_example: tuple[str, str] | None = None  # (conversation id, token text): the first one
+    # dropped because the template rewrites the text of a reply cut at max_new_tokens (RewrittenReply)
+    num_dropped_rewritten: int = 0
+    rewritten_example: str | None = None  # the first one's conversation id
 
     def summary(self) -> str:
         """One line with the counts."""
@@ -129,7 +138,7 @@ class TokenizeStats:
             f"{self.num_kept}/{self.num_conversations} samples kept, "
             f"{self.num_truncated} truncated, {self.num_dropped_short} dropped "
             f"(too few supervised tokens){special_note(self.num_dropped_special, self.special_example)}"
-            f"{context}"
+            f"{rewritten_note(self.num_dropped_rewritten, self.rewritten_example)}{context}"
         )
 
 
@@ -139,6 +148,15 @@ def special_note(count: int, example: tuple[str, str] | None) -> str:
         return ""
     such = f" such as {example[1]!r}, e.g. conversation {example[0]!r}" if example else ""
     return f", {count} dropped (an assistant reply contains special-token text{such})"
+
+
+def rewritten_note(count: int, example: str | None) -> str:
+    """``", N dropped (the chat template rewrites the text of a reply cut ...)"``, or nothing for 0."""
+    if not count:
+        return ""
+    such = f", e.g. conversation {example!r}" if example else ""
+    return (f", {count} dropped (the chat template rewrites the text of a reply cut at "
+            f"max_new_tokens, so its supervised tokens cannot be located{such})")
 
 
 def render(
@@ -247,7 +265,7 @@ def _locate_turns(tokenizer, messages, *, chat_template, enable_thinking, unfini
                 reply = reply.strip()
                 content_at = text.find(reply, start, end)
             if content_at < 0:
-                raise ChatTemplateError(
+                raise RewrittenReply(
                     f"cannot find the text of unfinished assistant turn {index + 1 - added_messages} in its "
                     "rendering; the chat template rewrites replies"
                 )
@@ -464,8 +482,9 @@ def tokenize_conversations(
     enable_thinking: bool = False,
 ) -> tuple[list[TokenizedSample], TokenizeStats]:
     """Tokenise, truncate to ``max_length`` and drop samples with too few supervised tokens,
-    or whose supervised reply text holds a special token's text (see the module notes); both
-    are counted, and their ids listed in ``dropped_ids``.
+    whose supervised reply text holds a special token's text (see the module notes), or whose
+    reply cut at ``max_new_tokens`` the template rewrites (:class:`RewrittenReply`); all are
+    counted, and their ids listed in ``dropped_ids``.
 
     A conversation the chat template cannot render or locate the replies in raises
     :class:`ChatTemplateError` naming its source and id."""
@@ -485,6 +504,11 @@ def tokenize_conversations(
                 # a row's top-level 'system' key became its first message (data/formats.py)
                 added_messages=1 if conv.extra.get("system") else 0,
             )
+        except RewrittenReply:
+            stats.num_dropped_rewritten += 1
+            stats.rewritten_example = stats.rewritten_example or conv.id
+            stats.dropped_ids.append(conv.id)
+            continue
         except ChatTemplateError as err:
             raise ChatTemplateError(f"{conv.source or 'conversation'} (id {conv.id!r}): {err}") from err
         ids, mask = done.ids, done.mask

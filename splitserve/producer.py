@@ -272,10 +272,13 @@ class SampleSource:
         # and the first such (conversation id, token text), for the rank's note
         self.dropped_special = 0
         self.special_example: tuple[str, str] | None = None
+        # dropped because the template rewrites a reply cut at max_new_tokens (data.tokenize)
+        self.dropped_rewritten = 0
+        self.rewritten_example: str | None = None
         self.truncated = 0  # cut to data.max_length: with a prompt that fills it, no reply is left
         self.context_turns = 0  # assistant turns the chat template rewrites later: not supervised
         self._answers: dict[int, list[Conversation]] = {}
-        self._dropped: list[str] = []  # ids tokenisation dropped (either reason), for the next sample
+        self._dropped: list[str] = []  # ids tokenisation dropped (any reason), for the next sample
         if not self.conversations:
             raise InputError("no training conversations: data.train_files gave no rows")
 
@@ -335,11 +338,12 @@ class SampleSource:
                        "data.max_length") if self.truncated else ""
                 short = (f"fewer than data.min_loss_tokens={self.cfg.data.min_loss_tokens} "
                          f"supervised tokens{cut}")
-                if self.dropped_special:
-                    from draftforge.data.tokenize import special_note
+                if self.dropped_special or self.dropped_rewritten:
+                    from draftforge.data.tokenize import rewritten_note, special_note
 
                     why = (f"every conversation was dropped: {self.dropped_short} had {short}"
-                           f"{special_note(self.dropped_special, self.special_example)}")
+                           f"{special_note(self.dropped_special, self.special_example)}"
+                           f"{rewritten_note(self.dropped_rewritten, self.rewritten_example)}")
                 else:
                     why = f"every conversation had {short}"
                 raise InputError(f"target rank {self.producer}: epoch {epoch} produced no sample ({why})")
@@ -412,6 +416,9 @@ class SampleSource:
             )
         self.dropped_short += stats.num_dropped_short
         self.dropped_special += stats.num_dropped_special
+        self.dropped_rewritten += stats.num_dropped_rewritten
+        if stats.rewritten_example and not self.rewritten_example:
+            self.rewritten_example = epoch_id(stats.rewritten_example, epoch)
         if stats.special_example and not self.special_example:
             conv_id, token = stats.special_example
             self.special_example = (epoch_id(conv_id, epoch), token)
@@ -647,23 +654,25 @@ def run_producer(
     summary["skipped_consumed"] = source.skipped_consumed
     summary["dropped_short"] = source.dropped_short
     summary["dropped_special"] = source.dropped_special
+    summary["dropped_rewritten"] = source.dropped_rewritten
     summary["truncated"] = source.truncated
     summary["context_turns"] = source.context_turns
-    if source.dropped_short or source.truncated or source.dropped_special:
+    if source.dropped_short or source.truncated or source.dropped_special or source.dropped_rewritten:
         log(data_note(cfg, rank, source))  # counted, and said: the rank's last line says none of them
     return summary
 
 
 def data_note(cfg: RecipeConfig, rank: int, source: SampleSource) -> str:
     """What target rank ``rank``'s tokenisation left out of training: the samples it dropped for
-    ``data.min_loss_tokens`` or for special-token text in a reply, and those it cut to
-    ``data.max_length`` (counted at each tokenisation of a chunk, so once an epoch; a resumed
-    run counts the chunks it computes)."""
-    from draftforge.data.tokenize import special_note
+    ``data.min_loss_tokens``, for special-token text in a reply or for a cut reply the template
+    rewrites, and those it cut to ``data.max_length`` (counted at each tokenisation of a chunk,
+    so once an epoch; a resumed run counts the chunks it computes)."""
+    from draftforge.data.tokenize import rewritten_note, special_note
 
     return (f"target rank {rank}: {source.dropped_short} samples dropped (fewer than "
             f"data.min_loss_tokens={cfg.data.min_loss_tokens} supervised tokens)"
-            f"{special_note(source.dropped_special, source.special_example)}, "
+            f"{special_note(source.dropped_special, source.special_example)}"
+            f"{rewritten_note(source.dropped_rewritten, source.rewritten_example)}, "
             f"{source.truncated} cut to data.max_length={cfg.data.max_length} tokens "
             "(counted once an epoch)")
 
