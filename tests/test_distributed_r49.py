@@ -43,3 +43,14 @@ def test_fsdp2_leaves_the_frozen_embedding_and_lm_head_whole_in_bf16(tmp_path):
         assert all(layout[name][:2] == [True, "float32"] for name in layout if name not in frozen), layout
         assert result["full_dtypes"]["lm_head.weight"] == "bfloat16"
         assert result["full_dtypes"]["fc.weight"] == "float32"
+
+
+def test_the_full_state_of_a_one_rank_mesh_is_a_copy_of_the_live_weights(tmp_path):
+    """On one rank DTensor.full_tensor() returns the local shard itself: the state aliased the
+    fp32 masters, and the next optimizer step changed what the caller held."""
+    import torch.multiprocessing as mp
+    from trainer_helpers import full_state_one_rank_worker
+
+    out = str(tmp_path / "result")
+    mp.spawn(full_state_one_rank_worker, args=(1, f"file://{tmp_path / 'store'}", out), nprocs=1, join=True)
+    assert json.loads((tmp_path / "result.0").read_text()) == {"unchanged": True}

@@ -177,3 +177,29 @@ def fsdp2_layout_worker(rank: int, world: int, init: str, out: str) -> None:
                        "full_dtypes": {k: str(v.dtype).removeprefix("torch.") for k, v in full.items()}}, f)
     finally:
         dist.destroy_process_group()
+
+
+def full_state_one_rank_worker(rank: int, world: int, init: str, out: str) -> None:
+    """A one-rank FSDP2 mesh, whose full tensors are its local shards: the full state must be
+    a copy, unchanged by a later update of the live weights."""
+    import json
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from draftforge.train import distributed as D
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        fully_shard(model, mesh=D.device_mesh(group=dist.group.WORLD, device_type="cpu"))
+        state = D.full_state_fsdp2(model, keep=True)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.to_local().add_(1.0)  # what an optimizer step does to the masters
+        with open(f"{out}.{rank}", "w", encoding="utf-8") as f:
+            json.dump({"unchanged": all(torch.equal(state[k], before[k]) for k in before)}, f)
+    finally:
+        dist.destroy_process_group()

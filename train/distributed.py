@@ -174,10 +174,15 @@ def full_state_fsdp2(model: nn.Module, *, keep: bool) -> dict[str, torch.Tensor]
     state: dict[str, torch.Tensor] = {}
     for name, value in model.state_dict().items():
         gathered = isinstance(value, DTensor)
-        full = value.full_tensor() if gathered else value
+        full = value.full_tensor() if gathered else value.detach()
         if keep:
-            # a gathered tensor is a fresh one (state_dict's are detached); the others are live
-            state[name] = full.cpu() if gathered else full.detach().cpu().clone()
+            copy = full.cpu()
+            live = value.to_local() if gathered else value
+            if copy.untyped_storage().data_ptr() == live.untyped_storage().data_ptr():
+                # a one-rank mesh's full tensor is its local shard, and .cpu() of a CPU tensor
+                # the tensor itself: the live weights, which the next step would change
+                copy = copy.clone()
+            state[name] = copy
         del full
     return state
 
