@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -180,12 +181,27 @@ def test_rank_env_and_status_descriptions():
     assert describe_status(2) == "exit status 2"
 
 
+# a rank that handles SIGTERM as draftforge's do (it unwinds) and whose unwinding is held up,
+# as in a collective waiting for a peer: the launcher's death must SIGKILL it, not SIGTERM it
+UNWINDING_SLOWLY = (
+    "from draftforge.splitserve.roles import interrupt_once\n"
+    "interrupt_once()\n"
+    "open(PID_FILE, 'w').write(str(os.getpid()))\n"
+    "try:\n"
+    "    time.sleep(120)\n"
+    "except KeyboardInterrupt:\n"
+    "    time.sleep(120)\n"
+)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")
-def test_ranks_do_not_outlive_a_killed_launcher(tmp_path):
+@pytest.mark.parametrize("body", ["open(PID_FILE, 'w').write(str(os.getpid())); time.sleep(120)\n",
+                                  UNWINDING_SLOWLY], ids=["plain", "unwinding-slowly"])
+def test_ranks_do_not_outlive_a_killed_launcher(tmp_path, body):
     """A launcher killed with SIGKILL (a scheduler, a test timeout, the OOM killer) takes its
     ranks with it instead of leaving them running."""
     pid_file = tmp_path / "rank.pid"
-    rank = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    rank = "import os, time\n" + body.replace("PID_FILE", repr(str(pid_file)))
     launcher = subprocess.Popen(
         [sys.executable, "-c",
          "import sys; from draftforge.splitserve.supervisor import run_ranks; "
@@ -207,6 +223,9 @@ def test_ranks_do_not_outlive_a_killed_launcher(tmp_path):
     finally:
         if launcher.poll() is None:
             launcher.kill()
+        if pid_file.exists() and pid_file.read_text():
+            with contextlib.suppress(ProcessLookupError):  # never leave a rank behind
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
 def _state(pid: int) -> str:
