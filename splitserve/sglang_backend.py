@@ -517,11 +517,17 @@ def sigterm_kept() -> Iterator[None]:
     try:
         yield
     finally:
-        if before is not None and signal.getsignal(signal.SIGTERM) is not before:
+        now = signal.getsignal(signal.SIGTERM)
+        # SIG_DFL or SIG_IGN: the rank's own handler ran meanwhile and set what comes after it
+        if before is not None and now is not before and now not in (signal.SIG_DFL, signal.SIG_IGN):
             import asyncio
 
-            with contextlib.suppress(Exception):  # the loop forgets it (no graceful exit later)
-                asyncio.get_event_loop_policy().get_event_loop().remove_signal_handler(signal.SIGTERM)
+            with contextlib.suppress(Exception):
+                loop = asyncio.get_event_loop_policy().get_event_loop()
+                handle = getattr(loop, "_signal_handlers", {}).get(signal.SIGTERM)
+                if handle is not None:  # uvloop (SGLang's policy) removes none while not running:
+                    handle.cancel()     # a cancelled handle is skipped by both loops
+                loop.remove_signal_handler(signal.SIGTERM)
             signal.signal(signal.SIGTERM, before)
 
 

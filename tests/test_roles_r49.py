@@ -165,6 +165,52 @@ def test_the_sglang_backend_takes_sigterm_back_from_its_engine():
     assert done.stdout == "unwound []\n", done.stdout + done.stderr
 
 
+def test_the_engines_sigterm_handler_is_disarmed_where_its_loop_keeps_it():
+    """uvloop (SGLang's event-loop policy) removes no signal handler while the loop is not
+    running: the handle is cancelled, so the loop skips it if the signal reaches it later."""
+    script = (
+        "import asyncio, signal\n"
+        "from draftforge.splitserve.sglang_backend import sigterm_kept\n"
+        "from draftforge.splitserve.roles import Terminated, interrupt_once\n"
+        "class Stubborn(asyncio.SelectorEventLoop):\n"
+        "    def remove_signal_handler(self, sig):\n"
+        "        return False  # as uvloop's, outside run()\n"
+        "interrupt_once()\n"
+        "loop = Stubborn()\n"
+        "asyncio.set_event_loop(loop)\n"
+        "graceful = []\n"
+        "with sigterm_kept():\n"
+        "    loop.add_signal_handler(signal.SIGTERM, lambda: graceful.append(1))\n"
+        "try:\n"
+        "    signal.raise_signal(signal.SIGTERM)\n"
+        "except Terminated:\n"
+        "    loop.run_until_complete(asyncio.sleep(0.05))\n"
+        "    print('unwound', graceful, flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=120)
+    assert done.stdout == "unwound []\n", done.stdout + done.stderr
+
+
+def test_a_signal_during_generation_leaves_the_next_sigterm_fatal():
+    """The rank's handler, run by a first SIGTERM inside the block, sets SIGTERM's default
+    action for the next one (the launcher's, during the rank's cleanup); the block put the
+    unwinding handler back over it, so that SIGTERM raised again mid-cleanup."""
+    script = (
+        "import os, signal, time\n"
+        "from draftforge.splitserve.sglang_backend import sigterm_kept\n"
+        "from draftforge.splitserve.roles import Terminated, interrupt_once\n"
+        "interrupt_once()\n"
+        "try:\n"
+        "    with sigterm_kept():\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        time.sleep(30)\n"
+        "except Terminated:\n"
+        "    print('unwound', signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=120)
+    assert done.stdout == "unwound True\n", done.stdout + done.stderr
+
+
 def test_another_nodes_trainers_are_not_counted_against_this_nodes_gpus(tmp_path):
     """Node 0 runs the target rank alone on a machine with one GPU; node 1's two trainers
     each take a GPU of node 1. Only a machine running those trainers is checked for them."""
