@@ -339,11 +339,7 @@ class SampleSource:
                 short = (f"fewer than data.min_loss_tokens={self.cfg.data.min_loss_tokens} "
                          f"supervised tokens{cut}")
                 if self.dropped_special or self.dropped_rewritten:
-                    from draftforge.data.tokenize import rewritten_note, special_note
-
-                    why = (f"every conversation was dropped: {self.dropped_short} had {short}"
-                           f"{special_note(self.dropped_special, self.special_example)}"
-                           f"{rewritten_note(self.dropped_rewritten, self.rewritten_example)}")
+                    why = f"every conversation was dropped: {self.dropped_short} had {short}{other_drops(self)}"
                 else:
                     why = f"every conversation had {short}"
                 raise InputError(f"target rank {self.producer}: epoch {epoch} produced no sample ({why})")
@@ -662,17 +658,22 @@ def run_producer(
     return summary
 
 
+def other_drops(source: SampleSource) -> str:
+    """The samples ``source`` dropped for another reason than too few supervised tokens (special-
+    token text in a reply, a cut reply the template rewrites), as ``", N dropped (...)"`` parts."""
+    from draftforge.data.tokenize import rewritten_note, special_note
+
+    return (special_note(source.dropped_special, source.special_example)
+            + rewritten_note(source.dropped_rewritten, source.rewritten_example))
+
+
 def data_note(cfg: RecipeConfig, rank: int, source: SampleSource) -> str:
     """What target rank ``rank``'s tokenisation left out of training: the samples it dropped for
     ``data.min_loss_tokens``, for special-token text in a reply or for a cut reply the template
     rewrites, and those it cut to ``data.max_length`` (counted at each tokenisation of a chunk,
     so once an epoch; a resumed run counts the chunks it computes)."""
-    from draftforge.data.tokenize import rewritten_note, special_note
-
     return (f"target rank {rank}: {source.dropped_short} samples dropped (fewer than "
-            f"data.min_loss_tokens={cfg.data.min_loss_tokens} supervised tokens)"
-            f"{special_note(source.dropped_special, source.special_example)}"
-            f"{rewritten_note(source.dropped_rewritten, source.rewritten_example)}, "
+            f"data.min_loss_tokens={cfg.data.min_loss_tokens} supervised tokens){other_drops(source)}, "
             f"{source.truncated} cut to data.max_length={cfg.data.max_length} tokens "
             "(counted once an epoch)")
 

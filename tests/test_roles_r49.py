@@ -18,6 +18,12 @@ from draftforge.splitserve import roles
 ENV = dict(os.environ, PYTHONUNBUFFERED="1")
 
 
+def _child(script: str, **env: str) -> subprocess.CompletedProcess:
+    """``script`` run by a Python process of its own (its signal handlers are its own)."""
+    return subprocess.run([sys.executable, "-c", script], env=dict(ENV, **env), capture_output=True,
+                          text=True, timeout=120)
+
+
 def test_the_first_sigterm_unwinds_a_rank_and_a_second_kills_it():
     script = (
         "import os, signal, time\n"
@@ -34,8 +40,7 @@ def test_the_first_sigterm_unwinds_a_rank_and_a_second_kills_it():
         "    time.sleep(30)\n"
         "    print('survived a second SIGTERM', flush=True)\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True,
-                          timeout=120)
+    done = _child(script)
     assert done.stdout == "unwound\n", done.stdout + done.stderr
     assert done.returncode == -signal.SIGTERM
 
@@ -55,8 +60,7 @@ def test_a_sigterm_after_ctrl_c_kills_at_once():
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    time.sleep(30)\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True,
-                          timeout=120)
+    done = _child(script)
     assert done.stdout == "KeyboardInterrupt\n", done.stdout + done.stderr
     assert done.returncode == -signal.SIGTERM
 
@@ -112,8 +116,7 @@ def test_after_unwinding_the_rank_is_killed_by_sigterm_so_the_launcher_sees_a_si
                 "    time.sleep(30)\n"
                 "rank_main._run = starting\n"
                 "rank_main.main(['recipe.yaml'])\n")
-    done = subprocess.run([sys.executable, "-c", "import os, signal, time\n" + body],
-                          env=dict(ENV, RANK="3"), capture_output=True, text=True, timeout=120)
+    done = _child("import os, signal, time\n" + body, RANK="3")
     assert done.returncode == -signal.SIGTERM, done.stdout + done.stderr
     if where == "starting":
         assert done.stderr.strip().endswith("[rank 3] stopped on SIGTERM"), done.stderr
@@ -136,39 +139,11 @@ def test_a_cpu_node_of_target_ranks_alone_is_not_refused_for_the_trainers_gpu(tm
     assert bool(named) == refused, problems
 
 
-def test_the_sglang_backend_takes_sigterm_back_from_its_engine():
-    """SGLang's first request installs, in the main thread, an event-loop SIGTERM handler (a
-    graceful exit that later SIGKILLs the process tree); the rank's own handler, which closes
-    the feature runner and the engine in order, is put back after each generate call.
-    In a child process: the handlers of the test process stay as they are."""
-    script = (
-        "import asyncio, signal\n"
-        "from draftforge.splitserve.sglang_backend import sigterm_kept\n"
-        "from draftforge.splitserve.roles import Terminated, interrupt_once\n"
-        "interrupt_once()\n"
-        "ours = signal.getsignal(signal.SIGTERM)\n"
-        "loop = asyncio.new_event_loop()\n"
-        "asyncio.set_event_loop(loop)\n"
-        "graceful = []\n"
-        "with sigterm_kept():\n"
-        "    loop.add_signal_handler(signal.SIGTERM, lambda: graceful.append(1))  # as SGLang does\n"
-        "    assert signal.getsignal(signal.SIGTERM) is not ours\n"
-        "assert signal.getsignal(signal.SIGTERM) is ours\n"
-        "assert signal.SIGTERM not in loop._signal_handlers\n"
-        "try:\n"
-        "    signal.raise_signal(signal.SIGTERM)\n"
-        "except Terminated:\n"
-        "    loop.run_until_complete(asyncio.sleep(0.05))  # the loop no longer acts on it\n"
-        "    print('unwound', graceful, flush=True)\n"
-    )
-    done = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=120)
-    assert done.stdout == "unwound []\n", done.stdout + done.stderr
-
-
-def test_the_engines_sigterm_handler_is_disarmed_where_its_loop_keeps_it():
-    """uvloop (SGLang's event-loop policy) removes no signal handler while the loop is not
-    running: the handle is cancelled, so the loop skips it if the signal reaches it later."""
-    script = (
+def _kept_script(loop: str, checks: str = "") -> str:
+    """A rank's handler, an event loop made by ``loop`` that adds a SIGTERM handler inside
+    ``sigterm_kept`` as SGLang's first request does, ``checks`` after the block, then a SIGTERM:
+    prints 'unwound' and the calls the loop's handler got."""
+    return (
         "import asyncio, signal\n"
         "from draftforge.splitserve.sglang_backend import sigterm_kept\n"
         "from draftforge.splitserve.roles import Terminated, interrupt_once\n"
@@ -176,18 +151,37 @@ def test_the_engines_sigterm_handler_is_disarmed_where_its_loop_keeps_it():
         "    def remove_signal_handler(self, sig):\n"
         "        return False  # as uvloop's, outside run()\n"
         "interrupt_once()\n"
-        "loop = Stubborn()\n"
+        "ours = signal.getsignal(signal.SIGTERM)\n"
+        f"loop = {loop}\n"
         "asyncio.set_event_loop(loop)\n"
         "graceful = []\n"
         "with sigterm_kept():\n"
         "    loop.add_signal_handler(signal.SIGTERM, lambda: graceful.append(1))\n"
+        "    assert signal.getsignal(signal.SIGTERM) is not ours\n"
+        "assert signal.getsignal(signal.SIGTERM) is ours\n"
+        + checks +
         "try:\n"
         "    signal.raise_signal(signal.SIGTERM)\n"
         "except Terminated:\n"
-        "    loop.run_until_complete(asyncio.sleep(0.05))\n"
+        "    loop.run_until_complete(asyncio.sleep(0.05))  # the loop no longer acts on it\n"
         "    print('unwound', graceful, flush=True)\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=120)
+
+
+def test_the_sglang_backend_takes_sigterm_back_from_its_engine():
+    """SGLang's first request installs, in the main thread, an event-loop SIGTERM handler (a
+    graceful exit that later SIGKILLs the process tree); the rank's own handler, which closes
+    the feature runner and the engine in order, is put back after each generate call.
+    In a child process: the handlers of the test process stay as they are."""
+    done = _child(_kept_script("asyncio.new_event_loop()",
+                               "assert signal.SIGTERM not in loop._signal_handlers\n"))
+    assert done.stdout == "unwound []\n", done.stdout + done.stderr
+
+
+def test_the_engines_sigterm_handler_is_disarmed_where_its_loop_keeps_it():
+    """uvloop (SGLang's event-loop policy) removes no signal handler while the loop is not
+    running: the handle is cancelled, so the loop skips it if the signal reaches it later."""
+    done = _child(_kept_script("Stubborn()"))
     assert done.stdout == "unwound []\n", done.stdout + done.stderr
 
 
@@ -207,7 +201,7 @@ def test_a_signal_during_generation_leaves_the_next_sigterm_fatal():
         "except Terminated:\n"
         "    print('unwound', signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, flush=True)\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=120)
+    done = _child(script)
     assert done.stdout == "unwound True\n", done.stdout + done.stderr
 
 
