@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from draftforge.eval.calibration import calibrate, pooled_ece, write_calibration
-    from draftforge.eval.harness import EvalSettings, macro, run_workload
+    from draftforge.eval.harness import EvalSettings, macro, run_workload, target_context
     from draftforge.eval.report import draft_kind, write_report
     from draftforge.eval.speculative import LosslessCheckError
     from draftforge.splitserve.config import TargetConfig
@@ -277,6 +277,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         workloads = {name: _workload_prompts(name, target, target_cfg, num_prompts) for name in names}
         _check_lengths(workloads, max_new_tokens, draft_cfg.max_position_embeddings,
                        lambda name, i: f"workload {name!r}, prompt {i}")
+    target_limit = target_context(target.model)
+    if target_limit is not None:  # before any decodes, as the draft's limit above
+        name_prompt = ((lambda name, i: f"{args.prompts_file}:{file_lines[name][i]}") if file_prompts is not None
+                       else (lambda name, i: f"workload {name!r}, prompt {i}"))
+        _check_lengths(workloads, max_new_tokens, target_limit, name_prompt, whose="target's")
     eos = _eos_ids(target)
 
     torch.manual_seed(settings.seed)
@@ -576,14 +581,16 @@ def _source(given, recipe: str | None, key: str) -> str:
     return "" if given is not None else f" (the recipe's {key})" if recipe else " (the default)"
 
 
-def _check_lengths(workloads: dict[str, list[list[int]]], max_new_tokens: int, limit: int, where) -> None:
+def _check_lengths(workloads: dict[str, list[list[int]]], max_new_tokens: int, limit: int, where, *,
+                   whose: str = "draft's") -> None:
     """:func:`~draftforge.eval.harness.check_prompt_lengths` over every workload before any
-    decodes; ``where(name, index)`` names a prompt (a --prompts-file line, or the workload)."""
+    decodes; ``where(name, index)`` names a prompt (a --prompts-file line, or the workload),
+    ``whose`` the limit (the draft's or the target's ``max_position_embeddings``)."""
     from draftforge.eval.harness import check_prompt_lengths
 
     for name, prompts in workloads.items():
         check_prompt_lengths(prompts, max_new_tokens, limit, lambda index, name=name: where(name, index),
-                             option="--max-new-tokens")
+                             option="--max-new-tokens", whose=whose)
 
 
 def _eos_ids(target) -> list[int]:

@@ -132,12 +132,20 @@ def summarize(results: Sequence[DecodeResult], block_size: int) -> dict:
     }
 
 
+def target_context(model) -> int | None:
+    """The target's ``max_position_embeddings`` (its context), or None where its config has none."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
 def check_prompt_lengths(prompts: Sequence[Sequence[int]], max_new_tokens: int, limit: int,
-                         where: Callable[[int], str], *, option: str = "max_new_tokens") -> None:
-    """Refuse a prompt that, with ``max_new_tokens`` more, runs past the draft's ``limit``
-    positions (it would draft at positions it never trained on); ``where(index)`` names the
-    prompt, ``option`` the setting in the message. An empty prompt is refused too: decoding
-    starts from the prefill of at least one token."""
+                         where: Callable[[int], str], *, option: str = "max_new_tokens",
+                         whose: str = "draft's") -> None:
+    """Refuse a prompt that, with ``max_new_tokens`` more, runs past ``limit`` positions: the
+    draft's ``max_position_embeddings`` (it would draft at positions it never trained on) or the
+    target's (``whose="target's"``: the output would come from past its context); ``where(index)``
+    names the prompt, ``option`` the setting in the message. An empty prompt is refused too:
+    decoding starts from the prefill of at least one token."""
     for index, ids in enumerate(prompts):
         if not len(ids):
             raise InputError(
@@ -147,7 +155,7 @@ def check_prompt_lengths(prompts: Sequence[Sequence[int]], max_new_tokens: int, 
         if len(ids) + max_new_tokens > limit:
             raise InputError(
                 f"{where(index)}: {len(ids)} prompt tokens + {option} {max_new_tokens} exceed the "
-                f"draft's max_position_embeddings {limit}; lower --max-new-tokens or leave the "
+                f"{whose} max_position_embeddings {limit}; lower --max-new-tokens or leave the "
                 "prompt out"
             )
 
@@ -166,6 +174,10 @@ def run_workload(
     gamma = draft.config.block_size
     check_prompt_lengths(prompts, settings.max_new_tokens, draft.config.max_position_embeddings,
                          lambda index: f"workload {name!r}, prompt {index}")
+    target_limit = target_context(target.model)
+    if target_limit is not None:
+        check_prompt_lengths(prompts, settings.max_new_tokens, target_limit,
+                             lambda index: f"workload {name!r}, prompt {index}", whose="target's")
     if settings.estimate:  # before minutes of decoding, not after
         check_target_layers(draft, target)
     decode = DecodeSettings(
