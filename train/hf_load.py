@@ -118,7 +118,8 @@ def config_from_serving(raw: dict, *, where: str = CONFIG_FILE) -> DSparkConfig:
             mask_token_id=_integer(raw, "mask_token_id"),
             markov_rank=markov_rank,
             markov_head_type=raw.get("markov_head_type", "vanilla"),  # DSparkConfig names a wrong one
-            enable_confidence_head=_flag(raw, "enable_confidence_head", False),
+            # SGLang's default (build_confidence_head warns and takes the head as enabled)
+            enable_confidence_head=_flag(raw, "enable_confidence_head", True),
             # SGLang's default (build_confidence_head): the head reads the Markov embedding
             confidence_head_with_markov=_flag(raw, "confidence_head_with_markov", markov_rank > 0),
             rope_theta=rope_theta or 10000.0,
@@ -357,6 +358,12 @@ def load_exported_draft(
     _check_dtypes(state, folder)
     # each copy is optional (contract section 4): the folder's own is used where it holds one
     held = [name for name in EMBEDDING_KEYS if name in state]
+    if "enable_confidence_head" not in raw and not any(name.startswith("confidence_head.") for name in state):
+        raise ExportError(
+            f"{folder / CONFIG_FILE} has no enable_confidence_head, which SGLang takes as true (and "
+            "then needs confidence_head.proj.*), and the folder holds no confidence head: add "
+            '"enable_confidence_head": false to it (SGLang then serves it in static verify mode only)'
+        )
     check_tensors(state, cfg, with_embeddings=bool(held), optional=EMBEDDING_KEYS, where=str(folder))
     if target is not None:
         embed_tokens, lm_head = target.embed_tokens_weight(), target.lm_head_weight()
