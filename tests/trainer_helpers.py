@@ -7,6 +7,8 @@ points at the successor, so a draft can learn the chain and its loss falls.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from draftforge.train.config import TrainConfig
@@ -175,6 +177,49 @@ def fsdp2_layout_worker(rank: int, world: int, init: str, out: str) -> None:
         with open(f"{out}.{rank}", "w", encoding="utf-8") as f:
             json.dump({"layout": layout, "frozen_equal": frozen_equal,
                        "full_dtypes": {k: str(v.dtype).removeprefix("torch.") for k, v in full.items()}}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def deepspeed_full_state_worker(rank: int, world: int, init: str, out: str) -> None:
+    """A rank of test_ckpt_r50's gather test: a ZeRO-2 trainer's full state kept on rank 0
+    only, with the most gathered fp32 masters alive at once on each rank."""
+    import json
+    import weakref
+
+    import deepspeed.utils
+    import torch.distributed as dist
+
+    from draftforge.train.trainer import Trainer
+
+    os.environ["LOCAL_RANK"] = str(rank)  # DeepSpeed asserts a launcher set it
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        run_dir = f"{out}.run"
+        trainer = Trainer(model_config=tiny_model_config(), embeddings=target_embeddings(), run_dir=run_dir,
+                          train=train_config(run_dir, strategy="deepspeed", zero_stage=2, steps=1),
+                          group=dist.group.WORLD)
+        alive: list = []
+        most = 0
+        original = deepspeed.utils.safe_get_full_fp32_param
+
+        def counting(param):
+            nonlocal most
+            result = original(param)
+            alive[:] = [ref for ref in alive if ref() is not None] + [weakref.ref(result)]
+            most = max(most, len(alive))
+            return result
+
+        deepspeed.utils.safe_get_full_fp32_param = counting
+        try:
+            kept = trainer.full_state_dict(every_rank=False)
+        finally:
+            deepspeed.utils.safe_get_full_fp32_param = original
+        everywhere = trainer.full_state_dict()
+        with open(f"{out}.{rank}", "w", encoding="utf-8") as f:
+            json.dump({"kept": sorted(kept), "all": sorted(everywhere), "most_alive": most,
+                       "trainable": sum(p.requires_grad for p in trainer.model.parameters()),
+                       "same": all(torch.equal(kept[k], everywhere[k]) for k in kept)}, f)
     finally:
         dist.destroy_process_group()
 

@@ -283,8 +283,9 @@ class Trainer:
         return self.resumed
 
     def _restore_optimizer_settings(self) -> str:
-        """Put this recipe's weight_decay, betas and eps back into every param group (loading a
-        checkpoint replaces them with the checkpointed run's); what changed, or ""."""
+        """Put this recipe's weight_decay, betas and eps back into every param group, and under
+        DeepSpeed its gradient clipping (loading a checkpoint replaces them with the checkpointed
+        run's); what changed, or ""."""
         train = self.train
         wanted = {"weight_decay": train.weight_decay, "betas": (train.adam_beta1, train.adam_beta2),
                   "eps": train.adam_eps}
@@ -295,11 +296,19 @@ class Trainer:
                 if old != value:
                     before.setdefault(key, old)
                 group[key] = value
-        if not before:
-            return ""
-        changes = ", ".join(f"{key} {before[key]} -> {wanted[key]}" for key in before)
-        return (f"AdamW's {changes}: this recipe's values (train.weight_decay, adam_beta1, adam_beta2, "
-                f"adam_eps) replace the checkpointed run's from step {self.step + 1}")
+        notes = []
+        if before:
+            changes = ", ".join(f"{key} {before[key]} -> {wanted[key]}" for key in before)
+            notes.append(f"AdamW's {changes}: this recipe's values (train.weight_decay, adam_beta1, "
+                         f"adam_beta2, adam_eps) replace the checkpointed run's from step {self.step + 1}")
+        # DeepSpeed's ZeRO-1/2 optimizer clips by its own clip_grad, which its checkpoint restores
+        # (ZeRO-3, fsdp2 and single clip by train.max_grad_norm at every step)
+        clip = getattr(self.optimizer, "clip_grad", None) if self.engine is not None else None
+        if clip is not None and clip != train.max_grad_norm:
+            self.optimizer.clip_grad = train.max_grad_norm
+            notes.append(f"gradient clipping {clip} -> {train.max_grad_norm}: this recipe's "
+                         f"train.max_grad_norm replaces the checkpointed run's from step {self.step + 1}")
+        return "; ".join(notes)
 
     def _check_shared_output_dir(self) -> None:
         """Refuse, before any step, a trainer group whose ranks do not share train.output_dir
@@ -802,12 +811,14 @@ class Trainer:
     def _deepspeed_full_state(self, on_cpu) -> dict[str, torch.Tensor]:
         """The frozen weights as the module holds them, the trainable ones from the optimizer's
         fp32 masters (under bf16 the module holds only bf16 copies of them). One collective
-        per trainable parameter, in the same order on every rank (ZeRO-2 and ZeRO-3)."""
+        per trainable parameter, in the same order on every rank (ZeRO-2 and ZeRO-3); each
+        gathered master (a full fp32 tensor on the trainer's device) goes to the CPU, or is
+        dropped on a rank that keeps nothing, before the next is gathered."""
         import deepspeed
         from deepspeed.utils import safe_get_full_fp32_param
 
-        masters: dict[str, torch.Tensor] = {}
-        by_id: dict[int, torch.Tensor] = {}
+        masters: dict[str, torch.Tensor | None] = {}
+        by_id: dict[int, torch.Tensor | None] = {}
         for name, param in self.model.named_parameters(remove_duplicate=False):
             if not param.requires_grad:
                 continue
@@ -815,7 +826,8 @@ class Trainer:
                 full = safe_get_full_fp32_param(param)
                 if full is None:
                     raise RuntimeError(f"internal error: DeepSpeed holds no fp32 master weight for {name}")
-                by_id[id(param)] = full
+                by_id[id(param)] = on_cpu({name: full}, fresh=True).get(name)
+                del full
             masters[name] = by_id[id(param)]
         if self.train.zero_stage == 3:  # the frozen weights are partitioned too
             frozen = [p for p in self.model.parameters() if not p.requires_grad]
@@ -823,7 +835,7 @@ class Trainer:
                 state = on_cpu({k: v for k, v in self.model.state_dict().items() if k not in masters})
         else:
             state = on_cpu({k: v for k, v in self.model.state_dict().items() if k not in masters})
-        state.update(on_cpu(masters, fresh=True))
+        state.update((name, master) for name, master in masters.items() if master is not None)
         return state
 
     def _summary(self, result: FitResult, window: list[dict], first_slots, tokens: int, elapsed: float) -> dict:

@@ -1,0 +1,58 @@
+"""Session 50: a DeepSpeed ZeRO-2 resume clips by this recipe's train.max_grad_norm."""
+
+from __future__ import annotations
+
+import pytest
+
+CLIP_ON_RESUME = """
+import os, sys
+from pathlib import Path
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+import torch.distributed as dist
+dist.init_process_group("gloo", rank=0, world_size=1)
+from trainer_helpers import chain_samples, target_embeddings, tiny_model_config, train_config
+from draftforge.train.sample import pack
+from draftforge.train.trainer import Trainer
+run = Path(sys.argv[1])
+def trainer(steps, resume, clip):
+    return Trainer(model_config=tiny_model_config(num_hidden_layers=1), embeddings=target_embeddings(),
+                   train=train_config(output_dir=str(run), strategy="deepspeed", zero_stage=2,
+                                      dtype="float32", steps=steps, resume=resume, max_grad_norm=clip),
+                   run_dir=run, recipe_yaml="name: t\\n", group=dist.group.WORLD)
+trainer(1, "never", 1.0).fit(pack(chain_samples(20), 90))
+resumed = trainer(2, "auto", 0.25)
+resumed.resume()
+print("CLIP", resumed.optimizer.clip_grad)
+dist.destroy_process_group()
+"""
+
+
+def test_a_zero2_resume_clips_by_this_recipes_max_grad_norm(tmp_path):
+    """DeepSpeed's ZeRO-2 optimizer saves its clip value and puts it back on load, so a run
+    resumed with a lower train.max_grad_norm (after loss spikes, say) went on clipping at the
+    old one while the resume note said the steps follow this recipe."""
+    pytest.importorskip("deepspeed")
+    from splitserve_helpers import run_script_rank
+
+    out = run_script_rank(CLIP_ON_RESUME, tmp_path, "clip.py")
+    assert "CLIP 0.25" in out, out[-3000:]
+    assert ("gradient clipping 1.0 -> 0.25: this recipe's train.max_grad_norm replaces the "
+            "checkpointed run's from step 2") in out
+
+
+def test_deepspeed_gathers_the_full_state_one_master_at_a_time(tmp_path):
+    """Every gathered fp32 master (a full tensor on the trainer's device) was held until the
+    end on every rank, also where the result is dropped: 4 bytes a trainable parameter of
+    device memory at each checkpoint, which fsdp2's gather no longer costs."""
+    import json
+
+    import torch.multiprocessing as mp
+    pytest.importorskip("deepspeed")
+    from trainer_helpers import deepspeed_full_state_worker
+
+    out = str(tmp_path / "result")
+    mp.spawn(deepspeed_full_state_worker, args=(2, f"file://{tmp_path / 'store'}", out), nprocs=2, join=True)
+    main, other = (json.loads(open(f"{out}.{rank}").read()) for rank in (0, 1))
+    assert other["kept"] == [] and other["all"] == main["all"] == main["kept"]
+    assert main["same"] and main["trainable"] > 5
+    assert other["most_alive"] == 1  # dropped as soon as gathered
