@@ -56,3 +56,45 @@ def test_deepspeed_gathers_the_full_state_one_master_at_a_time(tmp_path):
     assert other["kept"] == [] and other["all"] == main["all"] == main["kept"]
     assert main["same"] and main["trainable"] > 5
     assert other["most_alive"] == 1  # dropped as soon as gathered
+
+
+BF16_MASTERS = """
+import os, sys
+from pathlib import Path
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", rank=0, world_size=1)
+from trainer_helpers import target_embeddings, tiny_model_config, train_config
+from draftforge.train.trainer import Trainer
+run = Path(sys.argv[1])
+def state(**settings):
+    trainer = Trainer(model_config=tiny_model_config(num_hidden_layers=1), embeddings=target_embeddings(),
+                      train=train_config(output_dir=str(run / settings["strategy"]), dtype="bfloat16", **settings),
+                      run_dir=run / settings["strategy"], recipe_yaml="name: t\\n", group=dist.group.WORLD)
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in trainer.full_state_dict().items() if k in trainable}
+reference = state(strategy="single")
+for stage in (2, 3):
+    masters = state(strategy="deepspeed", zero_stage=stage)
+    assert sorted(masters) == sorted(reference), (sorted(masters), sorted(reference))
+    exact = sum(torch.equal(masters[k], reference[k]) for k in reference)
+    rounded = sum(torch.equal(reference[k].bfloat16().float(), reference[k]) for k in reference)
+    print(f"STAGE {stage} exact {exact} of {len(reference)}, already bf16 {rounded}")
+dist.destroy_process_group()
+"""
+
+
+def test_deepspeed_bf16_masters_start_from_the_fp32_initial_weights(tmp_path):
+    """Under bf16 DeepSpeed casts the module to bf16 and builds its fp32 masters from those
+    copies, so the masters (and every update after) started from the initial weights rounded
+    to bf16, where single and fsdp2 start from the fp32 ones (the bigram start included)."""
+    pytest.importorskip("deepspeed")
+    from splitserve_helpers import run_script_rank
+
+    out = run_script_rank(BF16_MASTERS, tmp_path, "masters.py")
+    lines = [line for line in out.splitlines() if line.startswith("STAGE")]
+    assert len(lines) == 2, out[-3000:]
+    for line in lines:
+        _, stage, _, exact, _, total, *_, rounded = line.split()
+        assert exact == total.rstrip(","), line
+        assert int(rounded) < int(exact)  # some weights are not bf16 values, so rounding would show

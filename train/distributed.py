@@ -326,6 +326,22 @@ def _skip_jit_shm_comm() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def set_deepspeed_masters(model: nn.Module, values: dict[int, torch.Tensor]) -> None:
+    """Write ``values`` (full fp32 tensors, by ``id`` of each trainable parameter) into the
+    fp32 master weights DeepSpeed's ZeRO optimizer holds for ``model``'s parameters."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    for param in model.parameters():
+        if id(param) in values:
+            safe_set_full_fp32_param(param, values[id(param)].to(_master_device(param)))
+
+
+def _master_device(param) -> torch.device:
+    """Where DeepSpeed keeps ``param``'s fp32 master (the device its partition lives on)."""
+    partition = getattr(param, "ds_tensor", None)  # ZeRO-3
+    return (partition if partition is not None else param).device
+
+
 def init_deepspeed(*, model: nn.Module, optimizer: torch.optim.Optimizer, group, config: dict):
     """Wrap ``model``/``optimizer`` in a DeepSpeed engine data-parallel over ``group``.
 

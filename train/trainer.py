@@ -228,8 +228,14 @@ class Trainer:
         if train.strategy == "deepspeed":
             config = D.deepspeed_config(zero_stage=train.zero_stage, bf16=self.bf16,
                                         max_grad_norm=train.max_grad_norm)
+            # under bf16 DeepSpeed casts the module to bf16 and builds its fp32 masters from
+            # those copies: the initial weights are put back into the masters exactly
+            initial = ({id(p): p.detach().to("cpu", torch.float32, copy=True)
+                        for p in model.parameters() if p.requires_grad} if self.bf16 else {})
             engine, optimizer = D.init_deepspeed(model=model, optimizer=optimizer, group=group,
                                                  config=config)
+            if initial:
+                D.set_deepspeed_masters(model, initial)
         return model, optimizer, engine
 
     # -- resume ------------------------------------------------------------------------
