@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 CLIP_ON_RESUME = """
 import os, sys
@@ -98,3 +99,36 @@ def test_deepspeed_bf16_masters_start_from_the_fp32_initial_weights(tmp_path):
         _, stage, _, exact, _, total, *_, rounded = line.split()
         assert exact == total.rstrip(","), line
         assert int(rounded) < int(exact)  # some weights are not bf16 values, so rounding would show
+
+
+@pytest.mark.parametrize("error", [
+    "torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')",
+    "RuntimeError('[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: not enough memory: you "
+    "tried to allocate 8 bytes')",
+])
+def test_running_out_of_memory_while_loading_does_not_call_the_checkpoint_corrupt(tmp_path, error):
+    """Every failure inside DeepSpeed's load was called corrupt, with the advice to delete the
+    folder: for an out-of-memory error that advice loses a whole checkpoint that is intact."""
+    from test_ckpt_r15 import _deepspeed_folder
+
+    from draftforge.train import checkpoint as ckpt
+
+    raised = eval(error, {"torch": torch})
+
+    class Engine:
+        def load_checkpoint(self, *args, **kwargs):
+            raise raised
+
+    path = _deepspeed_folder(tmp_path, ranks=1, stage=2)
+    with pytest.raises(ckpt.CheckpointError) as info:
+        ckpt.load_checkpoint(path=path, strategy="deepspeed", model=None, optimizer=None,
+                             engine=Engine(), group=None)
+    message = str(info.value)
+    assert message.startswith(f"loading checkpoint {path / 'deepspeed'} ran out of memory ("
+                              f"{type(raised).__name__}: ")
+    assert f"that says nothing against {path}: keep it" in message and "delete" not in message
+    # any other failure is still named corrupt, with the advice that goes with it
+    raised = ValueError("bad pickle")
+    with pytest.raises(ckpt.CheckpointError, match="is corrupt or truncated \\(ValueError: bad pickle\\)"):
+        ckpt.load_checkpoint(path=path, strategy="deepspeed", model=None, optimizer=None,
+                             engine=Engine(), group=None)

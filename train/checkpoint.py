@@ -641,6 +641,20 @@ def _corrupt(file: Path, exc: BaseException, checkpoint: Path) -> CheckpointErro
     )
 
 
+def _load_failed(file: Path, exc: BaseException, checkpoint: Path) -> CheckpointError:
+    """:func:`_corrupt`, except for running out of memory while loading, which says nothing of
+    the files: that one says to keep the checkpoint (deleting it would lose the run's progress)."""
+    detail = str(exc).splitlines()[0] if str(exc) else "no detail"
+    text = str(exc).lower()  # torch's CPU allocator raises a RuntimeError: "not enough memory"
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or "out of memory" in text or "not enough memory" in text:
+        return CheckpointError(
+            f"loading checkpoint {file} ran out of memory ({type(exc).__name__}: {detail}); that says "
+            f"nothing against {checkpoint}: keep it, free memory on the trainer's device (other "
+            "processes on it) and resume again"
+        )
+    return _corrupt(file, exc, checkpoint)
+
+
 def _check_dcp(path: Path) -> None:
     """Check checkpoint ``path``'s ``dcp/`` folder (fsdp2) without DCP unpickling anything: its
     ``.metadata`` through :mod:`draftforge.train.dcp_safe`'s allowlisting unpickler, and every
@@ -916,7 +930,7 @@ def load_checkpoint(*, path: Path, strategy: str, model, optimizer, engine, grou
                     f"unpickle it (it could run code): {unsafe}"
                 ) from None
             _raise_lost_peer(exc)
-            raise _corrupt(path / "dcp", exc, path) from None
+            raise _load_failed(path / "dcp", exc, path) from None
         set_state_dict(model, optimizer, model_state_dict=target["model"],
                        optim_state_dict=target["optimizer"])
         if state.get("optimizer_stepped") is False:  # the saved moments are get_state_dict's filler
@@ -929,7 +943,7 @@ def load_checkpoint(*, path: Path, strategy: str, model, optimizer, engine, grou
                     load_lr_scheduler_states=False)
             except Exception as exc:  # noqa: BLE001 - torch.load / DeepSpeed raise many types
                 _raise_lost_peer(exc)
-                raise _corrupt(path / "deepspeed", exc, path) from None
+                raise _load_failed(path / "deepspeed", exc, path) from None
         if load_path is None:
             raise CheckpointError(f"deepspeed could not load the checkpoint in {path / 'deepspeed'}")
     return state
