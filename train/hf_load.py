@@ -91,6 +91,7 @@ def config_from_serving(raw: dict, *, where: str = CONFIG_FILE) -> DSparkConfig:
     """
     _check_implemented(raw, where)
     raw = _with_dflash_fields(raw, where)
+    _check_sglang_reads_the_same(raw, where)
     rope_theta = _plain_rope_theta(raw, where)
     required = (
         "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -113,7 +114,10 @@ def config_from_serving(raw: dict, *, where: str = CONFIG_FILE) -> DSparkConfig:
             target_hidden_size=_integer(raw, "target_hidden_size", raw["hidden_size"]),
             num_target_layers=_integer(raw, "num_target_layers"),
             target_layer_ids=_integers(raw, "target_layer_ids"),
-            head_dim=None if raw.get("head_dim") is None else _integer(raw, "head_dim"),
+            # an absent key is Qwen3Config's default, as servers read the file (128, not hidden /
+            # heads); an explicit null is hidden / heads, as before
+            head_dim=None if "head_dim" in raw and raw["head_dim"] is None
+            else _integer(raw, "head_dim", QWEN3_HEAD_DIM),
             block_size=_integer(raw, "block_size"),
             mask_token_id=_integer(raw, "mask_token_id"),
             markov_rank=markov_rank,
@@ -124,12 +128,15 @@ def config_from_serving(raw: dict, *, where: str = CONFIG_FILE) -> DSparkConfig:
             confidence_head_with_markov=_flag(raw, "confidence_head_with_markov", markov_rank > 0),
             rope_theta=rope_theta or 10000.0,
             rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6),
-            max_position_embeddings=_integer(raw, "max_position_embeddings", 4096),
+            max_position_embeddings=_integer(raw, "max_position_embeddings", QWEN3_MAX_POSITIONS),
         )
     except (TypeError, ValueError) as err:
         raise ExportError(f"{where}: {err}") from err
 
 
+# transformers' Qwen3Config defaults, which servers get for a key config.json leaves out
+QWEN3_HEAD_DIM = 128
+QWEN3_MAX_POSITIONS = 32768
 DFLASH_FIELDS = ("block_size", "target_layer_ids", "num_target_layers", "mask_token_id")
 
 
@@ -214,6 +221,49 @@ def _check_layer_order(ids: list[int]) -> None:
             "feed this draft's fc different features; export the training checkpoint again "
             "(draftforge export writes them ascending, with fc.weight's column blocks to match)"
         )
+
+
+# Where SGLang's DSPARK loader reads a DSpark field before the top level (its
+# parse_dspark_draft_config): a ``dspark_``-prefixed key, then ``dspark_config``, then
+# ``text_config``. draftforge reads the top level, so a config.json whose other places say
+# otherwise is refused rather than loaded as another draft than the served one.
+_SGLANG_FIRST = {
+    "markov_rank": ("dspark_markov_rank", "dspark_config.markov_rank", "text_config.markov_rank"),
+    "markov_head_type": ("dspark_markov_head_type", "dspark_config.markov_head_type",
+                         "text_config.markov_head_type"),
+    "mask_token_id": ("dspark_noise_token_id", "dspark_config.mask_token_id", "text_config.mask_token_id"),
+    "block_size": ("dspark_block_size",),
+    "target_layer_ids": ("dspark_target_layer_ids",),
+}
+
+
+def _check_sglang_reads_the_same(raw: dict, where: str) -> None:
+    """Refuse a config.json that SGLang reads as another draft than draftforge does: a DSpark
+    field given where SGLang looks first (``_SGLANG_FIRST``) with another value than the top
+    level's, no ``markov_head_type`` (SGLang refuses a Markov draft without one), or RoPE that is
+    not NeoX-style (``rope_is_neox_style``/``is_neox_style`` false: the draft rotates halves)."""
+    for field, places in _SGLANG_FIRST.items():
+        for place in places:
+            section, _, key = place.rpartition(".")
+            holder = raw.get(section) if section else raw
+            if not isinstance(holder, dict) or holder.get(key) is None:
+                continue
+            if holder[key] != raw.get(field):
+                raise ExportError(
+                    f"{where}: {place} is {holder[key]!r} but {field} is {raw.get(field)!r}: SGLang "
+                    f"serves the {place} value, draftforge reads {field}; make them agree"
+                )
+    if "markov_head_type" not in raw and isinstance(raw.get("markov_rank"), int) and raw["markov_rank"] > 0:
+        raise ExportError(
+            f"{where}: no markov_head_type; SGLang's DSPARK loader refuses a draft with a Markov head "
+            "without one: add \"markov_head_type\" (vanilla, gated or rnn)"
+        )
+    for key in ("rope_is_neox_style", "is_neox_style"):
+        if key in raw and raw[key] is not True:
+            raise ExportError(
+                f"{where}: {key} is {raw[key]!r}, but draftforge's draft applies NeoX-style RoPE "
+                "(rotating halves) only; a server would rotate interleaved pairs"
+            )
 
 
 def _with_dflash_fields(raw: dict, where: str) -> dict:
