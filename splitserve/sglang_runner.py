@@ -45,6 +45,11 @@ import torch.multiprocessing as tmp
 
 from draftforge.splitserve.sglang_backend import SGLANG_VERSION, require_sglang
 
+# How long a stop waits for the tensor-parallel processes to finish their batch and return
+# (together), before they get SIGTERM and, 10 s later, SIGKILL; the launcher's SIGKILL comes
+# supervisor.SGLANG_TERM_S (45 s) after its SIGTERM.
+STOP_WAIT_S = 30.0
+
 
 class FeatureRunner:
     """An SGLang ``ModelRunner`` with auxiliary-state capture, in this process (call it in a fresh one)."""
@@ -318,7 +323,9 @@ class FeatureRunnerProcess:
         """Stop the child processes: asked to, or at once with ``force`` (after a failure,
         when the others may be stuck in a collective with the one that failed). One still
         alive 10 s after SIGTERM is killed: waiting in a collective, a child never runs a
-        Python handler it installed for the signal."""
+        Python handler it installed for the signal. A stop waits ``STOP_WAIT_S`` for all of them
+        together, so a close takes at most that plus 10 s (the launcher's SIGKILL comes 45 s
+        after its SIGTERM with an SGLang target)."""
         if not force:
             for conn, process in zip(self._conns, self._processes, strict=True):
                 if process.is_alive():
@@ -326,8 +333,9 @@ class FeatureRunnerProcess:
                         conn.send(("stop",))
                     except (BrokenPipeError, OSError):
                         pass
+            deadline = time.monotonic() + STOP_WAIT_S  # one wait for them all, not 30 s each
             for process in self._processes:
-                process.join(timeout=30)
+                process.join(timeout=max(0.0, deadline - time.monotonic()))
         for conn in self._conns:
             conn.close()  # an idle child reads the end of its pipe and returns
         for process in self._processes:
