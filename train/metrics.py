@@ -11,6 +11,7 @@ import re
 import secrets
 import subprocess
 import sys
+import time
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -90,7 +91,10 @@ def _read_segments(path: Path) -> list[dict]:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         record = exc
     if not isinstance(record, dict):
-        aside = path.with_name(path.name + ".unreadable")
+        aside, n = path.with_name(path.name + ".unreadable"), 1
+        while aside.exists():  # an earlier one set aside stays
+            n += 1
+            aside = path.with_name(f"{path.name}.unreadable.{n}")
         os.replace(path, aside)
         print(f"[trainer] warning: {path} is not a run record ({record!r:.80}); kept as {aside}, "
               "a new one started", flush=True)
@@ -119,14 +123,18 @@ def write_run_records(run_dir: Path, *, recipe_yaml: str | None, details: dict) 
     resolved recipe. Earlier segments stay as they were written.
 
     config.yaml is the newest segment's recipe. An earlier one that differs is kept as
-    ``config.<N>.yaml``, N the number (from 1) of the first segment that ran it, and the
-    segments that ran it say so."""
+    ``config.<N>.yaml``, N the number (from 1) of the first segment that ran it (the next free
+    number where that file exists: a run.json set aside restarts the count), and the segments
+    that ran it say so."""
     run_dir.mkdir(parents=True, exist_ok=True)
     segments = _read_segments(run_dir / RUN_FILE)
     saved = run_dir / CONFIG_FILE
     if recipe_yaml is not None and saved.is_file() and saved.read_text() != recipe_yaml:
         ran = [n for n, s in enumerate(segments, 1) if s.get("config", CONFIG_FILE) == CONFIG_FILE]
-        kept = f"config.{ran[0] if ran else len(segments)}.yaml"
+        number = ran[0] if ran else len(segments)
+        while (run_dir / f"config.{number}.yaml").exists():  # after a run.json set aside: not reused
+            number += 1
+        kept = f"config.{number}.yaml"
         write_atomic(run_dir / kept, saved.read_text())
         for n in ran:
             segments[n - 1]["config"] = kept
@@ -287,9 +295,15 @@ class Progress:
         self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
                         disable=not enabled, file=sys.stderr,
                         mininterval=0.1 if sys.stderr.isatty() else 5.0)
+        self.started, self.tokens, self.tokens_s = time.perf_counter(), 0, 0.0
 
-    def update(self, *, loss: float, tau: float, tokens_s: float) -> None:
-        self.bar.set_postfix(loss=f"{loss:.4f}", tau=f"{tau:.3f}", tok_s=f"{tokens_s:.0f}", refresh=False)
+    def update(self, *, loss: float, tau: float, tokens: int) -> None:
+        """One step done: its loss and tau, and its ``tokens`` for tokens/s, which counts this
+        run's tokens over its wall time so far (waits and checkpoints included), as the
+        summary's does, not the last step's rate."""
+        self.tokens += tokens
+        self.tokens_s = self.tokens / max(time.perf_counter() - self.started, 1e-9)
+        self.bar.set_postfix(loss=f"{loss:.4f}", tau=f"{tau:.3f}", tok_s=f"{self.tokens_s:.0f}", refresh=False)
         self.bar.update(1)
 
     def write(self, text: str) -> None:
@@ -305,7 +319,7 @@ def format_summary(summary: dict) -> str:
         f"training summary: step {summary['step']}/{summary['total_steps']} "
         f"({summary['steps_this_run']} this run, {summary['skipped_steps']} skipped), "
         f"stop: {summary['stopped_reason']}\n"
-        f"  loss {summary['loss']:.4f}  tau {summary['tau']:.3f} (mean of the last logged steps)  "
+        f"  loss {summary['loss']:.4f}  tau {summary['tau']:.3f} (mean of the last train.log_interval applied steps)  "
         f"per-slot acceptance [{slots}]\n"
         f"  {summary['tokens']} tokens in {summary['elapsed_s']:.1f} s ({summary['tokens_s']:.0f} tokens/s); "
         f"waiting for data {summary['wait_s']:.1f} s, computing {summary['compute_s']:.1f} s\n"

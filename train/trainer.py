@@ -635,7 +635,9 @@ class Trainer:
                              resume_step=self.step)
             progress = Progress(total=train.steps, initial=self.step)
             # A resumed run's summary covers the same last steps as an uninterrupted run's.
-            applied = [r for r in log.earlier if not r.get("skipped") and "slot_acceptance" in r]
+            earlier, log.earlier = log.earlier, []  # read once here, not held for the whole run
+            applied = [r for r in earlier if not r.get("skipped") and "slot_acceptance" in r]
+            del earlier
             window = applied[-train.log_interval:]
             # the first steps' acceptance: of the first step that supervised anything
             measured = [r for r in applied if r.get("block_tokens", 1)]
@@ -682,7 +684,7 @@ class Trainer:
                     if result.steps_run == 1:  # an earlier segment's summary no longer describes the run
                         (self.run_dir / SUMMARY_FILE).unlink(missing_ok=True)
                         (self.run_dir / PLOT_FILE).unlink(missing_ok=True)  # nor its plot
-                    progress.update(loss=record["loss"], tau=record["tau"], tokens_s=record["tokens_s"])
+                    progress.update(loss=record["loss"], tau=record["tau"], tokens=record["tokens"])
                     if self.step % train.log_interval == 0 or not applied:
                         progress.write(self._log_line(record))
                 if on_step is not None:
@@ -864,13 +866,19 @@ class Trainer:
             "trainer_ranks": self.world, "strategy": self.train.strategy,
         }
         # A rerun of a finished run keeps its summary; one that finds none (stopped between
-        # its last checkpoint and the summary) writes it from the logged steps.
-        if self.is_main and (result.steps_run or not (self.run_dir / SUMMARY_FILE).exists()):
+        # its last checkpoint and the summary), or no plot, writes them from the logged steps.
+        missing = not (self.run_dir / SUMMARY_FILE).exists() or (window and not (self.run_dir / PLOT_FILE).exists())
+        if self.is_main and (result.steps_run or missing):
             write_summary(self.run_dir, summary)
             if window:
                 from draftforge.train.plots import plot_slot_acceptance
 
-                plot_slot_acceptance(self.run_dir / PLOT_FILE, final=slots, first=first_slots,
-                                     tau=summary["tau"])
+                try:
+                    plot_slot_acceptance(self.run_dir / PLOT_FILE, final=slots, first=first_slots,
+                                         tau=summary["tau"])
+                except Exception as exc:  # noqa: BLE001 - a trained run does not fail on its picture
+                    print(f"[trainer] warning: could not draw {self.run_dir / PLOT_FILE} "
+                          f"({type(exc).__name__}: {exc}); the figures are in {SUMMARY_FILE}; "
+                          "rerun the same command to draw it", flush=True)
             print(format_summary(summary), flush=True)
         return summary
