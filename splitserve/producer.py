@@ -58,6 +58,7 @@ from draftforge.data.loading import RESERVED_ID_MARK
 from draftforge.errors import InputError
 from draftforge.splitserve.accounting import Meter
 from draftforge.splitserve.balance import PackedBalance
+from draftforge.splitserve.transport import settle
 
 if TYPE_CHECKING:
     from draftforge.config import RecipeConfig
@@ -446,6 +447,7 @@ class SampleSource:
                 mask[row, : len(t.input_ids)] = 1
             with self.meter.busy("features"):
                 feats = self.engine.features(ids, mask)
+                settle(feats.final.device)  # a GPU forward returns before it is done
             self.meter.add_tokens(int(mask.sum()))
             for row, t in enumerate(group):
                 n = len(t.input_ids)

@@ -148,6 +148,14 @@ def _check_header(head: list[int], src: int, expected: Iterable[int]) -> int:
     return head[1]
 
 
+def settle(device: torch.device | str) -> None:
+    """Wait for the work queued on ``device`` when it is a GPU (a no-op on the CPU, where gloo
+    and the tensor ops return when done), so that a meter's block holds the time of its work."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _send(tensor: torch.Tensor, dst: int, group, role: str, doing: str) -> None:
     try:
         dist.send(tensor.contiguous(), dst=dst, group=group)
@@ -222,15 +230,23 @@ def send_sample(
 
     ``meter`` (an accounting ``Meter``): the header's send counts as idle ("turn"), since it
     waits until the trainer posts the matching receive (a trainer fed by several producers
-    receives from them in turn); the ints and features as busy ("send")."""
+    receives from them in turn); the copies to the device and the ints' and features' sends as
+    busy ("send"). On a GPU each part waits for its stream (:func:`settle`), or its time would
+    show up in the next part's: NCCL's send and a tensor's copy return before the work is done."""
     fields, dropped, ints, feats = encode_sample(sample_id, input_ids, loss_mask, aux, final, dropped_ids)
     doing = f"sending sample {sample_id!r}"
-    head = _header(SAMPLE, [*fields, seq_no, *stats, int(chunk_end), *dropped], device)
+    busy = (lambda: meter.busy("send")) if meter is not None else contextlib.nullcontext
+    with busy():  # the copies to the device, and whatever the stream still held before them
+        head = _header(SAMPLE, [*fields, seq_no, *stats, int(chunk_end), *dropped], device)
+        ints, feats = ints.to(device), feats.to(device)
+        settle(device)
     with meter.idle("turn") if meter is not None else contextlib.nullcontext():
         _send(head, dst, group, "trainer", doing)
-    with meter.busy("send") if meter is not None else contextlib.nullcontext():
-        _send(ints.to(device), dst, group, "trainer", doing)
-        _send(feats.to(device), dst, group, "trainer", doing)
+        settle(device)  # NCCL's send returns at once: its wait for the trainer ends here
+    with busy():
+        _send(ints, dst, group, "trainer", doing)
+        _send(feats, dst, group, "trainer", doing)
+        settle(device)
 
 
 def send_end(dst: int, *, group=None, device: torch.device | str = "cpu") -> None:
