@@ -304,9 +304,12 @@ class ConsumerAccounting:
         self._last = self._totals()
         self._last_window = s
         p, c, q = s["producer"], s["consumer"], s["queue"]
+        # no sample header arrived in the interval (a long generation chunk): no report, not zeros
+        target = ("target: no report this interval (no sample arrived)" if p["wall_s"] <= 0 else
+                  f"target busy {p['busy_share']:.0%} idle {p['idle_share']:.0%} "
+                  f"{p['rate_tok_s']:.0f} tok/s (capacity {p['capacity_tok_s']:.0f})")
         return (
-            f"split (last interval): target busy {p['busy_share']:.0%} idle {p['idle_share']:.0%} "
-            f"{p['rate_tok_s']:.0f} tok/s (capacity {p['capacity_tok_s']:.0f}) | "
+            f"split (last interval): {target} | "
             f"trainer busy {c['busy_share']:.0%} idle {c['idle_share']:.0%} "
             f"{c['rate_tok_s']:.0f} tok/s (capacity {c['capacity_tok_s']:.0f}) | "
             f"queue {q['mean']:.1f} avg {q['max']} max of {q['credits']}"

@@ -51,3 +51,24 @@ def test_settle_waits_for_a_gpu_only(monkeypatch):
     assert calls == []
     transport.settle("cuda:1")
     assert calls == [torch.device("cuda:1")]
+
+
+def test_an_interval_without_a_producer_report_says_so_instead_of_zeros(monkeypatch):
+    """A long generation chunk can leave a log interval with no sample header: the line read
+    'target busy 0% idle 0% 0 tok/s (capacity 0)' while the target was busy the whole time."""
+    import types
+
+    from draftforge.splitserve import accounting
+
+    clock = [0.0]
+    monkeypatch.setattr(accounting, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    acc = accounting.ConsumerAccounting(world=2, num_target=1, credits=4)
+    acc.on_producer_stats(0, {"busy_s": 8.0, "idle_s": 2.0, "tokens": 500, "wall_s": 10.0})
+    acc.on_take(depth=1, tokens=500, waited_s=0.0)
+    clock[0] = 10.0
+    acc.on_step({"sample_ids": [], "compute_s": 5.0, "wait_s": 5.0})
+    first = acc.line()
+    assert "target busy 80% idle 20% 50 tok/s (capacity 62)" in first
+    clock[0] = 20.0
+    acc.on_step({"sample_ids": [], "compute_s": 5.0, "wait_s": 5.0})  # no header since
+    assert "split (last interval): target: no report this interval (no sample arrived) | trainer busy" in acc.line()
