@@ -123,6 +123,13 @@ def side_summary(busy_s: float, idle_s: float, wall_s: float, tokens: float) -> 
     }
 
 
+def _other(side: dict, spec: str) -> str:
+    """The share of a trainer's wall time that is neither a step's compute nor its wait for
+    data (checkpoint saves and logging between steps), when it is 1 % or more."""
+    other = 1.0 - side["busy_share"] - side["idle_share"]
+    return f" other {other:{spec}} (checkpoints, logging)" if other >= 0.01 else ""
+
+
 def feed_rate(num_producers: int, num_trainers: int, producer_capacity: float) -> float:
     """Tokens/s that ``num_producers`` producers of ``producer_capacity`` each can feed
     ``num_trainers`` trainers, which step in lockstep on equal shares of the data
@@ -310,7 +317,7 @@ class ConsumerAccounting:
                   f"{p['rate_tok_s']:.0f} tok/s (capacity {p['capacity_tok_s']:.0f})")
         return (
             f"split (last interval): {target} | "
-            f"trainer busy {c['busy_share']:.0%} idle {c['idle_share']:.0%} "
+            f"trainer busy {c['busy_share']:.0%} idle {c['idle_share']:.0%}{_other(c, '.0%')} "
             f"{c['rate_tok_s']:.0f} tok/s (capacity {c['capacity_tok_s']:.0f}) | "
             f"queue {q['mean']:.1f} avg {q['max']} max of {q['credits']}"
         )
@@ -328,7 +335,7 @@ class ConsumerAccounting:
             f"  target  (per producer, as of the last sample taken): busy {p['busy_share']:.1%}  "
             f"idle {p['idle_share']:.1%}  "
             f"{p['tokens']} tokens  {p['rate_tok_s']:.0f} tok/s  capacity {p['capacity_tok_s']:.0f} tok/s",
-            f"  trainer (this rank): busy {c['busy_share']:.1%}  idle {c['idle_share']:.1%}  "
+            f"  trainer (this rank): busy {c['busy_share']:.1%}  idle {c['idle_share']:.1%}{_other(c, '.1%')}  "
             f"{c['tokens']} tokens  {c['rate_tok_s']:.0f} tok/s  capacity {c['capacity_tok_s']:.0f} tok/s",
             f"  queue depth: mean {q['mean']:.2f}, max {q['max']} (credits {q['credits']})",
             f"  {self._verdict(p, c, rec)}",

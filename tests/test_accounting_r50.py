@@ -1,4 +1,5 @@
-"""Session 50: on a GPU each metered part of a send waits for its stream."""
+"""Session 50: the split accounting on a GPU (each metered part waits for its stream), intervals
+without a producer report, and a trainer's time between steps."""
 
 from __future__ import annotations
 
@@ -72,3 +73,23 @@ def test_an_interval_without_a_producer_report_says_so_instead_of_zeros(monkeypa
     clock[0] = 20.0
     acc.on_step({"sample_ids": [], "compute_s": 5.0, "wait_s": 5.0})  # no header since
     assert "split (last interval): target: no report this interval (no sample arrived) | trainer busy" in acc.line()
+
+
+def test_a_trainers_time_between_steps_is_shown_as_other_not_left_out(monkeypatch):
+    """A checkpoint save between two steps is neither compute nor wait: the interval read
+    'trainer busy 40% idle 20%' with the rest unexplained."""
+    import types
+
+    from draftforge.splitserve import accounting
+
+    clock = [0.0]
+    monkeypatch.setattr(accounting, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    acc = accounting.ConsumerAccounting(world=2, num_target=1, credits=4)
+    acc.on_producer_stats(0, {"busy_s": 8.0, "idle_s": 2.0, "tokens": 500, "wall_s": 10.0})
+    clock[0] = 10.0
+    acc.on_step({"sample_ids": [], "compute_s": 4.0, "wait_s": 2.0})  # 4 s went to a save
+    assert "trainer busy 40% idle 20% other 40% (checkpoints, logging) " in acc.line()
+    assert "trainer (this rank): busy 40.0%  idle 20.0% other 40.0% (checkpoints, logging)" in acc.summary_text()
+    clock[0] = 20.0
+    acc.on_step({"sample_ids": [], "compute_s": 7.0, "wait_s": 3.0})
+    assert "trainer busy 70% idle 30% 0 tok/s" in acc.line()  # nothing else: no 'other'
