@@ -106,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from draftforge.eval.calibration import calibrate, pooled_ece, write_calibration
+    from draftforge.eval.demo_report import host_description
     from draftforge.eval.harness import EvalSettings, macro, run_workload, target_context
     from draftforge.eval.report import draft_kind, write_report
     from draftforge.eval.speculative import LosslessCheckError
@@ -117,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         spread_placement,
     )
     from draftforge.splitserve.target import build_target
+    from draftforge.train.metrics import git_revision
 
     eval_cfg, target_cfg, target_gpus = EvalConfig(), None, None
     if args.recipe:
@@ -314,6 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "block_size": draft_cfg.block_size,
         "draft_kind": draft_kind(draft_cfg),
         "wall_s": time.perf_counter() - started,
+        "host": host_description(),  # where it was measured (draftforge demo prints it)
+        "draftforge_revision": git_revision(),
     }
     samples = [s for r in results for s in r.confidence_samples]
     # calibrate holds out whole prompts: each sample's (workload, prompt)

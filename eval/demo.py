@@ -357,6 +357,7 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
                  if data_ran_out(run_dir) == checkpoints[what]},
         skip_train=args.skip_train, devices=recorded_devices(dspark_report, dflash_report),
         prompts={name: entry["num_prompts"] for name, entry in dspark_report["workloads"].items()},
+        reports=(dspark_report, dflash_report),
     )  # fmt: skip
     write_atomic(paths.table, text)
     stages.done(since)

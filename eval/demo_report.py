@@ -111,9 +111,9 @@ def recorded_devices(*reports: dict) -> list[str]:
     return list(dict.fromkeys(devices))
 
 
-def _machine(devices: Sequence[str]) -> str:
-    """The machine, with the devices the evaluations recorded (``draftforge eval --device
-    auto`` takes a GPU where one is visible)."""
+def host_description() -> str:
+    """This machine: its usable cores, CPU model and native bf16 extensions, and its system
+    (``draftforge eval`` records it in report.json)."""
     model = platform.processor() or platform.machine()
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
@@ -125,13 +125,39 @@ def _machine(devices: Sequence[str]) -> str:
             break
     flags = cpu_bf16_flags(cpuinfo)
     bf16 = f"native bf16: {', '.join(flags)}" if flags else "no native bf16"
+    return f"{usable_cores()} cores ({model}, {bf16}), {platform.system()}"
+
+
+def _machine(devices: Sequence[str], reports: Sequence[dict] = ()) -> str:
+    """The machine the evaluations recorded (this one where they recorded none: reports written
+    before they did), with the devices they ran on (``draftforge eval --device auto`` takes a
+    GPU where one is visible)."""
+    hosts = list(dict.fromkeys(r["host"] for r in reports if r.get("host")))
+    if not hosts:
+        host = host_description() + (" (this machine: the evaluations recorded none)" if reports else "")
+    else:
+        host = "; ".join(hosts)
     if not devices:
         evaluated = "the evaluations' device not recorded"
     elif all(d == "cpu" for d in devices):
         evaluated = "evaluated on the CPU, no GPU used"
     else:
         evaluated = f"evaluated on {', '.join(devices)}"
-    return f"{usable_cores()} cores ({model}, {bf16}), {platform.system()}, {evaluated}"
+    return f"{host}, {evaluated}"
+
+
+def code_line(reports: Sequence[dict]) -> str:
+    """The draftforge revision the evaluations ran at, and a warning where it is not this
+    checkout's: a rerun that finds every stage done prints the table it measured then."""
+    from draftforge.train.metrics import git_revision
+
+    now = git_revision()
+    measured = list(dict.fromkeys(r.get("draftforge_revision") or "not recorded" for r in reports))
+    line = f"Code: draftforge {now or 'installed copy (no git revision)'}"
+    if measured and measured != [now]:
+        line += (f"; the evaluations ran at {', '.join(measured)}: not this code's figures "
+                 "(`draftforge demo --force --skip-train` measures them again)")
+    return line + "."
 
 
 SAME_SITTING_S = 3600  # evaluations finished closer together than this get one date
@@ -183,6 +209,7 @@ def demo_markdown(
     skip_train: bool = False,
     devices: Sequence[str] = (),
     prompts: dict[str, int] | None = None,
+    reports: Sequence[dict] = (),
 ) -> str:
     """demo.md: the table with the command, date, machine and what the numbers mean;
     ``prompts``: the prompts each workload was evaluated on (report.json), fewer than
@@ -190,7 +217,8 @@ def demo_markdown(
     ``trained``: the steps of the checkpoint each draft was evaluated at, short of the
     recipe's where ``stopped`` names the draft's stop reason (``data_exhausted``: its
     training ran out of data) or ``skip_train`` evaluated an unfinished run; ``devices``:
-    where the evaluations ran (:func:`recorded_devices`)."""
+    where the evaluations ran (:func:`recorded_devices`); ``reports``: the two evaluations'
+    report.json, for the machine and the code revision they recorded."""
     steps = cfg.train.steps
     budget = f"Both drafts: {steps} steps of the recipe"
     if trained and any(n != steps for n in trained.values()):
@@ -216,7 +244,8 @@ def demo_markdown(
             f"# draftforge demo: {cfg.name}",
             "",
             f"Command: `{command}`  ",
-            f"Measured: {measured}; machine: {_machine(devices)}.",
+            f"Measured: {measured}; machine: {_machine(devices, reports)}.  ",
+            code_line(reports),
             "",
             f"Target `{cfg.target.model}` (evaluated in float32), greedy decoding (checked lossless "
             f"against plain decoding), {verified}, {_prompts_text(num_prompts, prompts)}, up to {max_new_tokens} new "

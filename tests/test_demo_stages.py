@@ -140,7 +140,7 @@ def test_the_machine_line_says_where_the_evaluations_ran(monkeypatch):
     def machine(*reports):
         text = demo_report.demo_markdown("TABLE", command="c", cfg=cfg, paths=paths, num_prompts=2, max_new_tokens=8,
                                   block_size=4, devices=demo_report.recorded_devices(*reports))  # fmt: skip
-        return next(line for line in text.splitlines() if line.startswith("Measured: "))
+        return next(line.rstrip() for line in text.splitlines() if line.startswith("Measured: "))
 
     on_gpu = machine({"device": "cuda:0", "target_devices": ["cuda:0"]}, {"device": "cuda:0"})
     assert on_gpu.endswith(", evaluated on cuda:0.") and "no GPU" not in on_gpu

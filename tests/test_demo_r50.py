@@ -1,0 +1,67 @@
+"""Session 50: demo.md says which machine and which code the evaluations measured."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _text(monkeypatch, reports, now="abc123"):
+    from draftforge.config import load_recipe
+    from draftforge.eval import demo, demo_report
+    from draftforge.train import metrics
+
+    cfg = load_recipe(ROOT / "recipes" / "tiny-debug.yaml")
+    paths = demo.demo_paths(cfg.model_copy(update={"train": cfg.train.model_copy(
+        update={"output_dir": "/nonexistent/run"})}))
+    monkeypatch.setattr(demo_report, "measured_when", lambda *stamps: "then")
+    monkeypatch.setattr(metrics, "git_revision", lambda source=None: now)
+    return demo_report.demo_markdown("TABLE", command="c", cfg=cfg, paths=paths, num_prompts=2,
+                                     max_new_tokens=8, block_size=4, devices=["cpu"], reports=reports)
+
+
+def test_the_table_names_the_machine_and_code_the_evaluations_recorded(monkeypatch):
+    """A rerun that finds every stage done prints the table measured then: after a pull, or on
+    another machine, it showed the old figures under this machine's description and without
+    a word about the code that produced them."""
+    recorded = [{"host": "2 cores (Xeon X, native bf16: amx_bf16), Linux", "draftforge_revision": "abc123"}] * 2
+    text = _text(monkeypatch, recorded)
+    assert "machine: 2 cores (Xeon X, native bf16: amx_bf16), Linux, evaluated on the CPU" in text
+    assert "Code: draftforge abc123." in text
+
+    moved = _text(monkeypatch, recorded, now="def456")
+    assert ("Code: draftforge def456; the evaluations ran at abc123: not this code's figures "
+            "(`draftforge demo --force --skip-train` measures them again).") in moved
+
+    older = _text(monkeypatch, [{}, {}])  # reports written before they recorded either
+    assert "(this machine: the evaluations recorded none), evaluated on the CPU" in older
+    assert "the evaluations ran at not recorded: not this code's figures" in older
+
+
+def test_eval_records_its_host_and_revision(tmp_path):
+    import json
+    import re
+
+    from eval_helpers import random_prompts, tiny_eval_draft
+
+    from draftforge.config import load_recipe
+    from draftforge.eval.cli import main
+    from draftforge.eval.demo_report import host_description
+    from draftforge.splitserve.target import build_target
+    from draftforge.train.export import export_draft
+    from draftforge.train.metrics import git_revision
+
+    recipe_path = tmp_path / "tiny.yaml"
+    recipe_path.write_text(re.sub(r"vocab_size: 49152.*", "vocab_size: 512",
+                                  (ROOT / "recipes" / "tiny-debug.yaml").read_text()))
+    recipe = load_recipe(recipe_path)
+    target = build_target(recipe.target, recipe.draft.target_layer_ids)
+    export_dir = export_draft(tiny_eval_draft(target), tmp_path / "export", progress=lambda _: None)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"workload": "w", "input_ids": random_prompts(1)[0]}) + "\n")
+    assert main([str(export_dir), "--recipe", str(recipe_path), "--prompts-file", str(prompts),
+                 "--max-new-tokens", "4", "--out", str(tmp_path / "r"), "--no-estimate"]) == 0
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert report["host"] == host_description()
+    assert report["draftforge_revision"] == git_revision()
