@@ -143,8 +143,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)  # a wrong option: argparse's usage error, status 2
     # SIGTERM unwinds like Ctrl-C, so the running stage (a whole training job) is stopped too
-    with unwinding_on_sigterm("\ndraftforge demo", RERUN_WITHOUT_FORCE if args.force else
-                              "rerun the same command to continue (finished stages are skipped)"):
+    def hint() -> str:  # --force's deletions done or not: a rerun without it would keep the rest
+        if getattr(args, "forced", False):
+            return RERUN_WITHOUT_FORCE
+        if args.force:
+            return "rerun the same command (with --force: the earlier outputs were not all deleted yet)"
+        return "rerun the same command to continue (finished stages are skipped)"
+
+    with unwinding_on_sigterm("\ndraftforge demo", hint):
         try:
             return run_demo(args, command=" ".join(["draftforge demo", *map(shlex.quote, argv)]))
         except DemoError as err:

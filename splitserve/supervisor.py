@@ -60,14 +60,16 @@ def _stop_on_sigterm(signum: int, frame: object) -> None:
 
 
 @contextlib.contextmanager
-def unwinding_on_sigterm(lead: str, hint: str) -> Iterator[None]:
+def unwinding_on_sigterm(lead: str, hint: str | Callable[[], str]) -> Iterator[None]:
     """Within it, SIGTERM unwinds like Ctrl-C (:class:`JobInterrupted`), so ``finally`` blocks
-    stop child processes; a stop prints ``LEAD: stopped on SIGNAL; HINT`` and propagates."""
+    stop child processes; a stop prints ``LEAD: stopped on SIGNAL; HINT`` and propagates
+    (``hint`` called then, where it depends on how far the work got)."""
     previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         yield
     except JobInterrupted as stop:
-        print(f"{lead}: stopped on {signal.Signals(stop.signum).name}; {hint}", file=sys.stderr, flush=True)
+        said = hint() if callable(hint) else hint
+        print(f"{lead}: stopped on {signal.Signals(stop.signum).name}; {said}", file=sys.stderr, flush=True)
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)

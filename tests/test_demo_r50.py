@@ -65,3 +65,28 @@ def test_eval_records_its_host_and_revision(tmp_path):
     report = json.loads((tmp_path / "r" / "report.json").read_text())
     assert report["host"] == host_description()
     assert report["draftforge_revision"] == git_revision()
+
+
+def test_a_stop_while_force_deletes_says_to_rerun_with_force(monkeypatch, capsys):
+    """The hint was fixed when the demo started: 'rerun without --force' also for a stop in the
+    middle of --force's deletions, after which a rerun without it kept the earlier DFlash run
+    beside a DSpark run trained anew."""
+    import signal
+
+    import pytest
+
+    from draftforge.eval import demo
+    from draftforge.splitserve.supervisor import JobInterrupted
+
+    def stopped(args, command, *, deleted):
+        args.forced = deleted  # run_demo sets it once every earlier output is deleted
+        raise JobInterrupted(signal.SIGTERM)
+
+    for deleted, said in [(False, "rerun the same command (with --force: the earlier outputs were not all "
+                                   "deleted yet)"),
+                          (True, demo.RERUN_WITHOUT_FORCE)]:
+        monkeypatch.setattr(demo, "run_demo", lambda args, command, deleted=deleted: stopped(
+            args, command, deleted=deleted))
+        with pytest.raises(JobInterrupted):
+            demo.main(["--force"])
+        assert f"draftforge demo: stopped on SIGTERM; {said}" in capsys.readouterr().err
