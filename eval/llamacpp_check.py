@@ -398,7 +398,7 @@ def _check_llamacpp_can_run(draft_dir: Path, raw_cfg: dict) -> None:
     defaults are that function's (SGLang's)."""
     from draftforge.train.export import llamacpp_blockers
 
-    confidence = raw_cfg.get("enable_confidence_head", False)
+    confidence = raw_cfg.get("enable_confidence_head", True)  # absent: enabled, as SGLang reads it
     blockers = llamacpp_blockers({
         "markov_head_type": raw_cfg.get("markov_head_type", "vanilla"),
         "enable_confidence_head": confidence,

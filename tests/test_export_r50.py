@@ -94,3 +94,16 @@ def test_the_same_values_in_sglangs_places_and_absent_sizes_load_as_qwen3_defaul
     absent = _serving(tmp_path, head_dim=None, max_position_embeddings=None)
     assert (absent.head_dim, absent.max_position_embeddings) == (
         Qwen3Config().head_dim, Qwen3Config().max_position_embeddings) == (128, 32768)
+
+
+def test_the_llamacpp_check_reads_an_absent_confidence_flag_as_enabled(tmp_path):
+    """Its up-front refusal took an absent enable_confidence_head as false, where loading takes it
+    as true (SGLang's reading): a head without the Markov input then went past the refusal into
+    minutes of fetching, building and converting, to fail at every prompt."""
+    from draftforge.errors import InputError
+    from draftforge.eval.llamacpp_check import _check_llamacpp_can_run
+
+    raw = {"markov_head_type": "vanilla", "markov_rank": 16, "confidence_head_with_markov": False}
+    with pytest.raises(InputError, match="llama.cpp cannot run this draft"):
+        _check_llamacpp_can_run(tmp_path, raw)
+    _check_llamacpp_can_run(tmp_path, {**raw, "enable_confidence_head": False})  # no head: runs

@@ -22,11 +22,13 @@ This module is the only writer of the serving format (contract section 4):
 
 ``with_embeddings`` and llama.cpp: the converter drops a full-vocabulary
 ``lm_head.weight`` and keeps ``embed_tokens.weight`` as ``token_embd``, which the
-runtime then uses as a tied output head. That is right for a tied target only; for an
-untied one (embedding != lm_head) config.json carries ``has_embed_tokens: false``,
-which makes the converter drop the embedding too, so the GGUF uses the target's
-embedding and output head. SGLang reads that key only to recognise one quantised
-Nemotron layout, where ``false`` is its default.
+runtime then uses as the draft's embedding and tied output head instead of the
+target's. That would be the target's own only for a tied target and a bit-equal copy
+(a bf16 export rounds an fp32 target's), so every ``with_embeddings`` export's
+config.json carries ``has_embed_tokens: false``, which makes the converter drop the
+embedding too: the GGUF uses the target's embedding and output head, as SGLang does.
+SGLang reads that key only to recognise one quantised Nemotron layout, where
+``false`` is its default.
 
 DSpark needs the Markov head: SGLang refuses ``markov_rank: 0``, so the DFlash
 ablation (``markov_rank 0``) is not exportable; evaluate it from its training
@@ -176,13 +178,13 @@ def check_tensors(
 
 
 def serving_config(
-    cfg: DSparkConfig, *, arch: str, dtype: torch.dtype, untied_embeddings: bool = False
+    cfg: DSparkConfig, *, arch: str, dtype: torch.dtype, with_embeddings: bool = False
 ) -> dict:
     """The exported config.json for ``cfg`` (contract section 4).
 
-    ``untied_embeddings``: the export holds an embedding and an lm_head that differ;
-    ``has_embed_tokens: false`` then keeps llama.cpp's converter from turning the
-    embedding into the draft's output head (module docstring).
+    ``with_embeddings``: the export holds copies of the target's embedding and lm_head;
+    ``has_embed_tokens: false`` then keeps llama.cpp's converter from serving the copy as the
+    draft's embedding and output head in place of the target's (module docstring).
     """
     if arch not in ARCHITECTURES:
         raise ExportError(f"unknown architecture {arch!r}; valid: {', '.join(ARCHITECTURES)}")
@@ -245,7 +247,7 @@ def serving_config(
             "mask_token_id": cfg.mask_token_id,
         },
     }
-    if untied_embeddings:
+    if with_embeddings:
         config["has_embed_tokens"] = False
     return config
 
@@ -330,19 +332,18 @@ def export_draft(
         own = {t.dtype for name, t in state.items() if name not in EMBEDDING_KEYS}
         if len(own) == 1:
             state.update({name: state[name].to(next(iter(own))) for name in EMBEDDING_KEYS})
-    untied = with_embeddings and not torch.equal(state["embed_tokens.weight"], state["lm_head.weight"])
     state, cfg = ascending_target_layers(state, cfg, progress=progress)
     # the key table first: a stray tensor of another dtype is an unexpected tensor, not "mixed dtypes"
     check_tensors(state, cfg, with_embeddings=with_embeddings, where="the draft's state dict")
-    config = serving_config(cfg, arch=arch, dtype=_common_dtype(state), untied_embeddings=untied)
+    config = serving_config(cfg, arch=arch, dtype=_common_dtype(state), with_embeddings=with_embeddings)
     blockers = llamacpp_blockers(config)
     if blockers:
         progress(f"warning: llama.cpp cannot run this draft ({'; '.join(blockers)}); serve it with "
                  "SGLang (the model card gives no llama.cpp commands)")
-    elif untied:
-        progress("with_embeddings: the target's embedding and lm_head differ (untied); config.json "
-                 "sets has_embed_tokens false so llama.cpp's converter leaves both out of the GGUF "
-                 "and llama.cpp uses the target's own")
+    elif with_embeddings:
+        progress("with_embeddings: config.json sets has_embed_tokens false so llama.cpp's converter "
+                 "leaves the copies out of the GGUF and llama.cpp uses the target's own embedding "
+                 "and output head, as SGLang does")
 
     out = Path(out_dir).expanduser().resolve()
     check_destination(out)
@@ -546,9 +547,10 @@ def _serving_section(config: dict) -> list[str]:
         ]
     if config.get("has_embed_tokens") is False:
         lines += [
-            "The export holds the target's untied embedding and lm_head; `has_embed_tokens: false` "
-            "makes llama.cpp's converter leave both out, so the GGUF uses the target's own (it "
-            "would otherwise use the embedding as the draft's output head).",
+            "The export holds copies of the target's embedding and lm_head; `has_embed_tokens: "
+            "false` makes llama.cpp's converter leave both out, so the GGUF uses the target's own, "
+            "as SGLang does (it would otherwise serve the embedding copy as the draft's embedding "
+            "and output head).",
             "",
         ]
     return lines
