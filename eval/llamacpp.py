@@ -204,6 +204,10 @@ class SpecRun:
     accepted: int
     text: str  # the generated text, without the prompt and the end-of-turn token
     round_log: list[tuple[int, int, int]] = field(default_factory=list)  # (accepted, drafted, last token)
+    # each round's drafted tokens, in slot order (the draft's first candidate at each slot, as the
+    # -v log lists them; a round's first ``drafted`` of them were verified); empty where the log
+    # has no candidate lines that line up with its rounds
+    round_drafts: list[list[int]] = field(default_factory=list)
     # the tokens its vocabulary ends generation on (llama_vocab_is_eog): the end of turn and
     # others it finds by their text, such as <|endoftext|>
     end_tokens: set[int] = field(default_factory=set)
@@ -227,6 +231,28 @@ _STATS = {
 # the debug line each round logs (with -v)
 _ROUND = re.compile(r"accepted (\d+)/(\d+) draft tokens, the last target token is: \((\d+)\)")
 _END_TOKEN = re.compile(r"print_info: EOG token\s+=\s+(\d+) ")  # logged as each model's vocabulary loads
+# the debug lines a DSpark draft logs per slot (with -v, common/speculative.cpp): its three best
+# candidates; candidate 0 is the token drafted there
+_CANDIDATE = re.compile(r"draft candidate\s+0, pos\s+(\d+):\s+(-?\d+) ")
+
+
+def _round_drafts(stderr: str, rounds: int) -> list[list[int]]:
+    """Each round's drafted tokens from the candidate lines logged before its ``accepted`` line;
+    [] where they do not line up (a slot out of order, or not one group a round)."""
+    if _CANDIDATE.search(stderr) is None:  # a log without them (no -v, another spec type)
+        return []
+    drafts: list[list[int]] = []
+    current: list[int] = []
+    for line in stderr.splitlines():
+        if (found := _CANDIDATE.search(line)) is not None:
+            slot, token = int(found.group(1)), int(found.group(2))
+            if slot != len(current):
+                return []
+            current.append(token)
+        elif _ROUND.search(line) is not None:
+            drafts.append(current)
+            current = []
+    return drafts if len(drafts) == rounds else []
 
 
 def parse_run(stdout: str, stderr: str, prompt: str, *, bos: str | None = None) -> SpecRun:
@@ -235,7 +261,8 @@ def parse_run(stdout: str, stderr: str, prompt: str, *, bos: str | None = None) 
     stdout is ``"\\n\\n"``, the prompt, the generated text, then ``"\\n\\n"`` twice (after the
     loop and at exit); stderr carries the log with ``encoded N tokens``, ``n_predict``,
     ``n_drafted``, ``n_accept``, the vocabulary's ``EOG token`` ids and, with ``-v``, one
-    ``accepted A/D draft tokens`` line a round.
+    ``accepted A/D draft tokens`` line a round, after the ``draft candidate`` lines of the
+    round's block (:attr:`SpecRun.round_drafts`).
     ``bos``, the vocabulary's BOS text, only names the cause when llama.cpp echoes it before the
     prompt (a vocabulary that asks for one)."""
     stats = {}
@@ -258,6 +285,7 @@ def parse_run(stdout: str, stderr: str, prompt: str, *, bos: str | None = None) 
     run = SpecRun(text=stdout[len(head) : -len(tail)], round_log=rounds, end_tokens=end_tokens, **stats)
     if len(rounds) != run.rounds:  # also when the per-round lines (-v) are missing
         raise InputError(f"{TOOL} logged {len(rounds)} rounds but its totals imply {run.rounds}")
+    run.round_drafts = _round_drafts(stderr, len(rounds))
     return run
 
 

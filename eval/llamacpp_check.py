@@ -57,6 +57,7 @@ class Replay:
     accepted: int
     tokens: list[int]  # emitted, up to and including an end-of-turn token
     round_log: list[tuple[int, int, int]] = field(default_factory=list)  # (accepted, drafted, last token)
+    round_drafts: list[list[int]] = field(default_factory=list)  # each round's verified drafts
     # per round: the smallest top-1 minus top-2 logit among the target positions and the draft
     # slots whose choice decided the round (what a small numerical difference could flip)
     target_margins: list[float] = field(default_factory=list)
@@ -145,6 +146,7 @@ def replay(session, proposer, prompt: Sequence[int], *, max_new_tokens: int, eos
                 ended = True
                 break
         run.round_log.append((hits, len(drafts), run.tokens[-1]))
+        run.round_drafts.append(list(drafts))
         anchor = out[-1]
         if ended or run.predicted > max_new_tokens:
             return run
@@ -153,7 +155,8 @@ def replay(session, proposer, prompt: Sequence[int], *, max_new_tokens: int, eos
 @dataclass
 class PromptCheck:
     """One prompt decoded by both: ``status`` is ``agree`` (every round the same: drafted,
-    accepted, last token; and the same text), ``near-tie`` (the first round that differs is one
+    accepted, last token, and the drafted tokens where llama.cpp's log lists them; and the same
+    text), ``near-tie`` (the first round that differs is one
     where draftforge's target or draft had two choices within ``tie_tolerance`` logits, or a
     confidence logit that close to the ``p_min`` cut, that could have made the difference: float32
     arithmetic in a different order may go either way), ``differ``, or ``error`` (llama.cpp
@@ -175,7 +178,8 @@ def classify(theirs, ours: Replay, *, tie_tolerance: float, same_text: bool) -> 
     Rounds are compared in order. A differing round that is a near-tie but emits the same
     tokens (only the number drafted differs, from a confidence cut) is noted and the
     comparison goes on; one that accepts or emits differently ends it, since the rounds no
-    longer line up from there. Prompts of different lengths are not compared at all."""
+    longer line up from there. Prompts of different lengths are not compared at all. Where
+    every round and the text agree, the drafted tokens are compared (:func:`_compare_drafts`)."""
     if theirs.prompt_tokens != ours.prompt_tokens:  # llama-tokenize and the tool tokenized differently
         return "differ", (
             f"llama.cpp decoded a prompt of {theirs.prompt_tokens} tokens, draftforge one of "
@@ -200,7 +204,40 @@ def classify(theirs, ours: Replay, *, tie_tolerance: float, same_text: bool) -> 
         return "differ", f"llama.cpp decoded {len(theirs.round_log)} rounds, draftforge {len(ours.round_log)}"
     if not same_text:
         return "differ", "the same rounds but a different text"
+    drafted = _compare_drafts(theirs, ours, tie_tolerance)
+    if drafted is not None:
+        status, detail = drafted
+        if status == "differ":
+            return status, detail
+        notes.append(detail)
     return ("near-tie", "; ".join(notes)) if notes else ("agree", "")
+
+
+def _compare_drafts(theirs, ours: Replay, tolerance: float) -> tuple[str, str] | None:
+    """The drafted tokens themselves, round by round, where the rounds agree: the first round
+    whose drafts differ, as ``differ``, or as ``near-tie`` where draftforge's draft had its top two
+    logits within ``tolerance`` at the first differing slot (from there the Markov chain reads
+    another token); None where every verified draft is the same. Not compared where llama.cpp's
+    log had no candidate lines that line up with its rounds."""
+    drafts = getattr(theirs, "round_drafts", None) or []
+    if not drafts or len(drafts) != len(ours.round_drafts):
+        return None
+    for i, (log, mine) in enumerate(zip(drafts, ours.round_drafts, strict=True)):
+        if theirs.round_log[i] != ours.round_log[i]:
+            continue  # a near-tie round, said already
+        verified = log[: len(mine)]
+        if verified == mine:
+            continue
+        slot = next((k for k, (a, b) in enumerate(zip(verified, mine, strict=False)) if a != b), len(verified))
+        margins = ours.draft_slot_margins[i] if i < len(ours.draft_slot_margins) else []
+        margin = margins[slot] if slot < len(margins) else math.inf
+        where = (f"round {i + 1} of {len(ours.round_log)}, slot {slot}: llama.cpp drafted "
+                 f"{verified[slot] if slot < len(verified) else 'nothing'}, draftforge "
+                 f"{mine[slot] if slot < len(mine) else 'nothing'} (same accepted run and target token)")
+        if margin < tolerance:
+            return "near-tie", f"{where}: the draft's top two logits are {margin:.2g} apart"
+        return "differ", f"{where}; draft margin {margin:.3g}"
+    return None
 
 
 def _near_tie(ours: Replay, i: int, tolerance: float, theirs: tuple, mine: tuple) -> str | None:

@@ -431,6 +431,10 @@ def test_llamacpp_decodes_a_memorised_answer_as_draftforge_does(tmp_path):
     ours = replay(TargetSession(target.model, layer_ids), proposer, prompt, max_new_tokens=new_tokens, eos=eos)
     assert theirs.text == target.tokenizer.decode([t for t in ours.tokens if t not in eos])
     assert theirs.round_log == ours.round_log  # round for round: accepted, drafted, last token
+    # and the drafted tokens themselves, read off llama.cpp's -v candidate lines (session 50)
+    assert len(theirs.round_drafts) == len(ours.round_drafts) > 0
+    assert [log[: len(mine)] for log, mine in zip(theirs.round_drafts, ours.round_drafts, strict=True)] == ours.round_drafts
+    assert classify(theirs, ours, tie_tolerance=0.01, same_text=True) == ("agree", "")
     assert (theirs.prompt_tokens, theirs.predicted, theirs.drafted, theirs.accepted) == (
         ours.prompt_tokens, ours.predicted, ours.drafted, ours.accepted,
     )  # fmt: skip
