@@ -174,11 +174,15 @@ def check_trained_on(run_dir: Path, answers: str | None, what: str, *, skip_trai
                      regenerated: bool = True) -> None:
     """Refuse a run trained (or being trained) on other answers than the training data holds
     now: the regenerated file written again since (another machine's threads give other
-    answers in bf16), or with ``regenerated=False`` data.train_files edited since. Runs from
-    before the record are not checked."""
+    answers in bf16), or with ``regenerated=False`` data.train_files edited since. A run that
+    records none (trained before the record, or outside the demo) is not checked, and said."""
     try:
         recorded = json.loads((run_dir / ANSWERS_STAMP).read_text()).get("sha256")
     except (OSError, json.JSONDecodeError, AttributeError):
+        if answers is not None:
+            print(f"demo: note: {run_dir} records no answers it trained on (trained outside the demo, "
+                  f"or before it recorded them): the {what} draft is used unchecked; --force trains "
+                  "it again on these answers", flush=True)
         return
     if answers is not None and recorded != answers:
         raise DemoError(

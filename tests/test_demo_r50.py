@@ -90,3 +90,16 @@ def test_a_stop_while_force_deletes_says_to_rerun_with_force(monkeypatch, capsys
         with pytest.raises(JobInterrupted):
             demo.main(["--force"])
         assert f"draftforge demo: stopped on SIGTERM; {said}" in capsys.readouterr().err
+
+
+def test_a_run_without_an_answers_record_is_used_but_said(tmp_path, capsys):
+    """A run trained by hand into the demo's folder (as the recipe's comments suggest) records
+    no answers: the demo used it beside a DFlash run trained on other answers without a word."""
+    from draftforge.eval.demo_state import check_trained_on
+
+    check_trained_on(tmp_path, "abc", "DSpark")
+    out = capsys.readouterr().out
+    assert f"demo: note: {tmp_path} records no answers it trained on" in out
+    assert "the DSpark draft is used unchecked; --force trains it again" in out
+    check_trained_on(tmp_path, None, "DSpark")  # nothing to check against: nothing said
+    assert capsys.readouterr().out == ""
