@@ -132,6 +132,7 @@ def test_a_stopped_forced_demo_says_to_rerun_without_force(monkeypatch, capsys):
     assert "rerun without --force" in capsys.readouterr().err
 
     def stopped(args, command):
+        args.forced = args.force  # stopped after --force's deletions (before them: test_demo_r50)
         raise JobInterrupted(15)
 
     monkeypatch.setattr(demo, "run_demo", stopped)
