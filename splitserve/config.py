@@ -19,12 +19,12 @@ class TargetShape(Section):
     checked against the real config when given.
     """
 
-    num_hidden_layers: int = Field(gt=0, description="decoder layers of the target")
-    hidden_size: int = Field(gt=0, description="hidden size of the target")
-    vocab_size: int = Field(gt=0, description="vocabulary size (rows of embed_tokens)")
-    num_attention_heads: int = Field(default=4, gt=0, description="attention heads of the target")
-    num_key_value_heads: int = Field(default=2, gt=0, description="key/value heads of the target")
-    intermediate_size: int = Field(default=128, gt=0, description="MLP width of the target")
+    num_hidden_layers: int = Field(gt=0, le=4096, description="decoder layers of the target")
+    hidden_size: int = Field(gt=0, le=1 << 17, description="hidden size of the target")
+    vocab_size: int = Field(gt=0, le=1 << 24, description="vocabulary size (rows of embed_tokens)")
+    num_attention_heads: int = Field(default=4, gt=0, le=4096, description="attention heads of the target")
+    num_key_value_heads: int = Field(default=2, gt=0, le=4096, description="key/value heads of the target")
+    intermediate_size: int = Field(default=128, gt=0, le=1 << 20, description="MLP width of the target")
     max_position_embeddings: int = Field(
         default=2048,
         gt=0,

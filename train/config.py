@@ -17,23 +17,23 @@ class DraftConfig(Section):
     """The DSpark draft. Names match the exported config.json fields."""
 
     hidden_size: int = Field(
-        default=576, gt=0, description="the draft's width: the target's (it shares its embedding)"
+        default=576, gt=0, le=65536, description="the draft's width: the target's (it shares its embedding)"
     )
-    num_hidden_layers: int = Field(default=1, gt=0, description="decoder layers of the draft")
-    num_attention_heads: int = Field(default=8, gt=0, description="query heads per layer")
+    num_hidden_layers: int = Field(default=1, gt=0, le=256, description="decoder layers of the draft")
+    num_attention_heads: int = Field(default=8, gt=0, le=4096, description="query heads per layer")
     num_key_value_heads: int = Field(
-        default=8, gt=0, description="key/value heads per layer; divides num_attention_heads"
+        default=8, gt=0, le=4096, description="key/value heads per layer; divides num_attention_heads"
     )
-    head_dim: int | None = Field(default=None, gt=0, description="default: hidden_size / heads")
-    intermediate_size: int = Field(default=1536, gt=0, description="MLP width of each layer")
+    head_dim: int | None = Field(default=None, gt=0, le=4096, description="default: hidden_size / heads")
+    intermediate_size: int = Field(default=1536, gt=0, le=1 << 20, description="MLP width of each layer")
     target_layer_ids: list[int] = Field(
         default_factory=lambda: [1, 8, 15, 22, 28],
         description="target layers whose outputs feed the draft (layer i = HF hidden_states[i + "
         "1]); each below the target's last layer",
     )
-    block_size: int = Field(default=8, ge=2, description="draft tokens per block (gamma)")
+    block_size: int = Field(default=8, ge=2, le=256, description="draft tokens per block (gamma)")
     mask_token_id: int = Field(default=16, ge=0, description="an existing, unused target token id")
-    markov_rank: int = Field(default=64, ge=0, description="0 disables the Markov head (DFlash)")
+    markov_rank: int = Field(default=64, ge=0, le=65536, description="0 disables the Markov head (DFlash)")
     markov_head_type: Literal["vanilla", "gated", "rnn"] = Field(
         default="vanilla",
         description="vanilla: a rank-r table of next-token scores given the previous token; "
