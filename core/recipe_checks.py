@@ -398,6 +398,8 @@ def _check_split(cfg: RecipeConfig) -> list[Problem]:
                 ("split", "world_size"),
                 f"{world}: target_ranks and trainer_ranks must together cover 0..{world - 1} "
                 f"exactly ({'; '.join(detail)})",
+                # located where the ranks were given when world_size is left to its default
+                (("split", "trainer_ranks"), ("split", "target_ranks")),
             )
         )
     if not problems:

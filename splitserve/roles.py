@@ -131,9 +131,15 @@ def split_problems(
             "comm_backend gloo (or auto) for CPU trainers"
         )
     if wants_gpu and cuda_devices == 0:
+        # named by the key that asks for GPUs, so that the message points where it was set
+        asking = [key for key, asks in (("split.comm_backend", split.comm_backend == "nccl"),
+                                        ("split.target_devices", split.target_devices is not None),
+                                        ("split.trainer_devices", split.trainer_devices is not None)) if asks]
+        named = " / ".join("comm_backend nccl" if k == "split.comm_backend" else k.removeprefix("split.")
+                           for k in asking)
         problems.append(
-            "split: comm_backend nccl / target_devices / trainer_devices need CUDA GPUs and none "
-            "is visible; remove them to run on CPU (gloo)"
+            f"{asking[0]}: {named} {'needs' if len(asking) == 1 else 'need'} CUDA GPUs and none is "
+            f"visible; remove {'it' if len(asking) == 1 else 'them'} to run on CPU (gloo)"
         )
     if train.device == "cuda" and cuda_devices == 0 and trains_here:
         problems.append(

@@ -253,7 +253,7 @@ def test_a_trainer_node_without_the_targets_config_refuses_to_guess_its_rope_bas
     for args in (["--node-rank", "0"], ["--node-rank", "1", "target.shape.rope_theta=6e6"]):
         with pytest.raises(RecipeError) as err:
             train_main([TWO_NODE, *args, *rendezvous])
-        assert "rope_theta" not in str(err.value) and "need CUDA GPUs" in str(err.value)
+        assert "rope_theta" not in str(err.value) and "CUDA GPUs and none is visible" in str(err.value)
     assert not started
     # the dry run plans the job anyway and says what training would do; it compares a
     # checkpoint with no guessed draft (10000 would call node 1's own checkpoints foreign)

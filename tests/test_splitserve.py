@@ -246,7 +246,7 @@ def test_split_checks(tmp_path):
     problems = split_problems(cfg, world_size=3, cuda_devices=0)
     assert any("3 processes were started" in p for p in problems)
     gpu = load_recipe(recipe, ["split.trainer_devices=[0]"])
-    assert any("need CUDA GPUs" in p for p in split_problems(gpu, cuda_devices=0))
+    assert any("CUDA GPUs and none is visible" in p for p in split_problems(gpu, cuda_devices=0))
     auto = load_recipe(recipe, ["train.device=auto", "split.comm_backend=auto"])
     crowded = [p for p in split_problems(auto, cuda_devices=1) if "NCCL refuses two ranks" in p]
     assert crowded and "2 ranks on this node" in crowded[0] and "1 GPU(s) are visible" in crowded[0]
