@@ -85,6 +85,31 @@ def _line_column(text: str, position: int) -> tuple[int, int]:
     return text.count("\n", 0, position) + 1, position - start + 1
 
 
+def _yaml_hint(text: str, exc: yaml.MarkedYAMLError, mark) -> str:
+    """What a YAML syntax error usually means, where PyYAML's words do not say it: a tab (YAML
+    indents with spaces), or an invisible non-breaking space on the line (read as part of a
+    word, so 'key:\u00a0value' is no key)."""
+    hints = []
+    if "'\\t'" in (exc.problem or "") and exc.problem_mark is not None:
+        hints.append(f"a tab at column {exc.problem_mark.column + 1}: YAML indents with spaces, not tabs")
+    lines = text.splitlines()
+    if mark is None or mark.line >= len(lines):
+        return f" ({'; '.join(hints)})" if hints else ""
+    before = next((n for n in range(mark.line - 1, -1, -1) if lines[n].strip()
+                   and not lines[n].lstrip().startswith("#")), None)
+    if (exc.problem == "mapping values are not allowed here" and before is not None
+            and ":" not in lines[before].split("#")[0].replace(":\u00a0", "")):
+        # 'steps=20' above a key: a plain text that YAML continues onto this line
+        hints.append(f"line {before + 1} ({lines[before].strip()!r}) is no 'key: value' pair, so YAML "
+                     "reads it as text going on into this line")
+    for n in dict.fromkeys([mark.line, *([before] if before is not None else [])]):
+        if "\u00a0" in lines[n]:
+            hints.append(f"line {n + 1} holds a non-breaking space (U+00A0) at column "
+                         f"{lines[n].index(chr(0xa0)) + 1}, which YAML does not read as a space: "
+                         "type a plain space")
+    return f" ({'; '.join(hints)})" if hints else ""
+
+
 def _parse_yaml(text: str, source: str) -> tuple[Any, dict[KeyPath, int], dict[KeyPath, str], list[str]]:
     """Parse YAML text: the data, the line of every key path, the spelling of every unquoted
     boolean (see _index_lines), and structural problems."""
@@ -111,13 +136,15 @@ def _parse_yaml(text: str, source: str) -> tuple[Any, dict[KeyPath, int], dict[K
         data = loader.construct_document(node) if node is not None else None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
+        if exc.context == "while scanning a simple key" and exc.context_mark is not None:
+            mark = exc.context_mark  # the line holding the key (PyYAML notices on the next one)
         where = f"{source}:{mark.line + 1}" if mark is not None else source
         context = exc.context
         if context and exc.context_mark is not None and mark is not exc.context_mark \
                 and exc.context_mark.line != mark.line:  # an unclosed quote: where it opened
             context = f"{context} (line {exc.context_mark.line + 1})"
         problem = ": ".join(p for p in (context, exc.problem) if p)
-        raise RecipeError([f"{where}: YAML syntax error: {problem}"]) from None
+        raise RecipeError([f"{where}: YAML syntax error: {problem}{_yaml_hint(text, exc, mark)}"]) from None
     except yaml.YAMLError as exc:
         raise RecipeError([f"{source}: YAML syntax error: {exc}"]) from None
     except RecursionError:  # hundreds of nested [ or { (the parser recurses once a level)

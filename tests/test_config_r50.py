@@ -41,3 +41,25 @@ def test_problems_of_the_split_point_at_the_override_that_caused_them():
         load_recipe(TINY, ["split.trainer_ranks=[3]"])
     assert "command line 'split.trainer_ranks=[3]': split.world_size: 2: target_ranks and trainer_ranks" in str(
         info.value)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("name: x\ndraft:\n  markov_rank: 8\n  steps=20\n  block_size: 4\n",
+     "r.yaml:4: YAML syntax error: while scanning a simple key: could not find expected ':'"),
+    ("name: x\ndraft:\n  steps=20\n  markov_rank: 8\n",
+     "r.yaml:4: YAML syntax error: mapping values are not allowed here (line 3 ('steps=20') is no "
+     "'key: value' pair, so YAML reads it as text going on into this line)"),
+    ("name: x\ndraft:\n  block_size:\u00a04\n  markov_rank: 8\n",
+     "line 3 holds a non-breaking space (U+00A0) at column 14, which YAML does not read as a space"),
+    ("name: x\ndraft:\n\tblock_size: 4\n",
+     "r.yaml:3: YAML syntax error: while scanning for the next token: found character '\\t' that cannot "
+     "start any token (a tab at column 1: YAML indents with spaces, not tabs)"),
+])
+def test_yaml_syntax_errors_point_at_the_line_and_say_what_it_usually_means(tmp_path, text, message):
+    """'steps=20' was reported one line late (where PyYAML noticed), and a non-breaking space or
+    a tab were left to PyYAML's words, which do not name them."""
+    path = tmp_path / "r.yaml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path)
+    assert message in str(info.value)
