@@ -143,6 +143,13 @@ def _refuse_other_encoding(path: Path, start: bytes) -> None:
                 "Out-File -Encoding utf8, or Set-Content -Encoding utf8)")
 
 
+def _json_message(exc: json.JSONDecodeError) -> str:
+    """json's message, with "Unterminated string starting at" said plainly."""
+    if exc.msg == "Unterminated string starting at":
+        return "a string is not closed (no ending quote) starting at"
+    return exc.msg
+
+
 def _read_jsonl(path: Path, suffix: str) -> Iterator[RawRow]:
     number = 0
     try:  # bytes, decoded line by line: invalid UTF-8 is that row's error, with its line
@@ -161,10 +168,10 @@ def _read_jsonl(path: Path, suffix: str) -> Iterator[RawRow]:
                     continue
                 if not line.strip():
                     continue
-                try:
-                    value = json.loads(line)
+                try:  # without its line break, which would put an error at its end on "column 1"
+                    value = json.loads(line.rstrip("\r\n"))
                 except json.JSONDecodeError as exc:
-                    yield RawRow(where, error=f"invalid JSON: {exc.msg} (column {exc.colno})")
+                    yield RawRow(where, error=f"invalid JSON: {_json_message(exc)} (column {exc.colno})")
                     continue
                 except RecursionError:
                     yield RawRow(where, error=NESTED_TOO_DEEPLY)
