@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from draftforge.argtypes import MAX_SEED
 from draftforge.section import Section
@@ -51,3 +51,17 @@ class DataConfig(Section):
         le=1.0,
         description="near-duplicate score (character 5-gram Jaccard or containment) refused",
     )
+
+    @field_validator("train_files")
+    @classmethod
+    def _no_empty_path(cls, value: list[str]) -> list[str]:
+        if any(not path.strip() for path in value):
+            raise ValueError(f"holds an empty path ({value!r}): give each file's path")
+        return value
+
+    @field_validator("regenerated_file")
+    @classmethod
+    def _not_empty(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("is empty: give a .jsonl path, or leave it out for <train.output_dir>/regenerated.jsonl")
+        return value

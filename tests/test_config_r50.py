@@ -63,3 +63,17 @@ def test_yaml_syntax_errors_point_at_the_line_and_say_what_it_usually_means(tmp_
     with pytest.raises(RecipeError) as info:
         load_recipe(path)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.output_dir=''", "command line \"train.output_dir=''\": train.output_dir: is empty: give the "
+                            "run directory's path"),
+    ("data.regenerated_file=''", "data.regenerated_file: is empty: give a .jsonl path"),
+    ("data.train_files=['']", "data.train_files: holds an empty path"),
+])
+def test_an_empty_path_is_refused_where_it_was_given(override, message):
+    """train.output_dir='' was accepted (training would write into the current directory), and
+    an empty data path was reported as '.: no such file' or 'not a file: ' with a blank name."""
+    with pytest.raises(RecipeError) as info:
+        load_recipe(TINY, [override])
+    assert message in str(info.value)

@@ -167,6 +167,13 @@ class TrainConfig(Section):
         default=10, ge=0, description="steps of one run skipped for a non-finite loss or gradient before it stops"
     )
 
+    @field_validator("output_dir")
+    @classmethod
+    def _not_empty(cls, value: str) -> str:
+        if not value.strip():  # '' would train into the current directory
+            raise ValueError("is empty: give the run directory's path")
+        return value
+
     @field_validator("output_dir", "resume")
     @classmethod
     def _expand_home(cls, value: str) -> str:
