@@ -136,7 +136,9 @@ def _check_draft(cfg: RecipeConfig, shape: TargetShape | None) -> list[Problem]:
                 )
             else:
                 why = f"layer id {layer} is out of range: the target has {shape.num_hidden_layers} layers"
-            problems.append((ids_path + (index,), f"{why}; valid ids are 0..{last - 1}",
+            valid = (f"valid ids are 0..{last - 1}" if last >= 1 else
+                     "a target of one layer has none: the draft needs a layer before the final one")
+            problems.append((ids_path + (index,), f"{why}; {valid}",
                              (("target", "shape", "num_hidden_layers"), ("target", "model"))))
 
     if draft.max_position_embeddings is not None and draft.max_position_embeddings < cfg.data.max_length:

@@ -102,7 +102,8 @@ def resolve_data_path(spec: str) -> Path:
         return path
     path = Path(spec).expanduser()
     if not path.exists():
-        raise DataFormatError(f"data file not found: {spec} (check data.train_files)")
+        where = "" if path.is_absolute() else f" (a relative path is read from the current directory, {Path.cwd()})"
+        raise DataFormatError(f"data file not found: {spec}{where}; check data.train_files")
     if not path.is_file():
         raise DataFormatError(f"data path is not a file: {spec}")
     return path

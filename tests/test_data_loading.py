@@ -99,7 +99,7 @@ def test_error_missing_file(tmp_path):
     missing = str(tmp_path / "nope.jsonl")
     with pytest.raises(DataFormatError) as err:
         load_conversations([missing])
-    assert str(err.value) == f"data file not found: {missing} (check data.train_files)"
+    assert str(err.value) == f"data file not found: {missing}; check data.train_files"  # absolute: no cwd note
 
 
 def test_error_unknown_builtin():
