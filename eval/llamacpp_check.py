@@ -364,7 +364,7 @@ def _check_export(args: argparse.Namespace) -> int:
         raise InputError(f"{draft_dir}: not an export folder (no config.json); run draftforge export first")
     raw_cfg = read_serving_config(draft_dir)
     draft_cfg = config_from_serving(raw_cfg, where=str(draft_dir / "config.json"))
-    _check_llamacpp_can_run(draft_dir, raw_cfg)
+    _check_llamacpp_can_run(draft_dir, draft_cfg)
     if args.p_min > 0 and not draft_cfg.enable_confidence_head:
         raise InputError(
             f"--p-min {args.p_min}: {draft_dir / 'config.json'} has no confidence head "
@@ -426,22 +426,17 @@ def _gguf_path(work: Path, role: str, folder: Path) -> Path:
     return work / f"{role}-{folder.resolve().name}-{digest}-f32.gguf"
 
 
-def _check_llamacpp_can_run(draft_dir: Path, raw_cfg: dict) -> None:
+def _check_llamacpp_can_run(draft_dir: Path, draft_cfg) -> None:
     """Refuse, before llama.cpp is fetched and built and the target converted (minutes), an
     export llama.cpp cannot run: its converter refuses a Markov head other than ``vanilla``
     (after the target's conversion), and its runtime aborts at every prompt on a confidence
     head without the Markov input. The exporter knows both (its model card says SGLang only).
-    ``raw_cfg`` is the export's config.json, already read by ``config_from_serving``; its
-    defaults are that function's (SGLang's)."""
+    ``draft_cfg`` is the export's config as ``config_from_serving`` read it (SGLang's defaults
+    for what config.json leaves out)."""
     from draftforge.train.export import llamacpp_blockers
 
-    confidence = raw_cfg.get("enable_confidence_head", True)  # absent: enabled, as SGLang reads it
-    blockers = llamacpp_blockers({
-        "markov_head_type": raw_cfg.get("markov_head_type", "vanilla"),
-        "enable_confidence_head": confidence,
-        "confidence_head_with_markov": confidence and raw_cfg.get(
-            "confidence_head_with_markov", raw_cfg.get("markov_rank", 0) > 0),
-    })  # fmt: skip
+    blockers = llamacpp_blockers({key: getattr(draft_cfg, key) for key in (
+        "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")})
     if blockers:
         raise InputError(
             f"{draft_dir / 'config.json'}: llama.cpp cannot run this draft ({'; '.join(blockers)}); "

@@ -99,11 +99,17 @@ def test_the_same_values_in_sglangs_places_and_absent_sizes_load_as_qwen3_defaul
 def test_the_llamacpp_check_reads_an_absent_confidence_flag_as_enabled(tmp_path):
     """Its up-front refusal took an absent enable_confidence_head as false, where loading takes it
     as true (SGLang's reading): a head without the Markov input then went past the refusal into
-    minutes of fetching, building and converting, to fail at every prompt."""
+    minutes of fetching, building and converting, to fail at every prompt. It now reads the
+    config as loading does (config_from_serving)."""
     from draftforge.errors import InputError
     from draftforge.eval.llamacpp_check import _check_llamacpp_can_run
+    from draftforge.train.hf_load import config_from_serving
 
-    raw = {"markov_head_type": "vanilla", "markov_rank": 16, "confidence_head_with_markov": False}
+    raw = {k: v for k, v in _config(export_draft(tiny_eval_draft(tiny_target()), tmp_path / "export",
+                                                 progress=lambda _: None)).items()
+           if k != "enable_confidence_head"}
+    raw["confidence_head_with_markov"] = False
     with pytest.raises(InputError, match="llama.cpp cannot run this draft"):
-        _check_llamacpp_can_run(tmp_path, raw)
-    _check_llamacpp_can_run(tmp_path, {**raw, "enable_confidence_head": False})  # no head: runs
+        _check_llamacpp_can_run(tmp_path, config_from_serving(raw))
+    # no head: runs
+    _check_llamacpp_can_run(tmp_path, config_from_serving({**raw, "enable_confidence_head": False}))

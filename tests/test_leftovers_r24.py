@@ -44,7 +44,7 @@ def _stub_check(monkeypatch, tmp_path):
     monkeypatch.setattr(hf_load, "read_serving_config", lambda folder: {})
     monkeypatch.setattr(hf_load, "config_from_serving",
                         lambda raw, where: types.SimpleNamespace(enable_confidence_head=False))
-    monkeypatch.setattr(llamacpp_check, "_check_llamacpp_can_run", lambda folder, raw: None)
+    monkeypatch.setattr(llamacpp_check, "_check_llamacpp_can_run", lambda folder, cfg: None)
     monkeypatch.setattr(config, "load_recipe", lambda path: types.SimpleNamespace(target=Target()))
     monkeypatch.setattr(llamacpp_check, "_target_folder", lambda cfg: tmp_path / "target")
 

@@ -484,9 +484,10 @@ def _fake_check(tmp_path, monkeypatch, failure: Exception):
     monkeypatch.setattr(llamacpp_check, "replay", lambda *a, **kw: Replay(
         3, 2, 4, 1, [5, 7], [(1, 4, 7)], target_margins=[1.0], draft_margins=[1.0]))  # fmt: skip
     monkeypatch.setattr(eval_cli, "workload_texts", lambda name, tok, gen, n: ["first", "second"])
-    monkeypatch.setattr(hf_load, "read_serving_config", lambda folder: {"markov_rank": 16})  # what the refusals read
-    monkeypatch.setattr(hf_load, "config_from_serving", lambda cfg, where: SimpleNamespace(target_layer_ids=[0], block_size=4,
-                                                                                             enable_confidence_head=False))
+    monkeypatch.setattr(hf_load, "read_serving_config", lambda folder: {})
+    monkeypatch.setattr(hf_load, "config_from_serving", lambda cfg, where: SimpleNamespace(
+        target_layer_ids=[0], block_size=4, enable_confidence_head=False, markov_head_type="vanilla",
+        confidence_head_with_markov=True))
     monkeypatch.setattr(hf_load, "load_exported_draft", lambda *a, **kw: None)
     fake_target = SimpleNamespace(tokenizer=_Tokenizer(), eos_token_ids=lambda: [0], model=None)
     monkeypatch.setattr(target_module, "build_target", lambda cfg, ids: fake_target)

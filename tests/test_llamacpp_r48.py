@@ -68,6 +68,7 @@ def test_a_confidence_head_left_unexercised_is_said(tmp_path, monkeypatch, capsy
 
     args, _ = _fake_check(tmp_path, monkeypatch, InputError("llama.cpp failed"))
     monkeypatch.setattr(hf_load, "config_from_serving", lambda cfg, where: SimpleNamespace(
-        target_layer_ids=[0], block_size=4, enable_confidence_head=True))
+        target_layer_ids=[0], block_size=4, enable_confidence_head=True, markov_head_type="vanilla",
+        confidence_head_with_markov=True))
     llamacpp_check.main(args)
     assert "the draft's confidence head was not exercised (--p-min 0" in capsys.readouterr().out

@@ -85,8 +85,9 @@ _CONVERTING = textwrap.dedent("""
         def model_copy(self, update):
             return self
 
-    hf_load.read_serving_config = lambda folder: {"markov_rank": 16}  # what the refusals read
-    hf_load.config_from_serving = lambda serving, where: types.SimpleNamespace(enable_confidence_head=False)
+    hf_load.read_serving_config = lambda folder: {}
+    hf_load.config_from_serving = lambda serving, where: types.SimpleNamespace(
+        enable_confidence_head=False, markov_head_type="vanilla", confidence_head_with_markov=True)
     config.load_recipe = lambda path: types.SimpleNamespace(target=Target())
     llamacpp_check._target_folder = lambda target_cfg: Path(sys.argv[1])
 
