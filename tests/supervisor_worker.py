@@ -23,6 +23,18 @@ import torch
 import torch.distributed as dist
 
 
+def _dead(pid: int) -> bool:
+    """Whether process ``pid`` has ended: no /proc entry, or a zombie (state Z) not yet reaped.
+    0 (its pid not written yet) is not."""
+    if not pid:
+        return False
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
 def main(mode: str, out_dir: str) -> int:
     out = Path(out_dir)
     rank = int(os.environ["RANK"])
@@ -64,12 +76,13 @@ def main(mode: str, out_dir: str) -> int:
                 return 4
             time.sleep(0.01)
         if rank == 1:
-            (out / "rank1.killing").touch()
+            (out / "rank1.killing").write_text(str(os.getpid()))
             os.kill(os.getpid(), signal.SIGKILL)
-        # rank 0 leaves only once rank 1 is about to die: on a loaded machine rank 1's loop over
-        # the ready files can run a second or more after rank 0's, and the launcher then saw
+        # rank 0 leaves only once rank 1 is dead (gone, or a zombie its launcher has not reaped):
+        # on a loaded machine rank 1's loop over the ready files can run a second or more after
+        # rank 0's, or it can stall between its file and its kill, and the launcher then saw
         # rank 0's exit a poll or two before rank 1's death, no longer "at the same moment"
-        while not (out / "rank1.killing").exists():
+        while not (out / "rank1.killing").exists() or not _dead(int((out / "rank1.killing").read_text() or 0)):
             if time.monotonic() > deadline:
                 return 4
             time.sleep(0.001)
