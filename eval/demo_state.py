@@ -312,6 +312,18 @@ def check_answers_file(cfg) -> None:
         raise DemoError(f"{err}\n(or rerun the demo with --force to start over)", exit_status=2) from None
 
 
+def check_training_data(cfg) -> None:
+    """Read ``data.train_files`` as the first stage that reads them will (the prompts to
+    answer, or the conversations trained as they are), overlap check included, so that a
+    missing or broken file is refused before ``--force`` deletes the earlier outputs."""
+    from draftforge.data.loading import load_prompts, load_training_conversations
+
+    if cfg.data.regenerate:
+        load_prompts(cfg.data)
+    else:
+        load_training_conversations(cfg.data, cfg.train.output_dir)
+
+
 def answers_digest(paths: DemoPaths, cfg) -> str | None:
     """The digest of what the trainings read: the regenerated answers, or where the recipe
     does not regenerate, its data.train_files in their order; None while a file is missing

@@ -79,12 +79,13 @@ def launch_env(master_addr: str = LOOPBACK, *, cpu: bool = True) -> dict[str, st
     return env
 
 
-def preflight(cfg) -> None:
+def preflight(cfg, *, check_overlap: bool = False) -> None:
     """Checks of the user's files that need no process group, before torchrun starts.
 
     No other run may be training in ``train.output_dir``; the checkpoint ``train.resume``
     would pick must be readable and built for this recipe's draft; the data is read and validated exactly as the target
-    ranks will read it (the overlap check is left to them); a logger the recipe
+    ranks will read it (the overlap check, ``data.overlap_check``, is left to them unless
+    ``check_overlap``: the dry run's only chance to say it); a logger the recipe
     turns on (``train.wandb``, ``train.tensorboard``) must be installed. Raises
     :class:`~draftforge.errors.InputError` (exit status 2) naming the file or key.
     """
@@ -114,7 +115,7 @@ def preflight(cfg) -> None:
         ckpt.read_checked_state(found, model_config=model_config, strategy=cfg.train.strategy,
                                 trainer_ranks=len(cfg.split.trainer_ranks),
                                 zero_stage=cfg.train.zero_stage, dtype=cfg.train.dtype)
-    data = cfg.data.model_copy(update={"overlap_check": False})
+    data = cfg.data if check_overlap else cfg.data.model_copy(update={"overlap_check": False})
     conversations, regenerate = load_source_conversations(cfg.model_copy(update={"data": data}))
     if regenerate and cfg.train.markov_init == "bigram" and found is None:
         from draftforge.errors import InputError
@@ -299,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"checkpoint, which needs train.resume: auto (it is {cfg.train.resume!r}); set "
             "train.resume=auto or drop --max-restarts"
         )])
-    preflight(cfg)
+    preflight(cfg, check_overlap=args.dry_run)  # a real run's target ranks check the overlap
     if _runs_trainers(cfg, layout, args.node_rank):  # trainer rank 0 writes the run there
         _check_output_dir_writable(cfg)
     if args.dry_run:
