@@ -113,6 +113,19 @@ def _nullable(path: KeyPath, root: type[BaseModel]) -> bool:
     return field is not None and type(None) in typing.get_args(field.annotation)
 
 
+def _non_ascii_note(key: str) -> str:
+    """For a key holding characters outside ASCII (every valid key is ASCII), which ones: a
+    Cyrillic 'а' or a Greek 'ο' pasted into 'train' looks like the valid key it is not."""
+    import unicodedata
+
+    odd = [(i, c) for i, c in enumerate(key) if not c.isascii()]
+    if not odd:
+        return ""
+    named = ", ".join(f"{c!r} at position {i + 1} is {unicodedata.name(c, 'unnamed')} (U+{ord(c):04X})"
+                      for i, c in odd[:3])
+    return f"; it holds characters that are not ASCII, which no key has: {named}"
+
+
 def _describe(
     error: dict[str, Any], booleans: dict[KeyPath, str], root: type[BaseModel]
 ) -> tuple[KeyPath, str]:
@@ -128,7 +141,7 @@ def _describe(
         key = str(path[-1]) if path else "?"
         hint = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
         did_you_mean = f" (did you mean {hint[0]!r}?)" if hint else ""
-        return path, f"unknown key{did_you_mean}; valid keys: {', '.join(valid)}"
+        return path, f"unknown key{did_you_mean}{_non_ascii_note(key)}; valid keys: {', '.join(valid)}"
     path, annotation = _walk(loc, root)
     # off, no, yes: unquoted, YAML 1.1 reads these as booleans where a string was meant
     spelled = booleans.get(path) if isinstance(value, bool) else None
