@@ -248,3 +248,34 @@ def full_state_one_rank_worker(rank: int, world: int, init: str, out: str) -> No
             json.dump({"unchanged": all(torch.equal(state[k], before[k]) for k in before)}, f)
     finally:
         dist.destroy_process_group()
+
+
+def deepspeed_bf16_masters_worker(rank: int, world: int, init: str, out: str) -> None:
+    """A rank of test_ckpt_r51's ZeRO-3 bf16 test: the fp32 masters a ``deepspeed`` trainer
+    starts from, against a ``single`` trainer's initial weights."""
+    import json
+
+    import torch.distributed as dist
+
+    from draftforge.train.trainer import Trainer
+
+    os.environ["LOCAL_RANK"] = str(rank)  # DeepSpeed asserts a launcher set it
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        def trainable_state(strategy: str, **settings) -> dict:
+            run_dir = f"{out}.{strategy}.{rank}"
+            trainer = Trainer(model_config=tiny_model_config(num_hidden_layers=1), embeddings=target_embeddings(),
+                              run_dir=run_dir, group=dist.group.WORLD if strategy != "single" else None,
+                              train=train_config(run_dir, strategy=strategy, dtype="bfloat16", **settings))
+            names = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+            return {k: v for k, v in trainer.full_state_dict().items() if k in names}
+
+        reference = trainable_state("single")
+        masters = trainable_state("deepspeed", zero_stage=3)
+        with open(f"{out}.{rank}", "w", encoding="utf-8") as f:
+            json.dump({"names": sorted(masters) == sorted(reference),
+                       "exact": sum(torch.equal(masters[k], reference[k]) for k in reference),
+                       "total": len(reference),
+                       "odd": sum(v.numel() % world != 0 for v in reference.values())}, f)
+    finally:
+        dist.destroy_process_group()

@@ -328,18 +328,27 @@ def _skip_jit_shm_comm() -> None:
 
 def set_deepspeed_masters(model: nn.Module, values: dict[int, torch.Tensor]) -> None:
     """Write ``values`` (full fp32 tensors, by ``id`` of each trainable parameter) into the
-    fp32 master weights DeepSpeed's ZeRO optimizer holds for ``model``'s parameters."""
-    from deepspeed.utils import safe_set_full_fp32_param
+    fp32 master weights DeepSpeed's ZeRO optimizer holds for ``model``'s parameters.
+
+    Under ZeRO-3 each rank writes its own partition, zero-padded: DeepSpeed's full-tensor
+    setter slices it out of the unpadded tensor and fails on a rank whose partition is padding
+    (a parameter with fewer elements than, or not divisible by, the trainers)."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_local_fp32_param
 
     for param in model.parameters():
-        if id(param) in values:
-            safe_set_full_fp32_param(param, values[id(param)].to(_master_device(param)))
-
-
-def _master_device(param) -> torch.device:
-    """Where DeepSpeed keeps ``param``'s fp32 master (the device its partition lives on)."""
-    partition = getattr(param, "ds_tensor", None)  # ZeRO-3
-    return (partition if partition is not None else param).device
+        if id(param) not in values:
+            continue
+        value = values[id(param)]
+        partition = getattr(param, "ds_tensor", None)  # ZeRO-3
+        if partition is None:
+            safe_set_full_fp32_param(param, value.to(param.device))
+            continue
+        size = partition.numel()
+        start = param._z3_optimizer._get_param_partition_rank(param) * size  # as DeepSpeed's setter
+        local = torch.zeros(size, dtype=torch.float32)
+        piece = value.flatten()[start : start + size]
+        local[: piece.numel()] = piece
+        safe_set_local_fp32_param(param, local.to(partition.device))
 
 
 def init_deepspeed(*, model: nn.Module, optimizer: torch.optim.Optimizer, group, config: dict):
