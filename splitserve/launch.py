@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import subprocess
@@ -57,6 +58,9 @@ INPUT_ERROR_ENV = "DRAFTFORGE_INPUT_ERROR_FILE"
 # the user's own command (JSON list), which run.json records beside each rank's: its launcher
 # options (--nproc, --master-addr, --node-rank, --max-restarts) are not in the rank's command
 LAUNCH_COMMAND_ENV = "DRAFTFORGE_LAUNCH_COMMAND"
+# torchrun waits this many seconds for its ranks to stop after its SIGTERM before it SIGKILLs
+# them (torch 2.13, installed here, reads it; releases before it was added, about 2.12, wait 30)
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 
 
 def launch_env(master_addr: str = LOOPBACK, *, cpu: bool = True) -> dict[str, str]:
@@ -346,6 +350,8 @@ def _supervise(cfg, args, layout, env: dict[str, str], restarts: int) -> int:
 
         def run() -> int:  # env as it is now: a restart sets RESTART_ENV
             torchrun_env = {key: value for key, value in env.items() if not key.startswith("PET_")}
+            if cfg.target.backend == "sglang":  # torchrun's grace before SIGKILL: 30 s by default
+                torchrun_env.setdefault(SHUTDOWN_TIMEOUT_ENV, str(math.ceil(term_seconds("sglang"))))
             return run_torchrun(command, env=torchrun_env, nproc=layout.nproc_per_node,
                                 hint=_stop_hint(cfg, layout, args.node_rank, every_node=True))
     else:
