@@ -866,19 +866,26 @@ class Trainer:
             "trainer_ranks": self.world, "strategy": self.train.strategy,
         }
         # A rerun of a finished run keeps its summary; one that finds none (stopped between
-        # its last checkpoint and the summary), or no plot, writes them from the logged steps.
-        missing = not (self.run_dir / SUMMARY_FILE).exists() or (window and not (self.run_dir / PLOT_FILE).exists())
-        if self.is_main and (result.steps_run or missing):
+        # its last checkpoint and the summary) writes it from the logged steps, and one that
+        # finds no plot (it failed, or was deleted) draws it from them, keeping the summary
+        # with the figures of the steps it describes.
+        if not self.is_main:
+            return summary
+        write = result.steps_run or not (self.run_dir / SUMMARY_FILE).exists()
+        if write:
             write_summary(self.run_dir, summary)
-            if window:
-                from draftforge.train.plots import plot_slot_acceptance
-
-                try:
-                    plot_slot_acceptance(self.run_dir / PLOT_FILE, final=slots, first=first_slots,
-                                         tau=summary["tau"])
-                except Exception as exc:  # noqa: BLE001 - a trained run does not fail on its picture
-                    print(f"[trainer] warning: could not draw {self.run_dir / PLOT_FILE} "
-                          f"({type(exc).__name__}: {exc}); the figures are in {SUMMARY_FILE}; "
-                          "rerun the same command to draw it", flush=True)
+        if window and (write or not (self.run_dir / PLOT_FILE).exists()):
+            self._plot(slots, first_slots, summary["tau"])
+        if write:
             print(format_summary(summary), flush=True)
         return summary
+
+    def _plot(self, slots: list[float], first_slots, tau: float) -> None:
+        from draftforge.train.plots import plot_slot_acceptance
+
+        try:
+            plot_slot_acceptance(self.run_dir / PLOT_FILE, final=slots, first=first_slots, tau=tau)
+        except Exception as exc:  # noqa: BLE001 - a trained run does not fail on its picture
+            print(f"[trainer] warning: could not draw {self.run_dir / PLOT_FILE} "
+                  f"({type(exc).__name__}: {exc}); the figures are in {SUMMARY_FILE}; "
+                  "rerun the same command to draw it", flush=True)
