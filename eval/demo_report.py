@@ -151,11 +151,13 @@ def code_line(reports: Sequence[dict]) -> str:
     checkout's: a rerun that finds every stage done prints the table it measured then."""
     from draftforge.train.metrics import git_revision
 
-    now = git_revision()
-    measured = list(dict.fromkeys(r.get("draftforge_revision") or "not recorded" for r in reports))
+    now = git_revision()  # None for an installed copy, as draftforge eval then records
+    unrecorded = object()  # a report written before reports recorded the revision
+    recorded = dict.fromkeys(r.get("draftforge_revision", unrecorded) for r in reports)
+    other = ["not recorded" if r is unrecorded else r or "an installed copy" for r in recorded if r != now]
     line = f"Code: draftforge {now or 'installed copy (no git revision)'}"
-    if measured and measured != [now]:
-        line += (f"; the evaluations ran at {', '.join(measured)}: not this code's figures "
+    if other:
+        line += (f"; the evaluations ran at {', '.join(other)}: not this code's figures "
                  "(`draftforge demo --force --skip-train` measures them again)")
     return line + "."
 

@@ -103,3 +103,15 @@ def test_a_run_without_an_answers_record_is_used_but_said(tmp_path, capsys):
     assert "the DSpark draft is used unchecked; --force trains it again" in out
     check_trained_on(tmp_path, None, "DSpark")  # nothing to check against: nothing said
     assert capsys.readouterr().out == ""
+
+
+def test_an_installed_copy_does_not_call_its_own_figures_another_codes(monkeypatch):
+    """Outside a git checkout draftforge eval records no revision (None), and the table said
+    'the evaluations ran at not recorded: not this code's figures' after every demo, a warning
+    that measuring again could not clear."""
+    installed = [{"draftforge_revision": None}] * 2
+    assert "Code: draftforge installed copy (no git revision)." in _text(monkeypatch, installed, now=None)
+    # a checkout's table from an installed copy's evaluations, and the reverse, still say so
+    assert "the evaluations ran at an installed copy: not this code's" in _text(monkeypatch, installed)
+    checkout = [{"draftforge_revision": "abc123"}] * 2
+    assert "the evaluations ran at abc123: not this code's" in _text(monkeypatch, checkout, now=None)
