@@ -411,6 +411,35 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
+OWN_KEYS = ("train.output_dir=", "train.resume=")  # the benchmark's own: a scratch run folder
+
+
+def _check_answers(cfg, overrides: Sequence[str]) -> None:
+    """Say what the scratch run folder changes about the recipe as given (``cfg``): the
+    overrides of its own keys go unused, and ``<train.output_dir>/regenerated.jsonl``, which
+    ``draftforge train`` would read, is not read; refuse a bigram start without answers."""
+    from draftforge.data.loading import regenerated_path
+    from draftforge.errors import InputError
+
+    unused = [o for o in overrides if o.startswith(OWN_KEYS)]
+    if unused:
+        print(f"draftforge bench split: {', '.join(unused)}: not used, the benchmark trains in a "
+              "scratch run folder", file=sys.stderr, flush=True)
+    if not cfg.data.regenerate or cfg.data.regenerated_file is not None:
+        return
+    answers = regenerated_path(cfg.data, cfg.train.output_dir)
+    if cfg.train.markov_init == "bigram":
+        raise InputError(
+            "train.markov_init: bigram counts the training answers before the first step, and the "
+            "benchmark's scratch run folder holds none: pass data.regenerated_file="
+            f"{answers if answers.is_file() else 'PATH'} (written by 'draftforge data regenerate "
+            "RECIPE'), or train.markov_init=random")
+    if answers.is_file():
+        print(f"draftforge bench split: the target answers the prompts during the benchmark (its run "
+              f"folder is a scratch one), where 'draftforge train' would read {answers}; add "
+              f"data.regenerated_file={answers} to measure that", file=sys.stderr, flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``draftforge bench split RECIPE [key=value ...] [--steps N]``."""
     parser = argparse.ArgumentParser(
@@ -434,9 +463,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from draftforge.splitserve.roles import check_split
     from draftforge.splitserve.supervisor import run_ranks, term_seconds
 
+    _check_answers(load_recipe(args.recipe, args.overrides), args.overrides)
     with tempfile.TemporaryDirectory(prefix="draftforge-bench-split-") as tmp:
-        mine = ("train.output_dir=", "train.resume=")  # the benchmark's own, in a scratch folder
-        overrides = [*(o for o in args.overrides if not o.startswith(mine)),
+        overrides = [*(o for o in args.overrides if not o.startswith(OWN_KEYS)),
                      f"train.output_dir={tmp}/run", "train.resume=never"]
         cfg = load_recipe(args.recipe, overrides)
         check_split(cfg)
