@@ -257,12 +257,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     draft = load_draft(target, device)
     print(f"eval: draft {args.draft} (block {draft_cfg.block_size}, markov rank {draft_cfg.markov_rank})")
 
+    sampling = _sampling_settings(args, eval_cfg, temperature, verify)
     settings = EvalSettings(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
-        top_k=eval_cfg.top_k if args.top_k is None else args.top_k,
-        top_p=eval_cfg.top_p if args.top_p is None else args.top_p,
-        draft_sampling=args.draft_sampling or eval_cfg.draft_sampling,
+        **sampling,
         verify=verify,
         threshold=eval_cfg.confidence_threshold if args.threshold is None else args.threshold,
         seed=eval_cfg.seed if args.seed is None else args.seed,
@@ -578,6 +577,29 @@ def _check_vocabulary(
                     f"{path}:{line_no}: token id {max(ids)} is outside the target's vocabulary "
                     f"({vocab_size} ids, 0 to {vocab_size - 1})"
                 )
+
+
+def _sampling_settings(args, eval_cfg, temperature: float, verify: str) -> dict:
+    """top_k, top_p and draft_sampling as decoding uses them: the recipe's (or the options')
+    when sampling; under greedy decoding their no-op values, so that report.json records what
+    ran, with a note naming the recipe's settings that do not apply (the options are refused
+    earlier). A confidence_threshold the recipe sets under full verification is noted too."""
+    given = {"top_k": eval_cfg.top_k if args.top_k is None else args.top_k,
+             "top_p": eval_cfg.top_p if args.top_p is None else args.top_p,
+             "draft_sampling": args.draft_sampling or eval_cfg.draft_sampling}
+    notes = []
+    if temperature <= 0:
+        neutral = {"top_k": 0, "top_p": 1.0, "draft_sampling": "greedy"}
+        unused = [f"eval.{key} {value!r}" for key, value in given.items() if value != neutral[key]]
+        if unused:
+            notes.append(f"{', '.join(unused)} (decoding is greedy: temperature 0)")
+        given = neutral
+    if verify != "threshold" and "confidence_threshold" in eval_cfg.model_fields_set:
+        notes.append(f"eval.confidence_threshold {eval_cfg.confidence_threshold!r} ({verify!r} "
+                     "verification verifies every drafted slot)")
+    if notes:
+        print(f"eval: not applied from the recipe: {'; '.join(notes)}", flush=True)
+    return given
 
 
 def _source(given, recipe: str | None, key: str) -> str:
