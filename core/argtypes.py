@@ -41,6 +41,14 @@ probability = _bounded(float, 0.0, 1.0, "must lie in [0, 1]")
 nucleus = _bounded(float, 0.0, 1.0, "must lie in (0, 1]", above_low=True)
 
 
+def path(text: str) -> str:
+    """A path that is not empty: ``--out ""`` (an unset shell variable) would mean the current
+    directory to ``Path``, and write there."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty path; give a file or folder")
+    return text
+
+
 def names(valid: Sequence[str]) -> Callable[[str], list[str]]:
     """A comma-separated, non-empty subset of ``valid``, each name once (in the order given)."""
 

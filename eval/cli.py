@@ -73,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ngram-match", choices=NGRAM_MATCHES, default="latest",
                         help="which earlier occurrence of the suffix n-gram the n-gram baseline copies "
                         "from: latest (default) or earliest (vLLM's and transformers' rule)")
-    parser.add_argument("--calibrate", metavar="OUT.json", help="fit per-position confidence temperatures")
-    parser.add_argument("--out", default="runs/eval",
+    parser.add_argument("--calibrate", metavar="OUT.json", type=argtypes.path, help="fit per-position confidence temperatures")
+    parser.add_argument("--out", default="runs/eval", type=argtypes.path,
                         help="report folder (default runs/eval); a report already there is replaced, "
                         "and the run says so before it starts")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"],
@@ -217,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         target_cfg = target_cfg.model_copy(update={"backend": "hf"})
     # refused now, not after minutes of decoding, when the report or calibration is written
     _check_output_paths(args.out, args.calibrate)
-    _check_out_is_not_the_export(args.out, args.draft)
+    _check_outputs_spare_inputs(args)
     _warn_replacing(Path(args.out).expanduser())  # where write_report writes
     draft_cfg, load_draft = _draft_loader(args.draft)
     _check_fit(draft_cfg, target_cfg, args.draft)
@@ -384,14 +384,51 @@ def _check_output_paths(out: str, calibrate: str | None) -> None:
         _check_folder_writable(cal_path.parent, "--calibrate", calibrate)
 
 
-def _check_out_is_not_the_export(out: str, draft: str) -> None:
-    """Refuse an ``--out`` that is the export being evaluated: the report's files would sit
-    among its weights, where a server's loader does not expect them and a later
-    ``draftforge export`` into the folder refuses it as not an export."""
-    out_path, draft_path = Path(out).expanduser(), Path(draft).expanduser()
-    if (draft_path / "config.json").is_file() and out_path.resolve() == draft_path.resolve():
-        raise InputError(f"--out {out}: is the export being evaluated; the report would be written "
-                         f"among its weights; give another folder, e.g. {draft_path.parent / 'eval'}")
+def _within(path: Path, folder: Path) -> bool:
+    """Whether ``path`` is ``folder`` or lies under it (both resolved, links followed)."""
+    path, folder = path.resolve(), folder.resolve()
+    return path == folder or folder in path.parents
+
+
+def _check_outputs_spare_inputs(args) -> None:
+    """Refuse an ``--out`` or ``--calibrate`` that would write over what this run reads, or into
+    the draft being evaluated: the draft's folder (an export, whose loaders expect only its own
+    files and which a later ``draftforge export`` into it refuses as not an export; or a
+    checkpoint), the ``--prompts-file``, the ``--recipe``; and a ``--calibrate`` file that is
+    ``--out`` itself or an existing file other than a calibration."""
+    draft = Path(args.draft).expanduser()
+    out = Path(args.out).expanduser()
+    if _within(out, draft):
+        where = "is the draft being evaluated" if out.resolve() == draft.resolve() else f"is inside the draft's folder {draft}"
+        raise InputError(f"--out {args.out}: {where}; the report would be written among its files; give "
+                         f"another folder, e.g. {draft.resolve().parent / 'eval'}")
+    if args.calibrate is None:
+        return
+    cal = Path(args.calibrate).expanduser()
+    inputs = [("the draft's folder", draft, True)] + [
+        (option, Path(value).expanduser(), False)
+        for option, value in (("--prompts-file", args.prompts_file), ("--recipe", args.recipe)) if value]
+    suggestion = f"give a new path, e.g. {draft.resolve().parent / 'calibration.json'}"
+    for what, path, folder in inputs:
+        if (_within(cal, path) if folder else cal.exists() and cal.resolve() == path.resolve()):
+            raise InputError(f"--calibrate {args.calibrate}: is {'in ' if folder else ''}{what}"
+                             f"{'' if folder else ' ' + str(path)}, which this run reads; {suggestion}")
+    if cal.resolve() == out.resolve():
+        raise InputError(f"--calibrate {args.calibrate}: is the --out folder {args.out}; give the path "
+                         f"of the JSON file to write, e.g. {out / 'calibration.json'}")
+    if cal.is_file() and not _is_calibration(cal):
+        raise InputError(f"--calibrate {args.calibrate}: an existing file that is not a calibration "
+                         f"written by draftforge eval, which this run would replace; {suggestion}, or "
+                         "move the file away")
+
+
+def _is_calibration(path: Path) -> bool:
+    """Whether ``path`` holds SGLang's calibration JSON (an object with ``temperatures``)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(data, dict) and "temperatures" in data
 
 
 def _check_folder_writable(folder: Path, option: str, given: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from eval_helpers import random_prompts
 from test_eval_cli import _tiny_export_and_prompts, recipe_path  # noqa: F401 - the fixture
 
 from draftforge.eval.cli import main
@@ -41,3 +42,55 @@ def test_sampling_settings_a_greedy_eval_ignores_are_said_and_not_recorded(recip
 def test_a_recipe_without_such_settings_gets_no_note(recipe_path, tmp_path, capsys):  # noqa: F811
     settings, out = _eval(recipe_path, tmp_path, capsys)
     assert "not applied from the recipe" not in out and settings["draft_sampling"] == "greedy"
+
+
+def _refused(argv, capsys) -> str:
+    from draftforge.cli import main as draftforge_main
+
+    try:
+        code = draftforge_main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 2
+    return capsys.readouterr().err
+
+
+def test_outputs_that_would_write_over_this_runs_inputs_are_refused(recipe_path, tmp_path, capsys):  # noqa: F811
+    """--calibrate wrote its JSON over the draft's model.safetensors, the prompts file or the
+    recipe (exit 0, the draft then unreadable); --calibrate naming the --out folder failed after
+    the whole run with 'File exists'; --out inside the export made a later export into it fail."""
+    export_dir, prompts = _tiny_export_and_prompts(recipe_path, tmp_path)
+    prompts.write_text("".join(json.dumps({"workload": "w", "input_ids": ids}) + "\n" for ids in random_prompts(2)))
+    weights = (export_dir / "model.safetensors").read_bytes()
+    notes = tmp_path / "notes.txt"
+    notes.write_text("precious")
+    base = ["eval", str(export_dir), "--recipe", str(recipe_path), "--prompts-file", str(prompts),
+            "--max-new-tokens", "6", "--baselines", "none", "--no-estimate"]
+    out = tmp_path / "r"
+    cases = [
+        (["--out", str(out), "--calibrate", str(export_dir / "model.safetensors")], "is in the draft's folder"),
+        (["--out", str(out), "--calibrate", str(export_dir / "sts.json")], "is in the draft's folder"),
+        (["--out", str(out), "--calibrate", str(prompts)], f"is --prompts-file {prompts}, which this run reads"),
+        (["--out", str(out), "--calibrate", str(recipe_path)], f"is --recipe {recipe_path}, which this run reads"),
+        (["--out", str(out), "--calibrate", str(out)], f"is the --out folder {out}"),
+        (["--out", str(out), "--calibrate", str(notes)], "an existing file that is not a calibration"),
+        (["--out", str(export_dir / "eval")], f"is inside the draft's folder {export_dir}"),
+        (["--out", ""], "--out: empty path"),
+        (["--out", str(out), "--calibrate", ""], "--calibrate: empty path"),
+    ]
+    for extra, said in cases:
+        err = _refused([*base, *extra], capsys)
+        assert said in err, (extra, err)
+    assert (export_dir / "model.safetensors").read_bytes() == weights and notes.read_text() == "precious"
+    assert not out.exists() and not (export_dir / "eval").exists() and not (export_dir / "sts.json").exists()
+    # an earlier calibration is replaced, as before
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps({"temperatures": [1.0]}))
+    assert main([*base[1:], "--out", str(out), "--calibrate", str(calibration)]) == 0
+    assert len(json.loads(calibration.read_text())["temperatures"]) > 0
+
+
+def test_export_refuses_an_empty_out(tmp_path, capsys):
+    """'draftforge export RUN --out ""' fell back to the default folder without a word."""
+    err = _refused(["export", str(tmp_path / "run"), "--out", ""], capsys)
+    assert "--out: empty path" in err

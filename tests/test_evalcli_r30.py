@@ -92,6 +92,6 @@ def test_an_out_folder_that_is_the_export_itself_is_refused_before_the_target_lo
     loaded = []
     monkeypatch.setattr(target_module, "build_target", lambda *a, **k: loaded.append(1))
     same = tiny_export.parent / "." / tiny_export.name  # the same folder, spelt otherwise
-    with pytest.raises(InputError, match="is the export being evaluated"):
+    with pytest.raises(InputError, match="is the draft being evaluated"):
         main([str(tiny_export), "--recipe", str(recipe_path), "--out", str(same)])
     assert sorted(p.name for p in tiny_export.iterdir()) == before and loaded == []

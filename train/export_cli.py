@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         "safetensors + model card), atomically.",
     )
     parser.add_argument("source", help="run directory (newest complete checkpoint), checkpoint folder or model.safetensors")
-    parser.add_argument("--out", help="destination folder (default: the recipe's export.out_dir or <run>/export)")
+    parser.add_argument("--out", type=argtypes.path, help="destination folder (default: the recipe's export.out_dir or <run>/export)")
     parser.add_argument("--arch", choices=["Qwen3DSparkModel", "LingDSparkModel"], help=f"default: the recipe's export.arch ({defaults.arch} when unset)")
     parser.add_argument("--with-embeddings", action=argparse.BooleanOptionalAction, default=None,
                         help="also write embed_tokens / lm_head (servers attach the target's anyway); "
