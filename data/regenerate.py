@@ -236,6 +236,7 @@ def _read_rows(
     and whether its last line was torn. Read line by line: a checked file of any size costs
     one row of memory."""
     rows = []
+    valid = 0  # rows read, kept or not
     torn = blank = False
     bad: tuple[int, ValueError] | None = None  # an unparsable line: torn if it is the last
     with path.open("rb") as lines:
@@ -259,8 +260,11 @@ def _read_rows(
             problem = _row_problem(row)
             if problem is not None:
                 raise _not_a_row(path, number, problem)
+            valid += 1
             if keep is None or keep(row, number):
                 rows.append(row)
+    if bad is not None and not valid:  # not one row: no regenerated file, whatever its end says
+        raise _not_a_row(path, *bad)
     # a cut inside the last line's bytes that happens to end in "\n"
     return rows, torn or blank or bad is not None
 
