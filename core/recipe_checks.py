@@ -451,6 +451,19 @@ def _check_data(cfg: RecipeConfig) -> list[Problem]:
                 "be ignored: set data.regenerate: true to train on its answers, or remove it",
             )
         )
+    if data.regenerate:
+        from draftforge.data.loading import regenerated_path
+
+        answers = regenerated_path(data, cfg.train.output_dir).absolute()
+        for spec in data.train_files:
+            if not spec.startswith("builtin:") and Path(spec).expanduser().absolute() == answers:
+                key = ("data", "regenerated_file") if data.regenerated_file is not None else ("data", "train_files")
+                what = "data.regenerated_file" if data.regenerated_file is not None else \
+                    "<train.output_dir>/regenerated.jsonl, where the answers go by default,"
+                problems.append((key, (
+                    f"{what} {answers} is also one of data.train_files, the prompts it answers: "
+                    "regeneration would write the answers over the prompts (and 'draftforge demo "
+                    "--force' delete them); give the answers another path"), (("data", "train_files"),)))
     return problems
 
 

@@ -68,6 +68,7 @@ from draftforge.eval.demo_state import (
     check_answers_file,
     check_dflash_removable,
     check_removable,
+    check_run_removable,
     check_same_recipe,
     check_trained_on,
     check_training_data,
@@ -240,6 +241,7 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
             )
         check_removable(outputs, keep, paths.export_dir)  # all of them before any is deleted
         if paths.dflash_dir in outputs:
+            check_run_removable(paths.run_dir)
             check_dflash_removable(paths.dflash_dir)
             check_training_data(cfg)  # the trainings would refuse it only after the deletions
         for path in outputs:

@@ -251,26 +251,54 @@ def check_removable(outputs: Sequence[Path], keep: Sequence[Path], export_dir: P
                         exit_status=2) from None
 
 
+def _saved_run(folder: Path) -> dict | None:
+    """The ``config.yaml`` a training wrote in ``folder``, if it names ``folder`` as its
+    ``train.output_dir`` (by name: it was resolved elsewhere); None otherwise."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8"))
+        ours = Path(saved["train"]["output_dir"]).name == folder.name
+        return saved if ours and isinstance(saved["draft"], dict) else None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError):
+        return None
+
+
 def check_dflash_removable(dflash_dir: Path) -> None:
     """Refuse ``--force`` where the folder the demo derives for its DFlash run (the recipe's
     ``train.output_dir`` with ``-dflash`` added; no recipe names it) holds something else than
     a DFlash run written there: a run folder of the user's own that happens to have that name."""
-    import yaml
-
     if not dflash_dir.exists() or (dflash_dir.is_dir() and not any(dflash_dir.iterdir())):
         return
+    saved = _saved_run(dflash_dir)
     try:
-        saved = yaml.safe_load((dflash_dir / "config.yaml").read_text(encoding="utf-8"))
-        draft, train = saved["draft"], saved["train"]
-        ours = (draft["markov_rank"] == 0 and draft["enable_confidence_head"] is False
-                and Path(train["output_dir"]).name == dflash_dir.name)  # resolved elsewhere: the name
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError):
+        ours = saved is not None and saved["draft"]["markov_rank"] == 0 and saved["draft"]["enable_confidence_head"] is False
+    except KeyError:
         ours = False
     if not ours:
         raise DemoError(
             f"--force would delete {dflash_dir}, where the demo puts its DFlash ablation's run, but it "
             "does not hold a DFlash run written there (its config.yaml names another run or none); "
             "refusing. Move it away, or set another train.output_dir", exit_status=2)
+
+
+# what a demo leaves in the DSpark run folder before its training writes config.yaml there
+_BEFORE_TRAINING = ("regenerated.jsonl", "regenerated.jsonl.partial", "regenerated.jsonl.lock",
+                    ANSWERS_STAMP, "demo-logs")
+
+
+def check_run_removable(run_dir: Path) -> None:
+    """Refuse ``--force`` where ``train.output_dir`` holds something else than a run written
+    there or what the demo writes before its training: a folder of the user's own."""
+    if not run_dir.exists() or (run_dir.is_dir() and not any(run_dir.iterdir())):
+        return
+    if run_dir.is_dir() and (_saved_run(run_dir) is not None
+                             or all(entry.name in _BEFORE_TRAINING for entry in run_dir.iterdir())):
+        return
+    raise DemoError(
+        f"--force would delete {run_dir} (train.output_dir), but it holds neither a run written there "
+        "(its config.yaml names another run or none) nor what the demo writes before training; "
+        "refusing. Move it away, or set another train.output_dir", exit_status=2)
 
 
 def _check_keeps(path: Path, keep: Sequence[Path]) -> None:

@@ -64,3 +64,47 @@ def test_demo_force_refuses_bad_training_data_before_deleting_the_runs(tmp_path,
     assert str(data) in err
     assert ("data file not found" in err) if problem == "missing" else ("overlap the evaluation" in err)
     assert (paths.run_dir / "checkpoints").is_dir() and (paths.dflash_dir / "checkpoints").is_dir()
+
+
+def test_demo_force_refuses_an_output_dir_that_is_no_run(tmp_path, monkeypatch, capsys):
+    """--force deleted train.output_dir whatever it held (here a thesis), where the -dflash
+    twin and export.out_dir were checked to be the demo's first."""
+    mine = tmp_path / "userstuff"
+    mine.mkdir()
+    (mine / "thesis.txt").write_text("precious")
+    recipe = tiny_recipe(tmp_path, steps=4, overrides={"train.output_dir": str(mine)})
+    _no_stages(monkeypatch)
+    code, err = _run(["demo", str(recipe), "--force"], capsys)
+    assert code == 2, err
+    assert f"--force would delete {mine} (train.output_dir), but it holds neither a run" in err
+    assert (mine / "thesis.txt").read_text() == "precious"
+
+
+def test_demo_force_still_deletes_what_the_demo_wrote_before_training(tmp_path, monkeypatch, capsys):
+    recipe = tiny_recipe(tmp_path, steps=4)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "regenerated.jsonl").write_text("")
+    (run / "demo-answers.json").write_text("{}")
+    _no_stages(monkeypatch)
+    code, err = _run(["demo", str(recipe), "--force"], capsys)
+    assert code == 1 and "a stage ran" in err  # past the deletions, to the stubbed training
+    assert not (run / "regenerated.jsonl").exists()
+
+
+def test_answers_written_over_their_own_prompts_are_refused_at_load(tmp_path):
+    """data.regenerated_file naming one of data.train_files: regeneration would write the answers
+    over the prompts, and 'draftforge demo --force' deleted the user's data file."""
+    from draftforge.recipe_errors import RecipeError
+
+    data = tmp_path / "mydata.jsonl"
+    data.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    recipe = tiny_recipe(tmp_path, overrides={"data.train_files": [str(data)], "data.regenerate": True,
+                                              "data.regenerated_file": str(data)})
+    with pytest.raises(RecipeError, match="is also one of data.train_files, the prompts it answers"):
+        load_recipe(recipe)
+    # the default path, <train.output_dir>/regenerated.jsonl, too
+    default = tmp_path / "run" / "regenerated.jsonl"
+    recipe = tiny_recipe(tmp_path, overrides={"data.train_files": [str(default)], "data.regenerate": True})
+    with pytest.raises(RecipeError, match="where the answers go by default"):
+        load_recipe(recipe)
