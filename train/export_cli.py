@@ -58,6 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not source.exists():
         raise InputError(f"{source} does not exist; give a run directory, a "
                          "checkpoint folder or a model.safetensors")
+    if args.push_to_hub:  # a malformed id never uploads: said before the export, not after it
+        _check_repo_id(args.push_to_hub)
     if args.eval_report and Path(args.eval_report).is_dir():
         # the folder 'draftforge eval --out' wrote, as 'draftforge eval compare' takes it
         if not (Path(args.eval_report) / "report.md").is_file():
@@ -145,6 +147,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"export: pushed to {url}")
     print(f"export_dir={path}")
     return 0
+
+
+def _check_repo_id(repo_id: str) -> None:
+    """Refuse a ``--push-to-hub`` id the Hub would refuse (huggingface_hub's own rule), naming it."""
+    from draftforge.errors import InputError
+
+    try:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+    except ImportError:  # push_to_hub says how to install it, after the export
+        return
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise InputError(f"--push-to-hub {repo_id!r}: not a Hub repository id ({err}); give "
+                         "'namespace/name' or 'name'") from None
 
 
 def recipe_mismatch(draft_section, cfg) -> list[str]:

@@ -93,6 +93,8 @@ def config_from_serving(raw: dict, *, where: str = CONFIG_FILE) -> DSparkConfig:
     raw = _with_dflash_fields(raw, where)
     _check_sglang_reads_the_same(raw, where)
     rope_theta = _plain_rope_theta(raw, where)
+    if rope_theta is not None and not rope_theta > 0:  # 0 read as absent gave another draft
+        raise ExportError(f"{where}: rope_theta {rope_theta} is not a RoPE base; it must be above 0")
     required = (
         "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "intermediate_size", "num_target_layers", "target_layer_ids",
@@ -383,6 +385,17 @@ def _check_dtypes(state: dict[str, torch.Tensor], folder: Path) -> None:
                       "(draftforge export writes one of them); export the draft again")
 
 
+def _check_finite(state: dict[str, torch.Tensor], folder: Path) -> None:
+    """Refuse tensors holding NaN or infinity: the draft then proposes garbage, which the
+    evaluator would measure as an acceptance length of 1 without a word."""
+    broken = sorted(name for name, tensor in state.items() if not bool(torch.isfinite(tensor).all()))
+    if broken:
+        shown = ", ".join(broken[:5]) + (f" and {len(broken) - 5} more" if len(broken) > 5 else "")
+        raise ExportError(f"{folder}: {shown} hold{'s' if len(broken) == 1 else ''} NaN or infinite "
+                          "values, so the draft computes nothing usable (a training that diverged, or a "
+                          "damaged file); export it again from a sound checkpoint")
+
+
 def load_exported_draft(
     folder: str | os.PathLike[str],
     *,
@@ -406,6 +419,7 @@ def load_exported_draft(
     cfg = config_from_serving(raw, where=str(folder / CONFIG_FILE))
     state = read_safetensors_folder(folder)
     _check_dtypes(state, folder)
+    _check_finite(state, folder)
     # each copy is optional (contract section 4): the folder's own is used where it holds one
     held = [name for name in EMBEDDING_KEYS if name in state]
     if "enable_confidence_head" not in raw and not any(name.startswith("confidence_head.") for name in state):

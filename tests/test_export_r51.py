@@ -1,0 +1,58 @@
+"""Session 51: exports that load into another draft than a server's, or into garbage, are
+refused; a malformed --push-to-hub id is refused before the export."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from eval_helpers import tiny_eval_draft, tiny_target
+from safetensors.torch import load_file, save_file
+
+from draftforge.train.export import ExportError, export_draft
+from draftforge.train.hf_load import load_exported_draft
+
+
+@pytest.fixture
+def exported(tmp_path):
+    target = tiny_target()
+    return export_draft(tiny_eval_draft(target), tmp_path / "export", progress=lambda _: None), target
+
+
+def test_a_draft_with_nan_weights_is_refused_naming_the_tensor(exported):
+    """A fc.weight full of NaN was evaluated to an acceptance length of 1.000, without a word."""
+    folder, target = exported
+    path = folder / "model.safetensors"
+    state = load_file(str(path))
+    state["fc.weight"] = state["fc.weight"].clone().fill_(float("nan"))
+    save_file(state, str(path), metadata={"format": "pt"})
+    with pytest.raises(ExportError, match=r"fc\.weight holds NaN or infinite values"):
+        load_exported_draft(folder, target=target)
+
+
+def test_a_rope_theta_of_0_is_refused_not_read_as_absent(exported):
+    """0 fell back to 10000 (read as no value), where a server would use 0."""
+    folder, target = exported
+    raw = json.loads((folder / "config.json").read_text())
+    raw["rope_theta"] = 0
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ExportError, match="rope_theta 0.0 is not a RoPE base; it must be above 0"):
+        load_exported_draft(folder, target=target)
+
+
+def test_a_malformed_hub_id_is_refused_before_the_export(tmp_path, capsys):
+    """'draftforge export ... --push-to-hub "bad repo id!!"' exported, then failed (exit 1)
+    advising to check the network and the login."""
+    from test_export import _write_checkpoint
+
+    from draftforge.cli import main
+    from draftforge.train.model import DSparkDraft
+
+    _write_checkpoint(tmp_path / "ckpt", DSparkDraft(tiny_eval_draft(tiny_target()).config))
+    try:
+        code = main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--push-to-hub", "bad repo id!!"])
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 2
+    assert "--push-to-hub 'bad repo id!!': not a Hub repository id" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
