@@ -13,6 +13,7 @@ import json
 import os
 import shlex
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -440,8 +441,10 @@ def _check_folder_writable(folder: Path, option: str, given: str) -> None:
     if not existing.is_dir():
         raise InputError(f"{option} {given}: {existing} is a file, not a folder, so nothing can be "
                          "written under it")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise InputError(f"{option} {given}: cannot write in {existing} (no permission)")
+    try:  # made and removed: os.access says yes to root on a read-only mount or in /proc
+        tempfile.TemporaryDirectory(prefix=".draftforge-write-check-", dir=existing).cleanup()
+    except OSError as exc:
+        raise InputError(f"{option} {given}: cannot write in {existing} ({exc.strerror or exc})") from None
 
 
 def _warn_replacing(out: Path) -> None:

@@ -488,13 +488,20 @@ def test_unwritable_out_and_calibrate_paths_are_refused_before_the_target_loads(
         assert f"draftforge eval: error: {message}" in capsys.readouterr().err, extra
     assert a_file.read_text() == "x" and not (tmp_path / "r").exists()
 
-    # a folder it may not write in (checked by permission, which root has everywhere)
+    # a folder it may not write in (checked by making a folder there: root may write anywhere
+    # by permission, so the refusal is simulated)
     locked = tmp_path / "locked"
     locked.mkdir()
-    real_access = cli.os.access
-    monkeypatch.setattr(cli.os, "access", lambda p, mode: Path(p) != locked and real_access(p, mode))
+    real_folder = cli.tempfile.TemporaryDirectory
+
+    def refusing(*args, dir=None, **kwargs):
+        if Path(dir) == locked:
+            raise PermissionError(13, "Permission denied")
+        return real_folder(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(cli.tempfile, "TemporaryDirectory", refusing)
     assert main([*base, "--out", str(locked / "new" / "report")]) == 2
-    assert f"--out {locked / 'new' / 'report'}: cannot write in {locked} (no permission)" in capsys.readouterr().err
+    assert f"--out {locked / 'new' / 'report'}: cannot write in {locked} (Permission denied)" in capsys.readouterr().err
     assert main([*base, "--out", str(tmp_path / "r"), "--calibrate", str(locked / "cal.json")]) == 2
     assert f"--calibrate {locked / 'cal.json'}: cannot write in {locked}" in capsys.readouterr().err
     # folders that do not exist yet are made when written: accepted

@@ -4,6 +4,7 @@ said, and report.json records the settings decoding used."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from eval_helpers import random_prompts
 from test_eval_cli import _tiny_export_and_prompts, recipe_path  # noqa: F401 - the fixture
@@ -78,6 +79,8 @@ def test_outputs_that_would_write_over_this_runs_inputs_are_refused(recipe_path,
         (["--out", ""], "--out: empty path"),
         (["--out", str(out), "--calibrate", ""], "--calibrate: empty path"),
     ]
+    if Path("/proc/self").is_dir():  # Linux: os.access said root could write in /proc
+        cases.append((["--out", "/proc/draftforge-none/x"], "--out /proc/draftforge-none/x: cannot write in /proc"))
     for extra, said in cases:
         err = _refused([*base, *extra], capsys)
         assert said in err, (extra, err)
