@@ -56,3 +56,32 @@ def test_a_malformed_hub_id_is_refused_before_the_export(tmp_path, capsys):
     assert code == 2
     assert "--push-to-hub 'bad repo id!!': not a Hub repository id" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_recipe_whose_target_does_not_fit_the_checkpoint_is_refused(tmp_path, capsys):
+    """'export --recipe R' compared only R's draft section: a recipe for a target of another
+    vocabulary gave a model card whose recipe said vocab_size 512 beside config.json's 49152."""
+    import re
+    from pathlib import Path
+
+    from splitserve_helpers import tiny_recipe
+    from test_export import _write_checkpoint
+
+    from draftforge.cli import main
+    from draftforge.config import load_recipe
+    from draftforge.splitserve.launch import _model_config
+    from draftforge.train.model import DSparkConfig, DSparkDraft
+
+    recipe = tiny_recipe(tmp_path)
+    config = DSparkConfig(**_model_config(load_recipe(recipe)))
+    _write_checkpoint(tmp_path / "ckpt", DSparkDraft(config))
+    assert main(["export", str(tmp_path / "ckpt"), "--recipe", str(recipe), "--out", str(tmp_path / "ok")]) == 0
+    other = tmp_path / "other.yaml"
+    other.write_text(re.sub(r"vocab_size: 8192", "vocab_size: 4096", Path(recipe).read_text()))
+    try:
+        code = main(["export", str(tmp_path / "ckpt"), "--recipe", str(other), "--out", str(tmp_path / "out")])
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 2
+    assert "vocab_size: recipe's target 'random' gives 4096, checkpoint 8192" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     cfg, state = load_training_checkpoint(source)
     if recipe_path is not None:
-        differ = recipe_mismatch(recipe.draft, cfg)
+        differ = recipe_mismatch(recipe, cfg)
         if differ:
             raise InputError(
                 f"the recipe {recipe_path} does not describe the checkpoint "
@@ -164,15 +164,18 @@ def _check_repo_id(repo_id: str) -> None:
                          "'namespace/name' or 'name'") from None
 
 
-def recipe_mismatch(draft_section, cfg) -> list[str]:
+def recipe_mismatch(recipe, cfg) -> list[str]:
     """``key: recipe X, checkpoint Y`` for each draft-section field the recipe resolves that the
     checkpoint's :class:`~draftforge.train.model.DSparkConfig` holds otherwise (the attention
-    backend is how it trained, not what it is)."""
+    backend is how it trained, not what it is), and for each field the recipe's target decides
+    (vocabulary, the target's width and layers) where its shape is known without loading it."""
     from dataclasses import asdict
+
+    from draftforge.splitserve.launch import _model_config
 
     held = asdict(cfg)
     differ = []
-    for key, value in draft_section.model_dump().items():
+    for key, value in recipe.draft.model_dump().items():
         if key == "attention_backend" or value is None or key not in held:
             continue
         theirs = held[key]
@@ -180,6 +183,15 @@ def recipe_mismatch(draft_section, cfg) -> list[str]:
             value, theirs = list(value), list(theirs)
         if value != theirs:
             differ.append(f"draft.{key}: recipe {value!r}, checkpoint {theirs!r}")
+    named = recipe.draft.model_dump()
+    for key, value in (_model_config(recipe) or {}).items():
+        if named.get(key) is not None or key == "attention_backend" or key not in held:  # said above
+            continue
+        theirs = held[key]
+        if isinstance(value, (list, tuple)):
+            value, theirs = list(value), list(theirs)
+        if value != theirs:
+            differ.append(f"{key}: recipe's target {recipe.target.model!r} gives {value!r}, checkpoint {theirs!r}")
     return differ
 
 
