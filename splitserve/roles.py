@@ -63,6 +63,11 @@ def recipe_split_problems(cfg: RecipeConfig) -> list[str]:
             f"{len(trainers)} trainer ranks {trainers}; use train.strategy fsdp2 or deepspeed, or "
             "list one trainer rank"
         )
+    if cfg.target.backend == "sglang" and cfg.target.model == "random":
+        problems.append(
+            "target.backend: sglang loads the target's weights from a folder, and target.model "
+            "'random' is built in memory with none; use target.backend: hf for a random target"
+        )
     if cfg.target.backend == "sglang":
         from draftforge.splitserve.sglang_backend import RUNNER_TOKENS
 

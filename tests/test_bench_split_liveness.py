@@ -42,7 +42,7 @@ def test_the_launcher_offers_no_resume_to_a_run_that_never_resumes(tmp_path, cap
     (checkpoint / "COMPLETE").write_text("")
     (checkpoint / "trainer_state.json").write_text("{}")
     monkeypatch.setattr("draftforge.splitserve.launch.run_ranks", lambda *a, **k: 1)
-    monkeypatch.setattr("draftforge.splitserve.launch.preflight", lambda cfg: None)
+    monkeypatch.setattr("draftforge.splitserve.launch.preflight", lambda cfg, **kwargs: None)
     assert train_main([str(recipe), "train.resume=never"]) == 1
     last = capsys.readouterr().err.splitlines()[-1]
     assert last == (

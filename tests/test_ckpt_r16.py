@@ -122,7 +122,7 @@ def test_a_stopped_job_says_whether_its_rerun_continues_or_starts_over(written, 
 
     recipe = tiny_recipe(tmp_path)
     run_dir = tmp_path / "run"
-    monkeypatch.setattr("draftforge.splitserve.launch.preflight", lambda cfg: None)
+    monkeypatch.setattr("draftforge.splitserve.launch.preflight", lambda cfg, **kwargs: None)
     monkeypatch.setattr("draftforge.splitserve.launch.rank_command",
                         lambda recipe, overrides: [sys.executable, "-c", _RANK,
                                                    str(run_dir) if written else ""])
@@ -200,7 +200,7 @@ def test_a_full_disk_during_a_run_is_one_line_and_not_restarted(error, tmp_path,
 
     recipe = tiny_recipe(tmp_path)
     run_dir = tmp_path / "run"
-    monkeypatch.setattr(launch, "preflight", lambda cfg: None)
+    monkeypatch.setattr(launch, "preflight", lambda cfg, **kwargs: None)
     monkeypatch.setattr(launch, "rank_command", lambda recipe, overrides: [
         sys.executable, "-c", _FULL_DISK_RANK, error, str(recipe)])
     starts = []

@@ -36,3 +36,15 @@ def test_an_ascii_typo_gets_no_such_note():
     with pytest.raises(RecipeError) as info:
         load_recipe(TINY, ["train.stpes=5"])
     assert "did you mean 'steps'?" in str(info.value) and "ASCII" not in str(info.value)
+
+
+def test_a_random_target_on_sglang_is_refused_with_the_recipe():
+    """It passed every check before the job started and was refused by the target rank, after
+    torchrun had launched the job."""
+    from draftforge.splitserve.roles import recipe_split_problems
+
+    cfg = load_recipe(TINY, ["target.backend=sglang"])
+    assert cfg.target.model == "random"
+    problems = [cfg.locate(p) for p in recipe_split_problems(cfg)]
+    assert any(p.startswith("command line 'target.backend=sglang': target.backend: sglang loads the target's "
+                            "weights from a folder") for p in problems), problems

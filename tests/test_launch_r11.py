@@ -69,7 +69,7 @@ def test_a_job_resumed_from_a_named_checkpoint_is_not_told_to_rerun_the_same_com
 
     recipe = tiny_recipe(tmp_path)
     start = _checkpoint(tmp_path / "run", 4)
-    monkeypatch.setattr("draftforge.splitserve.launch.preflight", lambda cfg: None)
+    monkeypatch.setattr("draftforge.splitserve.launch.preflight", lambda cfg, **kwargs: None)
 
     def fails_after_a_checkpoint(*args, **kwargs):
         _checkpoint(tmp_path / "run", 8)
@@ -109,7 +109,7 @@ def test_a_stopped_job_says_how_to_continue_for_its_train_resume(resume, tmp_pat
     from draftforge.splitserve.supervisor import JobInterrupted
 
     recipe = tiny_recipe(tmp_path)
-    monkeypatch.setattr("draftforge.splitserve.launch.preflight", lambda cfg: None)
+    monkeypatch.setattr("draftforge.splitserve.launch.preflight", lambda cfg, **kwargs: None)
     monkeypatch.setattr("draftforge.splitserve.launch.rank_command",
                         lambda recipe, overrides: [sys.executable, "-c", _INTERRUPTING_RANK])
     with pytest.raises(JobInterrupted) as stop:
@@ -141,7 +141,7 @@ def test_an_empty_master_addr_is_refused_before_anything_listens(address, tmp_pa
 
     recipe = tiny_recipe(tmp_path)
     started = []
-    monkeypatch.setattr("draftforge.splitserve.launch.preflight", lambda cfg: None)
+    monkeypatch.setattr("draftforge.splitserve.launch.preflight", lambda cfg, **kwargs: None)
     monkeypatch.setattr("draftforge.splitserve.launch.run_ranks",
                         lambda *a, **k: started.append(k["host"]) or 0)
     with pytest.raises(SystemExit) as refused:

@@ -105,7 +105,7 @@ def test_after_a_rank_refused_its_input_the_last_line_says_to_fix_it_before_reru
         return 2
 
     monkeypatch.setattr(launch, "run_ranks", job)
-    monkeypatch.setattr(launch, "preflight", lambda cfg: None)
+    monkeypatch.setattr(launch, "preflight", lambda cfg, **kwargs: None)
     monkeypatch.setattr(ckpt, "find_resume", lambda run_dir, resume: step)
     assert launch.main([str(recipe)]) == 2
     last = capsys.readouterr().err.splitlines()[-1]

@@ -119,7 +119,7 @@ def test_a_restart_before_the_first_checkpoint_says_the_job_starts_over(tmp_path
     # with one, the restart continues from it, and says so
     from draftforge.splitserve import launch
 
-    monkeypatch.setattr(launch, "preflight", lambda cfg: None)  # which would read the checkpoint
+    monkeypatch.setattr(launch, "preflight", lambda cfg, **kwargs: None)  # which would read the checkpoint
     monkeypatch.setattr(ckpt, "find_resume", lambda *a, **k: run_dir / "checkpoints" / "step_4")
     _fake_ranks(monkeypatch, [1, 0])
     assert train_main([str(recipe)]) == 0

@@ -21,8 +21,18 @@ def test_an_sglang_target_gets_time_to_close_its_runner_before_sigkill(tmp_path,
         return 0
 
     monkeypatch.setattr(launch, "run_ranks", job)
-    monkeypatch.setattr(launch, "preflight", lambda cfg: None)  # the target is not loaded here
-    recipe = tiny_recipe(tmp_path)
+    monkeypatch.setattr(launch, "preflight", lambda cfg, **kwargs: None)  # the target is not loaded here
+    # a target folder SGLang could load (a random target is refused with the recipe); its
+    # config.json has the tiny random target's shape, and nothing is loaded here
+    import json
+
+    folder = tmp_path / "target"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 4,
+        "hidden_size": 64, "vocab_size": 8192, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 128, "rope_theta": 10000.0, "max_position_embeddings": 2048}))
+    recipe = tiny_recipe(tmp_path, overrides={"target.model": str(folder), "target.shape": None})
     assert launch.main([str(recipe), f"target.backend={backend}"]) == 0
     assert asked == [term_s]
 
@@ -39,7 +49,7 @@ def test_the_launcher_checks_the_ranks_of_its_own_node(tmp_path, monkeypatch, no
     started = []
     monkeypatch.setattr(launch, "run_torchrun", lambda *a, **k: started.append(a) or 0)
     monkeypatch.setattr(launch, "check_master_port", lambda port: None)
-    monkeypatch.setattr(launch, "preflight", lambda cfg: None)
+    monkeypatch.setattr(launch, "preflight", lambda cfg, **kwargs: None)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     recipe = tiny_recipe(tmp_path, overrides={"split.num_nodes": 2, "split.comm_backend": "gloo",
                                               "train.device": "cuda"})

@@ -361,7 +361,7 @@ def test_a_failed_job_offers_to_resume_only_from_a_checkpoint(tmp_path, capsys, 
     checkpoint.mkdir(parents=True)
     (checkpoint / "COMPLETE").write_text("")
     (checkpoint / "trainer_state.json").write_text("{}")
-    monkeypatch.setattr("draftforge.splitserve.launch.preflight", lambda cfg: None)
+    monkeypatch.setattr("draftforge.splitserve.launch.preflight", lambda cfg, **kwargs: None)
     assert train_main([str(recipe)]) == 1
     assert capsys.readouterr().err.splitlines()[-1].endswith(
         f"Rerun the same command to resume from the newest checkpoint in {tmp_path / 'run'} "
