@@ -475,10 +475,38 @@ def _placed(cfg: RecipeConfig, ranks: list[int], devices: list[int] | None, *, t
     return gpus if split.comm_backend == "nccl" else f"{gpus}, or cpu where no GPU is visible"
 
 
+def planned_dtypes(cfg: RecipeConfig) -> tuple[RecipeConfig, str | None]:
+    """``cfg`` with its ``auto`` dtypes as the planned GPUs resolve them, and a note saying so,
+    where this machine has no GPU to ask (a login node planning a GPU recipe): bfloat16, as on
+    every GPU with native bf16 (Ampere and later). Loading resolved them by this machine's
+    CPU, float32 on one without native bf16, which would double the GPU ranks' estimates.
+    Ranks that run on a CPU keep the CPU's rule."""
+    import torch
+
+    from draftforge.splitserve.roles import comm_backend
+
+    if torch.cuda.is_available():  # resolved by the GPU itself when the recipe was loaded
+        return cfg, None
+    target, train, planned = cfg.target, cfg.train, []
+    if target._auto_dtype and comm_backend(cfg, gpus_visible=True) == "nccl" and target.dtype_on("cuda") != "bfloat16":
+        target = target.model_copy(update={"dtype": "bfloat16"})
+        target._auto_dtype = False
+        planned.append("target.dtype")
+    if train._auto_dtype and not _trainer_may_run_on_cpu(cfg) and train.dtype != "bfloat16":
+        train = train.model_copy(update={"dtype": "bfloat16"})
+        planned.append("train.dtype")
+    if not planned:
+        return cfg, None
+    return cfg.model_copy(update={"target": target, "train": train}), (
+        f"  {' and '.join(planned)}: auto, planned as bfloat16 for the recipe's GPUs (this machine has "
+        "none to ask, and its CPU would take float32; a GPU without native bf16 takes float32)")
+
+
 def dry_run(cfg: RecipeConfig) -> str:
     """The dry-run report."""
     from draftforge.splitserve.roles import comm_backend
 
+    cfg, dtype_note = planned_dtypes(cfg)
     split = cfg.split
     topology = build_topology(split)
     meta_draft = recipe_meta_draft(cfg)  # built once: the parameter counts and the trainer estimate
@@ -490,6 +518,7 @@ def dry_run(cfg: RecipeConfig) -> str:
         backend = ("auto: nccl where GPUs are visible, else gloo" if backend == "nccl"
                    else "auto: gloo (train.device cpu)")
     lines.append(f"  world size {split.world_size}{nodes}; comm backend {backend}")
+    lines += filter(None, [dtype_note])
     lines.append(
         f"  target ranks {split.target_ranks} (tensor parallel {split.target_tensor_parallel}, "
         f"{_placed(cfg, split.target_ranks, split.target_devices, trainer=False)})"

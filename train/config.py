@@ -6,7 +6,7 @@ import math
 import os
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from draftforge.argtypes import MAX_SEED
 from draftforge.precision import resolve_auto
@@ -134,6 +134,7 @@ class TrainConfig(Section):
     grad_accum: int = Field(default=1, gt=0, description="micro-batches per optimiser update")
     seed: int = Field(default=0, ge=0, le=MAX_SEED, description="seeds the draft's initialisation and the anchors")
     num_threads: int = Field(default=1, gt=0, description="intra-op threads per trainer on CPU")
+    _auto_dtype: bool = PrivateAttr(default=False)  # dtype was auto, resolved for this machine
     device: Literal["auto", "cpu", "cuda"] = Field(
         default="auto", description="auto: the local CUDA device when there is one, else cpu"
     )
@@ -184,6 +185,7 @@ class TrainConfig(Section):
     @model_validator(mode="after")
     def _resolve_dtype(self) -> TrainConfig:
         if self.dtype == "auto":  # re-validates once with the resolved value
+            self._auto_dtype = True
             self.dtype = resolve_auto(self.dtype, self.device)
         return self
 

@@ -1,0 +1,46 @@
+"""Session 51: a dry run on a machine without a GPU plans a GPU recipe's auto dtypes as the GPUs
+resolve them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from draftforge.config import load_recipe
+from draftforge.splitserve.dry_run import dry_run
+
+TINY = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
+
+
+@pytest.fixture
+def no_native_bf16(monkeypatch):
+    """This machine as a login node: no GPU, a CPU without native bf16."""
+    import torch
+
+    import draftforge.precision as precision
+
+    monkeypatch.setattr(precision, "cpu_bf16_flags", lambda cpuinfo=None: [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_auto_dtypes_of_gpu_ranks_are_planned_as_bfloat16(no_native_bf16):
+    """Loading resolved auto by this CPU (float32), and the dry run, which plans for the machine
+    the recipe names, showed float32 weights and trainer memory for GPU ranks: twice the bytes."""
+    cfg = load_recipe(TINY, ["split.comm_backend=nccl", "target.dtype=auto", "train.dtype=auto"])
+    assert (cfg.target.dtype_on("cuda"), cfg.train.dtype) == ("float32", "float32")  # this CPU's rule
+    report = dry_run(cfg)
+    assert "target.dtype and train.dtype: auto, planned as bfloat16 for the recipe's GPUs" in report
+    assert "weights (bfloat16" in report and "weights (float32" not in report
+    # the trainers' estimate is bf16's too: as a recipe saying bfloat16 gets it
+    explicit = dry_run(load_recipe(TINY, ["split.comm_backend=nccl", "target.dtype=bfloat16", "train.dtype=bfloat16"]))
+    trainer = "memory estimate per trainer rank:"
+    assert report.split(trainer)[1] == explicit.split(trainer)[1]
+
+
+def test_ranks_on_a_cpu_and_explicit_dtypes_keep_theirs(no_native_bf16):
+    report = dry_run(load_recipe(TINY, ["split.comm_backend=gloo", "train.device=cpu", "target.dtype=auto",
+                                        "train.dtype=auto"]))
+    assert "planned as bfloat16" not in report and "weights (float32" in report
+    report = dry_run(load_recipe(TINY, ["split.comm_backend=nccl", "target.dtype=float32", "train.dtype=float32"]))
+    assert "planned as bfloat16" not in report and "weights (float32" in report
