@@ -85,3 +85,29 @@ def test_a_recipe_whose_target_does_not_fit_the_checkpoint_is_refused(tmp_path, 
     assert code == 2
     assert "vocab_size: recipe's target 'random' gives 4096, checkpoint 8192" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_messages_name_what_was_passed_in_place_of_a_checkpoint(tmp_path, exported):
+    """An export passed to 'draftforge export', or one without config.json given to eval, was
+    'draft_config.json is missing'; a run's checkpoints/ folder read 'no checkpoints/ folder'."""
+    import shutil
+
+    from test_export import _write_checkpoint
+
+    from draftforge.train.export import load_training_checkpoint
+    from draftforge.train.model import DSparkDraft
+
+    folder, target = exported
+    with pytest.raises(ExportError, match=r"an export \(it holds config.json, not draft_config.json\), where a "
+                                          "training checkpoint is read"):
+        load_training_checkpoint(folder)
+    bare = tmp_path / "bare"
+    shutil.copytree(folder, bare)
+    (bare / "config.json").unlink()
+    with pytest.raises(ExportError, match="a training checkpoint holds draft_config.json .* and an export holds "
+                                          "config.json; neither is here"):
+        load_training_checkpoint(bare)
+    run = tmp_path / "run"
+    _write_checkpoint(run / "checkpoints" / "step_00000002", DSparkDraft(tiny_eval_draft(target).config))
+    with pytest.raises(ExportError, match=rf"a run's checkpoints folder; pass the run directory above it \({run}\)"):
+        load_training_checkpoint(run / "checkpoints")

@@ -626,6 +626,11 @@ def _read_checkpoint_files(path: Path, weights: Path, folder: Path) -> tuple[DSp
                 "this one was copied partially or its file was removed; copy the checkpoint whole, or "
                 "export another one"
             )
+        if path.is_dir() and folder == path and any(path.glob("step_*")):  # a run's checkpoints/ itself
+            raise ExportError(
+                f"{path}: a run's checkpoints folder; pass the run directory above it ({path.parent}) for "
+                f"its newest complete checkpoint, or one of its step_XXXXXXXX folders"
+            )
         if path.is_dir() and folder == path:  # "pass a run directory" misleads a run that saved none
             raise ExportError(
                 f"{path}: no {SINGLE_FILE} found in it and no checkpoints/ folder, so it is neither a "
@@ -637,7 +642,15 @@ def _read_checkpoint_files(path: Path, weights: Path, folder: Path) -> tuple[DSp
             f"or a {SINGLE_FILE} file"
         )
     if not config_path.is_file():
-        raise ExportError(f"{path}: {config_path} is missing (the draft's DSparkConfig as JSON)")
+        if (folder / "config.json").is_file():  # an export: it has its serving config instead
+            raise ExportError(
+                f"{path}: an export (it holds config.json, not {TRAINING_CONFIG_FILE}), where a training "
+                "checkpoint is read; pass the run directory or one of its checkpoints (draftforge eval "
+                "and the servers load an export as it is)")
+        raise ExportError(
+            f"{path}: {config_path} is missing: a training checkpoint holds {TRAINING_CONFIG_FILE} (the "
+            f"draft's DSparkConfig as JSON) beside {SINGLE_FILE}, and an export holds config.json; "
+            "neither is here")
     try:
         fields = json.loads(config_path.read_text())
         _check_field_types(fields)
