@@ -134,7 +134,8 @@ class TargetConfig(Section):
     cache_dir: str | None = Field(
         default=None, description="conversion cache; default $DRAFTFORGE_CACHE, else ~/.cache/draftforge"
     )
-    num_threads: int = Field(default=1, gt=0, description="intra-op threads per process on CPU")
+    num_threads: int = Field(default=1, gt=0, description="intra-op threads per process on CPU "
+                             "(draftforge data regenerate takes its own --threads)")
     seed: int = Field(default=0, ge=0, le=MAX_SEED, description="seed of the random target (model: random)")
     shape: TargetShape | None = Field(
         default=None,

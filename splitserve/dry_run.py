@@ -181,9 +181,18 @@ def target_estimate(cfg: RecipeConfig) -> Estimate:
         ("features: captured layers", captured),
         _counted("features: one layer's activations", working + scores, shape,
                  ("num_attention_heads", "intermediate_size")),
-        *(generation if cfg.data.regenerate else []),  # the data's own answers: nothing generated
+        *(generation if _generates(cfg) else []),
         ("send buffers (bf16)", wire),
     ])
+
+
+def _generates(cfg: RecipeConfig) -> bool:
+    """Whether training generates answers: with ``data.regenerate`` and no answers file yet
+    (training reads one that exists, as the demo's; without ``data.regenerate`` it trains on
+    the data's own answers)."""
+    from draftforge.data.loading import regenerated_path
+
+    return cfg.data.regenerate and not regenerated_path(cfg.data, cfg.train.output_dir).is_file()
 
 
 def packed_weights_note(cfg: RecipeConfig) -> str:

@@ -44,3 +44,16 @@ def test_ranks_on_a_cpu_and_explicit_dtypes_keep_theirs(no_native_bf16):
     assert "planned as bfloat16" not in report and "weights (float32" in report
     report = dry_run(load_recipe(TINY, ["split.comm_backend=nccl", "target.dtype=float32", "train.dtype=float32"]))
     assert "planned as bfloat16" not in report and "weights (float32" in report
+
+
+def test_no_generation_memory_where_the_answers_file_exists(tmp_path):
+    """The target's estimate counted a generation KV cache whenever data.regenerate was set, also
+    where training reads answers written ahead (the demo's way) and generates nothing."""
+    from draftforge.splitserve.dry_run import target_estimate
+
+    overrides = ["data.regenerate=true", f"train.output_dir={tmp_path / 'run'}"]
+    kv = "generation: KV cache + logits"
+    assert any(name.startswith(kv) for name, _ in target_estimate(load_recipe(TINY, overrides)).items)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "regenerated.jsonl").write_text("")
+    assert not any(name.startswith(kv) for name, _ in target_estimate(load_recipe(TINY, overrides)).items)
