@@ -32,6 +32,7 @@ def _bounded(kind: type, low: float | None, high: float | None, why: str, *,
 MAX_SEED = 2**32 - 1  # every seed the recipes and commands take: derived seeds stay in torch's range
 
 positive_int = _bounded(int, 1, None, "must be at least 1")
+block_size = _bounded(int, 2, None, "must be at least 2 (the anchor and one drafted slot), as draft.block_size")
 seed = _bounded(int, 0, MAX_SEED, f"must be a seed, 0..{MAX_SEED}")
 non_negative_int = _bounded(int, 0, None, "must be 0 or more")
 port = _bounded(int, 1, 65535, "must be a TCP port, 1..65535")

@@ -593,6 +593,10 @@ def _prompts_from_file(
         name = row.get("workload", "prompts")
         if not isinstance(name, str):
             raise InputError(f"{path}:{line_no}: workload must be a string, got {json.dumps(name)}")
+        if not name.strip() or any(c in name for c in "|\n\r`"):  # a report's table cell and row
+            raise InputError(f"{path}:{line_no}: workload {json.dumps(name)}: give a name that is not "
+                             "blank and holds no '|', backquote or line break (the reports' tables "
+                             "show it in a cell)")
         if name == "macro":  # the reports' name for the mean over workloads
             raise InputError(f"{path}:{line_no}: workload name 'macro' is reserved for the mean over workloads")
         bucket = workloads.setdefault(name, [])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from eval_helpers import random_prompts
 from test_eval_cli import _tiny_export_and_prompts, recipe_path  # noqa: F401 - the fixture
 
@@ -97,3 +98,27 @@ def test_export_refuses_an_empty_out(tmp_path, capsys):
     """'draftforge export RUN --out ""' fell back to the default folder without a word."""
     err = _refused(["export", str(tmp_path / "run"), "--out", ""], capsys)
     assert "--out: empty path" in err
+
+
+def test_a_workload_name_that_breaks_the_report_tables_is_refused_with_its_line(tmp_path):
+    """A prompts file's workload 'a|b' split its report.md rows into extra cells, and '' gave
+    blank ones."""
+    from draftforge.errors import InputError
+    from draftforge.eval.cli import _prompts_from_file
+
+    for name in ("a|b", "", "  ", "two\nlines"):
+        path = tmp_path / "prompts.jsonl"
+        path.write_text(json.dumps({"workload": "fine", "input_ids": [1, 2]}) + "\n"
+                        + json.dumps({"workload": name, "input_ids": [1, 2]}) + "\n")
+        with pytest.raises(InputError, match=rf"{path}:2: workload .*: give a name that is not blank"):
+            _prompts_from_file(str(path), None)
+
+
+def test_bench_objective_refuses_a_block_of_one():
+    """--block 1 passed argparse and failed in the worker with a ValueError excerpt (exit 1)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "draftforge", "bench", "objective", "--block", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--block: must be at least 2" in done.stderr

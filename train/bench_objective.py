@@ -139,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="hidden size H, a multiple of 128 (the head width; default 2560)")
     parser.add_argument("--anchors", type=argtypes.positive_int, default=512,
                         help="blocks (anchors) in the step (default 512)")
-    parser.add_argument("--block", type=argtypes.positive_int, default=8, help="block size (default 8)")
+    parser.add_argument("--block", type=argtypes.block_size, default=8, help="block size (default 8)")
     parser.add_argument("--markov-rank", type=argtypes.positive_int, default=256,
                         help="Markov head rank r (default 256)")
     parser.add_argument("--chunk-blocks", type=argtypes.positive_int, default=16,
