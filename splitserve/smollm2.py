@@ -48,13 +48,25 @@ class TargetUnavailableError(InputError, RuntimeError):
 
 
 def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """The draftforge cache: ``cache_dir``, else ``$DRAFTFORGE_CACHE``, else ``~/.cache/draftforge``."""
+    """The draftforge cache: ``cache_dir``, else ``$DRAFTFORGE_CACHE``, else ``~/.cache/draftforge``;
+    one that is (or lies under) a file is refused naming where it was set, not with the bare
+    'File exists' of the first folder made there."""
+    from draftforge.files import nearest_existing
+
     if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get("DRAFTFORGE_CACHE")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "draftforge"
+        root, given = Path(cache_dir).expanduser(), f"the cache folder {cache_dir} (--cache-dir or target.cache_dir)"
+    elif os.environ.get("DRAFTFORGE_CACHE"):
+        root = Path(os.environ["DRAFTFORGE_CACHE"]).expanduser()
+        given = f"DRAFTFORGE_CACHE={os.environ['DRAFTFORGE_CACHE']}"
+    else:
+        root, given = Path.home() / ".cache" / "draftforge", "the default cache ~/.cache/draftforge"
+    existing = nearest_existing(root)
+    if existing is not None and not existing.is_dir():
+        from draftforge.errors import InputError
+
+        where = "is a file" if existing == root.absolute() else f"lies under {existing}, a file"
+        raise InputError(f"{given}: {root} {where}; name a folder for the draftforge cache")
+    return root
 
 
 def gguf_path() -> Path:
