@@ -31,15 +31,16 @@ DRAFT_HEADROOM_BYTES = 1 << 30  # beside the draft's weights on the first GPU: i
 
 
 def recipe_target_gpus(split) -> list[int]:
-    """The GPUs of the recipe's target group, which ``draftforge eval --device auto`` uses:
-    ``split.target_devices``; without them, the node-local GPUs (LOCAL_RANK) of its first
-    tensor-parallel group's ranks, where a training puts them."""
+    """The GPUs of the recipe's first target group (its first tensor-parallel group's ranks,
+    one target), which ``draftforge eval --device auto`` uses: their ``split.target_devices``
+    entries; without them, their node-local GPUs (LOCAL_RANK), where a training puts them."""
     from draftforge.splitserve.roles import tensor_parallel_groups
 
+    first = tensor_parallel_groups(split)[0]
     if split.target_devices is not None:
-        return list(split.target_devices)
+        return [split.target_devices[split.target_ranks.index(rank)] for rank in first]
     per_node = split.world_size // split.num_nodes
-    return [rank % per_node for rank in tensor_parallel_groups(split)[0]]
+    return [rank % per_node for rank in first]
 
 
 def resolve_devices(choice: str, target_gpus: Sequence[int] | None = None, *,
@@ -64,9 +65,9 @@ def resolve_devices(choice: str, target_gpus: Sequence[int] | None = None, *,
         absent = [gpu for gpu in gpus if visible is not None and gpu >= visible]
         if absent:  # named by the recipe, not by --device: say so
             raise InputError(
-                f"--device auto: the recipe's split.target_devices {gpus} name GPU(s) {absent}, "
-                f"but {visible} GPU(s) are visible here; give the GPUs with --device "
-                "cuda:0,cuda:1,..."
+                f"--device auto: the recipe's first target group runs on GPU(s) {gpus} "
+                f"(split.target_devices, else its ranks' LOCAL_RANK), but {visible} GPU(s) are "
+                f"visible here, so not {absent}; give the GPUs with --device cuda:0,cuda:1,..."
             )
         names = [f"cuda:{i}" for i in gpus]
     else:

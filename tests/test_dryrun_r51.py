@@ -57,3 +57,26 @@ def test_no_generation_memory_where_the_answers_file_exists(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "regenerated.jsonl").write_text("")
     assert not any(name.startswith(kv) for name, _ in target_estimate(load_recipe(TINY, overrides)).items)
+
+
+def test_eval_device_auto_takes_one_target_groups_gpus_from_a_device_list(monkeypatch):
+    """With split.target_devices, eval --device auto spread the target over every target rank's
+    GPU (two data-parallel targets' worth), where without the list it took the first
+    tensor-parallel group's; the error for an absent GPU blamed the list also where there was none."""
+    import types
+
+    from draftforge.errors import InputError
+    from draftforge.splitserve.placement import recipe_target_gpus, resolve_devices
+
+    split = types.SimpleNamespace(target_ranks=[0, 1, 2, 3], target_devices=[4, 5, 6, 7], target_tensor_parallel=2,
+                                  world_size=8, num_nodes=1)
+    assert recipe_target_gpus(split) == [4, 5]
+    listless = types.SimpleNamespace(**{**vars(split), "target_devices": None})
+    assert recipe_target_gpus(listless) == [0, 1]
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine of two GPUs
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(InputError, match=r"the recipe's first target group runs on GPU\(s\) \[4, 5\] "
+                                         r"\(split.target_devices, else its ranks' LOCAL_RANK\)"):
+        resolve_devices("auto", [4, 5])
