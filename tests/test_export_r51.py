@@ -36,7 +36,7 @@ def test_a_rope_theta_of_0_is_refused_not_read_as_absent(exported):
     raw = json.loads((folder / "config.json").read_text())
     raw["rope_theta"] = 0
     (folder / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ExportError, match="rope_theta 0.0 is not a RoPE base; it must be above 0"):
+    with pytest.raises(ExportError, match="rope_theta must be a positive number, got 0.0"):
         load_exported_draft(folder, target=target)
 
 

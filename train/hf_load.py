@@ -93,8 +93,8 @@ def config_from_serving(raw: dict, *, where: str = CONFIG_FILE) -> DSparkConfig:
     raw = _with_dflash_fields(raw, where)
     _check_sglang_reads_the_same(raw, where)
     rope_theta = _plain_rope_theta(raw, where)
-    if rope_theta is not None and not rope_theta > 0:  # 0 read as absent gave another draft
-        raise ExportError(f"{where}: rope_theta {rope_theta} is not a RoPE base; it must be above 0")
+    if rope_theta is not None and not rope_theta > 0:  # 0 was read as absent: another draft
+        raise ExportError(f"{where}: rope_theta must be a positive number, got {rope_theta}")
     required = (
         "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "intermediate_size", "num_target_layers", "target_layer_ids",
