@@ -174,24 +174,19 @@ def recipe_mismatch(recipe, cfg) -> list[str]:
     from draftforge.splitserve.launch import _model_config
 
     held = asdict(cfg)
+    named = {key: value for key, value in recipe.draft.model_dump().items() if value is not None}
+    derived = {key: value for key, value in (_model_config(recipe) or {}).items() if key not in named}
     differ = []
-    for key, value in recipe.draft.model_dump().items():
-        if key == "attention_backend" or value is None or key not in held:
-            continue
-        theirs = held[key]
-        if isinstance(value, (list, tuple)):
-            value, theirs = list(value), list(theirs)
-        if value != theirs:
-            differ.append(f"draft.{key}: recipe {value!r}, checkpoint {theirs!r}")
-    named = recipe.draft.model_dump()
-    for key, value in (_model_config(recipe) or {}).items():
-        if named.get(key) is not None or key == "attention_backend" or key not in held:  # said above
-            continue
-        theirs = held[key]
-        if isinstance(value, (list, tuple)):
-            value, theirs = list(value), list(theirs)
-        if value != theirs:
-            differ.append(f"{key}: recipe's target {recipe.target.model!r} gives {value!r}, checkpoint {theirs!r}")
+    for fields, say in ((named, "draft.{key}: recipe {value!r}"),
+                        (derived, f"{{key}}: recipe's target {recipe.target.model!r} gives {{value!r}}")):
+        for key, value in fields.items():
+            if key == "attention_backend" or key not in held:
+                continue
+            theirs = held[key]
+            if isinstance(value, (list, tuple)):
+                value, theirs = list(value), list(theirs)
+            if value != theirs:
+                differ.append(f"{say.format(key=key, value=value)}, checkpoint {theirs!r}")
     return differ
 
 
