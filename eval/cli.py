@@ -399,14 +399,18 @@ def _check_outputs_spare_inputs(args) -> None:
     ``--out`` itself or an existing file other than a calibration."""
     draft = Path(args.draft).expanduser()
     out = Path(args.out).expanduser()
-    if _within(out, draft):
-        where = "is the draft being evaluated" if out.resolve() == draft.resolve() else f"is inside the draft's folder {draft}"
-        raise InputError(f"--out {args.out}: {where}; the report would be written among its files; give "
+    # a run folder takes its report in RUN/eval (draftforge export reads it there): only its
+    # checkpoints are the draft's own files; an export's or a checkpoint's folder is all of them
+    own = draft / "checkpoints" if (draft / "checkpoints").is_dir() else draft
+    if out.resolve() == draft.resolve() or _within(out, own):
+        where = ("is the draft being evaluated" if out.resolve() == draft.resolve()
+                 else f"is inside {own}, the draft's own files")
+        raise InputError(f"--out {args.out}: {where}; the report would be written among them; give "
                          f"another folder, e.g. {draft.resolve().parent / 'eval'}")
     if args.calibrate is None:
         return
     cal = Path(args.calibrate).expanduser()
-    inputs = [("the draft's folder", draft, True)] + [
+    inputs = [("the draft's files", own, True)] + [
         (option, Path(value).expanduser(), False)
         for option, value in (("--prompts-file", args.prompts_file), ("--recipe", args.recipe)) if value]
     suggestion = f"give a new path, e.g. {draft.resolve().parent / 'calibration.json'}"
@@ -627,7 +631,7 @@ def _sampling_settings(args, eval_cfg, temperature: float, verify: str) -> dict:
     """top_k, top_p and draft_sampling as decoding uses them: the recipe's (or the options')
     when sampling; under greedy decoding their no-op values, so that report.json records what
     ran, with a note naming the recipe's settings that do not apply (the options are refused
-    earlier). A confidence_threshold the recipe sets under full verification is noted too."""
+    earlier). A confidence_threshold other than the default under full verification is noted too."""
     given = {"top_k": eval_cfg.top_k if args.top_k is None else args.top_k,
              "top_p": eval_cfg.top_p if args.top_p is None else args.top_p,
              "draft_sampling": args.draft_sampling or eval_cfg.draft_sampling}
@@ -638,7 +642,9 @@ def _sampling_settings(args, eval_cfg, temperature: float, verify: str) -> dict:
         if unused:
             notes.append(f"{', '.join(unused)} (decoding is greedy: temperature 0)")
         given = neutral
-    if verify != "threshold" and "confidence_threshold" in eval_cfg.model_fields_set:
+    default_threshold = type(eval_cfg).model_fields["confidence_threshold"].default
+    if verify != "threshold" and eval_cfg.confidence_threshold != default_threshold:  # a run's
+        # config.yaml writes every key, so set or not, only a value of the recipe's own is said
         notes.append(f"eval.confidence_threshold {eval_cfg.confidence_threshold!r} ({verify!r} "
                      "verification verifies every drafted slot)")
     if notes:

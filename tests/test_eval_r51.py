@@ -44,6 +44,12 @@ def test_sampling_settings_a_greedy_eval_ignores_are_said_and_not_recorded(recip
 def test_a_recipe_without_such_settings_gets_no_note(recipe_path, tmp_path, capsys):  # noqa: F811
     settings, out = _eval(recipe_path, tmp_path, capsys)
     assert "not applied from the recipe" not in out and settings["draft_sampling"] == "greedy"
+    # a run's config.yaml writes every key, the default threshold among them
+    written = tmp_path / "config.yaml"
+    text = recipe_path.read_text()
+    written.write_text(text.replace("\neval:\n", "\neval:\n  confidence_threshold: 0.5\n", 1))
+    _, out = _eval(written, tmp_path, capsys)
+    assert "not applied from the recipe" not in out
 
 
 def _refused(argv, capsys) -> str:
@@ -70,13 +76,13 @@ def test_outputs_that_would_write_over_this_runs_inputs_are_refused(recipe_path,
             "--max-new-tokens", "6", "--baselines", "none", "--no-estimate"]
     out = tmp_path / "r"
     cases = [
-        (["--out", str(out), "--calibrate", str(export_dir / "model.safetensors")], "is in the draft's folder"),
-        (["--out", str(out), "--calibrate", str(export_dir / "sts.json")], "is in the draft's folder"),
+        (["--out", str(out), "--calibrate", str(export_dir / "model.safetensors")], "is in the draft's files"),
+        (["--out", str(out), "--calibrate", str(export_dir / "sts.json")], "is in the draft's files"),
         (["--out", str(out), "--calibrate", str(prompts)], f"is --prompts-file {prompts}, which this run reads"),
         (["--out", str(out), "--calibrate", str(recipe_path)], f"is --recipe {recipe_path}, which this run reads"),
         (["--out", str(out), "--calibrate", str(out)], f"is the --out folder {out}"),
         (["--out", str(out), "--calibrate", str(notes)], "an existing file that is not a calibration"),
-        (["--out", str(export_dir / "eval")], f"is inside the draft's folder {export_dir}"),
+        (["--out", str(export_dir / "eval")], f"is inside {export_dir}, the draft's own files"),
         (["--out", ""], "--out: empty path"),
         (["--out", str(out), "--calibrate", ""], "--calibrate: empty path"),
     ]
@@ -122,3 +128,28 @@ def test_bench_objective_refuses_a_block_of_one():
     done = subprocess.run([sys.executable, "-m", "draftforge", "bench", "objective", "--block", "1"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--block: must be at least 2" in done.stderr
+
+
+def test_a_run_folder_takes_its_report_and_calibration_beside_its_checkpoints(recipe_path, tmp_path, capsys):  # noqa: F811
+    """RUN/eval is where 'draftforge export RUN' finds the report for the model card: an --out
+    there must stay accepted; only the run's checkpoints are refused."""
+    from eval_helpers import tiny_eval_draft
+    from test_export import _write_checkpoint
+
+    from draftforge.config import load_recipe
+    from draftforge.splitserve.target import build_target
+
+    _, prompts = _tiny_export_and_prompts(recipe_path, tmp_path)
+    prompts.write_text("".join(json.dumps({"workload": "w", "input_ids": ids}) + "\n" for ids in random_prompts(2)))
+    recipe = load_recipe(recipe_path)
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_00000002"
+    _write_checkpoint(step, tiny_eval_draft(build_target(recipe.target, recipe.draft.target_layer_ids)))
+    (step / "COMPLETE").touch()
+    (step / "trainer_state.json").write_text("{}")
+    base = ["eval", str(run), "--recipe", str(recipe_path), "--prompts-file", str(prompts),
+            "--max-new-tokens", "6", "--baselines", "none", "--no-estimate"]
+    err = _refused([*base, "--out", str(step / "eval")], capsys)
+    assert f"is inside {run / 'checkpoints'}, the draft's own files" in err
+    assert main([*base[1:], "--out", str(run / "eval"), "--calibrate", str(run / "calibration.json")]) == 0
+    assert (run / "eval" / "report.json").is_file() and (run / "calibration.json").is_file()
