@@ -244,6 +244,8 @@ def _read_rows(
             if bad is not None:
                 raise _not_a_row(path, *bad)
             if not line.endswith(b"\n"):  # bytes after the last newline: the last write was cut
+                if not valid:  # ... of a first row, which begins as every row written here does
+                    _check_cut_first_row(path, number, line)
                 torn = True
                 break
             # a blank line (an edit; none is written here) is no row, as the data loader
@@ -267,6 +269,21 @@ def _read_rows(
         raise _not_a_row(path, *bad)
     # a cut inside the last line's bytes that happens to end in "\n"
     return rows, torn or blank or bad is not None
+
+
+def _check_cut_first_row(path: Path, number: int, line: bytes) -> None:
+    """Refuse an unterminated line before any whole row that is not a cut regenerated row: a
+    text file without a final newline, or a JSON object that is no row (each regenerated row
+    is written as ``{"id": ...``), which would be taken for a cut write and replaced."""
+    try:
+        row = json.loads(line)
+    except ValueError as exc:
+        if not line.lstrip().startswith(b'{"id": '):
+            raise _not_a_row(path, number, exc) from None
+        return
+    problem = _row_problem(row)
+    if problem is not None:
+        raise _not_a_row(path, number, problem)
 
 
 class _FirstOfEachId:

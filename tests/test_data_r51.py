@@ -8,7 +8,8 @@ from regenerate_helpers import SETTINGS, FakeEngine, make_prompts
 from draftforge.data.regenerate import RegenerationError, regenerate
 
 
-@pytest.mark.parametrize("text", ["important notes line one\n", "{not json either\n"])
+@pytest.mark.parametrize("text", ["important notes line one\n", "{not json either\n",
+                                  "important notes without a final newline", '{"precious": 1}'])
 def test_a_file_without_one_regenerated_row_is_refused_not_replaced(tmp_path, text):
     """A one-line text file named as data.regenerated_file was taken for a regenerated file whose
     last write was cut ("continuing from its whole rows": none), deleted and replaced by answers.
