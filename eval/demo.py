@@ -231,7 +231,10 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
                                        regenerated=paths.data_file is not None)
 
     if args.force:
-        keep = [Path(recipe), Path.cwd()]
+        # the recipe, where the demo runs, and the user's own training files (a data file kept
+        # in the run folder would go with it)
+        keep = [Path(recipe), Path.cwd(), *(Path(spec).expanduser() for spec in cfg.data.train_files
+                                             if not spec.startswith("builtin:"))]
         outputs = [paths.export_dir, paths.eval_dir, paths.dflash_eval_dir, paths.table]
         if not args.skip_train:
             outputs = [paths.run_dir, paths.dflash_dir, paths.export_dir] + (
@@ -241,7 +244,7 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
             )
         check_removable(outputs, keep, paths.export_dir)  # all of them before any is deleted
         if paths.dflash_dir in outputs:
-            check_run_removable(paths.run_dir)
+            check_run_removable(paths.run_dir, paths.data_file)
             check_dflash_removable(paths.dflash_dir)
             check_training_data(cfg)  # the trainings would refuse it only after the deletions
         for path in outputs:

@@ -268,8 +268,9 @@ def check_dflash_removable(dflash_dir: Path) -> None:
     """Refuse ``--force`` where the folder the demo derives for its DFlash run (the recipe's
     ``train.output_dir`` with ``-dflash`` added; no recipe names it) holds something else than
     a DFlash run written there: a run folder of the user's own that happens to have that name."""
-    if not dflash_dir.exists() or (dflash_dir.is_dir() and not any(dflash_dir.iterdir())):
-        return
+    if not dflash_dir.exists() or (dflash_dir.is_dir() and all(
+            entry.name in (ANSWERS_STAMP, "demo-logs") for entry in dflash_dir.iterdir())):
+        return  # empty, or stamped by a demo stopped before its training wrote config.yaml
     saved = _saved_run(dflash_dir)
     try:
         ours = saved is not None and saved["draft"]["markov_rank"] == 0 and saved["draft"]["enable_confidence_head"] is False
@@ -282,18 +283,17 @@ def check_dflash_removable(dflash_dir: Path) -> None:
             "refusing. Move it away, or set another train.output_dir", exit_status=2)
 
 
-# what a demo leaves in the DSpark run folder before its training writes config.yaml there
-_BEFORE_TRAINING = ("regenerated.jsonl", "regenerated.jsonl.partial", "regenerated.jsonl.lock",
-                    ANSWERS_STAMP, "demo-logs")
-
-
-def check_run_removable(run_dir: Path) -> None:
+def check_run_removable(run_dir: Path, data_file: Path | None) -> None:
     """Refuse ``--force`` where ``train.output_dir`` holds something else than a run written
-    there or what the demo writes before its training: a folder of the user's own."""
+    there or what the demo writes before its training (the answers ``data_file``, with its
+    ``.partial`` and ``.lock``, the answers stamp, the stages' logs): a folder of the user's own."""
     if not run_dir.exists() or (run_dir.is_dir() and not any(run_dir.iterdir())):
         return
+    before = {ANSWERS_STAMP, "demo-logs"}
+    if data_file is not None and data_file.parent.absolute() == run_dir.absolute():
+        before |= {data_file.name + suffix for suffix in ("", ".partial", ".lock")}
     if run_dir.is_dir() and (_saved_run(run_dir) is not None
-                             or all(entry.name in _BEFORE_TRAINING for entry in run_dir.iterdir())):
+                             or all(entry.name in before for entry in run_dir.iterdir())):
         return
     raise DemoError(
         f"--force would delete {run_dir} (train.output_dir), but it holds neither a run written there "

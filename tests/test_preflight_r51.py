@@ -81,7 +81,7 @@ def test_demo_force_refuses_an_output_dir_that_is_no_run(tmp_path, monkeypatch, 
 
 
 def test_demo_force_still_deletes_what_the_demo_wrote_before_training(tmp_path, monkeypatch, capsys):
-    recipe = tiny_recipe(tmp_path, steps=4)
+    recipe = tiny_recipe(tmp_path, steps=4, overrides={"data.regenerate": True})
     run = tmp_path / "run"
     run.mkdir()
     (run / "regenerated.jsonl").write_text("")
@@ -108,3 +108,36 @@ def test_answers_written_over_their_own_prompts_are_refused_at_load(tmp_path):
     recipe = tiny_recipe(tmp_path, overrides={"data.train_files": [str(default)], "data.regenerate": True})
     with pytest.raises(RecipeError, match="where the answers go by default"):
         load_recipe(recipe)
+
+
+def test_demo_force_keeps_a_training_file_inside_the_run_folder(tmp_path, monkeypatch, capsys):
+    """The file was read before the deletions (and so passed), then deleted with the run folder."""
+    mine = tmp_path / "run" / "mydata.jsonl"
+    recipe = tiny_recipe(tmp_path, steps=4, overrides={"data.train_files": [str(mine)]})
+    mine.parent.mkdir()
+    mine.write_text((tmp_path / "convs.jsonl").read_text())
+    paths = demo.demo_paths(load_recipe(recipe))
+    assert paths.run_dir == mine.parent
+    _finished_run(paths.run_dir, load_recipe(recipe).to_yaml())
+    _no_stages(monkeypatch)
+    code, err = _run(["demo", str(recipe), "--force"], capsys)
+    assert code == 2 and f"--force would delete {paths.run_dir}, which holds {mine}; refusing" in err
+    assert mine.is_file()
+
+
+def test_demo_force_deletes_what_a_stopped_demo_left_before_training(tmp_path, monkeypatch, capsys):
+    """A demo stopped after stamping the DFlash folder (before its training wrote config.yaml)
+    was refused as 'does not hold a DFlash run'; so was a run folder holding answers under a
+    data.regenerated_file name of the recipe's own."""
+    answers = tmp_path / "run" / "answers.jsonl"
+    recipe = tiny_recipe(tmp_path, steps=4, overrides={"data.regenerate": True, "data.regenerated_file": str(answers)})
+    paths = demo.demo_paths(load_recipe(recipe))
+    paths.run_dir.mkdir()
+    answers.write_text("")
+    (paths.run_dir / "demo-answers.json").write_text("{}")
+    paths.dflash_dir.mkdir()
+    (paths.dflash_dir / "demo-answers.json").write_text("{}")
+    _no_stages(monkeypatch)
+    code, err = _run(["demo", str(recipe), "--force"], capsys)
+    assert code == 1 and "a stage ran" in err, err  # past the deletions
+    assert not answers.exists() and not paths.dflash_dir.exists()
