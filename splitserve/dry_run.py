@@ -497,11 +497,13 @@ def planned_dtypes(cfg: RecipeConfig) -> tuple[RecipeConfig, str | None]:
     if torch.cuda.is_available():  # resolved by the GPU itself when the recipe was loaded
         return cfg, None
     target, train, planned = cfg.target, cfg.train, []
-    if target._auto_dtype and comm_backend(cfg, gpus_visible=True) == "nccl" and target.dtype_on("cuda") != "bfloat16":
+    on_gpus = comm_backend(cfg, gpus_visible=True) == "nccl"  # as the plan places the ranks
+    if target._auto_dtype and on_gpus and target.dtype_on("cuda") != "bfloat16":
         target = target.model_copy(update={"dtype": "bfloat16"})
         target._auto_dtype = False
         planned.append("target.dtype")
-    if train._auto_dtype and not _trainer_may_run_on_cpu(cfg) and train.dtype != "bfloat16":
+    trainer_on_gpus = cfg.train.device != "cpu" and (on_gpus or not _trainer_may_run_on_cpu(cfg))
+    if train._auto_dtype and trainer_on_gpus and train.dtype != "bfloat16":
         train = train.model_copy(update={"dtype": "bfloat16"})
         planned.append("train.dtype")
     if not planned:

@@ -80,3 +80,10 @@ def test_eval_device_auto_takes_one_target_groups_gpus_from_a_device_list(monkey
     with pytest.raises(InputError, match=r"the recipe's first target group runs on GPU\(s\) \[4, 5\] "
                                          r"\(split.target_devices, else its ranks' LOCAL_RANK\)"):
         resolve_devices("auto", [4, 5])
+
+
+def test_the_default_comm_backend_plans_both_groups_alike(no_native_bf16):
+    """With split.comm_backend auto (nccl where GPUs are visible) only the target's dtype was
+    planned for GPUs, though the report places both groups on them."""
+    report = dry_run(load_recipe(TINY, ["split.comm_backend=auto", "target.dtype=auto", "train.dtype=auto"]))
+    assert "target.dtype and train.dtype: auto, planned as bfloat16" in report
