@@ -368,6 +368,8 @@ def _stop(procs, *, term_s: float, say, name) -> None:
         try:
             procs[rank].wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            say(f"{name(rank)} ignored SIGTERM; SIGKILL")
+            # a rank inside a collective (its peer gone) handles no signal until that returns
+            say(f"{name(rank)} did not stop within {term_s:g} s of SIGTERM (a rank blocked in a "
+                "collective handles no signal until it returns); SIGKILL")
             procs[rank].kill()
             procs[rank].wait()
