@@ -74,6 +74,7 @@ from draftforge.eval.demo_state import (
     check_training_data,
     checkpoint_step,
     data_ran_out,
+    demo_held,
     eval_is_current,
     export_files,
     export_is_current,
@@ -82,6 +83,7 @@ from draftforge.eval.demo_state import (
     remove_output,
     runs_as_they_are,
     stamp_answers,
+    writers_held,
 )
 from draftforge.files import write_atomic
 from draftforge.splitserve.supervisor import unwinding_on_sigterm
@@ -191,6 +193,13 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
     recipe = args.recipe
     base = load_recipe(recipe)
     paths = demo_paths(base)
+    with demo_held(paths.run_dir):  # a second demo on these runs is refused at once
+        return _run_stages(args, command=command, recipe=recipe, base=base, paths=paths)
+
+
+def _run_stages(args: argparse.Namespace, *, command: str, recipe: str, base, paths: DemoPaths) -> int:
+    from draftforge.config import load_recipe
+
     dspark_args, markov_start = dspark_overrides(base, paths, args.markov_init)
     cfg = load_recipe(recipe, dspark_args)
     dflash_cfg = load_recipe(recipe, dflash_overrides(paths))
@@ -247,8 +256,9 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
             check_run_removable(paths.run_dir, paths.data_file)
             check_dflash_removable(paths.dflash_dir)
             check_training_data(cfg)  # the trainings would refuse it only after the deletions
-        for path in outputs:
-            remove_output(path, keep)
+        with writers_held(outputs, paths):  # a training or regeneration writing there: refused
+            for path in outputs:
+                remove_output(path, keep)
         args.forced = True  # from here on a rerun continues without --force
 
     if paths.data_file is not None and paths.data_file.is_file() and not args.skip_train:

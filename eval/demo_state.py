@@ -3,6 +3,7 @@ an export, evaluations and a model card still current; and what ``--force`` dele
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -299,6 +300,74 @@ def check_run_removable(run_dir: Path, data_file: Path | None) -> None:
         f"--force would delete {run_dir} (train.output_dir), but it holds neither a run written there "
         "(its config.yaml names another run or none) nor what the demo writes before training; "
         "refusing. Move it away, or set another train.output_dir", exit_status=2)
+
+
+@contextlib.contextmanager
+def demo_held(run_dir: Path):
+    """Hold the demo's lock on its runs (``.NAME.demo.lock`` beside ``run_dir``, which --force
+    deletes) while the block runs; a second ``draftforge demo`` on the same runs is refused at
+    once, naming the one running (two would run the same stages into the same folders)."""
+    from draftforge.files import Locked, exclusive_lock
+    from draftforge.train.checkpoint import NO_FLOCK
+
+    lock = run_dir.absolute().parent / f".{run_dir.name}.demo.lock"
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        held = exclusive_lock(lock)
+        held.__enter__()
+    except Locked as busy:
+        holder = f"process {busy.holder}" if busy.holder else "a process that is starting"
+        raise DemoError(f"another draftforge demo is running on {run_dir} ({holder} holds {lock}); "
+                        "wait for it to end, or stop it", exit_status=2) from None
+    except OSError as err:
+        if err.errno not in NO_FLOCK:  # a file system without flock: the demo runs unlocked
+            raise
+        held = None
+    try:
+        yield
+    finally:
+        if held is not None:
+            held.__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def writers_held(outputs: Sequence[Path], paths: DemoPaths):
+    """Hold the locks of the writers whose outputs ``--force`` is about to delete: a training's
+    ``RUN/.train.lock`` (in the folder deleted, so its holder would go on writing into a new
+    one) and ``data regenerate``'s ``<answers>.lock``; refuse when a process holds one."""
+    from draftforge.files import Locked, exclusive_lock
+    from draftforge.train.checkpoint import (
+        NO_FLOCK,
+        CheckpointError,
+        claim_run_dir,
+        release_run_dir,
+    )
+
+    claimed = []
+    with contextlib.ExitStack() as stack:
+        try:
+            for folder in (paths.run_dir, paths.dflash_dir):
+                if folder in outputs and folder.is_dir():
+                    claim_run_dir(folder)
+                    claimed.append(folder)
+            answers = paths.data_file
+            if answers is not None and answers in outputs and answers.parent.is_dir():
+                lock = answers.with_name(answers.name + ".lock")
+                try:
+                    stack.enter_context(exclusive_lock(lock))
+                except Locked as busy:
+                    raise DemoError(f"--force would delete {answers}, which 'draftforge data regenerate' "
+                                    f"(process {busy.holder or '?'}) is writing; wait for it or stop it",
+                                    exit_status=2) from None
+                except OSError as err:
+                    if err.errno not in NO_FLOCK:
+                        raise
+            yield
+        except CheckpointError as err:
+            raise DemoError(f"--force would delete a run that is training: {err}", exit_status=2) from None
+        finally:
+            for folder in claimed:  # its lock file went with the folder; the trainings take it anew
+                release_run_dir(folder)
 
 
 def _check_keeps(path: Path, keep: Sequence[Path]) -> None:

@@ -141,3 +141,39 @@ def test_demo_force_deletes_what_a_stopped_demo_left_before_training(tmp_path, m
     code, err = _run(["demo", str(recipe), "--force"], capsys)
     assert code == 1 and "a stage ran" in err, err  # past the deletions
     assert not answers.exists() and not paths.dflash_dir.exists()
+
+
+def test_demo_force_refuses_to_delete_what_a_running_training_or_regeneration_writes(tmp_path, monkeypatch, capsys):
+    """--force renamed a run folder away while a training held its lock inside it: the training
+    went on saving into a new folder of the same name, and a second training could take a new
+    lock there. The same for the answers a 'data regenerate' was writing."""
+    from draftforge.files import exclusive_lock
+
+    recipe = tiny_recipe(tmp_path, steps=4, overrides={"data.regenerate": True})
+    paths = demo.demo_paths(load_recipe(recipe))
+    _finished_run(paths.run_dir, load_recipe(recipe).to_yaml())
+    paths.data_file.write_text("")
+    _no_stages(monkeypatch)
+    with exclusive_lock(paths.run_dir / ".train.lock"):  # a training of this run, in another process
+        code, err = _run(["demo", str(recipe), "--force"], capsys)
+    assert code == 2 and "--force would delete a run that is training" in err, err
+    assert (paths.run_dir / "checkpoints").is_dir()
+    with exclusive_lock(paths.data_file.with_name(paths.data_file.name + ".lock")):
+        code, err = _run(["demo", str(recipe), "--force"], capsys)
+    assert code == 2 and "which 'draftforge data regenerate' (process" in err, err
+    assert paths.data_file.is_file()
+    code, err = _run(["demo", str(recipe), "--force"], capsys)  # nothing running: deleted as before
+    assert code == 1 and not paths.data_file.exists()
+
+
+def test_a_second_demo_on_the_same_runs_is_refused(tmp_path, monkeypatch, capsys):
+    """Two demos ran the same stages into the same folders: duplicate evaluations at half speed,
+    each truncating the other's logs, one failing an hour in on the export's lock."""
+    recipe = tiny_recipe(tmp_path, steps=4)
+    paths = demo.demo_paths(load_recipe(recipe))
+    _no_stages(monkeypatch)
+    with demo.demo_held(paths.run_dir):  # the first demo
+        code, err = _run(["demo", str(recipe)], capsys)
+    assert code == 2 and f"another draftforge demo is running on {paths.run_dir}" in err, err
+    code, err = _run(["demo", str(recipe)], capsys)
+    assert code == 1 and "a stage ran" in err  # alone, it runs
