@@ -9,6 +9,7 @@ in the DSpark format and is evaluated from its checkpoint.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -104,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``draftforge eval``."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    with contextlib.ExitStack() as held:  # the --out folder's lock, once the paths are checked
+        return _evaluate(args, argv, held)
+
+
+def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> int:
     import torch
 
     from draftforge.eval.calibration import calibrate, pooled_ece, write_calibration
@@ -219,6 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # refused now, not after minutes of decoding, when the report or calibration is written
     _check_output_paths(args.out, args.calibrate)
     _check_outputs_spare_inputs(args)
+    held.enter_context(_report_held(Path(args.out).expanduser()))  # a second eval into it: refused
     _warn_replacing(Path(args.out).expanduser())  # where write_report writes
     draft_cfg, load_draft = _draft_loader(args.draft)
     _check_fit(draft_cfg, target_cfg, args.draft)
@@ -449,6 +456,34 @@ def _check_folder_writable(folder: Path, option: str, given: str) -> None:
         tempfile.TemporaryDirectory(prefix=".draftforge-write-check-", dir=existing).cleanup()
     except OSError as exc:
         raise InputError(f"{option} {given}: cannot write in {existing} ({exc.strerror or exc})") from None
+
+
+@contextlib.contextmanager
+def _report_held(out: Path):
+    """Hold ``.NAME.eval.lock`` beside the ``--out`` folder while the evaluation runs: two into
+    one folder would replace each other's report, or leave one's report.md beside the other's
+    report.json. Refuses at once, naming the holder; a file system without ``flock`` runs unlocked."""
+    from draftforge.files import Locked, exclusive_lock
+    from draftforge.train.checkpoint import NO_FLOCK
+
+    lock = out.absolute().parent / f".{out.name}.eval.lock"
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        held = exclusive_lock(lock)
+        held.__enter__()
+    except Locked as busy:
+        holder = f"process {busy.holder}" if busy.holder else "a process that is starting"
+        raise InputError(f"--out {out}: another draftforge eval is writing its report there ({holder} "
+                         f"holds {lock}); wait for it, or give another --out") from None
+    except OSError as err:
+        if err.errno not in NO_FLOCK:
+            raise
+        held = None
+    try:
+        yield
+    finally:
+        if held is not None:
+            held.__exit__(None, None, None)
 
 
 def _warn_replacing(out: Path) -> None:

@@ -153,3 +153,19 @@ def test_a_run_folder_takes_its_report_and_calibration_beside_its_checkpoints(re
     assert f"is inside {run / 'checkpoints'}, the draft's own files" in err
     assert main([*base[1:], "--out", str(run / "eval"), "--calibrate", str(run / "calibration.json")]) == 0
     assert (run / "eval" / "report.json").is_file() and (run / "calibration.json").is_file()
+
+
+def test_a_second_eval_into_the_same_out_is_refused(recipe_path, tmp_path, capsys):  # noqa: F811
+    """Two evaluations into one --out (the default runs/eval, say) replaced each other's report,
+    or left one's report.md beside the other's report.json; the lock file goes when it ends."""
+    from draftforge.files import exclusive_lock
+
+    export_dir, prompts = _tiny_export_and_prompts(recipe_path, tmp_path)
+    out = tmp_path / "r"
+    argv = ["eval", str(export_dir), "--recipe", str(recipe_path), "--prompts-file", str(prompts),
+            "--max-new-tokens", "6", "--baselines", "none", "--no-estimate", "--out", str(out)]
+    with exclusive_lock(tmp_path / ".r.eval.lock"):  # the first evaluation, in another process
+        err = _refused(argv, capsys)
+    assert f"--out {out}: another draftforge eval is writing its report there (process" in err
+    assert main(argv[1:]) == 0 and (out / "report.json").is_file()
+    assert not (tmp_path / ".r.eval.lock").exists()
