@@ -227,7 +227,7 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
     _check_outputs_spare_inputs(args)
     held.enter_context(_report_held(Path(args.out).expanduser()))  # a second eval into it: refused
     _warn_replacing(Path(args.out).expanduser())  # where write_report writes
-    draft_cfg, load_draft = _draft_loader(args.draft)
+    draft_cfg, load_draft, fingerprint = _draft_loader(args.draft)
     _check_fit(draft_cfg, target_cfg, args.draft)
     if file_prompts is not None:  # before the target loads; the workloads' once tokenized
         _check_lengths(file_prompts, max_new_tokens, draft_cfg.max_position_embeddings,
@@ -308,6 +308,7 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
         "command": "draftforge eval " + shlex.join(list(sys.argv[1:] if argv is None else argv)),
         "draft": str(args.draft),
         "draft_path": str(Path(args.draft).expanduser().resolve()),  # the draft wherever this is read from
+        "draft_fingerprint": fingerprint,  # a checkpoint's weights, which export compares
         "target": target_cfg.model,
         # what else makes the target the same one (draftforge eval compare checks it)
         "target_config": {
@@ -501,9 +502,15 @@ def _warn_replacing(out: Path) -> None:
 
 
 def _draft_loader(path: str):
-    """(DSparkConfig, loader(target, device) -> DSparkDraft) for an export folder or a training
-    checkpoint."""
-    from draftforge.train.export import CONFIG_FILE, load_training_checkpoint
+    """(DSparkConfig, loader(target, device) -> DSparkDraft, fingerprint) for an export folder
+    or a training checkpoint; the fingerprint (a checkpoint's only) says which checkpoint's
+    weights were read, since a run's newest may change while this evaluates."""
+    from draftforge.train.export import (
+        CONFIG_FILE,
+        FINGERPRINT_TENSOR,
+        load_training_checkpoint,
+        weights_fingerprint,
+    )
     from draftforge.train.hf_load import (
         config_from_serving,
         load_exported_draft,
@@ -515,7 +522,7 @@ def _draft_loader(path: str):
     if (folder / CONFIG_FILE).is_file():
         cfg = config_from_serving(read_serving_config(folder), where=str(folder / CONFIG_FILE))
         return cfg, lambda target, device: load_exported_draft(folder, target=target, dtype=_float32(),
-                                                               device=device)
+                                                               device=device), None
     cfg, state = load_training_checkpoint(folder)
 
     def load(target, device):
@@ -525,7 +532,7 @@ def _draft_loader(path: str):
         model.load_state_dict({k: v.to(model.fc.weight.dtype) for k, v in full.items()}, strict=True)
         return model.to(device).eval()
 
-    return cfg, load
+    return cfg, load, weights_fingerprint(state[FINGERPRINT_TENSOR])
 
 
 def _check_fit(draft_cfg, target_cfg, draft_path: str) -> None:

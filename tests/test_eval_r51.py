@@ -169,3 +169,49 @@ def test_a_second_eval_into_the_same_out_is_refused(recipe_path, tmp_path, capsy
     assert f"--out {out}: another draftforge eval is writing its report there (process" in err
     assert main(argv[1:]) == 0 and (out / "report.json").is_file()
     assert not (tmp_path / ".r.eval.lock").exists()
+
+
+def test_export_uses_an_evaluation_of_a_run_only_for_the_weights_it_read(recipe_path, tmp_path, capsys):  # noqa: F811
+    """'eval RUN --out RUN/eval' read checkpoint N; a save of N+1 during its minutes of decoding
+    left its report newer than N+1, so 'export RUN' put N's acceptance table on N+1's card."""
+    import os
+
+    import torch
+    from eval_helpers import tiny_eval_draft
+    from test_export import _write_checkpoint
+
+    from draftforge.config import load_recipe
+    from draftforge.splitserve.target import build_target
+
+    _, prompts = _tiny_export_and_prompts(recipe_path, tmp_path)
+    prompts.write_text("".join(json.dumps({"workload": "w", "input_ids": ids}) + "\n" for ids in random_prompts(2)))
+    recipe = load_recipe(recipe_path)
+    draft = tiny_eval_draft(build_target(recipe.target, recipe.draft.target_layer_ids))
+    run = tmp_path / "run"
+
+    def save(step: int):
+        folder = run / "checkpoints" / f"step_{step:08d}"
+        _write_checkpoint(folder, draft)
+        (folder / "COMPLETE").touch()
+        (folder / "trainer_state.json").write_text("{}")
+        return folder
+
+    save(2)
+    assert main([str(run), "--recipe", str(recipe_path), "--prompts-file", str(prompts), "--max-new-tokens", "6",
+                 "--baselines", "none", "--no-estimate", "--out", str(run / "eval")]) == 0  # fmt: skip
+    report = run / "eval" / "report.json"
+    assert json.loads(report.read_text())["draft_fingerprint"].startswith("torch.float32:")
+    from draftforge.cli import main as draftforge_main
+
+    assert draftforge_main(["export", str(run), "--out", str(tmp_path / "e1")]) == 0
+    assert f"model card: acceptance table from {run / 'eval' / 'report.md'}" in capsys.readouterr().out
+    with torch.no_grad():
+        draft.fc.weight.add_(0.01)  # the next optimizer step
+    newer = save(4)
+    past = report.stat().st_mtime - 60  # saved while the evaluation still decoded
+    os.utime(newer / "COMPLETE", (past, past))
+    os.utime(newer / "model.safetensors", (past, past))
+    assert draftforge_main(["export", str(run), "--out", str(tmp_path / "e2")]) == 0
+    out = capsys.readouterr().out
+    assert "measured other weights than checkpoint step_00000004 holds" in out
+    assert "Not measured" in (tmp_path / "e2" / "README.md").read_text()

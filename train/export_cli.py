@@ -239,7 +239,7 @@ def default_report(run_dir: Path, out: Path) -> Path | None:
     import json
 
     from draftforge.train.checkpoint import COMPLETE
-    from draftforge.train.export import SINGLE_FILE, latest_checkpoint
+    from draftforge.train.export import SINGLE_FILE, checkpoint_fingerprint, latest_checkpoint
 
     report = run_dir / "eval" / "report.md"
     if not report.is_file():
@@ -258,6 +258,10 @@ def default_report(run_dir: Path, out: Path) -> Path | None:
         why = f"{measured} is missing or names no draft, so which draft it measured is unknown"
     elif Path(draft).expanduser().resolve() not in ours:
         why = f"{measured} measured draft {draft}, not this run, its checkpoint {checkpoint.name} or its export"
+    elif written.get("draft_fingerprint") is not None:  # it read a checkpoint: the weights decide
+        if written["draft_fingerprint"] == checkpoint_fingerprint(checkpoint):
+            return report
+        why = f"{measured} measured other weights than checkpoint {checkpoint.name} holds (another checkpoint)"
     elif measured.stat().st_mtime < (done if done.exists() else checkpoint / SINGLE_FILE).stat().st_mtime:
         why = f"{measured} is older than checkpoint {checkpoint.name}, so it measured an earlier draft"
     else:
