@@ -123,7 +123,8 @@ def test_auto_blames_the_recipe_for_a_target_gpu_that_is_not_here(monkeypatch):
     the recipe's, not a --device the user did not give."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    with pytest.raises(InputError, match=r"--device auto: the recipe's split.target_devices "
-                                         r"\[4, 5, 6, 7\] name GPU\(s\) \[4, 5, 6, 7\], but 4 GPU\(s\)"):
+    with pytest.raises(InputError, match=r"--device auto: the recipe's first target group runs on GPU\(s\) "
+                                         r"\[4, 5, 6, 7\] \(split.target_devices, else its ranks' LOCAL_RANK\), "
+                                         r"but 4 GPU\(s\) are visible here, so not \[4, 5, 6, 7\]"):
         resolve_devices("auto", [4, 5, 6, 7])
     assert resolve_devices("auto", [2, 3]) == ["cuda:2", "cuda:3"]
