@@ -11,6 +11,7 @@ own mode, as ``open(path, "w")`` would: a run's files made group-writable stay s
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import glob
 import os
@@ -188,6 +189,31 @@ class Locked(Exception):
     def __init__(self, holder: str | None) -> None:
         super().__init__(holder)
         self.holder = holder
+
+
+NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # flock's "not here"
+
+
+@contextlib.contextmanager
+def lock_or_refuse(path: Path, refused: Callable[[str], Exception]) -> Iterator[bool]:
+    """Hold :func:`exclusive_lock` at ``path`` (its folder made) while the block runs; when
+    another process holds it, raise ``refused(holder)`` at once (``holder``: "process N"). On a
+    file system without ``flock`` (some network ones) the block runs unlocked. Yields whether
+    the lock is held."""
+    with contextlib.ExitStack() as stack:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            stack.enter_context(exclusive_lock(path))
+            locked = True
+        except Locked as busy:
+            raise refused(f"process {busy.holder}" if busy.holder else "a process that is starting") from None
+        except OSError as err:
+            if err.errno not in NO_FLOCK:
+                raise
+            locked = False
+            stack.callback(lambda: path.unlink(missing_ok=True))  # made before flock failed
+        yield locked
+
 
 
 @contextlib.contextmanager

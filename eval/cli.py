@@ -459,32 +459,16 @@ def _check_folder_writable(folder: Path, option: str, given: str) -> None:
         raise InputError(f"{option} {given}: cannot write in {existing} ({exc.strerror or exc})") from None
 
 
-@contextlib.contextmanager
 def _report_held(out: Path):
     """Hold ``.NAME.eval.lock`` beside the ``--out`` folder while the evaluation runs: two into
     one folder would replace each other's report, or leave one's report.md beside the other's
     report.json. Refuses at once, naming the holder; a file system without ``flock`` runs unlocked."""
-    from draftforge.files import Locked, exclusive_lock
-    from draftforge.train.checkpoint import NO_FLOCK
+    from draftforge.files import lock_or_refuse
 
     lock = out.absolute().parent / f".{out.name}.eval.lock"
-    try:
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        held = exclusive_lock(lock)
-        held.__enter__()
-    except Locked as busy:
-        holder = f"process {busy.holder}" if busy.holder else "a process that is starting"
-        raise InputError(f"--out {out}: another draftforge eval is writing its report there ({holder} "
-                         f"holds {lock}); wait for it, or give another --out") from None
-    except OSError as err:
-        if err.errno not in NO_FLOCK:
-            raise
-        held = None
-    try:
-        yield
-    finally:
-        if held is not None:
-            held.__exit__(None, None, None)
+    return lock_or_refuse(lock, lambda holder: InputError(
+        f"--out {out}: another draftforge eval is writing its report there ({holder} holds {lock}); "
+        "wait for it, or give another --out"))
 
 
 def _warn_replacing(out: Path) -> None:

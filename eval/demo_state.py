@@ -302,32 +302,16 @@ def check_run_removable(run_dir: Path, data_file: Path | None) -> None:
         "refusing. Move it away, or set another train.output_dir", exit_status=2)
 
 
-@contextlib.contextmanager
 def demo_held(run_dir: Path):
     """Hold the demo's lock on its runs (``.NAME.demo.lock`` beside ``run_dir``, which --force
     deletes) while the block runs; a second ``draftforge demo`` on the same runs is refused at
     once, naming the one running (two would run the same stages into the same folders)."""
-    from draftforge.files import Locked, exclusive_lock
-    from draftforge.train.checkpoint import NO_FLOCK
+    from draftforge.files import lock_or_refuse
 
     lock = run_dir.absolute().parent / f".{run_dir.name}.demo.lock"
-    try:
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        held = exclusive_lock(lock)
-        held.__enter__()
-    except Locked as busy:
-        holder = f"process {busy.holder}" if busy.holder else "a process that is starting"
-        raise DemoError(f"another draftforge demo is running on {run_dir} ({holder} holds {lock}); "
-                        "wait for it to end, or stop it", exit_status=2) from None
-    except OSError as err:
-        if err.errno not in NO_FLOCK:  # a file system without flock: the demo runs unlocked
-            raise
-        held = None
-    try:
-        yield
-    finally:
-        if held is not None:
-            held.__exit__(None, None, None)
+    return lock_or_refuse(lock, lambda holder: DemoError(
+        f"another draftforge demo is running on {run_dir} ({holder} holds {lock}); wait for it to "
+        "end, or stop it", exit_status=2))
 
 
 @contextlib.contextmanager
@@ -335,13 +319,8 @@ def writers_held(outputs: Sequence[Path], paths: DemoPaths):
     """Hold the locks of the writers whose outputs ``--force`` is about to delete: a training's
     ``RUN/.train.lock`` (in the folder deleted, so its holder would go on writing into a new
     one) and ``data regenerate``'s ``<answers>.lock``; refuse when a process holds one."""
-    from draftforge.files import Locked, exclusive_lock
-    from draftforge.train.checkpoint import (
-        NO_FLOCK,
-        CheckpointError,
-        claim_run_dir,
-        release_run_dir,
-    )
+    from draftforge.files import lock_or_refuse
+    from draftforge.train.checkpoint import CheckpointError, claim_run_dir, release_run_dir
 
     claimed = []
     with contextlib.ExitStack() as stack:
@@ -352,16 +331,9 @@ def writers_held(outputs: Sequence[Path], paths: DemoPaths):
                     claimed.append(folder)
             answers = paths.data_file
             if answers is not None and answers in outputs and answers.parent.is_dir():
-                lock = answers.with_name(answers.name + ".lock")
-                try:
-                    stack.enter_context(exclusive_lock(lock))
-                except Locked as busy:
-                    raise DemoError(f"--force would delete {answers}, which 'draftforge data regenerate' "
-                                    f"(process {busy.holder or '?'}) is writing; wait for it or stop it",
-                                    exit_status=2) from None
-                except OSError as err:
-                    if err.errno not in NO_FLOCK:
-                        raise
+                stack.enter_context(lock_or_refuse(answers.with_name(answers.name + ".lock"), lambda holder: DemoError(
+                    f"--force would delete {answers}, which 'draftforge data regenerate' ({holder}) is "
+                    "writing; wait for it or stop it", exit_status=2)))
             yield
         except CheckpointError as err:
             raise DemoError(f"--force would delete a run that is training: {err}", exit_status=2) from None

@@ -45,7 +45,6 @@ DeepSpeed's own files, read with ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import re
@@ -59,6 +58,7 @@ from safetensors.torch import load_file, save_file
 
 from draftforge.errors import InputError
 from draftforge.files import (
+    NO_FLOCK,
     Locked,
     exclusive_lock,
     fsync_tree,
@@ -129,9 +129,6 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
         return []
     found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and is_complete(p)]
     return sorted(found, key=_step_of)
-
-
-NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # flock's "not here"
 
 
 def claim_run_dir(run_dir: Path) -> None:

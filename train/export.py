@@ -44,7 +44,6 @@ system without ``flock`` it writes unlocked and tidies nothing: :func:`_writing`
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import glob
 import json
@@ -54,7 +53,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -62,8 +61,6 @@ import torch
 
 from draftforge.errors import InputError
 from draftforge.files import (
-    Locked,
-    exclusive_lock,
     fsync_tree,
     put_back_aside,
     replace_dir,
@@ -379,33 +376,16 @@ def export_draft(
     return out
 
 
-@contextlib.contextmanager
-def _writing(out: Path) -> Iterator[bool]:
+def _writing(out: Path):
     """Hold ``.NAME.lock`` beside ``out`` while an export writes it: the leftovers
     :func:`_tidy_leftovers` removes are then a killed export's, never a running one's. Yields
     whether the lock is held: on a file system without ``flock`` (some network ones) the export
     runs unlocked, as training does there (``checkpoint.claim_run_dir``), instead of failing."""
-    from draftforge.train.checkpoint import NO_FLOCK
+    from draftforge.files import lock_or_refuse
 
-    lock = out.parent / f".{out.name}.lock"
-
-    def remove_lock_file() -> None:  # exclusive_lock made it before flock failed
-        with contextlib.suppress(OSError):
-            lock.unlink()
-
-    with contextlib.ExitStack() as stack:
-        try:
-            stack.enter_context(exclusive_lock(lock))
-            locked = True
-        except Locked as busy:
-            raise ExportError(f"another draftforge export (process {busy.holder or 'unknown'}) is writing "
-                              f"{out} now; wait for it to finish, or choose another --out") from None
-        except OSError as err:
-            if err.errno not in NO_FLOCK:
-                raise
-            locked = False
-            stack.callback(remove_lock_file)
-        yield locked
+    return lock_or_refuse(out.parent / f".{out.name}.lock", lambda holder: ExportError(
+        f"another draftforge export ({holder}) is writing {out} now; wait for it to finish, or choose "
+        "another --out"))
 
 
 def _tidy_leftovers(out: Path, progress) -> None:
