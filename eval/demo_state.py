@@ -270,7 +270,7 @@ def check_dflash_removable(dflash_dir: Path) -> None:
     ``train.output_dir`` with ``-dflash`` added; no recipe names it) holds something else than
     a DFlash run written there: a run folder of the user's own that happens to have that name."""
     if not dflash_dir.exists() or (dflash_dir.is_dir() and all(
-            entry.name in (ANSWERS_STAMP, "demo-logs") for entry in dflash_dir.iterdir())):
+            entry.name in _before_training() for entry in dflash_dir.iterdir())):
         return  # empty, or stamped by a demo stopped before its training wrote config.yaml
     saved = _saved_run(dflash_dir)
     try:
@@ -284,13 +284,21 @@ def check_dflash_removable(dflash_dir: Path) -> None:
             "refusing. Move it away, or set another train.output_dir", exit_status=2)
 
 
+def _before_training() -> set[str]:
+    """What a demo leaves in a run folder before its training writes config.yaml there: the
+    answers stamp, the stages' logs, and the lock file of a training killed while starting."""
+    from draftforge.train.checkpoint import RUN_LOCK
+
+    return {ANSWERS_STAMP, "demo-logs", RUN_LOCK}
+
+
 def check_run_removable(run_dir: Path, data_file: Path | None) -> None:
     """Refuse ``--force`` where ``train.output_dir`` holds something else than a run written
     there or what the demo writes before its training (the answers ``data_file``, with its
     ``.partial`` and ``.lock``, the answers stamp, the stages' logs): a folder of the user's own."""
     if not run_dir.exists() or (run_dir.is_dir() and not any(run_dir.iterdir())):
         return
-    before = {ANSWERS_STAMP, "demo-logs"}
+    before = _before_training()
     if data_file is not None and data_file.parent.absolute() == run_dir.absolute():
         before |= {data_file.name + suffix for suffix in ("", ".partial", ".lock")}
     if run_dir.is_dir() and (_saved_run(run_dir) is not None

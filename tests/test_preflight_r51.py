@@ -137,6 +137,7 @@ def test_demo_force_deletes_what_a_stopped_demo_left_before_training(tmp_path, m
     (paths.run_dir / "demo-answers.json").write_text("{}")
     paths.dflash_dir.mkdir()
     (paths.dflash_dir / "demo-answers.json").write_text("{}")
+    (paths.dflash_dir / ".train.lock").write_text("123")  # its training killed while starting
     _no_stages(monkeypatch)
     code, err = _run(["demo", str(recipe), "--force"], capsys)
     assert code == 1 and "a stage ran" in err, err  # past the deletions
