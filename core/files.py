@@ -215,7 +215,6 @@ def lock_or_refuse(path: Path, refused: Callable[[str], Exception]) -> Iterator[
         yield locked
 
 
-
 @contextlib.contextmanager
 def exclusive_lock(path: Path) -> Iterator[None]:
     """Hold an exclusive lock file at ``path`` (``flock``, so a process that dies releases it)
