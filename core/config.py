@@ -72,11 +72,6 @@ class RecipeConfig(Section):
     # where each key was set (file and line, or override), for checks made after loading
     _locator: _Locator | None = PrivateAttr(default=None)
 
-    def __eq__(self, other: object) -> bool:  # the same settings, wherever they were read from
-        if type(other) is not type(self):
-            return NotImplemented
-        return self.__dict__ == other.__dict__
-
     def locate(self, problem: str) -> str:
         """``problem`` ("split.key: what is wrong"), led by where that key was set: the recipe's
         file and line, or the override. A key left at its default is located, as

@@ -16,3 +16,10 @@ class Section(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, allow_inf_nan=False)
+
+    def __eq__(self, other: object) -> bool:
+        """The same settings: the fields alone, not private state (where a recipe's keys were
+        read from, whether a dtype was written ``auto``), which pydantic's equality compares."""
+        if type(other) is not type(self):
+            return NotImplemented
+        return self.__dict__ == other.__dict__

@@ -176,9 +176,6 @@ class TargetConfig(Section):
             self.dtype = resolve_auto(self.dtype)
         return self
 
-    def __eq__(self, other: object) -> bool:  # the settings, not how dtype was written
-        return isinstance(other, TargetConfig) and self.model_dump() == other.model_dump()
-
     def dtype_on(self, device: str) -> str:
         """The dtype for a target placed on ``device``: an ``auto`` dtype resolved there (a
         target put on the CPU of a CUDA machine takes the CPU's rule), else the recipe's."""

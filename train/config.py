@@ -189,9 +189,6 @@ class TrainConfig(Section):
             self.dtype = resolve_auto(self.dtype, self.device)
         return self
 
-    def __eq__(self, other: object) -> bool:  # the settings, not how dtype was written
-        return isinstance(other, TrainConfig) and self.model_dump() == other.model_dump()
-
 
 class ExportConfig(Section):
     """The Hugging Face folder that SGLang and llama.cpp load as it is."""
