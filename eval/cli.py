@@ -393,12 +393,6 @@ def _check_output_paths(out: str, calibrate: str | None) -> None:
         _check_folder_writable(cal_path.parent, "--calibrate", calibrate)
 
 
-def _within(path: Path, folder: Path) -> bool:
-    """Whether ``path`` is ``folder`` or lies under it (both resolved, links followed)."""
-    path, folder = path.resolve(), folder.resolve()
-    return path == folder or folder in path.parents
-
-
 def _check_outputs_spare_inputs(args) -> None:
     """Refuse an ``--out`` or ``--calibrate`` that would write over what this run reads, or into
     the draft being evaluated: the draft's folder (an export, whose loaders expect only its own
@@ -410,7 +404,7 @@ def _check_outputs_spare_inputs(args) -> None:
     # a run folder takes its report in RUN/eval (draftforge export reads it there): only its
     # checkpoints are the draft's own files; an export's or a checkpoint's folder is all of them
     own = draft / "checkpoints" if (draft / "checkpoints").is_dir() else draft
-    if out.resolve() == draft.resolve() or _within(out, own):
+    if out.resolve() == draft.resolve() or out.resolve().is_relative_to(own.resolve()):
         where = ("is the draft being evaluated" if out.resolve() == draft.resolve()
                  else f"is inside {own}, the draft's own files")
         raise InputError(f"--out {args.out}: {where}; the report would be written among them; give "
@@ -423,7 +417,8 @@ def _check_outputs_spare_inputs(args) -> None:
         for option, value in (("--prompts-file", args.prompts_file), ("--recipe", args.recipe)) if value]
     suggestion = f"give a new path, e.g. {draft.resolve().parent / 'calibration.json'}"
     for what, path, folder in inputs:
-        if (_within(cal, path) if folder else cal.exists() and cal.resolve() == path.resolve()):
+        if (cal.resolve().is_relative_to(path.resolve()) if folder
+                else cal.exists() and cal.resolve() == path.resolve()):
             raise InputError(f"--calibrate {args.calibrate}: is {'in ' if folder else ''}{what}"
                              f"{'' if folder else ' ' + str(path)}, which this run reads; {suggestion}")
     if cal.resolve() == out.resolve():
