@@ -42,6 +42,14 @@ def nearest_existing(path: Path) -> Path | None:
     return next((p for p in (path, *path.parents) if p.exists()), None)
 
 
+def file_in_the_way(path: Path) -> str | None:
+    """Why no folder can be at ``path`` ("is a file", "is under F, a file"), or None."""
+    existing = nearest_existing(path)
+    if existing is None or existing.is_dir():
+        return None
+    return "is a file" if existing == Path(path).absolute() else f"is under {existing}, a file"
+
+
 def shareable(path: Path) -> None:
     """Give ``path`` (and, for a folder, everything in it) the mode that ``mkdir``/``open``
     would have: 0o777 or 0o666 less the umask."""

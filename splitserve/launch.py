@@ -93,7 +93,7 @@ def preflight(cfg, *, check_overlap: bool = False) -> None:
     turns on (``train.wandb``, ``train.tensorboard``) must be installed. Raises
     :class:`~draftforge.errors.InputError` (exit status 2) naming the file or key.
     """
-    from draftforge.files import nearest_existing
+    from draftforge.files import file_in_the_way
     from draftforge.splitserve.producer import load_source_conversations
     from draftforge.train import checkpoint as ckpt
     from draftforge.train.metrics import missing_loggers
@@ -104,12 +104,11 @@ def preflight(cfg, *, check_overlap: bool = False) -> None:
 
         raise InputError("; ".join(missing))
     run_dir = Path(cfg.train.output_dir)
-    existing = nearest_existing(run_dir)
-    if existing is not None and not existing.is_dir():
+    blocked = file_in_the_way(run_dir)
+    if blocked is not None:
         from draftforge.errors import InputError
 
-        where = "is a file" if existing == run_dir.absolute() else f"is under {existing}, a file"
-        raise InputError(f"train.output_dir: {run_dir} {where}; name a folder for the run")
+        raise InputError(f"train.output_dir: {run_dir} {blocked}; name a folder for the run")
     if run_dir.is_dir():  # another run training there: refused now, not once the target has loaded
         ckpt.claim_run_dir(run_dir)
         ckpt.release_run_dir(run_dir)

