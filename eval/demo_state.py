@@ -269,40 +269,35 @@ def check_dflash_removable(dflash_dir: Path) -> None:
     """Refuse ``--force`` where the folder the demo derives for its DFlash run (the recipe's
     ``train.output_dir`` with ``-dflash`` added; no recipe names it) holds something else than
     a DFlash run written there: a run folder of the user's own that happens to have that name."""
-    if not dflash_dir.exists() or (dflash_dir.is_dir() and all(
-            entry.name in _before_training() for entry in dflash_dir.iterdir())):
-        return  # empty, or stamped by a demo stopped before its training wrote config.yaml
-    saved = _saved_run(dflash_dir)
-    try:
-        ours = saved is not None and saved["draft"]["markov_rank"] == 0 and saved["draft"]["enable_confidence_head"] is False
-    except KeyError:
-        ours = False
-    if not ours:
+    if _before_training_only(dflash_dir):
+        return
+    draft = (_saved_run(dflash_dir) or {}).get("draft", {})
+    if not (draft.get("markov_rank") == 0 and draft.get("enable_confidence_head") is False):
         raise DemoError(
             f"--force would delete {dflash_dir}, where the demo puts its DFlash ablation's run, but it "
             "does not hold a DFlash run written there (its config.yaml names another run or none); "
             "refusing. Move it away, or set another train.output_dir", exit_status=2)
 
 
-def _before_training() -> set[str]:
-    """What a demo leaves in a run folder before its training writes config.yaml there: the
-    answers stamp, the stages' logs, and the lock file of a training killed while starting."""
+def _before_training_only(folder: Path, data_file: Path | None = None) -> bool:
+    """Whether ``folder`` is missing, or holds only what a demo leaves in a run folder before
+    its training writes config.yaml there: the answers stamp, the stages' logs, the lock file of
+    a training killed while starting, and the answers ``data_file`` (with its ``.partial`` and
+    ``.lock``) where it lies in the folder."""
     from draftforge.train.checkpoint import RUN_LOCK
 
-    return {ANSWERS_STAMP, "demo-logs", RUN_LOCK}
+    if not folder.exists():
+        return True
+    before = {ANSWERS_STAMP, "demo-logs", RUN_LOCK}
+    if data_file is not None and data_file.parent.absolute() == folder.absolute():
+        before |= {data_file.name + suffix for suffix in ("", ".partial", ".lock")}
+    return folder.is_dir() and all(entry.name in before for entry in folder.iterdir())
 
 
 def check_run_removable(run_dir: Path, data_file: Path | None) -> None:
     """Refuse ``--force`` where ``train.output_dir`` holds something else than a run written
-    there or what the demo writes before its training (the answers ``data_file``, with its
-    ``.partial`` and ``.lock``, the answers stamp, the stages' logs): a folder of the user's own."""
-    if not run_dir.exists() or (run_dir.is_dir() and not any(run_dir.iterdir())):
-        return
-    before = _before_training()
-    if data_file is not None and data_file.parent.absolute() == run_dir.absolute():
-        before |= {data_file.name + suffix for suffix in ("", ".partial", ".lock")}
-    if run_dir.is_dir() and (_saved_run(run_dir) is not None
-                             or all(entry.name in before for entry in run_dir.iterdir())):
+    there or what the demo writes before its training: a folder of the user's own."""
+    if _before_training_only(run_dir, data_file) or (run_dir.is_dir() and _saved_run(run_dir) is not None):
         return
     raise DemoError(
         f"--force would delete {run_dir} (train.output_dir), but it holds neither a run written there "
