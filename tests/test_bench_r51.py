@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 from splitserve_helpers import tiny_recipe
+from test_cli_r15 import _run as draftforge_run
 
-from draftforge.cli import main as draftforge_main
 from draftforge.splitserve import supervisor
 
 
@@ -17,11 +17,8 @@ def _run(argv, capsys, monkeypatch):
         return 3  # the job failed: no result to report
 
     monkeypatch.setattr(supervisor, "run_ranks", fake_ranks)
-    try:
-        code = draftforge_main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    return code, capsys.readouterr().err, started
+    code, _, err = draftforge_run(argv, capsys)
+    return code, err, started
 
 
 @pytest.fixture

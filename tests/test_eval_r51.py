@@ -53,14 +53,11 @@ def test_a_recipe_without_such_settings_gets_no_note(recipe_path, tmp_path, caps
 
 
 def _refused(argv, capsys) -> str:
-    from draftforge.cli import main as draftforge_main
+    from test_cli_r15 import _run
 
-    try:
-        code = draftforge_main(argv)
-    except SystemExit as exc:
-        code = exc.code
+    code, _, err = _run(argv, capsys)
     assert code == 2
-    return capsys.readouterr().err
+    return err
 
 
 def test_outputs_that_would_write_over_this_runs_inputs_are_refused(recipe_path, tmp_path, capsys):  # noqa: F811

@@ -8,6 +8,7 @@ import json
 import pytest
 from eval_helpers import tiny_eval_draft, tiny_target
 from safetensors.torch import load_file, save_file
+from test_cli_r15 import _run
 
 from draftforge.train.export import ExportError, export_draft
 from draftforge.train.hf_load import load_exported_draft
@@ -45,16 +46,12 @@ def test_a_malformed_hub_id_is_refused_before_the_export(tmp_path, capsys):
     advising to check the network and the login."""
     from test_export import _write_checkpoint
 
-    from draftforge.cli import main
     from draftforge.train.model import DSparkDraft
 
     _write_checkpoint(tmp_path / "ckpt", DSparkDraft(tiny_eval_draft(tiny_target()).config))
-    try:
-        code = main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--push-to-hub", "bad repo id!!"])
-    except SystemExit as exc:
-        code = exc.code
+    code, _, err = _run(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--push-to-hub", "bad repo id!!"], capsys)
     assert code == 2
-    assert "--push-to-hub 'bad repo id!!': not a Hub repository id" in capsys.readouterr().err
+    assert "--push-to-hub 'bad repo id!!': not a Hub repository id" in err
     assert not (tmp_path / "out").exists()
 
 
@@ -78,12 +75,9 @@ def test_a_recipe_whose_target_does_not_fit_the_checkpoint_is_refused(tmp_path, 
     assert main(["export", str(tmp_path / "ckpt"), "--recipe", str(recipe), "--out", str(tmp_path / "ok")]) == 0
     other = tmp_path / "other.yaml"
     other.write_text(re.sub(r"vocab_size: 8192", "vocab_size: 4096", Path(recipe).read_text()))
-    try:
-        code = main(["export", str(tmp_path / "ckpt"), "--recipe", str(other), "--out", str(tmp_path / "out")])
-    except SystemExit as exc:
-        code = exc.code
+    code, _, err = _run(["export", str(tmp_path / "ckpt"), "--recipe", str(other), "--out", str(tmp_path / "out")], capsys)
     assert code == 2
-    assert "vocab_size: recipe's target 'random' gives 4096, checkpoint 8192" in capsys.readouterr().err
+    assert "vocab_size: recipe's target 'random' gives 4096, checkpoint 8192" in err
     assert not (tmp_path / "out").exists()
 
 

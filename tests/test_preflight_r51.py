@@ -9,10 +9,10 @@ import json
 
 import pytest
 from splitserve_helpers import tiny_recipe
+from test_cli_r15 import _run as draftforge_run
 from test_demo_r7 import _finished_run
 from test_demo_r45 import _no_stages
 
-from draftforge.cli import main as draftforge_main
 from draftforge.config import load_recipe
 from draftforge.data.workloads import load_workload
 from draftforge.eval import demo
@@ -31,11 +31,8 @@ def _overlapping_file(tmp_path):
 
 
 def _run(argv, capsys):
-    try:
-        code = draftforge_main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    return code, capsys.readouterr().err
+    code, _, err = draftforge_run(argv, capsys)
+    return code, err
 
 
 def test_the_dry_run_refuses_training_data_that_overlaps_the_evaluation_workloads(tmp_path, capsys):
