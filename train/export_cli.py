@@ -69,6 +69,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.eval_report and not Path(args.eval_report).is_file():
         raise InputError(f"--eval-report {args.eval_report}: no such file")
     run_dir = source if (source / "checkpoints").is_dir() else None
+    if run_dir is not None:
+        # the run's newest checkpoint, resolved once: the card's recipe and report and the weights
+        # all come from it, even if the training saves a newer one while this export runs
+        from draftforge.train.export import latest_checkpoint
+
+        source = latest_checkpoint(run_dir)  # an ExportError (an InputError) where there is none
     recipe_path = Path(args.recipe) if args.recipe else _saved_recipe(source)
     export_cfg, card = ExportConfig(), ModelCard()
     output_dir = None
@@ -95,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = Path(args.eval_report)
         card.acceptance_table = read_eval_report(report, option="--eval-report ")
     else:  # RUN_DIR/eval/report.md, only where it measured this draft
-        report = default_report(run_dir, Path(out)) if run_dir else None
+        report = default_report(run_dir, source, Path(out)) if run_dir else None
         try:
             card.acceptance_table = read_eval_report(report) if report is not None else None
         except InputError as err:
@@ -232,20 +238,19 @@ def read_eval_report(report: Path, *, option: str = "") -> str:
     return text
 
 
-def default_report(run_dir: Path, out: Path) -> Path | None:
+def default_report(run_dir: Path, checkpoint: Path, out: Path) -> Path | None:
     """``run_dir/eval/report.md`` when its ``report.json`` measured this export's draft (the run,
-    the checkpoint exported or the run's export folder) no earlier than the checkpoint was
-    completed; else None, with one line saying why a report there was not used."""
+    ``checkpoint``, the one exported, or the run's export folder) no earlier than the checkpoint
+    was completed; else None, with one line saying why a report there was not used."""
     import json
 
     from draftforge.train.checkpoint import COMPLETE
-    from draftforge.train.export import SINGLE_FILE, checkpoint_fingerprint, latest_checkpoint
+    from draftforge.train.export import SINGLE_FILE, checkpoint_fingerprint
 
     report = run_dir / "eval" / "report.md"
     if not report.is_file():
         return None
     measured = report.with_name("report.json")
-    checkpoint = latest_checkpoint(run_dir)
     try:
         written = json.loads(measured.read_text())
         draft = written.get("draft_path") or written.get("draft")  # reports before draft_path: as typed

@@ -1,0 +1,58 @@
+"""Session 52: ``export RUN`` takes one checkpoint. It resolved the run's newest checkpoint three
+times (for the card's recipe, for the acceptance report, for the weights), so a save that
+completed in between gave a card describing one checkpoint beside another one's weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from splitserve_helpers import tiny_recipe
+from test_export import _write_checkpoint
+
+from draftforge.train import export as export_module
+from draftforge.train.export import checkpoint_fingerprint, load_training_checkpoint
+
+
+def test_a_save_during_export_does_not_mix_two_checkpoints(tmp_path, monkeypatch, capsys):
+    from draftforge.cli import main
+    from draftforge.config import load_recipe
+    from draftforge.splitserve.launch import _model_config
+    from draftforge.train.model import DSparkConfig, DSparkDraft
+
+    recipe = tiny_recipe(tmp_path)
+    draft = DSparkDraft(DSparkConfig(**_model_config(load_recipe(recipe))))
+    run = tmp_path / "run"
+    steps = {}
+    for step in (2, 4):
+        folder = run / "checkpoints" / f"step_{step:08d}"
+        _write_checkpoint(folder, draft)
+        (folder / "recipe.yaml").write_text(Path(recipe).read_text() + f"name: segment{step}\n")
+        (folder / "trainer_state.json").write_text("{}")
+        (folder / "COMPLETE").touch()
+        steps[step] = folder
+        with torch.no_grad():
+            draft.fc.weight.add_(0.01)  # the next step's weights differ
+    (run / "eval").mkdir()
+    (run / "eval" / "report.md").write_text("| workload | AL |\n|---|---|\n| w | 1.50 |\n")
+    (run / "eval" / "report.json").write_text(json.dumps(
+        {"draft_path": str(run), "draft_fingerprint": checkpoint_fingerprint(steps[2])}))
+
+    looks = []
+
+    def newest_then_a_later_save(run_dir):  # step 4 completes just after export's first look
+        looks.append(run_dir)
+        return steps[2] if len(looks) == 1 else steps[4]
+
+    monkeypatch.setattr(export_module, "latest_checkpoint", newest_then_a_later_save)
+    assert main(["export", str(run), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    _, state = load_training_checkpoint(steps[2])
+    assert torch.equal(exported["fc.weight"], state["fc.weight"].to(exported["fc.weight"].dtype))
+    assert f"model card: recipe from {steps[2] / 'recipe.yaml'}" in out
+    assert f"model card: acceptance table from {run / 'eval' / 'report.md'}" in out
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "name: segment2" in card and "| w | 1.50 |" in card
