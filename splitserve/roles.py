@@ -889,10 +889,13 @@ def _run_trainer(ctx: RankContext, bench: dict | None) -> None:
             ctx.log(accounting.line())
             accounting.write("interval", record["step"])
 
-    result = trainer.fit(batches, on_step=on_step, extra_state=rotation_state)
+    def on_end(result) -> None:
+        if is_main:  # under the run folder's lock, as summary.json
+            accounting.write("summary", result.step)
+
+    result = trainer.fit(batches, on_step=on_step, extra_state=rotation_state, on_end=on_end)
     dropped = stream.stop(timeout_s=cfg.split.peer_timeout_s)
     if is_main:
-        accounting.write("summary", result.step)
         ctx.log(
             f"finished at step {result.step} ({result.stopped_reason}); checkpoint "
             f"{result.checkpoint}; {dropped} samples in transit dropped (not consumed)"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from splitserve_helpers import tiny_recipe
@@ -56,3 +57,53 @@ def test_a_save_during_export_does_not_mix_two_checkpoints(tmp_path, monkeypatch
     assert f"model card: acceptance table from {run / 'eval' / 'report.md'}" in out
     card = (tmp_path / "out" / "README.md").read_text()
     assert "name: segment2" in card and "| w | 1.50 |" in card
+
+
+@pytest.mark.parametrize("with_on_end", [False, True])
+def test_training_holds_the_run_folder_until_its_summary_and_accounting_are_written(tmp_path, monkeypatch, with_on_end):
+    """The trainer let go of RUN/.train.lock before writing summary.json, and the trainer rank
+    appended the accounting summary after that: a next run in the folder could start between."""
+    import errno
+    import fcntl
+
+    from trainer_helpers import chain_samples, target_embeddings, tiny_model_config, train_config
+
+    from draftforge.train import checkpoint as ckpt
+    from draftforge.train import trainer as trainer_module
+    from draftforge.train.sample import pack
+    from draftforge.train.trainer import Trainer
+
+    run = tmp_path / "run"
+    trainer = Trainer(model_config=tiny_model_config(num_hidden_layers=1),
+                      train=train_config(str(run), steps=2, checkpoint_interval=2), embeddings=target_embeddings(),
+                      run_dir=run, recipe_yaml="name: r\n")
+
+    def taken() -> bool:  # another open file's flock, as a second run's would be
+        with open(run / ckpt.RUN_LOCK, "a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as err:
+                assert err.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+                return True
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            return False
+
+    seen = {}
+    write_summary = trainer_module.write_summary
+
+    def writing_summary(run_dir, summary):
+        seen["held while summary.json is written"] = taken()
+        write_summary(run_dir, summary)
+
+    def on_end(result):
+        seen["summary"] = (run / "summary.json").is_file()
+        seen["held at on_end"] = taken()
+        seen["step"] = result.step
+
+    monkeypatch.setattr(trainer_module, "write_summary", writing_summary)
+    trainer.resume()
+    trainer.fit(pack(chain_samples(12), 90), **({"on_end": on_end} if with_on_end else {}))
+    assert seen.pop("held while summary.json is written") is True
+    if with_on_end:
+        assert seen == {"summary": True, "held at on_end": True, "step": 2}
+    assert not taken()  # and let go after it

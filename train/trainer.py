@@ -609,12 +609,15 @@ class Trainer:
         *,
         extra_state: Callable[[], dict] | None = None,
         on_step: Callable[[dict], None] | None = None,
+        on_end: Callable[[FitResult], None] | None = None,
     ) -> FitResult:
         """Train until ``train.steps`` optimizer steps or the end of ``batches``.
 
         ``extra_state()`` (JSON-serialisable, per rank) is stored in every
         checkpoint and comes back as :attr:`ResumeInfo.extra`. ``on_step(record)``
-        runs on every rank after each step with that rank's record (the accounting hook).
+        runs on every rank after each step with that rank's record (the accounting hook);
+        ``on_end(result)`` on every rank after the summary, while rank 0 still holds the run
+        folder's lock, so that a next run in the folder cannot write between them.
         Call :meth:`resume` first to continue a run.
         """
         train = self.train
@@ -711,17 +714,25 @@ class Trainer:
                 if log is not None:
                     log.sync()
                 result.checkpoint = self.save(extra_state=extra_state)
+        except BaseException:
+            if self.is_main:
+                ckpt.release_run_dir(self.run_dir)
+            raise
         finally:
             if progress is not None:
                 progress.close()
             if log is not None:
                 log.close()
-            if self.is_main:  # another run may continue from here
+        try:
+            result.step = self.step
+            result.skipped_steps = self.skipped_steps
+            elapsed = time.perf_counter() - started
+            result.summary = self._summary(result, window, first_slots, total_tokens, elapsed)
+            if on_end is not None:
+                on_end(result)
+        finally:
+            if self.is_main:  # another run may continue from here: its summary is written
                 ckpt.release_run_dir(self.run_dir)
-        result.step = self.step
-        result.skipped_steps = self.skipped_steps
-        elapsed = time.perf_counter() - started
-        result.summary = self._summary(result, window, first_slots, total_tokens, elapsed)
         return result
 
     def _record(self, sums, gamma, norm, applied, gathered, wait_s, compute_s) -> dict:
