@@ -499,9 +499,22 @@ def _draft_loader(path: str):
 
     folder = Path(path).expanduser()
     if (folder / CONFIG_FILE).is_file():
+        # export replaces a folder whole (a new folder renamed into place): one whose inode differs
+        # once the weights are in was replaced after its config.json was read, or while read
+        identity = _folder_identity(folder)
         cfg = config_from_serving(read_serving_config(folder), where=str(folder / CONFIG_FILE))
-        return cfg, lambda target, device: load_exported_draft(folder, target=target, dtype=_float32(),
-                                                               device=device), None
+
+        def load_export(target, device):
+            model = load_exported_draft(folder, target=target, dtype=_float32(), device=device)
+            if _folder_identity(folder) != identity:
+                from draftforge.errors import InputError
+
+                raise InputError(f"{folder} was replaced (by another 'draftforge export'?) while this "
+                                 "evaluation read it, so its config and weights may be two exports'; "
+                                 "rerun the evaluation")
+            return model
+
+        return cfg, load_export, None
     cfg, state = load_training_checkpoint(folder)
 
     def load(target, device):
@@ -512,6 +525,11 @@ def _draft_loader(path: str):
         return model.to(device).eval()
 
     return cfg, load, weights_fingerprint(state[FINGERPRINT_TENSOR])
+
+
+def _folder_identity(folder: Path) -> tuple[int, int]:
+    stat = folder.stat()
+    return stat.st_dev, stat.st_ino
 
 
 def _check_fit(draft_cfg, target_cfg, draft_path: str) -> None:

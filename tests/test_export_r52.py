@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from eval_helpers import tiny_eval_draft, tiny_target
 from safetensors.torch import load_file
 from splitserve_helpers import tiny_recipe
 from test_export import _write_checkpoint
@@ -107,3 +108,21 @@ def test_training_holds_the_run_folder_until_its_summary_and_accounting_are_writ
     if with_on_end:
         assert seen == {"summary": True, "held at on_end": True, "step": 2}
     assert not taken()  # and let go after it
+
+
+def test_an_export_replaced_while_eval_reads_it_is_refused_not_mixed(tmp_path):
+    """eval reads an export's config.json, loads the target, then reads the weights: an export
+    into the same folder in between gave one export's config with the other's weights."""
+    from draftforge.errors import InputError
+    from draftforge.eval.cli import _draft_loader
+    from draftforge.train.export import export_draft
+
+    target = tiny_target()
+    out = tmp_path / "export"
+    export_draft(tiny_eval_draft(target, seed=1), out, progress=lambda _: None)
+    _, load, _ = _draft_loader(str(out))
+    assert torch.equal(load(target, "cpu").fc.weight, tiny_eval_draft(target, seed=1).fc.weight)  # undisturbed
+    _, load, _ = _draft_loader(str(out))
+    export_draft(tiny_eval_draft(target, seed=2, block_size=3), out, progress=lambda _: None)  # the next export
+    with pytest.raises(InputError, match=r"was replaced \(by another 'draftforge export'\?\) while this evaluation read it"):
+        load(target, "cpu")
