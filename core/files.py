@@ -17,7 +17,7 @@ import glob
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 
@@ -98,12 +98,38 @@ def write_atomic(path: Path, payload: bytes | str) -> None:
     ``OSError`` with the failing call's errno whose ``filename`` is ``path``. A ``path`` that
     is a symbolic link is written through, as ``open(path, "w")`` would: the file it points to
     is replaced and the link stays (renaming over the link would leave that file stale)."""
+    write_atomic_all([(path, payload)])
+
+
+def write_atomic_all(items: Sequence[tuple[Path, bytes | str]]) -> None:
+    """:func:`write_atomic` for files that belong together: each is written to its temporary
+    file and fsynced before the first is renamed over its path, so a full disk or an unwritable
+    folder leaves every one of them as it was, not some new beside some old. The renames follow
+    in the order given."""
+    staged: list[tuple[str, Path, Path]] = []  # (temporary file, path asked, path written)
+    try:
+        for asked, payload in items:
+            staged.append(_stage(Path(asked), payload))
+        for tmp, asked, path in staged:
+            try:
+                os.replace(tmp, path)
+            except OSError as err:
+                raise _naming(err, asked, path) from err
+    except BaseException:
+        for tmp, _, _ in staged:
+            Path(tmp).unlink(missing_ok=True)
+        raise
+    for folder in dict.fromkeys(path.parent for _, _, path in staged):
+        fsync_dir(folder)
+
+
+def _stage(asked: Path, payload: bytes | str) -> tuple[str, Path, Path]:
+    """A fsynced temporary file beside ``asked`` (or the file a link there points to) holding
+    ``payload``, with the mode the file has or would get: (temporary, asked, path to replace)."""
     if isinstance(payload, str):
         payload = payload.encode("utf-8")
-    asked = path = Path(path)
     asked.parent.mkdir(parents=True, exist_ok=True)  # its error names the folder
-    if path.is_symlink():
-        path = Path(os.path.realpath(path))
+    path = Path(os.path.realpath(asked)) if asked.is_symlink() else asked
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
@@ -115,18 +141,21 @@ def write_atomic(path: Path, payload: bytes | str) -> None:
                 os.chmod(tmp, os.stat(path).st_mode & 0o777)
             except FileNotFoundError:
                 shareable(Path(tmp))
-            os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
     except OSError as err:
-        if err.errno is None:
-            raise
-        # a write or fsync on a full disk says only "[Errno 28] No space left on device", and
-        # mkstemp names its temporary file: name the file the caller asked for instead
-        # through a link: both, "link -> the file it points to"
-        raise OSError(err.errno, err.strerror, str(asked), *((None, str(path)) if path != asked else ())) from err
-    fsync_dir(path.parent)
+        raise _naming(err, asked, path) from err
+    return tmp, asked, path
+
+
+def _naming(err: OSError, asked: Path, path: Path) -> OSError:
+    """``err`` naming the file the caller asked for: a write or fsync on a full disk says only
+    "[Errno 28] No space left on device", and mkstemp names its temporary file (through a
+    link: both, "link -> the file it points to")."""
+    if err.errno is None:
+        return err
+    return OSError(err.errno, err.strerror, str(asked), *((None, str(path)) if path != asked else ()))
 
 
 def replace_dir(staging: Path, out: Path) -> None:

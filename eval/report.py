@@ -11,7 +11,7 @@ from pathlib import Path
 
 from draftforge.eval.harness import METHODS, WorkloadResult, macro
 from draftforge.eval.uncertainty import PromptTotals, interval_text, report_uncertainty
-from draftforge.files import write_atomic
+from draftforge.files import write_atomic, write_atomic_all
 
 ESTIMATE_NOTE = (
     "tau (train-time estimate) is the training metric 1 + sum_k prod_{i<=k} c*_i computed through the "
@@ -329,8 +329,10 @@ def report_dict(results: Sequence[WorkloadResult], meta: dict, *, intervals: dic
     }
 
 
-def plot(results: Sequence[WorkloadResult], out_dir: Path, *, block_size: int) -> list[Path]:
-    """acceptance_length.png (bars per workload and method) and position_acceptance.png (lines)."""
+def plot(results: Sequence[WorkloadResult], out_dir: Path, *, block_size: int, save=None) -> list[Path]:
+    """acceptance_length.png (bars per workload and method) and position_acceptance.png (lines),
+    each given to ``save(figure, path)`` (by default written there atomically)."""
+    save = save or _save
     import matplotlib
 
     matplotlib.use("Agg")
@@ -358,7 +360,7 @@ def plot(results: Sequence[WorkloadResult], out_dir: Path, *, block_size: int) -
     ax.set_xlim(-0.5, len(results) - 0.5 + width * (len(methods) - 1))
     ax.legend()
     fig.tight_layout()
-    paths.append(_save(fig, out_dir / "acceptance_length.png"))
+    paths.append(save(fig, out_dir / "acceptance_length.png"))
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -376,7 +378,7 @@ def plot(results: Sequence[WorkloadResult], out_dir: Path, *, block_size: int) -
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    paths.append(_save(fig, out_dir / "position_acceptance.png"))
+    paths.append(save(fig, out_dir / "position_acceptance.png"))
     plt.close(fig)
     return paths
 
@@ -384,12 +386,13 @@ def plot(results: Sequence[WorkloadResult], out_dir: Path, *, block_size: int) -
 def write_report(
     results: Sequence[WorkloadResult], out_dir: str | os.PathLike[str], meta: dict, *, block_size: int
 ) -> dict[str, Path]:
-    """Write the plots, report.md and report.json into ``out_dir`` (each file atomically).
+    """Write the plots, report.md and report.json into ``out_dir``, as one: every file is
+    written in full (fsynced) before the first replaces an earlier evaluation's, so a full disk
+    leaves the earlier report whole, not a new report.md beside an old report.json (which
+    export and the demo would take for the new one's).
 
-    report.json goes last: its presence is what marks the evaluation finished (the demo
-    skips an evaluation that has one), so an interruption while plotting reruns it; report.md
-    goes just before it, so that such an interruption leaves no new report.md beside an old
-    report.json (the demo copies report.md into the model card)."""
+    report.json is renamed into place last: its presence is what marks the evaluation
+    finished (the demo skips an evaluation that has one); report.md just before it."""
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     intervals = uncertainty(results)  # once, for both files
@@ -398,12 +401,15 @@ def write_report(
                            calibration=meta.get("calibration"))
     report = report_dict(results, meta, intervals=intervals)
     text = json.dumps(_jsonable(report), indent=2) + "\n"  # before any file: a failure here writes none
-    plots = plot(results, out, block_size=block_size)
-    paths = {"markdown": _atomic_text(out / "report.md", table)}
-    for path in plots:
-        paths[path.stem] = path
-    paths["json"] = _atomic_text(out / "report.json", text)
-    return paths
+    rendered: list[tuple[Path, bytes]] = []
+
+    def render(fig, path: Path) -> Path:
+        rendered.append((path, _png(fig)))
+        return path
+
+    plots = plot(results, out, block_size=block_size, save=render)
+    write_atomic_all([*rendered, (out / "report.md", table), (out / "report.json", text)])
+    return {"markdown": out / "report.md", **{path.stem: path for path in plots}, "json": out / "report.json"}
 
 
 def _jsonable(value):
@@ -416,13 +422,12 @@ def _jsonable(value):
     return value
 
 
-def _atomic_text(path: Path, text: str) -> Path:
-    write_atomic(path, text.encode())
-    return path
-
-
 def _save(fig, path: Path) -> Path:
-    image = io.BytesIO()  # rendered in memory: a failed write leaves no temporary beside path
-    fig.savefig(image, format="png", dpi=120)
-    write_atomic(path, image.getvalue())
+    write_atomic(path, _png(fig))  # rendered in memory: a failed write leaves no temporary beside path
     return path
+
+
+def _png(fig) -> bytes:
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=120)
+    return image.getvalue()

@@ -201,9 +201,9 @@ def test_an_evaluation_interrupted_while_plotting_leaves_the_old_reports(tmp_pat
 
     written = []
     monkeypatch.setattr(report, "plot", lambda *a, **kw: written.append("plots") or [])
-    real = report._atomic_text
-    monkeypatch.setattr(report, "_atomic_text", lambda path, text: written.append(path.name) or real(path, text))
+    real = report.write_atomic_all
+    monkeypatch.setattr(report, "write_atomic_all", lambda items: written.extend(p.name for p, _ in items) or real(items))
     report.write_report(results, tmp_path, {"command": "c"}, block_size=4)
-    assert written == ["plots", "report.md", "report.json"]
+    assert written == ["plots", "report.md", "report.json"]  # renamed into place in this order
     assert (tmp_path / "report.md").read_text() == "NEW TABLE"
     assert json.loads((tmp_path / "report.json").read_text())["command"] == "c"

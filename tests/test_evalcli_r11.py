@@ -108,19 +108,22 @@ def test_the_reports_figures_are_those_of_the_rounds_decoded(recipe_path, tmp_pa
     monkeypatch.setattr(harness, "speculative_decode", recording)
     monkeypatch.setattr(harness, "warm_up", warm_up)
     drawn = {}
-    real_save = report_mod._save
+    real_plot = report_mod.plot
 
-    def save(fig, path):  # what each PNG shows, read off its figure
-        ax = fig.axes[0]
-        drawn[path.name] = {
-            "bars": [p.get_height() for p in ax.patches],
-            "bar_labels": [t.get_text() for t in ax.get_legend().get_texts()],
-            "lines": {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()
-                      if not line.get_label().startswith("_")},
-        }
-        return real_save(fig, path)
+    def plot(results, out_dir, *, block_size, save):
+        def spy(fig, path):  # what each PNG shows, read off its figure
+            ax = fig.axes[0]
+            drawn[path.name] = {
+                "bars": [p.get_height() for p in ax.patches],
+                "bar_labels": [t.get_text() for t in ax.get_legend().get_texts()],
+                "lines": {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()
+                          if not line.get_label().startswith("_")},
+            }
+            return save(fig, path)
 
-    monkeypatch.setattr(report_mod, "_save", save)
+        return real_plot(results, out_dir, block_size=block_size, save=spy)
+
+    monkeypatch.setattr(report_mod, "plot", plot)
     monkeypatch.setattr(harness, "run_workload", run_workload)
     prompts = _prompts_file(tmp_path, ["alpha", "alpha", "beta"])
     out = tmp_path / "r"

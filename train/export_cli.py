@@ -261,6 +261,8 @@ def default_report(run_dir: Path, checkpoint: Path, out: Path) -> Path | None:
     done = checkpoint / COMPLETE
     if not isinstance(draft, str):
         why = f"{measured} is missing or names no draft, so which draft it measured is unknown"
+    elif report.stat().st_mtime > measured.stat().st_mtime:  # written just before it, by one evaluation
+        why = f"{report} is newer than {measured.name}: an evaluation stopped between writing the two"
     elif Path(draft).expanduser().resolve() not in ours:
         why = f"{measured} measured draft {draft}, not this run, its checkpoint {checkpoint.name} or its export"
     elif written.get("draft_fingerprint") is not None:  # it read a checkpoint: the weights decide

@@ -1,0 +1,78 @@
+"""Session 52: I/O failures found by injecting them (a full disk at one write)."""
+
+from __future__ import annotations
+
+import errno
+import tempfile
+
+import pytest
+from test_evalreport_r36 import _workload
+
+from draftforge import files
+from draftforge.eval.report import write_report
+
+
+def _full_disk_at(monkeypatch, name: str) -> None:
+    """The temporary file of any write of ``name`` cannot be made: the disk is full."""
+    real = tempfile.mkstemp
+
+    def mkstemp(*args, prefix="", **kwargs):
+        if prefix.startswith(f".{name}."):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args, prefix=prefix, **kwargs)
+
+    monkeypatch.setattr(files.tempfile, "mkstemp", mkstemp)
+
+
+def test_a_report_json_that_cannot_be_written_leaves_the_earlier_report_whole(tmp_path, monkeypatch):
+    """report.md and the plots were replaced before report.json failed: the folder held the new
+    evaluation's table beside the old one's report.json, which export took for the new one's."""
+    out = tmp_path / "eval"
+    write_report([_workload()], out, {"command": "first"}, block_size=4)
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+    assert set(before) == {"report.md", "report.json", "acceptance_length.png", "position_acceptance.png"}
+    _full_disk_at(monkeypatch, "report.json")
+    with pytest.raises(OSError, match="No space left on device") as failed:
+        write_report([_workload()], out, {"command": "second"}, block_size=4)
+    assert failed.value.filename == str(out / "report.json")
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before  # nothing new, no temporary
+
+
+def test_write_atomic_all_replaces_nothing_when_one_file_cannot_be_written(tmp_path, monkeypatch):
+    (tmp_path / "a").write_text("old a")
+    _full_disk_at(monkeypatch, "b")
+    with pytest.raises(OSError) as failed:
+        files.write_atomic_all([(tmp_path / "a", "new a"), (tmp_path / "b", "new b")])
+    assert failed.value.errno == errno.ENOSPC and failed.value.filename == str(tmp_path / "b")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"] and (tmp_path / "a").read_text() == "old a"
+    monkeypatch.undo()
+    files.write_atomic_all([(tmp_path / "a", "new a"), (tmp_path / "b", "new b")])
+    assert [(tmp_path / n).read_text() for n in "ab"] == ["new a", "new b"]
+
+
+def test_export_does_not_take_a_report_md_newer_than_its_report_json(tmp_path, capsys):
+    """An evaluation stopped between replacing report.md and report.json left a new table beside
+    the old report.json, whose draft and weights export compared, and the card showed it."""
+    import json
+    import os
+
+    from eval_helpers import tiny_eval_draft, tiny_target
+    from test_export import _write_checkpoint
+
+    from draftforge.cli import main
+    from draftforge.train.export import checkpoint_fingerprint
+
+    run = tmp_path / "run"
+    folder = run / "checkpoints" / "step_00000002"
+    _write_checkpoint(folder, tiny_eval_draft(tiny_target()))
+    (folder / "trainer_state.json").write_text("{}")
+    (folder / "COMPLETE").touch()
+    (run / "eval").mkdir()
+    (run / "eval" / "report.json").write_text(json.dumps(
+        {"draft_path": str(run), "draft_fingerprint": checkpoint_fingerprint(folder)}))
+    (run / "eval" / "report.md").write_text("| workload | AL |\n|---|---|\n| w | 9.99 |\n")
+    written = (run / "eval" / "report.json").stat().st_mtime
+    os.utime(run / "eval" / "report.md", (written + 5, written + 5))
+    assert main(["export", str(run), "--out", str(tmp_path / "out")]) == 0
+    assert "is newer than report.json: an evaluation stopped between writing the two" in capsys.readouterr().out
+    assert "9.99" not in (tmp_path / "out" / "README.md").read_text()
