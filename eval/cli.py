@@ -336,12 +336,17 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
                                 prompt_ids=prompt_ids) if args.calibrate and samples else None
     except InputError as problem:
         refused, calibration = problem, None
+    unwritten = None  # the calibration file could not be written (a full disk): said after the report
     if calibration is not None:
-        write_calibration(args.calibrate, calibration)
+        try:
+            write_calibration(args.calibrate, calibration)
+        except OSError as err:
+            unwritten = err.strerror or str(err)
         held_out = calibration.pop("held_out")  # ECE on what the temperatures were not fitted on
         meta["calibration"] = {
             **calibration,
             "path": str(args.calibrate),
+            **({"write_error": unwritten} if unwritten else {}),
             "pooled_ece_before": pooled_ece(held_out),
             "pooled_ece_after": pooled_ece(held_out, calibration["temperatures"]),
         }
@@ -350,7 +355,7 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
                if held_out else "no ECE: the held-out prompts (every second of each workload) "
                "verified no draft position")
         print(
-            f"eval: calibration written to {args.calibrate}: temperatures "
+            f"eval: calibration {'fitted' if unwritten else f'written to {args.calibrate}'}: temperatures "
             f"{[round(t, 3) for t in calibration['temperatures']]}, {ece}"
         )
     paths = write_report(results, args.out, meta, block_size=draft_cfg.block_size)
@@ -366,6 +371,10 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
         )
     if refused is not None:  # the report is written: the decoding is not lost
         raise InputError(f"--calibrate {args.calibrate}: nothing was written there: {refused}")
+    if unwritten is not None:  # the report is written, with the temperatures
+        raise InputError(f"--calibrate {args.calibrate}: could not be written ({unwritten}); nothing was "
+                         f"written there, and the temperatures are in {out_dir / 'report.json'} "
+                         "('calibration'). Free space (or choose another --calibrate) and rerun")
     return 0
 
 

@@ -193,7 +193,10 @@ def calibration_lines(calibration: dict | None) -> list[str]:
                f"workload): {_fmt(before, 4)} before, {_fmt(after, 4)} after")
     else:
         ece = "no ECE: the held-out prompts (every second of each workload) verified no draft position"
-    return [f"Confidence calibration written to `{calibration.get('path')}`: temperatures per "
+    failed = calibration.get("write_error")  # the fit is reported; its file could not be written
+    where = (f"fitted, but `{calibration.get('path')}` could not be written ({failed})" if failed
+             else f"written to `{calibration.get('path')}`")
+    return [f"Confidence calibration {where}: temperatures per "
             f"position [{temperatures}]; {ece}.", *_calibration_positions(calibration), ""]
 
 

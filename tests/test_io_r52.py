@@ -6,6 +6,7 @@ import errno
 import tempfile
 
 import pytest
+from test_eval_cli import recipe_path  # noqa: F401 - the fixture
 from test_evalreport_r36 import _workload
 
 from draftforge import files
@@ -76,3 +77,26 @@ def test_export_does_not_take_a_report_md_newer_than_its_report_json(tmp_path, c
     assert main(["export", str(run), "--out", str(tmp_path / "out")]) == 0
     assert "is newer than report.json: an evaluation stopped between writing the two" in capsys.readouterr().out
     assert "9.99" not in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_a_calibration_file_that_cannot_be_written_keeps_the_evaluation(recipe_path, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """A full disk at --calibrate's file failed the command before the report was written:
+    minutes of decoding lost, though --out may be on another disk."""
+    import json
+
+    from eval_helpers import random_prompts
+    from test_cli_r15 import _run
+    from test_eval_cli import _tiny_export_and_prompts
+
+    export_dir, prompts = _tiny_export_and_prompts(recipe_path, tmp_path)
+    prompts.write_text("".join(json.dumps({"workload": "w", "input_ids": ids}) + "\n" for ids in random_prompts(4)))
+    out, cal = tmp_path / "r", tmp_path / "cal.json"
+    _full_disk_at(monkeypatch, "cal.json")
+    code, _, err = _run(["eval", str(export_dir), "--recipe", str(recipe_path), "--prompts-file", str(prompts),
+                         "--max-new-tokens", "12", "--baselines", "none", "--no-estimate", "--out", str(out),
+                         "--calibrate", str(cal)], capsys)  # fmt: skip
+    assert code == 2 and not cal.exists()
+    assert f"--calibrate {cal}: could not be written (No space left on device)" in err
+    calibration = json.loads((out / "report.json").read_text())["calibration"]
+    assert calibration["write_error"] == "No space left on device" and len(calibration["temperatures"]) == 4
+    assert f"Confidence calibration fitted, but `{cal}` could not be written" in (out / "report.md").read_text()
