@@ -3,6 +3,7 @@ evaluations side by side where that helps), with numbered banners and elapsed ti
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -146,16 +147,31 @@ def run_side_by_side(jobs: dict[str, Sequence[str]], log_dir: Path, *, parallel:
         def pump():
             # The full report each evaluation prints goes to its log only: two of them
             # interleaved on the terminal would be unreadable (the demo prints its own table).
+            # A log that cannot be written (a full disk) is given up, said, and the output goes
+            # on being read (a job whose pipe nobody reads blocks) and shown whole.
             in_report = False
-            with open(log_dir / f"{label}.log", "w") as log:
-                for line in proc.stdout:
-                    log.write(line)
-                    in_report = (
-                        in_report or line.startswith("Command: `")
-                    ) and not line.startswith("eval: report in")
-                    if not in_report:
-                        with lock:
-                            print(f"    [{label}] {line.rstrip()}", flush=True)
+            path = log_dir / f"{label}.log"
+            try:
+                log = open(path, "w")  # noqa: SIM115 - closed below, or given up on a write error
+            except OSError as err:
+                log = _log_lost(label, path, err, lock)
+            for line in proc.stdout:
+                if log is not None:
+                    try:
+                        log.write(line)
+                    except OSError as err:
+                        log = _log_lost(label, path, err, lock, log)
+                in_report = (
+                    in_report or line.startswith("Command: `")
+                ) and not line.startswith("eval: report in")
+                if not in_report or log is None:
+                    with lock:
+                        print(f"    [{label}] {line.rstrip()}", flush=True)
+            if log is not None:
+                try:
+                    log.close()
+                except OSError as err:
+                    _log_lost(label, path, err, lock)
 
         thread = threading.Thread(target=pump, daemon=True)
         thread.start()
@@ -186,6 +202,17 @@ def run_side_by_side(jobs: dict[str, Sequence[str]], log_dir: Path, *, parallel:
         raise DemoError(f"evaluation failed: {details}\nThe logs say why; fix it and rerun the demo "
                         "(finished stages are skipped, and so is an evaluation that finished).",
                         exit_status=_passed_on(*(status for _, status in failures)))
+
+
+def _log_lost(label: str, path: Path, err: OSError, lock: threading.Lock, log=None) -> None:
+    """Say that ``path`` could not be written (its output is shown on the terminal from here
+    on); close ``log`` quietly. Returns None, the log given up."""
+    if log is not None:
+        with contextlib.suppress(OSError):
+            log.close()
+    with lock:
+        print(f"    [{label}] warning: cannot write its log {path} ({err.strerror or err}); "
+              "its output goes on here in full", flush=True)
 
 
 def _finish(label: str, proc: subprocess.Popen, thread: threading.Thread, failures: list) -> None:

@@ -100,3 +100,36 @@ def test_a_calibration_file_that_cannot_be_written_keeps_the_evaluation(recipe_p
     calibration = json.loads((out / "report.json").read_text())["calibration"]
     assert calibration["write_error"] == "No space left on device" and len(calibration["temperatures"]) == 4
     assert f"Confidence calibration fitted, but `{cal}` could not be written" in (out / "report.md").read_text()
+
+
+class _FullLog:
+    """A log file on a full disk: its first write fails."""
+
+    def write(self, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def close(self):
+        pass
+
+
+def test_a_log_that_cannot_be_written_does_not_hang_the_demos_evaluations(tmp_path, monkeypatch, capsys):
+    """The thread copying an evaluation's output to its log died at the first failed write and
+    stopped reading the pipe: the evaluation then blocked on it for good, and so did the demo."""
+    import sys
+    import threading
+
+    from draftforge.eval import demo_stages
+
+    script = "import sys\nfor i in range(20000): print('line %05d ' % i + 'x' * 60)\nprint('last line')"
+    monkeypatch.setattr(demo_stages, "draftforge_command", lambda *args: [sys.executable, "-c", script])
+    monkeypatch.setattr(demo_stages, "open", lambda path, mode: _FullLog(), raising=False)
+    done = threading.Event()
+    runner = threading.Thread(target=lambda: (demo_stages.run_side_by_side(
+        {"a": ["eval"], "b": ["eval"]}, tmp_path / "logs", parallel=True), done.set()), daemon=True)
+    runner.start()
+    runner.join(timeout=60)
+    assert done.is_set(), "the demo hung on an evaluation whose output nobody read"
+    out = capsys.readouterr().out
+    for label in "ab":
+        assert f"[{label}] warning: cannot write its log {tmp_path / 'logs' / (label + '.log')} (No space left" in out
+        assert f"[{label}] last line" in out and f"[{label}] line 19999" in out
