@@ -109,6 +109,12 @@ def preflight(cfg, *, check_overlap: bool = False) -> None:
         from draftforge.errors import InputError
 
         raise InputError(f"train.output_dir: {run_dir} {blocked}; name a folder for the run")
+    root = ckpt.checkpoints_root(run_dir)
+    if (blocked := file_in_the_way(root)) is not None:  # else found at the first save, steps later
+        from draftforge.errors import InputError
+
+        raise InputError(f"train.output_dir: {root}, where the run saves its checkpoints, {blocked}; "
+                         "move it away or name another folder for the run")
     if run_dir.is_dir():  # another run training there: refused now, not once the target has loaded
         ckpt.claim_run_dir(run_dir)
         ckpt.release_run_dir(run_dir)

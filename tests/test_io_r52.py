@@ -133,3 +133,18 @@ def test_a_log_that_cannot_be_written_does_not_hang_the_demos_evaluations(tmp_pa
     for label in "ab":
         assert f"[{label}] warning: cannot write its log {tmp_path / 'logs' / (label + '.log')} (No space left" in out
         assert f"[{label}] last line" in out and f"[{label}] line 19999" in out
+
+
+def test_a_file_where_the_checkpoints_go_is_refused_before_the_run_starts(tmp_path, capsys):
+    """A file at train.output_dir/checkpoints was found at the first checkpoint, a whole
+    checkpoint_interval of training later, with advice to free disk space."""
+    from splitserve_helpers import tiny_recipe
+    from test_cli_r15 import _run
+
+    recipe = tiny_recipe(tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").write_text("not a folder")
+    code, _, err = _run(["train", str(recipe), "--dry-run"], capsys)
+    assert code == 2
+    assert (f"train.output_dir: {tmp_path / 'run' / 'checkpoints'}, where the run saves its checkpoints, "
+            "is a file; move it away") in err
