@@ -149,6 +149,18 @@ def _stage(asked: Path, payload: bytes | str) -> tuple[str, Path, Path]:
     return tmp, asked, path
 
 
+@contextlib.contextmanager
+def naming(path: Path) -> Iterator[None]:
+    """Give an OSError raised inside (a write or fsync on a full disk says only "[Errno 28] No
+    space left on device") ``path`` as its file name, where it names none."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is not None or err.errno is None:
+            raise
+        raise OSError(err.errno, err.strerror, str(path)) from err
+
+
 def _naming(err: OSError, asked: Path, path: Path) -> OSError:
     """``err`` naming the file the caller asked for: a write or fsync on a full disk says only
     "[Errno 28] No space left on device", and mkstemp names its temporary file (through a

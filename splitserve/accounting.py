@@ -40,6 +40,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from draftforge.files import naming
+
 _SERIES_KEPT = 400  # queue-depth points kept for the summary (thinned by half when reached)
 
 
@@ -430,7 +432,7 @@ class ConsumerAccounting:
         if event == "summary":
             record["queue_depth_over_time"] = self.depth_series()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as handle:
+        with naming(self.path), open(self.path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
 
 

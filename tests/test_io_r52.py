@@ -148,3 +148,29 @@ def test_a_file_where_the_checkpoints_go_is_refused_before_the_run_starts(tmp_pa
     assert code == 2
     assert (f"train.output_dir: {tmp_path / 'run' / 'checkpoints'}, where the run saves its checkpoints, "
             "is a file; move it away") in err
+
+
+def test_a_full_disk_at_the_metrics_or_accounting_log_names_the_file(tmp_path, monkeypatch):
+    """Both logs are appended with a plain open: a full disk's OSError named no file, and the
+    trainer's message said only "writing a file (train.output_dir is ...)"."""
+    from trainer_helpers import train_config
+
+    from draftforge.splitserve import accounting
+    from draftforge.train.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path, train=train_config(str(tmp_path)), recipe_yaml=None)
+    log._file.close()
+    log._file = _FullLog()
+    with pytest.raises(OSError) as failed:
+        log.log({"step": 1, "loss": 1.0})
+    assert failed.value.errno == errno.ENOSPC and failed.value.filename == str(tmp_path / "metrics.jsonl")
+
+    books = accounting.ConsumerAccounting(world=2, num_target=1, tensor_parallel=1, credits=4, num_sources=1,
+                                          path=tmp_path / "accounting.jsonl")
+    books.begin(0)
+    monkeypatch.setattr(accounting, "open", lambda *args, **kwargs: _FullLog(), raising=False)
+    monkeypatch.setattr(_FullLog, "__enter__", lambda self: self, raising=False)
+    monkeypatch.setattr(_FullLog, "__exit__", lambda self, *exc: None, raising=False)
+    with pytest.raises(OSError) as failed:
+        books.write("summary", 0)
+    assert failed.value.errno == errno.ENOSPC and failed.value.filename == str(tmp_path / "accounting.jsonl")

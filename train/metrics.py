@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
-from draftforge.files import write_atomic
+from draftforge.files import naming, write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -204,8 +204,9 @@ class MetricsLog:
 
     def log(self, record: dict) -> None:
         record = {k: _finite(v) for k, v in record.items()}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        with naming(self.path):
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
         scalars = {k: v for k, v in record.items() if isinstance(v, (int, float))}
         # the per-slot acceptance c*_k, a scalar a slot (a non-finite one, null above, left out)
         scalars |= {f"slot_acceptance/{k}": v for k, v in enumerate(record.get("slot_acceptance") or [])
@@ -221,10 +222,12 @@ class MetricsLog:
         """Make the records logged so far durable: the trainer calls this before each checkpoint,
         which is fsynced, so that a machine crash never leaves a checkpoint ahead of its records
         (a resume would redo none of the lost steps, leaving a gap in metrics.jsonl)."""
-        os.fsync(self._file.fileno())
+        with naming(self.path):
+            os.fsync(self._file.fileno())
 
     def close(self) -> None:
-        self._file.close()
+        with naming(self.path):
+            self._file.close()
         if self._wandb is not None:
             self._wandb.finish()
         if self._tensorboard is not None:
