@@ -325,7 +325,9 @@ def format_summary(summary: dict) -> str:
         f"  loss {summary['loss']:.4f}  tau {summary['tau']:.3f} (mean of the last train.log_interval applied steps)  "
         f"per-slot acceptance [{slots}]\n"
         f"  {summary['tokens']} tokens in {summary['elapsed_s']:.1f} s ({summary['tokens_s']:.0f} tokens/s); "
-        f"waiting for data {summary['wait_s']:.1f} s, computing {summary['compute_s']:.1f} s\n"
+        f"waiting for data {summary['wait_s']:.1f} s, computing {summary['compute_s']:.1f} s"
+        + (f" (rebuilt from {summary['rebuilt_from']}: every logged step's, their waits and computing "
+           "only)" if summary.get("rebuilt_from") else "") + "\n"
         f"  checkpoint: {summary['checkpoint']}"
     )
 

@@ -41,6 +41,7 @@ from draftforge.train import distributed as D
 from draftforge.train.blocks import build_layout, sample_anchors
 from draftforge.train.config import TrainConfig, warmup_steps
 from draftforge.train.metrics import (
+    METRICS_FILE,
     PLOT_FILE,
     SUMMARY_FILE,
     MetricsLog,
@@ -629,6 +630,7 @@ class Trainer:
         result = FitResult(step=self.step, steps_run=0, skipped_steps=self.skipped_steps,
                            stopped_reason="steps_done", checkpoint=None)
         log = progress = None
+        logged: dict | None = None
         window: list[dict] = []
         first_slots: list[float] | None = None
         if self.is_main:
@@ -640,6 +642,8 @@ class Trainer:
             # A resumed run's summary covers the same last steps as an uninterrupted run's.
             earlier, log.earlier = log.earlier, []  # read once here, not held for the whole run
             applied = [r for r in earlier if not r.get("skipped") and "slot_acceptance" in r]
+            # for a summary rebuilt from the log (a segment stopped before writing its own)
+            logged = {key: sum(r.get(key) or 0 for r in earlier) for key in ("tokens", "wait_s", "compute_s")}
             del earlier
             window = applied[-train.log_interval:]
             # the first steps' acceptance: of the first step that supervised anything
@@ -727,7 +731,7 @@ class Trainer:
             result.step = self.step
             result.skipped_steps = self.skipped_steps
             elapsed = time.perf_counter() - started
-            result.summary = self._summary(result, window, first_slots, total_tokens, elapsed)
+            result.summary = self._summary(result, window, first_slots, total_tokens, elapsed, logged)
             if on_end is not None:
                 on_end(result)
         finally:
@@ -857,7 +861,8 @@ class Trainer:
         state.update((name, master) for name, master in masters.items() if master is not None)
         return state
 
-    def _summary(self, result: FitResult, window: list[dict], first_slots, tokens: int, elapsed: float) -> dict:
+    def _summary(self, result: FitResult, window: list[dict], first_slots, tokens: int, elapsed: float,
+                 logged: dict | None = None) -> dict:
         def mean(key):
             values = [r[key] for r in window if r[key] == r[key]]
             return sum(values) / len(values) if values else float("nan")
@@ -883,6 +888,12 @@ class Trainer:
         if not self.is_main:
             return summary
         write = result.steps_run or not (self.run_dir / SUMMARY_FILE).exists()
+        if write and not result.steps_run and logged and logged["tokens"]:
+            # rebuilt: this process trained nothing, so the throughput is the logged steps' (every
+            # segment's), over their own time; not zero tokens in the few milliseconds it ran
+            summary.update(tokens=logged["tokens"], wait_s=logged["wait_s"], compute_s=logged["compute_s"],
+                           elapsed_s=logged["wait_s"] + logged["compute_s"], rebuilt_from=METRICS_FILE)
+            summary["tokens_s"] = summary["tokens"] / max(summary["elapsed_s"], 1e-9)
         if write:
             write_summary(self.run_dir, summary)
         if window and (write or not (self.run_dir / PLOT_FILE).exists()):
