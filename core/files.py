@@ -114,7 +114,7 @@ def write_atomic_all(items: Sequence[tuple[Path, bytes | str]]) -> None:
             try:
                 os.replace(tmp, path)
             except OSError as err:
-                raise _naming(err, asked, path) from err
+                raise _named_error(err, asked, path) from err
     except BaseException:
         for tmp, _, _ in staged:
             Path(tmp).unlink(missing_ok=True)
@@ -145,7 +145,7 @@ def _stage(asked: Path, payload: bytes | str) -> tuple[str, Path, Path]:
             Path(tmp).unlink(missing_ok=True)
             raise
     except OSError as err:
-        raise _naming(err, asked, path) from err
+        raise _named_error(err, asked, path) from err
     return tmp, asked, path
 
 
@@ -161,7 +161,7 @@ def naming(path: Path) -> Iterator[None]:
         raise OSError(err.errno, err.strerror, str(path)) from err
 
 
-def _naming(err: OSError, asked: Path, path: Path) -> OSError:
+def _named_error(err: OSError, asked: Path, path: Path) -> OSError:
     """``err`` naming the file the caller asked for: a write or fsync on a full disk says only
     "[Errno 28] No space left on device", and mkstemp names its temporary file (through a
     link: both, "link -> the file it points to")."""
