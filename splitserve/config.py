@@ -238,8 +238,10 @@ class SplitConfig(Section):
         default=4096,
         gt=0,
         description="padded tokens per micro-batch: sequences x the longest one stay within it "
-        "(a target rank gives each sample to the trainer whose micro-batches, packed so, are "
-        "least advanced: every step takes train.grad_accum of them on every trainer)",
+        "(a target rank gives each sample to the trainer, of those it feeds, whose micro-batches, "
+        "packed so, are least advanced: every step takes train.grad_accum of them on every trainer; "
+        "where the data runs out, a last step not every trainer can fill is not trained, its "
+        "samples counted in summary.json's untrained_at_end)",
     )
     restart_target: bool = Field(
         default=False,

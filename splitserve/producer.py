@@ -604,8 +604,8 @@ def run_producer(
 
     def finish_links() -> None:
         """Send each link the rest of its queue, then its END, links not waiting on each other:
-        a trainer that has run out of samples needs its END to train its last partial step
-        while another, whose link is full, waits for it in a collective."""
+        a trainer that has run out of samples needs its END to end its stream (and pack its last,
+        partly filled micro-batch) while another, whose link is full, waits for it in a collective."""
         ended: set[int] = set()
         while len(ended) < len(dests):
             for dest in dests:

@@ -899,5 +899,7 @@ def _run_trainer(ctx: RankContext, bench: dict | None) -> None:
         ctx.log(
             f"finished at step {result.step} ({result.stopped_reason}); checkpoint "
             f"{result.checkpoint}; {dropped} samples in transit dropped (not consumed)"
+            + (f", {result.untrained} taken for a last step not every trainer rank could fill not "
+               "trained (nor consumed: a longer run gets them)" if result.untrained else "")
         )
         print(accounting.summary_text(), file=sys.stderr, flush=True)

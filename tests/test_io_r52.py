@@ -206,3 +206,25 @@ def test_a_summary_rebuilt_from_the_log_keeps_the_runs_throughput(tmp_path, caps
     assert rebuilt["rebuilt_from"] == "metrics.jsonl" and rebuilt["steps_this_run"] == 0
     assert (rebuilt["loss"], rebuilt["tau"]) == (first["loss"], first["tau"])
     assert "(rebuilt from metrics.jsonl: every logged step's" in capsys.readouterr().out
+
+
+def test_samples_of_a_last_step_that_cannot_be_filled_are_counted(tmp_path, capsys):
+    """With the data exhausted inside a step (here grad_accum 2, three micro-batches), the samples
+    taken for it were dropped without a word: the run said 0 samples dropped."""
+    import json
+
+    from trainer_helpers import chain_samples, target_embeddings, tiny_model_config, train_config
+
+    from draftforge.train.trainer import Trainer
+
+    run = tmp_path / "run"
+    trainer = Trainer(model_config=tiny_model_config(), embeddings=target_embeddings(), run_dir=run,
+                      train=train_config(str(run), steps=10, grad_accum=2, log_interval=1))
+    samples = chain_samples(3)
+    result = trainer.fit([[samples[0]], [samples[1]], [samples[2]]])
+    assert (result.stopped_reason, result.steps_run, result.untrained) == ("data_exhausted", 1, 1)
+    assert json.loads((run / "summary.json").read_text())["untrained_at_end"] == 1
+    assert ("stop: data_exhausted (1 samples taken for a last step that not every trainer rank could fill "
+            "were not trained") in capsys.readouterr().out
+    trained = [i for line in (run / "metrics.jsonl").read_text().splitlines() for i in json.loads(line)["sample_ids"]]
+    assert trained == [samples[0].sample_id, samples[1].sample_id]

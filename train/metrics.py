@@ -321,7 +321,10 @@ def format_summary(summary: dict) -> str:
     return (
         f"training summary: step {summary['step']}/{summary['total_steps']} "
         f"({summary['steps_this_run']} this run, {summary['skipped_steps']} skipped), "
-        f"stop: {summary['stopped_reason']}\n"
+        f"stop: {summary['stopped_reason']}"
+        + (f" ({summary['untrained_at_end']} samples taken for a last step that not every trainer rank "
+           "could fill were not trained: the ranks run whole steps together)"
+           if summary.get("untrained_at_end") else "") + "\n"
         f"  loss {summary['loss']:.4f}  tau {summary['tau']:.3f} (mean of the last train.log_interval applied steps)  "
         f"per-slot acceptance [{slots}]\n"
         f"  {summary['tokens']} tokens in {summary['elapsed_s']:.1f} s ({summary['tokens_s']:.0f} tokens/s); "

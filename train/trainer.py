@@ -84,6 +84,9 @@ class FitResult:
     skipped_steps: int
     stopped_reason: str  # "steps_done", "data_exhausted" or "max_bad_steps"
     checkpoint: Path | None
+    # data_exhausted: samples the trainer ranks took for a last step that some rank could not fill
+    # (ranks run whole steps together); not trained, not consumed: a longer run gets them again
+    untrained: int = 0
     losses: list[float] = field(default_factory=list)
     sample_ids: list[list[str]] = field(default_factory=list)  # per step, every rank's, rank order
     wait_s: list[float] = field(default_factory=list)  # waiting for the next batch (iterator next)
@@ -672,6 +675,9 @@ class Trainer:
                 wait_s = time.perf_counter() - wait_start
                 if not full:
                     result.stopped_reason = "data_exhausted"
+                    left = torch.tensor([float(sum(len(batch) for batch in micro_batches))], device=comm)
+                    D.all_reduce(left, group=self.group)  # every rank is here: none had a full step
+                    result.untrained = int(left.item())
                     break
                 record = self.train_step(micro_batches, wait_s=wait_s)
                 compute_s = record["compute_s"]
@@ -878,6 +884,7 @@ class Trainer:
             "loss": mean("loss"), "tau": mean("tau"), "slot_acceptance": slots,
             "tokens": tokens, "elapsed_s": elapsed, "tokens_s": tokens / max(elapsed, 1e-9),
             "wait_s": sum(result.wait_s), "compute_s": sum(result.compute_s),
+            "untrained_at_end": result.untrained,
             "checkpoint": str(result.checkpoint) if result.checkpoint else None,
             "trainer_ranks": self.world, "strategy": self.train.strategy,
         }
