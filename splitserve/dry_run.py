@@ -139,6 +139,14 @@ def _weights_source(shape) -> str:
     return f"{target_parameters(shape):,} params, dense estimate"
 
 
+# What a rank on a CPU holds besides the items: Python, torch, transformers, the tokenizer, the
+# process group. recipes/tiny-debug.yaml's ranks (a 6.4M-parameter target, whose items add up to
+# 0.04 GiB) peaked at 0.45 GiB (target) and 0.84 GiB (trainer, items 0.46 GiB) of resident memory
+# (VmHWM) on the 2-core machine of PERFORMANCE.md; rounded up. On a GPU the items are the
+# device's memory, where this is not held (the CUDA context, not counted, is).
+PROCESS_ITEM = ("the process: Python, torch, transformers, tokenizer (on a CPU)", 0.5 * GIB)
+
+
 def target_estimate(cfg: RecipeConfig) -> Estimate:
     """One target rank: weights, feature batch activations, generation KV cache, send buffers."""
     from draftforge.splitserve.registry import resolve_target_shape, target_head_dim
@@ -169,6 +177,7 @@ def target_estimate(cfg: RecipeConfig) -> Estimate:
         # two SGLang instances, each with its own copy: the engine and the feature runner;
         # their KV pools fill the rest of target.sglang_mem_fraction (sglang_pool_note)
         return Estimate([
+            *([PROCESS_ITEM] if _target_may_run_on_cpu(cfg) else []),
             (label.replace("weights (", "weights x2: generation engine + feature runner (", 1),
              2 * weights),
             ("features: captured layers", captured),
@@ -176,8 +185,12 @@ def target_estimate(cfg: RecipeConfig) -> Estimate:
         ])
     generation = [_counted("generation: KV cache + logits", kv + logits, shape,
                            ("num_attention_heads", "num_key_value_heads"))]
+    on_cpu = _target_may_run_on_cpu(cfg)
+    packed = packed_weights_bytes(cfg) if on_cpu else 0.0
     return Estimate([
+        *([PROCESS_ITEM] if on_cpu else []),
         (label, weights),
+        *([("packed copy of the linear weights (bf16 on a CPU, at most)", packed)] if packed else []),
         ("features: captured layers", captured),
         _counted("features: one layer's activations", working + scores, shape,
                  ("num_attention_heads", "intermediate_size")),
@@ -195,19 +208,18 @@ def _generates(cfg: RecipeConfig) -> bool:
     return cfg.data.regenerate and not regenerated_path(cfg.data, cfg.train.output_dir).is_file()
 
 
-def packed_weights_note(cfg: RecipeConfig) -> str:
+def packed_weights_bytes(cfg: RecipeConfig) -> float:
     """On a CPU in bf16 a transformers target keeps a second, oneDNN-packed copy of its linear
-    weights (``splitserve/packed_linear.py``): every layer's projections and the lm_head."""
+    weights (``splitserve/packed_linear.py``): every layer's projections and the lm_head; 0
+    elsewhere (and where the target's shape is not known)."""
     from draftforge.splitserve.registry import resolve_target_shape
 
     shape = resolve_target_shape(cfg.target)
     if (cfg.target.backend != "hf" or cfg.target.dtype_on("cpu") != "bfloat16"
             or _placeholder_fields(shape)):
-        return ""
+        return 0.0
     linears = shape.num_hidden_layers * layer_matrix_parameters(shape) + shape.vocab_size * shape.hidden_size
-    packed = linears * 2 / cfg.split.target_tensor_parallel
-    return (f"  (a target rank on a CPU in bfloat16 also keeps a packed copy of its linear weights, "
-            f"up to {packed / GIB:.3f} GiB more: splitserve/packed_linear.py)")
+    return linears * 2 / cfg.split.target_tensor_parallel
 
 
 def sglang_pool_note(cfg: RecipeConfig) -> str:
@@ -270,6 +282,8 @@ def trainer_estimate(cfg: RecipeConfig, with_emb: int, without_emb: int, *, meta
             ("trainable params (fp32)", trainable * 4),
             ("frozen embed + lm_head", frozen * low),
         ]
+    if _trainer_may_run_on_cpu(cfg):
+        items.insert(0, PROCESS_ITEM)
     items += [
         ("gradients (fp32" + (", sharded)" if shard > 1 else ")"), trainable * 4 / shard),
         ("AdamW moments (fp32" + (", sharded)" if shard > 1 else ")"), trainable * 8 / shard),
@@ -462,6 +476,15 @@ def _trainer_may_run_on_cpu(cfg: RecipeConfig) -> bool:
     return split.comm_backend != "nccl"
 
 
+def _target_may_run_on_cpu(cfg: RecipeConfig) -> bool:
+    """Whether the target ranks run on a CPU, or may where no GPU is visible: over gloo they do;
+    not with a device list, nor with train.device cuda or an explicit NCCL (both need GPUs)."""
+    split = cfg.split
+    if split.target_devices is not None or cfg.train.device == "cuda":
+        return False
+    return split.comm_backend != "nccl"
+
+
 def _placed(cfg: RecipeConfig, ranks: list[int], devices: list[int] | None, *, trainer: bool) -> str:
     """Where a group's ranks run, as the run places them: the group's device list; else over
     NCCL each rank's GPU LOCAL_RANK; over gloo the CPU, or for a trainer of train.device
@@ -559,7 +582,7 @@ def dry_run(cfg: RecipeConfig) -> str:
         "",
         "memory estimate per target rank:",
         *target_estimate(cfg).lines(),
-        *filter(None, [sglang_pool_note(cfg), packed_weights_note(cfg)]),
+        *filter(None, [sglang_pool_note(cfg)]),
         "memory estimate per trainer rank:",
         *trainer_estimate(cfg, with_emb, without_emb, meta_draft=meta_draft).lines(),
     ]

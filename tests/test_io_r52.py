@@ -228,3 +228,30 @@ def test_samples_of_a_last_step_that_cannot_be_filled_are_counted(tmp_path, caps
             "were not trained") in capsys.readouterr().out
     trained = [i for line in (run / "metrics.jsonl").read_text().splitlines() for i in json.loads(line)["sample_ids"]]
     assert trained == [samples[0].sample_id, samples[1].sample_id]
+
+
+def test_a_cpu_target_ranks_estimate_covers_what_its_process_holds(tmp_path):
+    """The dry run counted a CPU rank's tensors only: recipes/tiny-debug.yaml's target was
+    estimated at 0.036 GiB and held 0.45 GiB (Python, torch, transformers, the tokenizer)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from draftforge.config import load_recipe
+    from draftforge.splitserve.dry_run import target_estimate
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
+    script = (
+        "import sys, torch.distributed\n"
+        "import draftforge.splitserve.roles, draftforge.train.trainer\n"
+        "from draftforge.config import load_recipe\n"
+        "from draftforge.splitserve.target import build_target, load_tokenizer\n"
+        "cfg = load_recipe(sys.argv[1])\n"
+        "load_tokenizer(cfg.target)\n"
+        "build_target(cfg.target, cfg.draft.target_layer_ids)\n"
+        "print(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1])\n"
+    )
+    held = int(subprocess.run([sys.executable, "-c", script, str(recipe)], capture_output=True, text=True,
+                              check=True).stdout.split()[-1]) * 1024
+    estimate = target_estimate(load_recipe(recipe)).total
+    assert estimate >= held, (estimate / 2**30, held / 2**30)

@@ -132,19 +132,21 @@ def test_commands_refuse_a_bad_setting_at_start_without_a_traceback(entry):
 
 
 @needs_ops
-def test_the_dry_run_notes_the_packed_copy_as_large_as_the_real_target_packs_it(monkeypatch):
+def test_the_dry_run_counts_the_packed_copy_as_large_as_the_real_target_packs_it(monkeypatch):
     from pathlib import Path
 
     from draftforge.config import load_recipe
     from draftforge.splitserve.config import TargetConfig
-    from draftforge.splitserve.dry_run import packed_weights_note
+    from draftforge.splitserve.dry_run import packed_weights_bytes, target_estimate
     from draftforge.splitserve.target import build_target
 
     monkeypatch.setenv(packed_linear.ENV, "on")
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-cpu.yaml"
-    note = packed_weights_note(load_recipe(recipe, ["target.dtype=bfloat16"]))
+    bf16 = load_recipe(recipe, ["target.dtype=bfloat16"])
     target = build_target(TargetConfig(model="smollm2-135m-instruct", dtype="bfloat16"), [1, 14, 27])
     packed = sum(m.weight.nbytes for m in target.model.modules() if "_draftforge_packed" in m.__dict__)
     assert target.packed_linears == 211  # 30 layers x 7 projections, and the lm_head
-    assert f"up to {packed / 2**30:.3f} GiB more" in note
-    assert packed_weights_note(load_recipe(recipe, ["target.dtype=float32"])) == ""
+    assert packed_weights_bytes(bf16) == packed
+    assert ("packed copy of the linear weights (bf16 on a CPU, at most)", packed) in target_estimate(bf16).items
+    float32 = load_recipe(recipe, ["target.dtype=float32"])
+    assert packed_weights_bytes(float32) == 0 and not any("packed" in name for name, _ in target_estimate(float32).items)
