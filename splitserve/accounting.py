@@ -313,10 +313,17 @@ class ConsumerAccounting:
         self._last = self._totals()
         self._last_window = s
         p, c, q = s["producer"], s["consumer"], s["queue"]
-        # no sample header arrived in the interval (a long generation chunk): no report, not zeros
-        target = ("target: no report this interval (no sample arrived)" if p["wall_s"] <= 0 else
-                  f"target busy {p['busy_share']:.0%} idle {p['idle_share']:.0%} "
-                  f"{p['rate_tok_s']:.0f} tok/s (capacity {p['capacity_tok_s']:.0f})")
+        # no sample header arrived in the interval (a long generation chunk): no report, not zeros;
+        # headers that span a sliver of it (samples of one chunk, computed before the interval and
+        # sent in it) describe that sliver, not the interval: said so, not given as its shares
+        if p["wall_s"] <= 0:
+            target = "target: no report this interval (no sample arrived)"
+        elif p["wall_s"] < 0.5 * c["wall_s"]:
+            target = (f"target: its reports span {p['wall_s']:.1f} s of this interval's {c['wall_s']:.1f} s "
+                      "(samples computed before it), no figures")
+        else:
+            target = (f"target busy {p['busy_share']:.0%} idle {p['idle_share']:.0%} "
+                      f"{p['rate_tok_s']:.0f} tok/s (capacity {p['capacity_tok_s']:.0f})")
         return (
             f"split (last interval): {target} | "
             f"trainer busy {c['busy_share']:.0%} idle {c['idle_share']:.0%}{_other(c, '.0%')} "
@@ -334,7 +341,8 @@ class ConsumerAccounting:
             # send): not their whole serving (roles' "done (serving, to the trainers' stop)"
             # line, on the target's rank), which adds the samples made after that one and the
             # wait for the trainers' stop, so the two lines' figures differ
-            f"  target  (per producer, as of the last sample taken): busy {p['busy_share']:.1%}  "
+            f"  target  (per producer, as of the last sample taken: {p['wall_s']:.0f} s, against the "
+            f"trainer's {c['wall_s']:.0f} s): busy {p['busy_share']:.1%}  "
             f"idle {p['idle_share']:.1%}  "
             f"{p['tokens']} tokens  {p['rate_tok_s']:.0f} tok/s  capacity {p['capacity_tok_s']:.0f} tok/s",
             f"  trainer (this rank): busy {c['busy_share']:.1%}  idle {c['idle_share']:.1%}{_other(c, '.1%')}  "

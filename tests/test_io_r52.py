@@ -255,3 +255,31 @@ def test_a_cpu_target_ranks_estimate_covers_what_its_process_holds(tmp_path):
                               check=True).stdout.split()[-1]) * 1024
     estimate = target_estimate(load_recipe(recipe)).total
     assert estimate >= held, (estimate / 2**30, held / 2**30)
+
+
+def test_an_interval_whose_target_reports_span_a_sliver_of_it_gives_no_target_figures(monkeypatch):
+    """Samples of one chunk, computed before an interval and sent in it, carried headers spanning
+    0.3 s of a 12.8 s interval: the line gave that sliver's shares as the interval's
+    ("target busy 41% idle 55% 0 tok/s (capacity 0)")."""
+    import types
+
+    from draftforge.splitserve import accounting
+
+    clock = [0.0]
+    monkeypatch.setattr(accounting, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    acc = accounting.ConsumerAccounting(world=2, num_target=1, credits=4)
+    acc.on_producer_stats(0, {"busy_s": 8.0, "idle_s": 2.0, "tokens": 500, "wall_s": 10.0})
+    acc.on_take(depth=1, tokens=500, waited_s=0.0)
+    clock[0] = 10.0
+    acc.on_step({"sample_ids": [], "compute_s": 5.0, "wait_s": 5.0})
+    acc.line()
+    acc.on_producer_stats(0, {"busy_s": 8.12, "idle_s": 2.17, "tokens": 500, "wall_s": 10.3})  # sends only
+    clock[0] = 22.8
+    acc.on_step({"sample_ids": [], "compute_s": 10.0, "wait_s": 2.8})
+    line = acc.line()
+    assert "target: its reports span 0.3 s of this interval's 12.8 s (samples computed before it), no figures" in line
+    assert "target busy" not in line
+    acc.on_producer_stats(0, {"busy_s": 16.0, "idle_s": 4.0, "tokens": 1500, "wall_s": 20.3})
+    clock[0] = 32.8
+    acc.on_step({"sample_ids": [], "compute_s": 5.0, "wait_s": 5.0})
+    assert "target busy 79% idle 18% 100 tok/s" in acc.line()  # a report spanning the interval

@@ -87,7 +87,7 @@ def test_the_targets_two_summary_lines_each_say_their_window():
     acc = ConsumerAccounting(world=2, num_target=1, credits=4)
     acc.on_producer_stats(0, {"busy_s": 9.97, "idle_s": 0.03, "wall_s": 10.0, "tokens": 2864})
     text = acc.summary_text()
-    assert "  target  (per producer, as of the last sample taken): busy 99.7%" in text
+    assert "  target  (per producer, as of the last sample taken: 10 s, against the trainer's 0 s): busy 99.7%" in text
     assert "2864 tokens" in text
 
 
