@@ -126,3 +126,22 @@ def test_an_export_replaced_while_eval_reads_it_is_refused_not_mixed(tmp_path):
     export_draft(tiny_eval_draft(target, seed=2, block_size=3), out, progress=lambda _: None)  # the next export
     with pytest.raises(InputError, match=r"was replaced \(by another 'draftforge export'\?\) while this evaluation read it"):
         load(target, "cpu")
+
+
+def test_export_of_a_run_whose_checkpoint_is_pruned_while_read_takes_the_newer_one(tmp_path, monkeypatch, capsys):
+    """Resolving the checkpoint once (above) named it directly to the loader, which does not swap
+    a named checkpoint: 'export RUN' failed where it read the newer one before."""
+    from test_export import tiny_draft
+    from test_export_r12 import _checkpoint, _prune_on_first_read
+
+    from draftforge.train.export_cli import main
+
+    run, old, new = tmp_path / "run", tiny_draft(seed=1), tiny_draft(seed=2)
+    _checkpoint(run, 4, old)
+    _prune_on_first_read(monkeypatch, run, new)
+    assert main([str(run), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "export: step_00000004 was removed while it was read" in out
+    assert f"export: {run / 'checkpoints' / 'step_00000006'} -> {tmp_path / 'out'}" in out
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert torch.equal(exported["fc.weight"], new.fc.weight.to(exported["fc.weight"].dtype))

@@ -578,36 +578,36 @@ def load_training_checkpoint(path: str | os.PathLike[str]) -> tuple[DSparkConfig
         return _read_checkpoint(path, path, path.parent)
     if not (path / "checkpoints").is_dir():
         return _read_checkpoint(path, path / SINGLE_FILE, path)
-    for _ in range(_PRUNED_RETRIES):
+    for _ in range(PRUNED_RETRIES):
         folder = latest_checkpoint(path)
         try:
             return _read_checkpoint(path, folder / SINGLE_FILE, folder)
-        except _PrunedWhileRead:
+        except PrunedWhileRead:
             # the run's training is still saving: it pruned this one to train.keep_last
             # after saving a newer one, which is the newest now
             print(f"export: {folder.name} was removed while it was read (the running training keeps "
                   "train.keep_last checkpoints); reading the newest one again", flush=True)
     raise ExportError(f"{path}: its newest checkpoint was removed while it was read "
-                      f"{_PRUNED_RETRIES} times over; export once the training has finished")
+                      f"{PRUNED_RETRIES} times over; export once the training has finished")
 
 
-_PRUNED_RETRIES = 3
+PRUNED_RETRIES = 3
 
 
-class _PrunedWhileRead(ExportError):
+class PrunedWhileRead(ExportError):
     """A checkpoint folder that disappeared while it was read (pruned by a running training)."""
 
 
 def _read_checkpoint(path: Path, weights: Path, folder: Path) -> tuple[DSparkConfig, dict[str, torch.Tensor]]:
     """The config and state dict of ``folder`` (``weights`` is its weights file); a folder that
-    disappears meanwhile raises :class:`_PrunedWhileRead`."""
+    disappears meanwhile raises :class:`PrunedWhileRead`."""
     was_there = folder.is_dir()
     try:
         return _read_checkpoint_files(path, weights, folder)
     except (ExportError, OSError) as err:
         if not was_there or folder.exists():
             raise
-        raise _PrunedWhileRead(
+        raise PrunedWhileRead(
             f"{folder}: the checkpoint was removed while it was read (a running training prunes "
             "its checkpoints to train.keep_last); pass the run directory to read its newest one"
         ) from err

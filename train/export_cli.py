@@ -46,11 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``draftforge export``."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    from safetensors import SafetensorError
+
     from draftforge.errors import InputError
     from draftforge.train.export import (
-        ModelCard,
+        PRUNED_RETRIES,
+        PrunedWhileRead,
         export_draft,
-        load_training_checkpoint,
+        latest_checkpoint,
         push_to_hub,
     )
 
@@ -69,12 +72,63 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.eval_report and not Path(args.eval_report).is_file():
         raise InputError(f"--eval-report {args.eval_report}: no such file")
     run_dir = source if (source / "checkpoints").is_dir() else None
-    if run_dir is not None:
-        # the run's newest checkpoint, resolved once: the card's recipe and report and the weights
-        # all come from it, even if the training saves a newer one while this export runs
-        from draftforge.train.export import latest_checkpoint
+    for _ in range(PRUNED_RETRIES):
+        # a run folder's newest checkpoint, resolved once a try: the card's recipe and report and
+        # the weights all come from it, even if the training saves a newer one meanwhile; one it
+        # prunes (train.keep_last) while read is replaced by the newest, card and weights alike
+        picked = latest_checkpoint(run_dir) if run_dir is not None else source
+        try:
+            export_cfg, card, out, cfg, state = _card_and_weights(args, picked, run_dir)
+            break
+        except PrunedWhileRead:
+            if run_dir is None:  # a checkpoint the user named is not swapped for another
+                raise
+            print(f"export: {picked.name} was removed while it was read (the running training keeps "
+                  "train.keep_last checkpoints); reading the newest one again", flush=True)
+    else:
+        raise InputError(f"{run_dir}: its newest checkpoint was removed while it was read "
+                         f"{PRUNED_RETRIES} times over; export once the training has finished")
+    source = picked
+    print(f"export: {source} -> {out}", flush=True)
+    from draftforge.splitserve.supervisor import unwinding_on_sigterm
 
-        source = latest_checkpoint(run_dir)  # an ExportError (an InputError) where there is none
+    try:
+        # SIGTERM (timeout(1), a scheduler) unwinds like Ctrl-C: the staging folder (a partial
+        # copy of the draft) and the folders made above --out are removed, an older export kept
+        with unwinding_on_sigterm("draftforge export", "no partial folder was left; rerun the same command"):
+            path = export_draft(
+                (state, cfg),
+                out,
+                arch=args.arch or export_cfg.arch,
+                with_embeddings=export_cfg.with_embeddings if args.with_embeddings is None else args.with_embeddings,
+                max_shard_size_mb=args.max_shard_size_mb or export_cfg.max_shard_size_mb,
+                card=card,
+            )
+    except (OSError, SafetensorError) as err:
+        # a full disk, a read-only folder: export_draft left nothing partial. safetensors
+        # reports its own write failing as "Error while serializing: I/O error: No space left
+        # on device (os error 28)", a SafetensorError, not an OSError
+        raise InputError(
+            f"writing the export to {out} failed ({err}); no partial folder was left and an older "
+            "export there is untouched. Free space (or choose another --out) and rerun"
+        ) from None
+    if args.push_to_hub:
+        try:
+            url = push_to_hub(path, args.push_to_hub)
+        except RuntimeError as err:
+            print(f"draftforge export: {err}", file=sys.stderr)
+            return 1
+        print(f"export: pushed to {url}")
+    print(f"export_dir={path}")
+    return 0
+
+
+def _card_and_weights(args, source: Path, run_dir: Path | None):
+    """(export settings, model card, --out, draft config, state dict) for ``source``,
+    a checkpoint (a run folder's newest, ``run_dir`` then given), its recipe and report."""
+    from draftforge.errors import InputError
+    from draftforge.train.export import ModelCard, load_training_checkpoint
+
     recipe_path = Path(args.recipe) if args.recipe else _saved_recipe(source)
     export_cfg, card = ExportConfig(), ModelCard()
     output_dir = None
@@ -110,8 +164,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if report is not None:
         print(f"model card: acceptance table from {report}", flush=True)
 
-    from safetensors import SafetensorError
-
     cfg, state = load_training_checkpoint(source)
     if recipe_path is not None:
         differ = recipe_mismatch(recipe, cfg)
@@ -121,38 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{source} ({'; '.join(differ)}); its model card would show another draft's recipe. "
                 "Pass the recipe the run used (its run folder holds it as config.yaml)"
             )
-    print(f"export: {source} -> {out}", flush=True)
-    from draftforge.splitserve.supervisor import unwinding_on_sigterm
-
-    try:
-        # SIGTERM (timeout(1), a scheduler) unwinds like Ctrl-C: the staging folder (a partial
-        # copy of the draft) and the folders made above --out are removed, an older export kept
-        with unwinding_on_sigterm("draftforge export", "no partial folder was left; rerun the same command"):
-            path = export_draft(
-                (state, cfg),
-                out,
-                arch=args.arch or export_cfg.arch,
-                with_embeddings=export_cfg.with_embeddings if args.with_embeddings is None else args.with_embeddings,
-                max_shard_size_mb=args.max_shard_size_mb or export_cfg.max_shard_size_mb,
-                card=card,
-            )
-    except (OSError, SafetensorError) as err:
-        # a full disk, a read-only folder: export_draft left nothing partial. safetensors
-        # reports its own write failing as "Error while serializing: I/O error: No space left
-        # on device (os error 28)", a SafetensorError, not an OSError
-        raise InputError(
-            f"writing the export to {out} failed ({err}); no partial folder was left and an older "
-            "export there is untouched. Free space (or choose another --out) and rerun"
-        ) from None
-    if args.push_to_hub:
-        try:
-            url = push_to_hub(path, args.push_to_hub)
-        except RuntimeError as err:
-            print(f"draftforge export: {err}", file=sys.stderr)
-            return 1
-        print(f"export: pushed to {url}")
-    print(f"export_dir={path}")
-    return 0
+    return export_cfg, card, out, cfg, state
 
 
 def _check_repo_id(repo_id: str) -> None:
