@@ -114,6 +114,8 @@ def write_atomic_all(items: Sequence[tuple[Path, bytes | str]]) -> None:
             try:
                 os.replace(tmp, path)
             except OSError as err:
+                if err.errno is None:
+                    raise
                 raise _named_error(err, asked, path) from err
     except BaseException:
         for tmp, _, _ in staged:
@@ -145,6 +147,8 @@ def _stage(asked: Path, payload: bytes | str) -> tuple[str, Path, Path]:
             Path(tmp).unlink(missing_ok=True)
             raise
     except OSError as err:
+        if err.errno is None:
+            raise
         raise _named_error(err, asked, path) from err
     return tmp, asked, path
 
@@ -162,11 +166,9 @@ def naming(path: Path) -> Iterator[None]:
 
 
 def _named_error(err: OSError, asked: Path, path: Path) -> OSError:
-    """``err`` naming the file the caller asked for: a write or fsync on a full disk says only
-    "[Errno 28] No space left on device", and mkstemp names its temporary file (through a
-    link: both, "link -> the file it points to")."""
-    if err.errno is None:
-        return err
+    """``err`` (which has an errno) naming the file the caller asked for: a write or fsync on a
+    full disk says only "[Errno 28] No space left on device", and mkstemp names its temporary
+    file (through a link: both, "link -> the file it points to")."""
     return OSError(err.errno, err.strerror, str(asked), *((None, str(path)) if path != asked else ()))
 
 

@@ -152,7 +152,9 @@ def run_side_by_side(jobs: dict[str, Sequence[str]], log_dir: Path, *, parallel:
             in_report = False
             path = log_dir / f"{label}.log"
             try:
-                log = open(path, "w")  # noqa: SIM115 - closed below, or given up on a write error
+                # line-buffered: a full disk fails the write of the line concerned, which is then
+                # shown, not a later flush of lines hidden from the terminal
+                log = open(path, "w", buffering=1)  # noqa: SIM115 - closed below, or given up on an error
             except OSError as err:
                 log = _log_lost(label, path, err, lock)
             for line in proc.stdout:

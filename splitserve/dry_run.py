@@ -477,12 +477,15 @@ def _trainer_may_run_on_cpu(cfg: RecipeConfig) -> bool:
 
 
 def _target_may_run_on_cpu(cfg: RecipeConfig) -> bool:
-    """Whether the target ranks run on a CPU, or may where no GPU is visible: over gloo they do;
-    not with a device list, nor with train.device cuda or an explicit NCCL (both need GPUs)."""
+    """Whether the target ranks run on a CPU, or may where no GPU is visible: over gloo they do
+    (whatever train.device says); under an auto backend also where no GPU is visible, unless a
+    device list or train.device cuda asks for GPUs."""
+    from draftforge.splitserve.roles import comm_backend
+
     split = cfg.split
-    if split.target_devices is not None or cfg.train.device == "cuda":
-        return False
-    return split.comm_backend != "nccl"
+    if comm_backend(cfg, gpus_visible=True) != "nccl":
+        return True
+    return split.comm_backend == "auto" and split.target_devices is None and cfg.train.device != "cuda"
 
 
 def _placed(cfg: RecipeConfig, ranks: list[int], devices: list[int] | None, *, trainer: bool) -> str:

@@ -122,7 +122,7 @@ def test_a_log_that_cannot_be_written_does_not_hang_the_demos_evaluations(tmp_pa
 
     script = "import sys\nfor i in range(20000): print('line %05d ' % i + 'x' * 60)\nprint('last line')"
     monkeypatch.setattr(demo_stages, "draftforge_command", lambda *args: [sys.executable, "-c", script])
-    monkeypatch.setattr(demo_stages, "open", lambda path, mode: _FullLog(), raising=False)
+    monkeypatch.setattr(demo_stages, "open", lambda path, mode, **kwargs: _FullLog(), raising=False)
     done = threading.Event()
     runner = threading.Thread(target=lambda: (demo_stages.run_side_by_side(
         {"a": ["eval"], "b": ["eval"]}, tmp_path / "logs", parallel=True), done.set()), daemon=True)
@@ -283,3 +283,45 @@ def test_an_interval_whose_target_reports_span_a_sliver_of_it_gives_no_target_fi
     clock[0] = 32.8
     acc.on_step({"sample_ids": [], "compute_s": 5.0, "wait_s": 5.0})
     assert "target busy 79% idle 18% 100 tok/s" in acc.line()  # a report spanning the interval
+
+
+def test_a_log_on_a_full_disk_fails_at_the_line_concerned_which_is_then_shown(tmp_path, monkeypatch, capsys):
+    """The log was block-buffered: a full disk surfaced at a later flush or at close, and the
+    lines in the lost buffer (the report's, kept off the terminal) were shown nowhere."""
+    import os
+    import sys
+
+    from draftforge.eval import demo_stages
+
+    script = "print('Command: `draftforge eval`')\nprint('| w | dspark | 1.23 |')\nprint('eval: report in r')"
+    monkeypatch.setattr(demo_stages, "draftforge_command", lambda *args: [sys.executable, "-c", script])
+    (tmp_path / "logs").mkdir()
+    os.symlink("/dev/full", tmp_path / "logs" / "a.log")  # every write fails: ENOSPC
+    demo_stages.run_side_by_side({"a": ["eval"]}, tmp_path / "logs", parallel=False)
+    out = capsys.readouterr().out
+    warning = out.index("[a] warning: cannot write its log")
+    assert warning < out.index("[a] | w | dspark | 1.23 |")
+
+
+def test_a_gloo_target_is_planned_on_the_cpu_whatever_train_device_says():
+    from pathlib import Path
+
+    from draftforge.config import load_recipe
+    from draftforge.splitserve.dry_run import target_estimate
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-cpu.yaml"
+    cfg = load_recipe(recipe, ["split.comm_backend=gloo", "train.device=cuda", "target.dtype=bfloat16"])
+    names = [name for name, _ in target_estimate(cfg).items]
+    assert any(name.startswith("the process:") for name in names)
+    assert "packed copy of the linear weights (bf16 on a CPU, at most)" in names
+
+
+def test_an_os_error_without_errno_is_raised_as_it_is_not_as_its_own_cause(tmp_path, monkeypatch):
+    def replace(src, dst):
+        raise OSError("no errno")
+
+    monkeypatch.setattr(files.os, "replace", replace)
+    with pytest.raises(OSError, match="no errno") as failed:
+        files.write_atomic(tmp_path / "a", "x")
+    assert failed.value.__cause__ is not failed.value and failed.value.errno is None
+    assert list(tmp_path.iterdir()) == []
