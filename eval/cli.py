@@ -508,8 +508,8 @@ def _draft_loader(path: str):
 
     folder = Path(path).expanduser()
     if (folder / CONFIG_FILE).is_file():
-        # export replaces a folder whole (a new folder renamed into place): one whose inode differs
-        # once the weights are in was replaced after its config.json was read, or while read
+        # export replaces a folder whole, with files written anew: one whose files' sizes or times
+        # differ once the weights are in was replaced after its config.json was read, or while read
         identity = _folder_identity(folder)
         cfg = config_from_serving(read_serving_config(folder), where=str(folder / CONFIG_FILE))
 
@@ -536,9 +536,10 @@ def _draft_loader(path: str):
     return cfg, load, weights_fingerprint(state[FINGERPRINT_TENSOR])
 
 
-def _folder_identity(folder: Path) -> tuple[int, int]:
-    stat = folder.stat()
-    return stat.st_dev, stat.st_ino
+def _folder_identity(folder: Path) -> tuple:
+    """Each file's name, size and modification time (not inode numbers, which a remounted network
+    file system may change)."""
+    return tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir() if p.is_file()))
 
 
 def _check_fit(draft_cfg, target_cfg, draft_path: str) -> None:

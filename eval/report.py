@@ -403,6 +403,8 @@ def write_report(
                            settings=meta.get("settings"), draft=meta.get("draft_kind"),
                            calibration=meta.get("calibration"))
     report = report_dict(results, meta, intervals=intervals)
+    # which report.md this report.json was written with (export takes the table only beside it)
+    report["report_md_sha256"] = text_digest(table)
     text = json.dumps(_jsonable(report), indent=2) + "\n"  # before any file: a failure here writes none
     rendered: list[tuple[Path, bytes]] = []
 
@@ -413,6 +415,13 @@ def write_report(
     plots = plot(results, out, block_size=block_size, save=render)
     write_atomic_all([*rendered, (out / "report.md", table), (out / "report.json", text)])
     return {"markdown": out / "report.md", **{path.stem: path for path in plots}, "json": out / "report.json"}
+
+
+def text_digest(text: str) -> str:
+    """The sha256 of ``text`` in UTF-8, as report.json records its report.md's."""
+    import hashlib
+
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def _jsonable(value):

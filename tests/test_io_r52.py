@@ -51,16 +51,18 @@ def test_write_atomic_all_replaces_nothing_when_one_file_cannot_be_written(tmp_p
     assert [(tmp_path / n).read_text() for n in "ab"] == ["new a", "new b"]
 
 
-def test_export_does_not_take_a_report_md_newer_than_its_report_json(tmp_path, capsys):
+def test_export_takes_a_report_md_only_beside_the_report_json_written_with_it(tmp_path, capsys):
     """An evaluation stopped between replacing report.md and report.json left a new table beside
-    the old report.json, whose draft and weights export compared, and the card showed it."""
+    the old report.json, whose draft and weights export compared, and the card showed it.
+    report.json records its report.md's digest; a plain copy (new file times) still passes."""
     import json
-    import os
+    import shutil
 
     from eval_helpers import tiny_eval_draft, tiny_target
     from test_export import _write_checkpoint
 
     from draftforge.cli import main
+    from draftforge.eval.report import text_digest
     from draftforge.train.export import checkpoint_fingerprint
 
     run = tmp_path / "run"
@@ -69,14 +71,31 @@ def test_export_does_not_take_a_report_md_newer_than_its_report_json(tmp_path, c
     (folder / "trainer_state.json").write_text("{}")
     (folder / "COMPLETE").touch()
     (run / "eval").mkdir()
+    table = "| workload | AL |\n|---|---|\n| w | 1.50 |\n"
+    (run / "eval" / "report.md").write_text(table)
     (run / "eval" / "report.json").write_text(json.dumps(
-        {"draft_path": str(run), "draft_fingerprint": checkpoint_fingerprint(folder)}))
-    (run / "eval" / "report.md").write_text("| workload | AL |\n|---|---|\n| w | 9.99 |\n")
-    written = (run / "eval" / "report.json").stat().st_mtime
-    os.utime(run / "eval" / "report.md", (written + 5, written + 5))
-    assert main(["export", str(run), "--out", str(tmp_path / "out")]) == 0
-    assert "is newer than report.json: an evaluation stopped between writing the two" in capsys.readouterr().out
-    assert "9.99" not in (tmp_path / "out" / "README.md").read_text()
+        {"draft_path": str(run), "draft_fingerprint": checkpoint_fingerprint(folder),
+         "report_md_sha256": text_digest(table)}))
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)  # new file times, in any order
+    (copy / "eval" / "report.json").write_text((run / "eval" / "report.json").read_text().replace(str(run), str(copy)))
+    assert main(["export", str(copy), "--out", str(tmp_path / "out1")]) == 0
+    assert "| w | 1.50 |" in (tmp_path / "out1" / "README.md").read_text()
+    (run / "eval" / "report.md").write_text(table.replace("1.50", "9.99"))  # another evaluation's table
+    capsys.readouterr()
+    assert main(["export", str(run), "--out", str(tmp_path / "out2")]) == 0
+    assert "is not the table report.json was written with" in capsys.readouterr().out
+    assert "9.99" not in (tmp_path / "out2" / "README.md").read_text()
+
+
+def test_a_report_json_records_its_report_mds_digest(tmp_path):
+    import json
+
+    from draftforge.eval.report import text_digest
+
+    write_report([_workload()], tmp_path, {"command": "c"}, block_size=4)
+    recorded = json.loads((tmp_path / "report.json").read_text())["report_md_sha256"]
+    assert recorded == text_digest((tmp_path / "report.md").read_text())
 
 
 def test_a_calibration_file_that_cannot_be_written_keeps_the_evaluation(recipe_path, tmp_path, monkeypatch, capsys):  # noqa: F811

@@ -282,8 +282,9 @@ def default_report(run_dir: Path, checkpoint: Path, out: Path) -> Path | None:
     done = checkpoint / COMPLETE
     if not isinstance(draft, str):
         why = f"{measured} is missing or names no draft, so which draft it measured is unknown"
-    elif report.stat().st_mtime > measured.stat().st_mtime:  # written just before it, by one evaluation
-        why = f"{report} is newer than {measured.name}: an evaluation stopped between writing the two"
+    elif written.get("report_md_sha256") not in (None, _digest_of(report)):  # reports before it: not checked
+        why = (f"{report} is not the table {measured.name} was written with (another evaluation's, or "
+               "edited; pass it with --eval-report to use it)")
     elif Path(draft).expanduser().resolve() not in ours:
         why = f"{measured} measured draft {draft}, not this run, its checkpoint {checkpoint.name} or its export"
     elif written.get("draft_fingerprint") is not None:  # it read a checkpoint: the weights decide
@@ -296,6 +297,15 @@ def default_report(run_dir: Path, checkpoint: Path, out: Path) -> Path | None:
         return report
     print(f"model card: {report} not used ({why}); the card says Not measured", flush=True)
     return None
+
+
+def _digest_of(report: Path) -> str | None:
+    from draftforge.eval.report import text_digest
+
+    try:
+        return text_digest(report.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def _saved_recipe(source: Path) -> Path | None:
