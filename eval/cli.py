@@ -105,7 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``draftforge eval``."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    with contextlib.ExitStack() as held:  # the --out folder's lock, once the paths are checked
+    from draftforge.splitserve.supervisor import unwinding_on_sigterm
+
+    # SIGTERM (a scheduler, timeout(1), the demo) stops it as Ctrl-C does: the lock and any
+    # temporary file of the report are removed, an earlier report in --out is kept
+    with unwinding_on_sigterm("draftforge eval", "the report is written only when the evaluation "
+                              "finishes (an earlier one in --out is kept); rerun the same command"), \
+            contextlib.ExitStack() as held:  # the --out folder's lock, once the paths are checked
         return _evaluate(args, argv, held)
 
 

@@ -46,6 +46,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``draftforge export``."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    from draftforge.splitserve.supervisor import unwinding_on_sigterm
+
+    # SIGTERM (timeout(1), a scheduler) unwinds like Ctrl-C, from the first read on: the staging
+    # folder (a partial copy of the draft) and the folders made above --out are removed, an
+    # older export kept
+    with unwinding_on_sigterm("draftforge export", "no partial folder was left; rerun the same command"):
+        return _export(args)
+
+
+def _export(args) -> int:
     from safetensors import SafetensorError
 
     from draftforge.errors import InputError
@@ -90,20 +100,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                          f"{PRUNED_RETRIES} times over; export once the training has finished")
     source = picked
     print(f"export: {source} -> {out}", flush=True)
-    from draftforge.splitserve.supervisor import unwinding_on_sigterm
-
     try:
-        # SIGTERM (timeout(1), a scheduler) unwinds like Ctrl-C: the staging folder (a partial
-        # copy of the draft) and the folders made above --out are removed, an older export kept
-        with unwinding_on_sigterm("draftforge export", "no partial folder was left; rerun the same command"):
-            path = export_draft(
-                (state, cfg),
-                out,
-                arch=args.arch or export_cfg.arch,
-                with_embeddings=export_cfg.with_embeddings if args.with_embeddings is None else args.with_embeddings,
-                max_shard_size_mb=args.max_shard_size_mb or export_cfg.max_shard_size_mb,
-                card=card,
-            )
+        path = export_draft(
+            (state, cfg),
+            out,
+            arch=args.arch or export_cfg.arch,
+            with_embeddings=export_cfg.with_embeddings if args.with_embeddings is None else args.with_embeddings,
+            max_shard_size_mb=args.max_shard_size_mb or export_cfg.max_shard_size_mb,
+            card=card,
+        )
     except (OSError, SafetensorError) as err:
         # a full disk, a read-only folder: export_draft left nothing partial. safetensors
         # reports its own write failing as "Error while serializing: I/O error: No space left
