@@ -220,19 +220,24 @@ def pooled_ece(samples: Sequence[tuple[int, float, float]], temperatures: Sequen
 
 
 def write_calibration(path: str | os.PathLike[str], calibration: dict) -> Path:
-    """Write SGLang's calibration JSON atomically (temp file, then rename). ``ece_before`` and
-    ``ece_after`` go in whole or as empty lists (SGLang's default): SGLang decodes them as lists
-    of floats, so a position without an ECE (None) cannot be written as null; 0 would claim a
-    perfect calibration nobody measured (see the module's docstring)."""
+    """Write SGLang's calibration JSON (:func:`calibration_json`) atomically (temp file, then rename)."""
     path = Path(path).expanduser()
+    write_atomic(path, calibration_json(calibration).encode())
+    return path
+
+
+def calibration_json(calibration: dict) -> str:
+    """SGLang's calibration JSON of ``calibration``. ``ece_before`` and ``ece_after`` go in whole
+    or as empty lists (SGLang's default): SGLang decodes them as lists of floats, so a position
+    without an ECE (None) cannot be written as null; 0 would claim a perfect calibration nobody
+    measured (see the module's docstring)."""
     # NaN passes "t <= 0", and json writes NaN / Infinity, which no JSON reader (SGLang's) takes
     if not calibration["temperatures"] or any(not (math.isfinite(t) and t > 0) for t in calibration["temperatures"]):
         raise ValueError(f"calibration temperatures must be non-empty, finite and > 0: {calibration['temperatures']}")
     written = {key: value for key, value in calibration.items() if key != "held_out"}
     if any(e is None for key in ("ece_before", "ece_after") for e in written.get(key, ())):
         written["ece_before"], written["ece_after"] = [], []
-    write_atomic(path, (json.dumps(written, indent=2) + "\n").encode())
-    return path
+    return json.dumps(written, indent=2) + "\n"
 
 
 def _measured(value: float) -> float | None:

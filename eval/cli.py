@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> int:
     import torch
 
-    from draftforge.eval.calibration import calibrate, pooled_ece, write_calibration
+    from draftforge.eval.calibration import calibrate, calibration_json, pooled_ece
     from draftforge.eval.demo_report import host_description
     from draftforge.eval.harness import EvalSettings, macro, run_workload, target_context
     from draftforge.eval.report import draft_kind, write_report
@@ -343,19 +343,26 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
     except InputError as problem:
         refused, calibration = problem, None
     unwritten = None  # the calibration file could not be written (a full disk): said after the report
+    also = []  # the calibration JSON, written with the report: both replaced, or neither
     if calibration is not None:
-        try:
-            write_calibration(args.calibrate, calibration)
-        except OSError as err:
-            unwritten = err.strerror or str(err)
+        also = [(Path(args.calibrate).expanduser(), calibration_json(calibration))]
         held_out = calibration.pop("held_out")  # ECE on what the temperatures were not fitted on
         meta["calibration"] = {
             **calibration,
             "path": str(args.calibrate),
-            **({"write_error": unwritten} if unwritten else {}),
             "pooled_ece_before": pooled_ece(held_out),
             "pooled_ece_after": pooled_ece(held_out, calibration["temperatures"]),
         }
+    try:
+        paths = write_report(results, args.out, meta, block_size=draft_cfg.block_size, also=also)
+    except OSError as err:
+        if not also or err.filename != str(also[0][0]):
+            raise
+        # only the calibration file failed: the report goes on its own, saying so (the decoding is kept)
+        unwritten = err.strerror or str(err)
+        meta["calibration"]["write_error"] = unwritten
+        paths = write_report(results, args.out, meta, block_size=draft_cfg.block_size)
+    if calibration is not None:
         ece = (f"ECE (pooled over the {len(held_out)} held-out samples) "
                f"{meta['calibration']['pooled_ece_before']:.4f} -> {meta['calibration']['pooled_ece_after']:.4f}"
                if held_out else "no ECE: the held-out prompts (every second of each workload) "
@@ -364,7 +371,6 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
             f"eval: calibration {'fitted' if unwritten else f'written to {args.calibrate}'}: temperatures "
             f"{[round(t, 3) for t in calibration['temperatures']]}, {ece}"
         )
-    paths = write_report(results, args.out, meta, block_size=draft_cfg.block_size)
     print(paths["markdown"].read_text())
     summary = " ".join(f"al_{m}={macro(results, m):.3f}" for m in ("dspark", "ngram", "none"))
     out_dir = Path(args.out).expanduser()  # a path a script reading the last line can open

@@ -387,7 +387,8 @@ def plot(results: Sequence[WorkloadResult], out_dir: Path, *, block_size: int, s
 
 
 def write_report(
-    results: Sequence[WorkloadResult], out_dir: str | os.PathLike[str], meta: dict, *, block_size: int
+    results: Sequence[WorkloadResult], out_dir: str | os.PathLike[str], meta: dict, *, block_size: int,
+    also: Sequence[tuple[Path, str]] = (),
 ) -> dict[str, Path]:
     """Write the plots, report.md and report.json into ``out_dir``, as one: every file is
     written in full (fsynced) before the first replaces an earlier evaluation's, so a full disk
@@ -395,7 +396,8 @@ def write_report(
     export and the demo would take for the new one's).
 
     report.json is renamed into place last: its presence is what marks the evaluation
-    finished (the demo skips an evaluation that has one); report.md just before it."""
+    finished (the demo skips an evaluation that has one); report.md just before it. ``also``:
+    files written with them, renamed first (the calibration JSON the report describes)."""
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     intervals = uncertainty(results)  # once, for both files
@@ -413,7 +415,7 @@ def write_report(
         return path
 
     plots = plot(results, out, block_size=block_size, save=render)
-    write_atomic_all([*rendered, (out / "report.md", table), (out / "report.json", text)])
+    write_atomic_all([*also, *rendered, (out / "report.md", table), (out / "report.json", text)])
     return {"markdown": out / "report.md", **{path.stem: path for path in plots}, "json": out / "report.json"}
 
 

@@ -394,3 +394,38 @@ def test_sigterm_stops_export_while_it_reads_the_checkpoint(tmp_path):
     assert done.returncode == 143, (done.returncode, done.stderr[-2000:])
     assert "draftforge export: stopped on SIGTERM; no partial folder was left" in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_an_evaluation_interrupted_while_writing_keeps_the_earlier_report_and_calibration(recipe_path, tmp_path, monkeypatch):  # noqa: F811
+    """The calibration JSON was written before the report: Ctrl-C while the report was written
+    left the new calibration beside the old report, which describes another one."""
+    import json
+
+    from eval_helpers import random_prompts
+    from test_eval_cli import _tiny_export_and_prompts
+
+    from draftforge.eval.cli import main
+
+    export_dir, prompts = _tiny_export_and_prompts(recipe_path, tmp_path)
+    prompts.write_text("".join(json.dumps({"workload": "w", "input_ids": ids}) + "\n" for ids in random_prompts(4)))
+    out, cal = tmp_path / "r", tmp_path / "cal.json"
+
+    def evaluate(tokens: int):
+        return main([str(export_dir), "--recipe", str(recipe_path), "--prompts-file", str(prompts),
+                     "--max-new-tokens", str(tokens), "--baselines", "none", "--no-estimate", "--out", str(out),
+                     "--calibrate", str(cal)])  # fmt: skip
+
+    assert evaluate(6) == 0
+    before = {"cal": cal.read_bytes(), "report": (out / "report.json").read_bytes()}
+    real = tempfile.mkstemp
+
+    def interrupted(*args, prefix="", **kwargs):
+        if prefix.startswith(".report.json."):
+            raise KeyboardInterrupt
+        return real(*args, prefix=prefix, **kwargs)
+
+    monkeypatch.setattr(files.tempfile, "mkstemp", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(12)
+    assert {"cal": cal.read_bytes(), "report": (out / "report.json").read_bytes()} == before
+    assert not [p for p in [*tmp_path.iterdir(), *out.iterdir()] if p.name.endswith(".tmp")]
