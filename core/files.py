@@ -125,6 +125,18 @@ def write_atomic_all(items: Sequence[tuple[Path, bytes | str]]) -> None:
         fsync_dir(folder)
 
 
+def remove_stale_temporaries(path: Path) -> list[Path]:
+    """Remove the temporary files that :func:`write_atomic` of ``path`` leaves only when killed
+    outright (SIGKILL, out of memory) between writing and renaming one: ``.NAME.*.tmp`` beside
+    it. Call it only while holding the lock that keeps every other writer of ``path`` away.
+    Returns those removed."""
+    path = Path(path)
+    stale = [p for p in path.parent.glob(f".{glob.escape(path.name)}.*.tmp") if p.is_file()]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
+
+
 def _stage(asked: Path, payload: bytes | str) -> tuple[str, Path, Path]:
     """A fsynced temporary file beside ``asked`` (or the file a link there points to) holding
     ``payload``, with the mode the file has or would get: (temporary, asked, path to replace)."""

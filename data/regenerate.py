@@ -89,7 +89,13 @@ from draftforge.cores import usable_cores
 from draftforge.data.formats import Conversation, DataFormatError
 from draftforge.data.tokenize import ChatTemplateError, template_failure
 from draftforge.errors import InputError
-from draftforge.files import Locked, exclusive_lock, fsync_dir, write_atomic
+from draftforge.files import (
+    Locked,
+    exclusive_lock,
+    fsync_dir,
+    remove_stale_temporaries,
+    write_atomic,
+)
 from draftforge.splitserve.supervisor import unwinding_on_sigterm
 
 if TYPE_CHECKING:
@@ -487,6 +493,8 @@ def regenerate(
     lock = out.with_name(out.name + ".lock")
     try:
         with exclusive_lock(lock):
+            for leftover in (out, out.with_name(out.name + ".partial")):  # a killed writer's, only
+                remove_stale_temporaries(leftover)
             return _regenerate(prompts, engine, settings, out, progress=progress, arithmetic=arithmetic)
     except Locked as busy:
         raise RegenerationError(

@@ -22,6 +22,7 @@ from pathlib import Path
 from draftforge import argtypes
 from draftforge.errors import InputError
 from draftforge.eval.config import NGRAM_MATCHES, EvalConfig, tie_tolerance_for
+from draftforge.files import remove_stale_temporaries
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -231,8 +232,11 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
     # refused now, not after minutes of decoding, when the report or calibration is written
     _check_output_paths(args.out, args.calibrate)
     _check_outputs_spare_inputs(args)
-    held.enter_context(_report_held(Path(args.out).expanduser()))  # a second eval into it: refused
-    _warn_replacing(Path(args.out).expanduser())  # where write_report writes
+    out = Path(args.out).expanduser()
+    if held.enter_context(_report_held(out)):  # a second eval into it: refused
+        for name in REPORT_FILES:  # what an evaluation killed outright while writing them left
+            remove_stale_temporaries(out / name)
+    _warn_replacing(out)  # where write_report writes
     draft_cfg, load_draft, fingerprint = _draft_loader(args.draft)
     _check_fit(draft_cfg, target_cfg, args.draft)
     if file_prompts is not None:  # before the target loads; the workloads' once tokenized
@@ -473,6 +477,9 @@ def _check_folder_writable(folder: Path, option: str, given: str) -> None:
         tempfile.TemporaryDirectory(prefix=".draftforge-write-check-", dir=existing).cleanup()
     except OSError as exc:
         raise InputError(f"{option} {given}: cannot write in {existing} ({exc.strerror or exc})") from None
+
+
+REPORT_FILES = ("report.md", "report.json", "acceptance_length.png", "position_acceptance.png")
 
 
 def _report_held(out: Path):

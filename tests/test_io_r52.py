@@ -429,3 +429,42 @@ def test_an_evaluation_interrupted_while_writing_keeps_the_earlier_report_and_ca
         evaluate(12)
     assert {"cal": cal.read_bytes(), "report": (out / "report.json").read_bytes()} == before
     assert not [p for p in [*tmp_path.iterdir(), *out.iterdir()] if p.name.endswith(".tmp")]
+
+
+def test_a_killed_writers_temporaries_are_removed_by_the_next_run_holding_the_lock(recipe_path, tmp_path, monkeypatch):  # noqa: F811
+    """A SIGKILL between writing a temporary file and renaming it left ``.NAME.*.tmp`` for good
+    beside the answers file (2.4 MB) or in an eval's --out; the next run (holding the lock that
+    keeps other writers away) removes them."""
+    import json
+
+    from test_eval_cli import _tiny_export_and_prompts
+
+    from draftforge.eval.cli import main
+
+    export_dir, prompts = _tiny_export_and_prompts(recipe_path, tmp_path)
+    out = tmp_path / "r"
+    out.mkdir()
+    stale = [out / ".report.json.k2j3.tmp", out / ".acceptance_length.png.x9.tmp"]
+    kept = out / ".notes.tmp"  # not a temporary of the report's files
+    for path in [*stale, kept]:
+        path.write_text("left by a killed run")
+    assert main([str(export_dir), "--recipe", str(recipe_path), "--prompts-file", str(prompts),
+                 "--max-new-tokens", "6", "--baselines", "none", "--no-estimate", "--out", str(out)]) == 0
+    assert not any(p.exists() for p in stale) and kept.exists()
+    assert json.loads((out / "report.json").read_text())["settings"]["max_new_tokens"] == 6
+
+    answers = tmp_path / "ans.jsonl"
+    leftovers = [tmp_path / ".ans.jsonl.a1.tmp", tmp_path / ".ans.jsonl.partial.b2.tmp"]
+    for path in leftovers:
+        path.write_text("x" * 100)
+    from draftforge.data import regenerate
+
+    seen = []
+
+    def answering(prompts, engine, settings, out, **kwargs):  # what runs under the lock
+        seen.append([p.exists() for p in leftovers])
+        return "answered"
+
+    monkeypatch.setattr(regenerate, "_regenerate", answering)
+    assert regenerate.regenerate([], None, None, answers) == "answered"
+    assert seen == [[False, False]]  # removed before the answering started
