@@ -53,9 +53,10 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -578,20 +579,26 @@ def load_training_checkpoint(path: str | os.PathLike[str]) -> tuple[DSparkConfig
         return _read_checkpoint(path, path, path.parent)
     if not (path / "checkpoints").is_dir():
         return _read_checkpoint(path, path / SINGLE_FILE, path)
-    for _ in range(PRUNED_RETRIES):
-        folder = latest_checkpoint(path)
-        try:
-            return _read_checkpoint(path, folder / SINGLE_FILE, folder)
-        except PrunedWhileRead:
-            # the run's training is still saving: it pruned this one to train.keep_last
-            # after saving a newer one, which is the newest now
-            print(f"export: {folder.name} was removed while it was read (the running training keeps "
-                  "train.keep_last checkpoints); reading the newest one again", flush=True)
-    raise ExportError(f"{path}: its newest checkpoint was removed while it was read "
-                      f"{PRUNED_RETRIES} times over; export once the training has finished")
+    return read_newest(path, lambda folder: _read_checkpoint(path, folder / SINGLE_FILE, folder))
 
 
 PRUNED_RETRIES = 3
+T = TypeVar("T")
+
+
+def read_newest(run_dir: Path, read: Callable[[Path], T]) -> T:
+    """``read(folder)`` of ``run_dir``'s newest complete checkpoint; where the run's training,
+    still saving, prunes it to train.keep_last while it is read (:class:`PrunedWhileRead`),
+    the same of the newest one then, with a line saying so, up to :data:`PRUNED_RETRIES` times."""
+    for _ in range(PRUNED_RETRIES):
+        folder = latest_checkpoint(run_dir)
+        try:
+            return read(folder)
+        except PrunedWhileRead:
+            print(f"export: {folder.name} was removed while it was read (the running training keeps "
+                  "train.keep_last checkpoints); reading the newest one again", flush=True)
+    raise ExportError(f"{run_dir}: its newest checkpoint was removed while it was read "
+                      f"{PRUNED_RETRIES} times over; export once the training has finished")
 
 
 class PrunedWhileRead(ExportError):

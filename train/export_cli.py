@@ -59,13 +59,7 @@ def _export(args) -> int:
     from safetensors import SafetensorError
 
     from draftforge.errors import InputError
-    from draftforge.train.export import (
-        PRUNED_RETRIES,
-        PrunedWhileRead,
-        export_draft,
-        latest_checkpoint,
-        push_to_hub,
-    )
+    from draftforge.train.export import export_draft, push_to_hub, read_newest
 
     source = Path(args.source).expanduser()
     if not source.exists():
@@ -82,23 +76,14 @@ def _export(args) -> int:
     if args.eval_report and not Path(args.eval_report).is_file():
         raise InputError(f"--eval-report {args.eval_report}: no such file")
     run_dir = source if (source / "checkpoints").is_dir() else None
-    for _ in range(PRUNED_RETRIES):
+    if run_dir is None:  # a checkpoint the user named is not swapped for another
+        export_cfg, card, out, cfg, state = _card_and_weights(args, source, None)
+    else:
         # a run folder's newest checkpoint, resolved once a try: the card's recipe and report and
         # the weights all come from it, even if the training saves a newer one meanwhile; one it
         # prunes (train.keep_last) while read is replaced by the newest, card and weights alike
-        picked = latest_checkpoint(run_dir) if run_dir is not None else source
-        try:
-            export_cfg, card, out, cfg, state = _card_and_weights(args, picked, run_dir)
-            break
-        except PrunedWhileRead:
-            if run_dir is None:  # a checkpoint the user named is not swapped for another
-                raise
-            print(f"export: {picked.name} was removed while it was read (the running training keeps "
-                  "train.keep_last checkpoints); reading the newest one again", flush=True)
-    else:
-        raise InputError(f"{run_dir}: its newest checkpoint was removed while it was read "
-                         f"{PRUNED_RETRIES} times over; export once the training has finished")
-    source = picked
+        source, (export_cfg, card, out, cfg, state) = read_newest(
+            run_dir, lambda folder: (folder, _card_and_weights(args, folder, run_dir)))
     print(f"export: {source} -> {out}", flush=True)
     try:
         path = export_draft(
