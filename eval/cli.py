@@ -122,7 +122,7 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
     from draftforge.eval.calibration import calibrate, calibration_json, pooled_ece
     from draftforge.eval.demo_report import host_description
     from draftforge.eval.harness import EvalSettings, macro, run_workload, target_context
-    from draftforge.eval.report import draft_kind, write_report
+    from draftforge.eval.report import REPORT_FILES, draft_kind, write_report
     from draftforge.eval.speculative import LosslessCheckError
     from draftforge.splitserve.config import TargetConfig
     from draftforge.splitserve.placement import (
@@ -377,7 +377,7 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
         )
     print(paths["markdown"].read_text())
     summary = " ".join(f"al_{m}={macro(results, m):.3f}" for m in ("dspark", "ngram", "none"))
-    out_dir = Path(args.out).expanduser()  # a path a script reading the last line can open
+    out_dir = out  # a path a script reading the last line can open
     print(f"eval: report in {out_dir} ({', '.join(p.name for p in paths.values())})")
     print(f"eval_dir={out_dir} {summary}")
     if args.calibrate and not samples:  # the report is written: the decoding is not lost
@@ -477,9 +477,6 @@ def _check_folder_writable(folder: Path, option: str, given: str) -> None:
         tempfile.TemporaryDirectory(prefix=".draftforge-write-check-", dir=existing).cleanup()
     except OSError as exc:
         raise InputError(f"{option} {given}: cannot write in {existing} ({exc.strerror or exc})") from None
-
-
-REPORT_FILES = ("report.md", "report.json", "acceptance_length.png", "position_acceptance.png")
 
 
 def _report_held(out: Path):

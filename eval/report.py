@@ -363,7 +363,7 @@ def plot(results: Sequence[WorkloadResult], out_dir: Path, *, block_size: int, s
     ax.set_xlim(-0.5, len(results) - 0.5 + width * (len(methods) - 1))
     ax.legend()
     fig.tight_layout()
-    paths.append(save(fig, out_dir / "acceptance_length.png"))
+    paths.append(save(fig, out_dir / PLOT_FILES[0]))
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -381,9 +381,13 @@ def plot(results: Sequence[WorkloadResult], out_dir: Path, *, block_size: int, s
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    paths.append(save(fig, out_dir / "position_acceptance.png"))
+    paths.append(save(fig, out_dir / PLOT_FILES[1]))
     plt.close(fig)
     return paths
+
+
+PLOT_FILES = ("acceptance_length.png", "position_acceptance.png")
+REPORT_FILES = ("report.md", "report.json", *PLOT_FILES)  # every file write_report writes in --out
 
 
 def write_report(
