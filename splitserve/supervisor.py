@@ -62,14 +62,16 @@ def _stop_on_sigterm(signum: int, frame: object) -> None:
 @contextlib.contextmanager
 def unwinding_on_sigterm(lead: str, hint: str | Callable[[], str]) -> Iterator[None]:
     """Within it, SIGTERM unwinds like Ctrl-C (:class:`JobInterrupted`), so ``finally`` blocks
-    stop child processes; a stop prints ``LEAD: stopped on SIGNAL; HINT`` and propagates
-    (``hint`` called then, where it depends on how far the work got)."""
+    stop child processes; a stop, Ctrl-C's KeyboardInterrupt included, prints ``LEAD: stopped
+    on SIGNAL; HINT`` and propagates (``hint`` called then, where it depends on how far the
+    work got)."""
     previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         yield
-    except JobInterrupted as stop:
+    except (JobInterrupted, KeyboardInterrupt) as stop:
+        signum = stop.signum if isinstance(stop, JobInterrupted) else signal.SIGINT
         said = hint() if callable(hint) else hint
-        print(f"{lead}: stopped on {signal.Signals(stop.signum).name}; {said}", file=sys.stderr, flush=True)
+        print(f"{lead}: stopped on {signal.Signals(signum).name}; {said}", file=sys.stderr, flush=True)
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)

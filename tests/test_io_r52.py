@@ -346,12 +346,13 @@ def test_an_os_error_without_errno_is_raised_as_it_is_not_as_its_own_cause(tmp_p
     assert list(tmp_path.iterdir()) == []
 
 
-_SIGTERM_DURING = """
+_SIGNAL_DURING = """
 import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a background suite hands SIGINT ignored
 import {module} as patched
 real = patched.{function}
 def interrupted(*args, **kwargs):
-    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.{signal})
     return real(*args, **kwargs)
 patched.{function} = interrupted
 from draftforge.cli import main
@@ -359,40 +360,48 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def _sigterm_during(module: str, function: str, argv: list[str]):
+def _signal_during(module: str, function: str, argv: list[str], signal_name: str = "SIGTERM"):
     import subprocess
     import sys
 
-    script = _SIGTERM_DURING.format(module=module, function=function)
+    script = _SIGNAL_DURING.format(module=module, function=function, signal=signal_name)
     return subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=300)
 
 
-def test_sigterm_stops_eval_as_ctrl_c_does(recipe_path, tmp_path):  # noqa: F811
+_STATUS = {"SIGTERM": 143, "SIGINT": 130}
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT"])
+def test_a_signal_stops_eval_saying_what_was_kept(recipe_path, tmp_path, signal_name):  # noqa: F811
     """eval installed no SIGTERM handler: a scheduler's stop killed it with no word, leaving the
-    --out lock and, while the report was written, a temporary file no later run removes."""
+    --out lock and, while the report was written, a temporary file no later run removes. Ctrl-C
+    printed only 'draftforge: interrupted', where SIGTERM says what was kept."""
     from test_eval_cli import _tiny_export_and_prompts
 
     export_dir, prompts = _tiny_export_and_prompts(recipe_path, tmp_path)
     out = tmp_path / "r"
-    done = _sigterm_during("draftforge.eval.harness", "run_workload", [
+    done = _signal_during("draftforge.eval.harness", "run_workload", [
         "eval", str(export_dir), "--recipe", str(recipe_path), "--prompts-file", str(prompts),
-        "--max-new-tokens", "6", "--baselines", "none", "--no-estimate", "--out", str(out)])
-    assert done.returncode == 143, (done.returncode, done.stderr[-2000:])
-    assert "draftforge eval: stopped on SIGTERM; the report is written only when the evaluation finishes" in done.stderr
+        "--max-new-tokens", "6", "--baselines", "none", "--no-estimate", "--out", str(out)], signal_name)
+    assert done.returncode == _STATUS[signal_name], (done.returncode, done.stderr[-2000:])
+    assert (f"draftforge eval: stopped on {signal_name}; the report is written only when the evaluation "
+            "finishes") in done.stderr
     assert not (tmp_path / ".r.eval.lock").exists() and not (out / "report.json").exists()
 
 
-def test_sigterm_stops_export_while_it_reads_the_checkpoint(tmp_path):
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT"])
+def test_a_signal_stops_export_while_it_reads_the_checkpoint(tmp_path, signal_name):
     """export handled SIGTERM only while writing: one during the checkpoint's read killed it
-    without a word, where the README promises it stops as Ctrl-C does (exit 143)."""
+    without a word, where the README promises it stops as Ctrl-C does (exit 143); Ctrl-C
+    printed only 'draftforge: interrupted'."""
     from eval_helpers import tiny_eval_draft, tiny_target
     from test_export import _write_checkpoint
 
     _write_checkpoint(tmp_path / "ckpt", tiny_eval_draft(tiny_target()))
-    done = _sigterm_during("draftforge.train.export", "load_training_checkpoint",
-                           ["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")])
-    assert done.returncode == 143, (done.returncode, done.stderr[-2000:])
-    assert "draftforge export: stopped on SIGTERM; no partial folder was left" in done.stderr
+    done = _signal_during("draftforge.train.export", "load_training_checkpoint",
+                          ["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")], signal_name)
+    assert done.returncode == _STATUS[signal_name], (done.returncode, done.stderr[-2000:])
+    assert f"draftforge export: stopped on {signal_name}; no partial folder was left" in done.stderr
     assert not (tmp_path / "out").exists()
 
 
