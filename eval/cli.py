@@ -318,7 +318,7 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
         "command": "draftforge eval " + shlex.join(list(sys.argv[1:] if argv is None else argv)),
         "draft": str(args.draft),
         "draft_path": str(Path(args.draft).expanduser().resolve()),  # the draft wherever this is read from
-        "draft_fingerprint": fingerprint,  # a checkpoint's weights, which export compares
+        "draft_fingerprint": fingerprint(),  # the weights read (fc.weight's), which export compares
         "target": target_cfg.model,
         # what else makes the target the same one (draftforge eval compare checks it)
         "target_config": {
@@ -506,9 +506,10 @@ def _warn_replacing(out: Path) -> None:
 
 
 def _draft_loader(path: str):
-    """(DSparkConfig, loader(target, device) -> DSparkDraft, fingerprint) for an export folder
-    or a training checkpoint; the fingerprint (a checkpoint's only) says which checkpoint's
-    weights were read, since a run's newest may change while this evaluates."""
+    """(DSparkConfig, loader(target, device) -> DSparkDraft, fingerprint() -> str | None) for an
+    export folder or a training checkpoint; the fingerprint, known once the loader has run,
+    says which weights were read (a run's newest checkpoint may change while this evaluates,
+    an export be replaced), so that export puts this evaluation's table only on their card."""
     from draftforge.train.export import (
         CONFIG_FILE,
         FINGERPRINT_TENSOR,
@@ -517,6 +518,7 @@ def _draft_loader(path: str):
     )
     from draftforge.train.hf_load import (
         config_from_serving,
+        export_fingerprint,
         load_exported_draft,
         read_serving_config,
     )
@@ -528,9 +530,11 @@ def _draft_loader(path: str):
         # differ once the weights are in was replaced after its config.json was read, or while read
         identity = _folder_identity(folder)
         cfg = config_from_serving(read_serving_config(folder), where=str(folder / CONFIG_FILE))
+        read: list[str] = []
 
         def load_export(target, device):
             model = load_exported_draft(folder, target=target, dtype=_float32(), device=device)
+            read.append(export_fingerprint(folder))
             if _folder_identity(folder) != identity:
                 from draftforge.errors import InputError
 
@@ -539,7 +543,7 @@ def _draft_loader(path: str):
                                  "rerun the evaluation")
             return model
 
-        return cfg, load_export, None
+        return cfg, load_export, lambda: read[-1] if read else None
     cfg, state = load_training_checkpoint(folder)
 
     def load(target, device):
@@ -549,7 +553,8 @@ def _draft_loader(path: str):
         model.load_state_dict({k: v.to(model.fc.weight.dtype) for k, v in full.items()}, strict=True)
         return model.to(device).eval()
 
-    return cfg, load, weights_fingerprint(state[FINGERPRINT_TENSOR])
+    fingerprint = weights_fingerprint(state[FINGERPRINT_TENSOR])
+    return cfg, load, lambda: fingerprint
 
 
 def _folder_identity(folder: Path) -> tuple:

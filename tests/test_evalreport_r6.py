@@ -48,7 +48,7 @@ def test_a_prompt_longer_than_the_draft_positions_is_refused_before_the_target_l
     from draftforge.eval import cli
     from draftforge.splitserve import target
 
-    monkeypatch.setattr(cli, "_draft_loader", lambda path: (SimpleNamespace(max_position_embeddings=20, enable_confidence_head=True, target_layer_ids=[0]), None, None))
+    monkeypatch.setattr(cli, "_draft_loader", lambda path: (SimpleNamespace(max_position_embeddings=20, enable_confidence_head=True, target_layer_ids=[0]), None, lambda: None))
     monkeypatch.setattr(cli, "_check_fit", lambda *args: None)
     monkeypatch.setattr(target, "build_target", lambda *a, **k: pytest.fail("the target was loaded"))
     prompts = tmp_path / "p.jsonl"

@@ -141,11 +141,12 @@ def _card_and_weights(args, source: Path, run_dir: Path | None):
         if base is None:
             raise InputError("give --out DIR (no recipe or run directory to derive it from)")
         out = base / "export"
+    cfg, state = load_training_checkpoint(source)
     if args.eval_report:
         report = Path(args.eval_report)
         card.acceptance_table = read_eval_report(report, option="--eval-report ")
     else:  # RUN_DIR/eval/report.md, only where it measured this draft
-        report = default_report(run_dir, source, Path(out)) if run_dir else None
+        report = default_report(run_dir, source, Path(out), exported=_exported_fingerprint(state, cfg)) if run_dir else None
         try:
             card.acceptance_table = read_eval_report(report) if report is not None else None
         except InputError as err:
@@ -153,8 +154,6 @@ def _card_and_weights(args, source: Path, run_dir: Path | None):
             report = None
     if report is not None:
         print(f"model card: acceptance table from {report}", flush=True)
-
-    cfg, state = load_training_checkpoint(source)
     if recipe_path is not None:
         differ = recipe_mismatch(recipe, cfg)
         if differ:
@@ -249,10 +248,25 @@ def read_eval_report(report: Path, *, option: str = "") -> str:
     return text
 
 
-def default_report(run_dir: Path, checkpoint: Path, out: Path) -> Path | None:
+def _exported_fingerprint(state, cfg) -> str | None:
+    """The fingerprint of ``fc.weight`` as this export writes it (its column blocks in ascending
+    target-layer order), which an evaluation of the export recorded."""
+    from draftforge.train.export import (
+        FINGERPRINT_TENSOR,
+        ascending_target_layers,
+        weights_fingerprint,
+    )
+
+    written = ascending_target_layers(state, cfg, progress=lambda _line: None)[0].get(FINGERPRINT_TENSOR)
+    return None if written is None else weights_fingerprint(written)
+
+
+def default_report(run_dir: Path, checkpoint: Path, out: Path, *, exported: str | None = None) -> Path | None:
     """``run_dir/eval/report.md`` when its ``report.json`` measured this export's draft (the run,
-    ``checkpoint``, the one exported, or the run's export folder) no earlier than the checkpoint
-    was completed; else None, with one line saying why a report there was not used."""
+    ``checkpoint``, the one exported, or the run's export folder) with the weights exported: its
+    ``draft_fingerprint`` is the checkpoint's ``fc.weight``'s or ``exported``, that of the
+    ``fc.weight`` this export writes (reports without one: no earlier than the checkpoint was
+    completed); else None, with one line saying why a report there was not used."""
     import json
 
     from draftforge.train.checkpoint import COMPLETE
@@ -277,10 +291,11 @@ def default_report(run_dir: Path, checkpoint: Path, out: Path) -> Path | None:
                "edited; pass it with --eval-report to use it)")
     elif Path(draft).expanduser().resolve() not in ours:
         why = f"{measured} measured draft {draft}, not this run, its checkpoint {checkpoint.name} or its export"
-    elif written.get("draft_fingerprint") is not None:  # it read a checkpoint: the weights decide
-        if written["draft_fingerprint"] == checkpoint_fingerprint(checkpoint):
+    elif written.get("draft_fingerprint") is not None:  # the weights it read decide
+        if written["draft_fingerprint"] in {checkpoint_fingerprint(checkpoint), exported} - {None}:
             return report
-        why = f"{measured} measured other weights than checkpoint {checkpoint.name} holds (another checkpoint)"
+        why = (f"{measured} measured other weights than checkpoint {checkpoint.name} holds (another "
+               "checkpoint, or an export of one)")
     elif measured.stat().st_mtime < (done if done.exists() else checkpoint / SINGLE_FILE).stat().st_mtime:
         why = f"{measured} is older than checkpoint {checkpoint.name}, so it measured an earlier draft"
     else:

@@ -22,11 +22,13 @@ from draftforge.train.export import (
     ARCHITECTURES,
     CONFIG_FILE,
     EMBEDDING_KEYS,
+    FINGERPRINT_TENSOR,
     INDEX_FILE,
     SINGLE_FILE,
     ExportError,
     check_tensors,
     read_safetensors_file,
+    weights_fingerprint,
 )
 from draftforge.train.model import DSparkConfig, DSparkDraft
 
@@ -401,6 +403,20 @@ def _check_finite(state: dict[str, torch.Tensor], folder: Path) -> None:
         raise ExportError(f"{folder}: {shown} hold{'s' if len(broken) == 1 else ''} NaN or infinite "
                           "values, so the draft computes nothing usable (a training that diverged, or a "
                           "damaged file); export it again from a sound checkpoint")
+
+
+def export_fingerprint(folder: str | os.PathLike[str]) -> str:
+    """:func:`weights_fingerprint` of an export's ``fc.weight`` as stored (read alone, from its
+    shard where the export is sharded): which weights an evaluation of the export measured,
+    compared by ``draftforge export`` with the ``fc.weight`` it writes."""
+    from safetensors import safe_open
+
+    folder = Path(folder).expanduser()
+    index = folder / INDEX_FILE
+    shard = (index_weight_map(index, advice="export the draft again").get(FINGERPRINT_TENSOR, SINGLE_FILE)
+             if index.is_file() else SINGLE_FILE)
+    with safe_open(str(folder / shard), framework="pt") as weights:
+        return weights_fingerprint(weights.get_tensor(FINGERPRINT_TENSOR))
 
 
 def load_exported_draft(
