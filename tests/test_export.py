@@ -133,9 +133,17 @@ def test_default_export_writes_no_embeddings_and_a_model_card(tmp_path):
     # export into the folder would refuse it as a file an export does not write)
     assert "--target-model-dir TARGET --outfile THIS.gguf" in card
     assert "--spec-draft-p-min P" in card  # tiny_draft has a confidence head
+    # SGLang 0.5.23 builds the head only with SGLANG_RAGGED_VERIFY_MODE cap-accept or compact
+    assert "`SGLANG_RAGGED_VERIFY_MODE=cap-accept`" in card
+    assert "`--speculative-dspark-confidence-sts-path OUT.json`" in card
+    assert "keep `--speculative-num-draft-tokens 5`" in card
+    logged: list[str] = []
     plain = export_draft(tiny_draft(enable_confidence_head=False, confidence_head_with_markov=False),
-                         tmp_path / "plain", progress=lambda _: None)  # fmt: skip
-    assert "--spec-draft-p-min" not in (plain / "README.md").read_text()
+                         tmp_path / "plain", progress=logged.append)  # fmt: skip
+    plain_card = (plain / "README.md").read_text()
+    assert "--spec-draft-p-min" not in plain_card and "sts-path" not in plain_card
+    assert "no confidence head: SGLang serves it in its default verify mode" in plain_card
+    assert any(line.startswith("note: This draft has no confidence head") for line in logged), logged
 
 
 @pytest.mark.parametrize(

@@ -343,6 +343,9 @@ def export_draft(
                  "leaves the copies out of the GGUF and llama.cpp uses the target's own embedding "
                  "and output head, as SGLang does")
 
+    if not config["enable_confidence_head"]:
+        progress(f"note: {SGLANG_HEADLESS} (its cap-accept and compact modes build a confidence head "
+                 "whatever config.json says, and stop at load without its weights)")
     out = Path(out_dir).expanduser().resolve()
     check_destination(out)
     # the folders above out that this export makes: a failed export removes them too
@@ -516,7 +519,8 @@ def _serving_section(config: dict) -> list[str]:
         ]
     lines += ["```", "",
               "Add the flags the target itself needs to be served (its tensor-parallel size, "
-              "`--trust-remote-code` where its model code ships with the checkpoint).", ""]
+              "`--trust-remote-code` where its model code ships with the checkpoint).", "",
+              _sglang_confidence_line(config, gamma), ""]
     if blockers:
         lines += [f"SGLang only: llama.cpp cannot run this draft ({'; '.join(blockers)}).", ""]
         return lines
@@ -535,6 +539,26 @@ def _serving_section(config: dict) -> list[str]:
             "",
         ]
     return lines
+
+
+def _sglang_confidence_line(config: dict, gamma: int) -> str:
+    """What SGLang (0.5.23) does with the draft's confidence head: it builds the head only in its
+    ragged-verify modes, and builds it there even where config.json says there is none."""
+    if not config["enable_confidence_head"]:
+        return (f"{SGLANG_HEADLESS}; in `cap-accept` or `compact` it builds the head anyway and stops "
+                "at load (\"confidence head is enabled but the checkpoint is missing\").")
+    return ("SGLang uses the confidence head only in its ragged-verify modes: set "
+            "`SGLANG_RAGGED_VERIFY_MODE=cap-accept` (or `compact`) and give its scheduler a cost table "
+            "built with `sglang.benchmark.dspark_sps_profiler` (`--speculative-dspark-sps-table-path`; "
+            "without one it verifies every block whole). A calibration written by `draftforge eval "
+            "--calibrate OUT.json` goes with `--speculative-dspark-confidence-sts-path OUT.json` "
+            f"(one temperature per slot: keep `--speculative-num-draft-tokens {gamma + 1}`). In its "
+            "default mode, `static`, SGLang verifies every block whole, skips the head's weights and "
+            "ignores the calibration.")
+
+
+SGLANG_HEADLESS = ("This draft has no confidence head: SGLang serves it in its default verify mode "
+                   "(`SGLANG_RAGGED_VERIFY_MODE=static`) only")
 
 
 FINGERPRINT_TENSOR = "fc.weight"  # every draft has it, and every optimizer step changes it
