@@ -23,7 +23,7 @@ of its search (``"upper"``, ``"lower"``, else null; see :func:`bound_hit`).
 
 A position with no held-out sample has no ECE: :func:`calibrate` gives None there (null in
 report.json's ``calibration``; "n/a" in report.md), never 0, which would claim a perfect
-calibration nobody measured. SGLang's reader (0.5.23, ``dspark_sts_table.py``) decodes
+calibration nobody measured. SGLang's reader (0.5.23, ``dspark_sts.py``) decodes
 ``ece_before`` / ``ece_after`` as ``list[float]`` (msgspec: a null fails the server's start, and
 JSON has no NaN), with an empty list as its default for "none given": so
 :func:`write_calibration` writes the two lists into SGLang's file only when every position has
