@@ -11,7 +11,8 @@ second prompt of each workload, so they come from other prompts than the fitted 
 error of each position's own acceptance given the earlier ones were accepted, in
 10 bins; SGLang's own fitter writes, under the same names, the error of the
 cumulative (survival) probability in 15 bins, so the ECE figures of the two are not
-comparable, while the temperatures are.
+comparable, while the temperatures are. :func:`calibrate_survival` (``--calibrate-rule
+survival``) fits and measures by SGLang's own rule instead, on whole rounds.
 
 SGLang (``--speculative-algorithm DSPARK``, sequential temperature scaling)
 reads ``{"temperatures": [T_0 .. T_{γ-1}], "ece_before": [...], "ece_after":
@@ -243,3 +244,109 @@ def calibration_json(calibration: dict) -> str:
 def _measured(value: float) -> float | None:
     # an ECE of no sample (NaN) is not measured: None, not 0 (a perfect calibration)
     return None if math.isnan(value) else value
+
+
+# SGLang's own fitter (sglang.benchmark.dspark_sts_fit, 0.5.23): a grid of 41 temperatures,
+# evenly spaced in log between 0.1 and 10, and the survival ECE in 15 equal-width bins
+SURVIVAL_GRID = tuple(10.0 ** (-1.0 + 2.0 * i / 40) for i in range(41))
+SURVIVAL_ECE_BINS = 15
+
+
+def round_outcomes(rounds: Iterable[Round], block_size: int) -> list[tuple[list[float], int]]:
+    """(the round's ``block_size`` confidence logits, drafts accepted) for every round whose
+    every position's outcome is known: all ``block_size`` drafts verified, or one rejected
+    among those verified (the positions after it are then rejected too). A round cut short by
+    the output's end (fewer drafts sent, or an accepted end-of-sequence) is left out: whether
+    its later drafts would have been accepted was never measured."""
+    outcomes = []
+    for r in rounds:
+        logits = r.confidence_logits
+        if logits is None or len(logits) < block_size:
+            continue
+        if r.num_verified >= block_size or r.num_accepted < r.num_verified:
+            outcomes.append(([float(z) for z in logits[:block_size]], int(r.num_accepted)))
+    return outcomes
+
+
+def survival_ece(logits: torch.Tensor, accepted: torch.Tensor, temperatures: Sequence[float],
+                 position: int) -> float:
+    """SGLang's ECE at ``position``: the survival probability prod_{i<=k} sigmoid(z_i / T_i)
+    against 'drafts 0..k all accepted', in :data:`SURVIVAL_ECE_BINS` bins."""
+    scale = torch.tensor(list(temperatures[: position + 1]), dtype=torch.float64)
+    survival = torch.sigmoid(logits[:, : position + 1] / scale).prod(dim=1)
+    return expected_calibration_error(survival, (accepted > position).double(), num_bins=SURVIVAL_ECE_BINS)
+
+
+def calibrate_survival(
+    outcomes: Sequence[tuple[Sequence[float], int]],
+    block_size: int,
+    *,
+    dataset: str = "",
+    holdout_every: int = 2,
+    prompt_ids: Sequence[tuple[Hashable, int]] | None = None,
+) -> dict:
+    """SGLang's sequential temperature scaling, fitted as ``sglang.benchmark.dspark_sts_fit``
+    fits it, on rounds (:func:`round_outcomes`) instead of its collected shards: position by
+    position, the temperature of :data:`SURVIVAL_GRID` (the smallest on a tie) minimising the
+    survival ECE (:func:`survival_ece`) with the earlier positions' temperatures as fitted.
+    Held out as :func:`calibrate` holds out (whole prompts with ``prompt_ids``, else every
+    ``holdout_every``-th round); ``ece_before`` / ``ece_after`` are the survival ECE on the
+    held-out rounds, what SGLang's fitter writes under those names (it measures on the rounds
+    it fitted). Fewer than ``MIN_FIT_SAMPLES`` fitting rounds keep T = 1 everywhere. The dict
+    has :func:`calibrate`'s keys (``num_samples``, ``fit_samples`` and ``held_out_samples``
+    count rounds; ``temperature_at_bound`` is ``"lower"`` / ``"upper"`` at the grid's ends),
+    ``pooled_ece_before`` / ``pooled_ece_after`` over every position of the held-out rounds,
+    and ``rule: "survival"``."""
+    if isinstance(holdout_every, bool) or not isinstance(holdout_every, int) or holdout_every < 2:
+        raise ValueError(f"holdout_every must be a whole number >= 2, got {holdout_every!r}")
+    if prompt_ids is not None and len(prompt_ids) != len(outcomes):
+        raise ValueError(f"{len(prompt_ids)} prompt ids for {len(outcomes)} rounds")
+    bad = sum(1 for logits, _ in outcomes for z in logits[:block_size] if not math.isfinite(z))
+    if bad:
+        raise InputError(f"calibration: the draft's confidence head gave {bad} non-finite logits (NaN or "
+                         f"inf) in {len(outcomes)} rounds: no temperature fits them; check the draft for "
+                         "non-finite weights (a diverged training?) before calibrating it")
+    held = [(prompt_ids[i][1] if prompt_ids is not None else i) % holdout_every == holdout_every - 1
+            for i in range(len(outcomes))]
+
+    def tensors(rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = torch.tensor([list(outcomes[i][0][:block_size]) for i in rows], dtype=torch.float64)
+        return logits.reshape(len(rows), block_size), torch.tensor([outcomes[i][1] for i in rows])
+
+    fit_z, fit_accepted = tensors([i for i, h in enumerate(held) if not h])
+    held_z, held_accepted = tensors([i for i, h in enumerate(held) if h])
+    ones = [1.0] * block_size
+    temperatures: list[float] = []
+    for k in range(block_size):
+        best = 1.0
+        if len(fit_z) >= MIN_FIT_SAMPLES:
+            scores = [(survival_ece(fit_z, fit_accepted, [*temperatures, t], k), t) for t in SURVIVAL_GRID]
+            best = min(scores, key=lambda score: score[0])[1]  # the first (smallest T) on a tie
+        temperatures.append(best)
+
+    def measured(temps: Sequence[float], k: int) -> float | None:
+        return _measured(survival_ece(held_z, held_accepted, temps, k)) if len(held_z) else None
+
+    def pooled(temps: Sequence[float]) -> float:
+        if not len(held_z):
+            return float("nan")
+        scale = torch.tensor(list(temps), dtype=torch.float64)
+        survival = torch.sigmoid(held_z / scale).cumprod(dim=1)
+        labels = (held_accepted.unsqueeze(1) > torch.arange(block_size)).double()
+        return expected_calibration_error(survival.flatten(), labels.flatten(), num_bins=SURVIVAL_ECE_BINS)
+
+    fitted = len(fit_z) >= MIN_FIT_SAMPLES
+    return {
+        "temperatures": temperatures,
+        "ece_before": [measured(ones, k) for k in range(block_size)],
+        "ece_after": [measured(temperatures, k) for k in range(block_size)],
+        "dataset": dataset,
+        "num_samples": len(outcomes),
+        "fit_samples": [len(fit_z)] * block_size,
+        "held_out_samples": [len(held_z)] * block_size,
+        "temperature_at_bound": [None if not fitted else "lower" if t == SURVIVAL_GRID[0]
+                                 else "upper" if t == SURVIVAL_GRID[-1] else None for t in temperatures],
+        "rule": "survival",
+        "pooled_ece_before": pooled(ones),
+        "pooled_ece_after": pooled(temperatures),
+    }

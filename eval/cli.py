@@ -77,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="which earlier occurrence of the suffix n-gram the n-gram baseline copies "
                         "from: latest (default) or earliest (vLLM's and transformers' rule)")
     parser.add_argument("--calibrate", metavar="OUT.json", type=argtypes.path, help="fit per-position confidence temperatures")
+    parser.add_argument("--calibrate-rule", choices=CALIBRATE_RULES,
+                        help="how --calibrate fits: conditional (default: each position's temperature "
+                        "minimising the log loss of its acceptance given the earlier drafts were "
+                        "accepted; ECE in 10 bins) or survival (SGLang's dspark_sts_fit: position by "
+                        "position, the temperature of a 41-value grid from 0.1 to 10 minimising the ECE "
+                        "of the survival probability, in 15 bins, over rounds whose every draft was "
+                        "judged); refused without --calibrate")
     parser.add_argument("--out", default="runs/eval", type=argtypes.path,
                         help="report folder (default runs/eval); a report already there is replaced, "
                         "and the run says so before it starts")
@@ -103,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+CALIBRATE_RULES = ("conditional", "survival")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``draftforge eval``."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -119,7 +129,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> int:
     import torch
 
-    from draftforge.eval.calibration import calibrate, calibration_json, pooled_ece
+    from draftforge.eval.calibration import (
+        calibrate,
+        calibrate_survival,
+        calibration_json,
+        pooled_ece,
+    )
     from draftforge.eval.demo_report import host_description
     from draftforge.eval.harness import EvalSettings, macro, run_workload, target_context
     from draftforge.eval.report import REPORT_FILES, draft_kind, write_report
@@ -204,6 +219,9 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
             f"verification is {verify!r}{_source(args.verify, args.recipe, 'eval.verify')}, which "
             "verifies every block in full and ignores it: give --verify threshold, or leave it out"
         )
+    if args.calibrate_rule is not None and not args.calibrate:
+        raise InputError(f"--calibrate-rule {args.calibrate_rule} without --calibrate: nothing is fitted; "
+                         "give --calibrate OUT.json, or leave --calibrate-rule out")
     if args.calibrate and verify == "threshold":
         raise InputError(
             f"--calibrate with threshold verification"
@@ -337,26 +355,37 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
         "host": host_description(),  # where it was measured (draftforge demo prints it)
         "draftforge_revision": git_revision(),
     }
-    samples = [s for r in results for s in r.confidence_samples]
-    # calibrate holds out whole prompts: each sample's (workload, prompt)
-    prompt_ids = [(r.name, p) for r in results for p in r.confidence_prompts]
+    survival = args.calibrate_rule == "survival"  # else conditional, the default
+    if survival:  # whole rounds, each with its (workload, prompt): calibrate holds out whole prompts
+        samples = [o for r in results for o in r.confidence_rounds]
+        prompt_ids = [(r.name, p) for r in results for p in r.confidence_round_prompts]
+    else:  # one sample per position a round reached
+        samples = [s for r in results for s in r.confidence_samples]
+        prompt_ids = [(r.name, p) for r in results for p in r.confidence_prompts]
     refused = None  # a calibration refused (non-finite confidence logits): said after the report
     try:
-        calibration = calibrate(samples, draft_cfg.block_size, dataset=",".join(workloads),
-                                prompt_ids=prompt_ids) if args.calibrate and samples else None
+        fit = calibrate_survival if survival else calibrate
+        calibration = fit(samples, draft_cfg.block_size, dataset=",".join(workloads),
+                          prompt_ids=prompt_ids) if args.calibrate and samples else None
     except InputError as problem:
         refused, calibration = problem, None
     unwritten = None  # the calibration file could not be written (a full disk): said after the report
     also = []  # the calibration JSON, written with the report: both replaced, or neither
+    held_out = 0  # the held-out samples (rounds, by the survival rule) the ECE is measured on
     if calibration is not None:
+        if survival:  # its pooled ECE (SGLang's survival ECE) is its own
+            held_out = calibration["held_out_samples"][0]
+            meta["calibration"] = {**calibration, "path": str(args.calibrate)}
+        else:
+            held = calibration.pop("held_out")  # ECE on what the temperatures were not fitted on
+            held_out = len(held)
+            meta["calibration"] = {
+                **calibration,
+                "path": str(args.calibrate),
+                "pooled_ece_before": pooled_ece(held),
+                "pooled_ece_after": pooled_ece(held, calibration["temperatures"]),
+            }
         also = [(Path(args.calibrate).expanduser(), calibration_json(calibration))]
-        held_out = calibration.pop("held_out")  # ECE on what the temperatures were not fitted on
-        meta["calibration"] = {
-            **calibration,
-            "path": str(args.calibrate),
-            "pooled_ece_before": pooled_ece(held_out),
-            "pooled_ece_after": pooled_ece(held_out, calibration["temperatures"]),
-        }
     try:
         paths = write_report(results, args.out, meta, block_size=draft_cfg.block_size, also=also)
     except OSError as err:
@@ -367,10 +396,11 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
         meta["calibration"]["write_error"] = unwritten
         paths = write_report(results, args.out, meta, block_size=draft_cfg.block_size)
     if calibration is not None:
-        ece = (f"ECE (pooled over the {len(held_out)} held-out samples) "
-               f"{meta['calibration']['pooled_ece_before']:.4f} -> {meta['calibration']['pooled_ece_after']:.4f}"
+        what = f"survival ECE (pooled over the {held_out} held-out rounds)" if survival else \
+            f"ECE (pooled over the {held_out} held-out samples)"
+        ece = (f"{what} {meta['calibration']['pooled_ece_before']:.4f} -> {meta['calibration']['pooled_ece_after']:.4f}"
                if held_out else "no ECE: the held-out prompts (every second of each workload) "
-               "verified no draft position")
+               + ("gave no round with every draft judged" if survival else "verified no draft position"))
         print(
             f"eval: calibration {'fitted' if unwritten else f'written to {args.calibrate}'}: temperatures "
             f"{[round(t, 3) for t in calibration['temperatures']]}, {ece}"
@@ -382,8 +412,11 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
     print(f"eval_dir={out_dir} {summary}")
     if args.calibrate and not samples:  # the report is written: the decoding is not lost
         raise InputError(
-            f"--calibrate {args.calibrate}: no confidence samples were recorded (no draft position "
-            "was verified: every prompt ended at its first token), so nothing was written there"
+            f"--calibrate {args.calibrate}: " + (
+                "no round had every draft judged (--calibrate-rule survival needs rounds of a whole "
+                "block verified, or cut by a rejection; every round here ended at the output's end)"
+                if survival else "no confidence samples were recorded (no draft position was "
+                "verified: every prompt ended at its first token)") + ", so nothing was written there"
         )
     if refused is not None:  # the report is written: the decoding is not lost
         raise InputError(f"--calibrate {args.calibrate}: nothing was written there: {refused}")

@@ -17,7 +17,7 @@ import torch
 
 from draftforge.errors import InputError
 from draftforge.eval.baselines import NgramProposer, NoDraft
-from draftforge.eval.calibration import round_samples
+from draftforge.eval.calibration import round_outcomes, round_samples
 from draftforge.eval.config import NGRAM_MATCHES
 from draftforge.eval.estimate import check_target_layers, train_time_estimate
 from draftforge.eval.speculative import (
@@ -102,6 +102,10 @@ class WorkloadResult:
     near_ties: int = 0
     confidence_samples: list[tuple[int, float, float]] = field(default_factory=list)
     confidence_prompts: list[int] = field(default_factory=list)  # each sample's prompt index
+    # rounds whose every draft's outcome is known: (confidence logits, drafts accepted), and each
+    # one's prompt index (--calibrate-rule survival)
+    confidence_rounds: list[tuple[list[float], int]] = field(default_factory=list)
+    confidence_round_prompts: list[int] = field(default_factory=list)
     prompt_digest: str = ""  # fingerprint of the prompts' token ids (paired comparisons across reports)
 
 
@@ -236,6 +240,9 @@ def run_workload(
         samples = round_samples(res.rounds)
         result.confidence_samples += samples
         result.confidence_prompts += [index] * len(samples)
+        outcomes = round_outcomes(res.rounds, gamma)
+        result.confidence_rounds += outcomes
+        result.confidence_round_prompts += [index] * len(outcomes)
     if settings.estimate:
         reference = outputs["none"] if "none" in outputs else outputs["dspark"]
         result.estimate = train_time_estimate(

@@ -186,17 +186,23 @@ def calibration_lines(calibration: dict | None) -> list[str]:
     if not calibration:
         return []
     temperatures = ", ".join(f"{t:.3f}" for t in calibration["temperatures"])
-    held_out = sum(calibration.get("held_out_samples") or [])
+    survival = calibration.get("rule") == "survival"
+    held_out = (calibration.get("held_out_samples") or [0])[0] if survival else sum(calibration.get("held_out_samples") or [])
     before, after = calibration.get("pooled_ece_before"), calibration.get("pooled_ece_after")
     if held_out and _fmt(before, 4) != "-":
-        ece = (f"ECE pooled over the {held_out} held-out samples (every second prompt of each "
-               f"workload): {_fmt(before, 4)} before, {_fmt(after, 4)} after")
+        what = (f"survival ECE (SGLang's: 15 bins) pooled over every position of the {held_out} held-out rounds"
+                if survival else f"ECE pooled over the {held_out} held-out samples")
+        ece = f"{what} (every second prompt of each workload): {_fmt(before, 4)} before, {_fmt(after, 4)} after"
+    elif survival:
+        ece = "no ECE: the held-out prompts (every second of each workload) gave no round with every draft's outcome known"
     else:
         ece = "no ECE: the held-out prompts (every second of each workload) verified no draft position"
     failed = calibration.get("write_error")  # the fit is reported; its file could not be written
     where = (f"fitted, but `{calibration.get('path')}` could not be written ({failed})" if failed
              else f"written to `{calibration.get('path')}`")
-    return [f"Confidence calibration {where}: temperatures per "
+    rule = (" by SGLang's rule (sglang.benchmark.dspark_sts_fit: each position's temperature from "
+            "a grid of 41, 0.1 to 10, minimising the survival ECE)" if survival else "")
+    return [f"Confidence calibration {where}{rule}: temperatures per "
             f"position [{temperatures}]; {ece}.", *_calibration_positions(calibration), ""]
 
 
@@ -206,27 +212,39 @@ def _calibration_positions(calibration: dict) -> list[str]:
     fitted value (:func:`draftforge.eval.calibration.bound_hit`), or no fit at all (fewer than
     ``MIN_FIT_SAMPLES`` fitting samples: T = 1 kept, which read as a fitted 1.000). Nothing for
     a report.json written before these were recorded."""
-    from draftforge.eval.calibration import MAX_TEMPERATURE, MIN_FIT_SAMPLES, MIN_TEMPERATURE
+    from draftforge.eval.calibration import (
+        MAX_TEMPERATURE,
+        MIN_FIT_SAMPLES,
+        MIN_TEMPERATURE,
+        SURVIVAL_GRID,
+    )
 
+    survival = calibration.get("rule") == "survival"
+    unit = "round" if survival else "sample"
     lines = []
     before, after = calibration.get("ece_before"), calibration.get("ece_after")
     if before is not None and after is not None:
-        cells = [f"{k}: n/a (no held-out sample)" if b is None or a is None else f"{k}: {b:.4f} -> {a:.4f}"
+        cells = [f"{k}: n/a (no held-out {unit})" if b is None or a is None else f"{k}: {b:.4f} -> {a:.4f}"
                  for k, (b, a) in enumerate(zip(before, after, strict=True))]
-        lines.append(f"ECE per position on the held-out samples, before -> after: {'; '.join(cells)}.")
-    bounds = {"upper": f"the search's upper bound {MAX_TEMPERATURE:g}",
-              "lower": f"the search's lower bound {MIN_TEMPERATURE:g}"}
+        what = "Survival ECE per position on the held-out rounds" if survival else "ECE per position on the held-out samples"
+        lines.append(f"{what}, before -> after: {'; '.join(cells)}.")
+    if survival:
+        bounds = {"upper": f"the grid's upper end {SURVIVAL_GRID[-1]:g}", "lower": f"the grid's lower end {SURVIVAL_GRID[0]:g}"}
+        why = "the survival ECE was lowest there, as SGLang's fitter would find it; a wider grid might go further"
+    else:
+        bounds = {"upper": f"the search's upper bound {MAX_TEMPERATURE:g}",
+                  "lower": f"the search's lower bound {MIN_TEMPERATURE:g}"}
+        why = ("the log loss still fell beyond it (at the upper bound the confidence there predicts acceptance "
+               "worse than a constant, e.g. nearly every draft rejected while the head says accept); the file "
+               "keeps the bound")
     hit = [f"position {k} ({bounds[b]})" for k, b in enumerate(calibration.get("temperature_at_bound") or ())
            if b in bounds]
     if hit:
-        lines.append(f"Temperature at a bound, not a fitted value: {', '.join(hit)}: the log loss still "
-                     "fell beyond it (at the upper bound the confidence there predicts acceptance "
-                     "worse than a constant, e.g. nearly every draft rejected while the head says "
-                     "accept); the file keeps the bound.")
-    unfitted = [f"position {k} ({n} fitting sample{'' if n == 1 else 's'})"
+        lines.append(f"Temperature at a bound, not a fitted value: {', '.join(hit)}: {why}.")
+    unfitted = [f"position {k} ({n} fitting {unit}{'' if n == 1 else 's'})"
                 for k, n in enumerate(calibration.get("fit_samples") or ()) if n < MIN_FIT_SAMPLES]
     if unfitted:
-        lines.append(f"Temperature not fitted, kept at 1 (fewer than {MIN_FIT_SAMPLES} fitting samples): "
+        lines.append(f"Temperature not fitted, kept at 1 (fewer than {MIN_FIT_SAMPLES} fitting {unit}s): "
                      f"{', '.join(unfitted)}.")
     return lines
 
