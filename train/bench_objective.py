@@ -53,7 +53,7 @@ def _child(args: argparse.Namespace) -> dict:
     import torch
 
     from draftforge.train.model import DSparkConfig, DSparkDraft
-    from draftforge.train.objective import dspark_objective
+    from draftforge.train.objective import dspark_objective, w2_group_buffers, w2_group_rows
 
     torch.set_num_threads(args.threads)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
@@ -80,8 +80,16 @@ def _child(args: argparse.Namespace) -> dict:
     valid = torch.ones(rows, args.block, dtype=torch.bool)
     # One block first: what the objective builds once and keeps between steps (the chunked
     # path's joined [lm_head | W2] head and, on a CPU, its packed lm_head) is built here, so
-    # that the measured step adds what every step adds; its size is reported apart.
+    # that the measured step adds what every step adds; its size is reported apart. So is, on
+    # a CPU, W2's gradient group buffer, sized by a call's rows (one block builds none): it is
+    # made here at the step's size, touched, as the first step of a training makes it.
     before_caches = _rss_bytes()
+    kept_rows = w2_group_rows(args.vocab, torch.empty((), dtype=dtype).element_size(),
+                              chunk_rows=args.chunk_blocks * args.block, total_rows=rows * args.block,
+                              on_cpu=True) if args.path == "chunked" and args.markov_rank else 0
+    if kept_rows:
+        for buffer in w2_group_buffers(kept_rows, args.vocab, args.markov_rank, dtype):
+            buffer.zero_()
     warm = dspark_objective(model, hidden[:1].detach().requires_grad_(), prev[:1], labels[:1], valid[:1],
                             target_hidden[:1], chunked=args.path == "chunked", chunk_blocks=args.chunk_blocks)
     warm.loss.backward()

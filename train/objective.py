@@ -262,7 +262,7 @@ def w2_group_rows(vocab: int, element_bytes: int, *, chunk_rows: int, total_rows
 _GROUP_BUFFERS: dict = {}
 
 
-def _group_buffers(rows: int, vocab: int, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def w2_group_buffers(rows: int, vocab: int, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """:class:`_W2GradientSum`'s CPU buffers (their first ``rows`` rows), kept for later calls:
     a fresh buffer above glibc's mmap threshold is new pages that fault on first touch
     (filling a 768 x 49,152 bf16 buffer took 45 ms fresh against 14 ms reused, one thread).
@@ -300,7 +300,7 @@ class _W2GradientSum:
                              total_rows=total_rows, on_cpu=markov_w2.device.type == "cpu")
         self.grads = self.latents = None
         if rows:
-            self.grads, self.latents = _group_buffers(rows, vocab, rank, dtype)
+            self.grads, self.latents = w2_group_buffers(rows, vocab, rank, dtype)
         self.filled = 0
 
     def add(self, grad: torch.Tensor, latent: torch.Tensor) -> None:
