@@ -21,9 +21,11 @@ copies, gradient clipping). Only the training backend is a four-line local
 one (``loss.backward()``, ``optimizer.step()``): what SpecForge's FSDP
 backend does with an unwrapped module, without a process group.
 
-Both sides get the same work: the same synthetic features (token ids, a loss
-mask with a short unsupervised prompt, auxiliary and final hidden states, as
-``bench train`` makes them), the same anchors per sequence, block, vocabulary,
+Both sides get the same work: synthetic features of the same shapes with the same
+loss mask (token ids, a loss mask with a short unsupervised prompt, auxiliary and
+final hidden states, as ``bench train`` makes them; not the same values: both are
+drawn from seed 0, but draftforge's side draws its embedding and lm_head first,
+which changes nothing a step computes), the same anchors per sequence, block, vocabulary,
 Markov rank, confidence head, position decay (``exp(-k / 4)``) and objective
 chunk (``--chunk-blocks`` blocks, on both sides). Differences that remain,
 each side's own design rather than a setting:
@@ -349,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     print("not the same on the two sides (each side's own design): SpecForge keeps bf16 weights + fp32 "
           "AdamW masters and recomputes the objective chunk in backward; draftforge keeps fp32 weights "
           "under bf16 autocast with fused AdamW and analytic objective gradients; anchors are drawn by "
-          "each side (same count)", flush=True)
+          "each side (same count), and so are the synthetic features' values (same shapes and loss "
+          "mask)", flush=True)
     if found != SPECFORGE_VERSION:
         print(f"note: SpecForge {found} found; the issue's figure is for {SPECFORGE_VERSION}", flush=True)
     batch = specforge_batch(_synthetic_samples(cfg, train_args, torch.Generator().manual_seed(0)))

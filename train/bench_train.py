@@ -394,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         f"bench train: H={cfg.hidden_size} layers={cfg.num_hidden_layers} heads={cfg.num_attention_heads}/"
         f"{cfg.num_key_value_heads} FFN={cfg.intermediate_size} V={cfg.vocab_size} block={cfg.block_size} "
         f"Markov rank={cfg.markov_rank} aux layers={len(cfg.target_layer_ids)}; batch {args.batch} x "
-        f"seq {args.seq}, {args.anchors} anchors, {args.dtype}, {_where(args)}; objective "
+        f"seq {args.seq}, up to {args.anchors} anchors a sequence (as its supervised positions allow), "
+        f"{args.dtype}, {_where(args)}; objective "
         f"chunk {loss.chunk_blocks} blocks, compile {loss.compile} (auto = CUDA only)",
         flush=True,
     )
