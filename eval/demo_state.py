@@ -277,6 +277,7 @@ def check_dflash_removable(dflash_dir: Path) -> None:
             f"--force would delete {dflash_dir}, where the demo puts its DFlash ablation's run, but it "
             "does not hold a DFlash run written there (its config.yaml names another run or none); "
             "refusing. Move it away, or set another train.output_dir", exit_status=2)
+    _refuse_foreign(dflash_dir, None, "the DFlash ablation's run folder")
 
 
 def _before_training_only(folder: Path, data_file: Path | None = None) -> bool:
@@ -296,13 +297,52 @@ def _before_training_only(folder: Path, data_file: Path | None = None) -> bool:
 
 def check_run_removable(run_dir: Path, data_file: Path | None) -> None:
     """Refuse ``--force`` where ``train.output_dir`` holds something else than a run written
-    there or what the demo writes before its training: a folder of the user's own."""
-    if _before_training_only(run_dir, data_file) or (run_dir.is_dir() and _saved_run(run_dir) is not None):
+    there or what the demo writes before its training: a folder of the user's own, or a run
+    folder holding files of the user's own beside the run (:func:`foreign_entries`)."""
+    if _before_training_only(run_dir, data_file):
+        return
+    if run_dir.is_dir() and _saved_run(run_dir) is not None:
+        _refuse_foreign(run_dir, data_file, "train.output_dir")
         return
     raise DemoError(
         f"--force would delete {run_dir} (train.output_dir), but it holds neither a run written there "
         "(its config.yaml names another run or none) nor what the demo writes before training; "
         "refusing. Move it away, or set another train.output_dir", exit_status=2)
+
+
+#: what a training, ``data regenerate`` (its default answers file), ``export`` and ``eval`` (their
+#: default folders) and the demo write in a run folder
+RUN_ENTRIES = frozenset({
+    "config.yaml", "run.json", "metrics.jsonl", "accounting.jsonl", "summary.json", "slot_acceptance.png",
+    "wandb_id.txt", "wandb", "tensorboard", "checkpoints", "regenerated.jsonl", "regenerated.jsonl.partial",
+    "regenerated.jsonl.lock", "export", "eval", "eval-dflash", "demo.md", "demo-logs", ANSWERS_STAMP,
+    EXPORT_STAMP, EXPORT_RECIPE,
+})
+
+
+def foreign_entries(folder: Path, data_file: Path | None = None) -> list[str]:
+    """The entries of a run folder that no draftforge command writes there (:data:`RUN_ENTRIES`,
+    the rotated ``config.N.yaml``, the answers ``data_file`` where it lies there, and the hidden
+    locks, temporaries and staging folders of its writers), sorted."""
+    import re
+
+    known = set(RUN_ENTRIES)
+    if data_file is not None and data_file.parent.absolute() == folder.absolute():
+        known |= {data_file.name + suffix for suffix in ("", ".partial", ".lock")}
+    writers = re.compile(r"^\..*(\.lock|\.tmp|\.removing|\.tmp-.*|\.old-.*)$")
+    return sorted(entry.name for entry in folder.iterdir()
+                  if entry.name not in known and not re.fullmatch(r"config\.\d+\.yaml", entry.name)
+                  and not writers.match(entry.name))
+
+
+def _refuse_foreign(folder: Path, data_file: Path | None, key: str) -> None:
+    foreign = foreign_entries(folder, data_file)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise DemoError(
+            f"--force would delete {folder} ({key}), a run folder that also holds what no draftforge "
+            f"command writes there: {shown}; refusing. Move them away, or set another train.output_dir",
+            exit_status=2)
 
 
 def demo_held(run_dir: Path):
