@@ -83,6 +83,18 @@ def launch_env(master_addr: str = LOOPBACK, *, cpu: bool = True) -> dict[str, st
     return env
 
 
+def _other_output(folder: Path) -> str | None:
+    """What ``folder`` holds that is another command's output, not a run's: an export
+    (config.json and its weights) or an evaluation report (report.json); None otherwise."""
+    from draftforge.train.export import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
+
+    if (folder / CONFIG_FILE).is_file() and ((folder / SINGLE_FILE).exists() or (folder / INDEX_FILE).exists()):
+        return f"is a draft export ({CONFIG_FILE} and its weights)"
+    if (folder / "report.json").is_file():
+        return "holds an evaluation report (report.json, written by 'draftforge eval --out')"
+    return None
+
+
 def preflight(cfg, *, check_overlap: bool = False) -> None:
     """Checks of the user's files that need no process group, before torchrun starts.
 
@@ -109,6 +121,12 @@ def preflight(cfg, *, check_overlap: bool = False) -> None:
         from draftforge.errors import InputError
 
         raise InputError(f"train.output_dir: {run_dir} {blocked}; name a folder for the run")
+    if (other := _other_output(run_dir)) is not None:  # eval and export would read the folder as that
+        from draftforge.errors import InputError
+
+        raise InputError(f"train.output_dir: {run_dir} {other}; a run written there would sit beside it, "
+                         "and 'draftforge eval' and 'draftforge export' would take the folder for one or "
+                         "the other: name another folder for the run")
     root = ckpt.checkpoints_root(run_dir)
     if (blocked := file_in_the_way(root)) is not None:  # else found at the first save, steps later
         from draftforge.errors import InputError
