@@ -254,9 +254,9 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
     if held.enter_context(_report_held(out)):  # a second eval into it: refused
         for name in REPORT_FILES:  # what an evaluation killed outright while writing them left
             remove_stale_temporaries(out / name)
-    _warn_replacing(out)  # where write_report writes
     draft_cfg, load_draft, fingerprint = _draft_loader(args.draft)
     _check_fit(draft_cfg, target_cfg, args.draft)
+    _warn_replacing(out)  # where write_report writes, once the draft is known to load
     if file_prompts is not None:  # before the target loads; the workloads' once tokenized
         _check_lengths(file_prompts, max_new_tokens, draft_cfg.max_position_embeddings,
                        lambda name, i: f"{args.prompts_file}:{file_lines[name][i]}")
@@ -525,14 +525,22 @@ def _report_held(out: Path):
 
 
 def _warn_replacing(out: Path) -> None:
-    """Say up front (before minutes of decoding) that ``--out`` holds a report this run replaces."""
+    """Say up front (before minutes of decoding) that ``--out`` holds a report this run replaces;
+    refuse a ``report.json`` there that ``draftforge eval`` did not write (the user's own)."""
+    from draftforge.errors import InputError
+
     earlier = out / "report.json"
     if not earlier.is_file():
         return
     try:
-        draft = json.loads(earlier.read_text()).get("draft", "?")
-    except (OSError, ValueError, AttributeError):
-        draft = "unreadable"
+        written = json.loads(earlier.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        written = None
+    if not (isinstance(written, dict) and "workloads" in written and "draft" in written):
+        raise InputError(f"--out {out}: holds a report.json that is no draftforge evaluation report (no "
+                         "'workloads' and 'draft'), which this run would replace with its report.json, "
+                         "report.md and plots; choose another --out, or move it away")
+    draft = written["draft"]
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(earlier.stat().st_mtime))
     print(f"eval: {out} holds a report of draft {draft} from {when}; this run replaces it "
           "(another --out keeps both)", flush=True)

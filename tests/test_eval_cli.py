@@ -413,13 +413,18 @@ def test_eval_says_up_front_that_it_replaces_an_earlier_report(tmp_path, capsys)
     out.mkdir()
     _warn_replacing(out)  # a folder without a report: nothing either
     assert capsys.readouterr().out == ""
-    (out / "report.json").write_text(json.dumps({"draft": "runs/a/export"}))
+    (out / "report.json").write_text(json.dumps({"draft": "runs/a/export", "workloads": {}}))
     _warn_replacing(out)
     said = capsys.readouterr().out
     assert f"eval: {out} holds a report of draft runs/a/export from " in said and "this run replaces it" in said
-    (out / "report.json").write_text("{cut")
-    _warn_replacing(out)
-    assert "report of draft unreadable" in capsys.readouterr().out
+    # one that draftforge eval did not write (the user's own, or unreadable): refused, not replaced
+    from draftforge.errors import InputError
+
+    for text in ("{cut", json.dumps({"mine": 1}), "[]"):
+        (out / "report.json").write_text(text)
+        with pytest.raises(InputError, match="holds a report.json that is no draftforge evaluation report"):
+            _warn_replacing(out)
+        assert (out / "report.json").read_text() == text
 
 
 def test_a_gpu_index_beyond_the_visible_ones_is_named(monkeypatch):

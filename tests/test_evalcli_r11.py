@@ -268,15 +268,20 @@ def test_a_prompts_file_and_an_out_folder_under_home_are_found(tmp_path, recipe_
     from draftforge.eval.cli import _prompts_from_file
 
     monkeypatch.setenv("HOME", str(tmp_path))
-    prompts = _prompts_file(tmp_path, ["w", "w"])
+    _prompts_file(tmp_path, ["w", "w"])
     assert _prompts_from_file("~/prompts.jsonl", None)[0] == {"w": random_prompts(2)}
     (tmp_path / "r").mkdir()
-    (tmp_path / "r" / "report.json").write_text(json.dumps({"draft": "the/earlier/draft"}))
-    assert main(["eval", str(tmp_path / "no-draft"), "--recipe", str(recipe_path),
-                 f"--prompts-file=~/{prompts.name}", "--out", "~/r"]) == 2  # fmt: skip
+    (tmp_path / "r" / "report.json").write_text(json.dumps({"draft": "the/earlier/draft", "workloads": {}}))
+    recipe = load_recipe(recipe_path)
+    export = export_draft(tiny_eval_draft(build_target(recipe.target, recipe.draft.target_layer_ids)),
+                          tmp_path / "export", progress=lambda _: None)
+    one = tmp_path / "one.jsonl"  # one prompt a workload: --calibrate is refused, after the announcement
+    one.write_text(json.dumps({"workload": "w", "input_ids": random_prompts(1)[0]}) + "\n")
+    assert main(["eval", str(export), "--recipe", str(recipe_path), f"--prompts-file=~/{one.name}",
+                 "--out", "~/r", "--calibrate", "~/sts.json"]) == 2  # fmt: skip
     captured = capsys.readouterr()
     assert "no such file" not in captured.err
-    assert "no-draft does not exist" in captured.err  # it got as far as the draft
+    assert "holds one prompt a workload" in captured.err  # it got as far as the prompts
     assert f"eval: {tmp_path / 'r'} holds a report of draft the/earlier/draft from" in captured.out
 
 
