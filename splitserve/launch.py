@@ -180,6 +180,26 @@ def preflight(cfg, *, check_overlap: bool = False) -> None:
         )
 
 
+def _finished_at(cfg) -> str | None:
+    """On one node, what to say when the checkpoint ``train.resume`` takes is already at
+    ``train.steps`` or beyond (preflight checked it): there is nothing to train, and starting
+    the ranks would load the target and rewrite the run's config.yaml and run.json for no step.
+    None otherwise (on several nodes every node must start, whatever its own disk holds)."""
+    from draftforge.train import checkpoint as ckpt
+
+    if cfg.split.num_nodes != 1:
+        return None
+    found = ckpt.find_resume(Path(cfg.train.output_dir), cfg.train.resume)
+    if found is None:
+        return None
+    step = int(ckpt.read_checked_state(found)["step"])
+    if step < cfg.train.steps:
+        return None
+    return (f"draftforge train: nothing to train: checkpoint {found} is at step {step} and train.steps is "
+            f"{cfg.train.steps}; the run is left as it is (raise train.steps to train further; "
+            "'draftforge export' exports it)")
+
+
 def _check_output_dir_writable(cfg) -> None:
     """Refuse a ``train.output_dir`` this machine cannot write (a read-only file system, a
     folder of another user) before the target loads, not after, from trainer rank 0's first
@@ -330,9 +350,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     preflight(cfg, check_overlap=args.dry_run)  # a real run's target ranks check the overlap
     if _runs_trainers(cfg, layout, args.node_rank):  # trainer rank 0 writes the run there
         _check_output_dir_writable(cfg)
+    finished = _finished_at(cfg)
+    if finished is not None and not args.dry_run:  # no rank started, no run file rewritten
+        print(finished, flush=True)
+        return 0
     if args.dry_run:
         from draftforge.splitserve.dry_run import dry_run
 
+        if finished is not None:
+            print(f"note: {finished}", flush=True)
         print(dry_run(cfg))
         print()
         print(launch_plan(cfg, args.recipe, args.overrides, master_addr=args.master_addr,

@@ -39,3 +39,31 @@ def test_training_into_an_export_or_a_report_folder_is_refused(tmp_path, capsys,
     code, _, err = _run(["train", recipe, f"train.output_dir={folder}", "--dry-run"], capsys)
     assert code == 2 and f"train.output_dir: {folder} {said}" in err, err
     assert not (folder / "config.yaml").exists() and not (folder / "checkpoints").exists()
+
+
+def test_a_finished_run_rerun_starts_no_rank_and_leaves_its_files(tmp_path):
+    """A finished run rerun (here with another learning rate) loaded the target, rotated its
+    config.yaml to config.1.yaml for the new one (which no step used), added a segment to
+    run.json, and printed an accounting of zeros."""
+    import subprocess
+    import sys
+
+    from splitserve_helpers import tiny_recipe
+
+    recipe = tiny_recipe(tmp_path, steps=4)
+    first = subprocess.run([sys.executable, "-m", "draftforge", "train", str(recipe)],
+                           capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run = tmp_path / "run"
+    before = {name: (run / name).read_bytes() for name in ("config.yaml", "run.json", "summary.json")}
+    again = subprocess.run([sys.executable, "-m", "draftforge", "train", str(recipe), "train.lr=1e-4"],
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (f"draftforge train: nothing to train: checkpoint {run / 'checkpoints' / 'step_00000004'} is at "
+            "step 4 and train.steps is 4; the run is left as it is") in again.stdout, again.stdout
+    assert "[rank" not in again.stdout + again.stderr  # no rank started
+    assert {name: (run / name).read_bytes() for name in before} == before
+    assert not (run / "config.1.yaml").exists()
+    dry = subprocess.run([sys.executable, "-m", "draftforge", "train", str(recipe), "--dry-run"],
+                         capture_output=True, text=True, timeout=600)
+    assert dry.returncode == 0 and "note: draftforge train: nothing to train" in dry.stdout, dry.stdout[-2000:]
