@@ -170,6 +170,11 @@ def _describe(
         elif value == "None" and booleans.get(path) == "None" and _nullable(path, root):
             hint = f" ({NONE_IS_A_STRING})"
         return path, f"expected {_EXPECTED[kind]}, got {_show(value)}{hint}"
+    if kind in ("too_short", "too_long"):  # pydantic: "List should have at least 1 item after validation, not 0"
+        ctx = error.get("ctx", {})
+        bound = ctx.get("min_length") if kind == "too_short" else ctx.get("max_length")
+        items = f"{bound} item{'' if bound == 1 else 's'}"
+        return path, f"must hold {'at least' if kind == 'too_short' else 'at most'} {items}, got {_show(value)}"
     message = str(error.get("msg", kind))
     if message.startswith("Value error, "):
         return path, message[len("Value error, ") :]
@@ -241,9 +246,14 @@ class _Locator:
         return f"{where}: {key}: {problem}" if key else f"{where}: {problem}"
 
     def place(self, path: KeyPath, related: Sequence[KeyPath] = ()) -> str:
-        """Where :meth:`line` locates a problem of ``path``."""
+        """Where :meth:`line` locates a problem of ``path``: where it was set, except that a
+        problem between keys (``related``) that an override brought about, ``path`` itself set
+        in the file, is located at that override (the edit the user just made)."""
         where = self.where(path)
+        found = [self.where(other) for other in related if self.given(other)]
+        overridden = next((w for w in found if w.startswith("command line")), None)
         if not self.given(path):
-            found = [self.where(other) for other in related if self.given(other)]
-            where = next((w for w in found if w.startswith("command line")), found[0] if found else where)
+            where = overridden or (found[0] if found else where)
+        elif overridden is not None and not where.startswith("command line"):
+            where = overridden
         return where

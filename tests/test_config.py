@@ -258,8 +258,8 @@ def test_an_unknown_target_name_is_refused_at_its_line(tmp_path):
 def test_empty_workloads_and_train_files_are_refused(tmp_path):
     """An empty eval.workloads made 'eval --recipe' print an empty table and al_dspark=nan."""
     found = problems(write(tmp_path, BASE + "eval:\n  workloads: []\ndata:\n  train_files: []\n"))
-    assert any("eval.workloads: List should have at least 1 item" in p for p in found)
-    assert any("data.train_files: List should have at least 1 item" in p for p in found)
+    assert any("eval.workloads: must hold at least 1 item" in p for p in found)
+    assert any("data.train_files: must hold at least 1 item" in p for p in found)
 
 
 def test_mask_token_outside_vocab(tmp_path):

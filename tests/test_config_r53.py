@@ -67,3 +67,13 @@ def test_a_finished_run_rerun_starts_no_rank_and_leaves_its_files(tmp_path):
     dry = subprocess.run([sys.executable, "-m", "draftforge", "train", str(recipe), "--dry-run"],
                          capture_output=True, text=True, timeout=600)
     assert dry.returncode == 0 and "note: draftforge train: nothing to train" in dry.stdout, dry.stdout[-2000:]
+
+
+def test_a_clash_an_override_brings_about_is_located_at_the_override(capsys):
+    """'draft.num_attention_heads=3' blamed the file's lines of hidden_size and
+    num_key_value_heads, which the user had not touched."""
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
+    code, _, err = _run(["config", "show", recipe, "draft.num_attention_heads=3"], capsys)
+    assert code == 2
+    lines = [line for line in err.splitlines() if "num_attention_heads 3" in line]
+    assert len(lines) == 2 and all(line.startswith("command line 'draft.num_attention_heads=3': ") for line in lines), err
