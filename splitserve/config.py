@@ -264,7 +264,7 @@ class SplitConfig(Section):
     )
     peer_timeout_s: float = Field(
         default=900.0,
-        ge=5.0,  # the ranks' rendezvous waits this long too: below a few seconds it fails at start
+        ge=1.0,  # the ranks' rendezvous waits this long too: at 0.01 s it failed at start
         le=1e9,  # about 31 years: the process groups' timeout, which torch's store refuses far above it
         description="a peer that sends nothing this long, not even its heartbeat, is reported "
         "dead (a crashed one at once). Each rank sends a heartbeat every peer_timeout_s / 4 "
