@@ -246,14 +246,9 @@ class _Locator:
         return f"{where}: {key}: {problem}" if key else f"{where}: {problem}"
 
     def place(self, path: KeyPath, related: Sequence[KeyPath] = ()) -> str:
-        """Where :meth:`line` locates a problem of ``path``: where it was set, except that a
-        problem between keys (``related``) that an override brought about, ``path`` itself set
-        in the file, is located at that override (the edit the user just made)."""
+        """Where :meth:`line` locates a problem of ``path``."""
         where = self.where(path)
-        found = [self.where(other) for other in related if self.given(other)]
-        overridden = next((w for w in found if w.startswith("command line")), None)
         if not self.given(path):
-            where = overridden or (found[0] if found else where)
-        elif overridden is not None and not where.startswith("command line"):
-            where = overridden
+            found = [self.where(other) for other in related if self.given(other)]
+            where = next((w for w in found if w.startswith("command line")), found[0] if found else where)
         return where
