@@ -821,11 +821,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (DataFormatError, OverlapError, RegenerationError, WorkloadUnavailableError) as exc:
             print(f"draftforge data regenerate: {exc}", file=sys.stderr)
             return 2
-        except KeyboardInterrupt:  # Ctrl-C: say what SIGTERM's stop says, the answers are kept
-            print("draftforge data regenerate: stopped on SIGINT; rerun the same command to "
-                  "continue", file=sys.stderr, flush=True)
-            raise
-    return 0
+    return 0  # Ctrl-C: unwinding_on_sigterm says what SIGTERM's stop says (the answers are kept)
 
 
 if __name__ == "__main__":

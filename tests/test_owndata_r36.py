@@ -135,7 +135,7 @@ def test_ctrl_c_during_regeneration_says_the_answers_are_kept(tmp_path, monkeypa
     with pytest.raises(KeyboardInterrupt):
         regen_module.main(args)
     err = capsys.readouterr().err
-    assert "draftforge data regenerate: stopped on SIGINT; rerun the same command to continue" in err
+    assert err.count("draftforge data regenerate: stopped on SIGINT; rerun the same command to continue") == 1
     partial = tmp_path / "regenerated.jsonl.partial"
     assert len(partial.read_text().splitlines()) == 2  # the first batch, whole
     monkeypatch.setattr(target_module, "build_target", lambda *a, **k: FakeEngine())
