@@ -235,7 +235,10 @@ def calibration_json(calibration: dict) -> str:
     # NaN passes "t <= 0", and json writes NaN / Infinity, which no JSON reader (SGLang's) takes
     if not calibration["temperatures"] or any(not (math.isfinite(t) and t > 0) for t in calibration["temperatures"]):
         raise ValueError(f"calibration temperatures must be non-empty, finite and > 0: {calibration['temperatures']}")
-    written = {key: value for key, value in calibration.items() if key != "held_out"}
+    # the held-out samples and the pooled ECE (NaN where nothing was held out: JSON has no NaN)
+    # are report.json's
+    written = {key: value for key, value in calibration.items()
+               if key not in ("held_out", "pooled_ece_before", "pooled_ece_after")}
     if any(e is None for key in ("ece_before", "ece_after") for e in written.get(key, ())):
         written["ece_before"], written["ece_after"] = [], []
     return json.dumps(written, indent=2) + "\n"

@@ -133,3 +133,17 @@ def test_eval_cli_writes_sglangs_rule_and_refuses_the_rule_without_calibrate(rec
     assert {"temperatures", "ece_before", "ece_after", "dataset", "num_samples"} <= set(written)
     assert report["held_out_samples"][0] > 0
     assert "by SGLang's rule" in (out / "report.md").read_text()
+
+
+def test_survival_rule_writes_no_nan_into_sglangs_file():
+    """A review of this change: with no held-out round the pooled ECE is NaN, which json wrote
+    as NaN into the file SGLang reads (JSON has no NaN); the pooled figures are report.json's."""
+    from draftforge.eval.calibration import calibration_json
+
+    rounds = _rounds(20, 3, 0)
+    got = calibrate_survival(rounds, 3, prompt_ids=[("w", 0)] * 20)  # every round fitted, none held out
+    assert math.isnan(got["pooled_ece_before"])
+    text = calibration_json(got)
+    assert "NaN" not in text and "pooled_ece" not in text
+    written = json.loads(text)
+    assert written["ece_before"] == [] and written["temperatures"] == got["temperatures"]
