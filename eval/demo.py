@@ -253,7 +253,8 @@ def _run_stages(args: argparse.Namespace, *, command: str, recipe: str, base, pa
             )
         check_removable(outputs, keep, paths.export_dir)  # all of them before any is deleted
         if paths.dflash_dir in outputs:
-            check_run_removable(paths.run_dir, paths.data_file)
+            check_run_removable(paths.run_dir, paths.data_file, also=(
+                paths.export_dir, paths.eval_dir, paths.dflash_eval_dir, paths.log_dir, paths.table))
             check_dflash_removable(paths.dflash_dir)
             check_training_data(cfg)  # the trainings would refuse it only after the deletions
         with writers_held(outputs, paths):  # a training or regeneration writing there: refused

@@ -295,14 +295,15 @@ def _before_training_only(folder: Path, data_file: Path | None = None) -> bool:
     return folder.is_dir() and all(entry.name in before for entry in folder.iterdir())
 
 
-def check_run_removable(run_dir: Path, data_file: Path | None) -> None:
+def check_run_removable(run_dir: Path, data_file: Path | None, also: Sequence[Path] = ()) -> None:
     """Refuse ``--force`` where ``train.output_dir`` holds something else than a run written
     there or what the demo writes before its training: a folder of the user's own, or a run
-    folder holding files of the user's own beside the run (:func:`foreign_entries`)."""
+    folder holding files of the user's own beside the run (:func:`foreign_entries`; ``also``:
+    the demo's other outputs, which the recipe may put there under names of its own)."""
     if _before_training_only(run_dir, data_file):
         return
     if run_dir.is_dir() and _saved_run(run_dir) is not None:
-        _refuse_foreign(run_dir, data_file, "train.output_dir")
+        _refuse_foreign(run_dir, data_file, "train.output_dir", also)
         return
     raise DemoError(
         f"--force would delete {run_dir} (train.output_dir), but it holds neither a run written there "
@@ -317,26 +318,29 @@ RUN_ENTRIES = frozenset({
     "wandb_id.txt", "wandb", "tensorboard", "checkpoints", "regenerated.jsonl", "regenerated.jsonl.partial",
     "regenerated.jsonl.lock", "export", "eval", "eval-dflash", "demo.md", "demo-logs", ANSWERS_STAMP,
     EXPORT_STAMP, EXPORT_RECIPE,
+    "calibration.json",  # where 'draftforge eval RUN/export --calibrate' suggests writing it
 })
 
 
-def foreign_entries(folder: Path, data_file: Path | None = None) -> list[str]:
+def foreign_entries(folder: Path, data_file: Path | None = None, also: Sequence[Path] = ()) -> list[str]:
     """The entries of a run folder that no draftforge command writes there (:data:`RUN_ENTRIES`,
-    the rotated ``config.N.yaml``, the answers ``data_file`` where it lies there, and the hidden
-    locks, temporaries and staging folders of its writers), sorted."""
+    the rotated ``config.N.yaml``, the answers ``data_file`` and the ``also`` paths where they lie
+    there, and the hidden locks, temporaries, staging folders and shared-folder markers of its
+    writers), sorted."""
     import re
 
     known = set(RUN_ENTRIES)
     if data_file is not None and data_file.parent.absolute() == folder.absolute():
         known |= {data_file.name + suffix for suffix in ("", ".partial", ".lock")}
-    writers = re.compile(r"^\..*(\.lock|\.tmp|\.removing|\.tmp-.*|\.old-.*)$")
+    known |= {path.name for path in also if path.parent.absolute() == folder.absolute()}
+    writers = re.compile(r"^\.(shared-check-.*|.*(\.lock|\.tmp|\.removing|\.tmp-.*|\.old-.*))$")
     return sorted(entry.name for entry in folder.iterdir()
                   if entry.name not in known and not re.fullmatch(r"config\.\d+\.yaml", entry.name)
                   and not writers.match(entry.name))
 
 
-def _refuse_foreign(folder: Path, data_file: Path | None, key: str) -> None:
-    foreign = foreign_entries(folder, data_file)
+def _refuse_foreign(folder: Path, data_file: Path | None, key: str, also: Sequence[Path] = ()) -> None:
+    foreign = foreign_entries(folder, data_file, also)
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise DemoError(

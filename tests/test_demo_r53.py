@@ -58,3 +58,20 @@ def test_force_refuses_a_dflash_run_folder_holding_the_users_own_files(tmp_path)
     (paths.dflash_dir / "plot.py").write_text("mine")
     with pytest.raises(demo.DemoError, match="also holds what no draftforge command writes there: plot.py"):
         demo_state.check_dflash_removable(paths.dflash_dir)
+
+
+def test_force_takes_the_demos_own_outputs_the_recipe_puts_in_the_run_folder(tmp_path, monkeypatch, capsys):
+    """A review of this change: an export.out_dir inside the run folder (RUN/hf-export) was
+    called a foreign entry, and so were a trainer group's .shared-check-* marker (left by a
+    run killed between writing and removing it) and the calibration.json eval suggests."""
+    run = tmp_path / "run"
+    recipe = tiny_recipe(tmp_path, steps=4, overrides={"export.out_dir": str(run / "hf-export")})
+    paths = demo.demo_paths(load_recipe(recipe))
+    _finished_run(paths.run_dir, load_recipe(recipe).to_yaml())
+    _finished_run(paths.dflash_dir, load_recipe(recipe, demo.dflash_overrides(paths)).to_yaml())
+    (run / "hf-export").mkdir()
+    (run / ".shared-check-0123abcd").write_text("written by trainer rank 1\n")
+    (run / "calibration.json").write_text("{}")
+    demo_state.check_run_removable(paths.run_dir, paths.data_file, also=(paths.export_dir,))
+    with pytest.raises(demo.DemoError, match="hf-export"):  # not passed: the user's own
+        demo_state.check_run_removable(paths.run_dir, paths.data_file)
