@@ -90,8 +90,8 @@ def _other_output(folder: Path) -> str | None:
 
     if (folder / CONFIG_FILE).is_file() and ((folder / SINGLE_FILE).exists() or (folder / INDEX_FILE).exists()):
         return f"is a draft export ({CONFIG_FILE} and its weights)"
-    if (folder / "report.json").is_file():
-        return "holds an evaluation report (report.json, written by 'draftforge eval --out')"
+    if (folder / "report.json").is_file() and not ((folder / "config.yaml").is_file() or (folder / "checkpoints").is_dir()):
+        return "holds an evaluation report (report.json, written by 'draftforge eval --out')"  # and no run yet
     return None
 
 
@@ -186,18 +186,29 @@ def _finished_at(cfg) -> str | None:
     the ranks would load the target and rewrite the run's config.yaml and run.json for no step.
     None otherwise (on several nodes every node must start, whatever its own disk holds)."""
     from draftforge.train import checkpoint as ckpt
+    from draftforge.train.metrics import PLOT_FILE, SUMMARY_FILE
 
-    if cfg.split.num_nodes != 1:
+    run_dir = Path(cfg.train.output_dir)
+    if cfg.split.num_nodes != 1 or cfg.train.resume == "never":
         return None
-    found = ckpt.find_resume(Path(cfg.train.output_dir), cfg.train.resume)
-    if found is None:
+    try:  # preflight checked it; a launch without preflight leaves any refusal to the ranks
+        found = ckpt.find_resume(run_dir, cfg.train.resume)
+    except (ckpt.CheckpointError, OSError, ValueError):
         return None
-    step = int(ckpt.read_checked_state(found)["step"])
+    # a checkpoint of another run (train.resume: PATH) is saved into this one by a rerun; a
+    # missing summary.json or plot is rebuilt by one (from metrics.jsonl)
+    if (found is None or Path(found).resolve().parent != ckpt.checkpoints_root(run_dir).resolve()
+            or not all((run_dir / name).is_file() for name in (SUMMARY_FILE, PLOT_FILE))):
+        return None
+    try:
+        step = int(ckpt.read_checked_state(found)["step"])
+    except (ckpt.CheckpointError, OSError, ValueError, KeyError, TypeError):
+        return None
     if step < cfg.train.steps:
         return None
     return (f"draftforge train: nothing to train: checkpoint {found} is at step {step} and train.steps is "
-            f"{cfg.train.steps}; the run is left as it is (raise train.steps to train further; "
-            "'draftforge export' exports it)")
+            f"{cfg.train.steps}; the run in {run_dir} is left as it is (raise train.steps to train "
+            "further; 'draftforge export' exports it)")
 
 
 def _check_output_dir_writable(cfg) -> None:

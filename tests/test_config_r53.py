@@ -12,7 +12,7 @@ from test_cli_r15 import _run
 @pytest.mark.parametrize("value,said", [
     ("1e10", "split.peer_timeout_s: must be less than or equal to 1000000000"),  # torch's store refused it
     ("1e300", "split.peer_timeout_s: must be less than or equal to 1000000000"),  # timedelta overflowed
-    ("0.01", "split.peer_timeout_s: must be greater than or equal to 5"),  # the rendezvous timed out
+    ("0.01", "split.peer_timeout_s: must be greater than or equal to 1"),  # the rendezvous timed out
 ])
 def test_a_peer_timeout_torch_cannot_take_is_refused_with_the_recipe(value, said, capsys):
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
@@ -60,20 +60,39 @@ def test_a_finished_run_rerun_starts_no_rank_and_leaves_its_files(tmp_path):
                            capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert (f"draftforge train: nothing to train: checkpoint {run / 'checkpoints' / 'step_00000004'} is at "
-            "step 4 and train.steps is 4; the run is left as it is") in again.stdout, again.stdout
+            f"step 4 and train.steps is 4; the run in {run} is left as it is") in again.stdout, again.stdout
     assert "[rank" not in again.stdout + again.stderr  # no rank started
     assert {name: (run / name).read_bytes() for name in before} == before
     assert not (run / "config.1.yaml").exists()
     dry = subprocess.run([sys.executable, "-m", "draftforge", "train", str(recipe), "--dry-run"],
                          capture_output=True, text=True, timeout=600)
     assert dry.returncode == 0 and "note: draftforge train: nothing to train" in dry.stdout, dry.stdout[-2000:]
+    # a missing summary.json is rebuilt by a rerun (README), so that one starts the ranks
+    (run / "summary.json").unlink()
+    rebuilt = subprocess.run([sys.executable, "-m", "draftforge", "train", str(recipe)],
+                             capture_output=True, text=True, timeout=600)
+    assert rebuilt.returncode == 0 and "nothing to train" not in rebuilt.stdout, rebuilt.stdout[-2000:]
+    assert (run / "summary.json").is_file()
+    # a checkpoint of another run named by train.resume is saved into the new run by a rerun
+    other = subprocess.run([sys.executable, "-m", "draftforge", "train", str(recipe),
+                            f"train.output_dir={tmp_path / 'run2'}",
+                            f"train.resume={run / 'checkpoints' / 'step_00000004'}"],
+                           capture_output=True, text=True, timeout=600)
+    assert other.returncode == 0 and "nothing to train" not in other.stdout, other.stderr[-2000:]
+    assert (tmp_path / "run2" / "checkpoints" / "step_00000004").is_dir()
 
 
-def test_a_clash_an_override_brings_about_is_located_at_the_override(capsys):
-    """'draft.num_attention_heads=3' blamed the file's lines of hidden_size and
-    num_key_value_heads, which the user had not touched."""
-    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
-    code, _, err = _run(["config", "show", recipe, "draft.num_attention_heads=3"], capsys)
-    assert code == 2
-    lines = [line for line in err.splitlines() if "num_attention_heads 3" in line]
-    assert len(lines) == 2 and all(line.startswith("command line 'draft.num_attention_heads=3': ") for line in lines), err
+def test_a_run_folder_that_also_holds_an_evaluation_report_still_trains(tmp_path):
+    """'eval RUN/export --out RUN' is allowed; the run must still continue afterwards."""
+    from splitserve_helpers import tiny_recipe
+
+    from draftforge.config import load_recipe
+    from draftforge.splitserve.launch import preflight
+
+    cfg = load_recipe(tiny_recipe(tmp_path, steps=4))
+    run = Path(cfg.train.output_dir)
+    run.mkdir()
+    (run / "report.json").write_text("{}")
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    preflight(cfg)  # no refusal: a run is there
+
