@@ -95,7 +95,7 @@ def _other_output(folder: Path) -> str | None:
     return None
 
 
-def preflight(cfg, *, check_overlap: bool = False) -> None:
+def preflight(cfg, *, check_overlap: bool = False) -> bool:
     """Checks of the user's files that need no process group, before torchrun starts.
 
     No other run may be training in ``train.output_dir``; the checkpoint ``train.resume``
@@ -103,7 +103,8 @@ def preflight(cfg, *, check_overlap: bool = False) -> None:
     ranks will read it (the overlap check, ``data.overlap_check``, is left to them unless
     ``check_overlap``: the dry run's only chance to say it); a logger the recipe
     turns on (``train.wandb``, ``train.tensorboard``) must be installed. Raises
-    :class:`~draftforge.errors.InputError` (exit status 2) naming the file or key.
+    :class:`~draftforge.errors.InputError` (exit status 2) naming the file or key. Returns
+    whether the answers are to be regenerated inline (no answers file found).
     """
     from draftforge.files import file_in_the_way
     from draftforge.splitserve.producer import load_source_conversations
@@ -178,6 +179,7 @@ def preflight(cfg, *, check_overlap: bool = False) -> None:
             f"{cfg.train.grad_accum}, every trainer taking part in every step); add data "
             "(data.num_samples), raise split.max_epochs or use fewer trainer ranks"
         )
+    return regenerate
 
 
 def _finished_at(cfg) -> str | None:
@@ -358,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"checkpoint, which needs train.resume: auto (it is {cfg.train.resume!r}); set "
             "train.resume=auto or drop --max-restarts"
         )])
-    preflight(cfg, check_overlap=args.dry_run)  # a real run's target ranks check the overlap
+    inline = preflight(cfg, check_overlap=args.dry_run)  # a real run's target ranks check the overlap
     if _runs_trainers(cfg, layout, args.node_rank):  # trainer rank 0 writes the run there
         _check_output_dir_writable(cfg)
     finished = _finished_at(cfg)
@@ -377,6 +379,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     env = launch_env(args.master_addr, cpu=not torch_cuda_visible())  # [0] is one GPU: any() said none
+    if isinstance(inline, bool) and cfg.data.regenerate:  # every rank takes the source found now
+        from draftforge.splitserve.producer import ANSWERS_SOURCE_ENV
+
+        env[ANSWERS_SOURCE_ENV] = "inline" if inline else "file"
     with tempfile.TemporaryDirectory(prefix="draftforge-train-") as folder:
         env[INPUT_ERROR_ENV] = str(Path(folder) / "input-error")
         return _supervise(cfg, args, layout, env, restarts)

@@ -43,6 +43,7 @@ Epochs repeat until every trainer says stop (or ``split.max_epochs``).
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import sys
 import time
@@ -156,6 +157,12 @@ class ProducedSample:
         return int(self.input_ids.shape[0])
 
 
+#: set by ``draftforge train`` for its ranks: whether the launch found the answers file
+#: ("file") or answers inline ("inline"), so that every rank of the job takes the same source
+#: even when ``draftforge data regenerate`` finishes the file while the ranks start
+ANSWERS_SOURCE_ENV = "DRAFTFORGE_ANSWERS_SOURCE"
+
+
 def load_source_conversations(cfg: RecipeConfig) -> tuple[list[Conversation], bool]:
     """The conversations to walk and whether their answers must be regenerated.
 
@@ -164,7 +171,10 @@ def load_source_conversations(cfg: RecipeConfig) -> tuple[list[Conversation], bo
     to answer exactly this recipe's prompts with its target and ``target.generation``
     settings (a stale file raises :class:`~draftforge.data.regenerate.RegenerationError`).
     ``data.regenerate`` without one: the prompts, regenerated on the fly.
-    Otherwise: the conversations of ``data.train_files`` as they are.
+    Otherwise: the conversations of ``data.train_files`` as they are. Under ``draftforge
+    train`` the launch's finding (:data:`ANSWERS_SOURCE_ENV`) decides whether the file is
+    there, so a file that appears after the launch is taken by the next launch, not by some
+    of this job's ranks.
     """
     from draftforge.data.loading import (
         load_prompts,
@@ -178,6 +188,12 @@ def load_source_conversations(cfg: RecipeConfig) -> tuple[list[Conversation], bo
     if not data.regenerate:
         return load_training_conversations(data, cfg.train.output_dir).conversations, False
     path = regenerated_path(data, cfg.train.output_dir)
+    pinned = os.environ.get(ANSWERS_SOURCE_ENV)
+    if pinned == "inline":  # none at the launch: every rank of the job answers inline
+        return load_prompts(data).conversations, True
+    if pinned == "file" and not path.is_file():
+        raise InputError(f"{path}: the answers file this job's launch found is gone; rerun the command "
+                         "(it answers the prompts during training when no file is there)")
     if not path.is_file():
         if data.regenerated_file is not None:  # named, so meant to exist: never answer silently
             raise InputError(
