@@ -58,6 +58,10 @@ INPUT_ERROR_ENV = "DRAFTFORGE_INPUT_ERROR_FILE"
 # the user's own command (JSON list), which run.json records beside each rank's: its launcher
 # options (--nproc, --master-addr, --node-rank, --max-restarts) are not in the rank's command
 LAUNCH_COMMAND_ENV = "DRAFTFORGE_LAUNCH_COMMAND"
+# set for the ranks of a one-node job: whether its launch found the answers file ("file") or
+# answers inline ("inline"), so that every rank takes the same source even when 'draftforge
+# data regenerate' finishes the file while they start (producer.launch_pin reads it)
+ANSWERS_SOURCE_ENV = "DRAFTFORGE_ANSWERS_SOURCE"
 # torchrun waits this many seconds for its ranks to stop after its SIGTERM before it SIGKILLs
 # them (torch 2.13, installed here, reads it; releases before it was added, about 2.12, wait 30)
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
@@ -66,6 +70,7 @@ SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 def launch_env(master_addr: str = LOOPBACK, *, cpu: bool = True) -> dict[str, str]:
     """The ranks' environment: gloo's and NCCL's sockets on loopback unless the address is opened."""
     env = dict(os.environ)
+    env.pop(ANSWERS_SOURCE_ENV, None)  # the launch sets it for its ranks, nothing inherited does
     if cpu:
         # one intra-op thread per process unless told otherwise: ranks share the cores
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -379,9 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     env = launch_env(args.master_addr, cpu=not torch_cuda_visible())  # [0] is one GPU: any() said none
-    if isinstance(inline, bool) and cfg.data.regenerate:  # every rank takes the source found now
-        from draftforge.splitserve.producer import ANSWERS_SOURCE_ENV
-
+    if isinstance(inline, bool) and cfg.data.regenerate and cfg.split.num_nodes == 1:  # one finding for every rank
         env[ANSWERS_SOURCE_ENV] = "inline" if inline else "file"
     with tempfile.TemporaryDirectory(prefix="draftforge-train-") as folder:
         env[INPUT_ERROR_ENV] = str(Path(folder) / "input-error")

@@ -157,13 +157,15 @@ class ProducedSample:
         return int(self.input_ids.shape[0])
 
 
-#: set by ``draftforge train`` for its ranks: whether the launch found the answers file
-#: ("file") or answers inline ("inline"), so that every rank of the job takes the same source
-#: even when ``draftforge data regenerate`` finishes the file while the ranks start
-ANSWERS_SOURCE_ENV = "DRAFTFORGE_ANSWERS_SOURCE"
+def launch_pin() -> str | None:
+    """In a rank, what its launch found (``launch.ANSWERS_SOURCE_ENV``); None where it was not
+    started by ``draftforge train`` on one node (each rank looks then)."""
+    from draftforge.splitserve.launch import ANSWERS_SOURCE_ENV
+
+    return os.environ.get(ANSWERS_SOURCE_ENV)
 
 
-def load_source_conversations(cfg: RecipeConfig) -> tuple[list[Conversation], bool]:
+def load_source_conversations(cfg: RecipeConfig, *, pinned: str | None = None) -> tuple[list[Conversation], bool]:
     """The conversations to walk and whether their answers must be regenerated.
 
     ``data.regenerate`` with a regenerated file present (``data.regenerated_file``
@@ -171,10 +173,10 @@ def load_source_conversations(cfg: RecipeConfig) -> tuple[list[Conversation], bo
     to answer exactly this recipe's prompts with its target and ``target.generation``
     settings (a stale file raises :class:`~draftforge.data.regenerate.RegenerationError`).
     ``data.regenerate`` without one: the prompts, regenerated on the fly.
-    Otherwise: the conversations of ``data.train_files`` as they are. Under ``draftforge
-    train`` the launch's finding (:data:`ANSWERS_SOURCE_ENV`) decides whether the file is
-    there, so a file that appears after the launch is taken by the next launch, not by some
-    of this job's ranks.
+    Otherwise: the conversations of ``data.train_files`` as they are. ``pinned`` (a rank's
+    :func:`launch_pin`: what ``draftforge train`` found at its launch, "file" or "inline")
+    decides whether the file is there, so that a file appearing after the launch is taken by
+    the next launch, not by some of this job's ranks.
     """
     from draftforge.data.loading import (
         load_prompts,
@@ -188,8 +190,7 @@ def load_source_conversations(cfg: RecipeConfig) -> tuple[list[Conversation], bo
     if not data.regenerate:
         return load_training_conversations(data, cfg.train.output_dir).conversations, False
     path = regenerated_path(data, cfg.train.output_dir)
-    pinned = os.environ.get(ANSWERS_SOURCE_ENV)
-    if pinned == "inline":  # none at the launch: every rank of the job answers inline
+    if pinned == "inline" and data.regenerated_file is None:  # none at the launch: every rank answers
         return load_prompts(data).conversations, True
     if pinned == "file" and not path.is_file():
         raise InputError(f"{path}: the answers file this job's launch found is gone; rerun the command "
@@ -235,7 +236,8 @@ def markov_init_samples(cfg: RecipeConfig) -> tuple[list[list[int]], list[list[b
     from draftforge.splitserve.target import load_tokenizer
 
     data = cfg.data.model_copy(update={"overlap_check": False})  # the target ranks check it
-    conversations, regenerate = load_source_conversations(cfg.model_copy(update={"data": data}))
+    conversations, regenerate = load_source_conversations(cfg.model_copy(update={"data": data}),
+                                                          pinned=launch_pin())
     if regenerate:
         raise InputError(NO_ANSWERS_FOR_MARKOV_INIT)
     settings = cfg.target.generation
@@ -576,7 +578,7 @@ def run_producer(
     lone = [dest for dest in dests if len(topology.sources(dest)) == 1]
     pulse.expect(lone, listens=gate.listens, on_error=gate.fail)
     meter = Meter()
-    conversations, regenerate = load_source_conversations(cfg)
+    conversations, regenerate = load_source_conversations(cfg, pinned=launch_pin())
     source = SampleSource(
         cfg, engine, topology, rank, conversations=conversations, regenerate=regenerate,
         consumed=consumed, meter=meter, should_stop=gate.all_stopped, log=log,
@@ -714,7 +716,7 @@ def producer_alone(
     sample of a chunk (nothing of the next chunk is computed); returns them, their tokens
     and the seconds they took.
     """
-    conversations, regenerate = load_source_conversations(cfg)
+    conversations, regenerate = load_source_conversations(cfg, pinned=launch_pin())
     source = SampleSource(cfg, engine, topology, rank, conversations=conversations,
                           regenerate=regenerate, meter=meter)
     out: list[ProducedSample] = []
