@@ -147,18 +147,9 @@ def calibrate(
     (:class:`ValueError` else): 1 would hold out every prompt and fit on none, 0 divides by
     zero, and a negative one would hold out none.
     """
-    if isinstance(holdout_every, bool) or not isinstance(holdout_every, int) or holdout_every < 2:
-        raise ValueError(
-            f"holdout_every must be a whole number >= 2 (every holdout_every-th prompt is held out, "
-            f"the others fitted on), got {holdout_every!r}"
-        )
+    _check_holdout(holdout_every, prompt_ids, len(samples), "samples")
     temperatures, ece_before, ece_after, fit_counts, held_counts, bounds = [], [], [], [], [], []
     held_out: list[tuple[int, float, float]] = []
-    if prompt_ids is not None and len(prompt_ids) != len(samples):
-        raise ValueError(f"{len(prompt_ids)} prompt ids for {len(samples)} samples")
-    for n, prompt in enumerate(prompt_ids or ()):
-        if not (isinstance(prompt, tuple) and len(prompt) == 2 and isinstance(prompt[1], int) and prompt[1] >= 0):
-            raise ValueError(f"prompt_ids[{n}] must be a (workload, prompt index >= 0) pair, got {prompt!r}")
     _check_finite(samples)
     for k in range(block_size):
         at_k = [i for i, sample in enumerate(samples) if sample[0] == k]
@@ -193,6 +184,22 @@ def calibrate(
         "temperature_at_bound": bounds,
         "held_out": held_out,
     }
+
+
+def _check_holdout(holdout_every: int, prompt_ids: Sequence[tuple[Hashable, int]] | None, count: int,
+                   what: str) -> None:
+    """Refuse a ``holdout_every`` that is no whole number >= 2, and ``prompt_ids`` that are not one
+    (workload, prompt index >= 0) pair for each of the ``count`` samples (or rounds: ``what``)."""
+    if isinstance(holdout_every, bool) or not isinstance(holdout_every, int) or holdout_every < 2:
+        raise ValueError(
+            f"holdout_every must be a whole number >= 2 (every holdout_every-th prompt is held out, "
+            f"the others fitted on), got {holdout_every!r}"
+        )
+    if prompt_ids is not None and len(prompt_ids) != count:
+        raise ValueError(f"{len(prompt_ids)} prompt ids for {count} {what}")
+    for n, prompt in enumerate(prompt_ids or ()):
+        if not (isinstance(prompt, tuple) and len(prompt) == 2 and isinstance(prompt[1], int) and prompt[1] >= 0):
+            raise ValueError(f"prompt_ids[{n}] must be a (workload, prompt index >= 0) pair, got {prompt!r}")
 
 
 def _check_finite(samples: Sequence[tuple[int, float, float]]) -> None:
@@ -300,15 +307,8 @@ def calibrate_survival(
     count rounds; ``temperature_at_bound`` is ``"lower"`` / ``"upper"`` at the grid's ends),
     ``pooled_ece_before`` / ``pooled_ece_after`` over every position of the held-out rounds,
     and ``rule: "survival"``."""
-    if isinstance(holdout_every, bool) or not isinstance(holdout_every, int) or holdout_every < 2:
-        raise ValueError(f"holdout_every must be a whole number >= 2, got {holdout_every!r}")
-    if prompt_ids is not None and len(prompt_ids) != len(outcomes):
-        raise ValueError(f"{len(prompt_ids)} prompt ids for {len(outcomes)} rounds")
-    bad = sum(1 for logits, _ in outcomes for z in logits[:block_size] if not math.isfinite(z))
-    if bad:
-        raise InputError(f"calibration: the draft's confidence head gave {bad} non-finite logits (NaN or "
-                         f"inf) in {len(outcomes)} rounds: no temperature fits them; check the draft for "
-                         "non-finite weights (a diverged training?) before calibrating it")
+    _check_holdout(holdout_every, prompt_ids, len(outcomes), "rounds")
+    _check_finite([(k, z, 0.0) for logits, _ in outcomes for k, z in enumerate(logits[:block_size])])
     held = [(prompt_ids[i][1] if prompt_ids is not None else i) % holdout_every == holdout_every - 1
             for i in range(len(outcomes))]
 

@@ -147,3 +147,16 @@ def test_survival_rule_writes_no_nan_into_sglangs_file():
     assert "NaN" not in text and "pooled_ece" not in text
     written = json.loads(text)
     assert written["ece_before"] == [] and written["temperatures"] == got["temperatures"]
+
+
+def test_survival_rule_refuses_non_finite_logits_and_a_bad_holdout_as_the_conditional_rule_does():
+    from draftforge.errors import InputError
+
+    rounds = _rounds(20, 3, 0)
+    rounds[4] = ([rounds[4][0][0], float("nan"), rounds[4][0][2]], rounds[4][1])
+    with pytest.raises(InputError, match=r"1 non-finite logits \(NaN or inf\) of 60 \(1 at position 1\)"):
+        calibrate_survival(rounds, 3)
+    with pytest.raises(ValueError, match="holdout_every must be a whole number >= 2"):
+        calibrate_survival(_rounds(20, 3, 0), 3, holdout_every=1)
+    with pytest.raises(ValueError, match=r"prompt_ids\[0\] must be a \(workload, prompt index >= 0\) pair"):
+        calibrate_survival(_rounds(2, 3, 0), 3, prompt_ids=[("w", -1), ("w", 0)])
