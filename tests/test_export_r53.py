@@ -82,7 +82,7 @@ def test_an_export_with_reordered_target_layers_is_matched_by_the_weights_it_wro
     run, steps = _run_with_two_checkpoints(recipe_path, tmp_path, target_layer_ids=list(reversed(ids)))
     assert main(["export", str(run), "--out", str(run / "export")]) == 0
     report = _evaluate(recipe_path, tmp_path, run / "export")
-    from draftforge.train.export import checkpoint_fingerprint
+    from test_export_r52 import checkpoint_fingerprint
 
     assert report["draft_fingerprint"] != checkpoint_fingerprint(steps[4])  # permuted columns
     capsys.readouterr()

@@ -60,10 +60,10 @@ def test_export_takes_a_report_md_only_beside_the_report_json_written_with_it(tm
 
     from eval_helpers import tiny_eval_draft, tiny_target
     from test_export import _write_checkpoint
+    from test_export_r52 import checkpoint_fingerprint
 
     from draftforge.cli import main
     from draftforge.eval.report import text_digest
-    from draftforge.train.export import checkpoint_fingerprint
 
     run = tmp_path / "run"
     folder = run / "checkpoints" / "step_00000002"

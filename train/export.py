@@ -573,18 +573,6 @@ def weights_fingerprint(tensor: torch.Tensor) -> str:
     return f"{tensor.dtype}:{hashlib.sha256(raw.numpy().tobytes()).hexdigest()}"
 
 
-def checkpoint_fingerprint(checkpoint: Path) -> str | None:
-    """:func:`weights_fingerprint` of a checkpoint folder's ``fc.weight``, read alone; None where
-    it cannot be read (the caller falls back on file times)."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(checkpoint / SINGLE_FILE), framework="pt") as weights:
-            return weights_fingerprint(weights.get_tensor(FINGERPRINT_TENSOR))
-    except (OSError, SafetensorError, KeyError):
-        return None
-
-
 def load_training_checkpoint(path: str | os.PathLike[str]) -> tuple[DSparkConfig, dict[str, torch.Tensor]]:
     """The draft config and state dict of a training checkpoint (the one place that knows its format).
 

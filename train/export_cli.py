@@ -146,7 +146,7 @@ def _card_and_weights(args, source: Path, run_dir: Path | None):
         report = Path(args.eval_report)
         card.acceptance_table = read_eval_report(report, option="--eval-report ")
     else:  # RUN_DIR/eval/report.md, only where it measured this draft
-        report = default_report(run_dir, source, Path(out), exported=_exported_fingerprint(state, cfg)) if run_dir else None
+        report = default_report(run_dir, source, Path(out), weights=_fingerprints(state, cfg)) if run_dir else None
         try:
             card.acceptance_table = read_eval_report(report) if report is not None else None
         except InputError as err:
@@ -248,29 +248,29 @@ def read_eval_report(report: Path, *, option: str = "") -> str:
     return text
 
 
-def _exported_fingerprint(state, cfg) -> str | None:
-    """The fingerprint of ``fc.weight`` as this export writes it (its column blocks in ascending
-    target-layer order), which an evaluation of the export recorded."""
+def _fingerprints(state, cfg) -> set[str]:
+    """The fingerprints an evaluation of these weights records: of the checkpoint's ``fc.weight``
+    as read, and as this export writes it (its column blocks in ascending target-layer order)."""
     from draftforge.train.export import (
         FINGERPRINT_TENSOR,
         ascending_target_layers,
         weights_fingerprint,
     )
 
-    written = ascending_target_layers(state, cfg, progress=lambda _line: None)[0].get(FINGERPRINT_TENSOR)
-    return None if written is None else weights_fingerprint(written)
+    written = ascending_target_layers(state, cfg, progress=lambda _line: None)[0]
+    return {weights_fingerprint(weights[FINGERPRINT_TENSOR]) for weights in (state, written)}
 
 
-def default_report(run_dir: Path, checkpoint: Path, out: Path, *, exported: str | None = None) -> Path | None:
+def default_report(run_dir: Path, checkpoint: Path, out: Path, *, weights: set[str]) -> Path | None:
     """``run_dir/eval/report.md`` when its ``report.json`` measured this export's draft (the run,
     ``checkpoint``, the one exported, or the run's export folder) with the weights exported: its
-    ``draft_fingerprint`` is the checkpoint's ``fc.weight``'s or ``exported``, that of the
-    ``fc.weight`` this export writes (reports without one: no earlier than the checkpoint was
-    completed); else None, with one line saying why a report there was not used."""
+    ``draft_fingerprint`` is one of ``weights`` (:func:`_fingerprints`; reports without one: no
+    earlier than the checkpoint was completed); else None, with one line saying why a report
+    there was not used."""
     import json
 
     from draftforge.train.checkpoint import COMPLETE
-    from draftforge.train.export import SINGLE_FILE, checkpoint_fingerprint
+    from draftforge.train.export import SINGLE_FILE
 
     report = run_dir / "eval" / "report.md"
     if not report.is_file():
@@ -292,7 +292,7 @@ def default_report(run_dir: Path, checkpoint: Path, out: Path, *, exported: str 
     elif Path(draft).expanduser().resolve() not in ours:
         why = f"{measured} measured draft {draft}, not this run, its checkpoint {checkpoint.name} or its export"
     elif written.get("draft_fingerprint") is not None:  # the weights it read decide
-        if written["draft_fingerprint"] in {checkpoint_fingerprint(checkpoint), exported} - {None}:
+        if written["draft_fingerprint"] in weights:
             return report
         why = (f"{measured} measured other weights than checkpoint {checkpoint.name} holds (another "
                "checkpoint, or an export of one)")
