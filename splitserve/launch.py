@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from draftforge import argtypes
@@ -100,7 +101,16 @@ def _other_output(folder: Path) -> str | None:
     return None
 
 
-def preflight(cfg, *, check_overlap: bool = False) -> bool:
+@dataclass(frozen=True)
+class Preflight:
+    """What :func:`preflight` found on this node's disk."""
+
+    regenerate: bool  # no answers file: the target ranks answer the prompts inline
+    resume_from: Path | None = None  # the checkpoint train.resume takes, its files checked
+    resume_step: int | None = None  # that checkpoint's step
+
+
+def preflight(cfg, *, check_overlap: bool = False) -> Preflight:
     """Checks of the user's files that need no process group, before torchrun starts.
 
     No other run may be training in ``train.output_dir``; the checkpoint ``train.resume``
@@ -109,7 +119,7 @@ def preflight(cfg, *, check_overlap: bool = False) -> bool:
     ``check_overlap``: the dry run's only chance to say it); a logger the recipe
     turns on (``train.wandb``, ``train.tensorboard``) must be installed. Raises
     :class:`~draftforge.errors.InputError` (exit status 2) naming the file or key. Returns
-    whether the answers are to be regenerated inline (no answers file found).
+    what it found (:class:`Preflight`).
     """
     from draftforge.files import file_in_the_way
     from draftforge.splitserve.producer import load_source_conversations
@@ -143,11 +153,12 @@ def preflight(cfg, *, check_overlap: bool = False) -> bool:
         ckpt.claim_run_dir(run_dir)
         ckpt.release_run_dir(run_dir)
     found = ckpt.find_resume(run_dir, cfg.train.resume)
+    step = None
     if found is not None:
         model_config = _model_config(cfg)
-        ckpt.read_checked_state(found, model_config=model_config, strategy=cfg.train.strategy,
-                                trainer_ranks=len(cfg.split.trainer_ranks),
-                                zero_stage=cfg.train.zero_stage, dtype=cfg.train.dtype)
+        step = int(ckpt.read_checked_state(found, model_config=model_config, strategy=cfg.train.strategy,
+                                           trainer_ranks=len(cfg.split.trainer_ranks),
+                                           zero_stage=cfg.train.zero_stage, dtype=cfg.train.dtype)["step"])
     data = cfg.data if check_overlap else cfg.data.model_copy(update={"overlap_check": False})
     conversations, regenerate = load_source_conversations(cfg.model_copy(update={"data": data}))
     if regenerate and cfg.train.markov_init == "bigram" and found is None:
@@ -184,38 +195,27 @@ def preflight(cfg, *, check_overlap: bool = False) -> bool:
             f"{cfg.train.grad_accum}, every trainer taking part in every step); add data "
             "(data.num_samples), raise split.max_epochs or use fewer trainer ranks"
         )
-    return regenerate
+    return Preflight(regenerate=regenerate, resume_from=None if found is None else Path(found), resume_step=step)
 
 
-def _finished_at(cfg) -> str | None:
-    """On one node, what to say when the checkpoint ``train.resume`` takes is already at
-    ``train.steps`` or beyond (preflight checked it): there is nothing to train, and starting
-    the ranks would load the target and rewrite the run's config.yaml and run.json for no step.
-    None otherwise (on several nodes every node must start, whatever its own disk holds)."""
+def _finished_at(cfg, checked: Preflight) -> str | None:
+    """On one node, what to say when the checkpoint ``train.resume`` takes (``checked``) is
+    already at ``train.steps`` or beyond: there is nothing to train, and starting the ranks
+    would load the target and rewrite the run's config.yaml and run.json for no step. None
+    otherwise (on several nodes every node must start, whatever its own disk holds)."""
     from draftforge.train import checkpoint as ckpt
     from draftforge.train.metrics import PLOT_FILE, SUMMARY_FILE
 
-    run_dir = Path(cfg.train.output_dir)
-    if cfg.split.num_nodes != 1 or cfg.train.resume == "never":
-        return None
-    try:  # preflight checked it; a launch without preflight leaves any refusal to the ranks
-        found = ckpt.find_resume(run_dir, cfg.train.resume)
-    except (ckpt.CheckpointError, OSError, ValueError):
-        return None
+    run_dir, found = Path(cfg.train.output_dir), checked.resume_from
     # a checkpoint of another run (train.resume: PATH) is saved into this one by a rerun; a
     # missing summary.json or plot is rebuilt by one (from metrics.jsonl)
-    if (found is None or Path(found).resolve().parent != ckpt.checkpoints_root(run_dir).resolve()
+    if (cfg.split.num_nodes != 1 or found is None or checked.resume_step < cfg.train.steps
+            or found.resolve().parent != ckpt.checkpoints_root(run_dir).resolve()
             or not all((run_dir / name).is_file() for name in (SUMMARY_FILE, PLOT_FILE))):
         return None
-    try:
-        step = int(ckpt.read_checked_state(found)["step"])
-    except (ckpt.CheckpointError, OSError, ValueError, KeyError, TypeError):
-        return None
-    if step < cfg.train.steps:
-        return None
-    return (f"draftforge train: nothing to train: checkpoint {found} is at step {step} and train.steps is "
-            f"{cfg.train.steps}; the run in {run_dir} is left as it is (raise train.steps to train "
-            "further; 'draftforge export' exports it)")
+    return (f"draftforge train: nothing to train: checkpoint {found} is at step {checked.resume_step} and "
+            f"train.steps is {cfg.train.steps}; the run in {run_dir} is left as it is (raise train.steps to "
+            "train further; 'draftforge export' exports it)")
 
 
 def _check_output_dir_writable(cfg) -> None:
@@ -365,10 +365,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"checkpoint, which needs train.resume: auto (it is {cfg.train.resume!r}); set "
             "train.resume=auto or drop --max-restarts"
         )])
-    inline = preflight(cfg, check_overlap=args.dry_run)  # a real run's target ranks check the overlap
+    checked = preflight(cfg, check_overlap=args.dry_run)  # a real run's target ranks check the overlap
     if _runs_trainers(cfg, layout, args.node_rank):  # trainer rank 0 writes the run there
         _check_output_dir_writable(cfg)
-    finished = _finished_at(cfg)
+    finished = _finished_at(cfg, checked) if isinstance(checked, Preflight) else None  # None: tests stub it
     if finished is not None and not args.dry_run:  # no rank started, no run file rewritten
         print(finished, flush=True)
         return 0
@@ -384,8 +384,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     env = launch_env(args.master_addr, cpu=not torch_cuda_visible())  # [0] is one GPU: any() said none
-    if isinstance(inline, bool) and cfg.data.regenerate and cfg.split.num_nodes == 1:  # one finding for every rank
-        env[ANSWERS_SOURCE_ENV] = "inline" if inline else "file"
+    if isinstance(checked, Preflight) and cfg.data.regenerate and cfg.split.num_nodes == 1:  # one finding for every rank
+        env[ANSWERS_SOURCE_ENV] = "inline" if checked.regenerate else "file"
     with tempfile.TemporaryDirectory(prefix="draftforge-train-") as folder:
         env[INPUT_ERROR_ENV] = str(Path(folder) / "input-error")
         return _supervise(cfg, args, layout, env, restarts)
