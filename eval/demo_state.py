@@ -15,6 +15,7 @@ from pathlib import Path
 from draftforge.eval.demo_runs import DemoPaths
 from draftforge.eval.demo_stages import DemoError
 from draftforge.files import write_atomic
+from draftforge.train import metrics
 
 ANSWERS_STAMP = "demo-answers.json"  # in each run folder: the digest of the answers it trained on
 
@@ -314,8 +315,9 @@ def check_run_removable(run_dir: Path, data_file: Path | None, also: Sequence[Pa
 #: what a training, ``data regenerate`` (its default answers file), ``export`` and ``eval`` (their
 #: default folders) and the demo write in a run folder
 RUN_ENTRIES = frozenset({
-    "config.yaml", "run.json", "metrics.jsonl", "accounting.jsonl", "summary.json", "slot_acceptance.png",
-    "wandb_id.txt", "wandb", "tensorboard", "checkpoints", "regenerated.jsonl", "regenerated.jsonl.partial",
+    *(metrics.CONFIG_FILE, metrics.RUN_FILE, metrics.METRICS_FILE, metrics.SUMMARY_FILE, metrics.PLOT_FILE,
+      metrics.WANDB_ID_FILE),
+    "accounting.jsonl", "wandb", "tensorboard", "checkpoints", "regenerated.jsonl", "regenerated.jsonl.partial",
     "regenerated.jsonl.lock", "export", "eval", "eval-dflash", "demo.md", "demo-logs", ANSWERS_STAMP,
     EXPORT_STAMP, EXPORT_RECIPE,
     "calibration.json",  # where 'draftforge eval RUN/export --calibrate' suggests writing it
