@@ -54,9 +54,10 @@ def test_settle_waits_for_a_gpu_only(monkeypatch):
     assert calls == [torch.device("cuda:1")]
 
 
-def test_an_interval_without_a_producer_report_says_so_instead_of_zeros(monkeypatch):
-    """A long generation chunk can leave a log interval with no sample header: the line read
-    'target busy 0% idle 0% 0 tok/s (capacity 0)' while the target was busy the whole time."""
+def first_interval(monkeypatch):
+    """A trainer's accounting on a clock the test sets (``clock[0]``), after a first 10 s
+    interval: the target 8 s busy of 10 for 500 tokens, one sample taken, a step of 5 s
+    computing and 5 s waiting (its line not yet asked for)."""
     import types
 
     from draftforge.splitserve import accounting
@@ -68,6 +69,13 @@ def test_an_interval_without_a_producer_report_says_so_instead_of_zeros(monkeypa
     acc.on_take(depth=1, tokens=500, waited_s=0.0)
     clock[0] = 10.0
     acc.on_step({"sample_ids": [], "compute_s": 5.0, "wait_s": 5.0})
+    return acc, clock
+
+
+def test_an_interval_without_a_producer_report_says_so_instead_of_zeros(monkeypatch):
+    """A long generation chunk can leave a log interval with no sample header: the line read
+    'target busy 0% idle 0% 0 tok/s (capacity 0)' while the target was busy the whole time."""
+    acc, clock = first_interval(monkeypatch)
     first = acc.line()
     assert "target busy 80% idle 20% 50 tok/s (capacity 62)" in first
     clock[0] = 20.0

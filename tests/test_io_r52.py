@@ -200,21 +200,14 @@ def test_a_summary_rebuilt_from_the_log_keeps_the_runs_throughput(tmp_path, caps
     summary from the logged steps with 0 tokens in 0.002 s and 0 tokens/s."""
     import json
 
-    from trainer_helpers import chain_samples, target_embeddings, tiny_model_config, train_config
-
-    from draftforge.train.trainer import Trainer
+    from test_train_r51 import three_step_trainer
 
     run = tmp_path / "run"
-
-    def trainer():
-        return Trainer(model_config=tiny_model_config(), embeddings=target_embeddings(), run_dir=run,
-                       train=train_config(str(run), resume="auto", steps=3, log_interval=2, checkpoint_interval=1))
-
-    batches = [[s] for s in chain_samples(3)]
-    trainer().fit(batches)
+    trainer, batches = three_step_trainer(run)
+    trainer.fit(batches)
     first = json.loads((run / "summary.json").read_text())
     (run / "summary.json").unlink()
-    again = trainer()
+    again, _ = three_step_trainer(run)
     again.resume()
     again.fit(batches)
     rebuilt = json.loads((run / "summary.json").read_text())
@@ -280,17 +273,9 @@ def test_an_interval_whose_target_reports_span_a_sliver_of_it_gives_no_target_fi
     """Samples of one chunk, computed before an interval and sent in it, carried headers spanning
     0.3 s of a 12.8 s interval: the line gave that sliver's shares as the interval's
     ("target busy 41% idle 55% 0 tok/s (capacity 0)")."""
-    import types
+    from test_accounting_r50 import first_interval
 
-    from draftforge.splitserve import accounting
-
-    clock = [0.0]
-    monkeypatch.setattr(accounting, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    acc = accounting.ConsumerAccounting(world=2, num_target=1, credits=4)
-    acc.on_producer_stats(0, {"busy_s": 8.0, "idle_s": 2.0, "tokens": 500, "wall_s": 10.0})
-    acc.on_take(depth=1, tokens=500, waited_s=0.0)
-    clock[0] = 10.0
-    acc.on_step({"sample_ids": [], "compute_s": 5.0, "wait_s": 5.0})
+    acc, clock = first_interval(monkeypatch)
     acc.line()
     acc.on_producer_stats(0, {"busy_s": 8.12, "idle_s": 2.17, "tokens": 500, "wall_s": 10.3})  # sends only
     clock[0] = 22.8

@@ -9,24 +9,27 @@ from trainer_helpers import chain_samples, target_embeddings, tiny_model_config,
 from draftforge.train.trainer import Trainer
 
 
+def three_step_trainer(run):
+    """A trainer of a 3-step run in ``run`` that resumes there, and its batches: one finished
+    by ``fit``, to be run again by another."""
+    trainer = Trainer(model_config=tiny_model_config(), embeddings=target_embeddings(), run_dir=run,
+                      train=train_config(str(run), resume="auto", steps=3, log_interval=2, checkpoint_interval=1))
+    return trainer, [[s] for s in chain_samples(3)]
+
+
 def test_a_rerun_that_redraws_a_missing_plot_keeps_the_summary(tmp_path, capsys):
     """The rerun that draws a plot missing from a finished run (its drawing failed, or it was
     deleted) also wrote summary.json with its own figures: 0 steps, 0 tokens, 0 tokens/s."""
     run = tmp_path / "run"
-
-    def trainer():
-        return Trainer(model_config=tiny_model_config(), embeddings=target_embeddings(), run_dir=run,
-                       train=train_config(str(run), resume="auto", steps=3, log_interval=2, checkpoint_interval=1))
-
-    batches = [[s] for s in chain_samples(3)]
-    trainer().fit(batches)
+    first, batches = three_step_trainer(run)
+    first.fit(batches)
     before = (run / "summary.json").read_text()
     assert json.loads(before)["steps_this_run"] == 3 and json.loads(before)["tokens"] > 0
     plot = run / "slot_acceptance.png"
     drawn = plot.read_bytes()
     plot.unlink()
     capsys.readouterr()
-    again = trainer()
+    again, _ = three_step_trainer(run)
     again.resume()
     again.fit(batches)
     assert (run / "summary.json").read_text() == before
