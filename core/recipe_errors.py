@@ -104,6 +104,8 @@ def _model_at(path: KeyPath, root: type[BaseModel]) -> type[BaseModel] | None:
 
 
 NONE_IS_A_STRING = "unquoted None is the string 'None' in YAML, not null; write null (or ~) for none"
+# how _index_lines and parse_override record an override whose value is blank ('key=')
+BLANK_VALUE = ""
 
 
 def _nullable(path: KeyPath, root: type[BaseModel]) -> bool:
@@ -169,6 +171,8 @@ def _describe(
             hint = f" (unquoted {spelled} is a boolean in YAML; quote it: {spelled!r})"
         elif value == "None" and booleans.get(path) == "None" and _nullable(path, root):
             hint = f" ({NONE_IS_A_STRING})"
+        elif value is None and booleans.get(path) == BLANK_VALUE:
+            hint = " (nothing follows '=' in the override, and YAML reads a blank value as null)"
         return path, f"expected {_EXPECTED[kind]}, got {_show(value)}{hint}"
     if kind in ("too_short", "too_long"):  # pydantic: "List should have at least 1 item after validation, not 0"
         ctx = error.get("ctx", {})

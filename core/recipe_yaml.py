@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from draftforge.recipe_errors import KeyPath, RecipeError, _dotted
+from draftforge.recipe_errors import BLANK_VALUE, KeyPath, RecipeError, _dotted
 
 
 class _RecipeDumper(yaml.SafeDumper):
@@ -274,6 +274,8 @@ def parse_override(text: str, booleans: dict[KeyPath, str] | None = None) -> tup
             if node is not None:  # duplicate and non-string keys, as in a file
                 _index_lines(node, parts, {}, problems, None, {} if booleans is None else booleans)
             value = loader.construct_document(node) if node is not None else None
+            if node is None and booleans is not None:  # 'key=' or 'key=  ': YAML reads null
+                booleans[parts] = BLANK_VALUE
         finally:
             loader.dispose()
     except yaml.YAMLError as exc:

@@ -588,6 +588,12 @@ def load_training_checkpoint(path: str | os.PathLike[str]) -> tuple[DSparkConfig
         raise ExportError(f"{path} does not exist; give a run directory, a checkpoint folder or a "
                           f"{SINGLE_FILE}")
     if path.is_file():
+        if path.suffix != ".safetensors":  # RUN/config.yaml: not "RUN/draft_config.json is missing"
+            hint = (f"the run directory {path.parent} for its newest complete checkpoint"
+                    if (path.parent / "checkpoints").is_dir()
+                    else f"a run directory, a checkpoint folder or a {SINGLE_FILE} file")
+            raise ExportError(f"{path} is a file but no {SINGLE_FILE} (export reads a draft's weights "
+                              f"from safetensors only); pass {hint}")
         return _read_checkpoint(path, path, path.parent)
     if not (path / "checkpoints").is_dir():
         return _read_checkpoint(path, path / SINGLE_FILE, path)
