@@ -380,8 +380,10 @@ def _device(cfg: RecipeConfig, rank: int, backend: str) -> torch.device:
 
 
 def _say(rank: int, role: str):
+    from draftforge.train.metrics import say
+
     def log(text: str) -> None:
-        print(f"[rank {rank} {role}] {text}", file=sys.stderr, flush=True)
+        say(f"[rank {rank} {role}] {text}")  # never on the end of a progress bar's line
 
     return log
 

@@ -53,3 +53,37 @@ def test_export_of_a_file_that_is_no_safetensors_names_what_to_pass(tmp_path, ru
     else:
         assert said.endswith("pass a run directory, a checkpoint folder or a model.safetensors file"), said
     assert "draft_config.json" not in said, said
+
+
+def _segments(text: str) -> list[str]:
+    """What a terminal would show of ``text`` as separate writes: split at carriage returns and newlines."""
+    return [part for line in text.split("\n") for part in line.split("\r")]
+
+
+def test_a_rank_message_is_written_around_the_progress_bar_of_its_own_process(capsys):
+    """'[rank 1 trainer] split (last interval): ...' landed on the end of the bar's line."""
+    from draftforge.splitserve.roles import _say
+    from draftforge.train import metrics
+
+    bar = metrics.Progress(total=3, initial=0)
+    try:
+        bar.update(loss=1.0, tau=1.1, tokens=10)
+        bar.bar.refresh()  # drawn, without a newline after it
+        _say(1, "trainer")("split (last interval): trainer busy 100%")
+    finally:
+        bar.close()
+    err = capsys.readouterr().err
+    assert "train:" in err and "[rank 1 trainer] split" in err, err
+    assert "[rank 1 trainer] split (last interval): trainer busy 100%" in _segments(err), repr(err)
+    assert not metrics._ACTIVE
+
+
+def test_a_rank_message_clears_the_terminal_line_another_process_may_have_drawn_on(capsys, monkeypatch):
+    from draftforge.splitserve.roles import _say
+
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True)
+    _say(0, "target")("data finished")
+    assert capsys.readouterr().err == "\r\x1b[K[rank 0 target] data finished\n"
+    monkeypatch.setattr("sys.stderr.isatty", lambda: False)  # a log file gets no escape codes
+    _say(0, "target")("data finished")
+    assert capsys.readouterr().err == "[rank 0 target] data finished\n"

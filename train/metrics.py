@@ -288,6 +288,24 @@ def _start_tensorboard(run_dir: Path, *, resume_step: int):
                          purge_step=resume_step + 1 if resume_step or earlier else None)
 
 
+# the progress bar this process draws now, if any (say() writes around it)
+_ACTIVE: list[Progress] = []
+# On a terminal, a line from another process (a target rank) first clears the line it lands
+# on: the trainer's bar, drawn without a newline, would otherwise run into it. The bar is
+# drawn again at its next step.
+CLEAR_LINE = "\r\x1b[K"
+
+
+def say(line: str) -> None:
+    """Write ``line`` to stderr on a line of its own: through this process's progress bar
+    when one is drawn (tqdm clears it, writes, and draws it again), else after clearing the
+    terminal's current line, where another process's bar may stand."""
+    if _ACTIVE:
+        _ACTIVE[-1].bar.write(line, file=sys.stderr)
+        return
+    print((CLEAR_LINE if sys.stderr.isatty() else "") + line, file=sys.stderr, flush=True)
+
+
 class Progress:
     """A tqdm bar over optimizer steps: loss, tau, tokens/s; tqdm adds the ETA."""
 
@@ -299,6 +317,8 @@ class Progress:
                         disable=not enabled, file=sys.stderr,
                         mininterval=0.1 if sys.stderr.isatty() else 5.0)
         self.started, self.tokens, self.tokens_s = time.perf_counter(), 0, 0.0
+        if enabled:
+            _ACTIVE.append(self)
 
     def update(self, *, loss: float, tau: float, tokens: int) -> None:
         """One step done: its loss and tau, and its ``tokens`` for tokens/s, which counts this
@@ -313,6 +333,8 @@ class Progress:
         self.bar.write(text)
 
     def close(self) -> None:
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         self.bar.close()
 
 
