@@ -262,6 +262,15 @@ class SplitConfig(Section):
     max_epochs: int | None = Field(
         default=None, gt=0, description="passes over the data; default: until train.steps"
     )
+    reuse_features: bool = Field(
+        default=False,
+        description="compute each sample's target features once for two epochs: a target rank "
+        "keeps a chunk's features and sends them again as the chunk's second-epoch samples right "
+        "after the next chunk's first-epoch ones (epochs 0 and 1 interleave chunk by chunk instead "
+        "of epoch 1 following in its own order; later epochs are computed again). Holds up to two "
+        "chunks' features on the target's device. For CPU targets, where features cost about as "
+        "much as answering: the trainer then has two chunks of work per chunk answered",
+    )
     peer_timeout_s: float = Field(
         default=900.0,
         ge=1.0,  # the ranks' rendezvous waits this long too: at 0.01 s it failed at start

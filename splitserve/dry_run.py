@@ -171,6 +171,10 @@ def target_estimate(cfg: RecipeConfig) -> Estimate:
           * gen.batch_size * (seq + gen.max_new_tokens) * dtype)
     logits = gen.batch_size * shape.vocab_size * 4
     wire = cfg.split.max_in_flight * seq * (k + 1) * hidden * 2
+    # split.reuse_features: epoch 0's features of a chunk, kept until the next chunk's are made
+    kept = ([("features kept for epoch 1 (split.reuse_features: two chunks)",
+              2 * gen.batch_size * seq * (k + 1) * hidden * dtype)]
+            if cfg.split.reuse_features and cfg.split.max_epochs != 1 else [])
     weights = (target_parameters(shape) or 0) * dtype / tp
     label = f"weights ({dtype_name}, tp {tp}, {_weights_source(shape)})"
     if cfg.target.backend == "sglang":
@@ -181,6 +185,7 @@ def target_estimate(cfg: RecipeConfig) -> Estimate:
             (label.replace("weights (", "weights x2: generation engine + feature runner (", 1),
              2 * weights),
             ("features: captured layers", captured),
+            *kept,
             ("send buffers (bf16)", wire),
         ])
     generation = [_counted("generation: KV cache + logits", kv + logits, shape,
@@ -195,6 +200,7 @@ def target_estimate(cfg: RecipeConfig) -> Estimate:
         _counted("features: one layer's activations", working + scores, shape,
                  ("num_attention_heads", "intermediate_size")),
         *(generation if _generates(cfg) else []),
+        *kept,
         ("send buffers (bf16)", wire),
     ])
 
@@ -454,6 +460,26 @@ def uneven_feed_note(topology, tensor_parallel: int = 1) -> str:
             f"{one} rate, not {num_p} x")
 
 
+def _reuse_note(cfg: RecipeConfig, topology) -> str | None:
+    """What ``split.reuse_features`` does to the stream, and whether the credits hold the two
+    chunks it sends per chunk answered."""
+    split, chunk = cfg.split, cfg.target.generation.batch_size
+    if not split.reuse_features or split.max_epochs == 1:
+        return None
+    # a target rank's two chunks are shared among the trainers it feeds; a trainer fed by
+    # several target ranks splits split.max_in_flight among its links
+    need = {r: max(-(-2 * chunk // len(topology.dests(p))) for p in topology.sources(r))
+            for r in topology.trainers}
+    short = [r for r in topology.trainers if split.max_in_flight // len(topology.sources(r)) < need[r]]
+    wanted = max(need[r] * len(topology.sources(r)) for r in topology.trainers)
+    return ("  split.reuse_features: epochs 0 and 1 interleave chunk by chunk, epoch 1 sending the "
+            f"features epoch 0 computed, so a target rank sends two chunks ({2 * chunk} samples) for "
+            "each chunk it answers"
+            + (f"; split.max_in_flight {split.max_in_flight} holds less of them than trainer rank(s) "
+               f"{short} get, so a target rank waits for a trainer to take some before it answers "
+               f"its next chunk: raise it to {wanted}" if short else ""))
+
+
 def _shared_credits(split, topology) -> str:
     """What a trainer fed by several target ranks holds: each link gets an equal whole share
     of ``split.max_in_flight`` (the rest is never used)."""
@@ -577,6 +603,7 @@ def dry_run(cfg: RecipeConfig) -> str:
         f"  credits: {split.max_in_flight} samples in flight per trainer{_shared_credits(split, topology)}; "
         f"batches of {split.token_budget} padded tokens"
     )
+    lines += filter(None, [_reuse_note(cfg, topology)])
     lines += [
         "",
         f"draft parameters: {with_emb:,} with embeddings, {without_emb:,} without "

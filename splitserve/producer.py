@@ -10,7 +10,10 @@ sees exactly the samples an uninterrupted run would have:
   share their trainer's part);
 - a producer cuts its share into fixed chunks of ``target.generation.batch_size``
   conversations. Epoch 0 walks the chunks in order, epoch ``e`` in a permutation
-  seeded by ``(data.shuffle_seed, e)``;
+  seeded by ``(data.shuffle_seed, e)``; with ``split.reuse_features``, epoch 1 walks
+  them in order too, each chunk right after the next one's epoch-0 visit, and sends
+  the features its epoch-0 visit computed (:func:`epoch_rounds`; a feature batch that
+  a resumed run did not compute in epoch 0 is computed again, from the same rows);
 - a chunk is regenerated in one call (seeded by its ids and the recipe seed, so
   with the hf backend its answers are the same whenever it is computed; SGLang
   applies that seed only in its deterministic mode; they are kept in memory and
@@ -50,7 +53,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import count
 from typing import TYPE_CHECKING
 
 import torch
@@ -65,7 +67,7 @@ if TYPE_CHECKING:
     from draftforge.config import RecipeConfig
     from draftforge.data.formats import Conversation
     from draftforge.splitserve.config import SplitConfig
-    from draftforge.splitserve.target import TargetEngine
+    from draftforge.splitserve.target import TargetEngine, TargetFeatures
     from draftforge.splitserve.transport import AckListener, Pulse
 
 
@@ -128,6 +130,30 @@ def epoch_order(num: int, *, seed: int, epoch: int) -> list[int]:
 
 
 EPOCH_MARK = RESERVED_ID_MARK  # data files may not use it in their ids
+
+
+def epoch_rounds(num_chunks: int, *, seed: int, max_epochs: int | None,
+                 interleave: bool) -> Iterator[list[tuple[int, int, int]]]:
+    """The chunk visits of a producer's stream, a list per round: ``(epoch, chunk index, rotation)``.
+
+    A round is one epoch: epoch 0 visits the chunks in order, epoch ``e`` in
+    :func:`epoch_order`. With ``interleave`` (``split.reuse_features``) the first round holds
+    epochs 0 and 1 together, each chunk's epoch-1 visit right after the next chunk's epoch-0
+    one (0/0, 0/1, 1/0, 0/2, 1/1, ...), so its features, kept from epoch 0, are sent again
+    while they are still held. ``rotation`` is the visit's position in the stream."""
+    epoch = 0
+    while max_epochs is None or epoch < max_epochs:
+        if epoch == 0 and interleave and (max_epochs is None or max_epochs > 1):
+            order = [(0, 0)]
+            for chunk in range(1, num_chunks):
+                order += [(0, chunk), (1, chunk - 1)]
+            order.append((1, num_chunks - 1))
+            yield [(e, chunk, position) for position, (e, chunk) in enumerate(order)]
+            epoch = 2
+            continue
+        visit = list(range(num_chunks)) if epoch == 0 else epoch_order(num_chunks, seed=seed, epoch=epoch)
+        yield [(epoch, chunk, epoch * num_chunks + step) for step, chunk in enumerate(visit)]
+        epoch += 1
 
 
 def epoch_id(conv_id: str, epoch: int) -> str:
@@ -297,6 +323,10 @@ class SampleSource:
         self.truncated = 0  # cut to data.max_length: with a prompt that fills it, no reply is left
         self.context_turns = 0  # assistant turns the chat template rewrites later: not supervised
         self._answers: dict[int, list[Conversation]] = {}
+        # split.reuse_features: epoch 0's features of each feature batch, by (chunk, first row),
+        # until epoch 1 sends them again (with the batch's ids, which that batch must match)
+        self.reuse_features = cfg.split.reuse_features and cfg.split.max_epochs != 1
+        self._kept: dict[tuple[int, int], tuple[torch.Tensor, TargetFeatures]] = {}
         self._dropped: list[str] = []  # ids tokenisation dropped (any reason), for the next sample
         if not self.conversations:
             raise InputError("no training conversations: data.train_files gave no rows")
@@ -321,17 +351,12 @@ class SampleSource:
                 f"{len(self.conversations)} conversations for {len(self.topology.producers)} "
                 "target ranks; add data (data.num_samples) or use fewer target ranks"
             )
-        for epoch in count():
-            if max_epochs is not None and epoch >= max_epochs:
-                return
-            if epoch == 0:
-                visit = list(range(len(chunks)))
-            else:
-                visit = epoch_order(len(chunks), seed=self.cfg.data.shuffle_seed, epoch=epoch)
+        rounds = epoch_rounds(len(chunks), seed=self.cfg.data.shuffle_seed, max_epochs=max_epochs,
+                              interleave=self.reuse_features)
+        for visits in rounds:
             produced = 0
-            for step, chunk_index in enumerate(visit):
+            for epoch, chunk_index, rotation in visits:
                 chunk = [self.conversations[i] for i in chunks[chunk_index]]
-                rotation = epoch * len(chunks) + step
                 ids = [epoch_id(c.id, epoch) for c in chunk]
                 if all(i in self.consumed for i in ids):
                     self._assign(ids, {}, rotation)  # replayed from the recorded lengths
@@ -361,7 +386,7 @@ class SampleSource:
                     why = f"every conversation was dropped: {self.dropped_short} had {short}{other_drops(self)}"
                 else:
                     why = f"every conversation had {short}"
-                raise InputError(f"target rank {self.producer}: epoch {epoch} produced no sample ({why})")
+                raise InputError(f"target rank {self.producer}: epoch {visits[0][0]} produced no sample ({why})")
 
     def _assign(self, ids: Sequence[str], fresh: Mapping[str, int], rotation: int) -> dict[str, int]:
         """Give the samples of a chunk (``ids``: its sample ids, in chunk order) to the trainers;
@@ -454,6 +479,7 @@ class SampleSource:
         batch = cfg.split.feature_batch_size
         for start in range(0, len(tokenized), batch):
             group = tokenized[start : start + batch]
+            kept = self._kept.pop((chunk_index, start), None) if epoch == 1 else None
             if all(epoch_id(t.id, epoch) in self.consumed for t in group):
                 skipped += len(group)
                 continue
@@ -463,9 +489,15 @@ class SampleSource:
             for row, t in enumerate(group):
                 ids[row, : len(t.input_ids)] = torch.tensor(t.input_ids)
                 mask[row, : len(t.input_ids)] = 1
-            with self.meter.busy("features"):
-                feats = self.engine.features(ids, mask)
-                settle(feats.final.device)  # a GPU forward returns before it is done
+            if kept is not None and torch.equal(kept[0], ids):
+                feats = kept[1]  # what this batch's forward gave in epoch 0
+            else:  # epoch 0, a later epoch, or a resumed run that did not compute epoch 0's batch
+                with self.meter.busy("features"):
+                    feats = self.engine.features(ids, mask)
+                    settle(feats.final.device)  # a GPU forward returns before it is done
+                if (self.reuse_features and epoch == 0
+                        and not all(epoch_id(t.id, 1) in self.consumed for t in group)):
+                    self._kept[(chunk_index, start)] = (ids, feats)
             self.meter.add_tokens(int(mask.sum()))
             for row, t in enumerate(group):
                 n = len(t.input_ids)

@@ -207,18 +207,27 @@ def _wait_for_a_checkpoint(run_dir: Path, procs, timeout: float) -> None:
         time.sleep(0.02)
 
 
-def test_dead_target_stops_trainer_and_resume_is_exact(tmp_path):
+@pytest.mark.parametrize("reuse", [False, True])
+def test_dead_target_stops_trainer_and_resume_is_exact(tmp_path, reuse):
+    """With split.reuse_features the resumed target computes again the epoch-1 features it had
+    kept from epoch-0 batches before the kill (tests/test_reuse_r54.py compares them bit for bit)."""
     steps = 24
+    # two chunks of credits, as reuse_features needs (tests/test_reuse_r54.py)
+    overrides = {"split.reuse_features": True, "split.max_in_flight": 8} if reuse else None
     reference_dir = tmp_path / "reference"
     reference_dir.mkdir()
-    recipe = tiny_recipe(reference_dir, steps=steps)
+    recipe = tiny_recipe(reference_dir, steps=steps, overrides=overrides)
     procs = spawn_ranks(recipe, 2, log_dir=reference_dir / "logs")
     assert wait_all(procs, 90) == [0, 0], read_logs(reference_dir / "logs", 2)
     reference = _by_step(metrics(reference_dir / "run"))
+    ids = [i for step in sorted(reference) for i in reference[step]["sample_ids"]]
+    first_e1 = next(n for n, i in enumerate(ids) if i.endswith("#e1"))
+    # epoch 1 starts after epoch 0's last sample, or, reusing features, one chunk after its first
+    assert (first_e1 < max(n for n, i in enumerate(ids) if "#e" not in i)) == reuse, ids
 
     broken_dir = tmp_path / "broken"
     broken_dir.mkdir()
-    recipe = tiny_recipe(broken_dir, steps=steps)
+    recipe = tiny_recipe(broken_dir, steps=steps, overrides=overrides)
     procs = spawn_ranks(recipe, 2, log_dir=broken_dir / "logs")
     _wait_for_a_checkpoint(broken_dir / "run", procs, 60)
     procs[0].send_signal(signal.SIGKILL)  # the target rank dies mid-run
