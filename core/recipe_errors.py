@@ -201,8 +201,12 @@ def _describe_all(
             out.append(_describe(error, booleans, root))
             continue
         kind = error["type"]
-        expected = (str(error.get("ctx", {}).get("expected", "?")) if kind == "literal_error"
-                    else _EXPECTED.get(kind) or _describe(error, booleans, root)[1])
+        if kind == "literal_error":
+            expected = str(error.get("ctx", {}).get("expected", "?"))
+        elif kind == "finite_number":  # the float member of int | float, given .inf or .nan
+            expected = "a finite number"
+        else:
+            expected = _EXPECTED.get(kind) or _describe(error, booleans, root)[1]
         if path not in members:
             members[path] = (len(out), [], error.get("input"))
             out.append((path, ""))

@@ -33,6 +33,12 @@ def test_the_recipe_takes_a_fractional_shard_size_as_export_does(capsys):
     assert "max_shard_size_mb: 0.5" in out, out
     code, _, err = _run(["config", "show", RECIPE, "export.max_shard_size_mb=0"], capsys)
     assert code == 2 and "export.max_shard_size_mb: must be greater than 0" in err, err
+    # a whole number stays one (the demo's export stamp records it as written)
+    code, out, err = _run(["config", "show", RECIPE, "export.max_shard_size_mb=4096"], capsys)
+    assert code == 0 and "max_shard_size_mb: 4096\n" in out, out
+    code, _, err = _run(["config", "show", RECIPE, "export.max_shard_size_mb=.inf"], capsys)
+    assert code == 2 and ("export.max_shard_size_mb: expected int or a finite number, got float inf"
+                          in err), err
 
 
 @pytest.mark.parametrize("run_folder", [True, False])

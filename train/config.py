@@ -197,7 +197,7 @@ class ExportConfig(Section):
         default="Qwen3DSparkModel", description="architectures entry of the exported config.json"
     )
     with_embeddings: bool = Field(default=False, description="also write embed_tokens / lm_head")
-    max_shard_size_mb: float = Field(default=4096, gt=0, description="shard above this size, in megabytes (fractions taken)")
+    max_shard_size_mb: int | float = Field(default=4096, gt=0, description="shard above this size, in megabytes (fractions taken)")
     out_dir: str | None = Field(default=None, description="default: <output_dir>/export")
 
 
