@@ -268,8 +268,9 @@ class SplitConfig(Section):
         "keeps a chunk's features and sends them again as the chunk's second-epoch samples right "
         "after the next chunk's first-epoch ones (epochs 0 and 1 interleave chunk by chunk instead "
         "of epoch 1 following in its own order; later epochs are computed again). Holds up to two "
-        "chunks' features on the target's device. For CPU targets, where features cost about as "
-        "much as answering: the trainer then has two chunks of work per chunk answered",
+        "chunks' features on the target's device; give the trainers credits for two chunks "
+        "(split.max_in_flight; the dry run gives the figure). For CPU targets, where an epoch's "
+        "features cost about half the target time its answers do",
     )
     peer_timeout_s: float = Field(
         default=900.0,

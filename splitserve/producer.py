@@ -351,6 +351,13 @@ class SampleSource:
                 f"{len(self.conversations)} conversations for {len(self.topology.producers)} "
                 "target ranks; add data (data.num_samples) or use fewer target ranks"
             )
+        try:
+            yield from self._rounds(chunks, max_epochs)
+        finally:
+            self._kept.clear()  # a stopped stream holds no features through the links' last sends
+
+    def _rounds(self, chunks: list[list[int]], max_epochs: int | None) -> Iterator[ProducedSample]:
+        """The samples of :meth:`samples`, round after round (:func:`epoch_rounds`)."""
         rounds = epoch_rounds(len(chunks), seed=self.cfg.data.shuffle_seed, max_epochs=max_epochs,
                               interleave=self.reuse_features)
         for visits in rounds:

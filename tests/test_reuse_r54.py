@@ -54,7 +54,7 @@ class CountingEngine:
         return self.engine.features(input_ids, attention_mask)
 
 
-def _stream(tmp_path, *, reuse: bool, consumed=None):
+def _stream(tmp_path, *, reuse: bool, consumed=None, stop_after: int | None = None):
     from draftforge.config import load_recipe
     from draftforge.splitserve.producer import (
         SampleSource,
@@ -70,7 +70,8 @@ def _stream(tmp_path, *, reuse: bool, consumed=None):
     conversations, regenerate = load_source_conversations(cfg)
     engine = CountingEngine(build_target(cfg.target, cfg.draft.target_layer_ids))
     source = SampleSource(cfg, engine, build_topology(cfg.split), 0, conversations=conversations,
-                          regenerate=regenerate, consumed=consumed, log=lambda text: None)
+                          regenerate=regenerate, consumed=consumed, log=lambda text: None,
+                          should_stop=lambda: stop_after is not None and engine.rows >= stop_after)
     return list(source.samples()), engine.rows, source
 
 
@@ -164,3 +165,11 @@ def test_the_dry_run_says_what_reuse_does_and_when_the_credits_are_short(overrid
             "epoch 0 computed, so a target rank sends two chunks (128 samples) for each chunk it answers") in text
     assert (said in text) if said else ("holds less of them" not in text), text
     assert "split.reuse_features" not in dry_run(load_recipe(recipe, ["split.reuse_features=false"]))
+
+
+def test_a_stream_the_trainers_stop_holds_no_kept_features(tmp_path):
+    """The trainers have their steps: the target rank still sends the links' last samples and
+    waits for the stops, without a chunk's features held on its device meanwhile."""
+    samples, rows, source = _stream(tmp_path, reuse=True, stop_after=6)
+    assert 0 < len(samples) < 14 and rows >= 6  # stopped inside epoch 0, with batches kept
+    assert not source._kept
