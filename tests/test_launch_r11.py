@@ -201,7 +201,9 @@ def test_the_cpu_recipes_memory_estimate_by_hand():
         batch * seq * (6 * 576 + 2 * 1536) * 4 + batch * 9 * seq * seq * 4)
     assert target["generation: KV cache + logits"] == (
         2 * 30 * 3 * 64 * 64 * (seq + 160) * 4 + 64 * 49152 * 4)  # generation batch 64, 160 new
-    assert target["send buffers"] == 64 * seq * wide * 2  # 64 credits, bf16
+    assert target["send buffers"] == 128 * seq * wide * 2  # 128 credits, bf16
+    # split.reuse_features: two generation chunks of 64 rows, in the target's dtype
+    assert target["features kept for epoch 1"] == 2 * 64 * seq * wide * 4
     with_emb, without = draft_parameter_counts(cfg)
     trainer = _items(trainer_estimate(cfg, with_emb, without))
     blocks = (1024 // seq) * 32 * 8  # 3 samples a micro-batch, 32 anchors each, blocks of 8
@@ -217,7 +219,7 @@ def test_the_cpu_recipes_memory_estimate_by_hand():
     outside = ctx * 5 * 576 + 2 * ctx * 576 + 3 * blocks * 576
     assert trainer["context + backbone activations"] == 4 * (2 * per_layer + outside)
     assert trainer["objective chunk"] == 8 * 8 * 49152 * 16  # chunk_blocks 8 of 8 tokens
-    assert trainer["received queue"] == 64 * seq * wide * 2
+    assert trainer["received queue"] == 128 * seq * wide * 2
 
 
 def test_the_ling_recipes_trainer_estimate_by_hand():
