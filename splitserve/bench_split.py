@@ -450,9 +450,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("recipe", metavar="RECIPE", help="path to a recipe YAML file")
     parser.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="e.g. split.max_in_flight=8")
     parser.add_argument("--steps", type=int, default=40,
-                        help="timed optimizer steps per phase (default 40: the CPU recipe's steady "
-                        "window then spans about 7 regeneration chunks; 22 minutes on a 2-core "
-                        "EPYC with native bf16, 5.5 with the answers regenerated ahead)")
+                        help="timed optimizer steps per phase (default 40). A steady rate needs "
+                        f"{MIN_STEADY_CHUNKS} whole chunks a link in phase 3: the CPU recipe's "
+                        "chunks of 64 samples need about 130 steps (13 minutes on a 2-core EPYC "
+                        "with native bf16, the answers regenerated ahead); with fewer the ratio "
+                        "uses the from-empty rate, which counts the pipeline's fill")
     args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
     if args.steps <= 0:
         parser.error("--steps must be positive")
