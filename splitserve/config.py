@@ -282,3 +282,9 @@ class SplitConfig(Section):
         "is not silence; the exception is a trainer fed by several target ranks, which gets no "
         "heartbeat from them",
     )
+
+    @property
+    def keeps_features(self) -> bool:
+        """Whether a target rank keeps epoch 0's features for epoch 1: ``reuse_features``, with an
+        epoch 1 to send them to."""
+        return self.reuse_features and self.max_epochs != 1

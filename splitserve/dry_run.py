@@ -174,7 +174,7 @@ def target_estimate(cfg: RecipeConfig) -> Estimate:
     # split.reuse_features: epoch 0's features of a chunk, kept until the next chunk's are made
     kept = ([("features kept for epoch 1 (split.reuse_features: two chunks)",
               2 * gen.batch_size * seq * (k + 1) * hidden * dtype)]
-            if cfg.split.reuse_features and cfg.split.max_epochs != 1 else [])
+            if cfg.split.keeps_features else [])
     weights = (target_parameters(shape) or 0) * dtype / tp
     label = f"weights ({dtype_name}, tp {tp}, {_weights_source(shape)})"
     if cfg.target.backend == "sglang":
@@ -464,7 +464,7 @@ def _reuse_note(cfg: RecipeConfig, topology) -> str | None:
     """What ``split.reuse_features`` does to the stream, and whether the credits hold the two
     chunks it sends per chunk answered."""
     split, chunk = cfg.split, cfg.target.generation.batch_size
-    if not split.reuse_features or split.max_epochs == 1:
+    if not split.keeps_features:
         return None
     # a target rank's two chunks are shared among the trainers it feeds; a trainer fed by
     # several target ranks splits split.max_in_flight among its links

@@ -325,7 +325,6 @@ class SampleSource:
         self._answers: dict[int, list[Conversation]] = {}
         # split.reuse_features: epoch 0's features of each feature batch, by (chunk, first row),
         # until epoch 1 sends them again (with the batch's ids, which that batch must match)
-        self.reuse_features = cfg.split.reuse_features and cfg.split.max_epochs != 1
         self._kept: dict[tuple[int, int], tuple[torch.Tensor, TargetFeatures]] = {}
         self._dropped: list[str] = []  # ids tokenisation dropped (any reason), for the next sample
         if not self.conversations:
@@ -359,7 +358,7 @@ class SampleSource:
     def _rounds(self, chunks: list[list[int]], max_epochs: int | None) -> Iterator[ProducedSample]:
         """The samples of :meth:`samples`, round after round (:func:`epoch_rounds`)."""
         rounds = epoch_rounds(len(chunks), seed=self.cfg.data.shuffle_seed, max_epochs=max_epochs,
-                              interleave=self.reuse_features)
+                              interleave=self.cfg.split.keeps_features)
         for visits in rounds:
             produced = 0
             for epoch, chunk_index, rotation in visits:
@@ -502,7 +501,7 @@ class SampleSource:
                 with self.meter.busy("features"):
                     feats = self.engine.features(ids, mask)
                     settle(feats.final.device)  # a GPU forward returns before it is done
-                if (self.reuse_features and epoch == 0
+                if (self.cfg.split.keeps_features and epoch == 0
                         and not all(epoch_id(t.id, 1) in self.consumed for t in group)):
                     self._kept[(chunk_index, start)] = (ids, feats)
             self.meter.add_tokens(int(mask.sum()))
