@@ -422,7 +422,7 @@ def _check_rows(
                 f"{where} (id {row['id']!r}) holds answers of target {row['target']!r} "
                 f"(fingerprint {written}), but this run's target {target!r} is another model of "
                 f"that name (fingerprint {fingerprint}); move it away and rerun to answer with "
-                "this target (or restore target.model)"
+                f"this target ({_restore_hint(target)})"
             )
         if row.get("generation") != settings:
             raise RegenerationError(
@@ -430,6 +430,15 @@ def _check_rows(
                 f"({_setting_differences(row.get('generation'), settings)}); move it away or "
                 "restore the settings, then rerun"
             )
+
+
+def _restore_hint(target: str) -> str:
+    """What to restore for a target of the same name whose fingerprint differs: the random
+    target's is its seed and shape, a folder's its files (target.model names it the same)."""
+    if target == "random":
+        return "or restore target.seed and target.shape"
+    return ("or point target.model at the folder that wrote it: the config, tokenizer or weights "
+            "of this one differ")
 
 
 def check_answers(
@@ -674,6 +683,19 @@ def _regenerate(
     return report
 
 
+def answers_path_problem(out: Path) -> str | None:
+    """Why ``out`` cannot be the answers file (a folder, or a name training would not read as
+    JSON lines), for ``data regenerate`` before it writes and ``train`` before it advises writing
+    it; None when it can."""
+    if out.is_dir():
+        return f"data.regenerated_file {out} is a folder; give a .jsonl file path"
+    if not out.name.lower().endswith(".jsonl"):  # training reads a file by its extension
+        return (f"data.regenerated_file {out}: the answers are written as plain JSON lines, which "
+                "training reads only from a file whose name ends in .jsonl (not compressed, not "
+                ".json or .parquet); give a .jsonl file path")
+    return None
+
+
 def quiet_loading() -> None:
     """No weight-loading progress bar from transformers in this process (``--no-progress``)."""
     from transformers.utils import logging as hf_logging
@@ -777,13 +799,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         "nothing to answer")
             device, tensor_parallel = target_placement(args.device, cfg)  # before any folder
             out = regenerated_path(cfg.data, cfg.train.output_dir)
-            if out.is_dir():
-                raise RegenerationError(f"data.regenerated_file {out} is a folder; give a .jsonl file path")
-            if not out.name.lower().endswith(".jsonl"):  # training reads a file by its extension
-                raise RegenerationError(
-                    f"data.regenerated_file {out}: the answers are written as plain JSON lines, which "
-                    "training reads only from a file whose name ends in .jsonl (not compressed, not "
-                    ".json or .parquet); give a .jsonl file path")
+            problem = answers_path_problem(out)
+            if problem:
+                raise RegenerationError(problem)
             try:
                 out.parent.mkdir(parents=True, exist_ok=True)
             except OSError as err:

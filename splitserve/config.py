@@ -181,6 +181,22 @@ class TargetConfig(Section):
         target put on the CPU of a CUDA machine takes the CPU's rule), else the recipe's."""
         return resolve_auto("auto", "cpu" if device == "cpu" else "cuda") if self._auto_dtype else self.dtype
 
+    @field_validator("model")
+    @classmethod
+    def _model_named(cls, value: str) -> str:
+        if not value.strip():  # '' was looked up as a folder and blamed the draft's derived fields
+            raise ValueError("is empty: give a registered name (smollm2-135m-instruct), 'random' "
+                             "or a local HF folder")
+        return value
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _cache_named(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():  # '' converted the target into the current directory
+            raise ValueError("is empty: give a folder, or leave it out for $DRAFTFORGE_CACHE "
+                             "(else ~/.cache/draftforge)")
+        return value
+
     @field_validator("shape")
     @classmethod
     def _random_shape_given_null(cls, shape: TargetShape | None, info: ValidationInfo) -> TargetShape | None:

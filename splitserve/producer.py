@@ -209,7 +209,7 @@ def load_source_conversations(cfg: RecipeConfig, *, pinned: str | None = None) -
         load_training_conversations,
         regenerated_path,
     )
-    from draftforge.data.regenerate import RegenerationError, check_answers
+    from draftforge.data.regenerate import RegenerationError, answers_path_problem, check_answers
     from draftforge.splitserve.target import target_name
 
     data = cfg.data
@@ -223,6 +223,9 @@ def load_source_conversations(cfg: RecipeConfig, *, pinned: str | None = None) -
                          "(it answers the prompts during training when no file is there)")
     if not path.is_file():
         if data.regenerated_file is not None:  # named, so meant to exist: never answer silently
+            problem = answers_path_problem(path)  # 'data regenerate' would refuse to write it
+            if problem:
+                raise InputError(problem)
             raise InputError(
                 f"data.regenerated_file {path}: no such file. Write it first with 'draftforge data "
                 "regenerate RECIPE' (same overrides), or leave data.regenerated_file unset to "

@@ -175,6 +175,13 @@ class TrainConfig(Section):
             raise ValueError("is empty: give the run directory's path")
         return value
 
+    @field_validator("resume")
+    @classmethod
+    def _resume_named(cls, value: str) -> str:
+        if not value.strip():  # '' was read as the checkpoint '.'
+            raise ValueError("is empty: give auto, never or a checkpoint's path")
+        return value
+
     @field_validator("output_dir", "resume")
     @classmethod
     def _expand_home(cls, value: str) -> str:
@@ -199,6 +206,13 @@ class ExportConfig(Section):
     with_embeddings: bool = Field(default=False, description="also write embed_tokens / lm_head")
     max_shard_size_mb: int | float = Field(default=4096, gt=0, description="shard above this size, in megabytes (fractions taken)")
     out_dir: str | None = Field(default=None, description="default: <output_dir>/export")
+
+    @field_validator("out_dir")
+    @classmethod
+    def _out_named(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():  # '' exported into the current directory
+            raise ValueError("is empty: give a folder, or leave it out for <train.output_dir>/export")
+        return value
 
 
 def build_dspark_config(draft: DraftConfig, target_shape, *, vocab_size: int | None = None):

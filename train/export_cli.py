@@ -141,6 +141,7 @@ def _card_and_weights(args, source: Path, run_dir: Path | None):
         if base is None:
             raise InputError("give --out DIR (no recipe or run directory to derive it from)")
         out = base / "export"
+    _check_out_apart(Path(out), source, run_dir)
     cfg, state = load_training_checkpoint(source)
     if args.eval_report:
         report = Path(args.eval_report)
@@ -163,6 +164,26 @@ def _card_and_weights(args, source: Path, run_dir: Path | None):
                 "Pass the recipe the run used (its run folder holds it as config.yaml)"
             )
     return export_cfg, card, out, cfg, state
+
+
+def _check_out_apart(out: Path, source: Path, run_dir: Path | None) -> None:
+    """Refuse an ``--out`` that is, or holds, the checkpoint being exported or its run: an
+    export replaces its destination whole, and the message for a non-export folder ("empty it
+    first") would have the user delete the very checkpoints they export."""
+    from draftforge.errors import InputError
+
+    folder = (source if source.is_dir() else source.parent).resolve()
+    run = run_dir or (folder.parent.parent if folder.parent.name == "checkpoints" else None)
+    where = out.expanduser().resolve()
+    for what, path in (("the run", run), ("the checkpoint", folder)):
+        if path is None:
+            continue
+        path = path.resolve()
+        if where == path or where in path.parents:
+            relation = "is" if where == path else "holds"
+            raise InputError(
+                f"--out {out} {relation} {what} being exported ({path}); an export replaces its "
+                f"folder whole, so choose a folder outside it (by default {run or folder}/export)")
 
 
 def _check_repo_id(repo_id: str) -> None:

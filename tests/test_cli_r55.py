@@ -1,0 +1,116 @@
+"""Session 55: what a CLI review found the commands accepting or advising wrongly, each said
+where the user can act on it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from dspark_helpers import tiny_draft
+from test_cli_r15 import _run
+from test_export_r12 import _checkpoint
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
+
+
+@pytest.mark.parametrize(("key", "said"), [
+    ("target.model", "target.model: is empty: give a registered name (smollm2-135m-instruct), 'random' "
+                     "or a local HF folder"),
+    ("target.cache_dir", "target.cache_dir: is empty: give a folder, or leave it out for "
+                         "$DRAFTFORGE_CACHE (else ~/.cache/draftforge)"),
+    ("train.resume", "train.resume: is empty: give auto, never or a checkpoint's path"),
+    ("export.out_dir", "export.out_dir: is empty: give a folder, or leave it out for "
+                       "<train.output_dir>/export"),
+])
+@pytest.mark.parametrize("blank", ['""', "' '"])
+def test_a_blank_path_or_name_is_refused_at_its_key(key, said, blank, capsys):
+    """'' was taken: target.model blamed draft.max_position_embeddings at the draft section's
+    line, cache_dir converted the target into the current directory (517 MB), resume read the
+    checkpoint '.', and export.out_dir exported into the current directory."""
+    code, _, err = _run(["config", "show", RECIPE, f"{key}={blank}"], capsys)
+    assert code == 2, err
+    assert f"{key}={blank}" in err and f": {said}\n" in err, err
+
+
+@pytest.mark.parametrize("out", ["run", ".", "run/checkpoints", "run/checkpoints/step_00000004"])
+@pytest.mark.parametrize("given", ["run", "run/checkpoints/step_00000004",
+                                   "run/checkpoints/step_00000004/model.safetensors"])
+def test_export_refuses_an_out_that_is_or_holds_what_it_exports(tmp_path, monkeypatch, capsys, out, given):
+    """'export RUN --out RUN' said the folder was no export and to empty it first: the
+    checkpoints being exported. Refused up front, naming the default instead."""
+    monkeypatch.chdir(tmp_path)
+    _checkpoint(tmp_path / "run", 4, tiny_draft(seed=1))
+    code, _, err = _run(["export", given, "--out", out], capsys)
+    assert code == 2, err
+    what = "run" if out in ("run", ".") else "checkpoint"
+    relation = "is" if out in ("run", "run/checkpoints/step_00000004") else "holds"
+    assert f"--out {out} {relation} the {what} being exported" in err, err
+    # a run directory given is named as given; a checkpoint's run is found from where it lies
+    default = "run/export" if given == "run" else f"{tmp_path / 'run'}/export"
+    assert f"so choose a folder outside it (by default {default})" in err, err
+    assert not (tmp_path / "run" / "export").exists()
+    assert (tmp_path / "run" / "checkpoints" / "step_00000004" / "model.safetensors").is_file()
+
+
+def test_export_into_a_folder_inside_the_run_still_works(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    _checkpoint(tmp_path / "run", 4, tiny_draft(seed=1))
+    code, out, err = _run(["export", "run", "--out", "run/elsewhere"], capsys)
+    assert code == 0, err
+    assert (tmp_path / "run" / "elsewhere" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("name", ["answers.txt", "folder", "answers.jsonl"])
+def test_train_advises_writing_the_answers_file_only_where_data_regenerate_would(tmp_path, capsys, name):
+    """A missing data.regenerated_file was answered 'no such file. Write it first with draftforge
+    data regenerate', which then refused the same path (a .txt name, or a folder that does exist)."""
+    given = tmp_path / name
+    if name == "folder":
+        given.mkdir()
+    code, _, err = _run(["train", RECIPE, "--dry-run", f"train.output_dir={tmp_path / 'run'}",
+                         f"data.regenerated_file={given}"], capsys)
+    assert code == 2, err
+    if name == "answers.txt":
+        assert (f"data.regenerated_file {given}: the answers are written as plain JSON lines, which "
+                "training reads only from a file whose name ends in .jsonl") in err, err
+    elif name == "folder":
+        assert f"data.regenerated_file {given} is a folder; give a .jsonl file path" in err, err
+    else:
+        assert f"data.regenerated_file {given}: no such file. Write it first with 'draftforge data " \
+               "regenerate RECIPE'" in err, err
+    if name != "answers.jsonl":
+        assert "Write it first" not in err, err
+
+
+def test_answers_of_another_random_target_name_its_seed_not_target_model(tmp_path):
+    """Answers of the random target at seed 0 read with seed 7 said '(or restore target.model)',
+    which was unchanged: the seed (or shape) is what differs. A folder's answers name its files."""
+    import json
+
+    from draftforge.data.formats import Conversation
+    from draftforge.data.regenerate import RegenerationError, check_answers
+    from draftforge.splitserve.config import GenerationConfig, TargetConfig, TargetShape
+    from draftforge.splitserve.target import target_name
+
+    shape = TargetShape(num_hidden_layers=2, hidden_size=64, vocab_size=300, max_position_embeddings=512,
+                        num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+    written, reading = (target_name(TargetConfig(model="random", seed=seed, shape=shape)) for seed in (0, 7))
+    settings = GenerationConfig()
+    prompt = Conversation(id="p0", messages=[{"role": "user", "content": "hi"}])
+    row = {"id": "p0", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+           "target": str(written), "target_fingerprint": written.fingerprint,
+           "generation": settings.model_dump()}
+    path = tmp_path / "answers.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    check_answers(path, [prompt], settings, written)  # the writer's own target reads them
+    with pytest.raises(RegenerationError) as err:
+        check_answers(path, [prompt], settings, reading)
+    assert str(err.value).endswith("move it away and rerun to answer with this target (or restore "
+                                   "target.seed and target.shape)"), err.value
+    folder = target_name(TargetConfig(model=str(tmp_path / "final")))
+    row.update(target=str(folder), target_fingerprint="sha256:0")
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(RegenerationError) as err:
+        check_answers(path, [prompt], settings, type(folder)(str(folder), "sha256:1"))
+    assert str(err.value).endswith("(or point target.model at the folder that wrote it: the config, "
+                                   "tokenizer or weights of this one differ)"), err.value
