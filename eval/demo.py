@@ -67,6 +67,7 @@ from draftforge.eval.demo_state import (
     answers_digest,
     check_answers_file,
     check_dflash_removable,
+    check_export_destination,
     check_removable,
     check_run_removable,
     check_same_recipe,
@@ -264,6 +265,8 @@ def _run_stages(args: argparse.Namespace, *, command: str, recipe: str, base, pa
 
     if paths.data_file is not None and paths.data_file.is_file() and not args.skip_train:
         check_answers_file(cfg)
+    # stage 4 would refuse it after the hour of stages before it
+    check_export_destination(paths.export_dir, "the export stage would replace")
     if not args.skip_train:  # both runs now: the DFlash one not after the hour of stages before it
         for what, run_dir, run_cfg, _ in trainings:
             check_same_recipe(run_dir, run_cfg.to_yaml(), what, other_option=other_options.get(what))

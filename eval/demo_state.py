@@ -237,18 +237,25 @@ def check_removable(outputs: Sequence[Path], keep: Sequence[Path], export_dir: P
     """Refuse ``--force`` before it deletes anything: an output holding what must stay, or an
     ``export_dir`` (the recipe's ``export.out_dir``, outside the folders deleted with it) that
     is not an earlier export, which ``draftforge export`` itself would refuse to replace."""
-    from draftforge.train.export import ExportError, check_destination
-
     for path in outputs:
         _check_keeps(path, keep)
     if export_dir not in outputs or any(
         other != export_dir and export_dir.resolve().is_relative_to(other.resolve()) for other in outputs
     ):
         return
+    check_export_destination(export_dir, "--force would delete")
+
+
+def check_export_destination(export_dir: Path, what: str) -> None:
+    """Refuse an ``export.out_dir`` that ``draftforge export`` would refuse to replace (a
+    folder that is not an earlier export), in the words of the demo, which has no --out;
+    ``what`` says why it is asked (``--force would delete``, or the export stage to come)."""
+    from draftforge.train.export import ExportError, check_destination
+
     try:
         check_destination(export_dir)
     except ExportError as err:
-        raise DemoError(f"--force would delete {export_dir} (export.out_dir): "
+        raise DemoError(f"{what} {export_dir} (export.out_dir): "
                         f"{str(err).replace('choose another --out', 'set another export.out_dir')}",
                         exit_status=2) from None
 

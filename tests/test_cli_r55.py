@@ -114,3 +114,32 @@ def test_answers_of_another_random_target_name_its_seed_not_target_model(tmp_pat
         check_answers(path, [prompt], settings, type(folder)(str(folder), "sha256:1"))
     assert str(err.value).endswith("(or point target.model at the folder that wrote it: the config, "
                                    "tokenizer or weights of this one differ)"), err.value
+
+
+@pytest.mark.parametrize("skip_train", [False, True])
+def test_demo_refuses_an_export_out_dir_export_would_refuse_before_any_stage(
+        tmp_path, monkeypatch, capsys, skip_train):
+    """Without --force the demo regenerated and trained both drafts, then stage 4 refused the
+    recipe's export.out_dir (an eval report folder here), saying '--out', which the demo has not."""
+    from splitserve_helpers import tiny_recipe
+    from test_demo_r7 import _finished_run
+    from test_demo_r45 import _no_stages
+
+    from draftforge.config import load_recipe
+    from draftforge.eval import demo
+
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    (reports / "report.md").write_text("| workload |\n")
+    recipe = tiny_recipe(tmp_path, steps=4, overrides={"export.out_dir": str(reports)})
+    paths = demo.demo_paths(load_recipe(recipe))
+    if skip_train:
+        _finished_run(paths.run_dir, load_recipe(recipe).to_yaml())
+        _finished_run(paths.dflash_dir, load_recipe(recipe, demo.dflash_overrides(paths)).to_yaml())
+    _no_stages(monkeypatch)  # a stage that ran would exit 1
+    assert demo.main([str(recipe), *(["--skip-train"] if skip_train else [])]) == 2
+    err = capsys.readouterr().err
+    assert (f"the export stage would replace {reports} (export.out_dir): export destination {reports} is a "
+            "non-empty folder that is not an export") in err, err
+    assert "set another export.out_dir" in err and "--out" not in err, err
+    assert (reports / "report.md").is_file()

@@ -93,7 +93,7 @@ def test_an_export_folder_under_home_is_skipped_once_made_and_named_openable(tmp
     _finished_run(paths.dflash_dir, load_recipe(recipe, demo.dflash_overrides(paths)).to_yaml())
     # the export stage as an earlier demo ran it: the folder, then the stamp naming its command
     (home / "drafts" / "x").mkdir(parents=True)
-    (home / "drafts" / "x" / "config.json").write_text("{}")
+    (home / "drafts" / "x" / "config.json").write_text('{"architectures": ["Qwen3DSparkModel"]}')
     command = ["export", str(paths.run_dir), "--recipe", str(paths.run_dir / demo_state.EXPORT_RECIPE),
                "--out", str(home / "drafts" / "x"),
                "--arch", cfg.export.arch, "--max-shard-size-mb", str(cfg.export.max_shard_size_mb)]  # fmt: skip

@@ -23,7 +23,7 @@ def _stubbed_stages(monkeypatch, recipe, paths) -> list:
 
     def export(out, weights):
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text("{}")
+        (out / "config.json").write_text('{"architectures": ["Qwen3DSparkModel"]}')
         (out / "model.safetensors").write_bytes(weights)
         (out / "README.md").write_text("card")
 
