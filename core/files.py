@@ -42,6 +42,22 @@ def nearest_existing(path: Path) -> Path | None:
     return next((p for p in (path, *path.parents) if p.exists()), None)
 
 
+def check_folder_writable(folder: Path, option: str, given: str) -> None:
+    """``folder``, or the nearest existing one above it (where the missing ones would be made),
+    is a folder this process may write in; else an :class:`~draftforge.errors.InputError` naming
+    ``option`` as the user gave it (``given``)."""
+    from draftforge.errors import InputError
+
+    existing = nearest_existing(folder)
+    if existing is None or not existing.is_dir():
+        raise InputError(f"{option} {given}: {existing} is a file, not a folder, so nothing can be "
+                         "written under it")
+    try:  # made and removed: os.access says yes to root on a read-only mount or in /proc
+        tempfile.TemporaryDirectory(prefix=".draftforge-write-check-", dir=existing).cleanup()
+    except OSError as exc:
+        raise InputError(f"{option} {given}: cannot write in {existing} ({exc.strerror or exc})") from None
+
+
 def file_in_the_way(path: Path) -> str | None:
     """Why no folder can be at ``path`` ("is a file", "is under F, a file"), or None."""
     existing = nearest_existing(path)

@@ -14,7 +14,6 @@ import json
 import os
 import shlex
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 from draftforge import argtypes
 from draftforge.errors import InputError
 from draftforge.eval.config import NGRAM_MATCHES, EvalConfig, tie_tolerance_for
-from draftforge.files import remove_stale_temporaries
+from draftforge.files import check_folder_writable, remove_stale_temporaries
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -436,7 +435,7 @@ def _check_output_paths(out: str, calibrate: str | None) -> None:
         raise InputError(f"--out {out}: a symbolic link to nothing ({os.readlink(out_path)}); give a folder")
     if out_path.exists() and not out_path.is_dir():
         raise InputError(f"--out {out}: is a file, not a folder; give a folder for the report")
-    _check_folder_writable(out_path, "--out", out)
+    check_folder_writable(out_path, "--out", out)
     if calibrate is not None:
         cal_path = Path(calibrate).expanduser()
         if cal_path.is_dir():
@@ -448,7 +447,7 @@ def _check_output_paths(out: str, calibrate: str | None) -> None:
             raise InputError(f"--calibrate {calibrate}: is the report's {cal_path.name} in --out {out}, "
                              "which the report would write over the calibration; give another path, "
                              f"e.g. {out_path / 'calibration.json'}")
-        _check_folder_writable(cal_path.parent, "--calibrate", calibrate)
+        check_folder_writable(cal_path.parent, "--calibrate", calibrate)
 
 
 def _check_outputs_spare_inputs(args) -> None:
@@ -495,21 +494,6 @@ def _is_calibration(path: Path) -> bool:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return False
     return isinstance(data, dict) and "temperatures" in data
-
-
-def _check_folder_writable(folder: Path, option: str, given: str) -> None:
-    """``folder``, or the nearest existing one above it (where the missing ones would be made),
-    is a folder this process may write in."""
-    from draftforge.files import nearest_existing
-
-    existing = nearest_existing(folder)
-    if not existing.is_dir():
-        raise InputError(f"{option} {given}: {existing} is a file, not a folder, so nothing can be "
-                         "written under it")
-    try:  # made and removed: os.access says yes to root on a read-only mount or in /proc
-        tempfile.TemporaryDirectory(prefix=".draftforge-write-check-", dir=existing).cleanup()
-    except OSError as exc:
-        raise InputError(f"{option} {given}: cannot write in {existing} ({exc.strerror or exc})") from None
 
 
 def _report_held(out: Path):

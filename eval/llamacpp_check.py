@@ -348,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _check_export(args: argparse.Namespace) -> int:
     from draftforge.config import load_recipe
     from draftforge.eval import llamacpp
-    from draftforge.eval.cli import _check_folder_writable
+    from draftforge.files import check_folder_writable
     from draftforge.train.hf_load import config_from_serving, read_serving_config
 
     if args.json:  # refused now, not after the build, the conversions and the first prompt
@@ -356,9 +356,9 @@ def _check_export(args: argparse.Namespace) -> int:
         if json_path.is_dir():
             raise InputError(f"--json {args.json}: is a folder; give the path of the JSON file to "
                              f"write, e.g. {json_path / 'llamacpp.json'}")
-        _check_folder_writable(json_path.parent, "--json", args.json)
+        check_folder_writable(json_path.parent, "--json", args.json)
     if args.work_dir:  # likewise: the GGUF files are written there after the build
-        _check_folder_writable(Path(args.work_dir).expanduser(), "--work-dir", args.work_dir)
+        check_folder_writable(Path(args.work_dir).expanduser(), "--work-dir", args.work_dir)
     draft_dir = Path(args.draft).expanduser()
     if not (draft_dir / "config.json").is_file():
         raise InputError(f"{draft_dir}: not an export folder (no config.json); run draftforge export first")

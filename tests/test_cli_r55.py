@@ -143,3 +143,35 @@ def test_demo_refuses_an_export_out_dir_export_would_refuse_before_any_stage(
             "non-empty folder that is not an export") in err, err
     assert "set another export.out_dir" in err and "--out" not in err, err
     assert (reports / "report.md").is_file()
+
+
+def test_export_names_a_file_in_its_out_path_before_reading_weights(tmp_path, monkeypatch, capsys):
+    """'--out RECIPE.yaml/sub' said '[Errno 17] File exists ... Free space (or choose another
+    --out) and rerun': a full disk was not the problem."""
+    monkeypatch.chdir(tmp_path)
+    _checkpoint(tmp_path / "run", 4, tiny_draft(seed=1))
+    (tmp_path / "notes.txt").write_text("x")
+    code, _, err = _run(["export", "run", "--out", "notes.txt/sub"], capsys)
+    assert code == 2, err
+    assert (f"--out notes.txt/sub: {tmp_path / 'notes.txt'} is a file, not a folder, so nothing can be "
+            "written under it") in err, err
+    assert "Free space" not in err, err
+
+
+def test_an_export_write_failing_for_another_reason_than_space_does_not_advise_freeing_it(
+        tmp_path, monkeypatch, capsys):
+    import errno
+    import os
+
+    import safetensors.torch
+
+    def denied(tensors, filename, *args, **kwargs):
+        raise OSError(errno.EACCES, os.strerror(errno.EACCES), filename)
+
+    monkeypatch.chdir(tmp_path)
+    _checkpoint(tmp_path / "run", 4, tiny_draft(seed=1))
+    monkeypatch.setattr(safetensors.torch, "save_file", denied)
+    code, _, err = _run(["export", "run", "--out", "out"], capsys)
+    assert code == 2, err
+    assert "Permission denied" in err and err.rstrip().endswith("Choose another --out and rerun"), err
+    assert not (tmp_path / "out").exists()

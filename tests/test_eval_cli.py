@@ -497,14 +497,16 @@ def test_unwritable_out_and_calibrate_paths_are_refused_before_the_target_loads(
     # by permission, so the refusal is simulated)
     locked = tmp_path / "locked"
     locked.mkdir()
-    real_folder = cli.tempfile.TemporaryDirectory
+    from draftforge import files
+
+    real_folder = files.tempfile.TemporaryDirectory
 
     def refusing(*args, dir=None, **kwargs):
         if Path(dir) == locked:
             raise PermissionError(13, "Permission denied")
         return real_folder(*args, dir=dir, **kwargs)
 
-    monkeypatch.setattr(cli.tempfile, "TemporaryDirectory", refusing)
+    monkeypatch.setattr(files.tempfile, "TemporaryDirectory", refusing)
     assert main([*base, "--out", str(locked / "new" / "report")]) == 2
     assert f"--out {locked / 'new' / 'report'}: cannot write in {locked} (Permission denied)" in capsys.readouterr().err
     assert main([*base, "--out", str(tmp_path / "r"), "--calibrate", str(locked / "cal.json")]) == 2

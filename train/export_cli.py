@@ -8,6 +8,7 @@ SGLang refuses it; evaluate it from its training checkpoint with ``draftforge ev
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 from collections.abc import Sequence
@@ -98,9 +99,11 @@ def _export(args) -> int:
         # a full disk, a read-only folder: export_draft left nothing partial. safetensors
         # reports its own write failing as "Error while serializing: I/O error: No space left
         # on device (os error 28)", a SafetensorError, not an OSError
+        full = getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(err)
         raise InputError(
             f"writing the export to {out} failed ({err}); no partial folder was left and an older "
-            "export there is untouched. Free space (or choose another --out) and rerun"
+            "export there is untouched. "
+            + ("Free space (or choose another --out) and rerun" if full else "Choose another --out and rerun")
         ) from None
     if args.push_to_hub:
         try:
@@ -117,6 +120,7 @@ def _card_and_weights(args, source: Path, run_dir: Path | None):
     """(export settings, model card, --out, draft config, state dict) for ``source``,
     a checkpoint (a run folder's newest, ``run_dir`` then given), its recipe and report."""
     from draftforge.errors import InputError
+    from draftforge.files import check_folder_writable
     from draftforge.train.export import ModelCard, load_training_checkpoint
 
     recipe_path = Path(args.recipe) if args.recipe else _saved_recipe(source)
@@ -142,6 +146,9 @@ def _card_and_weights(args, source: Path, run_dir: Path | None):
             raise InputError("give --out DIR (no recipe or run directory to derive it from)")
         out = base / "export"
     _check_out_apart(Path(out), source, run_dir)
+    # where the export and its lock are made: a file in the path, or a folder not writable, is
+    # said before the weights are read, not as "free space" after
+    check_folder_writable(Path(out).expanduser().absolute().parent, "--out", str(out))
     cfg, state = load_training_checkpoint(source)
     if args.eval_report:
         report = Path(args.eval_report)
