@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from draftforge.recipe_errors import KeyPath
-from draftforge.splitserve.registry import KNOWN_TARGETS, resolve_target_shape
+from draftforge.splitserve.registry import KNOWN_TARGETS, DraftNotTarget, resolve_target_shape
 from draftforge.train.config import warmup_steps
 
 if TYPE_CHECKING:
@@ -24,6 +24,8 @@ def _check_target(cfg: RecipeConfig) -> tuple[TargetShape | None, list[Problem]]
     problems: list[Problem] = []
     try:
         shape = resolve_target_shape(target, strict=True)
+    except DraftNotTarget as exc:  # no shape declared makes it a target
+        return None, [(("target", "model"), str(exc))]
     except (OSError, ValueError) as exc:
         return None, [(("target", "model"), (
             f"cannot use the target's config.json: {exc}; declare the target's shape under "
@@ -47,6 +49,8 @@ def _check_target(cfg: RecipeConfig) -> tuple[TargetShape | None, list[Problem]]
     elif target.shape is not None and target.model != "random":
         try:
             known = resolve_target_shape(target.model_copy(update={"shape": None}))
+        except DraftNotTarget as exc:
+            return None, [(("target", "model"), str(exc))]
         except (OSError, ValueError):
             known = None
         if known is not None:

@@ -52,6 +52,11 @@ def resolve_target_shape(target: TargetConfig, *, strict: bool = False) -> Targe
     return known.model_copy(update=declared)
 
 
+class DraftNotTarget(InputError):
+    """target.model (or eval's --target) names a draft's folder: said even where the recipe
+    declares target.shape, which otherwise stands in for a config.json that cannot be read."""
+
+
 def _known_shape(model: str, *, strict: bool) -> TargetShape | None:
     """The shape of a registered target or of a local folder's config.json; None otherwise."""
     if model in KNOWN_TARGETS:
@@ -66,6 +71,12 @@ def _known_shape(model: str, *, strict: bool) -> TargetShape | None:
             ) from None
         if not isinstance(raw, dict):
             raise InputError(f"{config_path} holds a JSON {type(raw).__name__}, not an object")
+        if "block_size" in raw and "target_layer_ids" in raw:  # read as a 1-layer target otherwise
+            named = f", architectures {raw['architectures']}" if raw.get("architectures") else ""
+            raise DraftNotTarget(
+                f"{config_path.parent} is a draft (its config.json has block_size and "
+                f"target_layer_ids{named}), not a target model: name the model the draft "
+                "speculates for (target.model, or eval's --target)")
         text_config = raw.get("text_config")
         if text_config is not None and not isinstance(text_config, dict):
             raise InputError(f"{config_path}: text_config holds a JSON {type(text_config).__name__}, "

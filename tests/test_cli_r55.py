@@ -175,3 +175,37 @@ def test_an_export_write_failing_for_another_reason_than_space_does_not_advise_f
     assert code == 2, err
     assert "Permission denied" in err and err.rstrip().endswith("Choose another --out and rerun"), err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("shape", ["declared", "null"])
+def test_a_draft_folder_given_as_the_target_is_named_a_draft(tmp_path, capsys, shape):
+    """An export as target.model read as a 1-layer target ('the target has 1 layers, ids 0..0'),
+    or with target.shape declared blamed draft.max_position_embeddings at the draft's line."""
+    import json
+
+    draft = tmp_path / "export"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3DSparkModel"], "block_size": 4, "target_layer_ids": [0, 1, 2],
+        "num_hidden_layers": 1, "hidden_size": 64, "vocab_size": 49152}))
+    extra = ["target.shape=null"] if shape == "null" else []
+    code, _, err = _run(["config", "show", RECIPE, f"target.model={draft}", *extra], capsys)
+    assert code == 2, err
+    assert (f"target.model: {draft} is a draft (its config.json has block_size and target_layer_ids, "
+            "architectures ['Qwen3DSparkModel']), not a target model: name the model the draft "
+            "speculates for (target.model, or eval's --target)\n") in err, err
+    assert "max_position_embeddings" not in err and "declare the target's shape" not in err, err
+
+
+def test_eval_names_a_draft_given_as_its_target(tmp_path):
+    import json
+
+    from draftforge.splitserve.config import TargetConfig
+    from draftforge.splitserve.registry import DraftNotTarget, resolve_target_shape
+
+    draft = tmp_path / "export"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({"block_size": 8, "target_layer_ids": [1]}))
+    with pytest.raises(DraftNotTarget, match=rf"^{tmp_path}/export is a draft \(its config.json has "
+                       r"block_size and target_layer_ids\), not a target model"):
+        resolve_target_shape(TargetConfig(model=str(draft)))
