@@ -157,10 +157,12 @@ def check_prompt_lengths(prompts: Sequence[Sequence[int]], max_new_tokens: int, 
                 "target's prefill of at least one token; leave the prompt out"
             )
         if len(ids) + max_new_tokens > limit:
+            room = limit - len(ids)  # 2 new tokens at least: the prefill's, then one round's
+            fix = (f"lower {option} to {room} or less, or leave the prompt out" if room >= 2 else
+                   "the prompt alone leaves no room for a verification round: leave it out")
             raise InputError(
                 f"{where(index)}: {len(ids)} prompt tokens + {option} {max_new_tokens} exceed the "
-                f"{whose} max_position_embeddings {limit}; lower --max-new-tokens or leave the "
-                "prompt out"
+                f"{whose} max_position_embeddings {limit}; {fix}"
             )
 
 

@@ -209,3 +209,25 @@ def test_eval_names_a_draft_given_as_its_target(tmp_path):
     with pytest.raises(DraftNotTarget, match=rf"^{tmp_path}/export is a draft \(its config.json has "
                        r"block_size and target_layer_ids\), not a target model"):
         resolve_target_shape(TargetConfig(model=str(draft)))
+
+
+def test_a_prompt_too_long_says_how_far_to_lower_max_new_tokens_or_that_it_cannot_help():
+    """'2050 prompt tokens + --max-new-tokens 2 exceed ... 2048; lower --max-new-tokens' could
+    not help: 2 is the least that runs a round."""
+    from draftforge.errors import InputError
+    from draftforge.eval.harness import check_prompt_lengths
+
+    def where(index):
+        return f"p:{index + 1}"
+
+    check_prompt_lengths([[1] * 10], 6, 16, where, option="--max-new-tokens")  # 16 fit exactly
+    with pytest.raises(InputError) as err:
+        check_prompt_lengths([[1] * 10], 7, 16, where, option="--max-new-tokens")
+    assert str(err.value) == ("p:1: 10 prompt tokens + --max-new-tokens 7 exceed the draft's "
+                              "max_position_embeddings 16; lower --max-new-tokens to 6 or less, or "
+                              "leave the prompt out")
+    with pytest.raises(InputError) as err:
+        check_prompt_lengths([[1] * 15], 2, 16, where, option="--max-new-tokens", whose="target's")
+    assert str(err.value) == ("p:1: 15 prompt tokens + --max-new-tokens 2 exceed the target's "
+                              "max_position_embeddings 16; the prompt alone leaves no room for a "
+                              "verification round: leave it out")
