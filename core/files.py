@@ -59,7 +59,13 @@ def check_folder_writable(folder: Path, option: str, given: str) -> None:
 
 
 def file_in_the_way(path: Path) -> str | None:
-    """Why no folder can be at ``path`` ("is a file", "is under F, a file"), or None."""
+    """Why no folder can be at ``path`` ("is a file", "is under F, a file", or a symbolic link
+    to nothing on the way, which ``mkdir`` stops at with "File exists"), or None."""
+    path = Path(path).absolute()
+    dangling = next((p for p in (path, *path.parents) if p.is_symlink() and not p.exists()), None)
+    if dangling is not None:
+        where = "is" if dangling == path else f"is under {dangling},"
+        return f"{where} a symbolic link to nothing ({os.readlink(dangling)})"
     existing = nearest_existing(path)
     if existing is None or existing.is_dir():
         return None

@@ -231,3 +231,29 @@ def test_a_prompt_too_long_says_how_far_to_lower_max_new_tokens_or_that_it_canno
     assert str(err.value) == ("p:1: 15 prompt tokens + --max-new-tokens 2 exceed the target's "
                               "max_position_embeddings 16; the prompt alone leaves no room for a "
                               "verification round: leave it out")
+
+
+@pytest.mark.parametrize("under", [False, True])
+def test_a_dangling_link_as_the_run_folder_is_refused_before_anything_starts(tmp_path, capsys, under):
+    """train.output_dir a symbolic link to nothing passed the checks; the target loaded, then the
+    trainer failed with 'cannot create or lock .../.train.lock: File exists'."""
+    link = tmp_path / "dangling"
+    link.symlink_to(tmp_path / "gone" / "zz")
+    run = link / "sub" if under else link
+    code, _, err = _run(["train", RECIPE, "--dry-run", f"train.output_dir={run}"], capsys)
+    assert code == 2, err
+    where = f"is under {link}," if under else "is"
+    assert (f"train.output_dir: {run} {where} a symbolic link to nothing ({tmp_path / 'gone' / 'zz'}); "
+            "name a folder for the run") in err, err
+    assert not (tmp_path / "gone").exists()
+
+
+def test_export_refuses_a_dangling_link_as_its_out(tmp_path, monkeypatch, capsys):
+    """It followed the link and made the folders it points to, wherever they were."""
+    monkeypatch.chdir(tmp_path)
+    _checkpoint(tmp_path / "run", 4, tiny_draft(seed=1))
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone" / "zz")
+    code, _, err = _run(["export", "run", "--out", "dangling"], capsys)
+    assert code == 2, err
+    assert f"--out dangling is a symbolic link to nothing ({tmp_path / 'gone' / 'zz'}); give a folder" in err, err
+    assert not (tmp_path / "gone").exists()

@@ -120,7 +120,7 @@ def _card_and_weights(args, source: Path, run_dir: Path | None):
     """(export settings, model card, --out, draft config, state dict) for ``source``,
     a checkpoint (a run folder's newest, ``run_dir`` then given), its recipe and report."""
     from draftforge.errors import InputError
-    from draftforge.files import check_folder_writable
+    from draftforge.files import check_folder_writable, file_in_the_way
     from draftforge.train.export import ModelCard, load_training_checkpoint
 
     recipe_path = Path(args.recipe) if args.recipe else _saved_recipe(source)
@@ -149,6 +149,8 @@ def _card_and_weights(args, source: Path, run_dir: Path | None):
     # where the export and its lock are made: a file in the path, or a folder not writable, is
     # said before the weights are read, not as "free space" after
     check_folder_writable(Path(out).expanduser().absolute().parent, "--out", str(out))
+    if (blocked := file_in_the_way(Path(out).expanduser())) is not None and "symbolic link" in blocked:
+        raise InputError(f"--out {out} {blocked}; give a folder")
     cfg, state = load_training_checkpoint(source)
     if args.eval_report:
         report = Path(args.eval_report)
