@@ -101,6 +101,28 @@ def _other_output(folder: Path) -> str | None:
     return None
 
 
+def _not_a_runs_files(folder: Path) -> str | None:
+    """Files of the names a run writes (its metrics, accounting, summary, plot) in a folder no
+    run has started in (no run.json, config.yaml or checkpoints/): a run would replace or
+    append to them."""
+    from draftforge.train.metrics import (
+        CONFIG_FILE,
+        METRICS_FILE,
+        PLOT_FILE,
+        RUN_FILE,
+        SUMMARY_FILE,
+    )
+
+    if any((folder / name).exists() for name in (RUN_FILE, CONFIG_FILE, "checkpoints")):
+        return None
+    found = [name for name in (METRICS_FILE, "accounting.jsonl", SUMMARY_FILE, PLOT_FILE)
+             if (folder / name).exists()]
+    if not found:
+        return None
+    return (f"holds {', '.join(found)} but no {RUN_FILE}, so no run wrote them, and a run would replace "
+            "or append to them")
+
+
 @dataclass(frozen=True)
 class Preflight:
     """What :func:`preflight` found on this node's disk."""
@@ -143,6 +165,11 @@ def preflight(cfg, *, check_overlap: bool = False) -> Preflight:
         raise InputError(f"train.output_dir: {run_dir} {other}; a run written there would sit beside it, "
                          "and 'draftforge eval' and 'draftforge export' would take the folder for one or "
                          "the other: name another folder for the run")
+    if (foreign := _not_a_runs_files(run_dir)) is not None:
+        from draftforge.errors import InputError
+
+        raise InputError(f"train.output_dir: {run_dir} {foreign}: move them away or name another "
+                         "folder for the run")
     root = ckpt.checkpoints_root(run_dir)
     if (blocked := file_in_the_way(root)) is not None:  # else found at the first save, steps later
         from draftforge.errors import InputError

@@ -257,3 +257,26 @@ def test_export_refuses_a_dangling_link_as_its_out(tmp_path, monkeypatch, capsys
     assert code == 2, err
     assert f"--out dangling is a symbolic link to nothing ({tmp_path / 'gone' / 'zz'}); give a folder" in err, err
     assert not (tmp_path / "gone").exists()
+
+
+@pytest.mark.parametrize("marker", [None, "run.json", "config.yaml", "checkpoints"])
+def test_train_refuses_a_folder_whose_run_files_no_run_wrote(tmp_path, capsys, marker):
+    """A folder holding the user's own metrics.jsonl and accounting.jsonl: the run replaced the
+    first and appended its records to the second."""
+    run = tmp_path / "mixed"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("garbage\n")
+    (run / "accounting.jsonl").write_text("my data\n")
+    if marker == "checkpoints":
+        (run / marker).mkdir()
+    elif marker is not None:  # a run started here: its records are its own to continue
+        (run / marker).write_text("{}\n" if marker == "run.json" else "name: x\n")
+    code, _, err = _run(["train", RECIPE, "--dry-run", f"train.output_dir={run}"], capsys)
+    if marker is not None:
+        assert "no run wrote them" not in err, err
+        return
+    assert code == 2, err
+    assert (f"train.output_dir: {run} holds metrics.jsonl, accounting.jsonl but no run.json, so no run "
+            "wrote them, and a run would replace or append to them: move them away or name another "
+            "folder for the run") in err, err
+    assert (run / "accounting.jsonl").read_text() == "my data\n"
