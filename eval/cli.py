@@ -247,8 +247,8 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
               "the same weights in transformers", flush=True)
         target_cfg = target_cfg.model_copy(update={"backend": "hf"})
     # refused now, not after minutes of decoding, when the report or calibration is written
+    _check_outputs_spare_inputs(args)  # the draft's own folder named as such, before the kinds of folder
     _check_output_paths(args.out, args.calibrate)
-    _check_outputs_spare_inputs(args)
     out = Path(args.out).expanduser()
     if held.enter_context(_report_held(out)):  # a second eval into it: refused
         for name in REPORT_FILES:  # what an evaluation killed outright while writing them left
@@ -435,6 +435,14 @@ def _check_output_paths(out: str, calibrate: str | None) -> None:
         raise InputError(f"--out {out}: a symbolic link to nothing ({os.readlink(out_path)}); give a folder")
     if out_path.exists() and not out_path.is_dir():
         raise InputError(f"--out {out}: is a file, not a folder; give a folder for the report")
+    if (out_path / "config.json").is_file() and any(
+            (out_path / name).exists() for name in ("model.safetensors", "model.safetensors.index.json")):
+        raise InputError(f"--out {out}: is a model folder (config.json and its weights); the report "
+                         "would sit among its files (and an export there would then refuse to replace "
+                         f"it): give a folder of its own, e.g. {out_path.with_name(out_path.name + '-eval')}")
+    if (out_path / "checkpoints").is_dir() or (out_path / "run.json").is_file():
+        raise InputError(f"--out {out}: is a training run's folder; give a folder of its own for the "
+                         f"report, e.g. {out_path / 'eval'} (the default for a run)")
     check_folder_writable(out_path, "--out", out)
     if calibrate is not None:
         cal_path = Path(calibrate).expanduser()
@@ -463,6 +471,7 @@ def _check_outputs_spare_inputs(args) -> None:
     own = draft / "checkpoints" if (draft / "checkpoints").is_dir() else draft
     if out.resolve() == draft.resolve() or out.resolve().is_relative_to(own.resolve()):
         where = ("is the draft being evaluated" if out.resolve() == draft.resolve()
+                 else f"is {own}, the draft's own files" if out.resolve() == own.resolve()
                  else f"is inside {own}, the draft's own files")
         raise InputError(f"--out {args.out}: {where}; the report would be written among them; give "
                          f"another folder, e.g. {draft.resolve().parent / 'eval'}")

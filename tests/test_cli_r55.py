@@ -280,3 +280,46 @@ def test_train_refuses_a_folder_whose_run_files_no_run_wrote(tmp_path, capsys, m
             "wrote them, and a run would replace or append to them: move them away or name another "
             "folder for the run") in err, err
     assert (run / "accounting.jsonl").read_text() == "my data\n"
+
+
+@pytest.mark.parametrize("kind", ["export", "run"])
+def test_eval_refuses_an_out_that_is_a_model_folder_or_a_run(tmp_path, capsys, kind):
+    """eval --out OTHER_EXPORT put its report among that export's files (a later export there was
+    then refused), and --out RUN among the run's own records."""
+    from draftforge.eval.cli import _check_output_paths
+
+    folder = tmp_path / kind
+    folder.mkdir()
+    if kind == "export":
+        (folder / "config.json").write_text("{}")
+        (folder / "model.safetensors").write_bytes(b"")
+    else:
+        (folder / "checkpoints").mkdir()
+    from draftforge.errors import InputError
+
+    with pytest.raises(InputError) as err:
+        _check_output_paths(str(folder), None)
+    if kind == "export":
+        assert str(err.value) == (f"--out {folder}: is a model folder (config.json and its weights); the "
+                                  "report would sit among its files (and an export there would then refuse "
+                                  f"to replace it): give a folder of its own, e.g. {tmp_path / 'export-eval'}")
+    else:
+        assert str(err.value) == (f"--out {folder}: is a training run's folder; give a folder of its own "
+                                  f"for the report, e.g. {folder / 'eval'} (the default for a run)")
+    _check_output_paths(str(folder / "eval"), None)  # a folder inside a run is the default
+
+
+def test_eval_out_that_is_the_runs_checkpoints_folder_is_called_that_not_inside_it(tmp_path):
+    """'--out RUN/checkpoints' said 'is inside RUN/checkpoints': it is that folder."""
+    from types import SimpleNamespace
+
+    from draftforge.errors import InputError
+    from draftforge.eval.cli import _check_outputs_spare_inputs
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    args = SimpleNamespace(draft=str(run), out=str(run / "checkpoints"), calibrate=None)
+    with pytest.raises(InputError) as err:
+        _check_outputs_spare_inputs(args)
+    assert str(err.value).startswith(f"--out {run / 'checkpoints'}: is {run / 'checkpoints'}, the draft's "
+                                     "own files; the report would be written among them"), err.value
