@@ -687,10 +687,13 @@ def _prompts_from_file(
             raise InputError(f"{path}:{line_no}: not JSON ({err}); {expected}") from None
         except RecursionError:  # arrays or objects nested thousands deep
             raise InputError(f"{path}:{line_no}: not a prompt row (JSON nested too deeply); {expected}") from None
-        if isinstance(row, dict) and "input_ids" not in row:  # a text prompt, a misspelt key
+        if not isinstance(row, dict):  # a list, a string: "input_ids ... got null" misnamed it
+            kind = {list: "an array", str: "a string"}.get(type(row), f"a JSON {json.dumps(row)[:40]}")
+            raise InputError(f"{path}:{line_no}: not a prompt row ({kind}, not an object); {expected}")
+        if "input_ids" not in row:  # a text prompt, a misspelt key
             raise InputError(f"{path}:{line_no}: the row has no input_ids (its keys: "
                              f"{', '.join(map(str, row)) or 'none'}); {expected}")
-        ids = row.get("input_ids") if isinstance(row, dict) else None
+        ids = row["input_ids"]
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise InputError(f"{path}:{line_no}: input_ids must be a list of token ids (integers), "
                              f"got {json.dumps(ids)[:80]}; {expected}")

@@ -323,3 +323,18 @@ def test_eval_out_that_is_the_runs_checkpoints_folder_is_called_that_not_inside_
         _check_outputs_spare_inputs(args)
     assert str(err.value).startswith(f"--out {run / 'checkpoints'}: is {run / 'checkpoints'}, the draft's "
                                      "own files; the report would be written among them"), err.value
+
+
+@pytest.mark.parametrize(("line", "kind"), [('[{"workload": "w", "input_ids": [1, 2]}]', "an array"),
+                                            ('"abc"', "a string"), ("7", "a JSON 7")])
+def test_a_prompts_file_row_that_is_no_object_is_called_that(tmp_path, line, kind):
+    """An array or a string as a row said 'input_ids must be a list of token ids, got null'."""
+    from draftforge.errors import InputError
+    from draftforge.eval.cli import _prompts_from_file
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"workload": "w", "input_ids": [1]}\n' + line + "\n")
+    with pytest.raises(InputError) as err:
+        _prompts_from_file(str(path), None)
+    assert str(err.value) == (f"{path}:2: not a prompt row ({kind}, not an object); expected "
+                              "{'workload': str, 'input_ids': [int, ...]}"), err.value

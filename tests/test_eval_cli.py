@@ -229,7 +229,7 @@ def test_a_malformed_prompts_file_is_refused_before_the_target_loads(recipe_path
     for row, message in (({"input_ids": "1234"}, 'got "1234"'), ({"input_ids": {"7": 1}}, 'got {"7": 1}'),
                          ({"input_ids": [1, True]}, "got \\[1, true\\]"),
                          ({"input_ids": [1], "workload": 3}, "workload must be a string, got 3"),
-                         ([1, 2], "input_ids must be a list"),
+                         ([1, 2], "not a prompt row \\(an array, not an object\\)"),
                          ({"input_ids": [4, -1, 2]}, "token id -1 is negative")):  # fmt: skip
         path = tmp_path / "bad.jsonl"
         path.write_text(json.dumps({"input_ids": [5, 6]}) + "\n" + json.dumps(row) + "\n")
