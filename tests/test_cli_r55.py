@@ -338,3 +338,24 @@ def test_a_prompts_file_row_that_is_no_object_is_called_that(tmp_path, line, kin
         _prompts_from_file(str(path), None)
     assert str(err.value) == (f"{path}:2: not a prompt row ({kind}, not an object); expected "
                               "{'workload': str, 'input_ids': [int, ...]}"), err.value
+
+
+def test_export_without_out_of_what_is_no_checkpoint_says_what_it_is(tmp_path, monkeypatch, capsys):
+    """'export EXPORT' (or an empty folder) said 'give --out DIR'; with --out it then said
+    what was wrong with the source. The source is named first; a lone checkpoint asks for --out."""
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    step = _checkpoint(tmp_path / "run", 4, tiny_draft(seed=1))
+    (tmp_path / "empty").mkdir()
+    code, _, err = _run(["export", "empty"], capsys)
+    assert code == 2 and "empty: no model.safetensors found in it and no checkpoints/ folder" in err, err
+    assert _run(["export", "run", "--out", "exp"], capsys)[0] == 0
+    code, _, err = _run(["export", "exp"], capsys)
+    assert code == 2 and "exp: an export (it holds config.json, not draft_config.json)" in err, err
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    for name in ("model.safetensors", "draft_config.json"):
+        shutil.copy(step / name, lone / name)
+    code, _, err = _run(["export", "lone"], capsys)
+    assert code == 2 and "give --out DIR (no recipe or run directory to derive it from)" in err, err

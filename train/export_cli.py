@@ -121,7 +121,12 @@ def _card_and_weights(args, source: Path, run_dir: Path | None):
     a checkpoint (a run folder's newest, ``run_dir`` then given), its recipe and report."""
     from draftforge.errors import InputError
     from draftforge.files import check_folder_writable, file_in_the_way
-    from draftforge.train.export import ModelCard, load_training_checkpoint
+    from draftforge.train.export import (
+        SINGLE_FILE,
+        TRAINING_CONFIG_FILE,
+        ModelCard,
+        load_training_checkpoint,
+    )
 
     recipe_path = Path(args.recipe) if args.recipe else _saved_recipe(source)
     export_cfg, card = ExportConfig(), ModelCard()
@@ -143,6 +148,10 @@ def _card_and_weights(args, source: Path, run_dir: Path | None):
         of_checkpoint = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
         base = run_dir or of_checkpoint or (Path(output_dir) if output_dir else None)
         if base is None:
+            folder = source if source.is_dir() else source.parent
+            if not ((folder / SINGLE_FILE).is_file() and (folder / TRAINING_CONFIG_FILE).is_file()
+                    and (source.is_dir() or source.suffix == ".safetensors")):
+                load_training_checkpoint(source)  # no checkpoint: says what the source is, weights unread
             raise InputError("give --out DIR (no recipe or run directory to derive it from)")
         out = base / "export"
     _check_out_apart(Path(out), source, run_dir)
