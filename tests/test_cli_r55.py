@@ -359,3 +359,25 @@ def test_export_without_out_of_what_is_no_checkpoint_says_what_it_is(tmp_path, m
         shutil.copy(step / name, lone / name)
     code, _, err = _run(["export", "lone"], capsys)
     assert code == 2 and "give --out DIR (no recipe or run directory to derive it from)" in err, err
+
+
+def test_resume_from_an_export_is_named_an_export(tmp_path, monkeypatch, capsys):
+    """train.resume=EXPORT said 'not a complete checkpoint (no COMPLETE marker)'."""
+    monkeypatch.chdir(tmp_path)
+    _checkpoint(tmp_path / "run", 4, tiny_draft(seed=1))
+    assert _run(["export", "run", "--out", "exp"], capsys)[0] == 0
+    code, _, err = _run(["train", RECIPE, "--dry-run", f"train.output_dir={tmp_path / 'new'}",
+                         "train.resume=exp"], capsys)
+    assert code == 2, err
+    assert ("train.resume: exp is an export (config.json), not a training checkpoint: an export has no "
+            "optimiser, scheduler or data cursor to resume from") in err, err
+
+
+def test_a_file_that_is_no_safetensors_is_refused_in_words_that_fit_eval_too(tmp_path):
+    """'draftforge eval RECIPE.yaml' said '(export reads a draft's weights from safetensors only)'."""
+    from draftforge.train.export import ExportError, load_training_checkpoint
+
+    given = tmp_path / "recipe.yaml"
+    given.write_text("train: {}\n")
+    with pytest.raises(ExportError, match=r"\(draftforge reads a draft's weights from safetensors only\)"):
+        load_training_checkpoint(given)

@@ -234,6 +234,13 @@ def _check_resume_path(path: Path) -> None:
             f"train.resume: {path} is a run directory, not a checkpoint: name one of its "
             f"checkpoints ({newest}), or set train.output_dir={path} with train.resume=auto"
         )
+    if (path / "config.json").is_file() and not (path / STATE_FILE).exists():
+        # an export holds the weights but none of the optimiser, scheduler and data cursor
+        raise CheckpointError(
+            f"train.resume: {path} is an export (config.json), not a training checkpoint: an export "
+            "has no optimiser, scheduler or data cursor to resume from; name a checkpoint folder "
+            "(RUN/checkpoints/step_XXXXXXXX) or use train.resume=auto"
+        )
     raise CheckpointError(
         f"train.resume: {path} is not a complete checkpoint (no {COMPLETE} marker); "
         "pick another one or use train.resume=auto"

@@ -592,7 +592,7 @@ def load_training_checkpoint(path: str | os.PathLike[str]) -> tuple[DSparkConfig
             hint = (f"the run directory {path.parent} for its newest complete checkpoint"
                     if (path.parent / "checkpoints").is_dir()
                     else f"a run directory, a checkpoint folder or a {SINGLE_FILE} file")
-            raise ExportError(f"{path} is a file but no {SINGLE_FILE} (export reads a draft's weights "
+            raise ExportError(f"{path} is a file but no {SINGLE_FILE} (draftforge reads a draft's weights "
                               f"from safetensors only); pass {hint}")
         return _read_checkpoint(path, path, path.parent)
     if not (path / "checkpoints").is_dir():
