@@ -732,6 +732,7 @@ def worker_plan(workers: int | None, threads: int | None, *, device: str, backen
         return 1, threads or cores
     if workers is None:
         workers = max(1, min(cores, num_batches))
+    workers = max(1, min(workers, num_batches))  # a worker answers whole batches: no more than there are
     return workers, threads or max(1, cores // workers)
 
 
@@ -815,6 +816,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             workers, threads = worker_plan(args.workers, args.threads, device=device,
                                            backend=cfg.target.backend, cores=usable_cores(),
                                            num_batches=num_batches)
+            if args.workers is not None and workers < args.workers:
+                print(f"draftforge data regenerate: --workers {args.workers}: {workers} started, one per "
+                      f"batch of {cfg.target.generation.batch_size} prompts (target.generation.batch_size)",
+                      file=sys.stderr)
             where = f"{device}" + (f" (tensor parallel {tensor_parallel})" if tensor_parallel > 1 else "")
             print(f"draftforge data regenerate: target on {where}, "
                   + (f"{workers} workers of {threads} thread(s) each" if workers > 1

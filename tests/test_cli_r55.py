@@ -381,3 +381,13 @@ def test_a_file_that_is_no_safetensors_is_refused_in_words_that_fit_eval_too(tmp
     given.write_text("train: {}\n")
     with pytest.raises(ExportError, match=r"\(draftforge reads a draft's weights from safetensors only\)"):
         load_training_checkpoint(given)
+
+
+def test_more_workers_than_batches_are_not_promised():
+    """'--workers 100' for one batch printed '100 workers of 1 thread(s) each'; one was started."""
+    from draftforge.data.regenerate import worker_plan
+
+    cpu = dict(device="cpu", backend="hf")
+    assert worker_plan(100, None, cores=2, num_batches=1, **cpu) == (1, 2)
+    assert worker_plan(100, 1, cores=2, num_batches=3, **cpu) == (3, 1)
+    assert worker_plan(2, None, cores=2, num_batches=40, **cpu) == (2, 1)
