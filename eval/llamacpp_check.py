@@ -345,6 +345,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _check_export(args)
 
 
+def _check_json_spares_inputs(json_path: Path, args: argparse.Namespace) -> None:
+    """Refuse a ``--json`` that would be written over what this run reads (the recipe, the
+    export's files, a --target folder's), or over a file that is no earlier --json (a list of
+    prompt checks): it is rewritten after every prompt."""
+    where = json_path.resolve()
+    if where == Path(args.recipe).expanduser().resolve():
+        raise InputError(f"--json {args.json}: is the --recipe file, which this run reads; give a new "
+                         "path, e.g. llamacpp.json")
+    for option, folder in (("the export", args.draft), ("--target", args.target)):
+        if folder and where.is_relative_to(Path(folder).expanduser().resolve()):
+            raise InputError(f"--json {args.json}: is inside {option} {folder}, whose files this run "
+                             f"reads; give a path outside it, e.g. {Path(folder).expanduser().resolve().parent / 'llamacpp.json'}")
+    if json_path.is_file():
+        try:
+            earlier = json.loads(json_path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            earlier = None
+        if not (isinstance(earlier, list) and all(isinstance(c, dict) and {"workload", "llamacpp", "draftforge"} <= c.keys() for c in earlier)):
+            raise InputError(f"--json {args.json}: an existing file that is not an earlier --json of "
+                             "draftforge eval llamacpp, which this run would replace; give a new path or "
+                             "move the file away")
+
+
 def _check_export(args: argparse.Namespace) -> int:
     from draftforge.config import load_recipe
     from draftforge.eval import llamacpp
@@ -357,6 +380,7 @@ def _check_export(args: argparse.Namespace) -> int:
             raise InputError(f"--json {args.json}: is a folder; give the path of the JSON file to "
                              f"write, e.g. {json_path / 'llamacpp.json'}")
         check_folder_writable(json_path.parent, "--json", args.json)
+        _check_json_spares_inputs(json_path, args)
     if args.work_dir:  # likewise: the GGUF files are written there after the build
         check_folder_writable(Path(args.work_dir).expanduser(), "--work-dir", args.work_dir)
     draft_dir = Path(args.draft).expanduser()

@@ -391,3 +391,30 @@ def test_more_workers_than_batches_are_not_promised():
     assert worker_plan(100, None, cores=2, num_batches=1, **cpu) == (1, 2)
     assert worker_plan(100, 1, cores=2, num_batches=3, **cpu) == (3, 1)
     assert worker_plan(2, None, cores=2, num_batches=40, **cpu) == (2, 1)
+
+
+def test_llamacpp_json_over_what_the_run_reads_is_refused_before_any_work(tmp_path):
+    """--json RECIPE or --json EXPORT/config.json was written over after the first prompt."""
+    import json
+
+    from draftforge.errors import InputError
+    from draftforge.eval.llamacpp_check import main as llamacpp_check_main
+
+    export = tmp_path / "export"
+    export.mkdir()
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("name: x\n")
+    base = [str(export), "--recipe", str(recipe)]
+    with pytest.raises(InputError, match=rf"^--json {recipe}: is the --recipe file, which this run reads"):
+        llamacpp_check_main([*base, "--json", str(recipe)])
+    with pytest.raises(InputError, match=rf"^--json {export}/config.json: is inside the export {export}, whose "
+                       rf"files this run reads; give a path outside it, e.g. {tmp_path}/llamacpp.json"):
+        llamacpp_check_main([*base, "--json", str(export / "config.json")])
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": 1}')
+    with pytest.raises(InputError, match=r"an existing file that is not an earlier --json"):
+        llamacpp_check_main([*base, "--json", str(notes)])
+    earlier = tmp_path / "earlier.json"  # an earlier run's: rewritten, so the checks go on to the export
+    earlier.write_text(json.dumps([{"workload": "w", "index": 0, "llamacpp": {}, "draftforge": {}}]))
+    with pytest.raises(InputError, match=r"not an export folder \(no config.json\)"):
+        llamacpp_check_main([*base, "--json", str(earlier)])
