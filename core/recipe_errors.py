@@ -256,7 +256,11 @@ class _Locator:
     def place(self, path: KeyPath, related: Sequence[KeyPath] = ()) -> str:
         """Where :meth:`line` locates a problem of ``path``."""
         where = self.where(path)
+        found = [self.where(other) for other in related if self.given(other)]
+        override = next((w for w in found if w.startswith("command line")), None)
         if not self.given(path):
-            found = [self.where(other) for other in related if self.given(other)]
-            where = next((w for w in found if w.startswith("command line")), found[0] if found else where)
+            where = override or (found[0] if found else where)
+        elif override is not None and not where.startswith("command line"):
+            # the file's line alone hides what brought the problem about: a related override
+            where = f"{where} (with {override})"
         return where

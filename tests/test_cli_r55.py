@@ -418,3 +418,17 @@ def test_llamacpp_json_over_what_the_run_reads_is_refused_before_any_work(tmp_pa
     earlier.write_text(json.dumps([{"workload": "w", "index": 0, "llamacpp": {}, "draftforge": {}}]))
     with pytest.raises(InputError, match=r"not an export folder \(no config.json\)"):
         llamacpp_check_main([*base, "--json", str(earlier)])
+
+
+def test_a_file_key_at_odds_with_an_override_names_the_override_too(capsys):
+    """'target=null' was reported as 'tiny-debug.yaml:26: draft.hidden_size: 64 differs from the
+    target's hidden_size 576': the override that brought it about was not named."""
+    lines = RECIPE.read_text().splitlines()
+    number = next(n for n, text in enumerate(lines, 1) if text.strip().startswith("hidden_size: 64")
+                  and lines[n - 2].strip() == "draft:")
+    code, _, err = _run(["config", "show", RECIPE, "target=null"], capsys)
+    assert code == 2, err
+    assert (f"{RECIPE}:{number} (with command line 'target=null'): draft.hidden_size: 64 differs from the "
+            "target's hidden_size 576") in err, err
+    code, _, err = _run(["config", "show", RECIPE], capsys)
+    assert code == 0 and "with command line" not in err, err

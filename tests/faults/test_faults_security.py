@@ -78,7 +78,7 @@ def test_training_checkpoint_loader_refuses_a_pickle(tmp_path, marker, name):
     with pytest.raises(InputError) as info:
         load_training_checkpoint(source)
     if name.endswith(".pt"):  # refused by its name, before it is opened
-        assert str(info.value).startswith(f"{evil} is a file but no model.safetensors (export reads "
+        assert str(info.value).startswith(f"{evil} is a file but no model.safetensors (draftforge reads "
                                           "a draft's weights from safetensors only)")
     else:
         assert f"{evil}: not a readable safetensors file" in str(info.value)
