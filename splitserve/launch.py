@@ -236,13 +236,37 @@ def _finished_at(cfg, checked: Preflight) -> str | None:
     run_dir, found = Path(cfg.train.output_dir), checked.resume_from
     # a checkpoint of another run (train.resume: PATH) is saved into this one by a rerun; a
     # missing summary.json or plot is rebuilt by one (from metrics.jsonl)
-    if (cfg.split.num_nodes != 1 or found is None or checked.resume_step < cfg.train.steps
+    if (cfg.split.num_nodes != 1 or found is None
             or found.resolve().parent != ckpt.checkpoints_root(run_dir).resolve()
             or not all((run_dir / name).is_file() for name in (SUMMARY_FILE, PLOT_FILE))):
         return None
-    return (f"draftforge train: nothing to train: checkpoint {found} is at step {checked.resume_step} and "
-            f"train.steps is {cfg.train.steps}; the run in {run_dir} is left as it is (raise train.steps to "
-            "train further; 'draftforge export' exports it)")
+    if checked.resume_step >= cfg.train.steps:
+        return (f"draftforge train: nothing to train: checkpoint {found} is at step {checked.resume_step} "
+                f"and train.steps is {cfg.train.steps}; the run in {run_dir} is left as it is (raise "
+                "train.steps to train further; 'draftforge export' exports it)")
+    if _ran_out_of_data_at(run_dir, checked.resume_step, cfg):
+        return (f"draftforge train: nothing to train: the run in {run_dir} stopped at step "
+                f"{checked.resume_step} of {cfg.train.steps} when its data ran out ({SUMMARY_FILE}: "
+                "data_exhausted), with this same recipe, so it would stop there again; it is left as it "
+                "is (raise split.max_epochs or add data, data.num_samples, to train further; 'draftforge "
+                "export' exports it)")
+    return None
+
+
+def _ran_out_of_data_at(run_dir: Path, step: int, cfg) -> bool:
+    """Whether the run's summary says it stopped at ``step`` for want of data and its config.yaml
+    is this recipe: a rerun would load the target, take no step and stop again."""
+    import json
+
+    from draftforge.train.metrics import CONFIG_FILE, SUMMARY_FILE
+
+    try:
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+        saved = (run_dir / CONFIG_FILE).read_text()
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return (isinstance(summary, dict) and summary.get("stopped_reason") == "data_exhausted"
+            and summary.get("step") == step and saved == cfg.to_yaml())
 
 
 def _check_output_dir_writable(cfg) -> None:

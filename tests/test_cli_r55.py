@@ -432,3 +432,32 @@ def test_a_file_key_at_odds_with_an_override_names_the_override_too(capsys):
             "target's hidden_size 576") in err, err
     code, _, err = _run(["config", "show", RECIPE], capsys)
     assert code == 0 and "with command line" not in err, err
+
+
+def test_a_run_that_ran_out_of_data_rerun_with_the_same_recipe_starts_no_rank(tmp_path):
+    """Rerunning a run stopped by data_exhausted loaded the target and started every rank, only to
+    stop at the same step; with more data (split.max_epochs raised) it trains on."""
+    import subprocess
+    import sys
+
+    from splitserve_helpers import tiny_recipe
+
+    recipe = tiny_recipe(tmp_path, steps=20, overrides={"data.num_samples": 2, "split.max_epochs": 1})
+
+    def train(*overrides):
+        done = subprocess.run([sys.executable, "-m", "draftforge", "train", str(recipe), *overrides],
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout + done.stderr
+
+    first = train()
+    assert "stop: data_exhausted" in first, first[-2000:]
+    run = tmp_path / "run"
+    before = {name: (run / name).read_bytes() for name in ("config.yaml", "run.json", "summary.json")}
+    again = train()
+    assert (f"draftforge train: nothing to train: the run in {run} stopped at step 1 of 20 when its data "
+            "ran out (summary.json: data_exhausted), with this same recipe") in again, again[-2000:]
+    assert "[rank" not in again
+    assert {name: (run / name).read_bytes() for name in before} == before
+    more = train("split.max_epochs=2")
+    assert "nothing to train" not in more and "training summary: step 2/20" in more, more[-2000:]
