@@ -375,6 +375,8 @@ class SampleSource:
                 if self.should_stop():
                     return
                 samples, consumed_rows = self._chunk_samples(chunk_index, chunk, epoch, rotation)
+                if self.should_stop():  # the trainers stopped while the chunk was computed
+                    return
                 produced += consumed_rows
                 for sample in samples:
                     produced += 1
@@ -487,6 +489,8 @@ class SampleSource:
         skipped = 0
         batch = cfg.split.feature_batch_size
         for start in range(0, len(tokenized), batch):
+            if self.should_stop():  # every trainer stopped: no feature batch more (seconds each)
+                break
             group = tokenized[start : start + batch]
             kept = self._kept.pop((chunk_index, start), None) if epoch == 1 else None
             if all(epoch_id(t.id, epoch) in self.consumed for t in group):

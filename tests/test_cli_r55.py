@@ -461,3 +461,15 @@ def test_a_run_that_ran_out_of_data_rerun_with_the_same_recipe_starts_no_rank(tm
     assert {name: (run / name).read_bytes() for name in before} == before
     more = train("split.max_epochs=2")
     assert "nothing to train" not in more and "training summary: step 2/20" in more, more[-2000:]
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_a_target_stops_computing_features_within_the_chunk_once_every_trainer_stopped(tmp_path, reuse):
+    """After the trainers' last step the target finished every feature batch of the chunk it was
+    on (seconds each at the CPU recipe's shapes) before it saw the stop, and sent one sample."""
+    from test_reuse_r54 import _stream
+
+    # chunks of 4 conversations, feature batches of 3 rows: a stop after the first batch's 3 rows
+    samples, rows, source = _stream(tmp_path, reuse=reuse, stop_after=3)
+    assert rows == 3, rows  # the chunk's second batch is not computed
+    assert samples == [] and not source._kept
