@@ -568,9 +568,19 @@ def _not_auto_advice(cfg) -> str | None:
     """What rerunning the same command does when ``train.resume`` is not ``auto`` (it starts
     over, or resumes from the named checkpoint again, and is refused once the run saved a
     later one: ``checkpoint.find_resume``), and how to continue instead; None for ``auto``."""
+    from draftforge.train import checkpoint as ckpt
+
     resume, run_dir = cfg.train.resume, cfg.train.output_dir
     if resume == "auto":
         return None
+    try:  # what the rerun will do, by the rule it applies
+        ckpt.find_resume(Path(run_dir), resume)
+    except ckpt.CheckpointError:
+        newest = ckpt.find_resume(Path(run_dir), "auto")
+        if newest is not None:  # the run saved past where the same command would start
+            return (f"With train.resume={resume} the same command is now refused ({run_dir} holds "
+                    f"{newest.name}, later than where it would start); rerun with train.resume=auto "
+                    f"to continue from {newest}.")
     if resume == "never":
         does = f"starts over (refused once {run_dir} holds a checkpoint)"
     else:

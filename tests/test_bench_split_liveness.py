@@ -47,6 +47,6 @@ def test_the_launcher_offers_no_resume_to_a_run_that_never_resumes(tmp_path, cap
     last = capsys.readouterr().err.splitlines()[-1]
     assert last == (
         "draftforge train: the job failed (exit status 1); the messages above name the failing "
-        f"rank. With train.resume=never the same command starts over (refused once {tmp_path / 'run'} "
-        "holds a checkpoint); rerun with train.resume=auto to continue from the newest checkpoint "
-        "instead.")
+        f"rank. With train.resume=never the same command is now refused ({tmp_path / 'run'} holds "
+        "step_00000004, later than where it would start); rerun with train.resume=auto to continue from "
+        f"{checkpoint}.")

@@ -473,3 +473,27 @@ def test_a_target_stops_computing_features_within_the_chunk_once_every_trainer_s
     samples, rows, source = _stream(tmp_path, reuse=reuse, stop_after=3)
     assert rows == 3, rows  # the chunk's second batch is not computed
     assert samples == [] and not source._kept
+
+
+@pytest.mark.parametrize("resume", ["never", "named"])
+def test_the_stop_advice_says_the_same_command_is_refused_once_the_run_saved_past_its_start(tmp_path, resume):
+    """After Ctrl-C the launcher said 'with train.resume=never the same command starts over'; the
+    run already held checkpoints, so the same command was refused."""
+    from splitserve_helpers import tiny_recipe
+    from test_launch_r11 import _checkpoint as run_checkpoint
+
+    from draftforge.config import load_recipe
+    from draftforge.splitserve.launch import _not_auto_advice
+
+    run = tmp_path / "run"
+    named = run_checkpoint(tmp_path / "other", 2)
+    setting = "never" if resume == "never" else str(named)
+    cfg = load_recipe(tiny_recipe(tmp_path, steps=8), [f"train.resume={setting}"])
+    before = _not_auto_advice(cfg)  # nothing saved yet: the same command does what it says
+    assert before.startswith(f"With train.resume={setting} the same command "), before
+    assert "now refused" not in before
+    newest = run_checkpoint(run, 4)
+    after = _not_auto_advice(cfg)
+    assert after == (f"With train.resume={setting} the same command is now refused ({run} holds "
+                     f"step_00000004, later than where it would start); rerun with train.resume=auto to "
+                     f"continue from {newest}."), after

@@ -82,10 +82,10 @@ def test_a_job_resumed_from_a_named_checkpoint_is_not_told_to_rerun_the_same_com
     with pytest.raises(ckpt.CheckpointError, match="already holds checkpoints beyond step 4"):
         ckpt.find_resume(tmp_path / "run", str(start))
     assert ckpt.find_resume(tmp_path / "run", "auto").name == "step_00000008"
-    assert last.endswith(
-        f"With train.resume={start} the same command resumes from {start} again (refused once "
-        f"{tmp_path / 'run'} holds a later checkpoint); rerun with train.resume=auto to continue "
-        "from the newest checkpoint instead."), last
+    assert last.endswith(  # the run saved step 8: the same command is refused now, and says so
+        f"With train.resume={start} the same command is now refused ({tmp_path / 'run'} holds "
+        f"step_00000008, later than where it would start); rerun with train.resume=auto to continue "
+        f"from {tmp_path / 'run' / 'checkpoints' / 'step_00000008'}."), last
 
 
 # A rank that interrupts its launcher (this test's process) once, as Ctrl-C would, then waits.
