@@ -225,6 +225,35 @@ def preflight(cfg, *, check_overlap: bool = False) -> Preflight:
     return Preflight(regenerate=regenerate, resume_from=None if found is None else Path(found), resume_step=step)
 
 
+def answers_note(cfg, checked: Preflight) -> str:
+    """The line saying which answers the run trains on: a regenerated file's, or the target's
+    own during training; on a resume whose run's last segment (run.json) took the other, a
+    note that the steps from the checkpoint on train on other answers than it did."""
+    from draftforge.data.loading import regenerated_path
+    from draftforge.train.metrics import RUN_FILE
+
+    path = regenerated_path(cfg.data, cfg.train.output_dir)
+    now = "inline" if checked.regenerate else str(path)
+    line = ("draftforge train: answers: the target answers the prompts during training (no "
+            f"{path} yet)" if checked.regenerate else f"draftforge train: answers: read from {path}")
+    if checked.resume_from is None:
+        return line
+    try:
+        segments = json.loads((Path(cfg.train.output_dir) / RUN_FILE).read_text())["segments"]
+        before = segments[-1].get("answers")
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return line
+    if before is None or before == now:
+        return line
+    if before == "inline":
+        said, keep = "answers the target gave during training", f"move {path} away"
+    else:
+        said, keep = f"the answers in {before}", f"restore {before}"
+    return (f"{line}\nnote: the run's last segment trained on {said}: the steps after step "
+            f"{checked.resume_step} train on other answers than the checkpointed run's ({keep} to "
+            "continue it on its own)")
+
+
 def _finished_at(cfg, checked: Preflight) -> str | None:
     """On one node, what to say when the checkpoint ``train.resume`` takes (``checked``) is
     already at ``train.steps`` or beyond: there is nothing to train, and starting the ranks
@@ -437,6 +466,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = launch_env(args.master_addr, cpu=not torch_cuda_visible())  # [0] is one GPU: any() said none
     if isinstance(checked, Preflight) and cfg.data.regenerate and cfg.split.num_nodes == 1:  # one finding for every rank
         env[ANSWERS_SOURCE_ENV] = "inline" if checked.regenerate else "file"
+        print(answers_note(cfg, checked), flush=True)
     with tempfile.TemporaryDirectory(prefix="draftforge-train-") as folder:
         env[INPUT_ERROR_ENV] = str(Path(folder) / "input-error")
         return _supervise(cfg, args, layout, env, restarts)

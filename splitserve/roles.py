@@ -808,8 +808,21 @@ def build_trainer(ctx: RankContext, embeddings):
     return Trainer(
         model_config=model_config, train=cfg.train, embeddings=embeddings,
         run_dir=Path(cfg.train.output_dir), group=group, recipe_yaml=cfg.to_yaml(),
-        init_draft=init_draft,
+        init_draft=init_draft, run_details=_answers_details(cfg),
     )
+
+
+def _answers_details(cfg: RecipeConfig) -> dict:
+    """run.json's record of the answers this segment trains on, where its launch decided it
+    (``draftforge train`` on one node): "inline" (the target answers during training) or the
+    file's path; a later segment that finds the other is told (``launch.answers_note``)."""
+    from draftforge.data.loading import regenerated_path
+    from draftforge.splitserve.producer import launch_pin
+
+    pin = launch_pin()
+    if pin is None:
+        return {}
+    return {"answers": "inline" if pin == "inline" else str(regenerated_path(cfg.data, cfg.train.output_dir))}
 
 
 def _provenance(cfg: RecipeConfig) -> dict:

@@ -497,3 +497,51 @@ def test_the_stop_advice_says_the_same_command_is_refused_once_the_run_saved_pas
     assert after == (f"With train.resume={setting} the same command is now refused ({run} holds "
                      f"step_00000004, later than where it would start); rerun with train.resume=auto to "
                      f"continue from {newest}."), after
+
+
+def test_a_resume_on_answers_of_the_other_source_is_noted(tmp_path):
+    """A run trained on inline answers, resumed once a regenerated file had appeared (or the
+    reverse), trained on other answers without a word; the launch did not say which it used."""
+    import json
+
+    from splitserve_helpers import tiny_recipe
+
+    from draftforge.config import load_recipe
+    from draftforge.splitserve.launch import Preflight, answers_note
+
+    cfg = load_recipe(tiny_recipe(tmp_path, steps=8, overrides={"data.regenerate": True}))
+    run = Path(cfg.train.output_dir)
+    run.mkdir(parents=True)
+    answers = run / "regenerated.jsonl"
+    fresh = answers_note(cfg, Preflight(regenerate=True))
+    assert fresh == ("draftforge train: answers: the target answers the prompts during training "
+                     f"(no {answers} yet)")
+    (run / "run.json").write_text(json.dumps({"segments": [{"answers": "inline"}]}))
+    resumed = Preflight(regenerate=False, resume_from=run / "checkpoints" / "step_00000002", resume_step=2)
+    assert answers_note(cfg, resumed) == (
+        f"draftforge train: answers: read from {answers}\n"
+        "note: the run's last segment trained on answers the target gave during training: the steps "
+        f"after step 2 train on other answers than the checkpointed run's (move {answers} away to "
+        "continue it on its own)")
+    (run / "run.json").write_text(json.dumps({"segments": [{"answers": str(answers)}]}))
+    assert answers_note(cfg, resumed) == f"draftforge train: answers: read from {answers}"  # the same
+    inline = Preflight(regenerate=True, resume_from=resumed.resume_from, resume_step=2)
+    assert answers_note(cfg, inline).endswith(f"(restore {answers} to continue it on its own)")
+    (run / "run.json").write_text(json.dumps({"segments": [{}]}))  # an earlier draftforge's record
+    assert "note" not in answers_note(cfg, inline)
+
+
+def test_a_trainers_run_json_records_the_answers_it_trains_on(monkeypatch, tmp_path):
+    from splitserve_helpers import tiny_recipe
+
+    from draftforge.config import load_recipe
+    from draftforge.splitserve.launch import ANSWERS_SOURCE_ENV
+    from draftforge.splitserve.roles import _answers_details
+
+    cfg = load_recipe(tiny_recipe(tmp_path, steps=8, overrides={"data.regenerate": True}))
+    monkeypatch.delenv(ANSWERS_SOURCE_ENV, raising=False)
+    assert _answers_details(cfg) == {}  # torchrun by hand: each rank decided for itself
+    monkeypatch.setenv(ANSWERS_SOURCE_ENV, "inline")
+    assert _answers_details(cfg) == {"answers": "inline"}
+    monkeypatch.setenv(ANSWERS_SOURCE_ENV, "file")
+    assert _answers_details(cfg) == {"answers": str(Path(cfg.train.output_dir) / "regenerated.jsonl")}

@@ -139,6 +139,7 @@ class Trainer:
         group: dist.ProcessGroup | None = None,
         recipe_yaml: str | None = None,
         init_draft: Callable[[DSparkDraft], str] | None = None,
+        run_details: dict | None = None,
     ) -> None:
         self.train = train
         self._init_draft = init_draft
@@ -195,7 +196,7 @@ class Trainer:
         self._run_details = {
             "strategy": train.strategy, "trainer_ranks": self.world, "device": str(self.device),
             "dtype": train.dtype, "trainable_parameters": self.num_trainable,
-            "model_config": model_config.to_dict(),
+            "model_config": model_config.to_dict(), **(run_details or {}),
         }
 
     def _build(self, model_config: DSparkConfig, embeddings):
