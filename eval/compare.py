@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("b", metavar="B", nargs="?", help="the report to compare against (default: A)")
     parser.add_argument("--a-method", default="dspark", help="method of A (default: dspark)")
     parser.add_argument(
-        "--b-method", help="method of B (default: dspark when B is another report, else ngram)"
+        "--b-method", help="method of B (default: dspark when B is given, else ngram; A's own report given again as B is refused at the default: a method compared with itself)"
     )
     parser.add_argument("--draws", type=int, default=DRAWS, help=f"bootstrap draws (default: {DRAWS}; more than that "
                         f"only up to {MAX_RESAMPLED:,} divided by the largest workload's prompts)")
