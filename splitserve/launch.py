@@ -285,8 +285,6 @@ def _finished_at(cfg, checked: Preflight) -> str | None:
 def _ran_out_of_data_at(run_dir: Path, step: int, cfg) -> bool:
     """Whether the run's summary says it stopped at ``step`` for want of data and its config.yaml
     is this recipe: a rerun would load the target, take no step and stop again."""
-    import json
-
     from draftforge.train.metrics import CONFIG_FILE, SUMMARY_FILE
 
     try:
