@@ -67,11 +67,12 @@ def test_a_default_key_made_invalid_by_another_is_located_where_that_one_was_set
     found = problems(no_ids)
     assert found[0].startswith(f"{no_ids}:{LINE['num_hidden_layers']}: draft.target_layer_ids[1]: layer id 8 "
                                "is out of range: the target has 4 layers"), found
-    # a key the recipe sets itself stays where it is set
+    # a key the recipe sets itself stays where it is set, with the override that brought the
+    # problem about named beside it (session 55)
     explicit = write(tmp_path, RECIPE + "  warmup_ratio: 0.5\n", "explicit.yaml")
     (problem,) = problems(explicit, ["train.steps=1"])
-    assert problem.startswith(f"{explicit}:{len(RECIPE.splitlines()) + 1}: train.warmup_ratio: 0.5 of 1 "
-                              "steps"), problem
+    assert problem.startswith(f"{explicit}:{len(RECIPE.splitlines()) + 1} (with command line 'train.steps=1'): "
+                              "train.warmup_ratio: 0.5 of 1 steps"), problem
 
 
 # --------------------------------------------------------------------------- metrics
