@@ -58,14 +58,22 @@ def check_folder_writable(folder: Path, option: str, given: str) -> None:
         raise InputError(f"{option} {given}: cannot write in {existing} ({exc.strerror or exc})") from None
 
 
-def file_in_the_way(path: Path) -> str | None:
-    """Why no folder can be at ``path`` ("is a file", "is under F, a file", or a symbolic link
-    to nothing on the way, which ``mkdir`` stops at with "File exists"), or None."""
+def dangling_link(path: Path) -> str | None:
+    """"is a symbolic link to nothing (T)" or "is under L, a symbolic link to nothing (T)" where
+    ``path`` or a folder above it is one (``mkdir`` stops there with "File exists"), else None."""
     path = Path(path).absolute()
     dangling = next((p for p in (path, *path.parents) if p.is_symlink() and not p.exists()), None)
-    if dangling is not None:
-        where = "is" if dangling == path else f"is under {dangling},"
-        return f"{where} a symbolic link to nothing ({os.readlink(dangling)})"
+    if dangling is None:
+        return None
+    where = "is" if dangling == path else f"is under {dangling},"
+    return f"{where} a symbolic link to nothing ({os.readlink(dangling)})"
+
+
+def file_in_the_way(path: Path) -> str | None:
+    """Why no folder can be at ``path`` ("is a file", "is under F, a file", or
+    :func:`dangling_link`'s words), or None."""
+    if (dangling := dangling_link(path)) is not None:
+        return dangling
     existing = nearest_existing(path)
     if existing is None or existing.is_dir():
         return None

@@ -730,9 +730,8 @@ def worker_plan(workers: int | None, threads: int | None, *, device: str, backen
                 f"--workers {workers}: several workers run on a CPU with target.backend hf; "
                 f"here the target runs on {device} with backend {backend}, one engine")
         return 1, threads or cores
-    if workers is None:
-        workers = max(1, min(cores, num_batches))
-    workers = max(1, min(workers, num_batches))  # a worker answers whole batches: no more than there are
+    # one per core by default; a worker answers whole batches, so no more than there are
+    workers = max(1, min(cores if workers is None else workers, num_batches))
     return workers, threads or max(1, cores // workers)
 
 

@@ -435,8 +435,9 @@ def _check_output_paths(out: str, calibrate: str | None) -> None:
         raise InputError(f"--out {out}: a symbolic link to nothing ({os.readlink(out_path)}); give a folder")
     if out_path.exists() and not out_path.is_dir():
         raise InputError(f"--out {out}: is a file, not a folder; give a folder for the report")
-    if (out_path / "config.json").is_file() and any(
-            (out_path / name).exists() for name in ("model.safetensors", "model.safetensors.index.json")):
+    from draftforge.train.export import is_model_folder
+
+    if is_model_folder(out_path):
         raise InputError(f"--out {out}: is a model folder (config.json and its weights); the report "
                          "would sit among its files (and an export there would then refuse to replace "
                          f"it): give a folder of its own, e.g. {out_path.with_name(out_path.name + '-eval')}")

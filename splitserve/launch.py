@@ -92,9 +92,9 @@ def launch_env(master_addr: str = LOOPBACK, *, cpu: bool = True) -> dict[str, st
 def _other_output(folder: Path) -> str | None:
     """What ``folder`` holds that is another command's output, not a run's: an export
     (config.json and its weights) or an evaluation report (report.json); None otherwise."""
-    from draftforge.train.export import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
+    from draftforge.train.export import CONFIG_FILE, is_model_folder
 
-    if (folder / CONFIG_FILE).is_file() and ((folder / SINGLE_FILE).exists() or (folder / INDEX_FILE).exists()):
+    if is_model_folder(folder):
         return f"is a draft export ({CONFIG_FILE} and its weights)"
     if (folder / "report.json").is_file() and not ((folder / "config.yaml").is_file() or (folder / "checkpoints").is_dir()):
         return "holds an evaluation report (report.json, written by 'draftforge eval --out')"  # and no run yet

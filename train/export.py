@@ -79,6 +79,13 @@ TRAINING_CONFIG_FILE = "draft_config.json"
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+def is_model_folder(folder: Path) -> bool:
+    """Whether ``folder`` holds a model as exports and HF folders do: config.json and its
+    weights (one safetensors file or the index of its shards)."""
+    return (folder / CONFIG_FILE).is_file() and any(
+        (folder / name).exists() for name in (SINGLE_FILE, INDEX_FILE))
+
+
 class ExportError(InputError):
     """The draft cannot be exported as asked (bad tensors, unsupported configuration)."""
 

@@ -120,7 +120,7 @@ def _card_and_weights(args, source: Path, run_dir: Path | None):
     """(export settings, model card, --out, draft config, state dict) for ``source``,
     a checkpoint (a run folder's newest, ``run_dir`` then given), its recipe and report."""
     from draftforge.errors import InputError
-    from draftforge.files import check_folder_writable, file_in_the_way
+    from draftforge.files import check_folder_writable, dangling_link
     from draftforge.train.export import (
         SINGLE_FILE,
         TRAINING_CONFIG_FILE,
@@ -158,8 +158,8 @@ def _card_and_weights(args, source: Path, run_dir: Path | None):
     # where the export and its lock are made: a file in the path, or a folder not writable, is
     # said before the weights are read, not as "free space" after
     check_folder_writable(Path(out).expanduser().absolute().parent, "--out", str(out))
-    if (blocked := file_in_the_way(Path(out).expanduser())) is not None and "symbolic link" in blocked:
-        raise InputError(f"--out {out} {blocked}; give a folder")
+    if (dangling := dangling_link(Path(out).expanduser())) is not None:
+        raise InputError(f"--out {out} {dangling}; give a folder")
     cfg, state = load_training_checkpoint(source)
     if args.eval_report:
         report = Path(args.eval_report)
