@@ -47,6 +47,8 @@ for name, changed in [("zero_stage", dict(zero_stage=3)), ("dtype", dict(dtype="
     except Exception as exc:
         print("ERROR", name, type(exc).__name__, exc)
 dist.destroy_process_group()
+from trainer_helpers import leave_at_once
+leave_at_once()
 """
 
 

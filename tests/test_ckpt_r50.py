@@ -25,6 +25,8 @@ resumed = trainer(2, "auto", 0.25)
 resumed.resume()
 print("CLIP", resumed.optimizer.clip_grad)
 dist.destroy_process_group()
+from trainer_helpers import leave_at_once
+leave_at_once()
 """
 
 
@@ -82,6 +84,8 @@ for stage in (2, 3):
     rounded = sum(torch.equal(reference[k].bfloat16().float(), reference[k]) for k in reference)
     print(f"STAGE {stage} exact {exact} of {len(reference)}, already bf16 {rounded}")
 dist.destroy_process_group()
+from trainer_helpers import leave_at_once
+leave_at_once()
 """
 
 

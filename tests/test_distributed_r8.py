@@ -114,3 +114,6 @@ def test_subgroup_adapter_makes_the_trainer_group_deepspeeds_world(tmp_path):
 
 if __name__ == "__main__":  # one rank of the adapter test
     _adapter_rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    from trainer_helpers import leave_at_once
+
+    leave_at_once()

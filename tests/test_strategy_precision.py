@@ -89,6 +89,8 @@ print("RESULT " + json.dumps({
     "checkpoint": str(result.checkpoint), "steps_run": result.steps_run, "skipped": result.skipped_steps,
 }))
 dist.destroy_process_group()
+from trainer_helpers import leave_at_once
+leave_at_once()
 """
 
 

@@ -89,6 +89,8 @@ same = all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 moved = any(not torch.equal(weights[1][k], weights[2][k]) for k in weights[1])
 print("RESULT", result.stopped_reason, result.skipped_steps, result.step, same, moved)
 dist.destroy_process_group()
+from trainer_helpers import leave_at_once
+leave_at_once()
 """
 
 

@@ -222,6 +222,7 @@ def deepspeed_full_state_worker(rank: int, world: int, init: str, out: str) -> N
                        "same": all(torch.equal(kept[k], everywhere[k]) for k in kept)}, f)
     finally:
         dist.destroy_process_group()
+    leave_at_once()
 
 
 def full_state_one_rank_worker(rank: int, world: int, init: str, out: str) -> None:
@@ -279,3 +280,13 @@ def deepspeed_bf16_masters_worker(rank: int, world: int, init: str, out: str) ->
                        "odd": sum(v.numel() % world != 0 for v in reference.values())}, f)
     finally:
         dist.destroy_process_group()
+    leave_at_once()
+
+
+def leave_at_once() -> None:
+    """End a finished DeepSpeed rank the way ``python -m draftforge.train`` does, without C++
+    static destructors: over gloo they abort now and then ("terminate called without an
+    active exception") after every result is written, failing a rank that succeeded."""
+    from draftforge.train.__main__ import exit_now
+
+    exit_now(0)
