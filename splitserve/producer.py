@@ -324,6 +324,7 @@ class SampleSource:
         self.dropped_rewritten = 0
         self.rewritten_example: str | None = None
         self.truncated = 0  # cut to data.max_length: with a prompt that fills it, no reply is left
+        self._tallied: set[int] = set()  # chunks whose conversations the counts above include
         self.context_turns = 0  # assistant turns the chat template rewrites later: not supervised
         self._answers: dict[int, list[Conversation]] = {}
         # split.reuse_features: epoch 0's features of each feature batch, by (chunk, first row),
@@ -465,15 +466,17 @@ class SampleSource:
                 chat_template=settings.chat_template,
                 enable_thinking=settings.enable_thinking,
             )
-        self.dropped_short += stats.num_dropped_short
-        self.dropped_special += stats.num_dropped_special
-        self.dropped_rewritten += stats.num_dropped_rewritten
+        if chunk_index not in self._tallied:  # every epoch tokenises a chunk alike: counted once
+            self._tallied.add(chunk_index)
+            self.dropped_short += stats.num_dropped_short
+            self.dropped_special += stats.num_dropped_special
+            self.dropped_rewritten += stats.num_dropped_rewritten
+            self.truncated += stats.num_truncated
         if stats.rewritten_example and not self.rewritten_example:
             self.rewritten_example = epoch_id(stats.rewritten_example, epoch)
         if stats.special_example and not self.special_example:
             conv_id, token = stats.special_example
             self.special_example = (epoch_id(conv_id, epoch), token)
-        self.truncated += stats.num_truncated
         dropped = (epoch_id(conv_id, epoch) for conv_id in stats.dropped_ids)
         self._dropped += [i for i in dropped if i not in self.consumed]
         if stats.num_context_turns and not self.context_turns:
@@ -735,12 +738,12 @@ def other_drops(source: SampleSource) -> str:
 def data_note(cfg: RecipeConfig, rank: int, source: SampleSource) -> str:
     """What target rank ``rank``'s tokenisation left out of training: the samples it dropped for
     ``data.min_loss_tokens``, for special-token text in a reply or for a cut reply the template
-    rewrites, and those it cut to ``data.max_length`` (counted at each tokenisation of a chunk,
-    so once an epoch; a resumed run counts the chunks it computes)."""
-    return (f"target rank {rank}: {source.dropped_short} samples dropped (fewer than "
+    rewrites, and those it cut to ``data.max_length``: conversations, each counted once, however
+    many epochs tokenise it (a resumed run counts the chunks it computes)."""
+    return (f"target rank {rank}: {source.dropped_short} conversations dropped (fewer than "
             f"data.min_loss_tokens={cfg.data.min_loss_tokens} supervised tokens){other_drops(source)}, "
             f"{source.truncated} cut to data.max_length={cfg.data.max_length} tokens "
-            "(counted once an epoch)")
+            "(each counted once, whatever the epochs that tokenised it)")
 
 
 def producer_alone(

@@ -56,6 +56,6 @@ def test_the_target_ranks_data_note_says_so(tmp_path):
     source = types.SimpleNamespace(dropped_short=2, dropped_special=0, special_example=None, truncated=1,
                                    dropped_rewritten=3, rewritten_example="a#e1")
     note = data_note(cfg, 0, source)
-    assert note.startswith("target rank 0: 2 samples dropped (fewer than data.min_loss_tokens=")
+    assert note.startswith("target rank 0: 2 conversations dropped (fewer than data.min_loss_tokens=")
     assert ("3 dropped (the chat template rewrites the text of a reply cut at max_new_tokens, so its "
             "supervised tokens cannot be located, e.g. conversation 'a#e1'), 1 cut to data.max_length") in note
