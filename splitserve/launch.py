@@ -424,13 +424,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if layout.num_nodes > 1 and args.node_rank == 0:  # node 0's torchrun hosts the rendezvous
             check_master_port(args.master_port)
         _check_trainer_node(cfg, layout, args.node_rank)
-    if args.nproc is not None and args.nproc != layout.nproc_per_node:
-        raise RecipeError([
+    if args.nproc is not None and args.nproc != layout.nproc_per_node:  # an option's error
+        from draftforge.errors import InputError
+
+        raise InputError(
             f"--nproc {args.nproc}: processes on this node: split.world_size / split.num_nodes = "
             f"{cfg.split.world_size} / {layout.num_nodes} = {layout.nproc_per_node} (target ranks "
             f"{cfg.split.target_ranks}, trainer ranks {cfg.split.trainer_ranks}); pass --nproc "
             f"{layout.nproc_per_node}, drop --nproc or change the split (e.g. split.world_size=N)"
-        ])
+        )
     # A dry run plans the job for the machine the recipe names: its GPUs need not be here.
     check_split(cfg, cuda_devices=planned_gpus(cfg) if args.dry_run else None,
                 ranks=None if args.dry_run else _node_ranks(layout, args.node_rank))

@@ -515,9 +515,10 @@ def test_tensor_parallel_member_waits_for_its_leader(tmp_path):
 
 
 def test_train_refuses_wrong_nproc(tmp_path):
+    from draftforge.errors import InputError
     from draftforge.splitserve.launch import main
 
-    with pytest.raises(RecipeError, match="--nproc 3"):
+    with pytest.raises(InputError, match="--nproc 3"):
         main([str(tiny_recipe(tmp_path)), "--nproc", "3", "--dry-run"])
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import math
 import time
 import uuid
@@ -383,19 +384,32 @@ class Trainer:
         if self.step >= self.train.steps:  # fit() trains nothing: no rate of a later step applies
             return (f"train.steps is {self.train.steps} and the checkpoint is at step {self.step}: "
                     "there is no step left to train; raise train.steps to train further")
-        before, now = saved.get("lr"), lr_at(self.step, train=self.train)
-        if before is not None and not math.isclose(before, now, rel_tol=1e-9, abs_tol=0.0):
-            return (f"the learning rate of step {self.step + 1} is {now:.3e} under this recipe's schedule "
-                    f"(train.lr {self.train.lr:g}, steps {self.train.steps}, warmup_ratio "
-                    f"{self.train.warmup_ratio:g}, min_lr_ratio {self.train.min_lr_ratio:g}), where the "
-                    f"checkpointed run's would have been {before:.3e}; training continues on the new schedule")
+        train, step = self.train, self.step + 1
+        before, now = saved.get("lr"), lr_at(self.step, train=train)
         old, new = saved.get("settings"), self._schedule_settings()  # absent from older checkpoints
+        schedule = (f"this recipe's schedule (train.lr {train.lr:g}, steps {train.steps}, warmup_ratio "
+                    f"{train.warmup_ratio:g}, min_lr_ratio {train.min_lr_ratio:g})")
+        if old and before is not None and self.step >= old["steps"]:  # an extended, finished run
+            warmup, end = new["warmup_steps"], train.lr * train.min_lr_ratio
+            if self.step < warmup:
+                then = (f"within its warmup: the rate rises to {train.lr:.3e} at step {warmup} (the warmup "
+                        f"goes on from step {step}, it does not start again), then follows the cosine")
+            else:
+                ended = f"its warmup ended at step {warmup}" if warmup else "it has none"
+                then = f"with no warmup again ({ended}), and the rate follows the cosine"
+            return (f"the checkpointed run had finished its learning-rate schedule (train.steps "
+                    f"{old['steps']}): its rate had decayed to its end value, {before:.3e}; under "
+                    f"{schedule} step {step} trains at {now:.3e}, {then} down to {end:.3e} at step "
+                    f"{train.steps}")
+        if before is not None and not math.isclose(before, now, rel_tol=1e-9, abs_tol=0.0):
+            return (f"the learning rate of step {step} is {now:.3e} under {schedule}, where the "
+                    f"checkpointed run's would have been {before:.3e}; training continues on the new schedule")
         if not old or all(old.get(key) == new[key] for key in ("lr", "steps", "warmup_steps", "min_lr_ratio")):
             return ""
         changed = ", ".join(f"train.{key} {old.get(key)} -> {new[key]}"
                             for key in ("lr", "steps", "warmup_ratio", "min_lr_ratio") if old.get(key) != new[key])
         return (f"this recipe's learning-rate schedule differs from the checkpointed run's ({changed}): "
-                f"step {self.step + 1} keeps the learning rate {now:.3e}, the steps after it follow "
+                f"step {step} keeps the learning rate {now:.3e}, the steps after it follow "
                 "the new schedule")
 
     # -- one optimizer step ------------------------------------------------------------
@@ -786,8 +800,6 @@ class Trainer:
 
     def save(self, *, extra_state: Callable[[], dict] | None = None) -> Path:
         """Write a checkpoint of the current step (collective over the trainer group)."""
-        import json
-
         comm = self._comm_device()
         per_rank = D.all_gather_strings(self.consumed_ids, group=self.group, device=comm)
         tokens = D.all_gather_strings([json.dumps(self.consumed_tokens)], group=self.group, device=comm)
@@ -889,13 +901,15 @@ class Trainer:
             "checkpoint": str(result.checkpoint) if result.checkpoint else None,
             "trainer_ranks": self.world, "strategy": self.train.strategy,
         }
-        # A rerun of a finished run keeps its summary; one that finds none (stopped between
-        # its last checkpoint and the summary) writes it from the logged steps, and one that
-        # finds no plot (it failed, or was deleted) draws it from them, keeping the summary
-        # with the figures of the steps it describes.
+        # A segment that trained nothing keeps a summary that still describes the run (a rerun
+        # of a finished run: its step, train.steps and stop); one that finds none (stopped
+        # between its last checkpoint and the summary) or one of another step, train.steps or
+        # stop (data that ran out at once under a longer recipe) writes it from the logged
+        # steps, and one that finds no plot (it failed, or was deleted) draws it from them,
+        # keeping the summary with the figures of the steps it describes.
         if not self.is_main:
             return summary
-        write = result.steps_run or not (self.run_dir / SUMMARY_FILE).exists()
+        write = result.steps_run or not self._summary_holds(summary)
         if write and not result.steps_run and logged and logged["tokens"]:
             # rebuilt: this process trained nothing, so the throughput is the logged steps' (every
             # segment's), over their own time; not zero tokens in the few milliseconds it ran
@@ -909,6 +923,15 @@ class Trainer:
         if write:
             print(format_summary(summary), flush=True)
         return summary
+
+    def _summary_holds(self, summary: dict) -> bool:
+        """Whether the run folder's summary.json gives ``summary``'s step, train.steps and stop."""
+        try:
+            written = json.loads((self.run_dir / SUMMARY_FILE).read_text())
+        except (OSError, ValueError):  # none, or unreadable: written again
+            return False
+        return isinstance(written, dict) and all(
+            written.get(key) == summary[key] for key in ("step", "total_steps", "stopped_reason"))
 
     def _plot(self, slots: list[float], first_slots, tau: float) -> None:
         from draftforge.train.plots import plot_slot_acceptance
