@@ -51,7 +51,10 @@ Resumable and crash-safe:
   renamed or moved since is recognised by its fingerprint) and settings equal this run's;
   anything else is refused with the file and id, never mixed in. A finished file that
   answers every prompt and more (a larger recipe's) is accepted as it is; training
-  reads its first ``data.num_samples`` rows (``check_answers``).
+  reads its first ``data.num_samples`` rows (``check_answers``). A larger recipe's stopped
+  ``<out>.partial`` (its other rows of this run's target and settings) is used likewise: its
+  rows of this run's prompts are kept, the missing ones answered into it, and ``<out>`` is
+  written with this run's rows, the ``.partial`` left for the larger run to continue.
 
 So an interrupted run followed by a rerun writes exactly the same file as an
 uninterrupted run (given a deterministic engine, which the transformers backend is) over
@@ -68,7 +71,9 @@ workers with the same ``--threads`` each (in float32 for any thread count too; i
 bfloat16 the thread count changes some answers). ``arithmetic`` records where the
 answers were computed (device, backend, dtype, and on a CPU the threads of each target);
 a rerun that would continue a file written with other arithmetic is refused, since the
-file would then mix two (threads are compared only outside float32). Files written before
+file would then mix two (threads are compared only outside float32). Since the default
+``--threads`` follows the number of batches, a rerun continuing a file defaults to the count
+recorded in it where the count matters (``continued_threads``). Files written before
 the record existed are continued without the check.
 """
 
@@ -361,6 +366,31 @@ def arithmetic_differences(written: Any, wanted: dict[str, Any] | None) -> str |
     return _setting_differences(written, wanted) if written != wanted else None
 
 
+def continued_threads(out: Path, arithmetic: dict[str, Any]) -> tuple[Path, int] | None:
+    """The file a run writing ``out`` with ``arithmetic`` (its threads left out) would continue
+    (``<out>.partial``, else ``<out>``) and the threads per target its answers were computed
+    with, where the count decides answers (a CPU, outside float32) and all else matches this
+    run's: the default for ``--threads``, whose own default follows the number of batches, so
+    that a rerun with default options is never refused for a count its user never chose.
+    None otherwise (also for a file from before the record)."""
+    path = next((p for p in (out.with_name(out.name + ".partial"), out) if p.is_file()), None)
+    if path is None:
+        return None
+    with path.open("rb") as lines:
+        for line in lines:
+            try:
+                written = json.loads(line).get("arithmetic")
+            except (ValueError, AttributeError):  # a cut or blank line: _regenerate's to judge
+                continue
+            if isinstance(written, dict):
+                threads = written.get("threads")
+                if (written.get("dtype") != "float32" and isinstance(threads, int)
+                        and written == dict(arithmetic, threads=threads)):
+                    return path, threads
+                return None
+    return None
+
+
 def _where(path: Path, line: int | None) -> str:
     return f"{path}" if line is None else f"{path}, line {line}"
 
@@ -375,7 +405,7 @@ def _check_arithmetic(rows: list[dict[str, Any]], path: Path, arithmetic: dict[s
             only_threads = {k: v for k, v in written.items() if k != "threads"} == \
                 {k: v for k, v in arithmetic.items() if k != "threads"}
             if only_threads and written.get("threads") not in (None, arithmetic.get("threads")):
-                hint = f" (rerun with --threads {written['threads']} to continue it)"
+                hint = f" (rerun with --threads {written['threads']}, or without --threads, to continue it)"
             raise RegenerationError(
                 f"{path} (id {row['id']!r}) was answered with other arithmetic ({differences}); "
                 "continuing it would mix answers computed two ways, which may differ: rerun as "
@@ -386,20 +416,23 @@ def _check_arithmetic(rows: list[dict[str, Any]], path: Path, arithmetic: dict[s
 def _check_rows(
     rows: list[dict[str, Any]], path: Path, prompts: dict[str, Conversation], settings: dict,
     target: str, *, line: int | None = None, lines: dict[str, int] | None = None,
+    others: bool = False,
 ) -> None:
     """Refuse rows that do not answer ``prompts`` with ``target`` and ``settings``; ``line``
     (of a single row), or ``lines[id]`` (of each row), goes into the message. A ``target``
-    with a ``fingerprint`` (``splitserve.target.TargetName``) must match the one the rows record."""
+    with a ``fingerprint`` (``splitserve.target.TargetName``) must match the one the rows record.
+    ``others``: rows of other ids (a larger run's) are accepted, checked for target and settings."""
     fingerprint = getattr(target, "fingerprint", None)
     for row in rows:
         where = _where(path, line if lines is None else lines.get(row["id"]))
         if row["id"] not in prompts:
-            raise RegenerationError(
-                f"{where} holds id {row['id']!r}, which is not among this run's prompts; it was "
-                "written for other data: move it away (or restore data.train_files / "
-                "data.num_samples) and rerun"
-            )
-        if _asked(row["messages"]) != _asked(prompts[row["id"]].messages):
+            if not others:
+                raise RegenerationError(
+                    f"{where} holds id {row['id']!r}, which is not among this run's prompts; it "
+                    "was written for other data: move it away (or restore data.train_files / "
+                    "data.num_samples) and rerun"
+                )
+        elif _asked(row["messages"]) != _asked(prompts[row["id"]].messages):
             raise RegenerationError(
                 f"{where} (id {row['id']!r}) answers a different prompt than this run's prompt "
                 f"{row['id']!r} (the prompt set changed since it was written, e.g. a newer "
@@ -595,12 +628,15 @@ def _regenerate(
     if not extending:
         rows = []
     torn = repeated = False
+    others: list[dict[str, Any]] = []  # a larger run's rows in the .partial, kept there for it
     if partial.exists():
         kept = _FirstOfEachId(partial)
         rows, torn = _read_rows(partial, keep=kept)
         repeated = kept.repeated is not None
-        _check_rows(rows, partial, by_id, settings_json, engine.name, lines=kept.line)
-        _check_arithmetic(rows, partial, arithmetic)
+        _check_rows(rows, partial, by_id, settings_json, engine.name, lines=kept.line, others=True)
+        _check_arithmetic(rows, partial, arithmetic)  # this run appends to the larger run's rows
+        others = [r for r in rows if r["id"] not in by_id]
+        rows = [r for r in rows if r["id"] in by_id]
     # A batch's rows go to disk in one write, so a batch with only some of its rows
     # there was cut by a crash (at a line boundary or inside a line, which _read_rows
     # dropped), or was the short last batch of a run over fewer prompts. Either way
@@ -611,7 +647,7 @@ def _regenerate(
     incomplete = {b for b, n in present.items() if n < len(batches[b])}
     rows = [r for r in rows if batch_of[r["id"]] not in incomplete]
     if not extending and (torn or incomplete or repeated):
-        write_atomic(partial, b"".join(_row_line(r) for r in rows))
+        write_atomic(partial, b"".join(_row_line(r) for r in rows + others))
     seed = b"".join(_row_line(r) for r in rows) if extending else None
     done = {r["id"] for r in rows}
     num_reused = len(done)
@@ -671,12 +707,16 @@ def _regenerate(
         bar.close()
 
     rows, _ = _read_rows(partial)
-    rows.sort(key=lambda r: order[r["id"]])
-    if [r["id"] for r in rows] != [p.id for p in prompts]:
+    ours = sorted((r for r in rows if r["id"] in order), key=lambda r: order[r["id"]])
+    if [r["id"] for r in ours] != [p.id for p in prompts]:
         raise RegenerationError(f"{partial} does not hold exactly one row per prompt (was another "
                                 "run writing it at the same time?); rerun the same command to repair it")
-    write_atomic(out, b"".join(_row_line(r) for r in rows))
-    partial.unlink()
+    write_atomic(out, b"".join(_row_line(r) for r in ours))
+    if len(ours) < len(rows):  # a larger run's stopped run: its rows stay for it to continue
+        print(f"draftforge data regenerate: {partial.name}, which also answers {len(rows) - len(ours)} "
+              "other prompts, is left for the larger run that wrote them to continue", file=sys.stderr)
+    else:
+        partial.unlink()
     fsync_dir(out.parent)
     report = RegenerateReport(out, len(prompts), num_reused, generated)
     print(f"draftforge data regenerate: {report.summary()}", file=sys.stderr)
@@ -718,18 +758,23 @@ def target_placement(choice: str, cfg, *, cuda_available: bool | None = None) ->
 
 
 def worker_plan(workers: int | None, threads: int | None, *, device: str, backend: str,
-                cores: int, num_batches: int) -> tuple[int, int]:
+                cores: int, num_batches: int, recorded: int | None = None) -> tuple[int, int]:
     """``(workers, threads per worker)`` for ``--workers`` and ``--threads`` (None = default).
 
     Several workers only on a CPU with the transformers backend; by default one per core,
     at most one per batch, sharing the cores; refused elsewhere, where one target already
-    has the device (a GPU, an SGLang engine)."""
+    has the device (a GPU, an SGLang engine). ``recorded``: the threads of the answers this
+    run continues (:func:`continued_threads`), the default for ``threads``, with by default
+    as many workers as the cores hold at that count."""
     if device != "cpu" or backend == "sglang":
         if workers is not None and workers > 1:
             raise RegenerationError(
                 f"--workers {workers}: several workers run on a CPU with target.backend hf; "
                 f"here the target runs on {device} with backend {backend}, one engine")
-        return 1, threads or cores
+        return 1, threads or recorded or cores
+    if threads is None and recorded is not None:
+        threads = recorded
+        workers = max(1, cores // recorded) if workers is None else workers
     # one per core by default; a worker answers whole batches, so no more than there are
     workers = max(1, min(cores if workers is None else workers, num_batches))
     return workers, threads or max(1, cores // workers)
@@ -770,7 +815,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "use divided among the workers, so 1 when there are at least as many batches as cores; "
         "target.num_threads is for the target rank of a training job, which shares the "
         "machine). In native bfloat16 the thread count changes some answers (float32 does not), so "
-        "a file is continued only with the count that started it (recorded in its rows)",
+        "a file is continued only with the count that started it (recorded in its rows), which is "
+        "then the default",
     )
     args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
     for flag in ("workers", "threads"):
@@ -812,9 +858,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             from draftforge.splitserve.target import build_target, target_name
 
             num_batches = -(-len(prompts) // cfg.target.generation.batch_size)
+            # an auto dtype was resolved for CUDA when there is one; on the CPU it is the CPU's rule
+            dtype = cfg.target.dtype_on(device)
+            continued = None if args.threads is not None else continued_threads(
+                out, arithmetic_record(device=device, backend=cfg.target.backend, dtype=dtype,
+                                       threads=None, tensor_parallel=tensor_parallel))
+            if continued is not None:
+                print(f"draftforge data regenerate: {continued[1]} thread(s) per target, as "
+                      f"{continued[0]} was answered with (in {dtype} another count changes answers)",
+                      file=sys.stderr)
             workers, threads = worker_plan(args.workers, args.threads, device=device,
                                            backend=cfg.target.backend, cores=usable_cores(),
-                                           num_batches=num_batches)
+                                           num_batches=num_batches,
+                                           recorded=continued[1] if continued else None)
             if args.workers is not None and workers < args.workers:
                 print(f"draftforge data regenerate: --workers {args.workers}: {workers} started, one per "
                       f"batch of {cfg.target.generation.batch_size} prompts (target.generation.batch_size)",
@@ -823,8 +879,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"draftforge data regenerate: target on {where}, "
                   + (f"{workers} workers of {threads} thread(s) each" if workers > 1
                      else f"{threads} thread(s)"), file=sys.stderr)
-            # an auto dtype was resolved for CUDA when there is one; on the CPU it is the CPU's rule
-            target = cfg.target.model_copy(update={"num_threads": threads, "dtype": cfg.target.dtype_on(device)})
+            target = cfg.target.model_copy(update={"num_threads": threads, "dtype": dtype})
             if workers > 1:
                 from draftforge.data.answer_workers import WorkerPool
 
