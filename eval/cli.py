@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("draft", help="export folder, run directory or training checkpoint")
     parser.add_argument("--target", help="registered target name, 'random' (needs --recipe) or local HF folder")
     parser.add_argument("--recipe", help="take the target section (and eval defaults) from this recipe")
-    parser.add_argument("--workloads", type=argtypes.names(WORKLOAD_NAMES),
+    parser.add_argument("--workloads", type=_names_once(WORKLOAD_NAMES),
                         help="comma-separated subset of humaneval,mtbench,gsm8k (default: the "
                         "recipe's eval.workloads, else all three)")
     parser.add_argument("--prompts-file", help="JSONL of {'workload': name, 'input_ids': [...]} instead of "
@@ -63,12 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"tokens generated per prompt, 2 or more (default: the recipe's "
                         f"eval.max_new_tokens, else {defaults.max_new_tokens})")
     parser.add_argument("--num-prompts", type=argtypes.positive_int,
-                        help="per workload (default: the recipe's eval.num_prompts, else all)")
+                        help="per workload; one with fewer runs all of its own, and the run and the "
+                        "report say so (default: the recipe's eval.num_prompts, else all)")
     parser.add_argument("--verify", choices=["full", "threshold"], help="verification mode (default: the recipe's eval.verify, else full)")
     parser.add_argument("--threshold", type=argtypes.probability,
                         help="confidence threshold for --verify threshold, in [0, 1] (default: the "
                         f"recipe's eval.confidence_threshold, else {defaults.confidence_threshold})")
-    parser.add_argument("--baselines", type=argtypes.names(("none", "ngram")),
+    parser.add_argument("--baselines", type=_names_once(("none", "ngram")),
                         help="comma-separated subset of none,ngram (default: the recipe's "
                         "eval.baselines, else both); greedy decoding runs none anyway, as the "
                         "lossless check's reference, and reports it")
@@ -110,6 +111,46 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 CALIBRATE_RULES = ("conditional", "survival")
+
+
+def _names_once(valid: Sequence[str]):
+    """:func:`argtypes.names`, refusing a name given twice: it would be measured once, and the
+    report's command would read as if it were measured twice."""
+    parse = argtypes.names(valid)
+
+    def parse_once(text: str) -> list[str]:
+        chosen = parse(text)
+        given = [n.strip() for n in text.split(",")]
+        repeated = [n for n in chosen if given.count(n) > 1]
+        if repeated:
+            raise argparse.ArgumentTypeError(f"{', '.join(map(repr, repeated))} given more than once, and "
+                                             f"each runs once: give {','.join(chosen)}")
+        return chosen
+
+    return parse_once
+
+
+def _listed_once(names: Sequence[str], key: str) -> list[str]:
+    """The recipe's ``key`` (eval.workloads, eval.baselines) with a name listed twice kept once, said."""
+    kept = list(dict.fromkeys(names))
+    if len(kept) < len(names):
+        repeated = [n for n in kept if names.count(n) > 1]
+        print(f"eval: the recipe's {key} lists {', '.join(map(repr, repeated))} more than once; each is "
+              "measured once", flush=True)
+    return kept
+
+
+def _say_fewer_prompts(workloads: dict[str, list[list[int]]], num_prompts: int | None, args) -> None:
+    """One line per workload with fewer prompts than --num-prompts (or the recipe's
+    eval.num_prompts) asks: all of its prompts are measured, and the report says how many."""
+    asked = f"--num-prompts {num_prompts}" if args.num_prompts else f"the recipe's eval.num_prompts {num_prompts}"
+    for name, prompts in workloads.items():
+        if num_prompts and len(prompts) < num_prompts:
+            count, measured = ("1 prompt", "it is") if len(prompts) == 1 else (f"{len(prompts)} prompts",
+                                                                               f"all {len(prompts)} are")
+            has = (f"--prompts-file {args.prompts_file} holds only {count} of workload {name!r}"
+                   if args.prompts_file else f"workload {name!r} has only {count}")
+            print(f"eval: {asked}: {has}; {measured} measured", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -300,7 +341,7 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
         verify=verify,
         threshold=eval_cfg.confidence_threshold if args.threshold is None else args.threshold,
         seed=eval_cfg.seed if args.seed is None else args.seed,
-        baselines=tuple(args.baselines) if args.baselines else tuple(eval_cfg.baselines),
+        baselines=tuple(args.baselines or _listed_once(eval_cfg.baselines, "eval.baselines")),
         estimate=not args.no_estimate,
         tie_tolerance=tie_tolerance_for(target_cfg.dtype, args.tie_tolerance),
         ngram_match=args.ngram_match,
@@ -309,10 +350,11 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
         _check_vocabulary(args.prompts_file, file_prompts, file_lines, target.model.get_input_embeddings().num_embeddings)
         workloads = file_prompts
     else:
-        names = args.workloads or list(dict.fromkeys(eval_cfg.workloads))  # one named twice is one
+        names = args.workloads or _listed_once(eval_cfg.workloads, "eval.workloads")
         workloads = {name: _workload_prompts(name, target, target_cfg, num_prompts) for name in names}
         _check_lengths(workloads, max_new_tokens, draft_cfg.max_position_embeddings,
                        lambda name, i: f"workload {name!r}, prompt {i}")
+    _say_fewer_prompts(workloads, num_prompts, args)
     target_limit = target_context(target.model)
     if target_limit is not None:  # before any decodes, as the draft's limit above
         name_prompt = ((lambda name, i: f"{args.prompts_file}:{file_lines[name][i]}") if file_prompts is not None
@@ -346,6 +388,7 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
             "shape": target_cfg.shape.model_dump() if target_cfg.shape is not None else None,
         },
         "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(settings).items()},
+        "num_prompts_requested": num_prompts,  # per workload, None for all; each workload's num_prompts is measured
         "device": device,
         "target_devices": devices,
         "block_size": draft_cfg.block_size,

@@ -110,12 +110,13 @@ def draft_kind(cfg) -> str:
 def markdown_table(
     results: Sequence[WorkloadResult], *, block_size: int, command: str | None = None,
     intervals: dict | None = None, settings: dict | None = None, draft: str | None = None,
-    calibration: dict | None = None,
+    calibration: dict | None = None, num_prompts: int | None = None,
 ) -> str:
     """Acceptance length, verification width and speed per workload and method, plus positions
     and the bootstrap ``intervals`` (:func:`uncertainty`, computed here when not given);
     ``draft``: :func:`draft_kind` of the draft the ``dspark`` rows measured; ``calibration``:
-    report.json's (``--calibrate``), whose pooled ECE before and after it states."""
+    report.json's (``--calibrate``), whose pooled ECE before and after it states;
+    ``num_prompts``: the prompts asked per workload (None: all), beside those measured."""
     lines = []
     if command:
         lines += [f"Command: `{command}`", ""]
@@ -123,6 +124,9 @@ def markdown_table(
         lines += [decoding_line(settings, sum(r.near_ties for r in results)), ""]
     if draft is not None:
         lines += [f"The `dspark` rows measure the draft under test: {draft}.", ""]
+    fewer = num_prompts is not None and any(r.num_prompts < num_prompts for r in results)
+    lines += [f"Prompts per workload: {', '.join(f'{r.name} {r.num_prompts}' for r in results)}"
+              + (f" (all of a workload with fewer than the {num_prompts} asked)." if fewer else "."), ""]
     lines += [
         "| workload | method | acceptance length | tokens verified / round | tokens/s | speed-up | wall s |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
@@ -425,7 +429,7 @@ def write_report(
     intervals = uncertainty(results)  # once, for both files
     table = markdown_table(results, block_size=block_size, command=meta.get("command"), intervals=intervals,
                            settings=meta.get("settings"), draft=meta.get("draft_kind"),
-                           calibration=meta.get("calibration"))
+                           calibration=meta.get("calibration"), num_prompts=meta.get("num_prompts_requested"))
     report = report_dict(results, meta, intervals=intervals)
     # which report.md this report.json was written with (export takes the table only beside it)
     report["report_md_sha256"] = text_digest(table)
