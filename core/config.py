@@ -203,11 +203,14 @@ def _string_keyed(data: Any) -> Any:
     return data
 
 
-def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> RecipeConfig:
+def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = (), *,
+                reread: str | None = None) -> RecipeConfig:
     """Load, override, validate and resolve the recipe at ``path``.
 
     Raises :class:`RecipeError` listing every problem, each naming the file and
-    line (or the override) and the key path.
+    line (or the override) and the key path. ``reread``: why the file is read again after
+    this (say, by the job's ranks): a pipe or FIFO, which gives its text once, is then refused
+    before it is read.
     """
     path = Path(path)
     source = str(path)
@@ -215,6 +218,10 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
         raise RecipeError([f"{source}: no such recipe file"])
     if path.is_dir():
         raise RecipeError([f"{source}: is a directory, expected a recipe .yaml file"])
+    if reread is not None and not path.is_file():
+        raise RecipeError([f"{source}: not a regular file (a pipe such as bash's <(...), or a FIFO), "
+                           f"whose text can be read once, and {reread}: save the recipe to a file and "
+                           "pass that"])
     try:
         raw = path.read_bytes()
     except OSError as exc:

@@ -192,7 +192,7 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
     from draftforge.config import load_recipe
 
     recipe = args.recipe
-    base = load_recipe(recipe)
+    base = load_recipe(recipe, reread="the demo reads it again for each stage")
     paths = demo_paths(base)
     with demo_held(paths.run_dir):  # a second demo on these runs is refused at once
         return _run_stages(args, command=command, recipe=recipe, base=base, paths=paths)

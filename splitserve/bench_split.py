@@ -465,7 +465,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from draftforge.splitserve.roles import check_split
     from draftforge.splitserve.supervisor import run_ranks, term_seconds
 
-    _check_answers(load_recipe(args.recipe, args.overrides), args.overrides)
+    _check_answers(load_recipe(args.recipe, args.overrides,
+                               reread="the benchmark's ranks read it again"), args.overrides)
     with tempfile.TemporaryDirectory(prefix="draftforge-bench-split-") as tmp:
         overrides = [*(o for o in args.overrides if not o.startswith(OWN_KEYS)),
                      f"train.output_dir={tmp}/run", "train.resume=never"]

@@ -413,7 +413,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from draftforge.config import RecipeError, load_recipe
     from draftforge.splitserve.roles import check_split
 
-    cfg = load_recipe(args.recipe, args.overrides)
+    # a dry run reads it once; a start hands its path to every rank
+    cfg = load_recipe(args.recipe, args.overrides,
+                      reread=None if args.dry_run else "every rank of the job reads it again")
     if args.dry_run:  # plans every node; a node rank given must still be one of them
         layout = node_layout(cfg)
         problem = node_rank_problem(layout, args.node_rank, needed=False)

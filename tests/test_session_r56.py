@@ -1,5 +1,6 @@
 """Session 56: the target rank's end-of-run counts of conversations its tokenisation cut or
-dropped describe the data, not how many epochs happened to tokenise it."""
+dropped describe the data, not how many epochs happened to tokenise it; a recipe given as a
+pipe is refused where the job would read it a second time."""
 
 from __future__ import annotations
 
@@ -36,3 +37,46 @@ def test_conversations_cut_to_max_length_are_counted_once_whatever_the_epochs(tm
                                      enable_thinking=settings.enable_thinking)
     assert 0 < once.num_truncated < len(answered)
     assert (source.truncated, source.dropped_short) == (once.num_truncated, once.num_dropped_short)
+
+
+def _pipe_recipe(tmp_path):
+    import os
+
+    tmp_path.mkdir(exist_ok=True)
+    fifo = tmp_path / "recipe.yaml"
+    os.mkfifo(fifo)
+    return fifo
+
+
+def test_a_recipe_in_a_pipe_is_refused_where_the_job_reads_it_again(tmp_path, capsys):
+    """'draftforge train <(sed ... recipe.yaml)' passed the launcher's checks and every rank
+    failed with 'no such recipe file' (the pipe was the launcher's); a FIFO blocked the ranks
+    for good. Refused before it is read, by train, bench split and the demo."""
+    from test_cli_r15 import _run
+
+    fifo = _pipe_recipe(tmp_path)
+    said = "not a regular file (a pipe such as bash's <(...), or a FIFO), whose text can be read once"
+    for argv, why in ((["train", str(fifo)], "every rank of the job reads it again"),
+                      (["bench", "split", str(fifo)], "the benchmark's ranks read it again"),
+                      (["demo", str(fifo)], "the demo reads it again for each stage")):
+        code, _, err = _run(argv, capsys)  # a FIFO with no writer: a read would block here
+        assert code == 2, err
+        assert f"{fifo}: {said}, and {why}: save the recipe to a file and pass that" in err, err
+
+
+def test_a_dry_run_and_config_show_still_read_a_recipe_from_a_pipe(tmp_path, capsys):
+    import threading
+    from pathlib import Path
+
+    from test_cli_r15 import _run
+
+    text = (Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml").read_text()
+    for argv, shown in ((["train", "{}", "--dry-run"], "the same job by hand: torchrun"),
+                        (["config", "show", "{}"], "# draftforge resolved recipe 'recipe'")):
+        fifo = _pipe_recipe(tmp_path / argv[0])
+        writer = threading.Thread(target=lambda path=fifo: path.write_text(text), daemon=True)
+        writer.start()
+        code, out, err = _run([a.format(fifo) for a in argv], capsys)
+        writer.join(timeout=10)
+        assert code == 0, err
+        assert shown in out, (out, err)
