@@ -447,9 +447,13 @@ class SampleSource:
         if self.regenerate:
             if chunk_index not in self._answers:
                 from draftforge.data.regenerate import answer_batch
+                from draftforge.splitserve.sampling import DecodingStopped, stopping_when
 
-                with self.meter.busy("generate"):
-                    messages, unfinished = answer_batch(chunk, self.engine, settings)
+                try:  # every trainer stopped: no reply more (a chunk's take tens of seconds on a CPU)
+                    with self.meter.busy("generate"), stopping_when(self.should_stop):
+                        messages, unfinished = answer_batch(chunk, self.engine, settings)
+                except DecodingStopped:
+                    return [], 0
                 # replies cut at max_new_tokens: their end-of-turn marker is not supervised
                 self._answers[chunk_index] = [
                     Conversation(id=c.id, messages=m, source=c.source,

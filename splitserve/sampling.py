@@ -23,8 +23,10 @@ draws are made would change every regenerated answer the README's figures rest o
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +39,25 @@ _LINEAR_ATTENTION = getattr(cache_utils, "LinearAttentionCacheLayerMixin", ())
 
 if TYPE_CHECKING:
     from draftforge.splitserve.config import GenerationConfig
+
+_STOP: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar("decode_stop", default=None)
+
+
+class DecodingStopped(Exception):
+    """Raised by :func:`decode` inside :func:`stopping_when` once its check says stop: the
+    batch's replies are not finished, and none are returned."""
+
+
+@contextlib.contextmanager
+def stopping_when(check: Callable[[], bool]) -> Iterator[None]:
+    """Within the block, :func:`decode` asks ``check`` before each step and raises
+    :class:`DecodingStopped` once it is true (a target rank whose trainers have all stopped
+    would otherwise finish a whole chunk's answers no one takes: tens of seconds on a CPU)."""
+    token = _STOP.set(check)
+    try:
+        yield
+    finally:
+        _STOP.reset(token)
 
 
 def kv_cache_argument(model) -> str:
@@ -113,8 +134,10 @@ def decode(
     padded with ``pad_id`` after it. The KV cache is a ``GrowingCache`` where the model
     allows it (see ``kv_cache``). Rows that have ended leave the batch (their KV cache
     rows are dropped, when the cache supports it), so the remaining steps compute only
-    the rows still generating; decoding stops once every row has ended.
+    the rows still generating; decoding stops once every row has ended. Within
+    :func:`stopping_when`, raises :class:`DecodingStopped` once its check says stop.
     """
+    stop = _STOP.get()
     batch = input_ids.shape[0]
     device = input_ids.device
     eos = torch.tensor(sorted(set(eos_ids)), device=device)
@@ -130,6 +153,8 @@ def decode(
     rows = torch.arange(batch, device=device)  # the original row of each row still in the batch
     live = torch.ones(batch, dtype=torch.bool, device=device)  # still generating
     for step in range(settings.max_new_tokens):
+        if stop is not None and stop():
+            raise DecodingStopped(f"stopped after {step} of up to {settings.max_new_tokens} new tokens")
         token = next_tokens(logits, settings, generator)
         result[rows[live], step] = token[live]
         live &= ~torch.isin(token, eos)

@@ -80,3 +80,37 @@ def test_a_dry_run_and_config_show_still_read_a_recipe_from_a_pipe(tmp_path, cap
         writer.join(timeout=10)
         assert code == 0, err
         assert shown in out, (out, err)
+
+
+def test_a_target_stops_answering_a_chunk_once_every_trainer_stopped(tmp_path):
+    """A target rank regenerating answers finished the whole chunk's decoding (64 prompts of up
+    to 160 tokens: tens of seconds on a CPU) after its trainers had stopped, and only then saw
+    the stop. It now stops at the next decoding step and computes and sends nothing more."""
+    from draftforge.config import load_recipe
+    from draftforge.splitserve.producer import (
+        SampleSource,
+        build_topology,
+        load_source_conversations,
+    )
+    from draftforge.splitserve.target import build_target
+
+    cfg = load_recipe(tiny_recipe(tmp_path, num_conversations=8, overrides={
+        "data.regenerate": True, "target.generation.batch_size": 4,
+        "target.generation.max_new_tokens": 12, "target.generation.temperature": 0.0}))
+    conversations, regenerate = load_source_conversations(cfg)
+    assert regenerate
+    engine = build_target(cfg.target, cfg.draft.target_layer_ids)
+    steps = []  # the model's forward calls: the prefill, then one a decoding step
+    engine.model.register_forward_hook(lambda *_: steps.append(1))
+    stop_at = 3
+
+    def features(*args, **kwargs):
+        raise AssertionError("features computed after the stop")
+
+    source = SampleSource(cfg, engine, build_topology(cfg.split), 0, conversations=conversations,
+                          regenerate=regenerate, log=lambda text: None,
+                          should_stop=lambda: len(steps) >= stop_at)
+    engine.features = features
+    assert list(source.samples()) == []
+    assert len(steps) == stop_at  # the prefill and two steps; up to 12 without the check
+    assert not source._answers  # no chunk's unfinished answers kept
