@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import shlex
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 from draftforge import argtypes
 from draftforge.errors import InputError
 from draftforge.eval.config import NGRAM_MATCHES, EvalConfig, tie_tolerance_for
-from draftforge.files import check_folder_writable, remove_stale_temporaries
+from draftforge.files import check_folder_writable, dangling_link, remove_stale_temporaries
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -474,8 +473,8 @@ def _check_output_paths(out: str, calibrate: str | None) -> None:
     ``--calibrate`` file the report would overwrite, naming the option, the path and what is
     wrong."""
     out_path = Path(out).expanduser()
-    if out_path.is_symlink() and not out_path.exists():
-        raise InputError(f"--out {out}: a symbolic link to nothing ({os.readlink(out_path)}); give a folder")
+    if (dangling := dangling_link(out_path)) is not None:  # it or a folder above it
+        raise InputError(f"--out {out}: {dangling}; give a folder")
     if out_path.exists() and not out_path.is_dir():
         raise InputError(f"--out {out}: is a file, not a folder; give a folder for the report")
     from draftforge.train.export import is_model_folder

@@ -202,17 +202,25 @@ def check_trained_on(run_dir: Path, answers: str | None, what: str, *, skip_trai
 
 def export_files(export_dir: Path) -> str:
     """The digest of an export folder's files but its model card (the last stage writes it again):
-    its config and weights, the same for every export of one checkpoint by one command."""
+    its config and weights, the same for every export of one checkpoint by one command. Read
+    under the lock ``draftforge export`` holds while it writes the folder, so that no export
+    replaces it midway; one writing it now is refused."""
     import hashlib
 
+    from draftforge.train.export import ExportError, export_lock
+
     digest = hashlib.sha256()
-    for path in sorted(export_dir.glob("*")):
-        if path.name != "README.md" and path.is_file():
-            content = hashlib.sha256()  # hashlib.file_digest needs Python 3.11
-            with path.open("rb") as handle:
-                for block in iter(lambda: handle.read(1 << 20), b""):
-                    content.update(block)
-            digest.update(path.name.encode() + content.digest())
+    try:
+        with export_lock(export_dir.expanduser().resolve(), then="wait for it to finish, then rerun the demo"):
+            for path in sorted(export_dir.glob("*")):
+                if path.name != "README.md" and path.is_file():
+                    content = hashlib.sha256()  # hashlib.file_digest needs Python 3.11
+                    with path.open("rb") as handle:
+                        for block in iter(lambda: handle.read(1 << 20), b""):
+                            content.update(block)
+                    digest.update(path.name.encode() + content.digest())
+    except ExportError as err:
+        raise DemoError(str(err), exit_status=2) from None
     return digest.hexdigest()
 
 

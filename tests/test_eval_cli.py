@@ -482,7 +482,7 @@ def test_unwritable_out_and_calibrate_paths_are_refused_before_the_target_loads(
     cases = [
         (["--out", str(a_file)], f"--out {a_file}: is a file, not a folder"),
         (["--out", str(a_file / "sub")], f"--out {a_file / 'sub'}: {a_file} is a file, not a folder"),
-        (["--out", str(dangling)], f"--out {dangling}: a symbolic link to nothing"),
+        (["--out", str(dangling)], f"--out {dangling}: is a symbolic link to nothing"),
         (["--out", str(tmp_path / "r"), "--calibrate", str(a_folder)],
          f"--calibrate {a_folder}: is a folder; give the path of the JSON file"),
         (["--out", str(tmp_path / "r"), "--calibrate", str(a_file / "cal.json")],

@@ -39,7 +39,7 @@ destination, then renamed into place; a failure removes the temporary folder and
 leaves an older export at the destination untouched. What an export killed outright
 (SIGKILL, out of memory) leaves beside the destination is tidied by the next export
 into it (:func:`_tidy_leftovers`), which holds ``.NAME.lock`` there while it writes (on a file
-system without ``flock`` it writes unlocked and tidies nothing: :func:`_writing`).
+system without ``flock`` it writes unlocked and tidies nothing: :func:`export_lock`).
 """
 
 from __future__ import annotations
@@ -360,7 +360,7 @@ def export_draft(
     staging = None
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        with _writing(out) as locked:
+        with export_lock(out) as locked:
             if locked:
                 _tidy_leftovers(out, progress)
             else:  # a running export's staging folder would look like a killed one's
@@ -387,16 +387,16 @@ def export_draft(
     return out
 
 
-def _writing(out: Path):
-    """Hold ``.NAME.lock`` beside ``out`` while an export writes it: the leftovers
-    :func:`_tidy_leftovers` removes are then a killed export's, never a running one's. Yields
-    whether the lock is held: on a file system without ``flock`` (some network ones) the export
-    runs unlocked, as training does there (``checkpoint.claim_run_dir``), instead of failing."""
+def export_lock(out: Path, *, then: str = "wait for it to finish, or choose another --out"):
+    """Hold ``.NAME.lock`` beside ``out`` (resolved) while an export writes it, or while the demo
+    reads it: the leftovers :func:`_tidy_leftovers` removes are then a killed export's, never a
+    running one's. Yields whether the lock is held: on a file system without ``flock`` (some
+    network ones) the export runs unlocked, as training does there (``checkpoint.claim_run_dir``),
+    instead of failing. Held elsewhere: :class:`ExportError`, its advice ``then``."""
     from draftforge.files import lock_or_refuse
 
     return lock_or_refuse(out.parent / f".{out.name}.lock", lambda holder: ExportError(
-        f"another draftforge export ({holder}) is writing {out} now; wait for it to finish, or choose "
-        "another --out"))
+        f"another draftforge export ({holder}) is writing {out} now; {then}"))
 
 
 def _tidy_leftovers(out: Path, progress) -> None:
