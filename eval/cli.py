@@ -489,6 +489,8 @@ def _check_output_paths(out: str, calibrate: str | None) -> None:
     check_folder_writable(out_path, "--out", out)
     if calibrate is not None:
         cal_path = Path(calibrate).expanduser()
+        if (dangling := dangling_link(cal_path)) is not None:  # it or a folder above it
+            raise InputError(f"--calibrate {calibrate}: {dangling}; give the path of the JSON file to write")
         if cal_path.is_dir():
             raise InputError(f"--calibrate {calibrate}: is a folder; give the path of the JSON file "
                              f"to write, e.g. {cal_path / 'calibration.json'}")

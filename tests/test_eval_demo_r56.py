@@ -163,3 +163,27 @@ def test_eval_refuses_an_out_under_a_dangling_link_before_the_target_loads(tmp_p
         assert (f"draftforge eval: error: --out {out}: {where} a symbolic link to nothing "
                 f"({tmp_path / 'gone' / 'zz'}); give a folder") in err, err
     assert not (tmp_path / "gone").exists()
+
+
+def test_eval_refuses_a_calibrate_path_under_a_dangling_link_before_the_target_loads(tmp_path, monkeypatch, capsys):
+    import draftforge.splitserve.target as target_module
+    from draftforge.cli import main
+
+    recipe_path, export_dir, prompts = _tiny_export_and_prompts(tmp_path)
+    prompts.write_text("".join(json.dumps({"workload": "w", "input_ids": ids}) + "\n"
+                               for ids in random_prompts(2)))  # calibration holds one out
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded before --calibrate was checked")
+
+    monkeypatch.setattr(target_module, "build_target", no_target)
+    link = tmp_path / "dangling"
+    link.symlink_to(tmp_path / "gone" / "zz")
+    calibrate = link / "cal.json"
+    code = main(["eval", str(export_dir), "--recipe", str(recipe_path), "--prompts-file", str(prompts),
+                 "--max-new-tokens", "4", "--out", str(tmp_path / "out"), "--calibrate", str(calibrate)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert (f"draftforge eval: error: --calibrate {calibrate}: is under {link}, a symbolic link to nothing "
+            f"({tmp_path / 'gone' / 'zz'}); give the path of the JSON file to write") in err, err
+    assert not (tmp_path / "gone").exists()
