@@ -368,7 +368,10 @@ def speculative_decode(
     accept_sampled = accept_sampled or rejection_accept
     generator = generator or torch.Generator().manual_seed(0)
     eos = set(settings.eos_token_ids)
-    plain = proposer.name == "none"  # plain decoding: record the lossless reference margins
+    # plain greedy decoding: record the lossless check's reference margins, untimed (a decoder
+    # would not compute them, and the speed-ups divide by this method's tokens/s)
+    plain = proposer.name == "none" and settings.temperature <= 0
+    untimed = 0.0
     start = time.perf_counter()
 
     proposer.start()
@@ -377,8 +380,10 @@ def speculative_decode(
     features = aux if proposer.needs_features else None
     anchor = _choose(logits[-1], settings, generator)
     output = [anchor]
-    margins = [_margin(logits[-1])] if plain else None
-    gaps = [_gaps(logits[-1])] if plain else None
+    margins: list[float] | None = [] if plain else None
+    gaps: list[dict[int, float]] | None = [] if plain else None
+    if plain:
+        untimed += _reference(logits[-1], margins, gaps)
     rounds: list[Round] = []
     while len(output) < settings.max_new_tokens and anchor not in eos:
         sequence.append(anchor)  # the anchor sits at position len(sequence) - 1
@@ -407,8 +412,7 @@ def speculative_decode(
             # the drafts after it count as neither verified nor accepted
             counted_verified = counted_accepted = len(emitted)
         if plain:
-            margins.append(_margin(target_logits[0]))
-            gaps.append(_gaps(target_logits[0]))
+            untimed += _reference(target_logits[0], margins, gaps)
         rounds.append(
             Round(
                 num_proposed=len(proposal.tokens),
@@ -427,7 +431,7 @@ def speculative_decode(
         prompt_len=len(prompt),
         tokens=output,
         rounds=rounds,
-        wall_s=time.perf_counter() - start,
+        wall_s=time.perf_counter() - start - untimed,
         top2_margins=margins[: len(output)] if margins is not None else None,
         top_gaps=gaps[: len(output)] if gaps is not None else None,
     )
@@ -439,8 +443,13 @@ def top2_margins(logits: torch.Tensor) -> torch.Tensor:
     return top[..., 0] - top[..., 1]
 
 
-def _margin(logits: torch.Tensor) -> float:
-    return float(top2_margins(logits))
+def _reference(logits: torch.Tensor, margins: list[float], gaps: list[dict[int, float]]) -> float:
+    """Append the plain decode's top-2 margin and near-tie gaps of one position's ``logits``;
+    returns the seconds it took, which the decode's wall time leaves out."""
+    start = time.perf_counter()
+    margins.append(float(top2_margins(logits)))
+    gaps.append(_gaps(logits))
+    return time.perf_counter() - start
 
 
 NEAR_TIE_CANDIDATES = 8  # the reference tokens whose distance below its choice plain decoding keeps
