@@ -21,6 +21,7 @@ from draftforge.files import naming, write_atomic
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 PLOT_FILE = "slot_acceptance.png"  # the summary's per-slot acceptance, drawn
+NO_PLOT = "no_plot"  # the summary's key for why PLOT_FILE could not be drawn
 RUN_FILE = "run.json"
 CONFIG_FILE = "config.yaml"
 WANDB_ID_FILE = "wandb_id.txt"
@@ -320,12 +321,14 @@ class Progress:
         if enabled:
             _ACTIVE.append(self)
 
-    def update(self, *, loss: float, tau: float, tokens: int) -> None:
+    def update(self, *, loss: float, tau: float, tokens: int, elapsed_s: float | None = None) -> None:
         """One step done: its loss and tau, and its ``tokens`` for tokens/s, which counts this
-        run's tokens over its wall time so far (waits and checkpoints included), as the
-        summary's does, not the last step's rate."""
+        run's tokens over its wall time so far (waits and checkpoints included), not the last
+        step's rate; ``elapsed_s``, that wall time as the trainer's clock gives it (default: since
+        the bar started), makes the last step's figure the summary's tokens_s."""
         self.tokens += tokens
-        self.tokens_s = self.tokens / max(time.perf_counter() - self.started, 1e-9)
+        elapsed = time.perf_counter() - self.started if elapsed_s is None else elapsed_s
+        self.tokens_s = self.tokens / max(elapsed, 1e-9)
         self.bar.set_postfix(loss=f"{loss:.4f}", tau=f"{tau:.3f}", tok_s=f"{self.tokens_s:.0f}", refresh=False)
         self.bar.update(1)
 

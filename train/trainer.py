@@ -43,6 +43,7 @@ from draftforge.train.blocks import build_layout, sample_anchors
 from draftforge.train.config import TrainConfig, warmup_steps
 from draftforge.train.metrics import (
     METRICS_FILE,
+    NO_PLOT,
     PLOT_FILE,
     SUMMARY_FILE,
     MetricsLog,
@@ -669,6 +670,7 @@ class Trainer:
             first_slots = measured[0]["slot_acceptance"] if measured else None
         iterator = iter(batches)
         started = time.perf_counter()
+        elapsed = 0.0  # to the end of the last step: the clock of the bar's and the summary's tokens/s
         total_tokens = 0
         bad_at_start = self.skipped_steps  # max_bad_steps counts this run's: a resumed run starts afresh
         self.model.train()
@@ -695,6 +697,7 @@ class Trainer:
                     result.untrained = int(left.item())
                     break
                 record = self.train_step(micro_batches, wait_s=wait_s)
+                elapsed = time.perf_counter() - started
                 compute_s = record["compute_s"]
                 applied = not record["skipped"]
                 total_tokens += record["tokens"]
@@ -712,7 +715,7 @@ class Trainer:
                     if result.steps_run == 1:  # an earlier segment's summary no longer describes the run
                         (self.run_dir / SUMMARY_FILE).unlink(missing_ok=True)
                         (self.run_dir / PLOT_FILE).unlink(missing_ok=True)  # nor its plot
-                    progress.update(loss=record["loss"], tau=record["tau"], tokens=record["tokens"])
+                    progress.update(loss=record["loss"], tau=record["tau"], tokens=record["tokens"], elapsed_s=elapsed)
                     if self.step % train.log_interval == 0 or not applied:
                         progress.write(self._log_line(record))
                 if on_step is not None:
@@ -751,7 +754,6 @@ class Trainer:
         try:
             result.step = self.step
             result.skipped_steps = self.skipped_steps
-            elapsed = time.perf_counter() - started
             result.summary = self._summary(result, window, first_slots, total_tokens, elapsed, logged)
             if on_end is not None:
                 on_end(result)
@@ -895,6 +897,10 @@ class Trainer:
             "step": self.step, "total_steps": self.train.steps, "steps_this_run": result.steps_run,
             "skipped_steps": self.skipped_steps, "stopped_reason": result.stopped_reason,
             "loss": mean("loss"), "tau": mean("tau"), "slot_acceptance": slots,
+            # tokens_s: this run's tokens over its wall time from its start to the end of its last
+            # step (the checkpoints saved between steps included, the final one not): what the
+            # progress bar shows at that step, so the printed figures and summary.json agree. A
+            # step's own rate (metrics.jsonl, the step lines) is its tokens over its wait and compute.
             "tokens": tokens, "elapsed_s": elapsed, "tokens_s": tokens / max(elapsed, 1e-9),
             "wait_s": sum(result.wait_s), "compute_s": sum(result.compute_s),
             "untrained_at_end": result.untrained,
@@ -906,39 +912,56 @@ class Trainer:
         # between its last checkpoint and the summary) or one of another step, train.steps or
         # stop (data that ran out at once under a longer recipe) writes it from the logged
         # steps, and one that finds no plot (it failed, or was deleted) draws it from them,
-        # keeping the summary with the figures of the steps it describes.
+        # keeping the summary with the figures of the steps it describes. A plot that cannot be
+        # drawn is recorded in the summary (no_plot: why), so that a rerun of the finished run
+        # starts no rank to try again (splitserve.launch).
         if not self.is_main:
             return summary
-        write = result.steps_run or not self._summary_holds(summary)
+        held = None if result.steps_run else self._held_summary(summary)
+        write = held is None
         if write and not result.steps_run and logged and logged["tokens"]:
             # rebuilt: this process trained nothing, so the throughput is the logged steps' (every
             # segment's), over their own time; not zero tokens in the few milliseconds it ran
             summary.update(tokens=logged["tokens"], wait_s=logged["wait_s"], compute_s=logged["compute_s"],
                            elapsed_s=logged["wait_s"] + logged["compute_s"], rebuilt_from=METRICS_FILE)
             summary["tokens_s"] = summary["tokens"] / max(summary["elapsed_s"], 1e-9)
+        if write or not (self.run_dir / PLOT_FILE).exists():
+            why = self._plot(window, slots, first_slots, summary["tau"])
+            if write and why:
+                summary[NO_PLOT] = why
+            elif not write and held.get(NO_PLOT) != why:  # the kept summary says whether it is drawn now
+                held.pop(NO_PLOT, None)
+                write_summary(self.run_dir, {**held, **({NO_PLOT: why} if why else {})})
         if write:
             write_summary(self.run_dir, summary)
-        if window and (write or not (self.run_dir / PLOT_FILE).exists()):
-            self._plot(slots, first_slots, summary["tau"])
-        if write:
             print(format_summary(summary), flush=True)
         return summary
 
-    def _summary_holds(self, summary: dict) -> bool:
-        """Whether the run folder's summary.json gives ``summary``'s step, train.steps and stop."""
+    def _held_summary(self, summary: dict) -> dict | None:
+        """The run folder's summary.json where it gives ``summary``'s step, train.steps and stop,
+        else None."""
         try:
             written = json.loads((self.run_dir / SUMMARY_FILE).read_text())
         except (OSError, ValueError):  # none, or unreadable: written again
-            return False
-        return isinstance(written, dict) and all(
+            return None
+        holds = isinstance(written, dict) and all(
             written.get(key) == summary[key] for key in ("step", "total_steps", "stopped_reason"))
+        return written if holds else None
 
-    def _plot(self, slots: list[float], first_slots, tau: float) -> None:
+    def _plot(self, window: list[dict], slots: list[float], first_slots, tau: float) -> str | None:
+        """Draw the run's plot; None, or why it could not be drawn (said here)."""
         from draftforge.train.plots import plot_slot_acceptance
 
-        try:
-            plot_slot_acceptance(self.run_dir / PLOT_FILE, final=slots, first=first_slots, tau=tau)
-        except Exception as exc:  # noqa: BLE001 - a trained run does not fail on its picture
-            print(f"[trainer] warning: could not draw {self.run_dir / PLOT_FILE} "
-                  f"({type(exc).__name__}: {exc}); the figures are in {SUMMARY_FILE}; "
-                  "rerun the same command to draw it", flush=True)
+        if not window:
+            why = (f"no applied step with a per-slot acceptance, in this run or in {METRICS_FILE}, to "
+                   "draw (every step was skipped as non-finite, or the log holds none)")
+        else:
+            try:
+                plot_slot_acceptance(self.run_dir / PLOT_FILE, final=slots, first=first_slots, tau=tau)
+                return None
+            except Exception as exc:  # noqa: BLE001 - a trained run does not fail on its picture
+                why = f"{type(exc).__name__}: {exc}"
+        print(f"[trainer] warning: could not draw {self.run_dir / PLOT_FILE} ({why}); the figures are "
+              f"in {SUMMARY_FILE}, which records why as {NO_PLOT}; to try again, remove {SUMMARY_FILE} "
+              f"and rerun the same command (it is rebuilt from {METRICS_FILE})", flush=True)
+        return why
