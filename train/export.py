@@ -278,7 +278,10 @@ def ascending_target_layers(
     blocks = [fc[:, i * width : (i + 1) * width] for i in order]
     ascending = [ids[i] for i in order]
     progress(f"target_layer_ids {ids} written ascending as {ascending}, with fc.weight's column "
-             "blocks permuted to match (SGLang captures the layers in ascending order)")
+             "blocks permuted to match (SGLang captures the layers in ascending order); fc then sums "
+             "its terms in another order, so the export's logits can differ from the checkpoint's in "
+             "their last bits (about 1e-7 in float32): list the ids ascending in the recipe for a "
+             "bit-identical round trip")
     return {**state, "fc.weight": torch.cat(blocks, dim=1)}, replace(cfg, target_layer_ids=ascending)
 
 
