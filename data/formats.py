@@ -48,6 +48,7 @@ _FORMAT_KEYS = {"messages": "messages", "sharegpt": "conversations", "prompt": "
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 # where a reply's tool calls are kept apart from its content: OpenAI's (and the legacy one)
 TOOL_CALL_KEYS = ("tool_calls", "function_call")
+TOOLS_KEYS = ("tools", "functions")  # a row's tool definitions (OpenAI; its older name)
 
 
 class DataFormatError(InputError):
@@ -265,11 +266,14 @@ def check_structure(
     expect: Expect,
     *,
     label: Callable[[int], str] = lambda i: f"message {i + 1}",
+    own_replies: bool = False,
 ) -> None:
     """Check turn order: optional system first, then user/assistant alternating from a user.
 
     ``label`` names ``messages[i]`` in errors as the row itself does (``parse_row``: the
-    place in its own list, which a top-level ``system`` key does not shift)."""
+    place in its own list, which a top-level ``system`` key does not shift). ``own_replies``:
+    the assistant turns are trained as the data gives them (not the target's answers, where an
+    empty reply is what the target did), so an empty one is refused."""
     if not messages:
         raise _fail(where, "the conversation is empty")
     body = messages[1:] if messages[0]["role"] == "system" else messages
@@ -281,6 +285,10 @@ def check_structure(
     for i, m in enumerate(messages):
         if not m["content"].strip() and m["role"] == "user":
             raise _fail(where, f"{label(i)} (user) is empty")
+        if not m["content"].strip() and m["role"] == "assistant" and own_replies and expect == "conversation":
+            raise _fail(where, f"{label(i)} (assistant) is empty: trained as it is, it would teach the "
+                               "draft to end the turn at once; fill the reply, remove it with the user "
+                               "turn before it, or set data.regenerate: true to have the target answer")
     if expect == "prompt":
         # Assistant turns are replaced by the target; only the user turns' order matters.
         if body[0]["role"] != "user":
@@ -312,12 +320,13 @@ def parse_row(
     default_id: str,
     fmt: RowFormat = "auto",
     expect: Expect = "prompt",
+    own_replies: bool = False,
 ) -> Conversation:
     """Validate one row and return it as a :class:`Conversation`.
 
     With ``expect="prompt"`` assistant turns are dropped (and ``unfinished_turns``, which
     indexes them): the result holds the system prompt (if any) and the user turns, ready
-    for regeneration.
+    for regeneration. ``own_replies``: see :func:`check_structure`.
     """
     if not isinstance(row, dict):
         raise _fail(where, f"a row must be a JSON object, got {_json_kind(row)}")
@@ -355,7 +364,9 @@ def parse_row(
         )
     messages = system + messages
     noun = "message" if chosen == "messages" else "turn"  # as the row's own errors name them
-    check_structure(messages, where, expect, label=lambda i: f"{noun} {i + 1 - len(system)}")
+    check_structure(messages, where, expect, label=lambda i: f"{noun} {i + 1 - len(system)}",
+                    own_replies=own_replies)
+    _refuse_tools(row, where)
     ident = row_id(row, where, default_id)
     _check_unicode(ident, where, "'id'")
     for i, message in enumerate(messages):
@@ -374,6 +385,25 @@ def parse_row(
     return Conversation(id=ident, messages=messages, source=str(where), extra=extra)
 
 
+def _holds(value: Any) -> bool:
+    """Whether a key's ``value`` holds anything: a string with text, or any other value but
+    null and an empty list or object (reasoning given as text parts or an object counts)."""
+    if isinstance(value, str):
+        return bool(value.strip())
+    return value is not None and value != [] and value != {}
+
+
+def _refuse_tools(row: dict, where: RowLocation) -> None:
+    """Refuse a row that defines tools: only its messages reach the chat template, so the prompt
+    would be rendered without them, not as the target is served (templates such as Qwen3's and
+    Llama 3.1's write the tools into the prompt), and regeneration would answer without them."""
+    key = next((k for k in TOOLS_KEYS if _holds(row.get(k))), None)
+    if key is not None:
+        raise _fail(where, f"the row defines tools in {key!r}, which draftforge does not pass to the chat "
+                           "template: the prompt would be rendered (and answered) without them, not as "
+                           "the target is served; remove the key to train without tools, or the row")
+
+
 def _refuse_reasoning(
     turns: list[Any], messages: list[dict[str, str]], where: RowLocation, noun: str
 ) -> None:
@@ -381,7 +411,7 @@ def _refuse_reasoning(
     content: only role and content reach the chat template, so the reasoning (most of what a
     thinking target generates) or the call would be left out of training without a word."""
     for i, (turn, message) in enumerate(zip(turns, messages, strict=True), start=1):
-        key = next((k for k in REASONING_KEYS if isinstance(turn.get(k), str) and turn[k].strip()), None)
+        key = next((k for k in REASONING_KEYS if _holds(turn.get(k))), None)
         calls = next((k for k in TOOL_CALL_KEYS if turn.get(k)), None)  # null or [] is none
         if message["role"] == "assistant" and calls is not None:
             raise _fail(

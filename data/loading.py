@@ -300,11 +300,14 @@ def load_conversations(
     expect: Expect = "prompt",
     skip_invalid: bool = False,
     limit: int | None = None,
+    own_replies: bool = False,
 ) -> LoadResult:
     """Read and validate every row of ``specs`` (files or ``builtin:`` names).
 
     Ids come from a row's ``id`` field, else ``<file stem>-<line or row number>``; they
-    must be unique across all files. ``limit`` keeps the first valid rows only.
+    must be unique across all files. ``limit`` keeps the first valid rows only (the files it
+    leaves unread are still refused when they hold no row). ``own_replies``: the assistant
+    turns are trained as they are (:func:`~draftforge.data.formats.check_structure`).
     """
     if not specs:
         raise DataFormatError("no data files given (data.train_files is empty)")
@@ -319,7 +322,7 @@ def load_conversations(
         named[path.resolve()] = spec
     result = LoadResult(conversations=[])
     seen: dict[str, str] = {}
-    for path in paths:
+    for index, path in enumerate(paths):
         stem = file_stem(path)
         rows = 0
         for raw in read_rows(path):
@@ -333,6 +336,7 @@ def load_conversations(
                     default_id=f"{stem}-{raw.where.number}",
                     fmt=fmt,
                     expect=expect,
+                    own_replies=own_replies,
                 )
                 if conv.id in seen:
                     hint = ""
@@ -360,15 +364,20 @@ def load_conversations(
             seen[conv.id] = conv.source
             result.conversations.append(conv)
             if limit is not None and len(result.conversations) >= limit:
+                for unread in paths[index + 1 :]:  # not needed now, but needed by a larger limit
+                    if next(iter(read_rows(unread)), None) is None:
+                        raise _no_rows(unread)
                 return result
         if not rows and len(paths) > 1:  # alone, it is "no prompts" / "no conversations"
-            # beside other files it added nothing without a word: a file emptied by a failed
-            # export or copy, or the wrong file listed
-            raise DataFormatError(
-                f"{path}: holds no rows (the file is empty, blank lines only or an empty list); "
-                "fill it or remove it from data.train_files"
-            )
+            raise _no_rows(path)
     return result
+
+
+def _no_rows(path: Path) -> DataFormatError:
+    """A data file that holds no row beside others: it would add nothing without a word (a file
+    emptied by a failed export or copy, or the wrong file listed)."""
+    return DataFormatError(f"{path}: holds no rows (the file is empty, blank lines only or an empty "
+                           "list); fill it or remove it from data.train_files")
 
 
 def _report(result: LoadResult, what: str) -> None:
@@ -390,7 +399,8 @@ def _load_checked(
     """Load, report the counts, and refuse overlap with the evaluation sets (data.overlap_check);
     ``assistant``: the assistant turns are trained as they are, so check them too."""
     result = load_conversations(
-        specs, fmt=fmt, expect=expect, skip_invalid=cfg.skip_invalid, limit=cfg.num_samples
+        specs, fmt=fmt, expect=expect, skip_invalid=cfg.skip_invalid, limit=cfg.num_samples,
+        own_replies=assistant,
     )
     _report(result, what)
     if cfg.overlap_check:

@@ -77,9 +77,14 @@ def test_an_empty_file_beside_others_is_refused_naming_it(tmp_path):
             with pytest.raises(DataFormatError, match=rf"^{empty}: holds no rows .*remove it from data.train_files"):
                 load_conversations([str(f) for f in files], skip_invalid=True)
         assert load_conversations([str(empty)]).conversations == []  # alone: the callers' message
-    # a limit met by the first file reads no further (as before)
+    # a limit met by the first file takes no row further, but an empty file after it is still
+    # refused (session 56): a larger limit would read it
     empty = tmp_path / "empty.jsonl"
-    assert len(load_conversations([str(good), str(empty)], limit=1).conversations) == 1
+    with pytest.raises(DataFormatError, match=rf"^{empty}: holds no rows"):
+        load_conversations([str(good), str(empty)], limit=1)
+    other = tmp_path / "other.jsonl"
+    other.write_text(_jsonl([_row("b")]))
+    assert [c.id for c in load_conversations([str(good), str(other)], limit=1).conversations] == ["a"]
 
 
 def test_an_overlap_hit_names_the_turn_of_a_long_conversation(tmp_path):

@@ -125,20 +125,20 @@ def _replace_replies(path, bad: dict[str, str]) -> None:
 
 def test_the_producer_forwards_counts_and_says_the_special_text_drops(tmp_path, monkeypatch):
     """run_producer over two epochs: the dropped ids travel with the samples (the trainers record
-    them as consumed with 0 tokens, as the short ones), the summary counts them once an epoch, and
+    them as consumed with 0 tokens, as the short ones), the summary counts each conversation once, and
     the rank's note says why, naming one."""
     bad = {"conv-0003": "one two <|im_end|> three four five", "conv-0010": "see <|endoftext|> here now"}
     forwarded: list[str] = []
     _, summary, sent, logs = _run_producer(
         tmp_path, monkeypatch, {"split.max_epochs": 2}, num_conversations=12,
         edit_data=lambda path: _replace_replies(path, bad), forwarded=forwarded)
-    assert (summary["dropped_special"], summary["dropped_short"]) == (4, 0)
+    assert (summary["dropped_special"], summary["dropped_short"]) == (2, 0)  # two epochs, counted once
     assert sorted(forwarded) == sorted([*bad, *(f"{i}#e1" for i in bad)])
     samples = [sample_id for _, sample_id in sent if sample_id is not None]  # None: an END
     assert len(samples) == 2 * (12 - len(bad)) and not set(samples) & set(forwarded)
     said = [line for line in logs if "special-token text" in line]
     assert len(said) == 1, logs
-    assert "4 dropped (an assistant reply contains special-token text such as " in said[0]
+    assert "2 dropped (an assistant reply contains special-token text such as " in said[0]
     assert "e.g. conversation 'conv-00" in said[0]
 
 
