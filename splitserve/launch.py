@@ -428,6 +428,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
 
     from draftforge.config import RecipeError, load_recipe
+    from draftforge.errors import InputError
     from draftforge.splitserve.roles import check_split
 
     # a dry run reads it once; a start hands its path to every rank
@@ -436,16 +437,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:  # plans every node; a node rank given must still be one of them
         layout = node_layout(cfg)
         problem = node_rank_problem(layout, args.node_rank, needed=False)
-        if problem is not None:  # the advice a start gives
-            raise RecipeError([problem])
+        if problem is not None:  # the advice a start gives, an option's error as there
+            raise InputError(problem)
     else:
         layout = check_node_args(cfg, node_rank=args.node_rank, master_addr=args.master_addr)
         if layout.num_nodes > 1 and args.node_rank == 0:  # node 0's torchrun hosts the rendezvous
             check_master_port(args.master_port)
         _check_trainer_node(cfg, layout, args.node_rank)
     if args.nproc is not None and args.nproc != layout.nproc_per_node:  # an option's error
-        from draftforge.errors import InputError
-
         raise InputError(
             f"--nproc {args.nproc}: processes on this node: split.world_size / split.num_nodes = "
             f"{cfg.split.world_size} / {layout.num_nodes} = {layout.nproc_per_node} (target ranks "

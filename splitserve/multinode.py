@@ -259,14 +259,15 @@ def node_rank_problem(layout: NodeLayout, node_rank: int | None, *, needed: bool
 
 
 def check_node_args(cfg, *, node_rank: int | None, master_addr: str) -> NodeLayout:
-    """The layout, after refusing a multi-node start without a node rank or a reachable node 0."""
-    from draftforge.config import RecipeError
+    """The layout, after refusing a multi-node start without a node rank or a reachable node 0
+    (:class:`InputError`, every problem on a line: the options do not fit the recipe's split)."""
+    from draftforge.errors import InputError
 
     layout = node_layout(cfg)
     problem = node_rank_problem(layout, node_rank, needed=True)
     if layout.num_nodes == 1:
         if problem is not None:
-            raise RecipeError([problem])
+            raise InputError(problem)
         return layout
     problems = [] if problem is None else [problem]
     if is_unspecified(master_addr):
@@ -281,5 +282,5 @@ def check_node_args(cfg, *, node_rank: int | None, master_addr: str) -> NodeLayo
             "address on the cluster network (the same on every node)"
         )
     if problems:
-        raise RecipeError(problems)
+        raise InputError("\n".join(problems))
     return layout

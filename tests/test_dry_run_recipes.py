@@ -143,12 +143,16 @@ def test_one_node_dry_run_prints_its_rank_command_and_loopback_store(capsys, mon
 )
 def test_two_node_mistakes_are_refused_before_anything_starts(args, messages, monkeypatch):
     from draftforge.config import RecipeError
+    from draftforge.errors import InputError
 
     monkeypatch.chdir(ROOT)
     started = []
     monkeypatch.setattr("draftforge.splitserve.launch.run_torchrun", lambda *a, **k: started.append(a) or 0)
     monkeypatch.setattr("subprocess.Popen", lambda *a, **k: started.append(a))
-    with pytest.raises(RecipeError) as err:
+    # the split's own problems are the recipe's; --node-rank and --master-addr that do not fit it
+    # are the options' (session 56: they were headed "invalid recipe")
+    wrong = RecipeError if args and args[0].startswith("split.") else InputError
+    with pytest.raises(wrong) as err:
         train_main([TWO_NODE, *args])
     for message in messages:
         assert message in str(err.value)
@@ -172,11 +176,12 @@ def test_a_split_no_node_layout_fits_is_refused_when_the_recipe_loads(tmp_path):
 
 
 def test_node_rank_on_a_one_node_recipe_is_refused(monkeypatch):
-    from draftforge.config import RecipeError
+    from draftforge.errors import InputError
 
     monkeypatch.chdir(ROOT)
-    with pytest.raises(RecipeError, match="--node-rank 1: the recipe runs on one node"):
-        train_main(["recipes/tiny-debug.yaml", "--node-rank", "1"])
+    for dry in ([], ["--dry-run"]):
+        with pytest.raises(InputError, match="--node-rank 1: the recipe runs on one node"):
+            train_main(["recipes/tiny-debug.yaml", "--node-rank", "1", *dry])
 
 
 def test_loopback_addresses():
