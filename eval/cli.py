@@ -624,6 +624,11 @@ def _draft_loader(path: str):
 
         return cfg, load_export, lambda: read[-1] if read else None
     cfg, state = load_training_checkpoint(folder)
+    if not (folder / "checkpoints").is_dir():  # a checkpoint named, not a run's newest complete one
+        from draftforge.train.export import unmarked_checkpoint_note
+
+        if (note := unmarked_checkpoint_note(folder, used="evaluated")) is not None:
+            print(f"eval: note: {note}", flush=True)
 
     def load(target, device):
         model = DSparkDraft(cfg)

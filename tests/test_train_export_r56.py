@@ -126,8 +126,22 @@ def test_a_checkpoint_folder_without_its_marker_exports_with_a_note(tmp_path, ca
     out = capsys.readouterr().out
     assert (f"export: note: {folder} has no COMPLETE marker, which 'draftforge train' writes into a "
             "checkpoint last") in out, out
-    assert "train.resume refuses it" in out and "check that it was copied whole" in out
+    assert "train.resume refuses it" in out and "so it is exported; if it came from a run, check that it " \
+        "was copied whole, or pass the run directory" in out
     assert (tmp_path / "out" / "config.json").is_file()
     (folder / "COMPLETE").write_text("step 4\n")
     assert main(["export", str(folder / "model.safetensors"), "--out", str(tmp_path / "again")]) == 0
     assert "COMPLETE marker" not in capsys.readouterr().out
+
+
+def test_evaluating_a_checkpoint_folder_without_its_marker_gets_the_same_note(tmp_path, capsys):
+    from draftforge.eval.cli import _draft_loader
+
+    folder = bare_checkpoint(tmp_path / "run" / "checkpoints" / "step_00000004", tiny_draft(seed=3))
+    cfg, _, _ = _draft_loader(str(folder))
+    assert cfg.block_size == tiny_draft(seed=3).config.block_size
+    out = capsys.readouterr().out
+    assert out.startswith(f"eval: note: {folder} has no COMPLETE marker") and "so it is evaluated;" in out, out
+    (folder / "COMPLETE").write_text("step 4\n")
+    _draft_loader(str(folder))
+    assert "COMPLETE" not in capsys.readouterr().out

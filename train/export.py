@@ -583,6 +583,24 @@ def weights_fingerprint(tensor: torch.Tensor) -> str:
     return f"{tensor.dtype}:{hashlib.sha256(raw.numpy().tobytes()).hexdigest()}"
 
 
+def unmarked_checkpoint_note(source: Path, *, used: str) -> str | None:
+    """Where the checkpoint folder ``source`` names (or holds, as its model.safetensors) has no
+    COMPLETE marker, a note saying what that means: its weights were read and checked, so they
+    are ``used`` ("exported", "evaluated"), but training writes the marker last, so the folder
+    may be a partial copy or an unfinished save. None where the marker is there."""
+    from draftforge.train.checkpoint import COMPLETE
+
+    folder = source if source.is_dir() else source.parent
+    if (folder / COMPLETE).is_file():
+        return None
+    return (f"{folder} has no {COMPLETE} marker, which 'draftforge train' writes into a checkpoint "
+            "last, once its other files are on disk: a folder without it is a partial copy of one, a "
+            "save that did not finish, or no training checkpoint (train.resume refuses it). Its "
+            f"{SINGLE_FILE} read whole and fits its {TRAINING_CONFIG_FILE}, so it is {used}; if it "
+            "came from a run, check that it was copied whole, or pass the run directory (its newest "
+            "complete checkpoint)")
+
+
 def load_training_checkpoint(path: str | os.PathLike[str]) -> tuple[DSparkConfig, dict[str, torch.Tensor]]:
     """The draft config and state dict of a training checkpoint (the one place that knows its format).
 

@@ -78,8 +78,11 @@ def _export(args) -> int:
         raise InputError(f"--eval-report {args.eval_report}: no such file")
     run_dir = source if (source / "checkpoints").is_dir() else None
     if run_dir is None:  # a checkpoint the user named is not swapped for another
+        from draftforge.train.export import unmarked_checkpoint_note
+
         export_cfg, card, out, cfg, state = _card_and_weights(args, source, None)
-        _note_unmarked(source)
+        if (note := unmarked_checkpoint_note(source, used="exported")) is not None:
+            print(f"export: note: {note}", flush=True)
     else:
         # a run folder's newest checkpoint, resolved once a try: the card's recipe and report and
         # the weights all come from it, even if the training saves a newer one meanwhile; one it
@@ -115,23 +118,6 @@ def _export(args) -> int:
         print(f"export: pushed to {url}")
     print(f"export_dir={path}")
     return 0
-
-
-def _note_unmarked(source: Path) -> None:
-    """A line where the checkpoint folder ``source`` names (or holds, as its model.safetensors)
-    has no COMPLETE marker: its weights were read and checked, so it is exported, but training
-    writes the marker last, so the folder may be a partial copy or an unfinished save."""
-    from draftforge.train.checkpoint import COMPLETE
-    from draftforge.train.export import SINGLE_FILE, TRAINING_CONFIG_FILE
-
-    folder = source if source.is_dir() else source.parent
-    if not (folder / COMPLETE).is_file():
-        print(f"export: note: {folder} has no {COMPLETE} marker, which 'draftforge train' writes into a "
-              "checkpoint last, once its other files are on disk: a folder without it is a partial copy "
-              "of one, a save that did not finish, or no training checkpoint (train.resume refuses it). "
-              f"Its {SINGLE_FILE} read whole and fits its {TRAINING_CONFIG_FILE}, so it is exported; if "
-              "it came from a run, check that it was copied whole, or export the run directory (its "
-              "newest complete checkpoint)", flush=True)
 
 
 def _card_and_weights(args, source: Path, run_dir: Path | None):
