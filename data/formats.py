@@ -409,9 +409,18 @@ def _refuse_reasoning(
 ) -> None:
     """Refuse an assistant turn to train on that holds its reasoning or a tool call beside its
     content: only role and content reach the chat template, so the reasoning (most of what a
-    thinking target generates) or the call would be left out of training without a word."""
+    thinking target generates) or the call would be left out of training without a word; and
+    one whose per-turn ``weight`` asks not to train on it, which would be trained on."""
     for i, (turn, message) in enumerate(zip(turns, messages, strict=True), start=1):
         key = next((k for k in REASONING_KEYS if _holds(turn.get(k))), None)
+        weight = turn.get("weight")  # axolotl's per-turn 0/1: whether to train on the turn
+        if message["role"] == "assistant" and weight is not None and weight != 1:
+            raise _fail(
+                where,
+                f"{noun} {i} (assistant) has 'weight' {weight!r}: draftforge supervises every assistant "
+                "turn of a conversation trained as it is and honours no per-turn weight; remove the key "
+                "to train on the turn, or the turn with the user turn before it",
+            )
         calls = next((k for k in TOOL_CALL_KEYS if turn.get(k)), None)  # null or [] is none
         if message["role"] == "assistant" and calls is not None:
             raise _fail(

@@ -94,3 +94,20 @@ def test_an_empty_file_is_refused_also_when_data_num_samples_leaves_it_unread(tm
                          num_samples=num_samples)
         with pytest.raises(DataFormatError, match=f"^{empty}: holds no rows"):
             load_training_conversations(cfg, tmp_path)
+
+
+@pytest.mark.parametrize("weight", [0, 0.0, False, 0.5])
+def test_an_assistant_turn_weighted_not_to_be_trained_on_is_refused(tmp_path, weight):
+    """axolotl's per-turn 'weight': 0 asked not to train on a reply; draftforge trained on it."""
+    row = _chat("first", "second")
+    row["messages"][1]["weight"] = weight
+    path, cfg = _as_is(tmp_path, [row])
+    with pytest.raises(DataFormatError) as info:
+        load_training_conversations(cfg, tmp_path)
+    assert str(info.value).startswith(
+        f"{path}, line 1: message 2 (assistant) has 'weight' {weight!r}: draftforge supervises every "
+        "assistant turn of a conversation trained as it is and honours no per-turn weight"), info.value
+    row["messages"][1]["weight"] = 1  # trained on: as draftforge does anyway
+    row["messages"][0]["weight"] = 0  # a user turn is never trained on
+    _write(path, [row])
+    assert len(load_training_conversations(cfg, tmp_path).conversations) == 1
