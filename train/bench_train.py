@@ -186,7 +186,9 @@ def head_flops(cfg, queries: int) -> int:
     return markov + confidence
 
 
-CPU_PEAK_SIZES = (2048, 3072)
+# the best of several: on an avx512_bf16 EPYC one thread ran 768 at about 218 GFLOP/s and 2048-3072
+# at 198-205, while AMX's tiles peak on the large ones; the peak is the best any size reaches
+CPU_PEAK_SIZES = (512, 768, 1024, 2048, 3072)
 CUDA_PEAK_SIZES = (8192,)  # large enough to reach a data-centre GPU's bf16 matmul peak
 
 
