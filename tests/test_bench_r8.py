@@ -56,7 +56,7 @@ def test_a_path_killed_by_a_signal_says_so(monkeypatch, capsys):
     assert bench_objective.main([]) == 1
     out = capsys.readouterr().out.splitlines()
     assert "  unchunked: failed (killed by SIGKILL (out of memory?))" in out
-    assert out[-1] == "objective_peak_gib=1.00 unchunked_peak_gib=nan"
+    assert out[-1] == "objective_peak_gib=1.00 unchunked_peak_gib=nan objective_kept_gib=0.25 unchunked_kept_gib=nan"
 
 
 def test_a_path_that_exits_with_an_error_shows_its_last_lines(monkeypatch, capsys):
