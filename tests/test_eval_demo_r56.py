@@ -14,6 +14,7 @@ from pathlib import Path
 
 from eval_helpers import random_prompts, tiny_eval_draft
 from splitserve_helpers import tiny_recipe
+from test_demo_r7 import _finished_run
 
 from draftforge.config import load_recipe
 from draftforge.eval import demo, demo_state
@@ -21,14 +22,6 @@ from draftforge.files import exclusive_lock, replace_dir
 from draftforge.train import export
 
 TINY_DEBUG = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
-
-
-def _finished_run(run: Path, cfg_yaml: str) -> None:
-    checkpoint = run / "checkpoints" / "step_00000004"
-    checkpoint.mkdir(parents=True)
-    for name in ("COMPLETE", "trainer_state.json"):
-        (checkpoint / name).write_text("{}")
-    (run / "config.yaml").write_text(cfg_yaml)
 
 
 def _write_export(folder: Path, weights: bytes) -> None:

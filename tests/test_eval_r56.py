@@ -6,33 +6,12 @@ named twice (refused on the command line, kept once and said from a recipe)."""
 from __future__ import annotations
 
 import json
-import re
-from pathlib import Path
 
 import pytest
-from eval_helpers import random_prompts, tiny_eval_draft
+from eval_helpers import random_prompts
+from test_evalcli_r11 import recipe_path, tiny_export  # noqa: F401 - fixtures
 
-from draftforge.config import load_recipe
-from draftforge.splitserve.target import build_target
-from draftforge.train.export import export_draft
-
-TINY_DEBUG = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
 QUICK = ["--max-new-tokens", "4", "--no-estimate"]
-
-
-@pytest.fixture
-def recipe_path(tmp_path):
-    """tiny-debug (eval.num_prompts 2) with the eval helpers' 512-token vocabulary."""
-    path = tmp_path / "tiny-debug-512.yaml"
-    path.write_text(re.sub(r"vocab_size: 49152.*", "vocab_size: 512", TINY_DEBUG.read_text()))
-    return path
-
-
-@pytest.fixture
-def tiny_export(recipe_path, tmp_path):
-    recipe = load_recipe(recipe_path)
-    target = build_target(recipe.target, recipe.draft.target_layer_ids)
-    return export_draft(tiny_eval_draft(target), tmp_path / "export", progress=lambda _: None)
 
 
 def test_num_prompts_above_a_workloads_prompts_is_said_and_recorded(recipe_path, tiny_export, tmp_path,
