@@ -86,6 +86,14 @@ class RecipeConfig(Section):
                         re.findall(rf"\b(?:{sections})(?:\.[a-z_0-9]+)+", rest) if name != key)
         return f"{self._locator.place(tuple(key.split('.')), related)}: {problem}"
 
+    def override(self, key: str) -> str | None:
+        """The command line's ``key=value`` that set ``key`` (``"train.resume=never"``), or None
+        where the recipe's file or the default did: advice to set it otherwise must say to replace
+        that override, since a key given twice is refused."""
+        if self._locator is None:
+            return None
+        return self._locator.overrides.get(tuple(key.split(".")))
+
     def to_yaml(self, header: bool = True) -> str:
         """The resolved recipe (derived values filled in) as YAML that loads back unchanged."""
         data = self.model_dump(mode="json")

@@ -621,20 +621,21 @@ def _not_auto_advice(cfg) -> str | None:
     resume, run_dir = cfg.train.resume, cfg.train.output_dir
     if resume == "auto":
         return None
+    given = cfg.override("train.resume")  # a key given twice is refused: the override is replaced
+    rerun = "rerun with train.resume=auto" + (f" in place of '{given}'" if given else "")
     try:  # what the rerun will do, by the rule it applies
         ckpt.find_resume(Path(run_dir), resume)
     except ckpt.CheckpointError:
         newest = ckpt.find_resume(Path(run_dir), "auto")
         if newest is not None:  # the run saved past where the same command would start
             return (f"With train.resume={resume} the same command is now refused ({run_dir} holds "
-                    f"{newest.name}, later than where it would start); rerun with train.resume=auto "
-                    f"to continue from {newest}.")
+                    f"{newest.name}, later than where it would start); {rerun} to continue from {newest}.")
     if resume == "never":
         does = f"starts over (refused once {run_dir} holds a checkpoint)"
     else:
         does = f"resumes from {resume} again (refused once {run_dir} holds a later checkpoint)"
-    return (f"With train.resume={resume} the same command {does}; rerun with train.resume=auto "
-            "to continue from the newest checkpoint instead.")
+    return (f"With train.resume={resume} the same command {does}; {rerun} to continue from the newest "
+            "checkpoint instead.")
 
 
 class _Hint:

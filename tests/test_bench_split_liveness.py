@@ -48,5 +48,6 @@ def test_the_launcher_offers_no_resume_to_a_run_that_never_resumes(tmp_path, cap
     assert last == (
         "draftforge train: the job failed (exit status 1); the messages above name the failing "
         f"rank. With train.resume=never the same command is now refused ({tmp_path / 'run'} holds "
-        "step_00000004, later than where it would start); rerun with train.resume=auto to continue from "
+        "step_00000004, later than where it would start); rerun with train.resume=auto in place of "
+        "'train.resume=never' to continue from "
         f"{checkpoint}.")

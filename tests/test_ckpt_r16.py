@@ -138,7 +138,8 @@ def test_a_stopped_job_says_whether_its_rerun_continues_or_starts_over(written, 
 
 def _rank_ctx(resume: str, run_dir: Path):
     lines = []
-    cfg = SimpleNamespace(train=SimpleNamespace(resume=resume, output_dir=str(run_dir)))
+    # set in the recipe's file, not on the command line (cfg.override: None)
+    cfg = SimpleNamespace(train=SimpleNamespace(resume=resume, output_dir=str(run_dir)), override=lambda key: None)
     return SimpleNamespace(cfg=cfg, log=lines.append), lines
 
 

@@ -495,7 +495,8 @@ def test_the_stop_advice_says_the_same_command_is_refused_once_the_run_saved_pas
     newest = run_checkpoint(run, 4)
     after = _not_auto_advice(cfg)
     assert after == (f"With train.resume={setting} the same command is now refused ({run} holds "
-                     f"step_00000004, later than where it would start); rerun with train.resume=auto to "
+                     f"step_00000004, later than where it would start); rerun with train.resume=auto in place of "
+                     f"'train.resume={setting}' to "
                      f"continue from {newest}."), after
 
 

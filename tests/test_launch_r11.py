@@ -84,7 +84,8 @@ def test_a_job_resumed_from_a_named_checkpoint_is_not_told_to_rerun_the_same_com
     assert ckpt.find_resume(tmp_path / "run", "auto").name == "step_00000008"
     assert last.endswith(  # the run saved step 8: the same command is refused now, and says so
         f"With train.resume={start} the same command is now refused ({tmp_path / 'run'} holds "
-        f"step_00000008, later than where it would start); rerun with train.resume=auto to continue "
+        f"step_00000008, later than where it would start); rerun with train.resume=auto in place of "
+        f"'train.resume={start}' to continue "
         f"from {tmp_path / 'run' / 'checkpoints' / 'step_00000008'}."), last
 
 
@@ -124,7 +125,8 @@ def test_a_stopped_job_says_how_to_continue_for_its_train_resume(resume, tmp_pat
         assert last == (
             "draftforge train: stopped on SIGINT; with train.resume=never the same command starts "
             f"over (refused once {tmp_path / 'run'} holds a checkpoint); rerun with "
-            "train.resume=auto to continue from the newest checkpoint instead."), last
+            "train.resume=auto in place of 'train.resume=never' to continue from the newest checkpoint "
+            "instead."), last
 
 
 # --------------------------------------------------------------------------- --master-addr

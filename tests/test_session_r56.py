@@ -114,3 +114,26 @@ def test_a_target_stops_answering_a_chunk_once_every_trainer_stopped(tmp_path):
     assert list(source.samples()) == []
     assert len(steps) == stop_at  # the prefill and two steps; up to 12 without the check
     assert not source._answers  # no chunk's unfinished answers kept
+
+
+def test_the_stop_advice_says_to_replace_a_train_resume_given_on_the_command_line(tmp_path):
+    """'rerun with train.resume=auto', added to a command that set train.resume=never, was refused:
+    "train.resume is already set by 'train.resume=never'; give each key once". Where the recipe's
+    file sets it, adding the override is what works, and the advice says no more."""
+    from test_launch_r11 import _checkpoint as run_checkpoint
+
+    from draftforge.config import load_recipe
+    from draftforge.splitserve.launch import _not_auto_advice
+
+    for folder in ("given", "file"):
+        (tmp_path / folder).mkdir()
+    given = load_recipe(tiny_recipe(tmp_path / "given", steps=8), ["train.resume=never"])
+    assert _not_auto_advice(given).endswith(
+        "rerun with train.resume=auto in place of 'train.resume=never' to continue from the newest "
+        "checkpoint instead.")
+    newest = run_checkpoint(tmp_path / "given" / "run", 4)
+    assert _not_auto_advice(given).endswith(
+        f"rerun with train.resume=auto in place of 'train.resume=never' to continue from {newest}.")
+    in_file = load_recipe(tiny_recipe(tmp_path / "file", steps=8, overrides={"train.resume": "never"}))
+    assert _not_auto_advice(in_file).endswith(
+        "; rerun with train.resume=auto to continue from the newest checkpoint instead.")
