@@ -260,10 +260,17 @@ def _finished_at(cfg, checked: Preflight) -> str | None:
     would load the target and rewrite the run's config.yaml and run.json for no step. None
     otherwise (on several nodes every node must start, whatever its own disk holds)."""
     from draftforge.train import checkpoint as ckpt
-    from draftforge.train.metrics import METRICS_FILE, NO_PLOT, PLOT_FILE, SUMMARY_FILE
+    from draftforge.train.metrics import (
+        METRICS_FILE,
+        NO_PLOT,
+        PLOT_FILE,
+        SUMMARY_FILE,
+        read_summary,
+    )
 
     run_dir, found = Path(cfg.train.output_dir), checked.resume_from
-    no_plot = None if (run_dir / PLOT_FILE).is_file() else _summary(run_dir).get(NO_PLOT)
+    summary = read_summary(run_dir)
+    no_plot = None if (run_dir / PLOT_FILE).is_file() else summary.get(NO_PLOT)
     # a checkpoint of another run (train.resume: PATH) is saved into this one by a rerun; a
     # missing summary.json or plot is rebuilt by one (from metrics.jsonl), unless the summary
     # records that the plot could not be drawn (no_plot): each rerun would fail again
@@ -279,7 +286,7 @@ def _finished_at(cfg, checked: Preflight) -> str | None:
         return (f"draftforge train: nothing to train: checkpoint {found} is at step {checked.resume_step} "
                 f"and train.steps is {cfg.train.steps}; the run in {run_dir} is left as it is (raise "
                 f"train.steps to train further; 'draftforge export' exports it){unplotted}")
-    if _ran_out_of_data_at(run_dir, checked.resume_step, cfg):
+    if _ran_out_of_data_at(run_dir, checked.resume_step, cfg, summary):
         return (f"draftforge train: nothing to train: the run in {run_dir} stopped at step "
                 f"{checked.resume_step} of {cfg.train.steps} when its data ran out ({SUMMARY_FILE}: "
                 "data_exhausted), with this same recipe, so it would stop there again; it is left as it "
@@ -288,27 +295,16 @@ def _finished_at(cfg, checked: Preflight) -> str | None:
     return None
 
 
-def _summary(run_dir: Path) -> dict:
-    """The run's summary.json; empty where there is none, or it is unreadable."""
-    from draftforge.train.metrics import SUMMARY_FILE
-
-    try:
-        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return {}
-    return summary if isinstance(summary, dict) else {}
-
-
-def _ran_out_of_data_at(run_dir: Path, step: int, cfg) -> bool:
-    """Whether the run's summary says it stopped at ``step`` for want of data and its config.yaml
-    is this recipe: a rerun would load the target, take no step and stop again."""
+def _ran_out_of_data_at(run_dir: Path, step: int, cfg, summary: dict) -> bool:
+    """Whether the run's ``summary`` (:func:`~draftforge.train.metrics.read_summary`) says it
+    stopped at ``step`` for want of data and its config.yaml is this recipe: a rerun would load
+    the target, take no step and stop again."""
     from draftforge.train.metrics import CONFIG_FILE
 
     try:
         saved = (run_dir / CONFIG_FILE).read_text()
     except (OSError, UnicodeDecodeError):
         return False
-    summary = _summary(run_dir)
     return (summary.get("stopped_reason") == "data_exhausted" and summary.get("step") == step
             and saved == cfg.to_yaml())
 

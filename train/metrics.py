@@ -360,6 +360,15 @@ def format_summary(summary: dict) -> str:
     )
 
 
+def read_summary(run_dir: Path) -> dict:
+    """The run's summary.json; empty where there is none, or it is unreadable or not an object."""
+    try:
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return {}
+    return summary if isinstance(summary, dict) else {}
+
+
 def write_summary(run_dir: Path, summary: dict) -> None:
     write_atomic(run_dir / SUMMARY_FILE, json.dumps({k: _finite(v) for k, v in summary.items()},
                                                      indent=1, sort_keys=True))

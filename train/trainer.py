@@ -49,6 +49,7 @@ from draftforge.train.metrics import (
     MetricsLog,
     Progress,
     format_summary,
+    read_summary,
     write_run_records,
     write_summary,
 )
@@ -940,11 +941,8 @@ class Trainer:
     def _held_summary(self, summary: dict) -> dict | None:
         """The run folder's summary.json where it gives ``summary``'s step, train.steps and stop,
         else None."""
-        try:
-            written = json.loads((self.run_dir / SUMMARY_FILE).read_text())
-        except (OSError, ValueError):  # none, or unreadable: written again
-            return None
-        holds = isinstance(written, dict) and all(
+        written = read_summary(self.run_dir)  # none, or unreadable: written again
+        holds = bool(written) and all(
             written.get(key) == summary[key] for key in ("step", "total_steps", "stopped_reason"))
         return written if holds else None
 
