@@ -6,7 +6,7 @@ import math
 import os
 from typing import Literal
 
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from draftforge.argtypes import MAX_SEED
 from draftforge.precision import resolve_auto
@@ -96,6 +96,10 @@ class LossConfig(Section):
     )
 
 
+_EMPTY_ADVICE = {"output_dir": "give the run directory's path",
+                 "resume": "give auto, never or a checkpoint's path"}
+
+
 class TrainConfig(Section):
     """Optimisation, parallelism, checkpoints and logging."""
 
@@ -168,18 +172,12 @@ class TrainConfig(Section):
         default=10, ge=0, description="steps of one run skipped for a non-finite loss or gradient before it stops"
     )
 
-    @field_validator("output_dir")
+    @field_validator("output_dir", "resume")
     @classmethod
-    def _not_empty(cls, value: str) -> str:
-        if not value.strip():  # '' would train into the current directory
-            raise ValueError("is empty: give the run directory's path")
-        return value
-
-    @field_validator("resume")
-    @classmethod
-    def _resume_named(cls, value: str) -> str:
-        if not value.strip():  # '' was read as the checkpoint '.'
-            raise ValueError("is empty: give auto, never or a checkpoint's path")
+    def _not_empty(cls, value: str, info: ValidationInfo) -> str:
+        # '' would train into the current directory, or read the checkpoint '.'
+        if not value.strip():
+            raise ValueError(f"is empty: {_EMPTY_ADVICE[info.field_name]}")
         return value
 
     @field_validator("output_dir", "resume")
