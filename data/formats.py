@@ -13,7 +13,17 @@ Three row forms are understood (``format: auto`` picks by key, in this order):
 Each form may carry a top-level ``system`` string (as LLaMA-Factory's ShareGPT rows do): the
 system prompt, refused beside a leading system message. An empty one is no system prompt
 (LLaMA-Factory writes ``""`` for rows without one, and the template's default then applies,
-as when serving a request without a system message).
+as when serving a request without a system message). A system prompt of whitespace only, as
+the key or as a leading system message, is refused: the template would render the blank text
+in place of its default one (a leading system message that is empty is kept as it is given,
+the empty system prompt a request holding it is served with).
+
+Errors name an entry of a row by its place in the row's own list, counted from 1 over all its
+entries whatever their role (a top-level ``system`` key is not one): ``message 4 (assistant)``
+in a ``messages`` row, ``turn 4 (assistant)`` or ``turn 4 (gpt)`` in a ``conversations`` one;
+so do tokenisation's (:mod:`draftforge.data.tokenize`). ``user turn 2`` or ``assistant turn 2``
+(the held-out check, regeneration) counts the turns of that role only. ``unfinished_turns``
+holds 0-based indices into the row's own list.
 
 A conversation is an optional leading system message, then user and assistant turns
 alternating, starting with a user turn. Every malformed row raises
@@ -75,6 +85,8 @@ class Conversation:
     messages: list[dict[str, str]]
     source: str = ""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    # what the row calls its entries, for errors naming one: "turn" in a 'conversations' row
+    entry: str = field(default="message", compare=False)
 
     @property
     def system(self) -> str | None:
@@ -251,12 +263,20 @@ def _messages_from_prompt(row: dict[str, Any], where: RowLocation) -> list[dict[
 def _system_from_key(row: dict[str, Any], where: RowLocation) -> list[dict[str, str]]:
     """The row's top-level ``system`` string as a system message; none when absent, null or
     empty (LLaMA-Factory's "no system prompt": an empty system message would replace the
-    template's default one, which a request without a system message is served with)."""
+    template's default one, which a request without a system message is served with). One of
+    whitespace only is refused: neither empty (no system prompt) nor a prompt, it would replace
+    the template's default with blank text (SmolLM2's "You are a helpful AI assistant named
+    SmolLM, ..."), as a leading system message of whitespace only would (:func:`check_structure`)."""
     system = row.get("system")
     if system is None or system == "":
         return []
     if not isinstance(system, str):
         raise _fail(where, f"'system' must be a string, got {type(system).__name__}")
+    if not system.strip():
+        raise _fail(where, f"'system' holds only whitespace ({system!r}), which the chat template would "
+                           "render in place of its default system prompt; for no system prompt (the "
+                           "template's default applies, as when serving a request without one) leave it out "
+                           "or give the key as \"\"; else write the system prompt")
     return [{"role": "system", "content": system}]
 
 
@@ -273,7 +293,8 @@ def check_structure(
     ``label`` names ``messages[i]`` in errors as the row itself does (``parse_row``: the
     place in its own list, which a top-level ``system`` key does not shift). ``own_replies``:
     the assistant turns are trained as the data gives them (not the target's answers, where an
-    empty reply is what the target did), so an empty one is refused."""
+    empty reply is what the target did), so an empty one is refused. A leading system message
+    of whitespace only is refused (see the module notes); an empty one is kept."""
     if not messages:
         raise _fail(where, "the conversation is empty")
     body = messages[1:] if messages[0]["role"] == "system" else messages
@@ -282,6 +303,11 @@ def check_structure(
             raise _fail(where, f"{label(i)} is a system message; only the first may be")
     if not any(m["role"] == "user" for m in body):
         raise _fail(where, "the conversation has no user turn")
+    if messages[0]["role"] == "system" and messages[0]["content"] and not messages[0]["content"].strip():
+        raise _fail(where, f"{label(0)} (system) holds only whitespace ({messages[0]['content']!r}), which the "
+                           "chat template would render in place of its default system prompt; for no system "
+                           "prompt (the template's default applies, as when serving a request without one) "
+                           "remove the message, else write the system prompt")
     for i, m in enumerate(messages):
         if not m["content"].strip() and m["role"] == "user":
             raise _fail(where, f"{label(i)} (user) is empty")
@@ -382,7 +408,7 @@ def parse_row(
     if expect == "prompt":  # the target writes new replies: the old ones go, and which were cut
         messages = [m for m in messages if m["role"] != "assistant"]
         extra.pop("unfinished_turns", None)
-    return Conversation(id=ident, messages=messages, source=str(where), extra=extra)
+    return Conversation(id=ident, messages=messages, source=str(where), extra=extra, entry=noun)
 
 
 def _holds(value: Any) -> bool:

@@ -210,12 +210,14 @@ def assistant_spans(
 
 
 def _locate_turns(tokenizer, messages, *, chat_template, enable_thinking, unfinished_turns,
-                  added_messages: int = 0):
+                  added_messages: int = 0, entry: str = "message"):
     """:func:`assistant_spans` plus where each supervised turn's generation prompt ends (the
     end of the text the server tokenises as that turn's prompt) and where its reply's own text
     lies in the rendering (``(start, end)``, or its message index where the template rewrites
-    the reply so that it cannot be found there). Errors number a turn by its place in the
-    row's own list: ``added_messages`` (a top-level ``system`` key's message) go before it."""
+    the reply so that it cannot be found there). Errors name a turn as the row's own errors do
+    (:mod:`draftforge.data.formats`): ``message 4 (assistant)``, the 4th of the row's own list
+    counted from 1 over all roles (``entry``: ``turn`` for a ShareGPT row); ``added_messages``
+    (a top-level ``system`` key's message) go before that list."""
     kwargs = {"chat_template": chat_template, "enable_thinking": enable_thinking}
     text = render(tokenizer, messages, add_generation_prompt=False, **kwargs)
     assistant = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
@@ -223,6 +225,7 @@ def _locate_turns(tokenizer, messages, *, chat_template, enable_thinking, unfini
     spans, context, prompt_ends, replies = [], [], [], []
     for index in assistant:
         message = messages[index]
+        name = f"{entry} {index + 1 - added_messages} (assistant)"  # as data/formats.py names it
         before = render(tokenizer, messages[:index], add_generation_prompt=True, **kwargs)
         upto = render(tokenizer, messages[: index + 1], add_generation_prompt=False, **kwargs)
         if trailer and upto.endswith(trailer) and text.endswith(trailer):
@@ -236,7 +239,7 @@ def _locate_turns(tokenizer, messages, *, chat_template, enable_thinking, unfini
                 # Qwen3's thinking off: a reply holding a reasoning block, which the served
                 # prompt's empty block would precede
                 raise ChatTemplateError(
-                    f"assistant turn {index + 1 - added_messages} is not what the target writes with thinking "
+                    f"{name} is not what the target writes with thinking "
                     f"{'on' if enable_thinking else 'off'} (the chat template renders it as an "
                     f"extension of the prompt only with thinking {'off' if enable_thinking else 'on'}"
                     f"{': its reply holds a reasoning block' if '</think>' in message['content'] else ''}); "
@@ -244,7 +247,7 @@ def _locate_turns(tokenizer, messages, *, chat_template, enable_thinking, unfini
                     "the data was written so, or regenerate it with the thinking mode served"
                 )
             raise ChatTemplateError(
-                f"the chat template does not render assistant turn {index + 1 - added_messages} as an extension "
+                f"the chat template does not render {name} as an extension "
                 "of the conversation before it (it rewrites the prompt once the reply is added); "
                 "cannot locate the supervised tokens. Use a template that keeps the prompt "
                 "unchanged (target.generation.chat_template)"
@@ -254,7 +257,7 @@ def _locate_turns(tokenizer, messages, *, chat_template, enable_thinking, unfini
         if end == start and message["content"].strip():
             # e.g. a chat_template given as a file path: that text, the same for every conversation
             raise ChatTemplateError(
-                f"the chat template renders assistant turn {index + 1 - added_messages} as nothing (neither its "
+                f"the chat template renders {name} as nothing (neither its "
                 "text nor an end-of-turn marker), so none of it can be supervised; "
                 "target.generation.chat_template takes the template's Jinja text, not a file path"
             )
@@ -266,7 +269,7 @@ def _locate_turns(tokenizer, messages, *, chat_template, enable_thinking, unfini
                 content_at = text.find(reply, start, end)
             if content_at < 0:
                 raise RewrittenReply(
-                    f"cannot find the text of unfinished assistant turn {index + 1 - added_messages} in its "
+                    f"cannot find the text of {name}, cut at max_new_tokens, in its "
                     "rendering; the chat template rewrites replies"
                 )
             end = content_at + len(reply)
@@ -356,7 +359,7 @@ class _Tokenized(NamedTuple):
 
 
 def _tokenize(tokenizer, messages, *, chat_template, enable_thinking, unfinished_turns,
-              added_messages: int = 0) -> _Tokenized:
+              added_messages: int = 0, entry: str = "message") -> _Tokenized:
     """:func:`tokenize_messages` plus the assistant turns left unsupervised and where things are."""
     text, spans, context, prompt_ends, replies = _locate_turns(
         tokenizer,
@@ -365,6 +368,7 @@ def _tokenize(tokenizer, messages, *, chat_template, enable_thinking, unfinished
         enable_thinking=enable_thinking,
         unfinished_turns=unfinished_turns,
         added_messages=added_messages,
+        entry=entry,
     )
     ids, offsets = _encode(tokenizer, text, prompt_ends)
     mask = []
@@ -503,6 +507,7 @@ def tokenize_conversations(
                 unfinished_turns=conv.extra.get("unfinished_turns", ()),
                 # a row's top-level 'system' key became its first message (data/formats.py)
                 added_messages=1 if conv.extra.get("system") else 0,
+                entry=getattr(conv, "entry", "message"),  # a row's own name for its entries
             )
         except RewrittenReply:
             stats.num_dropped_rewritten += 1

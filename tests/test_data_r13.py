@@ -168,7 +168,7 @@ def test_a_chat_template_that_renders_no_reply_is_refused_not_every_sample_dropp
         tokenize_conversations([conv], tok, max_length=64, min_loss_tokens=1,
                                chat_template="templates/chatml.jinja")
     assert str(err.value) == (
-        f"{tmp_path / 'r.jsonl'}, line 3 (id 'c1'): the chat template renders assistant turn 3 as "
+        f"{tmp_path / 'r.jsonl'}, line 3 (id 'c1'): the chat template renders message 3 (assistant) as "
         "nothing (neither its text nor an end-of-turn marker), so none of it can be supervised; "
         "target.generation.chat_template takes the template's Jinja text, not a file path"
     )

@@ -40,7 +40,7 @@ def test_a_cut_reply_the_template_rewrites_is_dropped_and_counted(smollm2_tokeni
     assert "1 dropped (the chat template rewrites the text of a reply cut at max_new_tokens" in stats.summary()
     assert "e.g. conversation 'a'" in stats.summary()
     # one conversation alone still says why, as the error it is
-    with pytest.raises(RewrittenReply, match="cannot find the text of unfinished assistant turn 2 "):
+    with pytest.raises(RewrittenReply, match=r"cannot find the text of message 2 \(assistant\), cut at max_new_tokens, "):
         tokenize_messages(tok, rows[0].messages, chat_template=REWRITING, unfinished_turns=[1])
 
 

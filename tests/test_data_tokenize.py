@@ -136,7 +136,7 @@ def test_turns_a_template_rewrites_later_are_context_and_the_last_turn_is_superv
                                     "rewrites them in later prompts)")  # fmt: skip
     # the last turn itself must render as an extension of its prompt
     other_header = CHATML.replace("'<|im_start|>assistant\n'", "'<|im_start|>bot\n'")
-    with pytest.raises(ChatTemplateError, match="assistant turn 5 as an extension"):
+    with pytest.raises(ChatTemplateError, match=r"message 5 \(assistant\) as an extension"):
         tokenize_messages(tok, CONVERSATION, chat_template=other_header)
 
 

@@ -97,7 +97,7 @@ def test_a_reply_with_reasoning_under_thinking_off_names_the_thinking_setting(to
         tokenize_conversations([Conversation("c7", messages, source="train.jsonl, line 7")], tok,
                                max_length=64, min_loss_tokens=1, chat_template=QWEN3_PLAIN)
     message = str(err.value)
-    assert message.startswith("train.jsonl, line 7 (id 'c7'): assistant turn 2 ")
+    assert message.startswith("train.jsonl, line 7 (id 'c7'): message 2 (assistant) ")
     assert "target.generation.enable_thinking: true" in message and "reasoning block" in message
     # with thinking on it trains, as the target writes it
     samples, _ = tokenize_conversations([Conversation("c7", messages)], tok, max_length=64,

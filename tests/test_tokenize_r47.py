@@ -33,4 +33,4 @@ def test_the_turn_is_counted_in_the_rows_own_list(tok, system):
     with pytest.raises(ChatTemplateError) as err:
         tokenize_conversations([conversation], tok, max_length=64, min_loss_tokens=1,
                                chat_template=QWEN3_PLAIN)
-    assert "): assistant turn 2 is not what the target writes with thinking off" in str(err.value)
+    assert "): turn 2 (assistant) is not what the target writes with thinking off" in str(err.value)
