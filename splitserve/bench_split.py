@@ -2,8 +2,10 @@
 
 One job with the recipe's split (started like draftforge train, loopback only) runs three phases:
 
-1. **producer alone**: each target rank computes its first samples (enough
-   tokens for ``N`` steps of its trainers) without sending anything;
+1. **producer alone**: each target rank computes its first samples without sending
+   anything, timed over a window like phase 3's steady one (:func:`producer_window`): from
+   the end of its first chunk to a later chunk end, enough tokens for ``N + 1`` steps of
+   its trainers;
 2. **consumer alone**: those samples are moved to the trainers (untimed) and
    each trainer runs ``N`` steps from memory (after one untimed warm-up step);
 3. **both**: the normal stream, producer and trainers together, ``N + 1`` steps
@@ -22,6 +24,16 @@ One job with the recipe's split (started like draftforge train, loopback only) r
      paid once per run (at the CPU recipe's 40 steps it was one chunk in ten: the
      from-empty rate read 0.88 of the producer while generation ran at the same
      speed as alone).
+
+     With ``split.reuse_features`` the stream interleaves epochs 0 and 1 chunk by chunk
+     (0/0, 0/1, 1/0, 0/2, 1/1, ...): an epoch-1 visit re-sends features its epoch-0 visit
+     computed and costs the target next to nothing. Both windows (this one and phase 1's)
+     then close only where they hold as many epoch-1 visits as epoch-0 ones
+     (:class:`PairedVisits`), as the stream does in the long run; one closed after an
+     epoch-0 visit holds a computed chunk more than re-sent ones and reads the target's
+     rate low (phase 1's used to time chunk 0 too: 8 chunks held 5 computed and 3
+     re-sent, about 0.8 of the stream's rate, so ``split_efficiency`` read high where the
+     target is the slower side).
 
      The window's chunks are not the ones phase 1 averaged over, and chunks differ
      in length and generation time (9 to 16 s at the CPU recipe), so the figure
@@ -89,7 +101,7 @@ def bench_target_rank(ctx, engine, bench: dict, *, pulse: T.Pulse, hellos: T.Ack
     reaches ``hellos``, and a trainer fed by this rank alone gets this rank's beats while it
     waits (as in a training run, one fed by several producers gets none, see
     :mod:`~draftforge.splitserve.transport`)."""
-    from draftforge.splitserve.producer import producer_alone, run_producer
+    from draftforge.splitserve.producer import run_producer
 
     steps = int(bench["steps"])
     dests = ctx.topology.dests(ctx.rank)
@@ -103,9 +115,9 @@ def bench_target_rank(ctx, engine, bench: dict, *, pulse: T.Pulse, hellos: T.Ack
     ctx.log(f"bench phase 1: producer alone ({steps + 1} steps' worth of tokens)")
     _warm_up(ctx, engine)
     meter = Meter()
-    samples, tokens, seconds = producer_alone(ctx.cfg, engine, topology=ctx.topology, rank=ctx.rank,
-                                              min_tokens=_token_goal(ctx, len(dests), steps),
-                                              meter=meter)
+    samples, tokens, seconds = producer_window(ctx.cfg, engine, topology=ctx.topology, rank=ctx.rank,
+                                               min_tokens=_token_goal(ctx, len(dests), steps),
+                                               meter=meter)
     hellos.result()  # every trainer waits for them now, each until its END
     pulse.expect(lone, on_error=hellos.fail)
     with hellos.cond:  # phase 3 starts at each trainer's next HELLO, sent once it has its END
@@ -115,8 +127,8 @@ def bench_target_rank(ctx, engine, bench: dict, *, pulse: T.Pulse, hellos: T.Ack
         with pulse.lock:
             T.send_tensor(stats, dest, group=ctx.data_group, device=ctx.device,
                           what="phase 1's rate")
-    ctx.log(f"  {tokens} tokens in {seconds:.1f} s (whole chunks; {_parts(meter.busy_by)}); "
-            "moving samples to the trainers")
+    ctx.log(f"  {tokens} tokens in {seconds:.1f} s (whole chunks after the first; all chunks: "
+            f"{_parts(meter.busy_by)}); moving samples to the trainers")
     for seq_no, sample in enumerate(samples):
         with pulse.lock:
             T.send_sample(sample.dest, sample.sample_id, sample.input_ids, sample.loss_mask,
@@ -135,6 +147,70 @@ def bench_target_rank(ctx, engine, bench: dict, *, pulse: T.Pulse, hellos: T.Ack
                            hellos=hellos)
     ctx.log(f"  target idle {summary['idle_share']:.1%}; busy {_parts(summary['busy_by_part_s'])} "
             "(to the end of the stream, past the timed window)")
+
+
+def visit_epoch(sample_id: str) -> int:
+    """The epoch of a sample, from its id (``conv#e1``: 1; a conversation id: 0)."""
+    from draftforge.splitserve.producer import EPOCH_MARK
+
+    head, mark, tail = sample_id.rpartition(EPOCH_MARK)
+    return int(tail) if mark and head and tail.isdigit() else 0
+
+
+class PairedVisits:
+    """Where a window over a producer's stream, opened at the end of its first chunk, may close.
+
+    Without ``paired`` (``split.reuse_features`` off, or no epoch 1), at any chunk end. With
+    it, epochs 0 and 1 interleave (0/0, 0/1, 1/0, 0/2, 1/1, ...:
+    :func:`~draftforge.splitserve.producer.epoch_rounds`) and an epoch-1 visit re-sends
+    features computed in epoch 0: the window closes only at the end of a visit that leaves
+    it with as many epoch-1 visits as epoch-0 ones (1/k, which leaves 0/1 ... 0/k+1 and
+    1/0 ... 1/k in it), or in epoch 2 or later, where every visit computes its features."""
+
+    def __init__(self, paired: bool) -> None:
+        self.paired = paired
+        self.counts = [0, 0]  # epoch-0 and epoch-1 visits since the window opened
+
+    def close_after(self, epoch: int) -> bool:
+        """Count a visit of ``epoch`` that ended; whether the window may close after it."""
+        if epoch < 2:
+            self.counts[epoch] += 1
+        return not self.paired or epoch >= 2 or self.counts[0] == self.counts[1]
+
+
+def producer_window(cfg, engine, *, topology, rank: int, min_tokens: int, meter: Meter | None = None):
+    """This producer's first samples (no wire), and the tokens and seconds of its timed window.
+
+    The window opens once the stream's first chunk is out (its time stays out, as phase 3's
+    steady window leaves it out; with ``split.reuse_features`` its features are re-sent only
+    two visits later) and closes at the end of a chunk once it holds at least ``min_tokens``
+    tokens, where :class:`PairedVisits` lets it: nothing of the next chunk is computed. The
+    samples returned are all of them, the first chunk's too. A stream of a single chunk
+    (``split.max_epochs``) is timed whole; one that ends before the window may close, as far
+    as it goes."""
+    from draftforge.splitserve.producer import SampleSource, launch_pin, load_source_conversations
+
+    conversations, regenerate = load_source_conversations(cfg, pinned=launch_pin())
+    source = SampleSource(cfg, engine, topology, rank, conversations=conversations,
+                          regenerate=regenerate, meter=meter)
+    visits = PairedVisits(cfg.split.keeps_features)
+    out: list = []
+    start = time.perf_counter()
+    opened: float | None = None
+    tokens = everything = 0
+    for sample in source.samples():
+        out.append(sample)
+        everything += sample.num_tokens
+        if opened is None:
+            if sample.chunk_last:
+                opened = time.perf_counter()
+            continue
+        tokens += sample.num_tokens
+        if sample.chunk_last and visits.close_after(visit_epoch(sample.sample_id)) and tokens >= min_tokens:
+            break
+    if opened is None or not tokens:  # a single chunk: timed whole
+        return out, everything, time.perf_counter() - start
+    return out, tokens, time.perf_counter() - opened
 
 
 def _parts(seconds_by_part: dict) -> str:
@@ -156,7 +232,8 @@ class StepRecord:
     """One optimizer step of phase 3: when it ended, and what it took from each link."""
 
     end_s: float  # seconds from the start of the phase
-    samples: list[tuple[int, int, bool]]  # (source rank, tokens, chunk_end) in consumption order
+    # (source rank, tokens, chunk_end, epoch) in consumption order; the epoch may be left out (0)
+    samples: list[tuple]
     wait_s: float = 0.0  # the trainer's wait for samples since the start of the phase
     producer: tuple[float, float] = (0.0, 0.0)  # the producers' running (idle s, wall s) then
 
@@ -178,14 +255,15 @@ def _recorded_steps(trainer, batches, steps: int, grad_accum: int,
                 "lower --steps") from None
         trainer.train_step(micro)
         taken = [(s.provenance.get("target_rank", -1), s.num_tokens,
-                  bool(s.provenance.get("chunk_end"))) for batch in micro for s in batch]
+                  bool(s.provenance.get("chunk_end")), visit_epoch(s.sample_id))
+                 for batch in micro for s in batch]
         records.append(StepRecord(time.perf_counter() - begin, taken, waited() - wait_before, producer()))
     return records
 
 
 def _totals(records: Sequence[StepRecord]) -> tuple[int, float]:
     """(real tokens, seconds) of all the recorded steps."""
-    return sum(n for r in records for _, n, _ in r.samples), records[-1].end_s
+    return sum(sample[1] for r in records for sample in r.samples), records[-1].end_s
 
 
 @dataclass
@@ -196,22 +274,30 @@ class SteadyWindow:
     target_idle: float  # the producers' idle share over the same steps, from their wire reports
 
 
-def steady_rate(records: Sequence[StepRecord], min_chunks: int = MIN_STEADY_CHUNKS
-                ) -> SteadyWindow | None:
+def steady_rate(records: Sequence[StepRecord], min_chunks: int = MIN_STEADY_CHUNKS, *,
+                paired: bool = False) -> SteadyWindow | None:
     """Whole chunks, chunk end to chunk end: the rate summed over links, and the trainer's idle share.
 
     Per link, the window runs from the end of the step holding its first
-    ``chunk_end`` sample to the end of the step holding its last; it counts the
-    link's tokens trained by the steps inside it (all of each: the time of a step
-    is that of all it trains). None when some link has fewer than ``min_chunks``
-    whole chunks between its first and last chunk ends.
+    ``chunk_end`` sample to the end of the step holding its last one where the window
+    may close (with ``paired``, ``split.reuse_features``: :class:`PairedVisits`, by the
+    epoch of the chunk-end sample; else any); it counts the link's tokens trained by the
+    steps inside it (all of each: the time of a step is that of all it trains). None when
+    some link has fewer than ``min_chunks`` whole chunks between its first and last chunk ends.
     """
     ends: dict[int, list[tuple[int, int]]] = {}  # link -> [(step, sample index in the step)]
+    visits: dict[int, PairedVisits] = {}
+    closing: dict[int, int] = {}  # link -> how many of its chunk ends the window keeps
     for step, record in enumerate(records):
-        for index, (src, _, chunk_end) in enumerate(record.samples):
+        for index, (src, _, chunk_end, *epoch) in enumerate(record.samples):
             ends.setdefault(src, [])
             if chunk_end:
                 ends[src].append((step, index))
+                if len(ends[src]) == 1:  # the window opens here
+                    visits[src] = PairedVisits(paired)
+                elif visits[src].close_after(epoch[0] if epoch else 0):
+                    closing[src] = len(ends[src])
+    ends = {src: marks[: closing.get(src, 1)] for src, marks in ends.items()}
     if not ends:
         return None
     rate, chunks, begin, end = 0.0, 0, len(records), -1
@@ -220,7 +306,7 @@ def steady_rate(records: Sequence[StepRecord], min_chunks: int = MIN_STEADY_CHUN
             return None
         first, last = marks[0][0], marks[-1][0]
         tokens = sum(count for step in range(first + 1, last + 1)
-                     for link, count, _ in records[step].samples if link == src)
+                     for link, count, *_ in records[step].samples if link == src)
         rate += tokens / (records[last].end_s - records[first].end_s)
         chunks += len(marks) - 1
         begin, end = min(begin, first), max(end, last)
@@ -288,7 +374,7 @@ def bench_trainer_rank(ctx, trainer, bench: dict, *, acks: T.AckLink) -> None:
                               accounting.producer_idle_wall)
     trainer_wait = records[-1].wait_s
     both_tokens, both_wall = _totals(records)
-    steady = steady_rate(records)
+    steady = steady_rate(records, paired=cfg.split.keeps_features)
     if steady is None:
         ctx.log(f"bench phase 3: a producer link completed fewer than {MIN_STEADY_CHUNKS + 1} "
                 f"chunks in {steps + 1} steps: no steady rate, the ratio uses the from-empty rate "

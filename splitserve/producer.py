@@ -49,7 +49,6 @@ import contextlib
 import os
 import random
 import sys
-import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -749,34 +748,3 @@ def data_note(cfg: RecipeConfig, rank: int, source: SampleSource) -> str:
             f"{source.truncated} cut to data.max_length={cfg.data.max_length} tokens "
             "(each counted once, whatever the epochs that tokenised it)")
 
-
-def producer_alone(
-    cfg: RecipeConfig,
-    engine: TargetEngine,
-    *,
-    topology: Topology,
-    rank: int,
-    min_tokens: int,
-    meter: Meter | None = None,
-) -> tuple[list[ProducedSample], int, float]:
-    """This producer's first samples (no wire), timed over whole chunks.
-
-    A chunk (``target.generation.batch_size`` conversations) is regenerated and
-    featurised as one unit before its first sample comes out, so stopping inside a
-    chunk would charge the whole chunk's time to part of its tokens. Samples are
-    taken chunk by chunk until at least ``min_tokens`` tokens, stopping after the last
-    sample of a chunk (nothing of the next chunk is computed); returns them, their tokens
-    and the seconds they took.
-    """
-    conversations, regenerate = load_source_conversations(cfg, pinned=launch_pin())
-    source = SampleSource(cfg, engine, topology, rank, conversations=conversations,
-                          regenerate=regenerate, meter=meter)
-    out: list[ProducedSample] = []
-    tokens = 0
-    start = time.perf_counter()
-    for sample in source.samples():
-        out.append(sample)
-        tokens += sample.num_tokens
-        if sample.chunk_last and tokens >= min_tokens:
-            break
-    return out, tokens, time.perf_counter() - start

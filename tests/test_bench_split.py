@@ -17,6 +17,7 @@ from draftforge.splitserve.bench_split import (
     StepRecord,
     bench_result,
     merge_rank_values,
+    producer_window,
     report,
     steady_rate,
 )
@@ -25,7 +26,6 @@ from draftforge.splitserve.producer import (
     SampleSource,
     Topology,
     load_source_conversations,
-    producer_alone,
 )
 from draftforge.splitserve.target import build_target
 
@@ -39,27 +39,25 @@ def _chunk_ids(cfg, engine, topology):
     return [{conversations[i].id for i in chunk} for chunk in source.chunks()]
 
 
-def test_producer_alone_stops_at_a_chunk_boundary(tmp_path):
+def test_the_producer_window_stops_at_a_chunk_boundary(tmp_path):
     cfg = load_recipe(TINY, [f"train.output_dir={tmp_path}", "data.num_samples=24",
                              "target.generation.batch_size=8"])
     engine = build_target(cfg.target, cfg.draft.target_layer_ids)
     topology = Topology([0], [1])
     chunks = _chunk_ids(cfg, engine, topology)
-    # one token is enough after the first sample: the rest of its chunk still comes
-    samples, tokens, seconds = producer_alone(cfg, engine, topology=topology, rank=0, min_tokens=1)
-    assert {s.sample_id for s in samples} == chunks[0]
-    assert tokens == sum(s.num_tokens for s in samples) and seconds > 0
-    # one token more than a chunk holds: two whole chunks
-    samples, two, _ = producer_alone(cfg, engine, topology=topology, rank=0, min_tokens=tokens + 1)
+    # the window opens after the first chunk; one token is enough in it: the rest of chunk 1 still comes
+    samples, tokens, seconds = producer_window(cfg, engine, topology=topology, rank=0, min_tokens=1)
     assert {s.sample_id for s in samples} == chunks[0] | chunks[1]
+    assert tokens == sum(s.num_tokens for s in samples if s.sample_id in chunks[1]) and seconds > 0
+    # one token more than chunk 1 holds: chunks 1 and 2 in the window
+    samples, two, _ = producer_window(cfg, engine, topology=topology, rank=0, min_tokens=tokens + 1)
+    assert {s.sample_id for s in samples} == set().union(*chunks)
     assert two > tokens
     # past the end of the epoch (3 chunks): the next epoch's chunks are whole chunks too
-    epoch, epoch_tokens, _ = producer_alone(cfg, engine, topology=topology, rank=0, min_tokens=two + 1)
-    assert {s.sample_id for s in epoch} == set().union(*chunks)
-    samples, _, _ = producer_alone(cfg, engine, topology=topology, rank=0, min_tokens=epoch_tokens + 1)
+    samples, _, _ = producer_window(cfg, engine, topology=topology, rank=0, min_tokens=two + 1)
     second = {s.sample_id.partition(EPOCH_MARK)[0] for s in samples
               if s.sample_id.endswith(f"{EPOCH_MARK}1")}
-    assert second and len(samples) == len(epoch) + len(second)
+    assert second and len(samples) == sum(map(len, chunks)) + len(second)
     assert all(chunk <= second or not chunk & second for chunk in chunks)  # whole chunks only
 
 
@@ -77,7 +75,7 @@ class _CountingEngine:
         return self.engine.features(input_ids, attention_mask)
 
 
-def test_producer_alone_computes_nothing_past_its_last_chunk(tmp_path):
+def test_the_producer_window_computes_nothing_past_its_last_chunk(tmp_path):
     """It used to featurise the whole next chunk to see that the last one had ended: phase 1
     spent a chunk's wall time more than it timed, and its log parts covered that work too."""
     cfg = load_recipe(TINY, [f"train.output_dir={tmp_path}", "data.num_samples=24",
@@ -85,13 +83,14 @@ def test_producer_alone_computes_nothing_past_its_last_chunk(tmp_path):
     engine = _CountingEngine(build_target(cfg.target, cfg.draft.target_layer_ids))
     topology = Topology([0], [1])
     chunks = _chunk_ids(cfg, engine, topology)
-    samples, first, _ = producer_alone(cfg, engine, topology=topology, rank=0, min_tokens=1)
-    assert {s.sample_id for s in samples} == chunks[0]
-    assert engine.rows == len(samples) == len(chunks[0])
-    engine.rows = 0  # one token more than the first chunk holds: two chunks, not three
-    samples, _, _ = producer_alone(cfg, engine, topology=topology, rank=0, min_tokens=first + 1)
+    engine.rows = 0
+    samples, first, _ = producer_window(cfg, engine, topology=topology, rank=0, min_tokens=1)
     assert {s.sample_id for s in samples} == chunks[0] | chunks[1]
     assert engine.rows == len(samples) == len(chunks[0]) + len(chunks[1])
+    engine.rows = 0  # one token more than the window's first chunk holds: three chunks, not four
+    samples, _, _ = producer_window(cfg, engine, topology=topology, rank=0, min_tokens=first + 1)
+    assert {s.sample_id for s in samples} == set().union(*chunks)
+    assert engine.rows == len(samples) == sum(map(len, chunks))
 
 
 def test_every_chunk_marks_its_last_sample_on_each_link(tmp_path):
