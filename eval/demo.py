@@ -15,14 +15,17 @@ in its own process:
 3. ``train``: the DFlash ablation, with the same recipe and budget and these overrides
    only: no Markov head, no confidence head, the pure cross-entropy objective, and
    its own run directory ``<run>-dflash`` (:data:`~draftforge.eval.demo_runs.DFLASH_OVERRIDES`);
-4. ``export``: the DSpark draft to ``export.out_dir`` (default ``<run>/export``);
+4. ``export``: the DSpark draft to ``export.out_dir`` (default ``<run>/export``); the demo
+   records the digest the export printed of the folder it wrote (``export_files=``, taken under
+   its lock), and refuses to go on where another export has replaced that folder since;
 5. ``eval`` (greedy, float32 target): the export against the no-draft and n-gram
    baselines on the same prompts in one run (``<run>/eval``), and the DFlash ablation
    from its training checkpoint on the same prompts (``<run>/eval-dflash``; SGLang
    refuses ``markov_rank: 0``, so it has no DSpark export). Both verify every drafted token
    (``--verify full``: DFlash has no confidence head, and the table subtracts one from the
    other), whatever the recipe's ``eval.verify``. The two run side by side on machines with
-   two or more cores and no GPU, one thread each, else one after the other;
+   two or more cores and no GPU, one thread each, else one after the other. The demo holds
+   the export's lock while they run, so that no ``draftforge export`` replaces it meanwhile;
 6. the export again, its model card now holding the measured table; then one
    markdown table, printed and written to ``<run>/demo.md``. The last line is::
 
@@ -38,6 +41,7 @@ says what differs. ``--force`` starts over; ``--skip-train`` uses the runs as th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import sys
@@ -77,13 +81,15 @@ from draftforge.eval.demo_state import (
     data_ran_out,
     demo_held,
     eval_is_current,
-    export_files,
+    export_held,
     export_is_current,
     final_checkpoint,
     model_card_is_current,
     remove_output,
+    reported_export_files,
     runs_as_they_are,
     stamp_answers,
+    stamped_files,
     writers_held,
 )
 from draftforge.files import write_atomic
@@ -334,8 +340,11 @@ def _run_stages(args: argparse.Namespace, *, command: str, recipe: str, base, pa
         stages.skip(f"{paths.export_dir} is this export of {checkpoints['DSpark']}")
     else:
         stamp.unlink(missing_ok=True)  # the stamp names the folder's command: none while it changes
-        run_stage("export", export_args, indent=True)
-        write_atomic(stamp, json.dumps({"command": export_args, "files": export_files(paths.export_dir)}))
+        # the digest the export took of the folder it wrote, under its own lock: another export
+        # into the folder may have replaced it since, and a digest taken now would be that one's
+        files = reported_export_files(run_stage("export", export_args, indent=True))
+        with export_held(paths.export_dir, files):  # still the folder it wrote: else refused
+            write_atomic(stamp, json.dumps({"command": export_args, "files": files}))
         stages.done(since)
 
     # 5. evaluation: DSpark export + baselines, and DFlash from its checkpoint, same prompts
@@ -359,7 +368,10 @@ def _run_stages(args: argparse.Namespace, *, command: str, recipe: str, base, pa
     if not eval_is_current(paths.dflash_eval_dir, dflash_args[1:], checkpoints["DFlash"] / "COMPLETE"):
         jobs["eval-dflash"] = dflash_args
     if jobs:
-        run_side_by_side(jobs, paths.log_dir, parallel=parallel and len(jobs) > 1)
+        # the export evaluated is the one stamped, and no export replaces it while it is read
+        with (export_held(paths.export_dir, stamped_files(stamp)) if "eval-dspark" in jobs
+              else contextlib.nullcontext()):
+            run_side_by_side(jobs, paths.log_dir, parallel=parallel and len(jobs) > 1)
         stages.done(since)
     else:
         stages.skip(f"{paths.eval_dir} and {paths.dflash_eval_dir} hold this evaluation already")

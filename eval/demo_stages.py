@@ -76,21 +76,24 @@ def draftforge_command(*args: str) -> list[str]:
 
 
 def run_stage(name: str, args: Sequence[str], *, env: dict[str, str] | None = None,
-              indent: bool = False) -> None:
+              indent: bool = False) -> list[str]:
     """Run ``draftforge ARGS`` with its output on the terminal; a failure raises DemoError.
     ``indent``: its standard output indented under the command line, as the stage's own (the
-    export's ``export_dir=`` line must not read as the demo's last line to a script)."""
+    export's ``export_dir=`` line must not read as the demo's last line to a script), and
+    returned, its lines without their line ends (else nothing is returned: an empty list)."""
     command = draftforge_command(*args)
     print(f"    $ draftforge {shlex.join(args)}", flush=True)
     if indent:  # unbuffered: its lines keep their order with its messages on the terminal
         env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
     proc: subprocess.Popen | None = None
+    lines: list[str] = []
     try:
         with interrupts_held():  # one landing inside Popen would leave the stage running
             proc = subprocess.Popen(command, env=env, **(
                 {"stdout": subprocess.PIPE, "text": True, "bufsize": 1, "errors": "replace"}
                 if indent else {}))
         for line in proc.stdout if indent else ():
+            lines.append(line.rstrip("\r\n"))
             print(f"    {line.rstrip()}", flush=True)
         status = proc.wait()
     except BaseException as stop:  # Ctrl-C, SIGTERM (JobInterrupted)
@@ -103,6 +106,7 @@ def run_stage(name: str, args: Sequence[str], *, env: dict[str, str] | None = No
             "The messages above say why; fix it and rerun the demo (finished stages are skipped).",
             exit_status=_passed_on(status),
         )
+    return lines
 
 
 def _passed_on(*statuses: int) -> int:

@@ -202,26 +202,60 @@ def check_trained_on(run_dir: Path, answers: str | None, what: str, *, skip_trai
 
 def export_files(export_dir: Path) -> str:
     """The digest of an export folder's files but its model card (the last stage writes it again):
-    its config and weights, the same for every export of one checkpoint by one command. Read
-    under the lock ``draftforge export`` holds while it writes the folder, so that no export
-    replaces it midway; one writing it now is refused."""
-    import hashlib
+    its config and weights, the same for every export of one checkpoint by one command
+    (``train.export.export_digest``). Read under the lock ``draftforge export`` holds while it
+    writes the folder, so that no export replaces it midway; one writing it now is refused."""
+    with export_held(export_dir):
+        from draftforge.train.export import export_digest
 
-    from draftforge.train.export import ExportError, export_lock
+        return export_digest(export_dir)
 
-    digest = hashlib.sha256()
+
+@contextlib.contextmanager
+def export_held(export_dir: Path, expected: str | None = None):
+    """Hold the lock ``draftforge export`` holds while it writes ``export_dir`` while the block
+    runs (an evaluation reading the folder: no export replaces it meanwhile); one writing it now is
+    refused. ``expected``: the digest the folder must hold (:func:`export_files`, as the demo's
+    export stage reported it): another export that replaced it since is refused too."""
+    from draftforge.train.export import ExportError, export_digest, export_lock
+
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(export_lock(export_dir.expanduser().resolve(),
+                                            then="wait for it to finish, then rerun the demo"))
+        except ExportError as err:
+            raise DemoError(str(err), exit_status=2) from None
+        if expected is not None and export_digest(export_dir) != expected:
+            raise DemoError(
+                f"{export_dir} no longer holds the export the demo's export stage wrote: another "
+                "'draftforge export' into it replaced it since; rerun the demo (it exports the draft "
+                "again), and export elsewhere (--out) meanwhile", exit_status=2)
+        yield
+
+
+def reported_export_files(lines: Sequence[str] | None) -> str:
+    """The digest the export stage printed on its ``export_files=`` line (the folder it wrote,
+    digested under its own lock: ``train.export.export_digest``); a stage that printed none is
+    a failure."""
+    from draftforge.train.export_cli import EXPORT_FILES_KEY
+
+    reported = [line.split("=", 1)[1].strip() for line in lines or ()
+                if line.startswith(f"{EXPORT_FILES_KEY}=")]
+    if not reported:
+        raise DemoError(f"the export stage printed no {EXPORT_FILES_KEY}= line (the digest of the folder "
+                        "it wrote), so the demo cannot tell its export from another one written into "
+                        "the same folder since; is 'python -m draftforge' this demo's draftforge?")
+    return reported[-1]
+
+
+def stamped_files(stamp: Path) -> str | None:
+    """The export digest the demo's stamp records (None: no stamp, or one written before the
+    digest was recorded)."""
     try:
-        with export_lock(export_dir.expanduser().resolve(), then="wait for it to finish, then rerun the demo"):
-            for path in sorted(export_dir.glob("*")):
-                if path.name != "README.md" and path.is_file():
-                    content = hashlib.sha256()  # hashlib.file_digest needs Python 3.11
-                    with path.open("rb") as handle:
-                        for block in iter(lambda: handle.read(1 << 20), b""):
-                            content.update(block)
-                    digest.update(path.name.encode() + content.digest())
-    except ExportError as err:
-        raise DemoError(str(err), exit_status=2) from None
-    return digest.hexdigest()
+        files = json.loads(stamp.read_text()).get("files")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+    return files if isinstance(files, str) else None
 
 
 def export_is_current(paths, export_args: Sequence[str], checkpoint: Path) -> bool:

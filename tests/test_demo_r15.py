@@ -16,6 +16,7 @@ from draftforge.config import load_recipe
 from draftforge.errors import InputError
 from draftforge.eval import demo, demo_state
 from draftforge.eval.report import ESTIMATE_NOTE
+from draftforge.train.export import export_digest
 
 
 def _eval(recipe_path, tiny_export, tmp_path, *extra):
@@ -124,6 +125,8 @@ def test_a_recipe_without_regeneration_is_timed_as_the_whole_demo(tmp_path, monk
             dflash = any(a.startswith("train.output_dir=") for a in args)
             run_dir = paths.dflash_dir if dflash else paths.run_dir
             _finished_run(run_dir, load_recipe(recipe, list(args[2:])).to_yaml())
+        # the export prints the digest of the folder it wrote (none here)
+        return [f"export_files={export_digest(paths.export_dir)}"]
 
     def run_side_by_side(jobs, log_dir, *, parallel):
         for folder, methods in ((paths.eval_dir, {"dspark": 1.5, "ngram": 1.1, "none": 1.0}),

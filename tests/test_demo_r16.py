@@ -52,7 +52,10 @@ def test_only_the_demos_last_line_starts_with_export_dir(tmp_path, monkeypatch, 
     monkeypatch.setattr(demo, "export_is_current", lambda *a, **kw: False)
     monkeypatch.setattr(demo, "model_card_is_current", lambda *a, **kw: False)
     # draftforge export as it prints: its progress, then its folder
-    script = f"print('export: run -> out'); print('export_dir={paths.export_dir}')"
+    from draftforge.train.export import export_digest
+
+    script = (f"print('export: run -> out'); print('export_files={export_digest(paths.export_dir)}'); "
+              f"print('export_dir={paths.export_dir}')")
     monkeypatch.setattr(demo_stages, "draftforge_command", lambda *args: [sys.executable, "-c", script])
 
     assert demo.main([str(recipe), "--skip-train", "--num-prompts", "8"]) == 0

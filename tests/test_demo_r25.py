@@ -13,6 +13,7 @@ from test_demo_r7 import _finished_run, _report
 
 from draftforge.config import load_recipe
 from draftforge.eval import demo, demo_stages
+from draftforge.train.export import export_digest
 
 
 def _stubbed_stages(monkeypatch, recipe, paths) -> list:
@@ -34,6 +35,7 @@ def _stubbed_stages(monkeypatch, recipe, paths) -> list:
             _finished_run(paths.dflash_dir if dflash else paths.run_dir, load_recipe(recipe, list(args[2:])).to_yaml())
         elif args[0] == "export":
             export(paths.export_dir, b"weights of step 4")
+            return [f"export_files={export_digest(paths.export_dir)}"]  # as draftforge export prints it
 
     def run_side_by_side(jobs, log_dir, *, parallel):
         ran.extend(jobs)

@@ -30,6 +30,15 @@ def _write_export(folder: Path, weights: bytes) -> None:
     (folder / "model.safetensors").write_bytes(weights)
 
 
+def _digest(folder: Path) -> str:
+    """What draftforge export prints of the folder it wrote (export.export_digest), computed here."""
+    import hashlib
+
+    return hashlib.sha256(b"".join(
+        path.name.encode() + hashlib.sha256(path.read_bytes()).digest()
+        for path in sorted(folder.iterdir()) if path.is_file() and path.name != "README.md")).hexdigest()
+
+
 class _Stop(Exception):
     """Raised where the demo would go on to evaluate: the export stage is what is tested."""
 
@@ -46,7 +55,7 @@ def _demo_at_its_export_stage(tmp_path, monkeypatch, export_stage):
 
     def run_stage(name, args, **kw):
         assert name == "export", name
-        export_stage(paths)
+        return export_stage(paths)
 
     def stop(*a, **kw):
         raise _Stop
@@ -64,11 +73,13 @@ def test_the_stamp_is_not_taken_of_a_folder_another_export_is_replacing(tmp_path
 
     def export_stage(paths):
         _write_export(paths.export_dir, b"the demo's weights")
+        digest = _digest(paths.export_dir)  # as draftforge export prints it
         out = paths.export_dir.resolve()
         held.enter_context(exclusive_lock(out.parent / f".{out.name}.lock"))  # the other export's
         aside = out.parent / f".{out.name}.old-x"
         aside.mkdir()
         out.rename(aside / out.name)
+        return [f"export_files={digest}"]
 
     recipe, paths, stamp = _demo_at_its_export_stage(tmp_path, monkeypatch, export_stage)
     with held:
@@ -98,6 +109,7 @@ def test_a_concurrent_export_cannot_replace_the_folder_while_the_stamp_reads_it(
 
     def export_stage(paths):
         _write_export(paths.export_dir, b"the demo's weights")
+        digest = _digest(paths.export_dir)  # as draftforge export prints it
 
         def opening(path, *args, **kwargs):  # the stamp's first file read: the other export starts
             if path.parent == paths.export_dir and not attempts:
@@ -105,6 +117,7 @@ def test_a_concurrent_export_cannot_replace_the_folder_while_the_stamp_reads_it(
             return real_open(path, *args, **kwargs)
 
         monkeypatch.setattr(Path, "open", opening)
+        return [f"export_files={digest}"]
 
     recipe, paths, stamp = _demo_at_its_export_stage(tmp_path, monkeypatch, export_stage)
     with contextlib.suppress(_Stop):

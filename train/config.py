@@ -202,7 +202,7 @@ class ExportConfig(Section):
         default="Qwen3DSparkModel", description="architectures entry of the exported config.json"
     )
     with_embeddings: bool = Field(default=False, description="also write embed_tokens / lm_head")
-    max_shard_size_mb: int | float = Field(default=4096, gt=0, description="shard above this size, in megabytes (fractions taken)")
+    max_shard_size_mb: int | float = Field(default=4096, gt=0, description="shard above this size, in megabytes of 10^6 bytes as huggingface_hub counts them (fractions taken)")
     out_dir: str | None = Field(default=None, description="default: <output_dir>/export")
 
     @field_validator("out_dir")

@@ -10,7 +10,8 @@ This module is the only writer of the serving format (contract section 4):
   ``speculative/dflash_utils.py``). ``speculators_model_type`` is never written:
   SGLang refuses drafts that carry ``speculators_model_type: dspark``.
 * ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` shards with a
-  ``model.safetensors.index.json`` above ``max_shard_size_mb``), tensor names
+  ``model.safetensors.index.json`` above ``max_shard_size_mb`` megabytes of 10^6 bytes, what
+  huggingface_hub and transformers mean by ``max_shard_size="...MB"``), tensor names
   without prefix, checked against an explicit key table: a missing, an
   unexpected or a mis-shaped tensor stops the export (SGLang silently skips
   unknown keys, so nothing downstream would notice).
@@ -312,11 +313,15 @@ def export_draft(
     max_shard_size_mb: float = 4096,
     card: ModelCard | None = None,
     progress=print,
+    published: Callable[[str], None] | None = None,
 ) -> Path:
     """Write the serving folder for a draft (a module or ``(state_dict, config)``); returns its path.
 
     Embedding tensors are written only with ``with_embeddings`` (servers attach
-    the target's own); a state dict without them is fine otherwise.
+    the target's own); a state dict without them is fine otherwise. ``published`` is called
+    with the :func:`export_digest` of the folder this export wrote, computed under its lock
+    before it takes its name: another export into the same folder may replace it as soon as
+    the lock is released, so a digest taken of ``out_dir`` afterwards may be that one's.
     """
     check_shard_size(max_shard_size_mb)  # before any work, not once the staging folder is written
     if isinstance(source, DSparkDraft):
@@ -375,7 +380,11 @@ def export_draft(
             (staging / CARD_FILE).write_text(model_card(config, card or ModelCard(), state))
             shareable(staging)  # mkdtemp made it 0700: unreadable to a server running as another user
             fsync_tree(staging)  # every file on disk before the folder takes its name
+            # the names are out's, so this is the digest of out as this export wrote it
+            digest = export_digest(staging) if published is not None else None
             replace_dir(staging, out)
+            if published is not None:
+                published(digest)
     except BaseException:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
@@ -421,24 +430,48 @@ def _tidy_leftovers(out: Path, progress) -> None:
                  f"beside {out}")
 
 
+MEGABYTE = 10**6  # huggingface_hub's "MB" (serialization.parse_size_to_int), as transformers' too
+
+
+def export_digest(folder: Path) -> str:
+    """The sha256 of an export folder's files but its model card (``draftforge export
+    --eval-report`` writes the card again, nothing else): each name and its content's sha256,
+    in name order. The same for every export of one checkpoint with the same settings; what
+    ``draftforge export`` prints as its ``export_files=`` line and the demo records."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(Path(folder).glob("*")):
+        if path.name != CARD_FILE and path.is_file():
+            content = hashlib.sha256()  # hashlib.file_digest needs Python 3.11
+            with path.open("rb") as handle:
+                for block in iter(lambda: handle.read(1 << 20), b""):
+                    content.update(block)
+            digest.update(path.name.encode() + content.digest())
+    return digest.hexdigest()
+
+
 def check_shard_size(max_shard_size_mb: float) -> None:
     """Refuse a ``max_shard_size_mb`` that is no positive, finite number (0 or a negative one
     would put every tensor in a shard of its own, NaN none past the first, inf fails to convert),
     naming the parameter and the value, as the CLI's ``--max-shard-size-mb`` and the recipe do."""
     number = isinstance(max_shard_size_mb, numbers.Real) and not isinstance(max_shard_size_mb, bool)
     if not (number and math.isfinite(max_shard_size_mb) and max_shard_size_mb > 0):
-        raise ExportError(f"max_shard_size_mb must be a positive, finite number of megabytes, "
-                          f"got {max_shard_size_mb!r}")
+        raise ExportError(f"max_shard_size_mb must be a positive, finite number of megabytes (10^6 "
+                          f"bytes), got {max_shard_size_mb!r}")
 
 
 def write_safetensors(
     state: Mapping[str, torch.Tensor], folder: Path, *, max_shard_size_mb: float
 ) -> list[str]:
-    """``model.safetensors``, or shards plus ``model.safetensors.index.json`` when larger than the limit."""
+    """``model.safetensors``, or shards plus ``model.safetensors.index.json`` when larger than the
+    limit, ``max_shard_size_mb`` megabytes of 10^6 bytes (:data:`MEGABYTE`): a shard holds tensors
+    up to that many bytes, exactly that many included, as huggingface_hub's
+    ``split_torch_state_dict_into_shards`` does (a larger tensor is a shard of its own)."""
     from safetensors.torch import save_file
 
     check_shard_size(max_shard_size_mb)
-    limit = int(max_shard_size_mb * 1024 * 1024)
+    limit = int(max_shard_size_mb * MEGABYTE)
     names = sorted(state)
     shards: list[list[str]] = [[]]
     size = 0
@@ -581,6 +614,26 @@ def weights_fingerprint(tensor: torch.Tensor) -> str:
 
     raw = tensor.detach().cpu().contiguous().view(torch.uint8)
     return f"{tensor.dtype}:{hashlib.sha256(raw.numpy().tobytes()).hexdigest()}"
+
+
+def draft_fingerprint(state: Mapping[str, torch.Tensor]) -> str:
+    """The sha256 of every tensor of a draft but the embedding copies (the servers attach the
+    target's own, and a checkpoint may hold them where its export does not): each name, dtype,
+    shape and bytes as stored, in name order. Unlike :func:`weights_fingerprint` of ``fc.weight``
+    alone, two drafts that differ in any layer or head differ here; the same after a safetensors
+    round trip, sharded or not. ``tensors:`` starts it, so that it never equals an ``fc.weight``
+    fingerprint (``torch.float32:...``)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        if name in EMBEDDING_KEYS:
+            continue
+        tensor = state[name].detach().cpu().contiguous()
+        raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+        digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0{len(raw)}\0".encode())
+        digest.update(hashlib.sha256(raw).digest())
+    return f"tensors:{digest.hexdigest()}"
 
 
 def unmarked_checkpoint_note(source: Path, *, used: str) -> str | None:

@@ -18,6 +18,7 @@ from draftforge import argtypes
 from draftforge.train.config import ExportConfig
 
 RECIPE_NAMES = ("recipe.yaml", "config.yaml", "resolved_recipe.yaml")
+EXPORT_FILES_KEY = "export_files"  # the line `export_files=<sha256>`: train.export.export_digest
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,13 +34,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--with-embeddings", action=argparse.BooleanOptionalAction, default=None,
                         help="also write embed_tokens / lm_head (servers attach the target's anyway); "
                              "default: the recipe's export.with_embeddings, --no-with-embeddings overrides it")  # fmt: skip
-    parser.add_argument("--max-shard-size-mb", type=argtypes.positive_float, help=f"shard above this size (default: the recipe's export.max_shard_size_mb, "
+    parser.add_argument("--max-shard-size-mb", type=argtypes.positive_float, help=f"shard above this size, in megabytes of 10^6 bytes as huggingface_hub's "
+                        f"max_shard_size counts them (default: the recipe's export.max_shard_size_mb, "
                         f"{defaults.max_shard_size_mb} when unset)")
     parser.add_argument("--recipe", help="the recipe the run used (default: the one saved in the run directory)")
     parser.add_argument("--eval-report", help="markdown table from 'draftforge eval' for the model card (its report.md, or the folder holding it; default: "
                         "RUN_DIR/eval/report.md when exporting a run directory, used only if its report.json "
                         "names this run, its checkpoint or its export as the draft and is not older than the "
-                        "checkpoint; else the card says Not measured)")
+                        "checkpoint; else the card says Not measured). A report.md with the report.json "
+                        "'draftforge eval' wrote beside it is refused unless that file's draft_fingerprint "
+                        "is of the weights exported")
     parser.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the export with huggingface_hub")
     return parser
 
@@ -90,6 +94,7 @@ def _export(args) -> int:
         source, (export_cfg, card, out, cfg, state) = read_newest(
             run_dir, lambda folder: (folder, _card_and_weights(args, folder, run_dir)))
     print(f"export: {source} -> {out}", flush=True)
+    published: list[str] = []
     try:
         path = export_draft(
             (state, cfg),
@@ -98,6 +103,7 @@ def _export(args) -> int:
             with_embeddings=export_cfg.with_embeddings if args.with_embeddings is None else args.with_embeddings,
             max_shard_size_mb=args.max_shard_size_mb or export_cfg.max_shard_size_mb,
             card=card,
+            published=published.append,
         )
     except (OSError, SafetensorError) as err:
         # a full disk, a read-only folder: export_draft left nothing partial. safetensors
@@ -109,6 +115,9 @@ def _export(args) -> int:
             "export there is untouched. "
             + ("Free space (or choose another --out) and rerun" if full else "Choose another --out and rerun")
         ) from None
+    # the folder this export wrote, digested under its lock (export_digest): another export may
+    # have replaced it since; the demo records this line's digest, not one it takes of the folder
+    print(f"{EXPORT_FILES_KEY}={published[-1]}", flush=True)
     if args.push_to_hub:
         try:
             url = push_to_hub(path, args.push_to_hub)
@@ -168,8 +177,10 @@ def _card_and_weights(args, source: Path, run_dir: Path | None):
     if args.eval_report:
         report = Path(args.eval_report)
         card.acceptance_table = read_eval_report(report, option="--eval-report ")
-    else:  # RUN_DIR/eval/report.md, only where it measured this draft
-        report = default_report(run_dir, source, Path(out), weights=_fingerprints(state, cfg)) if run_dir else None
+        check_report_measured(report, _fingerprints(state, cfg), source)
+    else:  # RUN_DIR/eval/report.md, only where it measured this draft (the weights hashed only then)
+        report = (default_report(run_dir, source, Path(out), weights=_fingerprints(state, cfg))
+                  if run_dir and (run_dir / "eval" / "report.md").is_file() else None)
         try:
             card.acceptance_table = read_eval_report(report) if report is not None else None
         except InputError as err:
@@ -291,17 +302,57 @@ def read_eval_report(report: Path, *, option: str = "") -> str:
     return text
 
 
+def check_report_measured(report: Path, weights: set[str], source: Path) -> None:
+    """Refuse an ``--eval-report`` whose ``report.json`` (the one 'draftforge eval' wrote beside
+    its report.md) is unreadable, names no ``draft_fingerprint`` or one not in ``weights``
+    (:func:`_fingerprints`): the card would show another draft's, or an earlier checkpoint's,
+    measurement. A table without a report.json beside it is the user's own, taken as given; one
+    edited since its report.json was written is taken, and said."""
+    from draftforge.errors import InputError
+
+    measured = report.with_name("report.json")
+    if not measured.is_file():
+        print(f"model card: note: no report.json beside {report}, so which draft it measured is not "
+              "checked; its table is used as --eval-report asks", flush=True)
+        return
+    advice = (f"evaluate this draft ('draftforge eval {source} ...') and pass that report, or export "
+              "without --eval-report")
+    try:
+        written = json.loads(measured.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise InputError(f"--eval-report {report}: {measured} is not readable JSON ({err}), so "
+                         f"which draft it measured is unknown; {advice}") from None
+    fingerprint = written.get("draft_fingerprint") if isinstance(written, dict) else None
+    if not isinstance(fingerprint, str):
+        raise InputError(f"--eval-report {report}: {measured} records no draft_fingerprint (the weights "
+                         f"the evaluation read), so which draft it measured is unknown; {advice}")
+    if fingerprint not in weights:
+        draft = written.get("draft_path") or written.get("draft")
+        raise InputError(
+            f"--eval-report {report}: {measured} has draft_fingerprint {fingerprint}, the weights of "
+            f"another draft than {source} holds (it measured {draft or 'a draft it does not name'}: "
+            f"another run, an earlier checkpoint, or an export of one); {advice}")
+    if written.get("report_md_sha256") not in (None, _digest_of(report)):
+        print(f"model card: note: {report} is not the table {measured.name} was written with (edited "
+              "since?); it is used as --eval-report asks", flush=True)
+
+
 def _fingerprints(state, cfg) -> set[str]:
     """The fingerprints an evaluation of these weights records: of the checkpoint's ``fc.weight``
-    as read, and as this export writes it (its column blocks in ascending target-layer order)."""
+    as read, and as this export writes it (its column blocks in ascending target-layer order),
+    and the same of every tensor (``draft_fingerprint``), which two drafts sharing an
+    ``fc.weight`` do not share."""
     from draftforge.train.export import (
         FINGERPRINT_TENSOR,
         ascending_target_layers,
+        draft_fingerprint,
         weights_fingerprint,
     )
 
     written = ascending_target_layers(state, cfg, progress=lambda _line: None)[0]
-    return {weights_fingerprint(weights[FINGERPRINT_TENSOR]) for weights in (state, written)}
+    both = (state, written) if written[FINGERPRINT_TENSOR] is not state[FINGERPRINT_TENSOR] else (state,)
+    return {fingerprint for weights in both
+            for fingerprint in (weights_fingerprint(weights[FINGERPRINT_TENSOR]), draft_fingerprint(weights))}
 
 
 def default_report(run_dir: Path, checkpoint: Path, out: Path, *, weights: set[str]) -> Path | None:
