@@ -27,6 +27,7 @@ from draftforge.eval.speculative import (
     TargetSession,
     check_lossless,
     speculative_decode,
+    target_context,
 )
 from draftforge.eval.uncertainty import prompt_digest
 
@@ -134,12 +135,6 @@ def summarize(results: Sequence[DecodeResult], block_size: int) -> dict:
         "wall_s": wall,
         "tokens_per_s": tokens / wall if wall > 0 else float("nan"),
     }
-
-
-def target_context(model) -> int | None:
-    """The target's ``max_position_embeddings`` (its context), or None where its config has none."""
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    return limit if isinstance(limit, int) and limit > 0 else None
 
 
 def check_prompt_lengths(prompts: Sequence[Sequence[int]], max_new_tokens: int, limit: int,

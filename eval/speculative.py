@@ -6,12 +6,14 @@ One prompt at a time (batch 1), the target runs with a KV cache:
    first output token and the first anchor ``x_p``.
 2. A round: the proposer drafts up to γ tokens after the anchor. The DSpark
    draft runs the block ``[x_p, MASK, ...]`` at positions ``p .. p+γ-1`` over
-   the context features of positions ``< p`` (a growing buffer of the
-   auxiliary layer outputs the target produced while verifying), then the
-   sequential Markov drafting. As a server keeps its draft KV cache, the
+   the context features of positions ``< p`` (a buffer of the auxiliary layer
+   outputs the target produced while verifying, preallocated and written in
+   place: a round copies only the positions it adds), then the sequential
+   Markov drafting. As a server keeps its draft KV cache, the
    draft keeps the context's projected keys and values across rounds and
    projects only the positions accepted since the last one.
-3. The target verifies ``[x_p, d_0 .. d_{n-1}]`` (width ``n + 1``) in one
+3. The target verifies ``[x_p, d_0 .. d_{n-1}]`` (width ``n + 1``, cut so that
+   no draft lies past the target's ``max_position_embeddings``) in one
    forward with its cache: greedy accepts the longest prefix with
    ``d_k == argmax``, sampling uses standard rejection sampling; the target's
    token after the accepted prefix is the bonus, the next anchor. Sampling
@@ -102,12 +104,20 @@ class DecodeResult:
         return sum(r.acceptance_length for r in self.rounds) / len(self.rounds)
 
 
+def target_context(model) -> int | None:
+    """The target's ``max_position_embeddings`` (its context), or None where its config has none."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
 class TargetSession:
     """The target model with a KV cache, capturing the auxiliary layer outputs of every token it runs.
 
     ``layer_ids`` follows draftforge's convention (output of decoder layer i =
     ``hidden_states[i + 1]``), as ``HFTarget.features`` does, so the features
-    the draft sees at serving equal those it was trained on.
+    the draft sees at serving equal those it was trained on. ``max_positions`` is the
+    target's context (:func:`target_context`), which :func:`speculative_decode` sends no
+    draft past.
     """
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int] | None) -> None:
@@ -118,6 +128,7 @@ class TargetSession:
         self.device = model.get_input_embeddings().weight.device
         self._layers, _ = decoder_layers_and_norm(model)
         self._cache_arg = kv_cache_argument(model)
+        self.max_positions = target_context(model)
         self.cache = None
         self.length = 0
         self._kept = 0  # tokens of one forward whose states the cache keeps for a rollback
@@ -352,6 +363,37 @@ def confidence_cut(confidence_logits: Sequence[float], threshold: float) -> int:
     return len(confidence_logits)
 
 
+class FeatureBuffer:
+    """The target's auxiliary features of positions ``0 .. length - 1`` of the sequence being
+    decoded, [length, K*H_t], appended in place: preallocated for ``capacity`` positions, so
+    that a round copies only the positions it adds (growing it with ``torch.cat`` copied the
+    whole context every round). :meth:`view` is what the proposer reads; a row once written
+    never changes."""
+
+    def __init__(self, first: torch.Tensor, capacity: int) -> None:
+        self.data = first.new_empty((max(capacity, first.shape[0]), first.shape[1]))
+        self.data[: first.shape[0]] = first
+        self.length = first.shape[0]
+
+    def append(self, rows: torch.Tensor) -> None:
+        end = self.length + rows.shape[0]
+        if end > self.data.shape[0]:  # past the capacity asked for: grow geometrically
+            grown = self.data.new_empty((max(end, 2 * self.data.shape[0]), self.data.shape[1]))
+            grown[: self.length] = self.data[: self.length]
+            self.data = grown
+        self.data[self.length : end] = rows
+        self.length = end
+
+    def view(self) -> torch.Tensor:
+        return self.data[: self.length]
+
+
+def draft_room(max_positions: int | None, anchor_pos: int) -> int | None:
+    """How many drafts after the anchor at ``anchor_pos`` fit in a target context of
+    ``max_positions`` (the last at position ``max_positions - 1``); None: no limit known."""
+    return None if max_positions is None else max(0, max_positions - 1 - anchor_pos)
+
+
 @torch.no_grad()
 def speculative_decode(
     session: TargetSession,
@@ -377,7 +419,13 @@ def speculative_decode(
     proposer.start()
     logits, aux = session.prefill(list(prompt))
     sequence = list(prompt)
-    features = aux if proposer.needs_features else None
+    # the features of every position before the anchor; a proposer reads at most
+    # len(prompt) + max_new_tokens - 2 of them (no round follows the one that fills the output)
+    features = None
+    if proposer.needs_features and aux is not None:
+        features = FeatureBuffer(aux, len(prompt) + settings.max_new_tokens)
+    added = None  # the features of the last round's anchor and accepted drafts, not yet appended
+    limit = getattr(session, "max_positions", None)
     anchor = _choose(logits[-1], settings, generator)
     output = [anchor]
     margins: list[float] | None = [] if plain else None
@@ -387,10 +435,19 @@ def speculative_decode(
     rounds: list[Round] = []
     while len(output) < settings.max_new_tokens and anchor not in eos:
         sequence.append(anchor)  # the anchor sits at position len(sequence) - 1
-        proposal = proposer.propose(sequence, features)
+        if added is not None:
+            features.append(added)
+        proposal = proposer.propose(sequence, None if features is None else features.view())
         num_verified = _verified_prefix(proposal, settings)
-        drafts = proposal.tokens[:num_verified]
         anchor_pos = len(sequence) - 1
+        room = draft_room(limit, anchor_pos)
+        if room is not None and num_verified > room:
+            # no draft past the target's context: the output stops within it (the harness
+            # checks the prompts so), positions beyond it would be run only to be cut, and a
+            # target whose rotary scaling follows the longest position of a forward (dynamic
+            # NTK, LongRoPE) would change the logits of the positions within it too
+            num_verified = room
+        drafts = proposal.tokens[:num_verified]
         target_logits, verify_aux = session.extend([anchor] + drafts)
         if settings.temperature <= 0:
             accepted, bonus = accept_greedy(drafts, target_logits)
@@ -399,8 +456,8 @@ def speculative_decode(
             probs = None if proposal.probs is None else proposal.probs[:num_verified]
             accepted, bonus = accept_sampled(drafts, probs, target_probs, generator)
         session.crop(anchor_pos + 1 + accepted)
-        if features is not None:
-            features = torch.cat([features, verify_aux[: accepted + 1]], dim=0)
+        if features is not None:  # appended when a next round needs them
+            added = verify_aux[: accepted + 1]
         emitted = drafts[:accepted] + [bonus]
         for index, token in enumerate(emitted):
             if token in eos:
