@@ -376,7 +376,7 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
         "command": "draftforge eval " + shlex.join(list(sys.argv[1:] if argv is None else argv)),
         "draft": str(args.draft),
         "draft_path": str(Path(args.draft).expanduser().resolve()),  # the draft wherever this is read from
-        "draft_fingerprint": fingerprint(),  # the weights read (fc.weight's), which export compares
+        "draft_fingerprint": fingerprint(),  # the weights read (every tensor's), which export compares
         "target": target_cfg.model,
         # what else makes the target the same one (draftforge eval compare checks it)
         "target_config": {
@@ -591,9 +591,8 @@ def _draft_loader(path: str):
     an export be replaced), so that export puts this evaluation's table only on their card."""
     from draftforge.train.export import (
         CONFIG_FILE,
-        FINGERPRINT_TENSOR,
+        draft_fingerprint,
         load_training_checkpoint,
-        weights_fingerprint,
     )
     from draftforge.train.hf_load import (
         config_from_serving,
@@ -637,7 +636,7 @@ def _draft_loader(path: str):
         model.load_state_dict({k: v.to(model.fc.weight.dtype) for k, v in full.items()}, strict=True)
         return model.to(device).eval()
 
-    fingerprint = weights_fingerprint(state[FINGERPRINT_TENSOR])
+    fingerprint = draft_fingerprint(state)
     return cfg, load, lambda: fingerprint
 
 

@@ -15,16 +15,12 @@ from splitserve_helpers import tiny_recipe
 from test_export import _write_checkpoint
 
 from draftforge.train import export as export_module
-from draftforge.train.export import (
-    FINGERPRINT_TENSOR,
-    load_training_checkpoint,
-    weights_fingerprint,
-)
+from draftforge.train.export import draft_fingerprint, load_training_checkpoint
 
 
 def checkpoint_fingerprint(checkpoint: Path) -> str:
     """What an evaluation of ``checkpoint`` records as its draft_fingerprint."""
-    return weights_fingerprint(load_training_checkpoint(checkpoint)[1][FINGERPRINT_TENSOR])
+    return draft_fingerprint(load_training_checkpoint(checkpoint)[1])
 
 
 def test_a_save_during_export_does_not_mix_two_checkpoints(tmp_path, monkeypatch, capsys):

@@ -246,9 +246,15 @@ def test_the_export_option_says_megabytes_of_ten_to_the_six_bytes():
 
 
 def _fc_fingerprint(path: Path) -> str:
-    """What draftforge eval records of a checkpoint or export as draft_fingerprint, computed here."""
+    """What draftforge eval recorded as draft_fingerprint before it hashed every tensor: the
+    sha256 of ``fc.weight`` alone, computed here."""
     fc = load_file(str(path))["fc.weight"]
     return f"{fc.dtype}:{hashlib.sha256(fc.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()}"
+
+
+def _recorded(path: Path) -> str:
+    """What draftforge eval records of a checkpoint or export as draft_fingerprint."""
+    return export.draft_fingerprint(load_file(str(path)))
 
 
 def _eval_report(folder: Path, **written) -> Path:
@@ -271,11 +277,11 @@ def _export(tmp_path, report: Path):
 def test_an_eval_report_of_another_draft_is_refused_naming_file_and_key(tmp_path, capsys):
     other = _checkpoint(tmp_path / "other", tiny_draft(seed=2))
     report = _eval_report(tmp_path / "eval", draft="/runs/other", draft_path="/runs/other",
-                          draft_fingerprint=_fc_fingerprint(other / "model.safetensors"))
+                          draft_fingerprint=_recorded(other / "model.safetensors"))
     assert _export(tmp_path, report) == 2
     err = capsys.readouterr().err
     assert (f"--eval-report {report}: {tmp_path / 'eval' / 'report.json'} has draft_fingerprint "
-            f"{_fc_fingerprint(other / 'model.safetensors')}, the weights of another draft than") in err, err
+            f"{_recorded(other / 'model.safetensors')}, the weights of another draft than") in err, err
     assert "/runs/other" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
 
@@ -283,9 +289,19 @@ def test_an_eval_report_of_another_draft_is_refused_naming_file_and_key(tmp_path
 def test_an_eval_report_of_this_draft_goes_into_the_card(tmp_path, capsys):
     checkpoint = _checkpoint(tmp_path / "ckpt", tiny_draft(seed=1))
     report = _eval_report(tmp_path / "eval", draft=str(checkpoint),
-                          draft_fingerprint=_fc_fingerprint(checkpoint / "model.safetensors"))
+                          draft_fingerprint=_recorded(checkpoint / "model.safetensors"))
     assert _export(tmp_path, report) == 0
     assert "| gsm8k | 4.99 |" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_a_report_recording_fc_weight_alone_no_longer_identifies_the_draft(tmp_path, capsys):
+    """Evaluations before draft_fingerprint recorded a hash of fc.weight alone, which drafts
+    sharing it share: such a report is refused, even of this very draft."""
+    checkpoint = _checkpoint(tmp_path / "ckpt", tiny_draft(seed=1))
+    old = _fc_fingerprint(checkpoint / "model.safetensors")
+    report = _eval_report(tmp_path / "eval", draft=str(checkpoint), draft_fingerprint=old)
+    assert _export(tmp_path, report) == 2
+    assert f"has draft_fingerprint {old}, the weights of another draft than" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("written,why", [
@@ -314,7 +330,7 @@ def _same_fc_other_layer():
 
 def test_drafts_sharing_fc_weight_have_other_draft_fingerprints():
     ours, other = _same_fc_other_layer()
-    assert export.weights_fingerprint(ours["fc.weight"]) == export.weights_fingerprint(other["fc.weight"])
+    assert torch.equal(ours["fc.weight"], other["fc.weight"])
     assert export.draft_fingerprint(ours) != export.draft_fingerprint(other)
     head = {k: v.clone() for k, v in ours.items()}
     head["markov_head.markov_w1.weight"][3, 0] *= -1
@@ -389,15 +405,14 @@ def test_draftforge_evals_report_of_an_export_goes_into_its_checkpoints_card(tmp
 
 def test_an_eval_report_of_the_export_of_unsorted_layers_is_this_drafts(tmp_path, capsys):
     """Layer ids [4, 0, 2] are exported ascending with fc.weight's column blocks permuted: an
-    evaluation of the export records the permuted fc.weight's fingerprint (and of every tensor),
+    evaluation of the export records the fingerprint of its tensors, the permuted fc.weight's among them,
     which is still this checkpoint's draft."""
     model = tiny_draft(seed=1, target_layer_ids=[4, 0, 2])
     checkpoint = _checkpoint(tmp_path / "ckpt", model)
     out = export.export_draft(model, tmp_path / "export", progress=lambda _: None)
     exported = load_file(str(out / "model.safetensors"))
     assert not torch.equal(exported["fc.weight"], model.state_dict()["fc.weight"])
-    for fingerprint in (_fc_fingerprint(out / "model.safetensors"), export.draft_fingerprint(exported)):
-        report = _eval_report(tmp_path / "eval", draft=str(out), draft_fingerprint=fingerprint)
-        assert _export(tmp_path, report) == 0, capsys.readouterr().err
-        assert "| gsm8k | 4.99 |" in (tmp_path / "out" / "README.md").read_text()
+    report = _eval_report(tmp_path / "eval", draft=str(out), draft_fingerprint=export.draft_fingerprint(exported))
+    assert _export(tmp_path, report) == 0, capsys.readouterr().err
+    assert "| gsm8k | 4.99 |" in (tmp_path / "out" / "README.md").read_text()
     assert checkpoint.is_dir()

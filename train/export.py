@@ -604,25 +604,15 @@ SGLANG_HEADLESS = ("This draft has no confidence head: SGLang serves it in its d
                    "(`SGLANG_RAGGED_VERIFY_MODE=static`) only")
 
 
-FINGERPRINT_TENSOR = "fc.weight"  # every draft has it, and every optimizer step changes it
-
-
-def weights_fingerprint(tensor: torch.Tensor) -> str:
-    """The sha256 of a tensor's bytes as stored: which checkpoint an evaluation loaded, compared
-    by ``draftforge export`` before it puts that evaluation's table into a model card."""
-    import hashlib
-
-    raw = tensor.detach().cpu().contiguous().view(torch.uint8)
-    return f"{tensor.dtype}:{hashlib.sha256(raw.numpy().tobytes()).hexdigest()}"
-
-
 def draft_fingerprint(state: Mapping[str, torch.Tensor]) -> str:
     """The sha256 of every tensor of a draft but the embedding copies (the servers attach the
     target's own, and a checkpoint may hold them where its export does not): each name, dtype,
-    shape and bytes as stored, in name order. Unlike :func:`weights_fingerprint` of ``fc.weight``
-    alone, two drafts that differ in any layer or head differ here; the same after a safetensors
-    round trip, sharded or not. ``tensors:`` starts it, so that it never equals an ``fc.weight``
-    fingerprint (``torch.float32:...``)."""
+    shape and bytes as stored, in name order. Which weights an evaluation loaded, compared by
+    ``draftforge export`` before it puts that evaluation's table into a model card: two drafts
+    that differ in any tensor differ here (a hash of ``fc.weight`` alone, what evaluations
+    recorded before, did not tell apart drafts sharing it); the same after a safetensors round
+    trip, sharded or not. ``state`` may be any mapping (one that reads each tensor when asked).
+    ``tensors:`` starts it (the ``fc.weight`` form started with its dtype)."""
     import hashlib
 
     digest = hashlib.sha256()

@@ -338,21 +338,14 @@ def check_report_measured(report: Path, weights: set[str], source: Path) -> None
 
 
 def _fingerprints(state, cfg) -> set[str]:
-    """The fingerprints an evaluation of these weights records: of the checkpoint's ``fc.weight``
-    as read, and as this export writes it (its column blocks in ascending target-layer order),
-    and the same of every tensor (``draft_fingerprint``), which two drafts sharing an
-    ``fc.weight`` do not share."""
-    from draftforge.train.export import (
-        FINGERPRINT_TENSOR,
-        ascending_target_layers,
-        draft_fingerprint,
-        weights_fingerprint,
-    )
+    """The fingerprints an evaluation of these weights records (``draft_fingerprint``, of every
+    tensor): of the checkpoint's as read, and as this export writes them (``fc.weight``'s
+    column blocks in ascending target-layer order)."""
+    from draftforge.train.export import ascending_target_layers, draft_fingerprint
 
     written = ascending_target_layers(state, cfg, progress=lambda _line: None)[0]
-    both = (state, written) if written[FINGERPRINT_TENSOR] is not state[FINGERPRINT_TENSOR] else (state,)
-    return {fingerprint for weights in both
-            for fingerprint in (weights_fingerprint(weights[FINGERPRINT_TENSOR]), draft_fingerprint(weights))}
+    both = (state, written) if written["fc.weight"] is not state["fc.weight"] else (state,)
+    return {draft_fingerprint(weights) for weights in both}
 
 
 def default_report(run_dir: Path, checkpoint: Path, out: Path, *, weights: set[str]) -> Path | None:

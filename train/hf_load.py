@@ -22,13 +22,12 @@ from draftforge.train.export import (
     ARCHITECTURES,
     CONFIG_FILE,
     EMBEDDING_KEYS,
-    FINGERPRINT_TENSOR,
     INDEX_FILE,
     SINGLE_FILE,
     ExportError,
     check_tensors,
+    draft_fingerprint,
     read_safetensors_file,
-    weights_fingerprint,
 )
 from draftforge.train.model import DSparkConfig, DSparkDraft
 
@@ -406,17 +405,37 @@ def _check_finite(state: dict[str, torch.Tensor], folder: Path) -> None:
 
 
 def export_fingerprint(folder: str | os.PathLike[str]) -> str:
-    """:func:`weights_fingerprint` of an export's ``fc.weight`` as stored (read alone, from its
-    shard where the export is sharded): which weights an evaluation of the export measured,
-    compared by ``draftforge export`` with the ``fc.weight`` it writes."""
+    """:func:`~draftforge.train.export.draft_fingerprint` of an export's tensors as stored (each
+    read from its shard when the fingerprint asks for it, so one at a time): which weights an
+    evaluation of the export measured, compared by ``draftforge export`` with those it writes."""
+    from collections.abc import Mapping
+
     from safetensors import safe_open
 
     folder = Path(folder).expanduser()
     index = folder / INDEX_FILE
-    shard = (index_weight_map(index, advice="export the draft again").get(FINGERPRINT_TENSOR, SINGLE_FILE)
-             if index.is_file() else SINGLE_FILE)
-    with safe_open(str(folder / shard), framework="pt") as weights:
-        return weights_fingerprint(weights.get_tensor(FINGERPRINT_TENSOR))
+    where = (index_weight_map(index, advice="export the draft again") if index.is_file()
+             else {name: SINGLE_FILE for name in _tensor_names(folder / SINGLE_FILE)})
+
+    class Stored(Mapping):
+        def __getitem__(self, name):
+            with safe_open(str(folder / where[name]), framework="pt") as weights:
+                return weights.get_tensor(name)
+
+        def __iter__(self):
+            return iter(where)
+
+        def __len__(self):
+            return len(where)
+
+    return draft_fingerprint(Stored())
+
+
+def _tensor_names(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as weights:
+        return list(weights.keys())
 
 
 def load_exported_draft(
