@@ -14,7 +14,10 @@ Definitions (the same everywhere, printed at every log interval and in the summa
   its last step (the final checkpoint and the stream's drain are neither). Its tokens
   and samples are those its steps trained (not the next batch's first sample, which
   the packer takes to close a batch, nor what is left when the data ends). Capacity:
-  tokens per busy second.
+  tokens per busy second. These are one trainer rank's (the first's, in the printed block and
+  ``accounting.jsonl``); with several trainer ranks, the printed lines add every rank's tokens
+  (a step's, as the training summary counts them) and their rate, in the end block over the
+  training loop's time as the summary's tokens/s (:meth:`ConsumerAccounting.trainers`).
 - queue depth: samples received by a trainer and not yet taken, the one being taken
   included (so at least 1), sampled at each take; its mean is over the takes, not
   weighted by time; never above the credits (``split.max_in_flight``).
@@ -188,6 +191,11 @@ class ConsumerAccounting:
         self.compute_s = 0.0  # the trainer's own compute, from its step records
         self.step_wait_s = 0.0  # the trainer's wait_s, from its step records
         self.steps = 0
+        self.trainer_ranks = world - num_target
+        self.all_tokens = 0  # every trainer rank's, from the step records (the steps' tokens)
+        # when the training loop started, as the first step's record dates it (its end less its wait
+        # and compute): the clock of the training summary's tokens/s, which starts after this one
+        self.loop_started: float | None = None
         self.stepped = self.started  # when the last step ended: the trainer's figures run to it
         # the queue's depth at each take, kept as running counts per depth (so a window's mean and
         # maximum come from two readings, not a list as long as the run) and as a thinned series
@@ -235,10 +243,13 @@ class ConsumerAccounting:
             if tokens is not None:
                 self.tokens += tokens
                 self.samples += 1
+        self.all_tokens += int(record.get("tokens", 0) or 0)  # summed over the trainer group
         self.compute_s += float(record.get("compute_s", 0.0))
         self.step_wait_s += float(record.get("wait_s", 0.0))
         self.steps += 1
         self.stepped = time.perf_counter()
+        if self.steps == 1:
+            self.loop_started = self.stepped - float(record.get("wait_s", 0.0)) - float(record.get("compute_s", 0.0))
         if self.steps == 1:
             self._first_step = self._totals()
 
@@ -267,6 +278,7 @@ class ConsumerAccounting:
             "wait": self.step_wait_s,
             "wire_wait": self.wait_s,
             "tokens": self.tokens,
+            "all_tokens": self.all_tokens,
             "samples": self.samples,
             "depth_counts": tuple(self._depth_counts),
             **{f"p_{key}": value / count for key, value in prod.items()},
@@ -307,8 +319,25 @@ class ConsumerAccounting:
             "recommended": recommended,
         }
 
+    def trainers(self, since: dict | None = None, *, loop: bool = True) -> dict:
+        """Every trainer rank's tokens (the step records', which the training summary counts) and
+        their rate: for the whole run over the training loop's time to the end of its last step
+        (the training summary's ``elapsed_s``, give or take the bookkeeping of a step, so that the
+        two tokens/s agree); since the totals ``since``, or with ``loop`` false, over this rank's
+        time, as its own figures (the ranks step together). :meth:`snapshot`'s ``consumer`` is
+        this rank's alone."""
+        now, base = self._totals(), since or {}
+        tokens = now["all_tokens"] - base.get("all_tokens", 0)
+        if loop and since is None and self.loop_started is not None:
+            wall = self.stepped - self.loop_started
+        else:
+            wall = now["wall"] - base.get("wall", 0)
+        return {"ranks": self.trainer_ranks, "tokens": int(tokens),
+                "rate_tok_s": tokens / wall if wall > 0 else 0.0, "wall_s": wall}
+
     def line(self) -> str:
         """One log line: the figures since the previous line (the interval)."""
+        every = self.trainers(since=self._last, loop=False)  # over the interval, as this rank's
         s = self.snapshot(since=self._last)
         self._last = self._totals()
         self._last_window = s
@@ -324,10 +353,15 @@ class ConsumerAccounting:
         else:
             target = (f"target busy {p['busy_share']:.0%} idle {p['idle_share']:.0%} "
                       f"{p['rate_tok_s']:.0f} tok/s (capacity {p['capacity_tok_s']:.0f})")
+        # one trainer rank's figures; with several, said so, and all of theirs beside them
+        several = self.trainer_ranks > 1
         return (
             f"split (last interval): {target} | "
-            f"trainer busy {c['busy_share']:.0%} idle {c['idle_share']:.0%}{_other(c, '.0%')} "
-            f"{c['rate_tok_s']:.0f} tok/s (capacity {c['capacity_tok_s']:.0f}) | "
+            f"trainer{f' (this rank of {self.trainer_ranks})' if several else ''} "
+            f"busy {c['busy_share']:.0%} idle {c['idle_share']:.0%}{_other(c, '.0%')} "
+            f"{c['rate_tok_s']:.0f} tok/s (capacity {c['capacity_tok_s']:.0f})"
+            + (f", all {self.trainer_ranks} {every['rate_tok_s']:.0f} tok/s" if several else "")
+            + " | "
             f"queue {q['mean']:.1f} avg {q['max']} max of {q['credits']}"
         )
 
@@ -345,12 +379,23 @@ class ConsumerAccounting:
             f"trainer's {c['wall_s']:.0f} s): busy {p['busy_share']:.1%}  "
             f"idle {p['idle_share']:.1%}  "
             f"{p['tokens']} tokens  {p['rate_tok_s']:.0f} tok/s  capacity {p['capacity_tok_s']:.0f} tok/s",
-            f"  trainer (this rank): busy {c['busy_share']:.1%}  idle {c['idle_share']:.1%}{_other(c, '.1%')}  "
+            f"  trainer (this rank{f' of {self.trainer_ranks}' if self.trainer_ranks > 1 else ''}): "
+            f"busy {c['busy_share']:.1%}  idle {c['idle_share']:.1%}{_other(c, '.1%')}  "
             f"{c['tokens']} tokens  {c['rate_tok_s']:.0f} tok/s  capacity {c['capacity_tok_s']:.0f} tok/s",
+            *filter(None, [self._all_trainers(self.trainers())]),
             f"  queue depth: mean {q['mean']:.2f}, max {q['max']} (credits {q['credits']})",
             f"  {self._verdict(p, c, rec)}",
             *filter(None, [self.credit_advice(s)]),
         ])
+
+    def _all_trainers(self, trainers: dict) -> str | None:
+        """With several trainer ranks, the line of all of theirs: the training summary's tokens
+        (every rank's) and tokens/s (over the training loop's time, which starts after this
+        rank's: the run's records are written first)."""
+        if self.trainer_ranks <= 1:
+            return None
+        return (f"  trainers (all {trainers['ranks']}, as the training summary counts them): {trainers['tokens']} "
+                f"tokens  {trainers['rate_tok_s']:.0f} tok/s in the training loop's {trainers['wall_s']:.1f} s")
 
     def _capacities(self, p: dict, c: dict) -> tuple[float, float]:
         """The (producer, consumer) capacities that the whole run's split advice is judged on:

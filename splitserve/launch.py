@@ -49,6 +49,7 @@ from draftforge.splitserve.supervisor import (
     run_ranks,
     term_seconds,
 )
+from draftforge.train.metrics import write_line
 
 DEFAULT_RESTARTS = 3  # with split.restart_target
 RESTART_ENV = "DRAFTFORGE_RESTART"  # which restart of the job the ranks belong to
@@ -264,6 +265,7 @@ def _finished_at(cfg, checked: Preflight) -> str | None:
         METRICS_FILE,
         NO_PLOT,
         PLOT_FILE,
+        RUN_FILE,
         SUMMARY_FILE,
         read_summary,
     )
@@ -272,8 +274,9 @@ def _finished_at(cfg, checked: Preflight) -> str | None:
     summary = read_summary(run_dir)
     no_plot = None if (run_dir / PLOT_FILE).is_file() else summary.get(NO_PLOT)
     # a checkpoint of another run (train.resume: PATH) is saved into this one by a rerun; a
-    # missing summary.json or plot is rebuilt by one (from metrics.jsonl), unless the summary
-    # records that the plot could not be drawn (no_plot): each rerun would fail again
+    # missing summary.json or plot is written again by one (from run.json, or metrics.jsonl),
+    # unless the summary records that the plot could not be drawn (no_plot): each rerun would
+    # fail again
     if (cfg.split.num_nodes != 1 or found is None
             or found.resolve().parent != ckpt.checkpoints_root(run_dir).resolve()
             or not (run_dir / SUMMARY_FILE).is_file()
@@ -281,7 +284,8 @@ def _finished_at(cfg, checked: Preflight) -> str | None:
         return None
     unplotted = "" if no_plot is None else (
         f"\nnote: the run has no {PLOT_FILE}: it could not be drawn ({no_plot}; {SUMMARY_FILE}: "
-        f"{NO_PLOT}); to try again, remove {SUMMARY_FILE} and rerun (it is rebuilt from {METRICS_FILE})")
+        f"{NO_PLOT}); to try again, remove {SUMMARY_FILE} and rerun (it comes back from {RUN_FILE}, "
+        f"which keeps it, and the plot is drawn from {METRICS_FILE})")
     if checked.resume_step >= cfg.train.steps:
         return (f"draftforge train: nothing to train: checkpoint {found} is at step {checked.resume_step} "
                 f"and train.steps is {cfg.train.steps}; the run in {run_dir} is left as it is (raise "
@@ -718,8 +722,7 @@ def run_torchrun(command: Sequence[str], *, env: Mapping[str, str], nproc: int |
     asked = forward.asked
     if asked:
         after = " after a rank of this node ended (killed what was left)" if forward.killed_failed else ""
-        print(f"draftforge train: stopped on {signal.Signals(asked[0]).name}{after}; {hint}",
-              file=sys.stderr, flush=True)
+        write_line(f"draftforge train: stopped on {signal.Signals(asked[0]).name}{after}; {hint}", sys.stderr)
         raise JobInterrupted(asked[0])
     # torchrun killed by a signal (out of memory: SIGKILL) exits as a shell says, 128 + signal,
     # as a one-machine job's does; Popen's -9 would leave this process with status 247
@@ -752,8 +755,8 @@ def _kill_orphans(ranks: Mapping[int, str], status: int | None, *, quiet: bool =
         return
     if not quiet:
         how = "ended" if status is None else f"ended ({describe_status(status)})"
-        print(f"draftforge train: torchrun {how} leaving {len(left)} of its ranks running (pid "
-              f"{', '.join(map(str, left))}); killing them (SIGKILL)", file=sys.stderr, flush=True)
+        write_line(f"draftforge train: torchrun {how} leaving {len(left)} of its ranks running (pid "
+                   f"{', '.join(map(str, left))}); killing them (SIGKILL)", sys.stderr)  # one write: theirs go there too
     for pid in left:
         _kill_group(pid)
     deadline = time.monotonic() + 10

@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from draftforge.signals import outside_finalizers
+from draftforge.train.metrics import write_line
 
 LOOPBACK = "127.0.0.1"
 
@@ -71,7 +72,7 @@ def unwinding_on_sigterm(lead: str, hint: str | Callable[[], str]) -> Iterator[N
     except (JobInterrupted, KeyboardInterrupt) as stop:
         signum = stop.signum if isinstance(stop, JobInterrupted) else signal.SIGINT
         said = hint() if callable(hint) else hint
-        print(f"{lead}: stopped on {signal.Signals(signum).name}; {said}", file=sys.stderr, flush=True)
+        write_line(f"{lead}: stopped on {signal.Signals(signum).name}; {said}", sys.stderr)
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -269,8 +270,8 @@ def run_ranks(
     def name(rank: int) -> str:
         return (labels or {}).get(rank, f"rank {rank}")
 
-    def say(message: str) -> None:
-        print(f"{prefix}: {message}", file=sys.stderr, flush=True)
+    def say(message: str) -> None:  # one write: the ranks write to the same stderr
+        write_line(f"{prefix}: {message}", sys.stderr)
 
     # Ctrl-C or a scheduler's SIGTERM; the handlers are restored after the ranks are gone
     with SignalForwarder(procs) as forwarder:

@@ -117,11 +117,12 @@ def _launch_command() -> dict:
     return {"launched_by": command} if isinstance(command, list) else {}
 
 
-def write_run_records(run_dir: Path, *, recipe_yaml: str | None, details: dict) -> None:
+def write_run_records(run_dir: Path, *, recipe_yaml: str | None, details: dict) -> int:
     """Append this training segment (a first run, a resume or a rerun) to run.json: its
     command line and ``cwd``, the folder it ran in (the base of the command's relative paths),
     start time, git revision, versions, ``details`` and ``config``, the file holding its
-    resolved recipe. Earlier segments stay as they were written.
+    resolved recipe. Earlier segments stay as they were written. Returns the segment's number
+    (from 1), for :func:`record_segment_summary`.
 
     config.yaml is the newest segment's recipe. An earlier one that differs is kept as
     ``config.<N>.yaml``, N the number (from 1) of the first segment that ran it (the next free
@@ -155,6 +156,52 @@ def write_run_records(run_dir: Path, *, recipe_yaml: str | None, details: dict) 
     write_atomic(run_dir / RUN_FILE, json.dumps({"segments": segments}, indent=1, sort_keys=True))
     if recipe_yaml is not None:
         write_atomic(saved, recipe_yaml)
+    return len(segments)
+
+
+# what a summary must share with another to describe the same state of the run
+SUMMARY_STATE = ("step", "total_steps", "stopped_reason")
+
+
+def _recorded_segments(run_dir: Path) -> list:
+    """run.json's segments as they stand; [] where it is missing or unreadable (left there:
+    the next segment's :func:`write_run_records` sets it aside)."""
+    try:
+        record = json.loads((run_dir / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return []
+    segments = record.get("segments") if isinstance(record, dict) else None
+    return segments if isinstance(segments, list) else []
+
+
+def record_segment_summary(run_dir: Path, number: int, summary: dict) -> None:
+    """Keep the summary segment ``number`` wrote (:func:`write_run_records`' number) in its
+    run.json record: each segment's figures, among them those only its own clock had (its
+    wall time, tokens/s). Nothing where run.json no longer holds the segment (set aside as
+    unreadable since)."""
+    segments = _recorded_segments(run_dir)
+    if not 1 <= number <= len(segments) or not isinstance(segments[number - 1], dict):
+        return
+    segments[number - 1]["summary"] = {k: _finite(v) for k, v in summary.items()}
+    write_atomic(run_dir / RUN_FILE, json.dumps({"segments": segments}, indent=1, sort_keys=True))
+
+
+def recorded_summary(run_dir: Path, summary: dict) -> dict | None:
+    """The summary a segment recorded in run.json (:func:`record_segment_summary`) of the same
+    state of the run as ``summary`` (its step, train.steps and stop) and recording that its plot
+    could not be drawn (``no_plot``), the newest such, or None: the summary.json the advice to
+    try the plot again says to remove comes back whole, its wall time and tokens/s with it. A
+    segment that started at step 0 began the run: none before it is looked at."""
+    for segment in reversed(_recorded_segments(run_dir)):
+        if not isinstance(segment, dict):
+            continue
+        kept = segment.get("summary")
+        if (isinstance(kept, dict) and isinstance(kept.get(NO_PLOT), str)
+                and all(kept.get(key) == summary[key] for key in SUMMARY_STATE)):
+            return dict(kept)
+        if segment.get("start_step") == 0:
+            return None
+    return None
 
 
 def _finite(value):
@@ -297,14 +344,47 @@ _ACTIVE: list[Progress] = []
 CLEAR_LINE = "\r\x1b[K"
 
 
+def write_line(text: str, file=None) -> None:
+    """Write ``text`` and its newline to ``file`` (default stdout) in one write, flushed.
+
+    The ranks of a job share the launcher's stdout and stderr; under PYTHONUNBUFFERED (set in
+    many containers) ``print`` writes the text and its newline as two writes, and another
+    rank's line could land between them: two ranks' lines joined on one line, the next line
+    empty. One write of a line (under the pipe's 4 KiB) is never split by another's."""
+    file = sys.stdout if file is None else file
+    file.write(text + "\n")
+    file.flush()
+
+
 def say(line: str) -> None:
     """Write ``line`` to stderr on a line of its own: through this process's progress bar
     when one is drawn (tqdm clears it, writes, and draws it again), else after clearing the
-    terminal's current line, where another process's bar may stand."""
+    terminal's current line, where another process's bar may stand. The line and its newline
+    go in one write (:func:`write_line`)."""
     if _ACTIVE:
-        _ACTIVE[-1].bar.write(line, file=sys.stderr)
+        _ACTIVE[-1].bar.write(line + "\n", file=sys.stderr, end="")
         return
-    print((CLEAR_LINE if sys.stderr.isatty() else "") + line, file=sys.stderr, flush=True)
+    write_line((CLEAR_LINE if sys.stderr.isatty() else "") + line, sys.stderr)
+
+
+class _BarLines:
+    """The bar's stream where stderr is no terminal (a log file, a pipe the ranks share): each
+    drawing of the bar a line of its own, in one write. tqdm draws it as ``\\r`` and the bar
+    without a newline, so another rank's line written then was joined to its end; its clearing
+    (blanks) is dropped, and the messages written around the bar (:func:`say`) need none."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.encoding = getattr(stream, "encoding", None)  # tqdm's bar characters: unicode or ascii
+
+    def write(self, text: str) -> int:
+        drawn = text.replace("\r", "").strip()
+        if drawn:
+            write_line(drawn, self.stream)
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
 
 
 class Progress:
@@ -313,10 +393,11 @@ class Progress:
     def __init__(self, *, total: int, initial: int, enabled: bool = True) -> None:
         from tqdm.auto import tqdm
 
-        # Redraw less often into a log file than on a terminal.
+        # Redraw less often into a log file than on a terminal, a line each time.
+        terminal = sys.stderr.isatty()
         self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
-                        disable=not enabled, file=sys.stderr,
-                        mininterval=0.1 if sys.stderr.isatty() else 5.0)
+                        disable=not enabled, file=sys.stderr if terminal else _BarLines(sys.stderr),
+                        mininterval=0.1 if terminal else 5.0)
         self.started, self.tokens, self.tokens_s = time.perf_counter(), 0, 0.0
         if enabled:
             _ACTIVE.append(self)
@@ -333,7 +414,9 @@ class Progress:
         self.bar.update(1)
 
     def write(self, text: str) -> None:
-        self.bar.write(text)
+        """``text`` on stdout on a line of its own, in one write with its newline (see
+        :func:`write_line`); on a terminal the bar is cleared and drawn again around it."""
+        self.bar.write(text + "\n", file=sys.stdout, end="")
 
     def close(self) -> None:
         if self in _ACTIVE:
@@ -352,8 +435,12 @@ def format_summary(summary: dict) -> str:
            if summary.get("untrained_at_end") else "") + "\n"
         f"  loss {summary['loss']:.4f}  tau {summary['tau']:.3f} (mean of the last train.log_interval applied steps)  "
         f"per-slot acceptance [{slots}]\n"
-        f"  {summary['tokens']} tokens in {summary['elapsed_s']:.1f} s ({summary['tokens_s']:.0f} tokens/s); "
+        f"  {summary['tokens']} tokens"
+        # the steps' tokens are every trainer rank's: the split accounting's trainer line is one rank's
+        + (f" (all {summary['trainer_ranks']} trainer ranks)" if (summary.get("trainer_ranks") or 1) > 1 else "")
+        + f" in {summary['elapsed_s']:.1f} s ({summary['tokens_s']:.0f} tokens/s); "
         f"waiting for data {summary['wait_s']:.1f} s, computing {summary['compute_s']:.1f} s"
+        + (" (the first trainer rank's)" if (summary.get("trainer_ranks") or 1) > 1 else "")
         + (f" (rebuilt from {summary['rebuilt_from']}: every logged step's, their waits and computing "
            "only)" if summary.get("rebuilt_from") else "") + "\n"
         f"  checkpoint: {summary['checkpoint']}"

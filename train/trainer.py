@@ -45,11 +45,15 @@ from draftforge.train.metrics import (
     METRICS_FILE,
     NO_PLOT,
     PLOT_FILE,
+    RUN_FILE,
     SUMMARY_FILE,
     MetricsLog,
     Progress,
     format_summary,
     read_summary,
+    record_segment_summary,
+    recorded_summary,
+    write_line,
     write_run_records,
     write_summary,
 )
@@ -85,7 +89,9 @@ class FitResult:
     step: int
     steps_run: int
     skipped_steps: int
-    stopped_reason: str  # "steps_done", "data_exhausted" or "max_bad_steps"
+    # "steps_done", "data_exhausted" or "max_bad_steps"; "interrupted" in the summary of a segment
+    # a signal stopped (Ctrl-C, SIGTERM: fit() raises, and returns no result)
+    stopped_reason: str
     checkpoint: Path | None
     # data_exhausted: samples the trainer ranks took for a last step that some rank could not fill
     # (ranks run whole steps together); not trained, not consumed: a longer run gets them again
@@ -194,6 +200,7 @@ class Trainer:
         self.dropped_ids: list[str] = []
         self.resumed: ResumeInfo | None = None
         self._output_dir_checked = False
+        self._segment = 0  # this fit()'s number in run.json's segments (trainer rank 0)
         # Written when training starts, after resume() accepted the run directory: a rerun it
         # refuses (another trainer count, strategy or draft) leaves the run's records as they were.
         self._run_details = {
@@ -213,7 +220,7 @@ class Trainer:
         if self._init_draft is not None:  # before sharding: every rank holds the whole draft
             message = self._init_draft(model)
             if self.rank == 0:
-                print(f"[trainer] {message}", flush=True)
+                write_line(f"[trainer] {message}")
         self.num_trainable = count_parameters(model, with_embeddings=False)  # before sharding
         model.to(self.device)
         if self.bf16:
@@ -278,22 +285,22 @@ class Trainer:
             optimizer_change=self._restore_optimizer_settings(),
         )
         if self.resumed.optimizer_change and self.is_main:
-            print(f"[trainer] note: {self.resumed.optimizer_change}", flush=True)
+            write_line(f"[trainer] note: {self.resumed.optimizer_change}")
         unfinished = ckpt.unfinished_saves(self.run_dir) if self.is_main else []
         if unfinished:  # said, not dropped without a word: the run resumes from an earlier step
-            print(f"[trainer] note: {', '.join(p.name for p in unfinished)} in {unfinished[0].parent} "
-                  f"{'is' if len(unfinished) == 1 else 'are'} left by a save that did not finish "
-                  f"(never resumed from; removed at the next checkpoint): resuming from "
-                  f"{Path(path).name}", flush=True)
+            write_line(f"[trainer] note: {', '.join(p.name for p in unfinished)} in {unfinished[0].parent} "
+                       f"{'is' if len(unfinished) == 1 else 'are'} left by a save that did not finish "
+                       f"(never resumed from; removed at the next checkpoint): resuming from "
+                       f"{Path(path).name}")
         saved_seed = state.get("seed")
         if saved_seed is not None and saved_seed != self.train.seed and self.is_main:
             # anchors are drawn from (seed, step, micro-step, rank): the rest of the run differs
-            print(f"[trainer] note: train.seed {saved_seed} -> {self.train.seed}: the steps from "
-                  f"{self.step + 1} on draw their anchors from the new seed, so this run no longer "
-                  "repeats the checkpointed one's", flush=True)
+            write_line(f"[trainer] note: train.seed {saved_seed} -> {self.train.seed}: the steps from "
+                       f"{self.step + 1} on draw their anchors from the new seed, so this run no longer "
+                       "repeats the checkpointed one's")
         changed = resume_note(Path(path), self.recipe_yaml, next_step=self.step + 1) if self.is_main else ""
         if changed:
-            print(f"[trainer] note: {changed}", flush=True)
+            write_line(f"[trainer] note: {changed}")
         return self.resumed
 
     def _restore_optimizer_settings(self) -> str:
@@ -654,8 +661,8 @@ class Trainer:
         window: list[dict] = []
         first_slots: list[float] | None = None
         if self.is_main:
-            write_run_records(self.run_dir, recipe_yaml=self.recipe_yaml,
-                              details={**self._run_details, "start_step": self.step})
+            self._segment = write_run_records(self.run_dir, recipe_yaml=self.recipe_yaml,
+                                              details={**self._run_details, "start_step": self.step})
             log = MetricsLog(self.run_dir, train=train, recipe_yaml=self.recipe_yaml,
                              resume_step=self.step)
             progress = Progress(total=train.steps, initial=self.step)
@@ -743,9 +750,15 @@ class Trainer:
                 if log is not None:
                     log.sync()
                 result.checkpoint = self.save(extra_state=extra_state)
-        except BaseException:
+        except BaseException as stop:
             if self.is_main:
-                ckpt.release_run_dir(self.run_dir)
+                try:
+                    if isinstance(stop, KeyboardInterrupt) and result.steps_run:
+                        if progress is not None:
+                            progress.close()
+                        self._stopped_summary(result, window, first_slots, total_tokens, elapsed, logged)
+                finally:
+                    ckpt.release_run_dir(self.run_dir)
             raise
         finally:
             if progress is not None:
@@ -884,7 +897,7 @@ class Trainer:
         return state
 
     def _summary(self, result: FitResult, window: list[dict], first_slots, tokens: int, elapsed: float,
-                 logged: dict | None = None) -> dict:
+                 logged: dict | None = None, *, draw: bool = True) -> dict:
         def mean(key):
             values = [r[key] for r in window if r[key] == r[key]]
             return sum(values) / len(values) if values else float("nan")
@@ -910,15 +923,21 @@ class Trainer:
         }
         # A segment that trained nothing keeps a summary that still describes the run (a rerun
         # of a finished run: its step, train.steps and stop); one that finds none (stopped
-        # between its last checkpoint and the summary) or one of another step, train.steps or
-        # stop (data that ran out at once under a longer recipe) writes it from the logged
-        # steps, and one that finds no plot (it failed, or was deleted) draws it from them,
-        # keeping the summary with the figures of the steps it describes. A plot that cannot be
-        # drawn is recorded in the summary (no_plot: why), so that a rerun of the finished run
-        # starts no rank to try again (splitserve.launch).
+        # between its last checkpoint and the summary, or removed to draw a plot again) takes
+        # the one the segment that wrote it recorded in run.json, whose wall time and tokens/s
+        # no log holds; one that finds neither, or one of another step, train.steps or stop
+        # (data that ran out at once under a longer recipe), writes it from the logged steps.
+        # One that finds no plot (it failed, or was deleted) draws it from them, keeping the
+        # summary with the figures of the steps it describes. A plot that cannot be drawn is
+        # recorded in the summary (no_plot: why), so that a rerun of the finished run starts no
+        # rank to try again (splitserve.launch). Every summary written is kept in run.json too.
         if not self.is_main:
             return summary
-        held = None if result.steps_run else self._held_summary(summary)
+        held = restored = None
+        if not result.steps_run:
+            held = self._held_summary(summary)
+            if held is None:
+                held = restored = recorded_summary(self.run_dir, summary)
         write = held is None
         if write and not result.steps_run and logged and logged["tokens"]:
             # rebuilt: this process trained nothing, so the throughput is the logged steps' (every
@@ -926,17 +945,42 @@ class Trainer:
             summary.update(tokens=logged["tokens"], wait_s=logged["wait_s"], compute_s=logged["compute_s"],
                            elapsed_s=logged["wait_s"] + logged["compute_s"], rebuilt_from=METRICS_FILE)
             summary["tokens_s"] = summary["tokens"] / max(summary["elapsed_s"], 1e-9)
-        if write or not (self.run_dir / PLOT_FILE).exists():
+        if draw and (write or not (self.run_dir / PLOT_FILE).exists()):
             why = self._plot(window, slots, first_slots, summary["tau"])
             if write and why:
                 summary[NO_PLOT] = why
-            elif not write and held.get(NO_PLOT) != why:  # the kept summary says whether it is drawn now
+            elif not write and (restored or held.get(NO_PLOT) != why):  # it says whether it is drawn now
                 held.pop(NO_PLOT, None)
                 write_summary(self.run_dir, {**held, **({NO_PLOT: why} if why else {})})
+        elif restored:  # its plot is there now
+            held.pop(NO_PLOT, None)
+            write_summary(self.run_dir, held)
+        if restored:
+            write_line(f"[trainer] {SUMMARY_FILE} written again from {RUN_FILE}, where the segment that "
+                       f"wrote it kept it (its wall time and tokens/s included)")
         if write:
             write_summary(self.run_dir, summary)
-            print(format_summary(summary), flush=True)
+            record_segment_summary(self.run_dir, self._segment, summary)
+            write_line(format_summary(summary))
         return summary
+
+    def _stopped_summary(self, result: FitResult, window: list[dict], first_slots, tokens: int,
+                         elapsed: float, logged: dict | None) -> None:
+        """Trainer rank 0, a signal (Ctrl-C, SIGTERM) stopping fit() after this segment trained a
+        step: the summary of its steps so far, stop ``interrupted``, as a stop of its own writes
+        one. The first step removed the earlier segment's summary (it no longer described the
+        run), which left the folder with none. Its checkpoint is the newest this run can resume
+        from; the plot is left to a run that ends (the ranks have seconds to stop). A failure
+        here is said, not raised over the interrupt."""
+        result.stopped_reason = "interrupted"
+        result.step, result.skipped_steps = self.step, self.skipped_steps
+        if result.checkpoint is None and self.resumed is not None:
+            result.checkpoint = self.resumed.path
+        try:
+            result.summary = self._summary(result, window, first_slots, tokens, elapsed, logged, draw=False)
+        except Exception as exc:  # noqa: BLE001 - the interrupt is what stops the run
+            write_line(f"[trainer] warning: no {SUMMARY_FILE} for the interrupted run ({type(exc).__name__}: "
+                       f"{exc})")
 
     def _held_summary(self, summary: dict) -> dict | None:
         """The run folder's summary.json where it gives ``summary``'s step, train.steps and stop,
@@ -959,7 +1003,8 @@ class Trainer:
                 return None
             except Exception as exc:  # noqa: BLE001 - a trained run does not fail on its picture
                 why = f"{type(exc).__name__}: {exc}"
-        print(f"[trainer] warning: could not draw {self.run_dir / PLOT_FILE} ({why}); the figures are "
-              f"in {SUMMARY_FILE}, which records why as {NO_PLOT}; to try again, remove {SUMMARY_FILE} "
-              f"and rerun the same command (it is rebuilt from {METRICS_FILE})", flush=True)
+        write_line(f"[trainer] warning: could not draw {self.run_dir / PLOT_FILE} ({why}); the figures are "
+                   f"in {SUMMARY_FILE}, which records why as {NO_PLOT}; to try again, remove {SUMMARY_FILE} "
+                   f"and rerun the same command (it comes back from {RUN_FILE}, which keeps it, and the plot "
+                   f"is drawn from {METRICS_FILE})")
         return why
