@@ -20,7 +20,11 @@ rank exited 0, else that of the rank taken for the cause (128 + signal when it
 was killed): the first to fail, except that one killed by a signal at about the same
 moment (within a poll, at least half a second) goes before one that exited with an
 error, since the others' errors are usually their reaction to it; every failed rank
-is named.
+is named. After a hang the hung rank never fails by itself: the launcher stops it once the grace
+is over. When every rank that failed by itself reported a lost peer (exit status
+:data:`LOST_PEER_STATUS`), the rank that did not stop by itself (the one that needed SIGKILL
+first) is named as the likely cause instead, and listed with the failed ones; the job's status
+stays that of the first rank that failed.
 
 Ctrl-C or a SIGTERM to the launcher stops the job, which is never restarted then:
 the ranks get the signal (once: a terminal's Ctrl-C already reached them), ``term_s``
@@ -155,6 +159,8 @@ def _kill_group(pid: int) -> None:
         pass
 
 
+# A rank's status when it stops because a peer died or went silent (roles.EXIT_PEER_DIED)
+LOST_PEER_STATUS = 3
 DEFAULT_GRACE_S = 15.0
 DEFAULT_TERM_S = 5.0
 # An SGLang target rank stopping closes its feature runner first: the children finish their
@@ -284,6 +290,7 @@ def run_ranks(
                                               preexec_fn=die_with(os.getpid(), signal.SIGKILL)))
             failures: dict[int, int] = {}  # rank -> status, in the order they were seen
             seen_at: dict[int, float] = {}
+            stopped: dict[int, tuple[int, bool]] = {}  # rank the launcher stopped -> (status, SIGKILLed)
             deadline = None
             failed_first = False  # a rank failed before any signal: the grace is running
             while True:
@@ -307,7 +314,7 @@ def run_ranks(
                     _kill_now(procs, say=say, name=name, why=signal.Signals(asked[0]).name)
                     break
                 if deadline is not None and time.monotonic() > deadline:
-                    _stop(procs, term_s=term_s, say=say, name=name)
+                    stopped = _stop(procs, term_s=term_s, say=say, name=name)
                     break
                 time.sleep(poll_s)
             if asked:
@@ -319,23 +326,64 @@ def run_ranks(
                 raise JobInterrupted(asked[0])
             if not failures:
                 return 0
-            # a rank killed by a signal at about the moment of the first failure (the others' errors
-            # are usually their reaction to it); one killed later (an NCCL watchdog's abort after its
-            # peer vanished) is a reaction itself, and the first failure seen is the cause
-            first = next(iter(failures))
-            at_once = max(poll_s, 0.5)
-            cause = next((r for r, c in failures.items() if c < 0 and seen_at[r] - seen_at[first] <= at_once), first)
-            if len(failures) > 1:
-                say("failed: " + ", ".join(f"{name(r)} ({describe_status(c)})" for r, c in failures.items())
-                    + f"; the first cause is most likely {name(cause)}")
-            code = failures[cause]
-            return code if code > 0 else 128 - code
+            summary, code = failure_summary(failures, seen_at, stopped, name=name, poll_s=poll_s)
+            if summary:
+                say(summary)
+            return code
         finally:
             for proc in procs:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
             del store  # closes the listening socket
+
+
+def failure_summary(
+    failures: Mapping[int, int],
+    seen_at: Mapping[int, float],
+    stopped: Mapping[int, tuple[int, bool]] | None = None,
+    *,
+    name: Callable[[int], str] = lambda rank: f"rank {rank}",
+    poll_s: float = 0.05,
+) -> tuple[str | None, int]:
+    """The launcher's line on a failed job (None where one rank failed and nothing needs
+    saying) and the job's status.
+
+    ``failures``: rank -> ``Popen.returncode`` of each rank that failed by itself, in the order
+    seen (at ``seen_at[rank]``, monotonic); ``stopped``: rank -> (returncode, whether SIGKILL
+    was needed) of each rank the launcher stopped when the grace was over.
+
+    The cause is the first failure, but for a rank killed by a signal at about its moment
+    (within a poll, at least half a second: the others' errors are usually their reaction to
+    it; one killed later, an NCCL watchdog's abort after its peer vanished, is a reaction
+    itself). When every failure is a lost peer (:data:`LOST_PEER_STATUS`) and the launcher had
+    to stop ranks, those ranks did not stop by themselves while their peers gave up on them: a
+    hung rank (frozen, stopped, deadlocked), which is the likely cause, the one that needed
+    SIGKILL first. The status is the cause's among the failures (128 + signal when it was
+    killed), the first failure's where the cause is a stopped rank."""
+    stopped = dict(stopped or {})
+    first = next(iter(failures))
+    at_once = max(poll_s, 0.5)
+    cause = next((r for r, c in failures.items() if c < 0 and seen_at[r] - seen_at[first] <= at_once), first)
+    code = failures[cause]
+    status = code if code > 0 else 128 - code
+    listed = ", ".join(f"{name(r)} ({describe_status(c)})" for r, c in failures.items())
+    if stopped and all(c == LOST_PEER_STATUS for c in failures.values()):
+        hung = [r for r, (_, killed) in stopped.items() if killed] or list(stopped)
+
+        def how(code: int, killed: bool) -> str:
+            if killed:
+                return "killed by SIGKILL after SIGTERM"
+            return "stopped by SIGTERM" if code == -signal.SIGTERM else f"{describe_status(code)} on SIGTERM"
+
+        left = ", ".join(f"{name(r)} (did not stop by itself: {how(c, k)})" for r, (c, k) in stopped.items())
+        likely = " or ".join(name(r) for r in hung)
+        return (f"failed: {listed}, {left}; the first cause is most likely {likely}: the ranks that "
+                f"failed all reported a lost peer (exit status {LOST_PEER_STATUS}), and "
+                f"{'it' if len(hung) == 1 else 'they'} had to be killed (a hung rank?)"), status
+    if len(failures) > 1:
+        return f"failed: {listed}; the first cause is most likely {name(cause)}", status
+    return None, status
 
 
 def terminal_sent_it_to_the_group() -> bool:
@@ -359,15 +407,19 @@ def _kill_now(procs, *, say, name, why: str) -> None:
         procs[rank].wait()
 
 
-def _stop(procs, *, term_s: float, say, name) -> None:
+def _stop(procs, *, term_s: float, say, name) -> dict[int, tuple[int, bool]]:
+    """SIGTERM the ranks still running, SIGKILL those not gone ``term_s`` later; returns rank ->
+    (its returncode, whether it needed SIGKILL) for each one stopped."""
     running = [r for r, p in enumerate(procs) if p.poll() is None]
     if not running:
-        return
+        return {}
     say(f"stopping {', '.join(name(r) for r in running)} (SIGTERM)")
     for rank in running:
         procs[rank].terminate()
     deadline = time.monotonic() + term_s
+    stopped = {}
     for rank in running:
+        killed = False
         try:
             procs[rank].wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -376,3 +428,6 @@ def _stop(procs, *, term_s: float, say, name) -> None:
                 "collective handles no signal until it returns); SIGKILL")
             procs[rank].kill()
             procs[rank].wait()
+            killed = True
+        stopped[rank] = (procs[rank].returncode, killed)
+    return stopped

@@ -40,7 +40,11 @@ credits``, so a trainer never holds more than ``credits`` samples of one link
 in transit or queued. A dead peer surfaces as :class:`PeerDied` naming its rank:
 gloo reports a closed connection at once to a receive from that peer (every receive
 here names its peer: one from any source would wait out the timeout), a silent peer
-after ``split.peer_timeout_s`` (the process group's timeout).
+after ``split.peer_timeout_s`` (the process group's timeout). A timeout on gloo closes
+every connection of the group in that process, so each other receive or send there, pending
+or later, fails with "Application timeout caused pair closure" naming its own peer, which may
+well be alive: that error is taken for a side effect and reported as the timeout that caused it
+(see :func:`_peer_died`), which names the silent peer.
 
 Liveness: a peer busy longer than that (a target loading or generating, a
 trainer building its draft, stepping or saving) is not silent. Each side
@@ -97,7 +101,12 @@ class PeerDied(RuntimeError):
 
     def __init__(self, rank: int, role: str, doing: str, cause: BaseException | str):
         self.rank = rank
+        self.role, self.doing = role, doing
         text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        self.detail = text
+        # "pair closure": this op failed because another one on its process group timed out,
+        # not because of its own peer (see _peer_died); True while that other op is unknown
+        self.side_effect = PAIR_CLOSURE in text.lower()
         # gloo says "Timed out" where the op waited, and "Application timeout caused pair
         # closure" on a later op over the pair that the timeout closed (a silent peer both times)
         if "timed out" in text.lower() or "application timeout" in text.lower():
@@ -106,6 +115,50 @@ class PeerDied(RuntimeError):
             why = f"died or closed its connection: {text}"
         who = f"{role} rank {rank}" if rank >= 0 else f"a {role} rank"
         super().__init__(f"{who} {why} (while {doing})")
+
+    def again(self) -> PeerDied:
+        """The same error, a new instance (to raise on another thread)."""
+        return PeerDied(self.rank, self.role, self.doing, self.detail)
+
+
+# gloo, when one receive or send times out, closes every connection ("pair") of that process
+# group in this process: every other op over the group, pending or later, fails with this,
+# whichever its peer (a live one as well)
+PAIR_CLOSURE = "application timeout caused pair closure"
+SIDE_EFFECT_WAIT_S = 2.0  # how long a "pair closure" waits for the timeout that caused it
+_timeouts: dict[int, tuple[object, PeerDied]] = {}  # id(group) -> (group, its first timeout)
+_timeouts_cond = threading.Condition()
+
+
+def _group_key(group) -> object:
+    if group is None:
+        with contextlib.suppress(Exception):  # the default group, however it is named
+            group = dist.group.WORLD
+    return group
+
+
+def _peer_died(peer: int, group, role: str, doing: str, exc: BaseException) -> PeerDied:
+    """The :class:`PeerDied` for ``exc``, met by an op with ``peer`` on ``group``.
+
+    A timeout is kept as the group's. A "pair closure" is a side effect of a timeout on
+    another op of the group (another thread's, at the same moment, or an earlier one's):
+    that op's error, which names the silent peer, is returned instead, waited for up to
+    :data:`SIDE_EFFECT_WAIT_S` (gloo closes the pairs before it raises the timeout). Where
+    none comes, the error keeps ``side_effect`` set, for the caller to name the silent peer
+    by what it heard (:meth:`AckListener.fail`)."""
+    died = PeerDied(peer, role, doing, exc)
+    key = _group_key(group)
+    if died.side_effect:
+        with _timeouts_cond:
+            _timeouts_cond.wait_for(lambda: id(key) in _timeouts, timeout=SIDE_EFFECT_WAIT_S)
+            cause = _timeouts.get(id(key))
+        return cause[1].again() if cause is not None else died
+    if "timed out" in died.detail.lower() and peer >= 0:
+        with _timeouts_cond:
+            if id(key) not in _timeouts:
+                _timeouts[id(key)] = (key, died)  # the group held: its id is not reused
+            _timeouts_cond.notify_all()
+    return died
 
 
 @dataclass
@@ -160,14 +213,14 @@ def _send(tensor: torch.Tensor, dst: int, group, role: str, doing: str) -> None:
     try:
         dist.send(tensor.contiguous(), dst=dst, group=group)
     except RuntimeError as exc:
-        raise PeerDied(dst, role, doing, exc) from exc
+        raise _peer_died(dst, group, role, doing, exc) from exc
 
 
 def _recv(tensor: torch.Tensor, src: int | None, group, role: str, doing: str) -> int:
     try:
         return int(dist.recv(tensor, src=src, group=group))
     except RuntimeError as exc:
-        raise PeerDied(-1 if src is None else src, role, doing, exc) from exc
+        raise _peer_died(-1 if src is None else src, group, role, doing, exc) from exc
 
 
 def _recv_head(src: int, group, device, doing: str, expected: Iterable[int],
@@ -403,11 +456,33 @@ class AckListener:
                     return
 
     def fail(self, exc: BaseException) -> None:
-        """Keep an error for the producer thread (the first one wins)."""
+        """Keep an error for the producer thread (the first one wins, but for a "pair closure"
+        whose cause is unknown: any other error goes before it, and it names the trainer
+        not heard from for longest, see :meth:`_silent_one`)."""
         with self.cond:
-            if self.error is None:
+            if isinstance(exc, PeerDied) and exc.side_effect:
+                exc = self._silent_one(exc)
+            if self.error is None or (getattr(self.error, "side_effect", False)
+                                      and not getattr(exc, "side_effect", False)):
                 self.error = exc
             self.cond.notify_all()
+
+    def _silent_one(self, exc: PeerDied) -> PeerDied:
+        """For a "pair closure" met on ``exc.rank``'s connection (a timeout on another
+        connection of the ack group closed it, and that timeout's own error did not come): the
+        trainer not heard from for longest, of those that have not stopped (under :attr:`cond`)."""
+        live = [src for src in self.srcs if src not in self.stopped] or [exc.rank]
+        silent = min(live, key=lambda src: self.heard.get(src, 0.0))
+        if silent == exc.rank:
+            return exc
+        last = self.heard.get(silent)
+        heard = "never heard from" if last is None else f"last heard {time.monotonic() - last:.0f} s ago"
+        died = PeerDied(silent, "trainer", f"waiting for credits from trainer rank {silent}",
+                        f"Application timeout caused pair closure: trainer rank {silent}, {heard}, "
+                        f"is the trainer silent longest (the closure came on trainer rank "
+                        f"{exc.rank}'s connection)")
+        died.side_effect = False
+        return died
 
     def result(self) -> dict[str, int | None]:
         """The consumed sample ids of every trainer with their tokens (see :func:`send_hello`),
