@@ -30,8 +30,9 @@ recipe's section models (do not edit by hand: `draftforge config keys >
 recipes/README.md`). Nested keys are written with dots, as on the command line
 (`train.loss.decay=2`). `draftforge config show RECIPE` prints a recipe with
 every default and derived value filled in, except `target.shape`, which shows
-what the recipe declares or the target's config.json gives (its other keys'
-defaults are placeholders, not the target's), and keys left null where their
+what the recipe declares (null where it declares none), the keys it leaves out
+completed from the target's config.json where the recipe declares part of it (a
+declared shape's other keys' defaults are placeholders, not the target's), and keys left null where their
 value is decided where they are used: `data.regenerated_file` (the run folder's
 `regenerated.jsonl`), `export.out_dir` (`<train.output_dir>/export`), and
 `draft.rope_theta` where the target's RoPE base is not known on this machine.

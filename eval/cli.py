@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where the target and the draft run: auto (default) is the recipe's "
                         "target GPUs (split.target_devices, else the GPUs LOCAL_RANK of its first "
                         "target group's ranks, as training places them) when CUDA is visible, else "
-                        "cpu; or cpu, cuda:N, or a list cuda:0,cuda:1,... Over several GPUs the "
+                        "cpu; or cpu, cuda (GPU 0), cuda:N, or a list cuda:0,cuda:1,... Over several GPUs the "
                         "target is split by layers, filling them in order (one that fits on the "
                         "first stays there); the draft runs on the first")
     parser.add_argument("--tie-tolerance", type=argtypes.non_negative_float,
@@ -485,7 +485,8 @@ def _check_output_paths(out: str, calibrate: str | None) -> None:
                          f"it): give a folder of its own, e.g. {out_path.with_name(out_path.name + '-eval')}")
     if (out_path / "checkpoints").is_dir() or (out_path / "run.json").is_file():
         raise InputError(f"--out {out}: is a training run's folder; give a folder of its own for the "
-                         f"report, e.g. {out_path / 'eval'} (the default for a run)")
+                         f"report, e.g. {out_path / 'eval'} (where the demo writes a run's report and "
+                         "draftforge export looks for one; eval's own default is runs/eval)")
     check_folder_writable(out_path, "--out", out)
     if calibrate is not None:
         cal_path = Path(calibrate).expanduser()

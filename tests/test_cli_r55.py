@@ -305,8 +305,9 @@ def test_eval_refuses_an_out_that_is_a_model_folder_or_a_run(tmp_path, capsys, k
                                   f"to replace it): give a folder of its own, e.g. {tmp_path / 'export-eval'}")
     else:
         assert str(err.value) == (f"--out {folder}: is a training run's folder; give a folder of its own "
-                                  f"for the report, e.g. {folder / 'eval'} (the default for a run)")
-    _check_output_paths(str(folder / "eval"), None)  # a folder inside a run is the default
+                                  f"for the report, e.g. {folder / 'eval'} (where the demo writes a run's "
+                                  "report and draftforge export looks for one; eval's own default is runs/eval)")
+    _check_output_paths(str(folder / "eval"), None)  # a folder inside a run is accepted
 
 
 def test_eval_out_that_is_the_runs_checkpoints_folder_is_called_that_not_inside_it(tmp_path):

@@ -85,8 +85,9 @@ def test_the_stamp_is_not_taken_of_a_folder_another_export_is_replacing(tmp_path
     with held:
         assert demo.main([str(recipe), "--skip-train"]) == 2
     err = capsys.readouterr().err
-    assert re.search(rf"another draftforge export \(process \d+\) is writing {re.escape(str(paths.export_dir))} "
-                     r"now; wait for it to finish, then rerun the demo", err), err
+    assert re.search(rf"another draftforge export or demo \(process \d+\) holds {re.escape(str(paths.export_dir))} "
+                     r"now \(writing it, or reading it for its evaluation\); wait for it to finish, then rerun "
+                     r"the demo", err), err
     assert not stamp.exists()  # a rerun exports again
 
 
@@ -123,7 +124,7 @@ def test_a_concurrent_export_cannot_replace_the_folder_while_the_stamp_reads_it(
     with contextlib.suppress(_Stop):
         demo.main([str(recipe), "--skip-train"])
     monkeypatch.undo()
-    assert len(attempts) == 1 and attempts[0].startswith("another draftforge export (process "), attempts
+    assert len(attempts) == 1 and attempts[0].startswith("another draftforge export or demo (process "), attempts
     assert (paths.export_dir / "model.safetensors").read_bytes() == b"the demo's weights"
     recorded = json.loads(stamp.read_text())
     assert recorded["files"] == demo_state.export_files(paths.export_dir)

@@ -182,7 +182,7 @@ def test_the_evaluation_reads_the_export_under_its_lock(tmp_path, monkeypatch):
 
     monkeypatch.setattr(demo, "run_side_by_side", run_side_by_side)
     assert _main(recipe) is None
-    assert len(refused) == 1 and refused[0].startswith("another draftforge export (process "), refused
+    assert len(refused) == 1 and refused[0].startswith("another draftforge export or demo (process "), refused
     weights = load_file(str(paths.export_dir / "model.safetensors"))
     assert torch.equal(weights["fc.weight"], tiny_draft(seed=1).state_dict()["fc.weight"])
 

@@ -408,7 +408,8 @@ def export_lock(out: Path, *, then: str = "wait for it to finish, or choose anot
     from draftforge.files import lock_or_refuse
 
     return lock_or_refuse(out.parent / f".{out.name}.lock", lambda holder: ExportError(
-        f"another draftforge export ({holder}) is writing {out} now; {then}"))
+        f"another draftforge export or demo ({holder}) holds {out} now (writing it, or reading it for "
+        f"its evaluation); {then}"))
 
 
 def _tidy_leftovers(out: Path, progress) -> None:
