@@ -34,6 +34,19 @@ from draftforge.eval.uncertainty import prompt_digest
 METHODS = ("dspark", "ngram", "none")
 
 
+def prompt_seed(seed: int, workload: str, index: int) -> int:
+    """The generator seed of prompt ``index`` of ``workload`` under ``--seed seed``: the same for
+    every method (their sampled draws are common random numbers, as paired comparisons want),
+    and unrelated across prompts and across workloads. (``seed * 1_000_003 + index`` gave the
+    prompts at one index of every workload the same stream: the same prompt there decoded the
+    same, and the workloads' acceptance lengths were correlated, where the macro interval
+    resamples each workload as independent of the others.)"""
+    import hashlib
+
+    digest = hashlib.sha256(f"{seed}\0{workload}\0{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # below 2**63, as torch takes
+
+
 @dataclass
 class EvalSettings:
     """Decoding settings shared by every method of one run."""
@@ -213,7 +226,7 @@ def run_workload(
     for index, prompt in enumerate(prompts):
         for method in methods:
             session, make = proposers[method]
-            generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + index)
+            generator = torch.Generator().manual_seed(prompt_seed(settings.seed, name, index))
             outputs[method].append(
                 speculative_decode(session, prompt, make(generator), settings_for[method], generator=generator)
             )

@@ -219,6 +219,10 @@ def rejection_accept(
         else:
             p_d = draft_probs[k]
         ratio = (p_t[token] / p_d[token]).item() if p_d[token] > 0 else 0.0
+        if not math.isfinite(ratio):  # min(1.0, nan) is 1.0: a broken target row would accept anything
+            raise ValueError(f"slot {k}: the target's probability of draft token {token} is {p_t[token].item()} "
+                             f"against the draft's {p_d[token].item()}: the target's or the draft's "
+                             "distribution holds NaN or infinite values")
         if torch.rand((), generator=generator).item() < min(1.0, ratio):
             continue
         residual = (p_t - p_d).clamp_min(0)

@@ -1,6 +1,6 @@
 """Review round 11, seeds: a seed out of range is refused where it is given, before any work.
 
-``eval --seed`` derives one generator seed per prompt (``seed * 1_000_003 + index``), which
+``eval --seed`` derives one generator seed per prompt (then ``seed * 1_000_003 + index``), which
 torch refused above 2**64 only after the target had loaded and the first workload had started;
 a recipe's seed the same way at its first use. Every seed is now 0..2**32-1, and the largest
 one works where seeds are derived from it.
