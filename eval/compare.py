@@ -301,7 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     kw = {"draws": args.draws, "level": args.level, "seed": args.seed}
     print(
         f"eval compare: {a[0]} ({args.a_method}) minus {b[0]} ({b_method}), paired on the same "
-        f"prompts; {args.level:.0%} bootstrap intervals over prompts, {args.draws} draws"
+        f"prompts; {args.level:.0%} bootstrap intervals over prompts, {args.draws} draws, expanded "
+        "percentile (widened for few prompts)"
     )
     for note in notes:
         print(f"note: {note}")

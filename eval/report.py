@@ -302,7 +302,8 @@ def uncertainty_lines(u: dict) -> list[str]:
     level = f"{u['level']:.0%}"
     lines = [
         f"How much these prompts can tell apart ({level} bootstrap intervals over prompts, "
-        f"{u['draws']} draws; the macro mean resamples each workload's prompts on its own):",
+        f"{u['draws']} draws, expanded percentile: widened for few prompts; the macro mean "
+        "resamples each workload's prompts on its own):",
         "",
     ]
     per_method = u["acceptance_length"]

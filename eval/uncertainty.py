@@ -5,7 +5,9 @@ length (AL) is which prompts the workload drew. A workload's AL is pooled over
 its rounds (the accepted drafts plus the bonus token of every round, over the
 number of rounds: a ratio of sums), so prompts that run more rounds weigh more.
 The bootstrap resamples a workload's prompts with replacement, recomputes the
-pooled AL, and reads the percentile interval off the draws:
+pooled AL, and reads the percentile interval off the draws, at a level expanded
+for few prompts (:func:`expanded_level`; the plain percentile interval is too
+narrow at 8 prompts):
 
 - one workload's AL: resample its prompts;
 - the macro mean over workloads: resample each workload's prompts on its own
@@ -26,8 +28,8 @@ ran rounds on some prompts only has no acceptance length on a draw that
 resampled none of those: such draws are left out of the interval, which then
 holds for the draws with a round, and their number is kept (``dropped``) for
 the output to say. The interval says nothing about prompts
-unlike the workload's, and with 8 prompts a workload the percentile interval
-is itself rough; more prompts narrow it.
+unlike the workload's, and with 8 prompts a workload the interval is itself
+rough; more prompts narrow it.
 """
 
 from __future__ import annotations
@@ -175,11 +177,82 @@ def bootstrap(
         sampled += _pooled_draws(a, index) - (_pooled_draws(b, index) if b is not None else 0.0)
     value /= len(workloads)
     sampled /= len(workloads)
-    tail = 100 * (1 - level) / 2
     kept = sampled[np.isfinite(sampled)]
-    low, high = np.percentile(kept, [tail, 100 - tail]) if kept.size else (math.nan,) * 2
     prompts = min(t.with_rounds() for pair in workloads for t in pair if t is not None)
+    tail = 100 * (1 - expanded_level(level, prompts)) / 2
+    low, high = np.percentile(kept, [tail, 100 - tail]) if kept.size else (math.nan,) * 2
     return Interval(float(value), float(low), float(high), level, draws, prompts, draws - kept.size)
+
+
+def expanded_level(level: float, prompts: int) -> float:
+    """The percentile level the bootstrap reads its ``level`` interval at, for ``prompts`` prompts
+    (the fewest of any workload in the estimate): the expanded percentile interval (Hesterberg,
+    "What teachers should know about the bootstrap", 2015), whose tail is
+    ``Phi(-sqrt(n / (n - 1)) * t(n - 1))`` for a two-sided ``t`` quantile at ``level``.
+
+    The plain percentile interval is too narrow for few prompts: the bootstrap's spread is the
+    sample's, shrunk by (n - 1) / n, and read as a normal one where a t with n - 1 degrees of
+    freedom applies. Simulated per-prompt round data covered the truth about 89 % of the time
+    at 8 prompts and 84 % at 5 under a nominal 95 %, and two equal methods were called ahead or
+    behind about twice as often as 5 %; expanded, 6 % at 8 prompts. Fewer than 2 prompts: the
+    level itself (one prompt gives a zero-width interval, too few for a verdict anyway)."""
+    if prompts < 2:
+        return level
+    from statistics import NormalDist
+
+    t = t_quantile(1 - (1 - level) / 2, prompts - 1)
+    return 1 - 2 * NormalDist().cdf(-math.sqrt(prompts / (prompts - 1)) * t)
+
+
+def t_quantile(p: float, dof: int) -> float:
+    """The ``p`` quantile (p > 0.5) of Student's t with ``dof`` degrees of freedom, by bisection
+    on its upper tail ``0.5 * I_{dof / (dof + t^2)}(dof / 2, 1 / 2)`` (numpy has no t quantile,
+    and scipy is not a dependency)."""
+    if not 0.5 < p < 1 or dof < 1:
+        raise ValueError(f"need 0.5 < p < 1 and dof >= 1, got p={p}, dof={dof}")
+    low, high = 0.0, 1.0
+    while 0.5 * _betainc(dof / 2, 0.5, dof / (dof + high * high)) > 1 - p:
+        high *= 2
+    for _ in range(200):
+        mid = (low + high) / 2
+        if 0.5 * _betainc(dof / 2, 0.5, dof / (dof + mid * mid)) > 1 - p:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """The regularised incomplete beta function ``I_x(a, b)``, by its continued fraction
+    (modified Lentz), on the side of ``x`` where it converges fast."""
+    if x <= 0:
+        return 0.0
+    if x >= 1:
+        return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+                     + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1) / (a + b + 2):
+        return front * _beta_fraction(a, b, x) / a
+    return 1 - front * _beta_fraction(b, a, 1 - x) / b
+
+
+def _beta_fraction(a: float, b: float, x: float) -> float:
+    tiny = 1e-300
+
+    def kept(value: float) -> float:
+        return tiny if abs(value) < tiny else value
+
+    c, d = 1.0, 1 / kept(1 - (a + b) * x / (a + 1))
+    fraction = d
+    for m in range(1, 500):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1 / kept(1 + numerator * d)
+            c = kept(1 + numerator / c)
+            fraction *= d * c
+        if abs(d * c - 1) < 1e-15:
+            break
+    return fraction
 
 
 def by_workload(
