@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from draftforge.eval.harness import METHODS, WorkloadResult, macro
-from draftforge.eval.uncertainty import PromptTotals, interval_text, report_uncertainty
+from draftforge.eval.uncertainty import MIN_PROMPTS, PromptTotals, interval_text, report_uncertainty
 from draftforge.files import write_atomic, write_atomic_all
 
 ESTIMATE_NOTE = (
@@ -312,6 +312,13 @@ def uncertainty_lines(u: dict) -> list[str]:
               "| --- |" + " ---: |" * len(per_method)]  # fmt: skip
     for n in names:
         lines.append(f"| {n} | " + " | ".join(interval_text(**_bounds(per_method[m][n])) for m in per_method) + " |")
+    few = {n: min(per_method[m][n].get("prompts", MIN_PROMPTS) for m in per_method) for n in names if n != "macro"}
+    few = {n: count for n, count in few.items() if count < MIN_PROMPTS}
+    if few:  # the paired tables say "too few prompts"; this one has no verdict column to say it
+        lines += ["", "Too few prompts with a verification round to show their spread (fewer than "
+                  f"{MIN_PROMPTS}; one gives a zero-width interval), so these intervals are narrower than "
+                  "the choice of prompts allows, and the macro interval counts no spread for them: "
+                  + ", ".join(f"{n} ({count})" for n, count in few.items()) + "."]
     for pair, per in u["paired"].items():
         a, b = pair.split("-", 1)
         lines += ["", f"{a} minus {b}, paired on the same prompts:", "",

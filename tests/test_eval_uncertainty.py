@@ -208,3 +208,17 @@ def test_the_interval_covers_the_truth_at_about_its_level_with_eight_prompts():
         plain += low <= truth <= high
     assert covered / trials >= 0.925, covered / trials
     assert plain / trials < covered / trials - 0.02, (plain / trials, covered / trials)
+
+
+def test_the_reports_al_table_says_which_workloads_have_too_few_prompts_for_a_spread():
+    from draftforge.eval.report import uncertainty_lines
+
+    one = PromptTotals(np.array([4.0]), np.array([7.2]))
+    u = report_uncertainty({"one": {"dspark": one, "ngram": one, "none": PromptTotals(np.array([4.0]), np.array([4.0]))},
+                            "five": {"dspark": A, "ngram": B, "none": A}}, draws=500)
+    text = "\n".join(uncertainty_lines(u))
+    assert "| one | 1.80 (1.80 to 1.80) |" in text  # zero width: one prompt
+    assert "the macro interval counts no spread for them: one (1)." in text
+    assert "five (" not in text
+    five_only = report_uncertainty({"five": {"dspark": A, "ngram": B, "none": A}}, draws=500)
+    assert "Too few prompts" not in "\n".join(uncertainty_lines(five_only))
