@@ -53,9 +53,10 @@ def backbone_saved_bytes(draft, *, target_hidden_size: int, block_tokens: int, c
         # values and outputs; the query before and after its norm, rotated, and attention's
         # output; the block's keys before and after their norm, and the context's
         per_layer = block * (4 * inter + 5 * hidden + 4 * q + 2 * kv) + 2 * ctx * kv + attention
-        # fc's input and output, hidden_norm's scaled context, the block's embeddings and the
-        # final norm's input and scaled values
-        outside = features + 2 * ctx * hidden + 3 * block * hidden
+        # fc's input and output, hidden_norm's scaled context and its output (the context's key
+        # and value projections keep it), the block's embeddings, the final norm's input and
+        # scaled values, and the rotary cos and sin tables of the context and the block
+        outside = features + 3 * ctx * hidden + 3 * block * hidden + 2 * (ctx + block) * head_dim
         return 4 * (layers * per_layer + outside)
     if precision == "autocast":
         wide = block * (3 * hidden + q + kv) + ctx * kv  # residual stream and norm inputs, fp32
