@@ -68,10 +68,17 @@ class GrowingLayer(DynamicLayer):
         return self._length if self.is_initialized else 0
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep only the rows ``indices`` (the decoding loop drops rows that have ended)."""
+        """Keep only the rows ``indices`` (the decoding loop drops rows that have ended): their
+        filled positions are copied into buffers of the same capacity, whose unfilled part is
+        never written (selecting the whole buffer wrote it all, making the pages of a long
+        ``max_new_tokens`` resident: 1.3 GiB more for 8 rows of SmolLM2 at 4096)."""
         if self.is_initialized:
-            self._buffers = tuple(buffer.index_select(0, indices.to(buffer.device))
-                                  for buffer in self._buffers)
+            kept = []
+            for buffer in self._buffers:
+                new = buffer.new_empty(len(indices), *buffer.shape[1:])
+                new[:, :, : self._length] = buffer[:, :, : self._length].index_select(0, indices.to(buffer.device))
+                kept.append(new)
+            self._buffers = tuple(kept)
             self._expose()
 
     def crop(self, tokens_to_remove: int) -> None:

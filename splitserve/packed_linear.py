@@ -150,7 +150,9 @@ def pack_linear_weights(model: nn.Module) -> int:
         if not verdicts[key]:
             continue
         module._draftforge_packed = packed
-        module._draftforge_packed_source = weight
+        # kept out of the module's parameters (assigning a Parameter registers it: state_dict
+        # would gain a key per packed linear, and a strict load of the model's own would fail)
+        module.__dict__["_draftforge_packed_source"] = weight
         module._draftforge_packed_version = weight._version
         module._draftforge_packed_pointer = weight.data_ptr()
         module.forward = types.MethodType(_forward, module)
