@@ -218,7 +218,9 @@ def test_the_cpu_recipes_memory_estimate_by_hand():
     ctx = 3 * seq
     per_layer = (blocks * (4 * 1536 + 5 * 576 + 4 * 576 + 2 * 192) + 2 * ctx * 192
                  + 2 * (ctx + blocks) * 576 + blocks * (ctx + blocks) // 3)
-    outside = ctx * 5 * 576 + 2 * ctx * 576 + 3 * blocks * 576
+    # fc's input (5 layers of 576) and output, hidden_norm's scaled context and its output, the
+    # block's embeddings, the final norm's input and scaled values, rotary cos and sin (head 64)
+    outside = ctx * 5 * 576 + 3 * ctx * 576 + 3 * blocks * 576 + 2 * (ctx + blocks) * 64
     assert trainer["context + backbone activations"] == 4 * (2 * per_layer + outside)
     assert trainer["objective chunk"] == 8 * 8 * 49152 * 16  # chunk_blocks 8 of 8 tokens
     assert trainer["received queue"] == 128 * seq * wide * 2
