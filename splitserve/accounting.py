@@ -250,7 +250,6 @@ class ConsumerAccounting:
         self.stepped = time.perf_counter()
         if self.steps == 1:
             self.loop_started = self.stepped - float(record.get("wait_s", 0.0)) - float(record.get("compute_s", 0.0))
-        if self.steps == 1:
             self._first_step = self._totals()
 
     # -- reading

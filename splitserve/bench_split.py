@@ -149,14 +149,6 @@ def bench_target_rank(ctx, engine, bench: dict, *, pulse: T.Pulse, hellos: T.Ack
             "(to the end of the stream, past the timed window)")
 
 
-def visit_epoch(sample_id: str) -> int:
-    """The epoch of a sample, from its id (``conv#e1``: 1; a conversation id: 0)."""
-    from draftforge.splitserve.producer import EPOCH_MARK
-
-    head, mark, tail = sample_id.rpartition(EPOCH_MARK)
-    return int(tail) if mark and head and tail.isdigit() else 0
-
-
 class PairedVisits:
     """Where a window over a producer's stream, opened at the end of its first chunk, may close.
 
@@ -188,7 +180,12 @@ def producer_window(cfg, engine, *, topology, rank: int, min_tokens: int, meter:
     samples returned are all of them, the first chunk's too. A stream of a single chunk
     (``split.max_epochs``) is timed whole; one that ends before the window may close, as far
     as it goes."""
-    from draftforge.splitserve.producer import SampleSource, launch_pin, load_source_conversations
+    from draftforge.splitserve.producer import (
+        SampleSource,
+        id_epoch,
+        launch_pin,
+        load_source_conversations,
+    )
 
     conversations, regenerate = load_source_conversations(cfg, pinned=launch_pin())
     source = SampleSource(cfg, engine, topology, rank, conversations=conversations,
@@ -206,7 +203,7 @@ def producer_window(cfg, engine, *, topology, rank: int, min_tokens: int, meter:
                 opened = time.perf_counter()
             continue
         tokens += sample.num_tokens
-        if sample.chunk_last and visits.close_after(visit_epoch(sample.sample_id)) and tokens >= min_tokens:
+        if sample.chunk_last and visits.close_after(id_epoch(sample.sample_id)) and tokens >= min_tokens:
             break
     if opened is None or not tokens:  # a single chunk: timed whole
         return out, everything, time.perf_counter() - start
@@ -232,8 +229,7 @@ class StepRecord:
     """One optimizer step of phase 3: when it ended, and what it took from each link."""
 
     end_s: float  # seconds from the start of the phase
-    # (source rank, tokens, chunk_end, epoch) in consumption order; the epoch may be left out (0)
-    samples: list[tuple]
+    samples: list[tuple[int, int, bool, int]]  # (source rank, tokens, chunk_end, epoch) in consumption order
     wait_s: float = 0.0  # the trainer's wait for samples since the start of the phase
     producer: tuple[float, float] = (0.0, 0.0)  # the producers' running (idle s, wall s) then
 
@@ -243,6 +239,8 @@ def _recorded_steps(trainer, batches, steps: int, grad_accum: int,
     """Run ``steps`` optimizer steps from ``batches``; ``waited()`` is the trainer's total
     wait for samples so far (none when training from memory), ``producer()`` the
     producers' running (idle, wall) seconds."""
+    from draftforge.splitserve.producer import id_epoch
+
     records = []
     begin, wait_before = time.perf_counter(), waited()
     for step in range(steps):
@@ -255,7 +253,7 @@ def _recorded_steps(trainer, batches, steps: int, grad_accum: int,
                 "lower --steps") from None
         trainer.train_step(micro)
         taken = [(s.provenance.get("target_rank", -1), s.num_tokens,
-                  bool(s.provenance.get("chunk_end")), visit_epoch(s.sample_id))
+                  bool(s.provenance.get("chunk_end")), id_epoch(s.sample_id))
                  for batch in micro for s in batch]
         records.append(StepRecord(time.perf_counter() - begin, taken, waited() - wait_before, producer()))
     return records
@@ -263,7 +261,7 @@ def _recorded_steps(trainer, batches, steps: int, grad_accum: int,
 
 def _totals(records: Sequence[StepRecord]) -> tuple[int, float]:
     """(real tokens, seconds) of all the recorded steps."""
-    return sum(sample[1] for r in records for sample in r.samples), records[-1].end_s
+    return sum(n for r in records for _, n, _, _ in r.samples), records[-1].end_s
 
 
 @dataclass
@@ -289,13 +287,13 @@ def steady_rate(records: Sequence[StepRecord], min_chunks: int = MIN_STEADY_CHUN
     visits: dict[int, PairedVisits] = {}
     closing: dict[int, int] = {}  # link -> how many of its chunk ends the window keeps
     for step, record in enumerate(records):
-        for index, (src, _, chunk_end, *epoch) in enumerate(record.samples):
+        for index, (src, _, chunk_end, epoch) in enumerate(record.samples):
             ends.setdefault(src, [])
             if chunk_end:
                 ends[src].append((step, index))
                 if len(ends[src]) == 1:  # the window opens here
                     visits[src] = PairedVisits(paired)
-                elif visits[src].close_after(epoch[0] if epoch else 0):
+                elif visits[src].close_after(epoch):
                     closing[src] = len(ends[src])
     ends = {src: marks[: closing.get(src, 1)] for src, marks in ends.items()}
     if not ends:
@@ -306,7 +304,7 @@ def steady_rate(records: Sequence[StepRecord], min_chunks: int = MIN_STEADY_CHUN
             return None
         first, last = marks[0][0], marks[-1][0]
         tokens = sum(count for step in range(first + 1, last + 1)
-                     for link, count, *_ in records[step].samples if link == src)
+                     for link, count, _, _ in records[step].samples if link == src)
         rate += tokens / (records[last].end_s - records[first].end_s)
         chunks += len(marks) - 1
         begin, end = min(begin, first), max(end, last)

@@ -160,6 +160,12 @@ def epoch_id(conv_id: str, epoch: int) -> str:
     return conv_id if epoch == 0 else f"{conv_id}{EPOCH_MARK}{epoch}"
 
 
+def id_epoch(sample_id: str) -> int:
+    """The epoch of a sample id, as :func:`epoch_id` wrote it (``conv#e1``: 1; a conversation id: 0)."""
+    head, mark, tail = sample_id.rpartition(EPOCH_MARK)
+    return int(tail) if mark and head and tail.isdigit() else 0
+
+
 # --------------------------------------------------------------------------- samples
 
 

@@ -113,7 +113,8 @@ def test_every_chunk_marks_its_last_sample_on_each_link(tmp_path):
 
 
 def _step(end_s, *samples, wait_s=0.0, producer=(0.0, 0.0)):
-    return StepRecord(end_s, list(samples), wait_s, producer)
+    """A step taking ``samples``, each (source rank, tokens, chunk_end), all of epoch 0."""
+    return StepRecord(end_s, [(*sample, 0) for sample in samples], wait_s, producer)
 
 
 def test_the_steady_rate_runs_from_the_first_chunk_end_to_the_last():

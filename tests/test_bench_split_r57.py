@@ -22,6 +22,8 @@ from draftforge.splitserve.producer import (
     EPOCH_MARK,
     SampleSource,
     Topology,
+    epoch_id,
+    id_epoch,
     load_source_conversations,
 )
 from draftforge.splitserve.target import build_target
@@ -154,6 +156,7 @@ def test_phase_1_reads_the_rate_of_whole_pairs():
     assert all(unpaired.close_after(epoch) for epoch in window)
 
 
-def test_visit_epoch_reads_the_epoch_mark():
-    assert [bench_split.visit_epoch(i) for i in ("a", f"a{EPOCH_MARK}1", f"a{EPOCH_MARK}12")] == [0, 1, 12]
-    assert bench_split.visit_epoch(f"{EPOCH_MARK}1") == 0  # no conversation id before the mark
+def test_id_epoch_reads_the_epoch_mark():
+    assert [id_epoch(i) for i in ("a", f"a{EPOCH_MARK}1", f"a{EPOCH_MARK}12")] == [0, 1, 12]
+    assert id_epoch(f"{EPOCH_MARK}1") == 0  # no conversation id before the mark
+    assert all(id_epoch(epoch_id("conv", e)) == e for e in (0, 1, 2, 12))  # epoch_id's inverse
