@@ -48,7 +48,12 @@ import torch
 from torch import nn
 
 from draftforge.splitserve.hf_backend import captured_outputs, decoder_layers_and_norm
-from draftforge.splitserve.sampling import kv_cache_argument, prefill_arguments, top_k_top_p
+from draftforge.splitserve.sampling import (
+    kv_cache_argument,
+    prefill_arguments,
+    scaled_logits,
+    top_k_top_p,
+)
 from draftforge.train.model import ContextCache
 
 
@@ -334,7 +339,7 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top
     if temperature <= 0:
         raise ValueError(f"sampling needs a temperature above 0, got {temperature}")
     if (top_k <= 0 or top_k >= logits.shape[-1]) and top_p >= 1.0:
-        return torch.softmax(logits.float() / temperature, dim=-1)  # no cut: no sort of the vocabulary
+        return torch.softmax(scaled_logits(logits, temperature), dim=-1)  # no cut: no sort of the vocabulary
     kept, indices = top_k_top_p(logits, temperature, top_k, top_p)
     if top_p < 1.0:
         kept = kept / kept.sum(dim=-1, keepdim=True)

@@ -75,6 +75,20 @@ def prefill_arguments(model) -> dict[str, int]:
     return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
+def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature`` in float32, whose softmax is the distribution to sample. A
+    temperature so small that the quotient overflows (below about 1e-37 for logits of tens)
+    would make a row's maximum infinite, and its softmax NaN; there each row is first shifted
+    by its maximum, which leaves the softmax unchanged, so the quotient is 0 at the row's most
+    likely tokens and negative or -inf elsewhere: the limit, greedy choice among ties. Where
+    every row's maximum is finite the plain quotient is kept, bit for bit."""
+    scaled = logits.float() / temperature
+    if bool(torch.isfinite(scaled.amax(dim=-1)).all()):
+        return scaled
+    shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)
+    return shifted / temperature
+
+
 def top_k_top_p(
     logits: torch.Tensor, temperature: float, top_k: int, top_p: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +98,7 @@ def top_k_top_p(
     evaluator's rejection sampling (``draftforge.eval.speculative.sampling_probs``) share it."""
     vocab = logits.shape[-1]
     k = vocab if top_k <= 0 else min(top_k, vocab)
-    values, indices = torch.topk(logits.float() / temperature, k, dim=-1)  # descending
+    values, indices = torch.topk(scaled_logits(logits, temperature), k, dim=-1)  # descending
     probs = torch.softmax(values, dim=-1)
     if top_p < 1.0:
         # keep a token while the mass before it is below top_p: the first always stays
