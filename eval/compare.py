@@ -24,14 +24,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from draftforge import argtypes
 from draftforge.errors import InputError
-from draftforge.eval.uncertainty import DRAWS, LEVEL, SEED, Interval, PromptTotals, by_workload
+from draftforge.eval.uncertainty import (
+    DRAWS,
+    LEVEL,
+    MIN_PROMPTS,
+    SEED,
+    Interval,
+    PromptTotals,
+    by_workload,
+    expanded_level,
+    least_draws,
+)
 
 # The bootstrap holds draws x prompts resampled indices of a workload at once, and a gathered
 # copy: about 16 bytes each, so this bounds its memory at about 1.6 GB.
@@ -268,10 +277,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--draws must be at least 1, got {args.draws}")
     if not 0 < args.level < 1:
         parser.error(f"--level must lie strictly between 0 and 1, got {args.level}")
-    # else an interval end is the extreme draw, or none; rounded as the message rounds it: the
-    # product draws * (1 - level) / 2 fell below 1 at the least it names (20 draws at 0.9: 1 - 0.9
-    # is 0.0999...), refusing the count the message asked for
-    least = math.ceil(round(2 / (1 - args.level), 9))
+    # else an interval end is the extreme draw, or none: at the nominal level first, before the
+    # reports are read; at the level the intervals are read at once their prompts are known
+    least = least_draws(args.level)
     if args.draws < least:
         parser.error(f"--draws {args.draws} is too few for a {args.level:g} interval: each of its "
                      f"tails needs a draw, so at least {least}")
@@ -287,16 +295,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     notes = check_same_decoding(a, args.a_method, b, b_method)
     largest = max(pairs, key=lambda name: len(pairs[name][0]))
     prompts = len(pairs[largest][0])
+    # the fewest prompts with a round read the widest level; below MIN_PROMPTS no verdict is
+    # given and the expanded level would ask millions of draws (7 million at 3 prompts), so the
+    # nominal check above is all those get
+    fewest = min(t.with_rounds() for pair in pairs.values() for t in pair)
+    least = least_draws(args.level, fewest) if fewest >= MIN_PROMPTS else least
     # the default draws always run, as draftforge eval ran them for this very report
     if args.draws > DRAWS and args.draws * prompts > MAX_RESAMPLED:
         most = max(MAX_RESAMPLED // prompts, DRAWS)
-        needed = math.ceil(round(2 / (1 - args.level), 9))
-        level = f"; --level {args.level:g} needs {needed:,}: lower it" if needed > most else ""
+        level = f"; --level {args.level:g} needs {least:,}: lower it" if least > most else ""
         raise InputError(
             f"--draws {args.draws:,}: each draw resamples the {prompts} prompts of workload "
             f"{largest!r}, {args.draws * prompts:,} prompt indices held in memory at once (about "
             f"{16 * args.draws * prompts / 1e9:.0f} GB); give at most {most:,} draws (the default "
             f"is {DRAWS:,}){level}"
+        )
+    if args.draws < least:
+        raise InputError(
+            f"--draws {args.draws:,} is too few for a {args.level:g} interval at {fewest} prompts "
+            f"(workload {min(pairs, key=lambda n: min(t.with_rounds() for t in pairs[n]))!r}): it is "
+            f"read at the expanded level {expanded_level(args.level, fewest):.4f}, and each of its "
+            f"tails needs a draw, so at least {least:,}"
         )
     kw = {"draws": args.draws, "level": args.level, "seed": args.seed}
     print(

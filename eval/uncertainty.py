@@ -204,6 +204,14 @@ def expanded_level(level: float, prompts: int) -> float:
     return 1 - 2 * NormalDist().cdf(-math.sqrt(prompts / (prompts - 1)) * t)
 
 
+def least_draws(level: float, prompts: int = 0) -> int:
+    """The fewest bootstrap draws that leave a draw in each tail of a ``level`` interval read at
+    ``prompts`` prompts (its expanded level; the nominal one below 2 prompts): ``2 / (1 - L)``,
+    rounded as a message rounds it (20 draws at 0.9, where ``1 - 0.9`` is 0.0999...). With
+    fewer, an interval end is the most extreme draw, narrower than the level says."""
+    return math.ceil(round(2 / (1 - expanded_level(level, prompts)), 9))
+
+
 def t_quantile(p: float, dof: int) -> float:
     """The ``p`` quantile (p > 0.5) of Student's t with ``dof`` degrees of freedom, by bisection
     on its upper tail ``0.5 * I_{dof / (dof + t^2)}(dof / 2, 1 / 2)`` (numpy has no t quantile,

@@ -101,7 +101,7 @@ def test_compare_sampled_reports_need_the_same_seed_and_threshold(tmp_path, caps
     assert "settings.draft_sampling is 'greedy' in A, 'sample' in B" in err and "--draft-sampling" in err
     for methods in (("ngram", "ngram"), ("dspark", "ngram")):  # n-gram's drafts do not depend on it
         assert main(["eval", "compare", str(a), str(b), "--a-method", methods[0], "--b-method", methods[1],
-                     "--draws", "200"]) == 0  # fmt: skip
+                     "--draws", "2000"]) == 0  # fmt: skip
     assert capsys.readouterr().err == ""
     rnd = {"target": "random", "target_config__model": "random", "target_config__seed": 0}
     a = _write(tmp_path / "e", **rnd)
@@ -115,21 +115,21 @@ def test_compare_lets_the_drafts_and_unused_settings_differ(tmp_path, capsys):
     # greedy, a threshold under full verification, other baselines, the estimate
     b = _write(tmp_path / "b", block_size=8, settings__seed=5, settings__threshold=0.9,
                settings__baselines=["none"], settings__estimate=False, draft="elsewhere")  # fmt: skip
-    assert main(["eval", "compare", str(a), str(b), "--draws", "200"]) == 0
+    assert main(["eval", "compare", str(a), str(b), "--draws", "2000"]) == 0
     captured = capsys.readouterr()
     assert "note: the drafts' block sizes differ (A 4, B 8)" in captured.out
     assert captured.out.strip().splitlines()[-1].startswith("diff_macro=")
     assert captured.err == ""
     # a draft in one report against the n-gram baseline of another decoded alike
     c = _write(tmp_path / "c", settings__verify="threshold")  # the baselines always verify in full
-    assert main(["eval", "compare", str(c), str(a), "--b-method", "ngram", "--draws", "200"]) == 0
+    assert main(["eval", "compare", str(c), str(a), "--b-method", "ngram", "--draws", "2000"]) == 0
     assert capsys.readouterr().err == ""
 
 
 def test_compare_warns_about_settings_an_older_report_does_not_record(tmp_path, capsys):
     a = _write(tmp_path / "a")
     old = _write(tmp_path / "old", target_config=None)  # before draftforge eval recorded it
-    assert main(["eval", "compare", str(a), str(old), "--draws", "200"]) == 0
+    assert main(["eval", "compare", str(a), str(old), "--draws", "2000"]) == 0
     captured = capsys.readouterr()
     assert captured.out.strip().splitlines()[-1].startswith("diff_macro=")
     assert captured.err == (
@@ -170,7 +170,7 @@ def test_eval_records_the_target_settings_and_compare_checks_real_reports(tmp_pa
         "model": "random", "dtype": recipe.target.dtype, "backend": "hf", "seed": 0,
         "shape": recipe.target.shape.model_dump(),
     }  # fmt: skip
-    assert main(["eval", "compare", str(outs["short"]), str(outs["short2"]), "--draws", "200"]) == 0
+    assert main(["eval", "compare", str(outs["short"]), str(outs["short2"]), "--draws", "2000"]) == 0
     assert capsys.readouterr().err == ""
     assert main(["eval", "compare", str(outs["short"]), str(outs["long"]),
                  "--a-method", "ngram", "--b-method", "ngram"]) == 2  # fmt: skip

@@ -71,12 +71,12 @@ def test_compare_refuses_a_negative_seed_and_a_report_against_itself(tmp_path, c
     assert info.value.code == 2 and "argument --seed: must be 0 or more, got -1" in capsys.readouterr().err
     # the same report twice (file and folder) compared dspark with itself: zero, "not distinguishable"
     for other in (a, a.parent, tmp_path / "." / "a"):
-        assert main(["eval", "compare", str(a), str(other), "--draws", "50"]) == 2
+        assert main(["eval", "compare", str(a), str(other), "--draws", "2000"]) == 2
         captured = capsys.readouterr()
         assert captured.out == "" and f"comparing dspark of {a} with itself" in captured.err
     # the same report's two methods, and two reports, still compare
-    assert main(["eval", "compare", str(a), str(a), "--b-method", "ngram", "--draws", "50"]) == 0
+    assert main(["eval", "compare", str(a), str(a), "--b-method", "ngram", "--draws", "2000"]) == 0
     b = _report(tmp_path / "b", al_sums=(5.0, 5.0, 6.0, 3.0, 7.0))
-    assert main(["eval", "compare", str(a), str(b), "--draws", "50", "--seed", "3"]) == 0
+    assert main(["eval", "compare", str(a), str(b), "--draws", "2000", "--seed", "3"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith(f"diff_macro={(29 - 26) / 20:.4f} ")  # pooled: 29 / 20 against 26 / 20
