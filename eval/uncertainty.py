@@ -102,15 +102,21 @@ class PromptTotals:
         return float(self.al_sum.sum() / total) if total > 0 else math.nan
 
 
+MAX_COUNT = 2**53  # counts are exact in float64 below it, and no sum of them overflows
+
+
 def _counts(values, key: str, where: str) -> list[float]:
-    """``values`` as a list of finite numbers >= 0, or an InputError naming ``key``: numpy
-    would turn a string into a traceback, and a nested list or a negative count into a
-    plausible acceptance length."""
+    """``values`` as a list of numbers from 0 to below 2^53, or an InputError naming ``key``:
+    numpy would turn a string into a traceback, a nested list or a negative count into a
+    plausible acceptance length, and finite counts near 1e308 into sums of inf and an
+    acceptance length of NaN."""
     if not isinstance(values, list):
         raise InputError(f"{where}: {key} must be a list of counts, one per prompt, got {type(values).__name__}")
     for index, value in enumerate(values):
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
-            raise InputError(f"{where}: {key}[{index}] must be a count (a number >= 0), got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < MAX_COUNT:
+            raise InputError(
+                f"{where}: {key}[{index}] must be a count (a number from 0 to below 2^53), got {value!r}"
+            )
     return values
 
 

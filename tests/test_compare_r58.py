@@ -31,3 +31,16 @@ def test_draws_are_checked_at_the_expanded_level(tmp_path, capsys, level, least)
     assert (f"--draws {least - 1} is too few for a {level} interval at 8 prompts (workload 'w'): it is "
             "read at the expanded level 0.9") in err
     assert f"each of its tails needs a draw, so at least {least}" in err
+
+
+def test_counts_whose_sums_would_overflow_are_refused(tmp_path, capsys):
+    """Each count of 1e308 is finite, but eight of them sum to inf, and inf / inf made the
+    acceptance length NaN with a verdict of "no rounds". Counts are whole numbers, exact in
+    float64 below 2^53, which no real report comes near."""
+    report = _report(tmp_path / "r", {"dspark": ([3, 4, 2, 5, 3, 4, 3, 1e308], [7, 9, 4, 12, 5, 8, 4, 1e308]),
+                                       "ngram": ([4, 4, 3, 5, 4, 4, 3, 3], [6, 8, 5, 9, 6, 7, 5, 4])})  # fmt: skip
+    assert main(["eval", "compare", str(report)]) == 2
+    assert ("w/dspark: prompt_rounds[7] must be a count (a number from 0 to below 2^53), got 1e+308"
+            in capsys.readouterr().err)
+    top = _report(tmp_path / "top", {"dspark": ([3, 2**53 - 1], [7, 2**53 - 1]), "ngram": ([4, 4], [6, 8])})
+    assert main(["eval", "compare", str(top), "--draws", "40"]) == 0  # the largest count is still one
