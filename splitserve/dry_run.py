@@ -604,6 +604,7 @@ def dry_run(cfg: RecipeConfig) -> str:
         f"batches of {split.token_budget} padded tokens"
     )
     lines += filter(None, [_reuse_note(cfg, topology)])
+    trainer = trainer_estimate(cfg, with_emb, without_emb, meta_draft=meta_draft)
     lines += [
         "",
         f"draft parameters: {with_emb:,} with embeddings, {without_emb:,} without "
@@ -614,9 +615,33 @@ def dry_run(cfg: RecipeConfig) -> str:
         *target_estimate(cfg).lines(),
         *filter(None, [sglang_pool_note(cfg)]),
         "memory estimate per trainer rank:",
-        *trainer_estimate(cfg, with_emb, without_emb, meta_draft=meta_draft).lines(),
+        *trainer.lines(),
     ]
-    note = short_sample_note(cfg)
-    if note:
-        lines.append(note)
+    lines += filter(None, [short_sample_note(cfg), bigram_note(cfg, trainer)])
     return "\n".join(lines)
+
+
+# a step's own allocations: none of them exists while the trainer starts
+STEP_ITEMS = ("gradients", "AdamW moments", "batch features", "context + backbone activations",
+              "objective chunk", "objective's W2 gradient")
+
+
+def bigram_note(cfg: RecipeConfig, trainer: Estimate) -> str | None:
+    """With ``train.markov_init: bigram``, the start-up table against what it coexists with."""
+    if cfg.train.markov_init != "bigram":
+        return None
+    from draftforge.splitserve.registry import resolve_target_shape
+    from draftforge.train.markov_init import MAX_TOKENS, OVERSAMPLE
+
+    side = min(MAX_TOKENS, resolve_target_shape(cfg.target).vocab_size)
+    # train/markov_init.py: the float64 table, built in place, and the randomised SVD's work
+    # beside it, about four [side, rank + OVERSAMPLE] float64 matrices (a rise of 0.53 GiB
+    # resident measured after the table at 8192^2, rank 256, and 0.61 GiB after its SVD)
+    table = side * side * 8 + 4 * side * (cfg.draft.markov_rank + OVERSAMPLE) * 8
+    later = sum(v for name, v in trainer.items if name.startswith(STEP_ITEMS))
+    verdict = ("within the total above" if table <= later else
+               f"so the trainer's peak may be up to {(table - later) / GIB:.3f} GiB above the total")
+    return (f"    train.markov_init bigram: at start-up the trainer holds a float64 bigram table of up "
+            f"to {side:,} x {side:,} tokens and its SVD, up to {table / GIB:.3f} GiB, before the "
+            f"first step allocates its gradients, AdamW moments and activations "
+            f"({later / GIB:.3f} GiB): {verdict}")
