@@ -51,7 +51,7 @@ Resumable and crash-safe:
   renamed or moved since is recognised by its fingerprint) and settings equal this run's;
   anything else is refused with the file and id, never mixed in. A finished file that
   answers every prompt and more (a larger recipe's) is accepted as it is; training
-  reads its first ``data.num_samples`` rows (``check_answers``). A larger recipe's stopped
+  reads the rows of its own prompts, by id (``check_answers``). A larger recipe's stopped
   ``<out>.partial`` (its other rows of this run's target and settings) is used likewise: its
   rows of this run's prompts are kept, the missing ones answered into it, and ``<out>`` is
   written with this run's rows, the ``.partial`` left for the larger run to continue.
@@ -483,8 +483,9 @@ def check_answers(
     """Refuse a finished answers file that does not answer this run's prompts: each of
     ``prompts`` must have a row with the same id, system prompt and user turns, written with
     ``target`` (and its fingerprint, when both it and the row have one) and ``settings``.
-    Rows of other ids are ignored (a larger recipe's file holds a smaller one's prompts). Raises :class:`RegenerationError` naming the file and what
-    differs: training from a stale file would silently learn from other answers."""
+    Rows of other ids are ignored (a larger recipe's file holds a smaller one's prompts).
+    Raises :class:`RegenerationError` naming the file and what differs: training from a
+    stale file would silently learn from other answers."""
     path = Path(path)
     by_id = {p.id: p for p in prompts}
     settings_json = settings.model_dump(mode="json")

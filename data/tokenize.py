@@ -319,9 +319,14 @@ def _trailer(tokenizer, prompt, **kwargs) -> str:
     it is neither the end of an assistant turn nor generated. Found in tokens, where the
     rendering of ``prompt`` without and with the generation prompt part ways (as text,
     ``<|endoftext|>`` and ``<|assistant|>`` share their first characters); whitespace is
-    left out of the spans anyway."""
+    left out of the spans anyway. Where the closed rendering's text is all in the opened one
+    there is none: the tokens part there only because a plain-text marker ending the last turn
+    (``<|eot_id|>`` where the tokenizer has no such token) merges with the generation prompt's
+    first characters, and that last token is the turn's own."""
     closed = render(tokenizer, prompt, add_generation_prompt=False, **kwargs)
     opened = render(tokenizer, prompt, add_generation_prompt=True, **kwargs)
+    if opened.startswith(closed):
+        return ""
     ids, offsets = _encode(tokenizer, closed, ())
     shared = 0
     for ours, theirs in zip(ids, tokenizer(opened, add_special_tokens=False)["input_ids"], strict=False):
