@@ -28,7 +28,21 @@ _RecipeDumper.add_representer(list, _represent_list)
 
 class _RecipeLoader(yaml.SafeLoader):
     """SafeLoader that also reads ``1e-4`` as a float (YAML 1.1 wants ``1.0e-4``), and reads
-    ``1:30`` and ``0b11`` as the strings YAML 1.2 reads, not 1.1's base-60 and binary numbers."""
+    ``1:30`` and ``0b11`` as the strings YAML 1.2 reads, not 1.1's base-60 and binary numbers.
+    It also keeps where each alias (``*name``) was used: the composed tree shares the anchored
+    node itself, which knows only where the anchor is."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        # id(node) -> (mark, anchor) of each use of that node through an alias, in the text's order
+        self.alias_uses: dict[int, list[tuple[yaml.Mark, str]]] = {}
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        alias = self.peek_event() if self.check_event(yaml.AliasEvent) else None
+        node = super().compose_node(parent, index)
+        if alias is not None:
+            self.alias_uses.setdefault(id(node), []).append((alias.start_mark, alias.anchor))
+        return node
 
     def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
         """A scalar that its explicit tag cannot read (``!!int abc``) is an error at its line,
@@ -73,16 +87,32 @@ def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
 
 
 _RecipeLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
-# the writer knows the rule too, so that a string such as '1e5' is quoted and loads back a string
-_RecipeDumper.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
+# the writer knows the reader's rules too: a string that the loader would read as something
+# else ('1e5' a float, '0815' and '0_8' ints) is written quoted, so that it loads back a string.
+# The writer's own (YAML 1.1) rules stay first, so that it still writes an int or float plain.
+for _first, _resolvers in _RecipeLoader.yaml_implicit_resolvers.items():
+    for _tag, _regexp in _resolvers:
+        if (_tag, _regexp) not in _RecipeDumper.yaml_implicit_resolvers.get(_first, []):
+            _RecipeDumper.add_implicit_resolver(_tag, _regexp, [_first])
+del _first, _resolvers, _tag, _regexp
 # and the string 'None' is written quoted: unquoted, a nullable key refuses it (validate_recipe)
 _RecipeDumper.add_implicit_resolver("tag:yaml.org,2002:null", re.compile(r"^None$"), ["N"])
 
 
+# the line breaks YAML reads (a CR LF pair is one), as PyYAML's marks count them
+_LINE_BREAK = re.compile("\r\n|[\r\n\x85\u2028\u2029]")
+
+
 def _line_column(text: str, position: int) -> tuple[int, int]:
-    """The 1-based line and column of the character at ``position`` in ``text``."""
-    start = text.rfind("\n", 0, position) + 1
-    return text.count("\n", 0, position) + 1, position - start + 1
+    """The 1-based line and column of the character at ``position`` in ``text``, as YAML counts
+    them: every YAML line break (CR only, CR LF, LF, NEL, U+2028, U+2029) ends a line, and a
+    byte-order mark at the start is no column."""
+    breaks = list(_LINE_BREAK.finditer(text, 0, position))
+    if breaks:
+        start = breaks[-1].end()
+    else:
+        start = 1 if text.startswith("\ufeff") and position > 0 else 0
+    return len(breaks) + 1, position - start + 1
 
 
 def _yaml_hint(text: str, exc: yaml.MarkedYAMLError, mark) -> str:
@@ -90,9 +120,16 @@ def _yaml_hint(text: str, exc: yaml.MarkedYAMLError, mark) -> str:
     indents with spaces), or an invisible non-breaking space on the line (read as part of a
     word, so 'key:\u00a0value' is no key)."""
     hints = []
-    if "'\\t'" in (exc.problem or "") and exc.problem_mark is not None:
-        hints.append(f"a tab at column {exc.problem_mark.column + 1}: YAML indents with spaces, not tabs")
     lines = text.splitlines()
+    tab = exc.problem_mark
+    if "'\\t'" in (exc.problem or "") and tab is not None:
+        line = lines[tab.line] if tab.line < len(lines) else ""
+        if tab.line == 0 and line.startswith("\ufeff"):
+            line = line[1:]  # PyYAML's columns do not count a byte-order mark
+        if line[: tab.column].strip(" \t"):  # after the line's first character: no indentation
+            hints.append(f"a tab at column {tab.column + 1}; use spaces")
+        else:
+            hints.append(f"a tab at column {tab.column + 1}: YAML indents with spaces, not tabs")
     if mark is None or mark.line >= len(lines):
         return f" ({'; '.join(hints)})" if hints else ""
     before = next((n for n in range(mark.line - 1, -1, -1) if lines[n].strip()
@@ -129,6 +166,7 @@ def _parse_yaml(text: str, source: str) -> tuple[Any, dict[KeyPath, int], dict[K
     try:
         node = loader.get_single_node()
         _refuse_cycle(node, source)
+        _refuse_expansion(node, loader, source)
         if node is not None:
             # before constructing: construction flattens merge keys (<<: *anchor) into the
             # mapping, and an explicit key beside a merged one would look duplicated
@@ -155,17 +193,30 @@ def _parse_yaml(text: str, source: str) -> tuple[Any, dict[KeyPath, int], dict[K
     return data, lines, booleans, problems
 
 
-def _cycle(node: yaml.Node, inside: frozenset[int] = frozenset()) -> yaml.Node | None:
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    """A node's keys and values (a mapping's), items (a sequence's), or nothing (a scalar's)."""
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return node.value if isinstance(node, yaml.SequenceNode) else []
+
+
+def _cycle(node: yaml.Node, inside: set[int] | None = None, done: set[int] | None = None) -> yaml.Node | None:
     """The first node that contains itself through an alias (``a: &x [*x]``), or None: a
-    recipe is a tree, and walking such a node would never end."""
+    recipe is a tree, and walking such a node would never end. A node shared through aliases
+    is walked once (``done``): walking it at every use took time that grows with each level
+    of aliases of aliases."""
+    inside = set() if inside is None else inside
+    done = set() if done is None else done
     if id(node) in inside:
         return node
-    inside |= {id(node)}
-    children = (
-        [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode)
-        else node.value if isinstance(node, yaml.SequenceNode) else []
-    )  # fmt: skip
-    return next((found for child in children if (found := _cycle(child, inside)) is not None), None)
+    if id(node) in done:
+        return None
+    inside.add(id(node))
+    found = next((found for child in _children(node) if (found := _cycle(child, inside, done)) is not None),
+                 None)
+    inside.discard(id(node))
+    done.add(id(node))
+    return found
 
 
 def _refuse_cycle(node: yaml.Node | None, where: str, *, line: bool = True) -> None:
@@ -174,6 +225,46 @@ def _refuse_cycle(node: yaml.Node | None, where: str, *, line: bool = True) -> N
         at = f"{where}:{found.start_mark.line + 1}" if line else where
         raise RecipeError([f"{at}: YAML syntax error: an alias (*name) refers to a value that "
                            "contains it; a recipe is a tree, not a cycle"])
+
+
+# the most values a recipe may hold once its aliases are expanded: a recipe holds a few hundred,
+# and a few lines of aliases of aliases ('x1: &b [*a, *a, ...]') can stand for billions
+MAX_EXPANDED_VALUES = 100_000
+
+
+def _refuse_expansion(node: yaml.Node | None, loader: _RecipeLoader, where: str, *, line: bool = True) -> None:
+    """Refuse a tree (without cycles: _refuse_cycle) whose aliases expand it past
+    MAX_EXPANDED_VALUES nodes, naming the alias (``*name``) that passes it. Each node's
+    expanded size is counted once, so the count takes time in the size of the text."""
+    if node is None:
+        return
+    sizes: dict[int, int] = {}  # id(node) -> its expanded size, once walked
+    uses: dict[int, int] = {}  # id(node) -> how many of its alias uses the walk has passed
+    total = 0
+
+    def walk(node: yaml.Node) -> int:
+        nonlocal total
+        key = id(node)
+        if key in sizes:  # a use through an alias: the text walked so far is its anchor's
+            number = uses.get(key, 0)
+            uses[key] = number + 1
+            total += sizes[key]
+            if total > MAX_EXPANDED_VALUES:
+                recorded = loader.alias_uses.get(key, [])
+                mark, anchor = recorded[number] if number < len(recorded) else (node.start_mark, "")
+                at = f"{where}:{mark.line + 1}" if line else where
+                alias = f"the alias *{anchor}" if anchor else "an alias"
+                raise RecipeError([f"{at}: {alias} takes the recipe past {MAX_EXPANDED_VALUES} values "
+                                   "once its aliases are expanded (each alias repeats its anchor's "
+                                   "values, and an alias of aliases multiplies them); a recipe holds "
+                                   "a few hundred: use fewer aliases (*name) or write the values out"])
+            return sizes[key]
+        total += 1
+        size = 1 + sum(walk(child) for child in _children(node))
+        sizes[key] = size
+        return size
+
+    walk(node)
 
 
 def _index_lines(
@@ -194,6 +285,7 @@ def _index_lines(
     at = (lambda line: f"{source}:{line}: ") if source is not None else (lambda line: "")
     if isinstance(node, yaml.MappingNode):
         seen: dict[str, int] = {}
+        values: dict[str, yaml.Node] = {}  # each key's value node, for the lines a duplicate drops
         merged: dict[KeyPath, int] = {}
         for key_node, value_node in node.value:
             line = key_node.start_mark.line + 1
@@ -213,10 +305,13 @@ def _index_lines(
             if key in seen:
                 first = f" (first given at line {seen[key]})" if source is not None else ""
                 problems.append(f"{at(line)}{_dotted(path + (key,))}: duplicate key{first}")
-                for stale in [p for p in lines if p[: len(path) + 1] == path + (key,)]:
-                    del lines[stale]  # the lines of the first value's keys, which YAML dropped
+                # the lines of the first value's keys, which YAML dropped (the paths that value
+                # gives, not a search of every line: that took time in lines x duplicates)
+                for stale in _key_paths(values[key], path + (key,)):
+                    lines.pop(stale, None)
             else:
                 seen[key] = line
+            values[key] = value_node
             # YAML keeps the last value, so its problems are reported at the last line
             lines[path + (key,)] = line
             _index_lines(value_node, path + (key,), lines, problems, source, booleans)
@@ -271,6 +366,7 @@ def parse_override(text: str, booleans: dict[KeyPath, str] | None = None) -> tup
         try:
             node = loader.get_single_node()
             _refuse_cycle(node, where, line=False)
+            _refuse_expansion(node, loader, where, line=False)
             if node is not None:  # duplicate and non-string keys, as in a file
                 _index_lines(node, parts, {}, problems, None, {} if booleans is None else booleans)
             value = loader.construct_document(node) if node is not None else None
@@ -310,8 +406,21 @@ def _apply_override(
 ) -> tuple[tuple[str, ...], list[KeyPath]]:
     """Set one override in the raw tree (before validation); return its key path and the key
     paths it gives a value: that path, or for a mapping merged into a section only the keys
-    the mapping lists (the section's other keys are still where the recipe set them)."""
-    parts, value = parse_override(text, booleans)
+    the mapping lists (the section's other keys are still where the recipe set them).
+    ``booleans`` (the file's spellings, see _index_lines) loses what it recorded under every
+    path the override sets, and gets the override's own: a quoted 'None' on the command line
+    is no unquoted None, whatever the file wrote there."""
+    own: dict[KeyPath, str] = {}
+    parts, value = parse_override(text, own)
+    sets = _set_override(data, text, parts, value)
+    for stale in [path for path in booleans if any(path[: len(set_)] == set_ for set_ in sets)]:
+        del booleans[stale]
+    booleans.update(own)
+    return parts, sets
+
+
+def _set_override(data: dict[str, Any], text: str, parts: tuple[str, ...], value: Any) -> list[KeyPath]:
+    """Set ``parts`` to ``value`` in the raw tree; the key paths it gives a value (_apply_override)."""
     node = data
     for depth, part in enumerate(parts[:-1]):
         child = node.get(part)
@@ -332,9 +441,9 @@ def _apply_override(
         # a mapping merges into the section it names: train.loss={ce_weight: 1} changes
         # ce_weight and keeps the recipe's other loss settings
         node[parts[-1]] = _merged(current, value)
-        return parts, [parts + leaf for leaf in _leaves(value)]
+        return [parts + leaf for leaf in _leaves(value)]
     node[parts[-1]] = value
-    return parts, [parts]
+    return [parts]
 
 
 def _leaves(mapping: dict[Any, Any], prefix: KeyPath = ()) -> list[KeyPath]:
