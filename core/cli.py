@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from draftforge import __version__
+from draftforge.errors import InputError
 
 
 @dataclass(frozen=True)
@@ -154,8 +155,28 @@ def config_show(argv: Sequence[str]) -> int:
     problems = recipe_split_problems(cfg)
     if problems:
         raise RecipeError([cfg.locate(problem) for problem in problems])
-    sys.stdout.write(cfg.to_yaml())
+    write_output(cfg.to_yaml())
     return 0
+
+
+class OutputError(InputError):
+    """Standard output cannot take the command's output: closed (``>&-``), or a write to it
+    failed (``> /dev/full``). Printed as ``draftforge X: error: standard output: ...``, exit 2."""
+
+
+def write_output(text: str) -> None:
+    """Write ``text`` to standard output and flush it, so that a closed or failing output is an
+    :class:`OutputError` here, not a traceback (or a lost write at interpreter exit). A reader
+    that stopped reading (``| head``) still raises BrokenPipeError, which :func:`main` quiets."""
+    if sys.stdout is None:  # started with standard output closed (`>&-`)
+        raise OutputError("standard output: closed; redirect it to a file (or /dev/null)")
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        raise OutputError(f"standard output: {exc.strerror or exc}") from None
 
 
 def _overview(commands: Sequence[Command]) -> str:
@@ -177,6 +198,44 @@ def _stdout_gone() -> bool:
         return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
     except (AttributeError, OSError, ValueError):  # no poll here, or no usable stdout
         return False
+
+
+def _stdout_failing() -> bool:
+    """Whether flushing standard output fails (what it still buffers cannot be written): an
+    OSError that names no file came from writing it, not from a socket or a worker's pipe."""
+    try:
+        write_output("")
+    except (OutputError, OSError):
+        return True
+    return False
+
+
+def _reader_gone() -> int | None:
+    """The status of a command whose output's reader stopped reading (a BrokenPipeError);
+    None where the pipe is not standard output but one of the command's own (a worker's,
+    a socket), whose error the caller re-raises."""
+    if not _stdout_gone():
+        return None
+    # the output's reader stopped reading (`draftforge train R --dry-run | head`): quiet, as
+    # a command killed by SIGPIPE is; what is still buffered goes nowhere at exit
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
+
+
+def _show(prog: str, text: str) -> int:
+    """Print ``text`` (help, the version) for ``prog``: 0, or 2 with the reason where standard
+    output cannot take it."""
+    try:
+        write_output(text)
+    except BrokenPipeError:
+        status = _reader_gone()
+        if status is None:
+            raise
+        return status
+    except OutputError as exc:
+        sys.stderr.write(f"{prog}: error: {exc}\n")
+        return 2
+    return 0
 
 
 def _override_first(command: Command, exc) -> str:
@@ -203,19 +262,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[0] == "help" and len(argv) > 1:  # `draftforge help train`: train's own help
         argv = [*argv[1:], "--help"]
     if argv[0] in ("-h", "--help", "help"):
-        sys.stdout.write(_overview(COMMANDS))
-        return 0
+        return _show("draftforge", _overview(COMMANDS))
     if argv[0] in ("-V", "--version"):
-        print(f"draftforge {__version__}")
-        return 0
+        return _show("draftforge", f"draftforge {__version__}\n")
 
     matches = [c for c in COMMANDS if tuple(argv[: len(c.words)]) == c.words]
     if not matches:
         prefix = [c for c in COMMANDS if c.words[: len(argv[:1])] == tuple(argv[:1])]
         if prefix:
             if len(argv) > 1 and argv[1] in ("-h", "--help"):
-                sys.stdout.write(_overview(prefix))
-                return 0
+                return _show(f"draftforge {argv[0]}", _overview(prefix))
             given = argv[1] if len(argv) > 1 and not argv[1].startswith("-") else None
             what = f"unknown subcommand {given!r} of" if given else "a subcommand is needed after"
             sys.stderr.write(f"draftforge: {what} '{argv[0]}':\n")
@@ -239,17 +295,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             packing_enabled()
         status = _load(command.handler)(argv[len(command.words) :])
         if sys.stdout is not None:  # None: started with standard output closed (`>&-`)
-            sys.stdout.flush()  # a reader gone (`| head`) is found here, not at interpreter exit
+            # a reader gone (`| head`) or a full disk is found here, not at interpreter exit
+            write_output("")
+    except SystemExit:  # argparse's --help and usage errors: their print ignores a failed write
+        if sys.stdout is not None and _stdout_failing():
+            sys.stderr.write(f"draftforge {command.name}: error: standard output: cannot be written\n")
+            return 2
+        raise
     except KeyboardInterrupt:
         sys.stderr.write("draftforge: interrupted\n")
         return 130
     except BrokenPipeError:
-        if not _stdout_gone():  # a pipe of the command's own (a worker's, a socket)
+        gone = _reader_gone()
+        if gone is None:
             raise
-        # the output's reader stopped reading (`draftforge train R --dry-run | head`): quiet, as
-        # a command killed by SIGPIPE is; what is still buffered goes nowhere at exit
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 128 + signal.SIGPIPE
+        return gone
     except Exception as exc:
         # A RecipeError (an InputError, headed here by what it is about) can only come from
         # an already imported draftforge.config; looking it up here keeps the config stack
@@ -258,8 +318,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if config is not None and isinstance(exc, config.RecipeError):
             sys.stderr.write(f"draftforge {command.name}: invalid recipe:\n{exc}\n{_override_first(command, exc)}")
             return 2
-        from draftforge.errors import InputError
-
+        if isinstance(exc, OSError) and exc.filename is None and _stdout_failing():
+            # a print of the command's own (its --help, a table) to a full or broken output
+            exc = OutputError(f"standard output: {exc.strerror or exc}")
         if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
             # a full disk, a read-only or missing folder: the path and the cause, no traceback
             sys.stderr.write(f"draftforge {command.name}: error: {exc.filename}: {exc.strerror}\n")

@@ -36,6 +36,7 @@ from draftforge.recipe_errors import (
     _Locator,
     _nullable,
     _show,
+    quote_advice,
 )
 from draftforge.recipe_yaml import (
     _apply_override,
@@ -179,9 +180,10 @@ def validate_recipe(
         cfg = RecipeConfig.model_validate(data)
     except ValidationError as exc:
         problems = [locator.line(*problem)
-                    for problem in _describe_all(exc.errors(), booleans, RecipeConfig)]
+                    for problem in _describe_all(exc.errors(), booleans, RecipeConfig, given)]
         raise RecipeError(problems) from None
-    problems = [locator.line(path, f"{NONE_IS_A_STRING}, or quote 'None' for the string")
+    problems = [locator.line(path, f"{NONE_IS_A_STRING}, or quote it for the string"
+                                   f"{quote_advice(path, 'None', path in given)}")
                 for path, spelled in booleans.items() if spelled == "None" and _nullable(path, RecipeConfig)
                 and _value_at(cfg, path) == "None"]  # export.out_dir=None: a folder ./None
     problems += [locator.line(*problem) for problem in _cross_check(cfg)]

@@ -128,11 +128,26 @@ def _non_ascii_note(key: str) -> str:
     return f"; it holds characters that are not ASCII, which no key has: {named}"
 
 
+def shell_quoted(path: KeyPath, spelled: str) -> str:
+    """The override that gives ``path`` the string ``spelled`` in a shell, whose own quotes
+    would strip a bare pair: ``train.output_dir='"yes"'`` (single quotes around YAML's double)."""
+    return f"{_dotted(path)}='\"{spelled}\"'"
+
+
+def quote_advice(path: KeyPath, spelled: str, overridden: bool) -> str:
+    """What follows "quote it" so that YAML reads ``spelled`` as a string: ``: 'yes'`` in the
+    file; the shell form where an override gave it (``'yes'`` on a command line loses its
+    quotes): ``, in a shell: train.output_dir='"yes"'``."""
+    return f", in a shell: {shell_quoted(path, spelled)}" if overridden else f": {spelled!r}"
+
+
 def _describe(
-    error: dict[str, Any], booleans: dict[KeyPath, str], root: type[BaseModel]
+    error: dict[str, Any], booleans: dict[KeyPath, str], root: type[BaseModel],
+    overridden: Iterable[KeyPath] = (),
 ) -> tuple[KeyPath, str]:
     """A pydantic error as (key path, problem text); ``booleans`` as _index_lines records them,
-    ``root`` the model validated (the recipe's)."""
+    ``root`` the model validated (the recipe's), ``overridden`` the key paths an override set
+    (quoting advice for them is the shell's)."""
     loc = tuple(error["loc"])
     kind = error["type"]
     value = error.get("input")
@@ -168,7 +183,8 @@ def _describe(
     if kind in _EXPECTED:
         hint = ""
         if kind == "string_type" and spelled is not None:
-            hint = f" (unquoted {spelled} is a boolean in YAML; quote it: {spelled!r})"
+            advice = quote_advice(path, spelled, path in set(overridden))
+            hint = f" (unquoted {spelled} is a boolean in YAML; quote it{advice})"
         elif value == "None" and booleans.get(path) == "None" and _nullable(path, root):
             hint = f" ({NONE_IS_A_STRING})"
         elif value is None and booleans.get(path) == BLANK_VALUE:
@@ -187,7 +203,8 @@ def _describe(
 
 
 def _describe_all(
-    errors: Sequence[dict[str, Any]], booleans: dict[KeyPath, str], root: type[BaseModel]
+    errors: Sequence[dict[str, Any]], booleans: dict[KeyPath, str], root: type[BaseModel],
+    overridden: Iterable[KeyPath] = (),
 ) -> list[tuple[KeyPath, str]]:
     """Every pydantic error as (key path, problem text); a value that fits no member of a union
     (``train.loss.compile``: a bool or 'auto') is one problem naming every member, not one
@@ -198,7 +215,7 @@ def _describe_all(
         loc = tuple(error["loc"])
         path, _ = _walk(loc, root)
         if path == loc:
-            out.append(_describe(error, booleans, root))
+            out.append(_describe(error, booleans, root, overridden))
             continue
         kind = error["type"]
         if kind == "literal_error":
@@ -206,7 +223,7 @@ def _describe_all(
         elif kind == "finite_number":  # the float member of int | float, given .inf or .nan
             expected = "a finite number"
         else:
-            expected = _EXPECTED.get(kind) or _describe(error, booleans, root)[1]
+            expected = _EXPECTED.get(kind) or _describe(error, booleans, root, overridden)[1]
         if path not in members:
             members[path] = (len(out), [], error.get("input"))
             out.append((path, ""))
@@ -259,8 +276,16 @@ class _Locator:
         found = [self.where(other) for other in related if self.given(other)]
         override = next((w for w in found if w.startswith("command line")), None)
         if not self.given(path):
-            where = override or (found[0] if found else where)
-        elif override is not None and not where.startswith("command line"):
-            # the file's line alone hides what brought the problem about: a related override
-            where = f"{where} (with {override})"
+            return override or (found[0] if found else where)
+        if where.startswith("command line"):
+            return where
+        # the file's line alone hides what brought the problem about: a related override, or
+        # one of a key inside the section the problem is of (target.model=random, where the
+        # file's target section has no shape)
+        withs = [override.removeprefix("command line ")] if override is not None else []
+        withs += [repr(text) for inner, text in self.overrides.items()
+                  if len(inner) > len(path) >= 1 and inner[: len(path)] == path]
+        withs = list(dict.fromkeys(withs))
+        if withs:
+            where = f"{where} (with command line {' and '.join(withs)})"
         return where

@@ -57,6 +57,8 @@ def _section_of(annotation) -> type[BaseModel] | None:
 def type_name(annotation) -> str:
     """A short, readable name of a field's type: ``int``, ``list of int``, ``a | b``."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:  # list[Annotated[int, Field(ge=0)]]: its items' bounds aside
+        return type_name(args[0])
     if origin is typing.Literal:
         return " \\| ".join(f"`{a}`" for a in args)
     if origin in (typing.Union, types.UnionType):
@@ -165,5 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(markdown; recipes/README.md is this output).",
     )
     parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    sys.stdout.write(reference())
+    from draftforge.cli import write_output
+
+    write_output(reference())  # a closed or full output: an error naming it, not a traceback
     return 0

@@ -9,6 +9,22 @@ from pydantic import Field, field_validator
 from draftforge.argtypes import MAX_SEED
 from draftforge.section import Section
 
+# the data sets shipped with draftforge, named in data.train_files as builtin:NAME (their files
+# are data/prompts/NAME.jsonl.gz: data.loading.BUILTINS)
+BUILTIN_DATA_SETS = ("train-prompts",)
+
+
+def unknown_builtin(*specs: str) -> str | None:
+    """Why ``specs`` (data.train_files entries) name data sets that are not shipped; None
+    where each is one, or a local path."""
+    unknown = [spec for spec in specs if spec.startswith("builtin:")
+               and spec.removeprefix("builtin:") not in BUILTIN_DATA_SETS]
+    if not unknown:
+        return None
+    return (f"unknown builtin data set{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(map(repr, unknown))}; valid: "
+            + ", ".join(f"builtin:{name}" for name in BUILTIN_DATA_SETS))
+
 
 class DataConfig(Section):
     """Prompts or conversations, and how they become token / loss-mask samples."""
@@ -57,6 +73,9 @@ class DataConfig(Section):
     def _no_empty_path(cls, value: list[str]) -> list[str]:
         if any(not path.strip() for path in value):
             raise ValueError(f"holds an empty path ({value!r}): give each file's path")
+        unknown = unknown_builtin(*value)
+        if unknown is not None:  # found here, at the recipe's line, not when the run loads its data
+            raise ValueError(unknown)
         return value
 
     @field_validator("regenerated_file")

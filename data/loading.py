@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from draftforge.data.config import DataConfig
+from draftforge.data.config import BUILTIN_DATA_SETS, DataConfig, unknown_builtin
 from draftforge.data.formats import (
     Conversation,
     DataFormatError,
@@ -41,7 +41,7 @@ from draftforge.data.formats import (
 )
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "prompts"
-BUILTINS = {"train-prompts": BUILTIN_DIR / "train-prompts.jsonl.gz"}
+BUILTINS = {name: BUILTIN_DIR / f"{name}.jsonl.gz" for name in BUILTIN_DATA_SETS}
 SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
 
 RESERVED_ID_MARK = "#e"  # SplitServe appends it and the epoch to a sample id after epoch 0
@@ -87,13 +87,10 @@ class RawRow:
 def resolve_data_path(spec: str) -> Path:
     """The file named by ``spec``: ``builtin:NAME`` or a local path (checked to exist)."""
     if spec.startswith("builtin:"):
-        name = spec.removeprefix("builtin:")
-        if name not in BUILTINS:
-            raise DataFormatError(
-                f"unknown builtin data set {spec!r}; valid: "
-                + ", ".join(f"builtin:{n}" for n in BUILTINS)
-            )
-        path = BUILTINS[name]
+        unknown = unknown_builtin(spec)
+        if unknown is not None:
+            raise DataFormatError(f"{unknown} (data.train_files)")
+        path = BUILTINS[spec.removeprefix("builtin:")]
         if not path.is_file():
             raise DataFormatError(
                 f"{spec} is missing from the installation ({path}); "
@@ -105,7 +102,7 @@ def resolve_data_path(spec: str) -> Path:
         where = "" if path.is_absolute() else f" (a relative path is read from the current directory, {Path.cwd()})"
         raise DataFormatError(f"data file not found: {spec}{where}; check data.train_files")
     if not path.is_file():
-        raise DataFormatError(f"data path is not a file: {spec}")
+        raise DataFormatError(f"data path is not a file: {spec} (data.train_files)")
     return path
 
 

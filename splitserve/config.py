@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from draftforge.argtypes import MAX_SEED
 from draftforge.precision import resolve_auto
 from draftforge.section import Section
+
+GpuId = Annotated[int, Field(ge=0)]  # a CUDA device index: 0, 1, ...
 
 
 class TargetShape(Section):
@@ -234,8 +236,8 @@ class SplitConfig(Section):
         description="machines the ranks span; node n runs ranks n*P .. n*P+P-1 with "
         "P = world_size / num_nodes (torchrun static rendezvous at node 0, see --dry-run)",
     )
-    target_devices: list[int] | None = Field(default=None, description="GPU ids of the target group")
-    trainer_devices: list[int] | None = Field(default=None, description="GPU ids of the trainers")
+    target_devices: list[GpuId] | None = Field(default=None, description="GPU ids of the target group")
+    trainer_devices: list[GpuId] | None = Field(default=None, description="GPU ids of the trainers")
     target_tensor_parallel: int = Field(
         default=1, gt=0,
         description="target ranks per SGLang tensor-parallel group: its first rank runs the "

@@ -475,10 +475,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if finished is not None:
             print(f"note: {finished}", flush=True)
-        print(dry_run(cfg))
-        print()
-        print(launch_plan(cfg, args.recipe, args.overrides, master_addr=args.master_addr,
-                          master_port=args.master_port, max_restarts=args.max_restarts))
+        from draftforge.cli import write_output
+
+        # write_output: a closed or full standard output is an error naming it, not a traceback
+        write_output(f"{dry_run(cfg)}\n\n")
+        write_output(launch_plan(cfg, args.recipe, args.overrides, master_addr=args.master_addr,
+                                 master_port=args.master_port, max_restarts=args.max_restarts) + "\n")
         return 0
 
     env = launch_env(args.master_addr, cpu=not torch_cuda_visible())  # [0] is one GPU: any() said none

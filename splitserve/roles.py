@@ -77,6 +77,17 @@ def recipe_split_problems(cfg: RecipeConfig) -> list[str]:
                 f"data.max_length {cfg.data.max_length} tokens exceed the SGLang feature "
                 f"runner's KV pool of {RUNNER_TOKENS} tokens; lower one of them"
             )
+    if split.comm_backend == "nccl" and train.device == "cpu":
+        problems.append(
+            "split.comm_backend: nccl moves samples between GPUs but train.device is cpu; use "
+            "comm_backend gloo (or auto) for CPU trainers"
+        )
+    both = sorted(set(split.target_devices or []) & set(split.trainer_devices or []))
+    if both:
+        problems.append(
+            f"split.trainer_devices: GPUs {both} are in both target_devices and trainer_devices "
+            "(two ranks on one GPU, which NCCL refuses); give each group its own GPUs"
+        )
     if split.target_tensor_parallel > 1 and cfg.target.backend == "hf":
         problems.append(
             f"split.target_tensor_parallel: {split.target_tensor_parallel} needs a tensor-parallel "
@@ -130,11 +141,6 @@ def split_problems(
         or split.target_devices is not None
         or split.trainer_devices is not None
     )
-    if split.comm_backend == "nccl" and train.device == "cpu":
-        problems.append(
-            "split.comm_backend: nccl moves samples between GPUs but train.device is cpu; use "
-            "comm_backend gloo (or auto) for CPU trainers"
-        )
     if wants_gpu and cuda_devices == 0:
         # named by the key that asks for GPUs, so that the message points where it was set
         asking = [key for key, asks in (("split.comm_backend", split.comm_backend == "nccl"),
@@ -177,7 +183,8 @@ def split_problems(
         devices = getattr(split, key) or []
         bad = [d for d in devices if d < 0 or (cuda_devices and d >= cuda_devices)]
         if bad and cuda_devices:
-            problems.append(f"split.{key}: devices {bad} do not exist ({cuda_devices} GPUs visible)")
+            problems.append(f"split.{key}: devices {bad} do not exist ({cuda_devices} "
+                            f"GPU{'' if cuda_devices == 1 else 's'} visible on this machine)")
     named = split.target_devices is not None or split.trainer_devices is not None
     if named and not nccl and cuda_devices:
         problems.append(
@@ -191,12 +198,6 @@ def split_problems(
     if not nccl and cuda_devices and train.device != "cpu":
         problems += _gloo_gpu_problems(split, cuda_devices, ranks)
     problems += tensor_parallel_problems(split, per_node=per_node, on_gpus=nccl)
-    both = sorted(set(split.target_devices or []) & set(split.trainer_devices or []))
-    if both:
-        problems.append(
-            f"split.trainer_devices: GPUs {both} are in both target_devices and trainer_devices "
-            "(two ranks on one GPU, which NCCL refuses); give each group its own GPUs"
-        )
     return problems
 
 

@@ -31,10 +31,11 @@ def test_an_unquoted_boolean_word_where_a_string_was_meant_is_named_as_written(t
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
+        # a shell strips a bare 'no' to no: the advice is the shell's form (round 58)
         ("train.resume=no", "train.resume: expected str, got bool False (unquoted no is a boolean "
-                            "in YAML; quote it: 'no')"),
+                            "in YAML; quote it, in a shell: train.resume='\"no\"')"),
         ("train={resume: YES}", "train.resume: expected str, got bool True (unquoted YES is a boolean "
-                                "in YAML; quote it: 'YES')"),
+                                "in YAML; quote it, in a shell: train.resume='\"YES\"')"),
         ("train.wandb_mode=off", "train.wandb_mode: False is not one of 'offline', 'online', "
                                  "'disabled' (unquoted off is a boolean in YAML, not the string 'off')"),
     ],
