@@ -381,6 +381,10 @@ class SampleSource:
                 if self.should_stop():
                     return
                 samples, consumed_rows = self._chunk_samples(chunk_index, chunk, epoch, rotation)
+                if max_epochs is not None and epoch == max_epochs - 1:
+                    # the chunk's last visit: no later epoch reads its answers (a single-pass
+                    # run held every regenerated conversation until the stream ended)
+                    self._answers.pop(chunk_index, None)
                 if self.should_stop():  # the trainers stopped while the chunk was computed
                     return
                 produced += consumed_rows
