@@ -34,8 +34,9 @@ sees exactly the samples an uninterrupted run would have:
   of the balance, by that run and by every later resume alike: the trainers later
   samples go to differ from a run that never met such a checkpoint (a note says
   so), nothing is lost or repeated, and the resumes after it are exact again.
-  The ids of conversations dropped for ``data.min_loss_tokens``, or because an
-  assistant reply's text holds a special token's text (``<|im_end|>`` inside a reply:
+  The ids of conversations dropped for ``data.min_loss_tokens``, because an
+  assistant reply's text holds a special token's text (``<|im_end|>`` inside a reply), or
+  because the template rewrites a reply cut at ``max_new_tokens`` (both
   :mod:`draftforge.data.tokenize`), go to the trainers with the next sample, and their
   checkpoint records them as consumed with it (0 tokens), so a chunk that holds one counts
   as consumed too.
@@ -646,7 +647,8 @@ def run_producer(
     )
     if consumed:
         log(f"target rank {rank}: resuming; the trainers already consumed {len(consumed)} samples "
-            "(or dropped them for data.min_loss_tokens)")
+            "(or dropped them: too few supervised tokens, special-token text in a reply, or a "
+            "cut reply the template rewrites)")
     seq = dict.fromkeys(dests, 0)
     # Each link keeps its own order, but links do not wait on each other: a trainer whose
     # link is full (it holds a step's data and waits in a collective for the others) must
