@@ -172,6 +172,13 @@ class PromptCheck:
     detail: str = ""
 
 
+def same_text(printed: str, tokenizer, tokens: Sequence[int]) -> bool:
+    """Whether llama.cpp's printed text is ``tokens`` decoded as it prints them: its pieces as
+    they are, without the clean-up of spaces before punctuation that a tokenizer with
+    ``clean_up_tokenization_spaces`` applies by default (" ." would read as ".")."""
+    return printed == tokenizer.decode(list(tokens), clean_up_tokenization_spaces=False)
+
+
 def classify(theirs, ours: Replay, *, tie_tolerance: float, same_text: bool) -> tuple[str, str]:
     """(status, detail) of one prompt; see :class:`PromptCheck`.
 
@@ -524,9 +531,8 @@ def _check_all(args, target_cfg, draft_cfg, draft_dir: Path, bin_dir: Path, targ
             stop = eos | theirs.end_tokens
             ours = replay(session, proposer, prompt, max_new_tokens=args.max_new_tokens, eos=stop, p_min=args.p_min)
             shown = ours.tokens[:-1] if ours.tokens and ours.tokens[-1] in stop else ours.tokens
-            status, detail = classify(
-                theirs, ours, tie_tolerance=args.tie_tolerance, same_text=theirs.text == tokenizer.decode(shown)
-            )
+            status, detail = classify(theirs, ours, tie_tolerance=args.tie_tolerance,
+                                      same_text=same_text(theirs.text, tokenizer, shown))
             check = PromptCheck(
                 workload=name, index=index, llamacpp=_counts(theirs), draftforge=_counts(ours),
                 same_tokenization=same_tokenization, status=status, detail=detail,

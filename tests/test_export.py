@@ -510,8 +510,13 @@ def test_push_to_hub_offline_fails_clearly(tmp_path, monkeypatch, capsys):
 def test_with_embeddings_needs_them_in_the_state(tmp_path):
     model = tiny_draft()
     state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    with pytest.raises(ExportError, match="with_embeddings needs embed_tokens.weight and lm_head.weight"):
+    with pytest.raises(ExportError, match="with_embeddings needs embed_tokens.weight and lm_head.weight") as info:
         export_draft((state, model.config), tmp_path / "export", with_embeddings=True, progress=lambda _: None)
+    # it names what is there (it said "has none" of a state holding embed_tokens; round 58)
+    assert "this checkpoint has only embed_tokens.weight, not lm_head.weight;" in str(info.value)
+    bare = {k: v for k, v in state.items() if k != "embed_tokens.weight"}
+    with pytest.raises(ExportError, match="this checkpoint has neither;"):
+        export_draft((bare, model.config), tmp_path / "export", with_embeddings=True, progress=lambda _: None)
 
 
 def test_export_cli_model_card_carries_recipe_and_acceptance_table(tmp_path):

@@ -451,7 +451,7 @@ class _Tokenizer:
     def __call__(self, text, add_special_tokens=True):
         return {"input_ids": [1, 2, 3]}
 
-    def decode(self, ids):
+    def decode(self, ids, clean_up_tokenization_spaces=None):
         return "".join(chr(ord("a") + i) for i in ids)
 
 

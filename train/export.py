@@ -332,10 +332,13 @@ def export_draft(
     if not with_embeddings:
         for name in EMBEDDING_KEYS:
             state.pop(name, None)
-    if with_embeddings and not all(name in state for name in EMBEDDING_KEYS):
+    lacking = [name for name in EMBEDDING_KEYS if name not in state]
+    if with_embeddings and lacking:
+        held = [name for name in EMBEDDING_KEYS if name in state]
+        has = f"only {held[0]}, not {lacking[0]}" if held else "neither"
         raise ExportError(
             "with_embeddings needs embed_tokens.weight and lm_head.weight in the draft's state dict, "
-            "and this checkpoint has none; export without them (--no-with-embeddings, which also "
+            f"and this checkpoint has {has}; export without them (--no-with-embeddings, which also "
             "overrides a recipe's export.with_embeddings: true; servers attach the target's own) or "
             "load the target's into the draft first"
         )
