@@ -916,6 +916,6 @@ def _run_trainer(ctx: RankContext, bench: dict | None) -> None:
             f"finished at step {result.step} ({result.stopped_reason}); checkpoint "
             f"{result.checkpoint}; {dropped} samples in transit dropped (not consumed)"
             + (f", {result.untrained} taken for a last step not every trainer rank could fill not "
-               "trained (nor consumed: a longer run gets them)" if result.untrained else "")
+               "trained (nor consumed: a rerun with a higher split.max_epochs trains them)" if result.untrained else "")
         )
         print(accounting.summary_text(), file=sys.stderr, flush=True)

@@ -94,7 +94,8 @@ class FitResult:
     stopped_reason: str
     checkpoint: Path | None
     # data_exhausted: samples the trainer ranks took for a last step that some rank could not fill
-    # (ranks run whole steps together); not trained, not consumed: a longer run gets them again
+    # (ranks run whole steps together); not trained, not consumed: a rerun with a higher
+    # split.max_epochs trains them
     untrained: int = 0
     losses: list[float] = field(default_factory=list)
     sample_ids: list[list[str]] = field(default_factory=list)  # per step, every rank's, rank order
