@@ -373,9 +373,20 @@ def continued_threads(out: Path, arithmetic: dict[str, Any]) -> tuple[Path, int]
     run's: the default for ``--threads``, whose own default follows the number of batches, so
     that a rerun with default options is never refused for a count its user never chose.
     None otherwise (also for a file from before the record)."""
-    path = next((p for p in (out.with_name(out.name + ".partial"), out) if p.is_file()), None)
-    if path is None:
-        return None
+    # read before the lock (it sets --threads' default): another run may rename its .partial to
+    # <out> between the look and the read, so a file gone is looked for again, as <out>
+    for path in (out.with_name(out.name + ".partial"), out):
+        if not path.is_file():
+            continue
+        try:
+            return _threads_of(path, arithmetic)
+        except FileNotFoundError:
+            continue
+    return None
+
+
+def _threads_of(path: Path, arithmetic: dict[str, Any]) -> tuple[Path, int] | None:
+    """:func:`continued_threads` of one file; FileNotFoundError where it has gone."""
     with path.open("rb") as lines:
         for line in lines:
             try:
