@@ -316,7 +316,17 @@ def exclusive_lock(path: Path) -> Iterator[None]:
     lock; a process that opened it just before is told by the inode check and locks the new one."""
     path = Path(path)
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            writable = True
+        except PermissionError:
+            # a lock file a killed run of another user left, in its umask's mode: flock works
+            # on a read-only descriptor too, and tells a held lock from a stale file
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:  # removed meanwhile: create it again
+                continue
+            writable = False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -331,14 +341,22 @@ def exclusive_lock(path: Path) -> Iterator[None]:
             current = (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
         except FileNotFoundError:
             current = False
+        if current and not writable:
+            try:  # stale (nobody holds it): put one of this user's in its place where the folder allows
+                os.unlink(path)
+            except PermissionError:  # a sticky folder: hold the lock on the stale file as it is
+                break
+            os.close(fd)
+            continue
         if current:
             break
         os.close(fd)  # the holder removed the file between our open and our lock
     try:
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
+        if writable:
+            os.ftruncate(fd, 0)
+            os.write(fd, str(os.getpid()).encode())
         yield
     finally:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError, PermissionError):
             os.unlink(path)
         os.close(fd)

@@ -539,9 +539,8 @@ def _say_how_to_resume(ctx: RankContext, bench: dict | None) -> None:
     run_dir = Path(ctx.cfg.train.output_dir)
     # the folder is not here, or this node runs no trainer (a target node's folder may hold
     # regenerated.jsonl, never a checkpoint): the trainers' node has it, and may have checkpoints
-    try:
-        none = (run_dir.is_dir() and not ckpt.complete_checkpoints(run_dir)
-                and _trainers_on_this_node(ctx))
+    try:  # a trainer on this node and no run folder (it died before making one): no checkpoint
+        none = _trainers_on_this_node(ctx) and (not run_dir.is_dir() or not ckpt.complete_checkpoints(run_dir))
     except OSError:  # a folder this rank cannot list: no guess
         none = False
     if none:
@@ -614,9 +613,14 @@ def die_of_sigterm() -> None:
     os._exit(128 + signal.SIGTERM)  # not reached where the signal is delivered
 
 
+# a second SIGTERM this soon after the first is the same stop delivered twice (interrupt_once)
+DUPLICATE_SIGTERM_S = 1.0
+
+
 def interrupt_once() -> None:
     """Make the first SIGINT a KeyboardInterrupt and the first SIGTERM a :class:`Terminated`;
-    after either, SIGINT is ignored and SIGTERM kills at once (its default action).
+    after either, SIGINT is ignored and SIGTERM kills at once (its default action), except a
+    SIGTERM within DUPLICATE_SIGTERM_S of a first SIGTERM, which is ignored.
 
     A rank often gets two SIGINTs: a group-wide one (``kill -INT -PGID``, a scheduler) reaches
     it directly and again through the launcher, which cannot tell it from one sent to itself
@@ -632,8 +636,23 @@ def interrupt_once() -> None:
     @outside_finalizers  # raised in a __del__, the interrupt would be printed and lost
     def first(signum, _frame):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+        if signum != signal.SIGTERM:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            raise KeyboardInterrupt
+        # a scheduler's group-wide SIGTERM reaches a rank twice too, directly and through the
+        # launcher, milliseconds apart: that copy is ignored (it killed ranks writing their
+        # interrupted summary); one later than DUPLICATE_SIGTERM_S kills, as before
+        first_at = time.monotonic()
+
+        def again(_signum, _frame):
+            if time.monotonic() - first_at < DUPLICATE_SIGTERM_S:
+                return
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        again.after_stop = True  # the rank's own, which sglang_backend.sigterm_kept leaves in place
+        signal.signal(signal.SIGTERM, again)
+        raise Terminated
 
     try:
         signal.signal(signal.SIGINT, first)

@@ -518,8 +518,10 @@ def sigterm_kept() -> Iterator[None]:
         yield
     finally:
         now = signal.getsignal(signal.SIGTERM)
-        # SIG_DFL or SIG_IGN: the rank's own handler ran meanwhile and set what comes after it
-        if before is not None and now is not before and now not in (signal.SIG_DFL, signal.SIG_IGN):
+        # SIG_DFL, SIG_IGN or one marked after_stop: the rank's own handler ran meanwhile and
+        # set what comes after it
+        after_stop = now in (signal.SIG_DFL, signal.SIG_IGN) or getattr(now, "after_stop", False)
+        if before is not None and now is not before and not after_stop:
             import asyncio
 
             with contextlib.suppress(Exception):

@@ -299,7 +299,7 @@ def run_ranks(
                 for rank in sorted(new, key=lambda r: new[r] >= 0):  # signal deaths first
                     failures[rank] = new[rank]
                     seen_at[rank] = time.monotonic()
-                    if deadline is None and not asked:
+                    if deadline is None and not asked and not failed_first:  # said once, for the first
                         failed_first = True
                         say(f"{name(rank)} failed ({describe_status(new[rank])}); waiting up to "
                             f"{grace_s:g} s for the other ranks to stop (Ctrl-C stops them now)")

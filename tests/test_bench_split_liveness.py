@@ -10,9 +10,9 @@ import pytest
 from draftforge.splitserve.roles import _say_how_to_resume
 
 
-def _ctx(resume: str):
+def _ctx(resume: str, output_dir="/runs/x"):
     lines = []
-    cfg = SimpleNamespace(train=SimpleNamespace(resume=resume, output_dir="/runs/x"))
+    cfg = SimpleNamespace(train=SimpleNamespace(resume=resume, output_dir=str(output_dir)))
     return SimpleNamespace(cfg=cfg, log=lines.append), lines
 
 
@@ -22,11 +22,24 @@ def _ctx(resume: str):
     ("never", {"steps": 2}, False),  # the benchmark: its scratch run is gone
     ("auto", {"steps": 2}, False),
 ])
-def test_resume_advice_only_where_a_rerun_resumes(resume, bench, advised):
-    ctx, lines = _ctx(resume)
+def test_resume_advice_only_where_a_rerun_resumes(tmp_path, resume, bench, advised):
+    checkpoint = tmp_path / "checkpoints" / "step_00000004"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "COMPLETE").write_text("")
+    (checkpoint / "trainer_state.json").write_text("{}")
+    ctx, lines = _ctx(resume, tmp_path)
     _say_how_to_resume(ctx, bench)
     assert lines == ([f"the run can be resumed: rerun the same command (train.resume={resume}) "
-                      "to continue from the newest checkpoint in /runs/x"] if advised else [])
+                      f"to continue from the newest checkpoint in {tmp_path}"] if advised else [])
+
+
+def test_a_run_folder_never_made_has_no_checkpoint_to_resume(tmp_path):
+    """A trainer killed before it made train.output_dir: the target rank said the run could be
+    resumed where the launcher said it starts over (round 58)."""
+    ctx, lines = _ctx("auto", tmp_path / "never-made")
+    _say_how_to_resume(ctx, None)
+    assert lines == [f"no checkpoint was written in {tmp_path / 'never-made'} yet: rerun the same "
+                     "command to start over"]
 
 
 def test_the_launcher_offers_no_resume_to_a_run_that_never_resumes(tmp_path, capsys, monkeypatch):

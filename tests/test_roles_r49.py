@@ -24,10 +24,13 @@ def _child(script: str, **env: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
-def test_the_first_sigterm_unwinds_a_rank_and_a_second_kills_it():
+def test_the_first_sigterm_unwinds_a_rank_and_a_later_one_kills_it():
+    """A second SIGTERM within DUPLICATE_SIGTERM_S of the first is its copy (a group-wide
+    SIGTERM reaches a rank directly and through the launcher, milliseconds apart) and is
+    ignored (round 58: it killed ranks writing their interrupted summary); a later one kills."""
     script = (
         "import os, signal, time\n"
-        "from draftforge.splitserve.roles import Terminated, interrupt_once\n"
+        "from draftforge.splitserve.roles import DUPLICATE_SIGTERM_S, Terminated, interrupt_once\n"
         "interrupt_once()\n"
         "try:\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
@@ -37,11 +40,15 @@ def test_the_first_sigterm_unwinds_a_rank_and_a_second_kills_it():
         "    print('unwound', flush=True)\n"
         "    assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(0.2)\n"
+        "    print('the copy ignored', flush=True)\n"
+        "    time.sleep(DUPLICATE_SIGTERM_S)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    time.sleep(30)\n"
-        "    print('survived a second SIGTERM', flush=True)\n"
+        "    print('survived a later SIGTERM', flush=True)\n"
     )
     done = _child(script)
-    assert done.stdout == "unwound\n", done.stdout + done.stderr
+    assert done.stdout == "unwound\nthe copy ignored\n", done.stdout + done.stderr
     assert done.returncode == -signal.SIGTERM
 
 
@@ -146,7 +153,7 @@ def _kept_script(loop: str, checks: str = "") -> str:
     return (
         "import asyncio, signal\n"
         "from draftforge.splitserve.sglang_backend import sigterm_kept\n"
-        "from draftforge.splitserve.roles import Terminated, interrupt_once\n"
+        "from draftforge.splitserve.roles import DUPLICATE_SIGTERM_S, Terminated, interrupt_once\n"
         "class Stubborn(asyncio.SelectorEventLoop):\n"
         "    def remove_signal_handler(self, sig):\n"
         "        return False  # as uvloop's, outside run()\n"
@@ -186,23 +193,27 @@ def test_the_engines_sigterm_handler_is_disarmed_where_its_loop_keeps_it():
 
 
 def test_a_signal_during_generation_leaves_the_next_sigterm_fatal():
-    """The rank's handler, run by a first SIGTERM inside the block, sets SIGTERM's default
-    action for the next one (the launcher's, during the rank's cleanup); the block put the
-    unwinding handler back over it, so that SIGTERM raised again mid-cleanup."""
+    """The rank's handler, run by a first SIGTERM inside the block, sets what the next one
+    does (ignored as a copy within DUPLICATE_SIGTERM_S, fatal after: round 58); the block put
+    the unwinding handler back over it, so that SIGTERM raised again mid-cleanup."""
     script = (
         "import os, signal, time\n"
         "from draftforge.splitserve.sglang_backend import sigterm_kept\n"
-        "from draftforge.splitserve.roles import Terminated, interrupt_once\n"
+        "from draftforge.splitserve.roles import DUPLICATE_SIGTERM_S, Terminated, interrupt_once\n"
         "interrupt_once()\n"
         "try:\n"
         "    with sigterm_kept():\n"
         "        os.kill(os.getpid(), signal.SIGTERM)\n"
         "        time.sleep(30)\n"
         "except Terminated:\n"
-        "    print('unwound', signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, flush=True)\n"
+        "    print('unwound', getattr(signal.getsignal(signal.SIGTERM), 'after_stop', False), flush=True)\n"
+        "    time.sleep(DUPLICATE_SIGTERM_S)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(30)\n"
     )
     done = _child(script)
     assert done.stdout == "unwound True\n", done.stdout + done.stderr
+    assert done.returncode == -signal.SIGTERM
 
 
 def test_another_nodes_trainers_are_not_counted_against_this_nodes_gpus(tmp_path):
