@@ -35,7 +35,11 @@ A stage whose output already exists, is complete and is newer than its inputs is
 skipped, so an interrupted demo continues where it stopped (training resumes from
 its newest checkpoint). An existing regenerated file is used only if it answers the
 recipe's prompts with its target and generation settings; otherwise the demo stops and
-says what differs. ``--force`` starts over; ``--skip-train`` uses the runs as they are.
+says what differs; a missing one is not regenerated where both trainings are finished and
+record the answers they trained on. ``--force`` starts over; ``--skip-train`` uses the runs as
+they are (refused while a training holds either run, whose lock it then holds itself), and
+evaluates the checkpoints it names (the final one, else the newest): a report of other weights
+(``draft_fingerprint``) is never labelled with them.
 """
 
 from __future__ import annotations
@@ -77,19 +81,25 @@ from draftforge.eval.demo_state import (
     check_same_recipe,
     check_trained_on,
     check_training_data,
+    checkpoint_fingerprints,
     checkpoint_step,
     data_ran_out,
     demo_held,
     eval_is_current,
     export_held,
+    export_holds_other_weights,
     export_is_current,
     final_checkpoint,
+    force_deletes,
+    measured_other_weights,
     model_card_is_current,
+    records_answers,
     remove_output,
     reported_export_files,
     runs_as_they_are,
     stamp_answers,
     stamped_files,
+    trainings_held,
     writers_held,
 )
 from draftforge.files import write_atomic
@@ -176,11 +186,12 @@ RERUN_WITHOUT_FORCE = ("rerun without --force to continue (finished stages are s
 
 
 def evaluation_commands(recipe: str, paths: DemoPaths, *, workloads: Sequence[str], num_prompts: int,
-                        max_new_tokens: int) -> tuple[list[str], list[str]]:
+                        max_new_tokens: int, dflash_draft: Path | None = None) -> tuple[list[str], list[str]]:
     """The two ``draftforge eval`` commands: the same prompts and decoding, every drafted
     token verified (DFlash has no confidence head to cut its blocks at a threshold, and the
     table subtracts one from the other, so DSpark's is not the recipe's ``eval.verify``
-    either), DSpark beside the baselines the table shows."""
+    either), DSpark beside the baselines the table shows. ``dflash_draft``: the DFlash
+    checkpoint to evaluate (the one the table names; default: the run's newest)."""
     common = [
         "--recipe", recipe, "--dtype", "float32", "--temperature", "0",
         "--workloads", ",".join(workloads), "--num-prompts", str(num_prompts),
@@ -188,7 +199,7 @@ def evaluation_commands(recipe: str, paths: DemoPaths, *, workloads: Sequence[st
     ]  # fmt: skip
     eval_args = ["eval", str(paths.export_dir), *common, "--baselines", "none,ngram", "--verify", "full",
                  "--out", str(paths.eval_dir)]  # fmt: skip
-    dflash_args = ["eval", str(paths.dflash_dir), *common, "--baselines", "none", "--no-estimate",
+    dflash_args = ["eval", str(dflash_draft or paths.dflash_dir), *common, "--baselines", "none", "--no-estimate",
                    "--verify", "full", "--out", str(paths.dflash_eval_dir)]  # fmt: skip
     return eval_args, dflash_args
 
@@ -200,11 +211,13 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
     recipe = args.recipe
     base = load_recipe(recipe, reread="the demo reads it again for each stage")
     paths = demo_paths(base)
-    with demo_held(paths.run_dir):  # a second demo on these runs is refused at once
-        return _run_stages(args, command=command, recipe=recipe, base=base, paths=paths)
+    # a second demo on these runs is refused at once; held: the runs' training locks (--skip-train)
+    with demo_held(paths.run_dir), contextlib.ExitStack() as held:
+        return _run_stages(args, command=command, recipe=recipe, base=base, paths=paths, held=held)
 
 
-def _run_stages(args: argparse.Namespace, *, command: str, recipe: str, base, paths: DemoPaths) -> int:
+def _run_stages(args: argparse.Namespace, *, command: str, recipe: str, base, paths: DemoPaths,
+                held: contextlib.ExitStack) -> int:
     from draftforge.config import load_recipe
 
     dspark_args, markov_start = dspark_overrides(base, paths, args.markov_init)
@@ -243,6 +256,8 @@ def _run_stages(args: argparse.Namespace, *, command: str, recipe: str, base, pa
                                 load_recipe(recipe, dspark_overrides(base, paths, other_init)[0]).to_yaml())}
     checkpoints: dict[str, Path] = {}
     if args.skip_train:  # checked before --force deletes anything: it keeps these runs
+        # no training adds (or prunes) checkpoints while the ones picked here are exported and evaluated
+        held.enter_context(trainings_held(trainings))
         checkpoints = runs_as_they_are(trainings, answers_digest(paths, cfg), other_options,
                                        regenerated=paths.data_file is not None)
 
@@ -275,7 +290,8 @@ def _run_stages(args: argparse.Namespace, *, command: str, recipe: str, base, pa
     check_export_destination(paths.export_dir, "the export stage would replace")
     if not args.skip_train:  # both runs now: the DFlash one not after the hour of stages before it
         for what, run_dir, run_cfg, _ in trainings:
-            check_same_recipe(run_dir, run_cfg.to_yaml(), what, other_option=other_options.get(what))
+            check_same_recipe(run_dir, run_cfg.to_yaml(), what, other_option=other_options.get(what),
+                              force_does=force_deletes(paths))
     # 1. data
     since = stages.banner("regenerate the training data: the target answers the prompts")
     if args.skip_train:
@@ -284,6 +300,13 @@ def _run_stages(args: argparse.Namespace, *, command: str, recipe: str, base, pa
         stages.skip("data.regenerate is false: training uses data.train_files as they are", done_earlier=False)
     elif paths.data_file.is_file():
         stages.skip(f"{paths.data_file} already answers the recipe's prompts")
+    elif all(final_checkpoint(run_dir, run_cfg.train.steps) is not None and records_answers(run_dir)
+             for _, run_dir, run_cfg, _ in trainings):
+        # answers regenerated now could differ from those both trained on (bf16 on other threads),
+        # and nothing after the trainings reads them
+        stages.skip(f"{paths.data_file} is missing, but both trainings are finished and record the "
+                    "answers they trained on, so they are not regenerated (--force regenerates them "
+                    "and trains both drafts again)")
     else:
         # Its defaults: on a CPU one worker process per usable core, one thread each.
         run_stage("data regenerate", ["data", "regenerate", recipe])
@@ -336,7 +359,10 @@ def _run_stages(args: argparse.Namespace, *, command: str, recipe: str, base, pa
         *(["--with-embeddings"] if cfg.export.with_embeddings else []),
     ]  # fmt: skip
     stamp = paths.run_dir / EXPORT_STAMP
-    if export_is_current(paths, export_args, checkpoints["DSpark"]):
+    # the weights of the checkpoints the table names (None where unreadable: nothing compared)
+    fingerprints = {what: checkpoint_fingerprints(path) for what, path in checkpoints.items()}
+    if export_is_current(paths, export_args, checkpoints["DSpark"]) and not export_holds_other_weights(
+            paths.export_dir, fingerprints["DSpark"]):
         stages.skip(f"{paths.export_dir} is this export of {checkpoints['DSpark']}")
     else:
         stamp.unlink(missing_ok=True)  # the stamp names the folder's command: none while it changes
@@ -344,13 +370,20 @@ def _run_stages(args: argparse.Namespace, *, command: str, recipe: str, base, pa
         # into the folder may have replaced it since, and a digest taken now would be that one's
         files = reported_export_files(run_stage("export", export_args, indent=True))
         with export_held(paths.export_dir, files):  # still the folder it wrote: else refused
+            if export_holds_other_weights(paths.export_dir, fingerprints["DSpark"]):
+                raise DemoError(
+                    f"the export stage exported other weights than {checkpoints['DSpark']}, the DSpark "
+                    f"checkpoint the demo picked (a newer checkpoint appeared in {paths.run_dir} since: a "
+                    "training still writing there?); rerun the demo once no training writes there",
+                    exit_status=2)
             write_atomic(stamp, json.dumps({"command": export_args, "files": files}))
         stages.done(since)
 
     # 5. evaluation: DSpark export + baselines, and DFlash from its checkpoint, same prompts
     eval_args, dflash_args = evaluation_commands(recipe, paths, workloads=workloads,
                                                  num_prompts=args.num_prompts,
-                                                 max_new_tokens=args.max_new_tokens)  # fmt: skip
+                                                 max_new_tokens=args.max_new_tokens,
+                                                 dflash_draft=checkpoints["DFlash"])  # fmt: skip
     threads = cfg.target.num_threads
     parallel = evaluations_side_by_side(threads)
     each = "one thread" if threads == 1 else f"{threads} threads"
@@ -363,9 +396,11 @@ def _run_stages(args: argparse.Namespace, *, command: str, recipe: str, base, pa
     # without the estimate draws nothing; verification and baselines are on the command line)
     from_recipe = {"seed": cfg.eval.seed}
     jobs = {}
-    if not eval_is_current(paths.eval_dir, eval_args[1:], stamp, from_recipe):  # stamp: the export
+    if not eval_is_current(paths.eval_dir, eval_args[1:], stamp, from_recipe,  # stamp: the export
+                           fingerprints=fingerprints["DSpark"]):
         jobs["eval-dspark"] = eval_args
-    if not eval_is_current(paths.dflash_eval_dir, dflash_args[1:], checkpoints["DFlash"] / "COMPLETE"):
+    if not eval_is_current(paths.dflash_eval_dir, dflash_args[1:], checkpoints["DFlash"] / "COMPLETE",
+                           fingerprints=fingerprints["DFlash"]):
         jobs["eval-dflash"] = dflash_args
     if jobs:
         # the export evaluated is the one stamped, and no export replaces it while it is read
@@ -378,11 +413,19 @@ def _run_stages(args: argparse.Namespace, *, command: str, recipe: str, base, pa
 
     # 6. the model card gets the measured table; the demo's table
     since = stages.banner("the table (and the export's model card with the measured acceptance)")
+    dspark_report = json.loads((paths.eval_dir / "report.json").read_text())
+    dflash_report = json.loads((paths.dflash_eval_dir / "report.json").read_text())
+    # the table names the checkpoints picked: never a report of other weights under their names
+    for what, folder, report in (("DSpark", paths.eval_dir, dspark_report),
+                                 ("DFlash", paths.dflash_eval_dir, dflash_report)):
+        if (measured := measured_other_weights(report, fingerprints[what])) is not None:
+            raise DemoError(
+                f"{folder / 'report.json'} measured other weights ({measured}) than {checkpoints[what]}, "
+                f"the {what} checkpoint the demo picked (a training wrote a newer one meanwhile?); "
+                "rerun the demo once no training writes there", exit_status=2)
     if not model_card_is_current(paths):
         run_stage("export (model card)", [*export_args, "--eval-report", str(paths.eval_dir / "report.md")],
                   indent=True)
-    dspark_report = json.loads((paths.eval_dir / "report.json").read_text())
-    dflash_report = json.loads((paths.dflash_eval_dir / "report.json").read_text())
     rows = table_rows(dspark_report, dflash_report)
     table = markdown_table(rows) + "\n\n" + lead_table(
         (paths.eval_dir / "report.json", dspark_report),

@@ -7,9 +7,17 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+
+def _default_position_weighting() -> str:
+    from draftforge.train.config import LossConfig
+
+    return LossConfig.model_fields["position_weighting"].default
+
+
 # DFlash = the same draft without the Markov and confidence heads, trained on pure
 # cross-entropy. Everything else (data, steps, anchors, lr, layers) stays the recipe's.
-# (No Markov head, so no bigram start either; and no KL term, whatever the recipe sets.)
+# (No Markov head, so no bigram start either; and no KL term or D-PACE position weighting,
+# whatever the recipe sets: D-PACE weights slots by the confidence targets, DSpark's objective.)
 DFLASH_OVERRIDES = (
     "draft.markov_rank=0",
     "draft.enable_confidence_head=false",
@@ -19,6 +27,7 @@ DFLASH_OVERRIDES = (
     "train.loss.tv_weight=0",
     "train.loss.bce_weight=0",
     "train.loss.kl_weight=0",
+    f"train.loss.position_weighting={_default_position_weighting()}",
 )
 
 

@@ -63,8 +63,8 @@ def _resolved_again(saved: Path) -> str:
 def _training_part(recipe_yaml: str) -> str:
     """The recipe without what does not change what the steps train (its eval and export
     sections, log and checkpoint intervals, the run's name...: ``NOT_TRAINED``, the list the
-    trainer's resume uses), so that editing those does not call a finished run another
-    recipe's."""
+    trainer's resume uses; and ``data.regenerated_file``, the answers' path), so that editing
+    those, or moving the demo's runs, does not call a finished run another recipe's."""
     import yaml
 
     from draftforge.train.recipe_changes import without_untrained
@@ -75,18 +75,25 @@ def _training_part(recipe_yaml: str) -> str:
         return recipe_yaml
     if not isinstance(data, dict):
         return recipe_yaml
-    return yaml.safe_dump(without_untrained(data), sort_keys=False)
+    data = without_untrained(data)
+    # where the answers file lies is no trained setting either: the DFlash run names the DSpark
+    # run's as a path (its override), which moving the runs changes; what the file holds is
+    # compared by the answers stamp (check_trained_on)
+    if isinstance(data.get("data"), dict):
+        data["data"] = {key: value for key, value in data["data"].items() if key != "regenerated_file"}
+    return yaml.safe_dump(data, sort_keys=False)
 
 
 SKIP_TRAIN_FIX = "--skip-train uses the runs as they are: undo the edit, or drop --skip-train and pass --force"
 
 
 def check_same_recipe(run_dir: Path, expected_yaml: str, what: str, *, skip_train: bool = False,
-                      other_option: tuple[str, str] | None = None) -> None:
+                      other_option: tuple[str, str] | None = None, force_does: str = "") -> None:
     """Refuse to resume or reuse a run directory that holds a run of another recipe (its
     eval and export sections aside). ``skip_train``: the demo would not train, so --force
     (which then keeps the runs) is no fix. ``other_option``: a demo option and the recipe it
-    would train (``--markov-init``), named as the fix when the run is that recipe's."""
+    would train (``--markov-init``), named as the fix when the run is that recipe's.
+    ``force_does``: what --force deletes and redoes (:func:`force_deletes`), said with it."""
     from draftforge.train import checkpoint as ckpt
 
     saved = run_dir / "config.yaml"
@@ -97,7 +104,7 @@ def check_same_recipe(run_dir: Path, expected_yaml: str, what: str, *, skip_trai
         raise DemoError(
             f"{run_dir} holds the {what} run of this recipe trained with {other_option[0]}: pass "
             f"{other_option[0]} to use it"
-            + ("" if skip_train else ", or --force to train again from scratch (it deletes that run)"),
+            + ("" if skip_train else f", or --force to train again from scratch{force_does or ' (it deletes that run)'}"),
             exit_status=2,
         )
     if old_text != new_text:
@@ -111,10 +118,20 @@ def check_same_recipe(run_dir: Path, expected_yaml: str, what: str, *, skip_trai
         raise DemoError(
             f"{run_dir} holds a {what} run of a different recipe ({saved} resolved, line {first + 1}: "
             f"{line(old)!r}; this demo: {line(new)!r}). "
-            + (f"{SKIP_TRAIN_FIX}." if skip_train else "Rerun with --force to train again from "
-               "scratch (it deletes that run), or move the folder away."),
+            + (f"{SKIP_TRAIN_FIX}." if skip_train else "Rerun with --force to train again from scratch"
+               f"{force_does or ' (it deletes that run)'}, or move the folder away."),
             exit_status=2,
         )
+
+
+def force_deletes(paths: DemoPaths) -> str:
+    """What ``--force`` (without --skip-train) deletes and does again, in parentheses, as said
+    after "--force to train again from scratch": every output of the demo, not only the run
+    whose recipe differs."""
+    answers = f", the regenerated answers {paths.data_file}" if paths.data_file is not None else ""
+    again = "regenerates the answers and trains" if paths.data_file is not None else "trains"
+    return (f" (it deletes both runs, DSpark's {paths.run_dir} and DFlash's {paths.dflash_dir}{answers}, "
+            f"the export {paths.export_dir} and the evaluations, then {again} both drafts again)")
 
 
 def _same_command(recorded: str | list | None, args: Sequence[str]) -> bool:
@@ -130,9 +147,12 @@ def _same_command(recorded: str | list | None, args: Sequence[str]) -> bool:
     return normal(recorded) == normal(list(args))
 
 
-def eval_is_current(eval_dir: Path, args: Sequence[str], newer_than: Path, settings: dict | None = None) -> bool:
+def eval_is_current(eval_dir: Path, args: Sequence[str], newer_than: Path, settings: dict | None = None,
+                    fingerprints: set[str] | None = None) -> bool:
     """An evaluation report written by exactly this command after its draft was made, with
-    ``settings`` (what the command takes from the recipe's eval section) as its own."""
+    ``settings`` (what the command takes from the recipe's eval section) as its own, and where
+    ``fingerprints`` (the chosen checkpoint's, :func:`checkpoint_fingerprints`) are known, of
+    those weights: not of a checkpoint a training wrote later."""
     report = eval_dir / "report.json"
     if not report.is_file() or mtime(report) < mtime(newer_than):
         return False
@@ -141,6 +161,8 @@ def eval_is_current(eval_dir: Path, args: Sequence[str], newer_than: Path, setti
     except json.JSONDecodeError:
         return False
     if not _same_command(written.get("command"), ["eval", *args]):
+        return False
+    if measured_other_weights(written, fingerprints) is not None:
         return False
     recorded = written.get("settings") or {}
     return all(recorded.get(key) == value for key, value in (settings or {}).items())
@@ -172,6 +194,14 @@ def stamp_answers(run_dir: Path, answers: str, what: str, *, regenerated: bool =
     write_atomic(run_dir / ANSWERS_STAMP, json.dumps({"sha256": answers}))
 
 
+def records_answers(run_dir: Path) -> bool:
+    """Whether a run records the digest of the answers it trained on (:func:`stamp_answers`)."""
+    try:
+        return isinstance(json.loads((run_dir / ANSWERS_STAMP).read_text()).get("sha256"), str)
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return False
+
+
 def check_trained_on(run_dir: Path, answers: str | None, what: str, *, skip_train: bool = False,
                      regenerated: bool = True) -> None:
     """Refuse a run trained (or being trained) on other answers than the training data holds
@@ -182,9 +212,10 @@ def check_trained_on(run_dir: Path, answers: str | None, what: str, *, skip_trai
         recorded = json.loads((run_dir / ANSWERS_STAMP).read_text()).get("sha256")
     except (OSError, json.JSONDecodeError, AttributeError):
         if answers is not None:
+            fix = ("drop --skip-train and pass --force to train it again on these answers" if skip_train
+                   else "--force trains it again on these answers")
             print(f"demo: note: {run_dir} records no answers it trained on (trained outside the demo, "
-                  f"or before it recorded them): the {what} draft is used unchecked; --force trains "
-                  "it again on these answers", flush=True)
+                  f"or before it recorded them): the {what} draft is used unchecked; {fix}", flush=True)
         return
     if answers is not None and recorded != answers:
         raise DemoError(
@@ -520,16 +551,76 @@ def runs_as_they_are(trainings: Sequence[tuple], answers: str | None,
     checkpoints = {}
     for what, run_dir, run_cfg, _ in trainings:
         check_same_recipe(run_dir, run_cfg.to_yaml(), what, skip_train=True, other_option=other_options.get(what))
-        check_trained_on(run_dir, answers, what, skip_train=True, regenerated=regenerated)
         done = final_checkpoint(run_dir, run_cfg.train.steps)
         if done is None:
             found = complete_checkpoints(run_dir)
-            if not found:
+            if not found:  # before anything is said of the run's answers
                 raise DemoError(f"--skip-train: {run_dir} has no complete checkpoint; train it first",
                                 exit_status=2)
             done = found[-1]
+        check_trained_on(run_dir, answers, what, skip_train=True, regenerated=regenerated)
         checkpoints[what] = done
     return checkpoints
+
+
+@contextlib.contextmanager
+def trainings_held(trainings: Sequence[tuple]):
+    """--skip-train: hold each run folder's training lock (``RUN/.train.lock``, which
+    ``draftforge train`` holds while it trains there) while the block runs, so that the
+    checkpoint the demo picks is not followed by newer ones (or pruned) while it is exported and
+    evaluated; a run being trained now is refused, naming the process."""
+    from draftforge.files import lock_or_refuse
+    from draftforge.train.checkpoint import RUN_LOCK
+
+    with contextlib.ExitStack() as stack:
+        for what, run_dir, _, _ in trainings:
+            if not Path(run_dir).is_dir():  # nothing to hold: runs_as_they_are refuses it
+                continue
+            lock = Path(run_dir).absolute() / RUN_LOCK
+            stack.enter_context(lock_or_refuse(lock, lambda holder, what=what, run_dir=run_dir, lock=lock: DemoError(
+                f"--skip-train: the {what} run {run_dir} is being trained ({holder} holds {lock}), so "
+                "its newest checkpoint changes while the demo would export and evaluate it; wait for "
+                "the training to end (or stop it), then rerun", exit_status=2)))
+        yield
+
+
+def checkpoint_fingerprints(checkpoint: Path) -> set[str] | None:
+    """The ``draft_fingerprint`` values an evaluation of ``checkpoint`` (or of an export of it)
+    records; None where its weights cannot be read (then nothing is compared)."""
+    from safetensors import SafetensorError
+
+    from draftforge.train.export import load_training_checkpoint
+    from draftforge.train.export_cli import _fingerprints
+
+    try:
+        cfg, state = load_training_checkpoint(checkpoint)
+        return _fingerprints(state, cfg)
+    except (OSError, ValueError, KeyError, SafetensorError):
+        return None
+
+
+def measured_other_weights(report: dict, fingerprints: set[str] | None) -> str | None:
+    """The fingerprint of the weights an evaluation report measured, where they are known not to
+    be ``fingerprints``' (the chosen checkpoint's); None where they are, or where either is
+    unknown."""
+    measured = report.get("draft_fingerprint") if isinstance(report, dict) else None
+    if fingerprints is None or not isinstance(measured, str) or measured in fingerprints:
+        return None
+    return measured
+
+
+def export_holds_other_weights(export_dir: Path, fingerprints: set[str] | None) -> bool:
+    """Whether the export folder is known to hold other weights than ``fingerprints``'."""
+    if fingerprints is None:
+        return False
+    from safetensors import SafetensorError
+
+    from draftforge.train.hf_load import export_fingerprint
+
+    try:
+        return export_fingerprint(export_dir) not in fingerprints
+    except (OSError, ValueError, KeyError, SafetensorError):  # unreadable: nothing compared
+        return False
 
 
 def model_card_is_current(paths: DemoPaths) -> bool:
