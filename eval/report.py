@@ -35,7 +35,8 @@ ESTIMATE_NOTE = (
 AL_NOTE = (
     "Acceptance length: the accepted draft tokens plus the bonus token of a verification round (a "
     "round that accepts the end of sequence counts up to it, without the bonus), mean over the "
-    "workload's verification rounds: pooled over its prompts, so a prompt that runs more rounds "
+    "workload's verification rounds, a round with no draft included (n-gram lookup that finds no "
+    "match: AL 1; vLLM's mean acceptance length leaves such steps out): pooled over its prompts, so a prompt that runs more rounds "
     "weighs more (not the mean of per-prompt means). A prompt's last round may reach past "
     "max_new_tokens: it counts its whole accepted run and the output is cut after it (at most one "
     "such round a prompt), so a prompt's summed acceptance lengths can exceed its new tokens. "
