@@ -131,6 +131,8 @@ def side_summary(busy_s: float, idle_s: float, wall_s: float, tokens: float) -> 
 def _other(side: dict, spec: str) -> str:
     """The share of a trainer's wall time that is neither a step's compute nor its wait for
     data (checkpoint saves and logging between steps), when it is 1 % or more."""
+    if side.get("wall_s", 1.0) <= 0:  # no time measured (no step ran): no share to give
+        return ""
     other = 1.0 - side["busy_share"] - side["idle_share"]
     return f" other {other:{spec}} (checkpoints, logging)" if other >= 0.01 else ""
 

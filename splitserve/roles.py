@@ -859,6 +859,7 @@ def _run_trainer(ctx: RankContext, bench: dict | None) -> None:
     from draftforge.splitserve.consumer import ConsumerStream, stream_pack
     from draftforge.splitserve.registry import rope_theta_problem
     from draftforge.train.config import ignored_zero_stage_note
+    from draftforge.train.metrics import write_line
 
     cfg = ctx.cfg
     if (problem := rope_theta_problem(cfg)) is not None:  # torchrun started it directly
@@ -928,7 +929,12 @@ def _run_trainer(ctx: RankContext, bench: dict | None) -> None:
         if is_main:  # under the run folder's lock, as summary.json
             accounting.write("summary", result.step)
 
-    result = trainer.fit(batches, on_step=on_step, extra_state=rotation_state, on_end=on_end)
+    def on_interrupt(step: int) -> None:  # rank 0: an interrupted segment's accounting too
+        accounting.write("summary", step)
+        write_line(accounting.summary_text(), sys.stderr)
+
+    result = trainer.fit(batches, on_step=on_step, extra_state=rotation_state, on_end=on_end,
+                         on_interrupt=on_interrupt)
     dropped = stream.stop(timeout_s=cfg.split.peer_timeout_s)
     if is_main:
         ctx.log(
@@ -937,4 +943,4 @@ def _run_trainer(ctx: RankContext, bench: dict | None) -> None:
             + (f", {result.untrained} taken for a last step not every trainer rank could fill not "
                "trained (nor consumed: a rerun with a higher split.max_epochs trains them)" if result.untrained else "")
         )
-        print(accounting.summary_text(), file=sys.stderr, flush=True)
+        write_line(accounting.summary_text(), sys.stderr)  # one write: the target's last line comes now too

@@ -53,6 +53,11 @@ def test_a_sigterm_and_its_copy_still_write_the_interrupted_summary(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["stopped_reason"] == "interrupted"
     assert not (tmp_path / "run" / ".train.lock").exists()
+    # the interrupted segment's accounting too: its summary record, at the summary's step, and
+    # the end block (neither was written when a signal stopped a segment)
+    records = [json.loads(line) for line in (tmp_path / "run" / "accounting.jsonl").read_text().splitlines()]
+    assert [(r["event"], r["step"]) for r in records if r["event"] != "interval"][-1] == ("summary", summary["step"])
+    assert "split accounting:" in out
 
 
 def test_two_ranks_failing_in_one_poll_say_the_wait_once(capsys):
@@ -68,3 +73,14 @@ def test_two_ranks_failing_in_one_poll_say_the_wait_once(capsys):
     err = capsys.readouterr().err
     assert err.count("waiting up to 2 s for the other ranks to stop") == 1, err
     assert "rank 0 failed (exit status 1)" in err
+
+
+def test_no_time_measured_is_no_share_of_other_work():
+    """A rerun of a finished run trains no step: the trainer's shares are 0 of 0 s, and the
+    end block said "other 100.0% (checkpoints, logging)" of that (round 58)."""
+    from draftforge.splitserve.accounting import _other, side_summary
+
+    nothing = side_summary(0.0, 0.0, 0.0, 0)
+    assert _other(nothing, ".1%") == ""
+    saved = side_summary(6.0, 2.0, 10.0, 100)  # 2 s of 10 outside steps and waits
+    assert _other(saved, ".1%") == " other 20.0% (checkpoints, logging)"

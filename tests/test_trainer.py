@@ -178,6 +178,11 @@ def test_run_dir_records_metrics_plot_and_summary(single_run):
     # each package's own idea of its version, not the metadata the record reads
     assert (run["versions"]["torch"], run["versions"]["transformers"], run["versions"]["safetensors"]) == (
         torch.__version__, transformers.__version__, safetensors.__version__)
+    # optional packages too, null where not installed (round 58: sglang, wandb, tensorboard)
+    import importlib.util
+
+    for name in ("sglang", "wandb", "tensorboard"):
+        assert (run["versions"][name] is None) == (importlib.util.find_spec(name) is None), name
     assert run["command"] and "git_revision" in run and run["strategy"] == "single"
     assert run["config"] == "config.yaml"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

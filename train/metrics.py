@@ -73,7 +73,10 @@ def git_revision(source: Path | None = None) -> str | None:
         return None
 
 
-def package_versions(names=("torch", "transformers", "draftforge", "deepspeed", "safetensors")) -> dict:
+def package_versions(names=("torch", "transformers", "draftforge", "deepspeed", "safetensors", "sglang",
+                           "wandb", "tensorboard")) -> dict:
+    """Each package's installed version, None where it is not installed (the optional ones:
+    deepspeed, sglang, wandb, tensorboard)."""
     versions = {}
     for name in names:
         try:
@@ -97,8 +100,8 @@ def _read_segments(path: Path) -> list[dict]:
             n += 1
             aside = path.with_name(f"{path.name}.unreadable.{n}")
         os.replace(path, aside)
-        print(f"[trainer] warning: {path} is not a run record ({record!r:.80}); kept as {aside}, "
-              "a new one started", flush=True)
+        write_line(f"[trainer] warning: {path} is not a run record ({record!r:.80}); kept as {aside}, "
+                   "a new one started")
         return []
     # a run.json written before segments existed is the record of the first one
     return record["segments"] if "segments" in record else [record]

@@ -27,6 +27,7 @@ import contextlib
 import hashlib
 import json
 import math
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -639,6 +640,7 @@ class Trainer:
         extra_state: Callable[[], dict] | None = None,
         on_step: Callable[[dict], None] | None = None,
         on_end: Callable[[FitResult], None] | None = None,
+        on_interrupt: Callable[[int], None] | None = None,
     ) -> FitResult:
         """Train until ``train.steps`` optimizer steps or the end of ``batches``.
 
@@ -646,8 +648,10 @@ class Trainer:
         checkpoint and comes back as :attr:`ResumeInfo.extra`. ``on_step(record)``
         runs on every rank after each step with that rank's record (the accounting hook);
         ``on_end(result)`` on every rank after the summary, while rank 0 still holds the run
-        folder's lock, so that a next run in the folder cannot write between them.
-        Call :meth:`resume` first to continue a run.
+        folder's lock, so that a next run in the folder cannot write between them;
+        ``on_interrupt(step)`` on rank 0 where Ctrl-C or SIGTERM stops a segment that ran a step,
+        after its interrupted summary, under the lock too (an error in it is printed, and the
+        interrupt goes on). Call :meth:`resume` first to continue a run.
         """
         train = self.train
         self._check_shared_output_dir()
@@ -758,6 +762,12 @@ class Trainer:
                         if progress is not None:
                             progress.close()
                         self._stopped_summary(result, window, first_slots, total_tokens, elapsed, logged)
+                        if on_interrupt is not None:
+                            try:
+                                on_interrupt(self.step)
+                            except Exception as exc:  # the interrupt is what goes on
+                                write_line(f"[trainer] warning: at the interrupt: {type(exc).__name__}: {exc}",
+                                           sys.stderr)
                 finally:
                     ckpt.release_run_dir(self.run_dir)
             raise
