@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
+import itertools
 import json
 import zlib
 from dataclasses import dataclass
@@ -96,13 +97,21 @@ def _humaneval(path: Path) -> list[EvalPrompt]:
 
 
 def _mtbench(path: Path) -> list[EvalPrompt]:
+    """The first turns, in rounds over the categories: the first question of each category (in
+    the order the file first names them), then the second of each, and so on. The file groups
+    its 80 questions by category, writing first, so the first 8 in file order, the recipes'
+    ``eval.num_prompts``, were all writing prompts; in rounds they are one of each of the 8."""
+    by_category: dict[str, list[dict]] = {}
+    for row in _jsonl(path):
+        by_category.setdefault(row["category"], []).append(row)
+    rounds = itertools.zip_longest(*by_category.values())
     return [
         EvalPrompt(
             id=f"mtbench/{row['question_id']}",
             messages=_user(row["turns"][0]),
             text=row["turns"][0],
         )
-        for row in _jsonl(path)
+        for round_ in rounds for row in round_ if row is not None
     ]
 
 
@@ -117,7 +126,8 @@ _READERS = {"humaneval": _humaneval, "mtbench": _mtbench, "gsm8k": _gsm8k}
 
 
 def load_workload(name: str) -> list[EvalPrompt]:
-    """All prompts of workload ``name`` (``humaneval``, ``mtbench`` or ``gsm8k``), in file order."""
+    """All prompts of workload ``name`` (``humaneval``, ``mtbench`` or ``gsm8k``), in file order
+    (MT-Bench's in rounds over its categories: :func:`_mtbench`)."""
     path = workload_file(name)
     try:
         return _READERS[name](path)
