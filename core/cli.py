@@ -160,23 +160,49 @@ def config_show(argv: Sequence[str]) -> int:
 
 
 class OutputError(InputError):
-    """Standard output cannot take the command's output: closed (``>&-``), or a write to it
-    failed (``> /dev/full``). Printed as ``draftforge X: error: standard output: ...``, exit 2."""
+    """A write to standard output failed (``> /dev/full``). Printed as ``draftforge X: error:
+    standard output: ...``, exit 2."""
 
 
-def write_output(text: str) -> None:
-    """Write ``text`` to standard output and flush it, so that a closed or failing output is an
-    :class:`OutputError` here, not a traceback (or a lost write at interpreter exit). A reader
-    that stopped reading (``| head``) still raises BrokenPipeError, which :func:`main` quiets."""
-    if sys.stdout is None:  # started with standard output closed (`>&-`)
-        raise OutputError("standard output: closed; redirect it to a file (or /dev/null)")
+def _discard_stdout() -> None:
+    """Point standard output at /dev/null: what it still buffers goes nowhere at exit, where a
+    second failed flush would print 'Exception ignored' and end the process with status 120."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _stdout_error() -> OSError | None:
+    """Flush standard output: the OSError that fails it (other than a reader gone, which is
+    raised as BrokenPipeError), its buffer then discarded; None where it flushes or is closed."""
+    if sys.stdout is None:
+        return None
     try:
-        sys.stdout.write(text)
         sys.stdout.flush()
     except BrokenPipeError:
         raise
     except OSError as exc:
+        _discard_stdout()
+        return exc
+    return None
+
+
+def write_output(text: str) -> None:
+    """Write ``text`` to standard output and flush it, so that a failing output (a full disk)
+    is an :class:`OutputError` here, not a traceback or a lost write at interpreter exit.
+    Started with standard output closed (``>&-``, a service manager), it writes nothing, as
+    ``print`` does. A reader that stopped reading (``| head``) still raises BrokenPipeError,
+    which :func:`main` quiets."""
+    if sys.stdout is None:
+        return
+    try:
+        sys.stdout.write(text)
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        _discard_stdout()
         raise OutputError(f"standard output: {exc.strerror or exc}") from None
+    failed = _stdout_error()
+    if failed is not None:
+        raise OutputError(f"standard output: {failed.strerror or failed}") from None
 
 
 def _overview(commands: Sequence[Command]) -> str:
@@ -200,16 +226,6 @@ def _stdout_gone() -> bool:
         return False
 
 
-def _stdout_failing() -> bool:
-    """Whether flushing standard output fails (what it still buffers cannot be written): an
-    OSError that names no file came from writing it, not from a socket or a worker's pipe."""
-    try:
-        write_output("")
-    except (OutputError, OSError):
-        return True
-    return False
-
-
 def _reader_gone() -> int | None:
     """The status of a command whose output's reader stopped reading (a BrokenPipeError);
     None where the pipe is not standard output but one of the command's own (a worker's,
@@ -218,7 +234,7 @@ def _reader_gone() -> int | None:
         return None
     # the output's reader stopped reading (`draftforge train R --dry-run | head`): quiet, as
     # a command killed by SIGPIPE is; what is still buffered goes nowhere at exit
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    _discard_stdout()
     return 128 + signal.SIGPIPE
 
 
@@ -294,12 +310,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             packing_enabled()
         status = _load(command.handler)(argv[len(command.words) :])
-        if sys.stdout is not None:  # None: started with standard output closed (`>&-`)
-            # a reader gone (`| head`) or a full disk is found here, not at interpreter exit
-            write_output("")
-    except SystemExit:  # argparse's --help and usage errors: their print ignores a failed write
-        if sys.stdout is not None and _stdout_failing():
-            sys.stderr.write(f"draftforge {command.name}: error: standard output: cannot be written\n")
+        # a reader gone (`| head`) or a full disk is found here, not at interpreter exit
+        write_output("")
+    except SystemExit as stop:
+        # argparse's --help (exit 0) prints and ignores a failed write, and a command's own exit
+        # (130 after Ctrl-C) may leave output buffered for a reader gone: flushed here, not at
+        # exit, where it failed again with status 120; other exits keep their status
+        success = stop.code in (0, None)
+        try:
+            failed = _stdout_error()
+        except BrokenPipeError:
+            _discard_stdout()
+            if success:
+                return 128 + signal.SIGPIPE
+            raise stop from None
+        if failed is not None and success:
+            sys.stderr.write(f"draftforge {command.name}: error: standard output: "
+                             f"{failed.strerror or failed}\n")
             return 2
         raise
     except KeyboardInterrupt:
@@ -318,9 +345,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if config is not None and isinstance(exc, config.RecipeError):
             sys.stderr.write(f"draftforge {command.name}: invalid recipe:\n{exc}\n{_override_first(command, exc)}")
             return 2
-        if isinstance(exc, OSError) and exc.filename is None and _stdout_failing():
-            # a print of the command's own (its --help, a table) to a full or broken output
-            exc = OutputError(f"standard output: {exc.strerror or exc}")
+        if isinstance(exc, OSError) and exc.filename is None:
+            # a print of the command's own (a table) to a full output: the same error flushing it
+            # again; else the command's own error, reported below as it is
+            try:
+                failed = _stdout_error()
+            except BrokenPipeError:
+                failed = None
+            if failed is not None and failed.errno == exc.errno:
+                exc = OutputError(f"standard output: {exc.strerror or exc}")
         if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
             # a full disk, a read-only or missing folder: the path and the cause, no traceback
             sys.stderr.write(f"draftforge {command.name}: error: {exc.filename}: {exc.strerror}\n")

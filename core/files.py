@@ -319,13 +319,13 @@ def exclusive_lock(path: Path) -> Iterator[None]:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
             writable = True
-        except PermissionError:
+        except PermissionError as refused:
             # a lock file a killed run of another user left, in its umask's mode: flock works
             # on a read-only descriptor too, and tells a held lock from a stale file
             try:
                 fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:  # removed meanwhile: create it again
-                continue
+            except FileNotFoundError:  # no such file: the folder refused to create it
+                raise refused from None
             writable = False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -39,6 +39,7 @@ from draftforge.eval.uncertainty import (
     PromptTotals,
     by_workload,
     expanded_level,
+    expanded_tail,
     least_draws,
 )
 
@@ -300,9 +301,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # nominal check above is all those get
     fewest = min(t.with_rounds() for pair in pairs.values() for t in pair)
     least = least_draws(args.level, fewest) if fewest >= MIN_PROMPTS else least
+    most = max(MAX_RESAMPLED // prompts, DRAWS)  # the draws memory allows
     # the default draws always run, as draftforge eval ran them for this very report
     if args.draws > DRAWS and args.draws * prompts > MAX_RESAMPLED:
-        most = max(MAX_RESAMPLED // prompts, DRAWS)
         level = f"; --level {args.level:g} needs {least:,}: lower it" if least > most else ""
         raise InputError(
             f"--draws {args.draws:,}: each draw resamples the {prompts} prompts of workload "
@@ -314,8 +315,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise InputError(
             f"--draws {args.draws:,} is too few for a {args.level:g} interval at {fewest} prompts "
             f"(workload {min(pairs, key=lambda n: min(t.with_rounds() for t in pairs[n]))!r}): it is "
-            f"read at the expanded level {expanded_level(args.level, fewest):.4f}, and each of its "
-            f"tails needs a draw, so at least {least:,}"
+            f"read at the expanded level {expanded_level(args.level, fewest):.6g} (each tail "
+            f"{expanded_tail(args.level, fewest):.3g} of the draws), and each of its tails needs a "
+            f"draw, so at least {least:,}" + ("" if least <= most else
+                                              f", more than the {most:,} memory allows: lower --level")
         )
     kw = {"draws": args.draws, "level": args.level, "seed": args.seed}
     print(

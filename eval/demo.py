@@ -93,7 +93,7 @@ from draftforge.eval.demo_state import (
     force_deletes,
     measured_other_weights,
     model_card_is_current,
-    records_answers,
+    recorded_answers,
     remove_output,
     reported_export_files,
     runs_as_they_are,
@@ -300,13 +300,14 @@ def _run_stages(args: argparse.Namespace, *, command: str, recipe: str, base, pa
         stages.skip("data.regenerate is false: training uses data.train_files as they are", done_earlier=False)
     elif paths.data_file.is_file():
         stages.skip(f"{paths.data_file} already answers the recipe's prompts")
-    elif all(final_checkpoint(run_dir, run_cfg.train.steps) is not None and records_answers(run_dir)
-             for _, run_dir, run_cfg, _ in trainings):
+    elif (all(final_checkpoint(run_dir, run_cfg.train.steps) is not None for _, run_dir, run_cfg, _ in trainings)
+          and len({recorded_answers(run_dir) for _, run_dir, _, _ in trainings} - {None}) == 1
+          and None not in {recorded_answers(run_dir) for _, run_dir, _, _ in trainings}):
         # answers regenerated now could differ from those both trained on (bf16 on other threads),
         # and nothing after the trainings reads them
         stages.skip(f"{paths.data_file} is missing, but both trainings are finished and record the "
-                    "answers they trained on, so they are not regenerated (--force regenerates them "
-                    "and trains both drafts again)")
+                    "same answers they trained on, so they are not regenerated (--force regenerates "
+                    "them and trains both drafts again)")
     else:
         # Its defaults: on a CPU one worker process per usable core, one thread each.
         run_stage("data regenerate", ["data", "regenerate", recipe])

@@ -194,12 +194,13 @@ def stamp_answers(run_dir: Path, answers: str, what: str, *, regenerated: bool =
     write_atomic(run_dir / ANSWERS_STAMP, json.dumps({"sha256": answers}))
 
 
-def records_answers(run_dir: Path) -> bool:
-    """Whether a run records the digest of the answers it trained on (:func:`stamp_answers`)."""
+def recorded_answers(run_dir: Path) -> str | None:
+    """The digest of the answers a run records it trained on (:func:`stamp_answers`), or None."""
     try:
-        return isinstance(json.loads((run_dir / ANSWERS_STAMP).read_text()).get("sha256"), str)
+        digest = json.loads((run_dir / ANSWERS_STAMP).read_text()).get("sha256")
     except (OSError, json.JSONDecodeError, AttributeError):
-        return False
+        return None
+    return digest if isinstance(digest, str) else None
 
 
 def check_trained_on(run_dir: Path, answers: str | None, what: str, *, skip_train: bool = False,

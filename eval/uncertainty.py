@@ -204,18 +204,29 @@ def expanded_level(level: float, prompts: int) -> float:
     level itself (one prompt gives a zero-width interval, too few for a verdict anyway)."""
     if prompts < 2:
         return level
-    from statistics import NormalDist
+    return 1 - 2 * expanded_tail(level, prompts)
 
+
+def expanded_tail(level: float, prompts: int) -> float:
+    """The share of the draws in each tail of a ``level`` interval read at ``prompts`` prompts:
+    ``(1 - level) / 2`` below 2 prompts, else ``Phi(-sqrt(n / (n - 1)) * t(n - 1))``, computed
+    directly (``1 - (1 - tail)`` rounds a tiny tail to 0: at 5 prompts and level 0.999 it is
+    about 1e-7)."""
+    if prompts < 2:
+        return (1 - level) / 2
     t = t_quantile(1 - (1 - level) / 2, prompts - 1)
-    return 1 - 2 * NormalDist().cdf(-math.sqrt(prompts / (prompts - 1)) * t)
+    # Phi(-x) as erfc(x / sqrt 2) / 2: through erf, 1 + erf(-x / sqrt 2) is 0 from x of about 8.3
+    return math.erfc(math.sqrt(prompts / (prompts - 1)) * t / math.sqrt(2)) / 2
 
 
-def least_draws(level: float, prompts: int = 0) -> int:
+def least_draws(level: float, prompts: int = 0) -> float:
     """The fewest bootstrap draws that leave a draw in each tail of a ``level`` interval read at
-    ``prompts`` prompts (its expanded level; the nominal one below 2 prompts): ``2 / (1 - L)``,
-    rounded as a message rounds it (20 draws at 0.9, where ``1 - 0.9`` is 0.0999...). With
-    fewer, an interval end is the most extreme draw, narrower than the level says."""
-    return math.ceil(round(2 / (1 - expanded_level(level, prompts)), 9))
+    ``prompts`` prompts (its expanded level; the nominal one below 2 prompts): ``1 / tail``,
+    rounded as a message rounds it (20 draws at 0.9, where ``1 - 0.9`` is 0.0999...); inf where
+    the tail is 0 in floating point. With fewer, an interval end is the most extreme draw,
+    narrower than the level says."""
+    tail = expanded_tail(level, prompts)
+    return math.ceil(round(1 / tail, 9)) if tail > 0 else math.inf
 
 
 def t_quantile(p: float, dof: int) -> float:

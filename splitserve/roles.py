@@ -181,7 +181,7 @@ def split_problems(
         )
     for key in ("target_devices", "trainer_devices"):
         devices = getattr(split, key) or []
-        bad = [d for d in devices if d < 0 or (cuda_devices and d >= cuda_devices)]
+        bad = [d for d in devices if cuda_devices and d >= cuda_devices]  # ids are >= 0 (GpuId)
         if bad and cuda_devices:
             problems.append(f"split.{key}: devices {bad} do not exist ({cuda_devices} "
                             f"GPU{'' if cuda_devices == 1 else 's'} visible on this machine)")

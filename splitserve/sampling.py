@@ -86,7 +86,9 @@ def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     if bool(torch.isfinite(scaled.amax(dim=-1)).all()):
         return scaled
     shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)
-    return shifted / temperature
+    # in float64, where every positive temperature is above 0 (below about 7e-46 it is 0 in
+    # float32, and 0 / 0 is NaN at the maximum); the quotient's float32 is 0 or negative or -inf
+    return (shifted.double() / temperature).float()
 
 
 def top_k_top_p(

@@ -95,7 +95,10 @@ def main(mode: str, out_dir: str) -> int:
     dist.all_reduce(value)
     record = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
     record.update(sum=value.item(), pid=os.getpid())
-    (out / f"rank{rank}.json").write_text(json.dumps(record))
+    # whole or absent: the test reads it as soon as it exists (an empty file read as JSON
+    # failed a full suite's run on a loaded machine)
+    (out / f"rank{rank}.json.tmp").write_text(json.dumps(record))
+    os.replace(out / f"rank{rank}.json.tmp", out / f"rank{rank}.json")
     if mode == "hold":
         while not (out / "release").exists():
             time.sleep(0.05)

@@ -44,3 +44,13 @@ def test_counts_whose_sums_would_overflow_are_refused(tmp_path, capsys):
             in capsys.readouterr().err)
     top = _report(tmp_path / "top", {"dspark": ([3, 2**53 - 1], [7, 2**53 - 1]), "ngram": ([4, 4], [6, 8])})
     assert main(["eval", "compare", str(top), "--draws", "40"]) == 0  # the largest count is still one
+
+
+def test_a_level_whose_expanded_tail_rounds_away_is_refused_not_a_traceback(tmp_path, capsys):
+    """At 5 prompts the 0.999 interval is read at a tail of about 1e-7 a side: 1 - (1 - tail)
+    rounded it to 0 and 2 / (1 - L) divided by zero (ZeroDivisionError)."""
+    report = _report(tmp_path / "r", {"dspark": ([3, 4, 2, 5, 3], [7, 9, 4, 12, 5]),
+                                       "ngram": ([4, 4, 3, 5, 4], [6, 8, 5, 9, 6])})  # fmt: skip
+    assert main(["eval", "compare", str(report), "--level", "0.999"]) == 2
+    err = capsys.readouterr().err
+    assert "too few for a 0.999 interval at 5 prompts" in err and "lower --level" in err

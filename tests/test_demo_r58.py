@@ -248,8 +248,18 @@ def test_answers_missing_after_both_trainings_are_not_regenerated(tmp_path, monk
     assert demo.main([str(recipe)]) == 0, capsys.readouterr().err
     assert ran == []
     out = capsys.readouterr().out
-    assert (f"skipped: {paths.data_file} is missing, but both trainings are finished and record the answers "
-            "they trained on, so they are not regenerated") in out, out
+    assert (f"skipped: {paths.data_file} is missing, but both trainings are finished and record the same "
+            "answers they trained on, so they are not regenerated") in out, out
+    # two runs recording other answers: regenerated, and the comparison's checks then apply
+    stamp = paths.dflash_dir / ANSWERS_STAMP
+    kept = stamp.read_text()
+    stamp.write_text(json.dumps({"sha256": "0" * 64}))
+    ran.clear()
+    demo.main([str(recipe)])
+    assert [name for name, _ in ran][:1] == ["data regenerate"]
+    stamp.write_text(kept)
+    paths.data_file.unlink(missing_ok=True)
+    ran.clear()
     # a training still to do needs them: regenerated then
     for entry in sorted(paths.dflash_dir.rglob("*"), reverse=True):
         entry.rmdir() if entry.is_dir() else entry.unlink()

@@ -61,3 +61,20 @@ def test_in_a_sticky_folder_the_stale_file_itself_is_locked(foreign_lock, monkey
             with exclusive_lock(path):
                 pass
     assert path.exists()  # not this user's to remove
+
+
+def test_a_folder_that_refuses_the_lock_file_is_an_error_not_a_loop(tmp_path, monkeypatch):
+    """A read-only folder without the lock file: creating it fails (EACCES) and there is no
+    file to lock read-only; the first fallback looped on that forever at full CPU."""
+    path = tmp_path / ".train.lock"
+    real_open = os.open
+
+    def read_only_folder(file, flags, *args, **kwargs):
+        if os.fspath(file) == str(path) and flags & os.O_CREAT:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(file, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only_folder)
+    with pytest.raises(PermissionError, match="Permission denied"):
+        with exclusive_lock(path):
+            pass

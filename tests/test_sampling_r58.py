@@ -23,7 +23,7 @@ def _rows():
     return logits
 
 
-@pytest.mark.parametrize("temperature", [1e-40, 1e-45, 1e-38])
+@pytest.mark.parametrize("temperature", [1e-40, 1e-45, 1e-38, 1e-46, 1e-300, 5e-324])  # the last 3: 0 in float32
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (20, 1.0), (0, 0.8), (20, 0.8)])
 def test_a_vanishing_temperature_gives_the_greedy_distribution(temperature, top_k, top_p):
     logits = _rows()

@@ -146,6 +146,10 @@ def full_state_worker(rank: int, world: int, init: str, out: str) -> None:
         }
         with open(f"{out}.{rank}", "w", encoding="utf-8") as f:
             json.dump(result, f)
+        # both ranks done before either tears gloo down: a rank destroying the group while the
+        # other still finished its last gather aborted it ("terminate called without an active
+        # exception", SIGABRT) once in a full suite on a loaded machine
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
