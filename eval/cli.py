@@ -760,6 +760,9 @@ def _prompts_from_file(
                              "show it in a cell)")
         if name == "macro":  # the reports' name for the mean over workloads
             raise InputError(f"{path}:{line_no}: workload name 'macro' is reserved for the mean over workloads")
+        if name != name.strip():  # " humaneval" and "humaneval": two rows that read alike
+            raise InputError(f"{path}:{line_no}: workload {json.dumps(name)} begins or ends with "
+                             f"white space; write {json.dumps(name.strip())}")
         bucket = workloads.setdefault(name, [])
         if num_prompts is None or len(bucket) < num_prompts:
             bucket.append(ids)

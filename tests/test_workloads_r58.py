@@ -25,3 +25,20 @@ def test_the_first_eight_are_one_of_each_category_and_all_eighty_stay():
         assert [category[p.id] for p in prompts[8 * k: 8 * k + 8]] == names
     first_of = {name: next(row for row in rows if row["category"] == name) for name in names}
     assert [p.text for p in prompts[:8]] == [first_of[name]["turns"][0] for name in names]
+
+
+def test_a_prompts_file_workload_name_with_white_space_around_it_is_refused(tmp_path):
+    """" humaneval" and "humaneval" became two workloads whose report rows read alike."""
+    import pytest
+
+    from draftforge.errors import InputError
+    from draftforge.eval.cli import _prompts_from_file
+
+    rows = tmp_path / "p.jsonl"
+    rows.write_text('{"workload": "humaneval", "input_ids": [1, 2]}\n'
+                    '{"workload": " humaneval", "input_ids": [3]}\n')
+    with pytest.raises(InputError, match=r'p.jsonl:2: workload " humaneval" begins or ends with white '
+                                         r'space; write "humaneval"'):
+        _prompts_from_file(str(rows), None)
+    rows.write_text('{"workload": "humaneval", "input_ids": [1, 2]}\n')
+    assert _prompts_from_file(str(rows), None) == ({"humaneval": [[1, 2]]}, {"humaneval": [1]})
