@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_cli_r15 import _run
 
-from draftforge import cli
 from draftforge.config import load_recipe
 from draftforge.recipe_errors import RecipeError
 from draftforge.recipe_yaml import _RecipeDumper, _RecipeLoader
@@ -20,14 +20,6 @@ from draftforge.recipe_yaml import _RecipeDumper, _RecipeLoader
 TINY = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
 
 
-def _run(argv: list[str], capsys) -> tuple[int, str, str]:
-    """Exit status, stdout and stderr of ``draftforge ARGV``."""
-    try:
-        code = cli.main([str(a) for a in argv])
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def _refused(path: Path, overrides: list[str] | None = None) -> str:
