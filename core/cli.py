@@ -166,8 +166,15 @@ class OutputError(InputError):
 
 def _discard_stdout() -> None:
     """Point standard output at /dev/null: what it still buffers goes nowhere at exit, where a
-    second failed flush would print 'Exception ignored' and end the process with status 120."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    second failed flush would print 'Exception ignored' and end the process with status 120.
+    Nothing to do for a standard output without a file descriptor (a test's capture)."""
+    try:
+        fileno = sys.stdout.fileno()
+    except (OSError, ValueError):
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, fileno)
+    os.close(null)
 
 
 def _stdout_error() -> OSError | None:
