@@ -140,7 +140,8 @@ def _group_key(group) -> object:
 def _peer_died(peer: int, group, role: str, doing: str, exc: BaseException) -> PeerDied:
     """The :class:`PeerDied` for ``exc``, met by an op with ``peer`` on ``group``.
 
-    A timeout is kept as the group's. A "pair closure" is a side effect of a timeout on
+    A timeout is kept as the group's, and any error on a group after its timeout is that
+    timeout's (its connections are closed). A "pair closure" is a side effect of a timeout on
     another op of the group (another thread's, at the same moment, or an earlier one's):
     that op's error, which names the silent peer, is returned instead, waited for up to
     :data:`SIDE_EFFECT_WAIT_S` (gloo closes the pairs before it raises the timeout). Where
@@ -148,6 +149,13 @@ def _peer_died(peer: int, group, role: str, doing: str, exc: BaseException) -> P
     by what it heard (:meth:`AckListener.fail`)."""
     died = PeerDied(peer, role, doing, exc)
     key = _group_key(group)
+    with _timeouts_cond:
+        earlier = _timeouts.get(id(key))
+    if earlier is not None:
+        # the group timed out before: its connections are closed, so whatever this op met
+        # (a pair closure, or under load a timeout of its own, on a live peer whose message
+        # the closure lost) follows from that timeout, whose silent peer is the one to name
+        return earlier[1].again()
     if died.side_effect:
         with _timeouts_cond:
             _timeouts_cond.wait_for(lambda: id(key) in _timeouts, timeout=SIDE_EFFECT_WAIT_S)
