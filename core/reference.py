@@ -169,5 +169,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     from draftforge.cli import write_output
 
-    write_output(reference())  # a closed or full output: an error naming it, not a traceback
+    write_output(reference())  # a full output: an error naming it, not a traceback
     return 0

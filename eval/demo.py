@@ -301,8 +301,8 @@ def _run_stages(args: argparse.Namespace, *, command: str, recipe: str, base, pa
     elif paths.data_file.is_file():
         stages.skip(f"{paths.data_file} already answers the recipe's prompts")
     elif (all(final_checkpoint(run_dir, run_cfg.train.steps) is not None for _, run_dir, run_cfg, _ in trainings)
-          and len({recorded_answers(run_dir) for _, run_dir, _, _ in trainings} - {None}) == 1
-          and None not in {recorded_answers(run_dir) for _, run_dir, _, _ in trainings}):
+          and len(recorded := {recorded_answers(run_dir) for _, run_dir, _, _ in trainings}) == 1
+          and None not in recorded):
         # answers regenerated now could differ from those both trained on (bf16 on other threads),
         # and nothing after the trainings reads them
         stages.skip(f"{paths.data_file} is missing, but both trainings are finished and record the "

@@ -477,7 +477,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"note: {finished}", flush=True)
         from draftforge.cli import write_output
 
-        # write_output: a closed or full standard output is an error naming it, not a traceback
+        # write_output: a full standard output is an error naming it, not a traceback
         write_output(f"{dry_run(cfg)}\n\n")
         write_output(launch_plan(cfg, args.recipe, args.overrides, master_addr=args.master_addr,
                                  master_port=args.master_port, max_restarts=args.max_restarts) + "\n")

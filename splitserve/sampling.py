@@ -82,10 +82,11 @@ def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     by its maximum, which leaves the softmax unchanged, so the quotient is 0 at the row's most
     likely tokens and negative or -inf elsewhere: the limit, greedy choice among ties. Where
     every row's maximum is finite the plain quotient is kept, bit for bit."""
-    scaled = logits.float() / temperature
+    logits = logits.float()
+    scaled = logits / temperature
     if bool(torch.isfinite(scaled.amax(dim=-1)).all()):
         return scaled
-    shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
     # in float64, where every positive temperature is above 0 (below about 7e-46 it is 0 in
     # float32, and 0 / 0 is NaN at the maximum); the quotient's float32 is 0 or negative or -inf
     return (shifted.double() / temperature).float()

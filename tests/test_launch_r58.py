@@ -11,11 +11,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 
-from splitserve_helpers import PYTHON, ROOT, tiny_recipe
-from test_splitserve_runs import _wait_for_a_checkpoint
+from test_splitserve_runs import train_to_a_checkpoint
 
 
 def _rank_pid(launcher: int, rank: int) -> int:
@@ -34,13 +32,8 @@ def _rank_pid(launcher: int, rank: int) -> int:
 
 
 def test_a_sigterm_and_its_copy_still_write_the_interrupted_summary(tmp_path):
-    recipe = tiny_recipe(tmp_path, steps=4000, overrides={"train.checkpoint_interval": 2})
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([PYTHON, "-m", "draftforge", "train", str(recipe)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = train_to_a_checkpoint(tmp_path)
     try:
-        _wait_for_a_checkpoint(tmp_path / "run", [proc], 120)
         trainer = _rank_pid(proc.pid, 1)
     except AssertionError as exc:
         proc.kill()

@@ -295,11 +295,9 @@ def test_draftforge_train_command_end_to_end(tmp_path):
     assert segment["command"][2:] == [str(recipe)] and segment["cwd"] == str(ROOT)
 
 
-def test_ctrl_c_stops_the_job_with_one_message_and_no_rank_tracebacks(tmp_path):
-    """A terminal's Ctrl-C reaches the whole process group: every rank used to print a
-    KeyboardInterrupt traceback. Each now says 'interrupted'; the launcher exits 130 and
-    says how to continue."""
-    # steps enough that the job cannot end before the Ctrl-C (sent at its first checkpoint)
+def train_to_a_checkpoint(tmp_path: Path) -> subprocess.Popen:
+    """``draftforge train`` of a tiny recipe in a session of its own, output piped, once its
+    run holds a checkpoint; steps enough that it cannot end before the test signals it."""
     recipe = tiny_recipe(tmp_path, steps=4000, overrides={"train.checkpoint_interval": 2})
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([PYTHON, "-m", "draftforge", "train", str(recipe)], cwd=ROOT, env=env,
@@ -310,6 +308,14 @@ def test_ctrl_c_stops_the_job_with_one_message_and_no_rank_tracebacks(tmp_path):
     except AssertionError as exc:
         proc.kill()
         raise AssertionError(f"{exc}\n{proc.communicate()[0][-3000:]}") from None
+    return proc
+
+
+def test_ctrl_c_stops_the_job_with_one_message_and_no_rank_tracebacks(tmp_path):
+    """A terminal's Ctrl-C reaches the whole process group: every rank used to print a
+    KeyboardInterrupt traceback. Each now says 'interrupted'; the launcher exits 130 and
+    says how to continue."""
+    proc = train_to_a_checkpoint(tmp_path)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal does
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, out[-3000:]
