@@ -30,7 +30,9 @@ One prompt at a time (batch 1), the target runs with a KV cache:
    ``max_new_tokens`` counts its whole run and the output is cut after it, as
    DeepSpec's evaluator counts: at most one such round a prompt. No round runs
    once the output holds ``max_new_tokens`` tokens, nor after an EOS from the
-   prefill.
+   prefill. There DeepSpec differs: when a round ends exactly at
+   ``max_new_tokens`` its loop runs and counts one more round, all of whose
+   tokens it then cuts; draftforge does not count a round that adds nothing.
 
 Verification modes: ``full`` verifies every draft; ``threshold`` verifies only
 the prefix before the first draft whose confidence ``sigmoid(c_k)`` is below

@@ -43,7 +43,8 @@ def test_blocks_over_a_growing_context_match_the_whole_context_recomputed(target
 
 
 def test_the_cache_projects_only_the_positions_it_does_not_hold(target):
-    """Positions the cache holds are not read again: changing them changes nothing."""
+    """Positions the cache holds are not read again: changing them changes nothing (all but
+    the last held one, which the cache compares to tell another sequence's context apart)."""
     draft = tiny_eval_draft(target)
     aux = torch.randn(1, 20, draft.config.num_context_features, generator=torch.Generator().manual_seed(1))
     cache = ContextCache()
@@ -51,7 +52,7 @@ def test_the_cache_projects_only_the_positions_it_does_not_hold(target):
     with torch.no_grad():
         draft.block_forward(anchor, 12, aux, cache=cache)
         changed = aux.clone()
-        changed[:, :12] = 0.0
+        changed[:, :11] = 0.0
         again = draft.block_forward(anchor, 16, changed, cache=cache)
         whole = draft.block_forward(anchor, 16, aux[:, :16])
     torch.testing.assert_close(again, whole, rtol=1e-5, atol=1e-5)
@@ -68,6 +69,25 @@ def test_a_cache_refuses_a_shorter_context_and_clear_starts_over(target):
         cache.clear()
         torch.testing.assert_close(draft.block_forward(torch.tensor([7]), 8, aux, cache=cache),
                                    draft.block_forward(torch.tensor([7]), 8, aux[:, :8]))
+
+
+def test_a_cache_not_cleared_refuses_another_sequences_context(target):
+    """A proposer reused without clearing its cache for a longer, different context would draft
+    from the first sequence's keys and values; the cache refuses it instead."""
+    draft = tiny_eval_draft(target)
+    generator = torch.Generator().manual_seed(5)
+    first = torch.randn(1, 20, draft.config.num_context_features, generator=generator)
+    second = torch.randn(1, 30, draft.config.num_context_features, generator=generator)
+    cache = ContextCache()
+    with torch.no_grad():
+        draft.block_forward(torch.tensor([7]), 12, first, cache=cache)
+        with pytest.raises(ValueError, match=r"holds 12 positions of another context \(the features of position 11 differ\)"):
+            draft.block_forward(torch.tensor([7]), 16, second, cache=cache)
+        same_prefix = second.clone()
+        same_prefix[:, :12] = first[:, :12]  # the same first 12 positions: the cache is valid
+        torch.testing.assert_close(draft.block_forward(torch.tensor([7]), 16, same_prefix, cache=cache),
+                                   draft.block_forward(torch.tensor([7]), 16, same_prefix[:, :16]),
+                                   rtol=1e-5, atol=1e-5)
 
 
 class Recomputing(spec.DraftProposer):

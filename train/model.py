@@ -390,15 +390,16 @@ class ContextCache:
     The context only grows while a sequence is decoded (accepted tokens are appended), and
     each position's keys and values depend on that position alone, so :meth:`extend` projects
     only the positions added since the last block. Start a new cache (or :meth:`clear` this
-    one) for each sequence.
+    one) for each sequence: :meth:`extend` refuses a context whose last held position's
+    features differ from those it projected (another sequence's, in a cache not cleared).
     """
 
     def __init__(self) -> None:
-        self.length = 0
-        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.clear()
 
     def clear(self) -> None:
         self.length, self.kv = 0, []
+        self.last: torch.Tensor | None = None  # the features of position length - 1, as projected
 
     def extend(self, draft: DSparkDraft, aux: torch.Tensor, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's keys and values of positions ``0 .. length - 1``, projecting
@@ -408,12 +409,19 @@ class ContextCache:
                 f"the draft's context cache holds {self.length} positions and the block asks for "
                 f"{length}: a new sequence needs a new cache (ContextCache.clear)"
             )
+        if self.last is not None and not torch.equal(aux[:, self.length - 1], self.last):
+            raise ValueError(
+                f"the draft's context cache holds {self.length} positions of another context (the "
+                f"features of position {self.length - 1} differ): a new sequence needs a new cache "
+                "(ContextCache.clear)"
+            )
         if length > self.length or not self.kv:
             new = draft.context_kv(aux[:, self.length : length], start=self.length)
             if self.kv:
                 new = [(torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2))
                        for (k, v), (nk, nv) in zip(self.kv, new, strict=True)]
             self.kv, self.length = new, length
+            self.last = aux[:, length - 1].clone() if length else None
         return self.kv
 
 
