@@ -72,15 +72,29 @@ INSTALL_COMMAND = "pip install 'draftforge[sglang]'"
 # Ling-3.0-flash's BailingMoeV3 has only this one) or else set_dflash_layers_to_capture
 # (the input of layer i + 1, the same state); EAGLE3 uses set_eagle3_layers_to_capture
 # (also the input of layer i + 1), the only hook of Qwen2 and a dozen other classes.
-# They give transformers' hidden_states[i + 1] for id i, except in the classes below, whose
-# DFlash hook captures before layer i (hidden_states[i], one layer early: SGLang maps the
-# ids of such a target itself in its own speculative code); they are refused. Some classes
-# refuse unsorted ids, so the runner asks for them ascending and reorders what comes back.
+# They give transformers' hidden_states[i + 1] for id i, except in the classes below (and
+# their subclasses), which capture another state; they are refused (read from SGLang
+# 0.5.23's source). Some classes refuse unsorted ids, so the runner asks for them ascending
+# and reorders what comes back.
 CAPTURE_HOOKS = (
     ("DSPARK", ("set_dspark_layers_to_capture", "set_dflash_layers_to_capture")),
     ("EAGLE3", ("set_eagle3_layers_to_capture",)),
 )
-PRE_LAYER_CAPTURE = ("MuseGlimmerForCausalLM", "MuseGlimmerForConditionalGeneration")
+_ENTERING = ("captures the state entering layer i, not leaving it (one layer earlier than "
+             "transformers' hidden_states[i + 1] that draftforge trains on)")
+_GEMMA3 = ("captures, for id i, the tensor that enters layer i + 1 apart from the residual "
+           "stream (its layers keep the residual separate until the next norm), not "
+           "transformers' hidden_states[i + 1] that draftforge trains on")
+OTHER_CAPTURE = {
+    "MuseGlimmerForCausalLM": _ENTERING,  # its DFlash hook
+    "MuseGlimmerForConditionalGeneration": _ENTERING,
+    "Gemma3ForCausalLM": _GEMMA3,  # its EAGLE3 hook (gemma3_causal.py)
+    "Gemma3ForConditionalGeneration": _GEMMA3,  # delegates to Gemma3ForCausalLM's
+    "DeepseekV4ForCausalLM": (  # its DSpark hook (deepseek_v4.py)
+        "captures the attention input of layer i (one layer earlier than transformers' "
+        "hidden_states[i + 1] that draftforge trains on), averaged over its hyper-connection "
+        "streams"),
+}
 # The feature runner's KV pool in tokens: a features batch (split.feature_batch_size rows of
 # up to data.max_length) must fit in it whole; the recipe check refuses a split that would not.
 RUNNER_TOKENS = 65536
@@ -290,12 +304,10 @@ def capture_convention(model_cls: type) -> str:
     """The ``speculative_algorithm`` that makes SGLang's ``model_cls`` capture auxiliary
     hidden states (see ``CAPTURE_HOOKS``); a clear error when it implements no hook, or
     captures at other layers than the transformers backend does."""
-    if model_cls.__name__ in PRE_LAYER_CAPTURE:
-        raise RuntimeError(
-            f"SGLang's {model_cls.__name__} captures the state entering layer i, not leaving it "
-            "(one layer earlier than transformers' hidden_states[i + 1] that draftforge trains "
-            "on); use target.backend: hf for this model"
-        )
+    for cls in model_cls.__mro__:
+        if cls.__name__ in OTHER_CAPTURE:
+            raise RuntimeError(f"SGLang's {model_cls.__name__} {OTHER_CAPTURE[cls.__name__]}; "
+                               "use target.backend: hf for this model")
     for convention, hooks in CAPTURE_HOOKS:
         if any(hasattr(model_cls, hook) for hook in hooks):
             return convention

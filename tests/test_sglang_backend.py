@@ -242,6 +242,39 @@ def test_the_capture_convention_is_the_one_the_model_class_implements():
         capture_convention(MuseGlimmerForCausalLM)
 
 
+def test_classes_that_capture_another_state_are_refused_with_their_subclasses():
+    """SGLang 0.5.23's Gemma3 captures the tensor entering layer i + 1 without the residual
+    stream (its layers keep the residual apart), and DeepSeek-V4's DSpark hook the attention
+    input of layer i averaged over its streams: neither is transformers' hidden_states[i + 1],
+    though both implement a hook draftforge would otherwise pick."""
+    from draftforge.splitserve.sglang_backend import capture_convention
+
+    class Gemma3ForCausalLM:
+        def set_eagle3_layers_to_capture(self, ids=None): ...
+
+    class Gemma3ForConditionalGeneration:
+        def set_eagle3_layers_to_capture(self, ids=None): ...
+
+    class EmbeddingGemmaModel(Gemma3ForCausalLM):  # a subclass, refused with its base
+        pass
+
+    class DeepseekV4ForCausalLM:
+        def set_dspark_layers_to_capture(self, ids): ...
+
+    class DeepseekV4ForCausalLMNextN(DeepseekV4ForCausalLM):
+        pass
+
+    for cls in (Gemma3ForCausalLM, Gemma3ForConditionalGeneration, EmbeddingGemmaModel):
+        with pytest.raises(RuntimeError, match=rf"SGLang's {cls.__name__} captures, for id i, the "
+                           r"tensor that enters layer i \+ 1 apart from the residual stream.*"
+                           "use target.backend: hf"):
+            capture_convention(cls)
+    for cls in (DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN):
+        with pytest.raises(RuntimeError, match=rf"SGLang's {cls.__name__} captures the attention "
+                           r"input of layer i .*hyper-connection streams; use target.backend: hf"):
+            capture_convention(cls)
+
+
 def test_close_stops_the_runner_before_the_engine_kills_its_children():
     """SGLang's Engine.shutdown SIGKILLs every child of the process, the feature runner's
     too: the runner is stopped first, and the engine is shut down even if that fails."""
