@@ -236,8 +236,16 @@ class SplitConfig(Section):
         description="machines the ranks span; node n runs ranks n*P .. n*P+P-1 with "
         "P = world_size / num_nodes (torchrun static rendezvous at node 0, see --dry-run)",
     )
-    target_devices: list[GpuId] | None = Field(default=None, description="GPU ids of the target group")
-    trainer_devices: list[GpuId] | None = Field(default=None, description="GPU ids of the trainers")
+    target_devices: list[GpuId] | None = Field(
+        default=None,
+        description="GPU ids of the target group (one machine only: refused with num_nodes > 1, "
+        "where every rank uses its node-local GPU LOCAL_RANK)",
+    )
+    trainer_devices: list[GpuId] | None = Field(
+        default=None,
+        description="GPU ids of the trainers (one machine only: refused with num_nodes > 1, "
+        "where every rank uses its node-local GPU LOCAL_RANK)",
+    )
     target_tensor_parallel: int = Field(
         default=1, gt=0,
         description="target ranks per SGLang tensor-parallel group: its first rank runs the "
@@ -298,7 +306,8 @@ class SplitConfig(Section):
         "dead (a crashed one at once). Each rank sends a heartbeat every peer_timeout_s / 4 "
         "while it works, so a long target load, generation, training step or checkpoint save "
         "is not silence; the exception is a trainer fed by several target ranks, which gets no "
-        "heartbeat from them",
+        "heartbeat from them. With num_nodes > 1 it is also how long each node waits at the "
+        "rendezvous for the others to start (at least 60 s), on every start and restart",
     )
 
     @property

@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,9 @@ from draftforge.splitserve.multinode import (
     node_layout,
     node_rank_problem,
     rank_command,
+    rendezvous_failure,
+    rendezvous_timeout_s,
+    rendezvous_wait_line,
     shown,
 )
 from draftforge.splitserve.supervisor import (
@@ -133,14 +137,17 @@ class Preflight:
     resume_step: int | None = None  # that checkpoint's step
 
 
-def preflight(cfg, *, check_overlap: bool = False) -> Preflight:
+def preflight(cfg, *, check_overlap: bool = False, reads_data: bool = True) -> Preflight:
     """Checks of the user's files that need no process group, before torchrun starts.
 
     No other run may be training in ``train.output_dir``; the checkpoint ``train.resume``
     would pick must be readable and built for this recipe's draft; the data is read and validated exactly as the target
     ranks will read it (the overlap check, ``data.overlap_check``, is left to them unless
     ``check_overlap``: the dry run's only chance to say it); a logger the recipe
-    turns on (``train.wandb``, ``train.tensorboard``) must be installed. Raises
+    turns on (``train.wandb``, ``train.tensorboard``) must be installed. Without
+    ``reads_data`` (a node of several that runs no target rank) the data is not read: the
+    trainer ranks never open it, except ``train.markov_init: bigram`` without a checkpoint to
+    resume, which counts the answers' bigrams, so then it is read still. Raises
     :class:`~draftforge.errors.InputError` (exit status 2) naming the file or key. Returns
     what it found (:class:`Preflight`).
     """
@@ -187,6 +194,11 @@ def preflight(cfg, *, check_overlap: bool = False) -> Preflight:
         step = int(ckpt.read_checked_state(found, model_config=model_config, strategy=cfg.train.strategy,
                                            trainer_ranks=len(cfg.split.trainer_ranks),
                                            zero_stage=cfg.train.zero_stage, dtype=cfg.train.dtype)["step"])
+    if not reads_data and not (cfg.train.markov_init == "bigram" and found is None):
+        # a trainers-only node: its ranks take their samples from the target ranks' nodes,
+        # which check the data files there (the files need not be on this node)
+        return Preflight(regenerate=False, resume_from=None if found is None else Path(found),
+                         resume_step=step)
     data = cfg.data if check_overlap else cfg.data.model_copy(update={"overlap_check": False})
     conversations, regenerate = load_source_conversations(cfg.model_copy(update={"data": data}))
     if regenerate and cfg.train.markov_init == "bigram" and found is None:
@@ -344,6 +356,11 @@ def _runs_trainers(cfg, layout, node_rank: int | None) -> bool:
     return any(rank in cfg.split.trainer_ranks for rank in _node_ranks(layout, node_rank))
 
 
+def _runs_targets(cfg, layout, node_rank: int | None) -> bool:
+    """Whether this machine (node ``node_rank``, 0 on one node) runs a target rank."""
+    return any(rank in cfg.split.target_ranks for rank in _node_ranks(layout, node_rank))
+
+
 def _check_trainer_node(cfg, layout, node_rank: int | None) -> None:
     """Refuse to start trainer ranks on a machine where the draft's RoPE base is unknown
     (:func:`~draftforge.splitserve.registry.rope_theta_problem`)."""
@@ -463,7 +480,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"checkpoint, which needs train.resume: auto (it is {cfg.train.resume!r}); set "
             "train.resume=auto or drop --max-restarts"
         )])
-    checked = preflight(cfg, check_overlap=args.dry_run)  # a real run's target ranks check the overlap
+    # a real run's target ranks check the overlap; a dry run plans every node, so reads the data
+    checked = preflight(cfg, check_overlap=args.dry_run,
+                        reads_data=args.dry_run or _runs_targets(cfg, layout, args.node_rank))
     if _runs_trainers(cfg, layout, args.node_rank):  # trainer rank 0 writes the run there
         _check_output_dir_writable(cfg)
     finished = _finished_at(cfg, checked) if isinstance(checked, Preflight) else None  # None: tests stub it
@@ -497,9 +516,12 @@ def _supervise(cfg, args, layout, env: dict[str, str], restarts: int) -> int:
     was not an input error; returns the exit status."""
     marker = Path(env[INPUT_ERROR_ENV])
     if layout.num_nodes > 1:
+        # the static rendezvous waits this long for the other nodes (torch's default: 900 s,
+        # silently, on every attempt), then fails; the line before each wait says so
+        timeout = rendezvous_timeout_s(cfg.split)
         command = multinode_torchrun_command(
             args.recipe, args.overrides, layout, node_rank=args.node_rank,
-            master_addr=args.master_addr, master_port=args.master_port,
+            master_addr=args.master_addr, master_port=args.master_port, rendezvous_timeout=timeout,
         )
         if args.node_rank == 0:
             print(f"draftforge train: node 0 hosts the rendezvous: torch's TCPStore listens on "
@@ -522,8 +544,19 @@ def _supervise(cfg, args, layout, env: dict[str, str], restarts: int) -> int:
             torchrun_env = {key: value for key, value in env.items() if not key.startswith("PET_")}
             if cfg.target.backend == "sglang":  # torchrun's grace before SIGKILL: 30 s by default
                 torchrun_env.setdefault(SHUTDOWN_TIMEOUT_ENV, str(math.ceil(term_seconds("sglang"))))
-            return run_torchrun(command, env=torchrun_env, nproc=layout.nproc_per_node,
-                                hint=_stop_hint(cfg, layout, args.node_rank, every_node=True))
+            print(rendezvous_wait_line(layout, args.node_rank, args.master_addr, args.master_port,
+                                       timeout), file=sys.stderr, flush=True)
+            seen: dict[int, str] = {}  # this node's ranks torchrun started: none before the rendezvous
+            began = time.monotonic()
+            status = run_torchrun(command, env=torchrun_env, nproc=layout.nproc_per_node,
+                                  hint=_stop_hint(cfg, layout, args.node_rank, every_node=True),
+                                  seen=seen)
+            # no rank started in all that time: the rendezvous timed out (its traceback says
+            # only "timed out" or a store error, not where it waited nor what to check)
+            if status != 0 and not seen and time.monotonic() - began >= timeout - 1:
+                print(rendezvous_failure(layout, args.node_rank, args.master_addr, args.master_port,
+                                         timeout, timed_out=True), file=sys.stderr, flush=True)
+            return status
     else:
         command = rank_command(args.recipe, args.overrides)
         labels = {r: f"target rank {r}" for r in cfg.split.target_ranks}
@@ -575,6 +608,9 @@ def _restart_from(cfg, layout, node_rank: int | None) -> str:
     """Where a restart continues: the newest checkpoint, or nothing yet (it starts over)."""
     if _no_checkpoint_yet(cfg, layout, node_rank):
         return f"starting over: no checkpoint was written yet in {cfg.train.output_dir}"
+    if not _runs_trainers(cfg, layout, node_rank):  # they are on another node's disk: no guess
+        return (f"continuing from the newest checkpoint in {cfg.train.output_dir} on the trainers' "
+                "node where there is one (starting over where none was written yet)")
     return f"continuing from the newest checkpoint in {cfg.train.output_dir}"
 
 
@@ -605,8 +641,9 @@ def _after_failure(cfg, layout, node_rank: int | None, *, refused: bool = False)
     advice = _not_auto_advice(cfg)
     if advice is not None:  # the same command does not continue from the newest checkpoint
         return advice
-    if not _runs_trainers(cfg, layout, node_rank):  # the trainers' node has them
-        return (f"Rerun the same command on every node to resume from the newest checkpoint "
+    if not _runs_trainers(cfg, layout, node_rank):  # the trainers' node has them, or none
+        return (f"Where the trainers' node wrote no checkpoint yet, the same command starts over. "
+                f"Rerun the same command on every node to resume from the newest checkpoint "
                 f"in {cfg.train.output_dir} on the trainers' node (train.resume={cfg.train.resume}).")
     if ckpt.find_resume(Path(cfg.train.output_dir), "auto") is not None:
         return (f"Rerun the same command to resume from the newest checkpoint in "
@@ -664,6 +701,9 @@ def _stop_hint(cfg, layout, node_rank: int | None, *, every_node: bool = False) 
         on = " on every node" if every_node else ""
         if _no_checkpoint_yet(cfg, layout, node_rank):
             return f"no checkpoint was written yet: the same command{on} starts over"
+        if not _runs_trainers(cfg, layout, node_rank):  # their checkpoints are not on this disk
+            return (f"rerun the same command{on} to continue from the newest checkpoint on the "
+                    "trainers' node (it starts over where none was written yet)")
         return f"rerun the same command{on} to continue from the newest checkpoint"
 
     return _Hint(make)
@@ -671,7 +711,7 @@ def _stop_hint(cfg, layout, node_rank: int | None, *, every_node: bool = False) 
 
 def run_torchrun(command: Sequence[str], *, env: Mapping[str, str], nproc: int | None = None,
                  hint: str = "rerun the same command on every node to continue from the newest "
-                 "checkpoint") -> int:
+                 "checkpoint", seen: dict[int, str] | None = None) -> int:
     """Run this node's torchrun and wait for it; returns its exit status (128 + the signal
     that killed it, if one did).
 
@@ -688,9 +728,12 @@ def run_torchrun(command: Sequence[str], *, env: Mapping[str, str], nproc: int |
     With ``nproc`` (the ranks torchrun starts), so does a first signal that comes after some of
     them ended and the others did not: torchrun, after a rank failed, waits up to its own
     grace (30 s) for the others to stop, and a signal then adds that wait once more.
+
+    ``seen``, where given, is filled with the ranks it saw torchrun start (pid -> start time):
+    empty after a torchrun that failed at its rendezvous.
     """
     procs: list[subprocess.Popen] = []
-    ranks: dict[int, str] = {}  # torchrun's ranks seen so far: pid -> start time
+    ranks: dict[int, str] = {} if seen is None else seen  # torchrun's ranks seen so far: pid -> start time
 
     def lost_a_rank() -> bool:
         # torchrun starts a node's ranks together, after the rendezvous: fewer living than

@@ -11,6 +11,7 @@ starts their ranks itself with a loopback-only store (``supervisor``).
 
 from __future__ import annotations
 
+import math
 import shlex
 import sys
 from collections.abc import Sequence
@@ -19,6 +20,9 @@ from dataclasses import dataclass
 LOOPBACK = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500  # torchrun's own default
 NODE0_PLACEHOLDER = "NODE0_ADDR"  # what a dry run prints until --master-addr is given
+# the least a multi-node rendezvous waits for the other nodes, whatever split.peer_timeout_s:
+# nodes started by hand, one terminal after the other, come up tens of seconds apart
+MIN_RENDEZVOUS_TIMEOUT_S = 60
 
 
 def rank_command(recipe: str, overrides: Sequence[str]) -> list[str]:
@@ -77,16 +81,66 @@ def node_layout(cfg) -> NodeLayout:
     return NodeLayout(num_nodes=split.num_nodes, nproc_per_node=split.world_size // split.num_nodes)
 
 
+def rendezvous_timeout_s(split) -> int:
+    """How long each node's torchrun waits for the others at node 0's rendezvous before it
+    fails: ``split.peer_timeout_s`` (how long a rank waits for a silent peer, so also how
+    long a node may take to notice a failure and restart with the others), at least
+    :data:`MIN_RENDEZVOUS_TIMEOUT_S`. torch's own default, 900 s, applies to every attempt."""
+    return max(MIN_RENDEZVOUS_TIMEOUT_S, math.ceil(split.peer_timeout_s))
+
+
 def multinode_torchrun_command(recipe: str, overrides: Sequence[str], layout: NodeLayout, *,
                                node_rank: int, master_addr: str,
-                               master_port: int = DEFAULT_MASTER_PORT) -> list[str]:
-    """The torchrun command of node ``node_rank`` (static rendezvous at ``master_addr:master_port``)."""
+                               master_port: int = DEFAULT_MASTER_PORT,
+                               rendezvous_timeout: int | None = None) -> list[str]:
+    """The torchrun command of node ``node_rank`` (static rendezvous at ``master_addr:master_port``);
+    with ``rendezvous_timeout`` (seconds) its store waits that long for the other nodes
+    (``--rdzv-conf=timeout=``: the static rendezvous's TCPStore timeout) instead of torch's 900 s."""
+    timeout = [] if rendezvous_timeout is None else [f"--rdzv-conf=timeout={int(rendezvous_timeout)}"]
     return [
         sys.executable, "-m", "torch.distributed.run", f"--nnodes={layout.num_nodes}",
         f"--nproc_per_node={layout.nproc_per_node}", f"--node_rank={node_rank}",
-        f"--master_addr={master_addr}", f"--master_port={master_port}",
+        f"--master_addr={master_addr}", f"--master_port={master_port}", *timeout,
         "-m", "draftforge.train", recipe, *overrides,
     ]
+
+
+def rendezvous_wait_line(layout: NodeLayout, node_rank: int, master_addr: str, master_port: int,
+                         timeout: int) -> str:
+    """What a node says before its torchrun waits at the rendezvous (silent until it is met)."""
+    others = layout.num_nodes - 1
+    nodes = f"the other {others} node{'s' if others != 1 else ''}"
+    where = "this node's rendezvous" if node_rank == 0 else "node 0's rendezvous"
+    return (f"draftforge train: node {node_rank}: waiting up to {timeout} s for {nodes} at "
+            f"{master_addr}:{master_port} ({where}; split.peer_timeout_s, at least "
+            f"{MIN_RENDEZVOUS_TIMEOUT_S} s)")
+
+
+def rendezvous_failure(layout: NodeLayout, node_rank: int, master_addr: str, master_port: int,
+                       timeout: int, *, timed_out: bool) -> str:
+    """What a node says when its torchrun ended before any of its ranks started: the
+    rendezvous at ``master_addr:master_port`` was not met (``timed_out``: after waiting
+    ``timeout`` s), and what to check."""
+    if node_rank == 0:
+        where = (f"the other nodes did not all connect to this node's rendezvous at "
+                 f"{master_addr}:{master_port}")
+        check = (f"check that every other node was started with the same recipe, --master-addr "
+                 f"{master_addr} and --master-port {master_port} and its own --node-rank, that "
+                 f"{master_addr} is this machine's address on the cluster network and that no "
+                 f"firewall blocks TCP port {master_port} to it (from another node: "
+                 f"`nc -zv {master_addr} {master_port}` while this one waits)")
+    else:
+        where = f"node 0's rendezvous at {master_addr}:{master_port} was not met"
+        check = (f"check that node 0 is running the same recipe with --node-rank 0 and "
+                 f"--master-port {master_port}, that {master_addr} is node 0's address on the "
+                 f"cluster network, reachable from this node (`nc -zv {master_addr} "
+                 f"{master_port}` from here while node 0 waits), with TCP port {master_port} not "
+                 "firewalled, and that every other node was started")
+    when = (f"after {timeout} s" if timed_out
+            else "before any rank of this node started (torchrun's message above says why)")
+    return (f"draftforge train: node {node_rank}: {where} {when}; {check}. The nodes must start "
+            f"within {timeout} s of each other (split.peer_timeout_s, at least "
+            f"{MIN_RENDEZVOUS_TIMEOUT_S} s).")
 
 
 def shown(command: Sequence[str]) -> str:
@@ -130,6 +184,7 @@ def launch_plan(cfg, recipe: str, overrides: Sequence[str], *, master_addr: str 
     from draftforge.splitserve.roles import comm_backend
 
     gpu = "GPUs" if comm_backend(cfg, gpus_visible=True) == "nccl" else "processes"
+    timeout = rendezvous_timeout_s(split)
     lines.append(
         f"  {layout.num_nodes} nodes x {layout.nproc_per_node} processes; torchrun static "
         f"rendezvous at {addr}:{master_port} (node 0)"
@@ -138,7 +193,8 @@ def launch_plan(cfg, recipe: str, overrides: Sequence[str], *, master_addr: str 
         ranks = layout.ranks(node)
         target = [r for r in ranks if r in split.target_ranks]
         trainer = [r for r in ranks if r in split.trainer_ranks]
-        local = f"local {gpu} 0-{layout.nproc_per_node - 1} (LOCAL_RANK)"
+        local = (f"local {'GPU' if gpu == 'GPUs' else 'process'} 0 (LOCAL_RANK)" if layout.nproc_per_node == 1
+                 else f"local {gpu} 0-{layout.nproc_per_node - 1} (LOCAL_RANK)")
         lines.append(
             f"  node {node}: ranks {_span(ranks)}: target ranks {_span(target)}, trainer ranks "
             f"{_span(trainer)}; {local}"
@@ -151,9 +207,15 @@ def launch_plan(cfg, recipe: str, overrides: Sequence[str], *, master_addr: str 
         if max_restarts is not None:
             user += ["--max-restarts", str(max_restarts)]
         command = multinode_torchrun_command(recipe, overrides, layout, node_rank=node,
-                                             master_addr=addr, master_port=master_port)
+                                             master_addr=addr, master_port=master_port,
+                                             rendezvous_timeout=timeout)
         lines.append(f"  on node {node}: {shlex.join(user)}")
         lines.append(f"    which runs: {shown(command)}")
+    lines.append(
+        f"  rendezvous timeout: every node waits up to {timeout} s for the others "
+        f"(--rdzv-conf=timeout={timeout}: split.peer_timeout_s, at least {MIN_RENDEZVOUS_TIMEOUT_S} s), "
+        "then fails; start the nodes within that of each other"
+    )
     if addr == NODE0_PLACEHOLDER:
         lines.append(
             f"  {NODE0_PLACEHOLDER}: node 0's address on the cluster network, given with "
@@ -195,26 +257,52 @@ def _one_node_gpus(cfg) -> str:
     return line
 
 
-def is_loopback(address: str) -> bool:
-    """Whether ``address`` is this machine only (``localhost``, 127.0.0.0/8, ``::1``)."""
-    import ipaddress
+# names that mean this machine wherever they resolve (RFC 6761 reserves *.localhost too)
+LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "localhost6", "localhost6.localdomain6",
+                  "ip6-localhost", "ip6-loopback")
 
-    if address.strip().lower() in ("localhost", "localhost.localdomain"):
-        return True
+
+def _ip_address(address: str):
+    """``address`` as the IP address a socket would take it for, or None for a host name.
+
+    Normalised as the resolver reads it: IPv4 shorthand (``127.1``, ``0``, ``0x7f.1``: what
+    ``inet_aton`` and so getaddrinfo accept) in full, and an IPv4-mapped IPv6 address
+    (``::ffff:127.0.0.1``) as the IPv4 address it maps; an IPv6 address's brackets dropped."""
+    import ipaddress
+    import socket
+
+    text = address.strip()
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
     try:
-        return ipaddress.ip_address(address.strip("[]")).is_loopback
+        ip = ipaddress.ip_address(text)
     except ValueError:
-        return False  # a host name: resolved by torchrun on each node
+        if not text or any(ch.isspace() for ch in text):  # inet_aton ignores what follows a space
+            return None
+        try:
+            ip = ipaddress.IPv4Address(socket.inet_aton(text))
+        except OSError:
+            return None  # a host name: resolved by torchrun on each node
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` is this machine only (``localhost``, 127.0.0.0/8 in any spelling,
+    ``127.1`` and ``::ffff:127.0.0.1`` included, ``::1``)."""
+    name = address.strip().lower().rstrip(".")
+    if name in LOOPBACK_NAMES or name.endswith(".localhost"):
+        return True
+    ip = _ip_address(address)
+    return ip is not None and ip.is_loopback
 
 
 def is_unspecified(address: str) -> bool:
-    """Whether ``address`` is the wildcard (``0.0.0.0``, ``::``): a bind address, not one to reach."""
-    import ipaddress
-
-    try:
-        return ipaddress.ip_address(address.strip("[]")).is_unspecified
-    except ValueError:
-        return False
+    """Whether ``address`` is the wildcard (``0.0.0.0``, ``0``, ``::``, ``::ffff:0.0.0.0``): a
+    bind address, not one to reach."""
+    ip = _ip_address(address)
+    return ip is not None and ip.is_unspecified
 
 
 def check_master_port(port: int) -> None:
