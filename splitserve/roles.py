@@ -3,11 +3,12 @@
 Every rank joins the world (``env://``: the ``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT`` that ``draftforge train`` or torchrun set), then creates, in the same order on every rank:
 
-- the target group (``split.target_ranks``) and the trainer group
-  (``split.trainer_ranks``; the draft's FSDP2/DeepSpeed collectives run there);
 - the ack group: every rank, always gloo, for the small trainer -> producer
-  messages (resume state, credits, stop). Samples travel on the world group
-  (gloo on CPU, NCCL on GPU).
+  messages (resume state, credits, stop), and first for the check that every rank
+  resolved the same ``split`` and ``draft`` (``same_recipe``). Samples travel on the
+  world group (gloo on CPU, NCCL on GPU);
+- the target group (``split.target_ranks``) and the trainer group
+  (``split.trainer_ranks``; the draft's FSDP2/DeepSpeed collectives run there).
 
 Target ranks build the target engine and run the producer; trainer ranks
 receive the frozen embedding and lm_head from their first producer, build the
@@ -38,6 +39,7 @@ from draftforge.errors import InputError
 from draftforge.splitserve import borrowed_tokenizer
 from draftforge.splitserve import transport as T
 from draftforge.splitserve.producer import Topology, build_topology
+from draftforge.splitserve.same_recipe import check_same_recipe
 from draftforge.train import distributed as D
 
 EXIT_PEER_DIED = 3
@@ -405,10 +407,13 @@ class RankContext:
         timeout = datetime.timedelta(seconds=cfg.split.peer_timeout_s)
         if not dist.is_initialized():
             dist.init_process_group(self.backend, rank=rank, world_size=world, timeout=timeout)
+        # the ack group first: it does not depend on the split, which every rank must share
+        # before the groups that do are made (a node given other overrides is refused here)
+        self.ack_group = dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
+        check_same_recipe(cfg, world, self.ack_group)
         self.data_group = dist.group.WORLD
         self.target_group = dist.new_group(list(cfg.split.target_ranks), timeout=timeout)
         self.trainer_group = dist.new_group(list(cfg.split.trainer_ranks), timeout=timeout)
-        self.ack_group = dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
         # A tensor-parallel target group's members wait on their leader for the whole run: a
         # gloo group of their own whose timeout no run reaches (a leader that dies closes it).
         self.tp_group, self.tp_leader = None, None
