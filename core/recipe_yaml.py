@@ -193,6 +193,14 @@ def _parse_yaml(text: str, source: str) -> tuple[Any, dict[KeyPath, int], dict[K
     return data, lines, booleans, problems
 
 
+def read_yaml(text: str, source: str) -> Any:
+    """YAML that a run wrote and draftforge reads back (a run's ``config.yaml``, a
+    checkpoint's ``recipe.yaml``), read as a recipe is: aliases that cycle or expand it past
+    :data:`MAX_EXPANDED_VALUES` values are refused, so a crafted run folder cannot make a
+    resume hang. Raises :class:`RecipeError` naming ``source``."""
+    return _parse_yaml(text, source)[0]
+
+
 def _children(node: yaml.Node) -> list[yaml.Node]:
     """A node's keys and values (a mapping's), items (a sequence's), or nothing (a scalar's)."""
     if isinstance(node, yaml.MappingNode):

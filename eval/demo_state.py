@@ -67,11 +67,13 @@ def _training_part(recipe_yaml: str) -> str:
     those, or moving the demo's runs, does not call a finished run another recipe's."""
     import yaml
 
+    from draftforge.recipe_errors import RecipeError
+    from draftforge.recipe_yaml import read_yaml
     from draftforge.train.recipe_changes import without_untrained
 
     try:
-        data = yaml.safe_load(recipe_yaml)
-    except yaml.YAMLError:
+        data = read_yaml(recipe_yaml, "a run's recipe")
+    except RecipeError:
         return recipe_yaml
     if not isinstance(data, dict):
         return recipe_yaml
@@ -337,13 +339,15 @@ def check_export_destination(export_dir: Path, what: str) -> None:
 def _saved_run(folder: Path) -> dict | None:
     """The ``config.yaml`` a training wrote in ``folder``, if it names ``folder`` as its
     ``train.output_dir`` (by name: it was resolved elsewhere); None otherwise."""
-    import yaml
+    from draftforge.recipe_errors import RecipeError
+    from draftforge.recipe_yaml import read_yaml
 
+    path = folder / "config.yaml"
     try:
-        saved = yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8"))
+        saved = read_yaml(path.read_text(encoding="utf-8"), str(path))
         ours = Path(saved["train"]["output_dir"]).name == folder.name
         return saved if ours and isinstance(saved["draft"], dict) else None
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError):
+    except (OSError, UnicodeDecodeError, RecipeError, KeyError, TypeError):
         return None
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import yaml
 
+from draftforge.recipe_errors import RecipeError
+from draftforge.recipe_yaml import read_yaml
 from draftforge.train.checkpoint import RECIPE_FILE
 
 # keys (or whole sections, ending in ".") that do not change what the steps train
@@ -74,7 +76,8 @@ def _shown(value: object) -> str:
 def recipe_changes(saved_yaml: str, current_yaml: str) -> list[str]:
     """``key: old -> new`` for each setting that decides what is trained and differs between
     the two resolved recipes (YAML text, as ``RecipeConfig.to_yaml`` writes it), in key order."""
-    saved, current = (_flattened(yaml.safe_load(text) or {}) for text in (saved_yaml, current_yaml))
+    saved, current = (_flattened(read_yaml(text, source) or {})
+                      for text, source in ((saved_yaml, "the checkpoint's recipe"), (current_yaml, "this run's recipe")))
     return [f"{key}: {_shown(saved.get(key, _ABSENT))} -> {_shown(current.get(key, _ABSENT))}"
             for key in sorted(set(saved) | set(current))
             if not _exempt(key) and saved.get(key, _ABSENT) != current.get(key, _ABSENT)]
@@ -89,7 +92,7 @@ def resume_note(checkpoint: Path, current_yaml: str | None, *, next_step: int) -
         return ""
     try:
         changes = recipe_changes(saved_file.read_text(encoding="utf-8"), current_yaml)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecipeError) as exc:
         return f"{saved_file} could not be read to compare recipes ({type(exc).__name__}: {exc})"
     if not changes:
         return ""
