@@ -918,15 +918,23 @@ def load_checkpoint(*, path: Path, strategy: str, model, optimizer, engine, grou
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        from draftforge.train.dcp_safe import CheckedLoadPlanner, unsafe_failure
+        from draftforge.train.dcp_safe import (
+            CheckedFileSystemReader,
+            CheckedLoadPlanner,
+            unsafe_failure,
+        )
 
         model_state, optim_state = get_state_dict(model, optimizer)
         target = {"model": model_state, "optimizer": optim_state}
-        _check_dcp(path)  # before DCP unpickles its metadata
+        _check_dcp(path)  # names a bad .metadata or data file before any rank loads
+        reader = CheckedFileSystemReader(str(path / "dcp"))  # DCP's .metadata: the allowlist only
         try:
-            dcp.load(target, checkpoint_id=str(path / "dcp"), process_group=group,
-                     planner=CheckedLoadPlanner())
+            dcp.load(target, checkpoint_id=str(path / "dcp"), storage_reader=reader,
+                     process_group=group, planner=CheckedLoadPlanner())
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - the latter is a BaseException
+            if reader.refused is not None:  # .metadata changed since _check_dcp read it
+                raise CheckpointError(
+                    f"{reader.refused}. Delete the folder {path} {_after_deleting(path)}") from None
             unsafe = unsafe_failure(exc)
             if unsafe is not None:
                 raise CheckpointError(

@@ -13,7 +13,11 @@ Here every pickle is checked before DCP reads it:
 - each non-tensor item by ``torch.load(weights_only=True)`` (:class:`CheckedLoadPlanner`).
 
 A pickle that these loaders accept only rebuilds those objects, so DCP's own load of
-the same bytes then runs nothing else.
+the same bytes then runs nothing else. DCP never unpickles ``.metadata`` itself: it is
+given :class:`CheckedFileSystemReader`, which reads the file once, through
+:class:`MetadataUnpickler`, and hands DCP only a :class:`Metadata`; it never reads the
+per-rank ``__<rank>.metadata`` files DCP falls back to (with plain ``pickle``) when the
+global one cannot be read.
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ from __future__ import annotations
 import io
 import pickle  # the allowlisting Unpickler below: find_class refuses all but DCP's metadata
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 METADATA_FILE = ".metadata"
 _ALLOWED = {
@@ -73,11 +79,63 @@ class MetadataUnpickler(pickle._Unpickler):  # the Python one: its BUILD can be 
     dispatch[pickle.BUILD[0]] = _load_build
 
 
-def check_metadata(dcp_dir: Path):
+def _checked(metadata) -> Metadata:
+    """``metadata``, unpickled by :class:`MetadataUnpickler`, if it is DCP's :class:`Metadata`.
+
+    The allowlist also admits objects that are not (None, an ``OrderedDict``). torch's own
+    ``read_metadata`` fails on some (None), and DCP then falls back to reading the per-rank
+    ``__<rank>.metadata`` with plain ``pickle``; so anything else is refused."""
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(f"it holds {type(metadata).__qualname__}, not DCP's Metadata")
+    storage_meta = getattr(metadata, "storage_meta", None)
+    if storage_meta is not None and not isinstance(storage_meta, StorageMeta):
+        raise UnsafeCheckpointError(
+            f"its storage_meta is {type(storage_meta).__qualname__}, not DCP's StorageMeta")
+    return metadata
+
+
+def check_metadata(dcp_dir: Path) -> Metadata:
     """Unpickle ``dcp_dir/.metadata`` with :class:`MetadataUnpickler` and return it; raises
-    :class:`UnsafeCheckpointError` (or the unpickler's own error) when it is not DCP's."""
+    :class:`UnsafeCheckpointError` (or the unpickler's own error) when it is not DCP's
+    :class:`Metadata`."""
     with open(Path(dcp_dir) / METADATA_FILE, "rb") as handle:
-        return MetadataUnpickler(handle).load()
+        return _checked(MetadataUnpickler(handle).load())
+
+
+class CheckedFileSystemReader(FileSystemReader):
+    """DCP's file-system reader, except that ``.metadata`` is unpickled only by
+    :class:`MetadataUnpickler` (:func:`check_metadata`'s checks), once: DCP uses the object
+    that was checked, not a second read of a file that may have changed since.
+
+    ``read_metadata`` does what torch's does after unpickling (a ``StorageMeta`` carrying
+    this load's ``load_id``). It takes no ``kwargs`` parameter, so DCP (which looks for
+    one) never asks it for a rank's ``__<rank>.metadata``, and refuses a ``rank`` anyway:
+    only the global ``.metadata`` is read. A refusal is also kept in :attr:`refused`, as
+    DCP reports a failed metadata read only as the text of an ``AssertionError``."""
+
+    refused: UnsafeCheckpointError | None = None
+
+    def read_metadata(self, *args: Any, **options: Any) -> Metadata:
+        rank = options.get("rank")
+        if rank is not None:
+            self.refused = UnsafeCheckpointError(
+                f"DCP asked for checkpoint file {self._get_metadata_path(rank)}, a rank's own "
+                "metadata; draftforge reads only the global .metadata, refusing to unpickle it "
+                "(it could run code)")
+            raise self.refused
+        path = self._get_metadata_path()
+        try:
+            with self.fs.create_stream(path, "rb") as handle:
+                metadata = _checked(MetadataUnpickler(handle).load())
+        except UnsafeCheckpointError as exc:
+            self.refused = UnsafeCheckpointError(
+                f"checkpoint file {path} is not DCP metadata: {exc}; refusing to unpickle it "
+                "(it could run code)")
+            raise self.refused from None
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def short_storage_file(dcp_dir: Path, metadata) -> tuple[Path, str] | None:
