@@ -405,6 +405,9 @@ def _check_export(args: argparse.Namespace) -> int:
     updates = {"dtype": "float32", "backend": "hf"} | ({"model": args.target} if args.target else {})
     target_cfg = target_cfg.model_copy(update=updates)
     target_dir = _target_folder(target_cfg)
+    if not target_cfg.trust_remote_code:
+        for folder, whose in ((target_dir, "target"), (draft_dir, "draft")):
+            _refuse_own_code(folder, whose)
 
     if args.llama_cpp:
         source = Path(args.llama_cpp).expanduser()
@@ -488,6 +491,33 @@ def _target_folder(target_cfg) -> Path:
             "(config.json, tokenizer, safetensors weights); pass one with --target"
         )
     return folder
+
+
+def _own_code(folder: Path) -> list[str]:
+    """What in ``folder`` is Python code of its own that a Hugging Face loader may run: its
+    ``.py`` files and the ``auto_map`` of its config or tokenizer config."""
+    found = sorted(path.name for path in folder.glob("*.py"))
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            data = json.loads((folder / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and data.get("auto_map"):
+            found.append(f"auto_map in {name}")
+    return found
+
+
+def _refuse_own_code(folder: Path, whose: str) -> None:
+    """llama.cpp's converter loads some architectures' tokenizers with trust_remote_code on
+    (Qwen-v1, ChatGLM, InternLM2, some StableLM), running a folder's own Python code; refuse a
+    folder holding any unless the recipe trusts it, as draftforge's own loaders do."""
+    code = _own_code(folder)
+    if code:
+        raise InputError(
+            f"the {whose} folder {folder} ships Python code of its own ({', '.join(code)}), which "
+            "llama.cpp's converter may run (it loads some tokenizers with trust_remote_code on); "
+            "draftforge runs a folder's code only when the recipe sets target.trust_remote_code: "
+            "true, so set it there if you trust this folder, or remove the code")
 
 
 def _check_all(args, target_cfg, draft_cfg, draft_dir: Path, bin_dir: Path, target_gguf: Path, draft_gguf: Path):
