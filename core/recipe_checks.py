@@ -199,7 +199,8 @@ def _check_draft(cfg: RecipeConfig, shape: TargetShape | None) -> list[Problem]:
                         "max_position_embeddings is not known here (target.shape does not declare "
                         "it) and draft.max_position_embeddings is not set: fix the path; for a "
                         "folder that is on the target's node only, set draft.max_position_embeddings "
-                        f"to {serve}, or declare target.shape.max_position_embeddings",
+                        f"to {serve}, or declare target.shape.max_position_embeddings, in the "
+                        "recipe or on every node (the nodes' draft sections must agree)",
                         (("draft", "max_position_embeddings"),),
                     )
                 )

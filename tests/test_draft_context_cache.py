@@ -90,6 +90,22 @@ def test_a_cache_not_cleared_refuses_another_sequences_context(target):
                                    rtol=1e-5, atol=1e-5)
 
 
+def test_the_same_context_with_a_nan_at_the_last_held_position_is_not_called_another(target):
+    """NaN != NaN: the comparison takes a NaN where the cache projected one as the same value."""
+    draft = tiny_eval_draft(target)
+    aux = torch.randn(1, 20, draft.config.num_context_features, generator=torch.Generator().manual_seed(2))
+    aux[0, 11, 0] = float("nan")
+    cache = ContextCache()
+    with torch.no_grad():
+        draft.block_forward(torch.tensor([7]), 12, aux, cache=cache)
+        draft.block_forward(torch.tensor([7]), 16, aux, cache=cache)
+        assert cache.length == 16
+        other = aux.clone()
+        other[0, 15, 1] += 1.0
+        with pytest.raises(ValueError, match="holds 16 positions of another context"):
+            draft.block_forward(torch.tensor([7]), 18, other, cache=cache)
+
+
 class Recomputing(spec.DraftProposer):
     """The draft proposer without the cache: every block projects the whole context again."""
 

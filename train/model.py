@@ -409,7 +409,8 @@ class ContextCache:
                 f"the draft's context cache holds {self.length} positions and the block asks for "
                 f"{length}: a new sequence needs a new cache (ContextCache.clear)"
             )
-        if self.last is not None and not torch.equal(aux[:, self.length - 1], self.last):
+        if self.last is not None and not torch.allclose(aux[:, self.length - 1], self.last, rtol=0, atol=0,
+                                                        equal_nan=True):  # NaN features: the same context
             raise ValueError(
                 f"the draft's context cache holds {self.length} positions of another context (the "
                 f"features of position {self.length - 1} differ): a new sequence needs a new cache "
