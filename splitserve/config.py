@@ -307,7 +307,7 @@ class SplitConfig(Section):
         "while it works, so a long target load, generation, training step or checkpoint save "
         "is not silence; the exception is a trainer fed by several target ranks, which gets no "
         "heartbeat from them. With num_nodes > 1 it is also how long each node waits at the "
-        "rendezvous for the others to start (at least 60 s), on every start and restart",
+        "rendezvous for the others to start (this plus 60 s), on every start and restart",
     )
 
     @property

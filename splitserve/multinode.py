@@ -20,9 +20,11 @@ from dataclasses import dataclass
 LOOPBACK = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500  # torchrun's own default
 NODE0_PLACEHOLDER = "NODE0_ADDR"  # what a dry run prints until --master-addr is given
-# the least a multi-node rendezvous waits for the other nodes, whatever split.peer_timeout_s:
-# nodes started by hand, one terminal after the other, come up tens of seconds apart
-MIN_RENDEZVOUS_TIMEOUT_S = 60
+# what a multi-node rendezvous waits for the other nodes beyond split.peer_timeout_s: after a
+# failure a node may notice a silent peer only after peer_timeout_s, then its torchrun's grace
+# (up to 45 s) stops its ranks before its launcher restarts; and nodes started by hand, one
+# terminal after the other, come up tens of seconds apart
+RENDEZVOUS_MARGIN_S = 60
 
 
 def rank_command(recipe: str, overrides: Sequence[str]) -> list[str]:
@@ -84,9 +86,9 @@ def node_layout(cfg) -> NodeLayout:
 def rendezvous_timeout_s(split) -> int:
     """How long each node's torchrun waits for the others at node 0's rendezvous before it
     fails: ``split.peer_timeout_s`` (how long a rank waits for a silent peer, so also how
-    long a node may take to notice a failure and restart with the others), at least
-    :data:`MIN_RENDEZVOUS_TIMEOUT_S`. torch's own default, 900 s, applies to every attempt."""
-    return max(MIN_RENDEZVOUS_TIMEOUT_S, math.ceil(split.peer_timeout_s))
+    long a node may take to notice a failure) plus :data:`RENDEZVOUS_MARGIN_S` (its ranks'
+    stop and restart). torch's own default, 900 s, would apply to every attempt."""
+    return math.ceil(split.peer_timeout_s) + RENDEZVOUS_MARGIN_S
 
 
 def multinode_torchrun_command(recipe: str, overrides: Sequence[str], layout: NodeLayout, *,
@@ -112,8 +114,8 @@ def rendezvous_wait_line(layout: NodeLayout, node_rank: int, master_addr: str, m
     nodes = f"the other {others} node{'s' if others != 1 else ''}"
     where = "this node's rendezvous" if node_rank == 0 else "node 0's rendezvous"
     return (f"draftforge train: node {node_rank}: waiting up to {timeout} s for {nodes} at "
-            f"{master_addr}:{master_port} ({where}; split.peer_timeout_s, at least "
-            f"{MIN_RENDEZVOUS_TIMEOUT_S} s)")
+            f"{master_addr}:{master_port} ({where}; split.peer_timeout_s + "
+            f"{RENDEZVOUS_MARGIN_S} s)")
 
 
 def rendezvous_failure(layout: NodeLayout, node_rank: int, master_addr: str, master_port: int,
@@ -139,8 +141,8 @@ def rendezvous_failure(layout: NodeLayout, node_rank: int, master_addr: str, mas
     when = (f"after {timeout} s" if timed_out
             else "before any rank of this node started (torchrun's message above says why)")
     return (f"draftforge train: node {node_rank}: {where} {when}; {check}. The nodes must start "
-            f"within {timeout} s of each other (split.peer_timeout_s, at least "
-            f"{MIN_RENDEZVOUS_TIMEOUT_S} s).")
+            f"within {timeout} s of each other (split.peer_timeout_s + "
+            f"{RENDEZVOUS_MARGIN_S} s).")
 
 
 def shown(command: Sequence[str]) -> str:
@@ -213,7 +215,7 @@ def launch_plan(cfg, recipe: str, overrides: Sequence[str], *, master_addr: str 
         lines.append(f"    which runs: {shown(command)}")
     lines.append(
         f"  rendezvous timeout: every node waits up to {timeout} s for the others "
-        f"(--rdzv-conf=timeout={timeout}: split.peer_timeout_s, at least {MIN_RENDEZVOUS_TIMEOUT_S} s), "
+        f"(--rdzv-conf=timeout={timeout}: split.peer_timeout_s + {RENDEZVOUS_MARGIN_S} s), "
         "then fails; start the nodes within that of each other"
     )
     if addr == NODE0_PLACEHOLDER:

@@ -75,7 +75,7 @@ TWO_NODE = "recipes/ling3-flash-2node.yaml"
 
 def _torchrun(node: int, addr: str, port: int = 29500) -> str:
     return (f"torchrun --nnodes=2 --nproc_per_node=8 --node_rank={node} --master_addr={addr} "
-            f"--master_port={port} --rdzv-conf=timeout=900 -m draftforge.train {TWO_NODE}")
+            f"--master_port={port} --rdzv-conf=timeout=960 -m draftforge.train {TWO_NODE}")
 
 
 def test_two_node_dry_run_prints_each_nodes_ranks_and_command(capsys, monkeypatch):

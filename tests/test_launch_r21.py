@@ -135,6 +135,6 @@ def test_a_node_of_a_multinode_job_prints_the_torchrun_command_as_one_types_it(
     assert launch.main([str(recipe), "--node-rank", "1", "--master-addr", "10.0.0.5"]) == 0
     err = capsys.readouterr().err
     expected = (f"draftforge train: node 1 runs: torchrun --nnodes=2 --nproc_per_node=1 "
-                f"--node_rank=1 --master_addr=10.0.0.5 --master_port=29500 --rdzv-conf=timeout=60 -m draftforge.train "
+                f"--node_rank=1 --master_addr=10.0.0.5 --master_port=29500 --rdzv-conf=timeout=120 -m draftforge.train "
                 f"'{recipe}'")
     assert expected in err.splitlines(), err

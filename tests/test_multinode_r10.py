@@ -49,7 +49,7 @@ def test_two_eight_gpu_nodes_get_the_hand_computed_ranks_and_commands(overrides,
     assert plan[2:4] == [f"  {line}" for line in node_lines]
     for node in (0, 1):
         assert f"    which runs: torchrun --nnodes=2 --nproc_per_node=8 --node_rank={node} " \
-               "--master_addr=10.0.0.1 --master_port=29500 --rdzv-conf=timeout=900 -m draftforge.train r.yaml" in plan
+               "--master_addr=10.0.0.1 --master_port=29500 --rdzv-conf=timeout=960 -m draftforge.train r.yaml" in plan
     assert check_node_args(cfg, node_rank=1, master_addr="10.0.0.1").ranks(1) == range(8, 16)
     with pytest.raises(InputError, match=r"\(0\.\.1; node n runs the 8 ranks from n\*8\), got 2"):
         check_node_args(cfg, node_rank=2, master_addr="10.0.0.1")
