@@ -490,7 +490,11 @@ def _target_folder(target_cfg) -> Path:
             f"target {target_cfg.model!r}: llama.cpp's converter needs a local Hugging Face folder "
             "(config.json, tokenizer, safetensors weights); pass one with --target"
         )
-    return folder
+    # the converter reads pickled weights (.bin) where a folder has no safetensors: the
+    # checks draftforge's own loader makes, first
+    from draftforge.splitserve.hf_backend import _checked_model_folder
+
+    return _checked_model_folder(folder)
 
 
 def _own_code(folder: Path) -> list[str]:

@@ -72,3 +72,19 @@ def test_a_draft_folder_with_code_is_refused_and_a_trusting_recipe_takes_both(se
     trusting.write_text(RECIPE.read_text().replace("target:\n", "target:\n  trust_remote_code: true\n", 1))
     with pytest.raises(_Reached):
         llamacpp_check.main([str(export), "--recipe", str(trusting)])
+
+
+def test_a_target_folder_of_pickled_weights_is_refused_before_the_converter_reads_them(tmp_path):
+    """llama.cpp's converter reads a folder's .bin weights (unpickling them) where it has no
+    safetensors; draftforge loads safetensors only, and now says so before converting."""
+    from types import SimpleNamespace
+
+    folder = tmp_path / "target"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(InputError, match=r"has no \*\.safetensors file: it holds only pickled weights "
+                                         r"\(pytorch_model\.bin\); draftforge loads safetensors only"):
+        llamacpp_check._target_folder(SimpleNamespace(model=str(folder), cache_dir=None))
+    (folder / "model.safetensors").write_bytes(b"")
+    assert llamacpp_check._target_folder(SimpleNamespace(model=str(folder), cache_dir=None)) == folder
