@@ -38,6 +38,8 @@ def _stub_check(monkeypatch, tmp_path):
     import draftforge.train.hf_load as hf_load
 
     class Target:
+        trust_remote_code = False  # the recipe's default: folders of data only are converted
+
         def model_copy(self, update):
             return self
 

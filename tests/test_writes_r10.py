@@ -82,6 +82,8 @@ _CONVERTING = textwrap.dedent("""
     from draftforge.eval import llamacpp, llamacpp_check
 
     class Target:
+        trust_remote_code = False  # the recipe's default: folders of data only are converted
+
         def model_copy(self, update):
             return self
 

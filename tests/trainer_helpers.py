@@ -181,6 +181,7 @@ def fsdp2_layout_worker(rank: int, world: int, init: str, out: str) -> None:
         with open(f"{out}.{rank}", "w", encoding="utf-8") as f:
             json.dump({"layout": layout, "frozen_equal": frozen_equal,
                        "full_dtypes": {k: str(v.dtype).removeprefix("torch.") for k, v in full.items()}}, f)
+        dist.barrier()  # both ranks done before either tears gloo down (as the worker above)
     finally:
         dist.destroy_process_group()
 
