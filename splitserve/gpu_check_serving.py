@@ -203,11 +203,16 @@ def generate_request(input_ids: Sequence[int], max_new_tokens: int) -> dict[str,
                                 "ignore_eos": True}}
 
 
+# the server this check starts listens on loopback: its requests never go through a proxy
+# (urllib's default opener sends them to $http_proxy unless $no_proxy lists the host)
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def _http(url: str, payload: dict | None = None, timeout_s: float = 60.0) -> tuple[int, Any]:
     data = None if payload is None else json.dumps(payload).encode()
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        with _DIRECT.open(request, timeout=timeout_s) as response:
             body = response.read()
             return response.status, json.loads(body) if body.strip() else None
     except urllib.error.HTTPError as err:
