@@ -555,7 +555,7 @@ def _supervise(cfg, args, layout, env: dict[str, str], restarts: int) -> int:
             # only "timed out" or a store error, not where it waited nor what to check)
             if status != 0 and not seen and time.monotonic() - began >= timeout - 1:
                 print(rendezvous_failure(layout, args.node_rank, args.master_addr, args.master_port,
-                                         timeout, timed_out=True), file=sys.stderr, flush=True)
+                                         timeout), file=sys.stderr, flush=True)
             return status
     else:
         command = rank_command(args.recipe, args.overrides)

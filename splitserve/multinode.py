@@ -119,10 +119,9 @@ def rendezvous_wait_line(layout: NodeLayout, node_rank: int, master_addr: str, m
 
 
 def rendezvous_failure(layout: NodeLayout, node_rank: int, master_addr: str, master_port: int,
-                       timeout: int, *, timed_out: bool) -> str:
-    """What a node says when its torchrun ended before any of its ranks started: the
-    rendezvous at ``master_addr:master_port`` was not met (``timed_out``: after waiting
-    ``timeout`` s), and what to check."""
+                       timeout: int) -> str:
+    """What a node says when its torchrun ended, after waiting ``timeout`` s, before any of its
+    ranks started: the rendezvous at ``master_addr:master_port`` was not met, and what to check."""
     if node_rank == 0:
         where = (f"the other nodes did not all connect to this node's rendezvous at "
                  f"{master_addr}:{master_port}")
@@ -138,9 +137,7 @@ def rendezvous_failure(layout: NodeLayout, node_rank: int, master_addr: str, mas
                  f"cluster network, reachable from this node (`nc -zv {master_addr} "
                  f"{master_port}` from here while node 0 waits), with TCP port {master_port} not "
                  "firewalled, and that every other node was started")
-    when = (f"after {timeout} s" if timed_out
-            else "before any rank of this node started (torchrun's message above says why)")
-    return (f"draftforge train: node {node_rank}: {where} {when}; {check}. The nodes must start "
+    return (f"draftforge train: node {node_rank}: {where} after {timeout} s; {check}. The nodes must start "
             f"within {timeout} s of each other (split.peer_timeout_s + "
             f"{RENDEZVOUS_MARGIN_S} s).")
 

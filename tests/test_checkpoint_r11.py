@@ -49,7 +49,8 @@ def run(saved_run, tmp_path) -> Path:
 
 
 def _fsdp2_checkpoint(run_dir: Path):
-    """An fsdp2-layout checkpoint of a small AdamW-trained module (one process, no group)."""
+    """An fsdp2-layout checkpoint of a small AdamW-trained module (one process, no group):
+    its path, the module and its optimizer."""
     gen = torch.Generator().manual_seed(0)
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -61,22 +62,23 @@ def _fsdp2_checkpoint(run_dir: Path):
         path = ckpt.save_checkpoint(run_dir=run_dir, step=2, strategy="fsdp2", model=model,
                                     optimizer=optimizer, engine=None, state=state, group=None,
                                     keep_last=2)
-    return path, model
+    return path, model, optimizer
 
 
-def _load_fsdp2(path: Path) -> torch.nn.Module:
+def _load_fsdp2(path: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ckpt.load_checkpoint(path=path, strategy="fsdp2", model=model,
-                             optimizer=torch.optim.AdamW(model.parameters()), engine=None, group=None)
-    return model
+        ckpt.load_checkpoint(path=path, strategy="fsdp2", model=model, optimizer=optimizer,
+                             engine=None, group=None)
+    return model, optimizer
 
 
 def test_a_whole_dcp_checkpoint_loads(tmp_path):
-    path, model = _fsdp2_checkpoint(tmp_path)
+    path, model, _ = _fsdp2_checkpoint(tmp_path)
     assert ckpt.read_checked_state(path)["step"] == 2
-    assert torch.equal(_load_fsdp2(path).weight, model.weight)
+    assert torch.equal(_load_fsdp2(path)[0].weight, model.weight)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "delete"])
@@ -84,7 +86,7 @@ def test_a_truncated_or_missing_dcp_data_file_is_named_before_loading(tmp_path, 
     """DCP reported a cut .distcp file as 'CheckpointException ranks:dict_keys([0])' and the
     message named only the dcp folder; rank 0's file check (read_checked_state, which the
     launcher runs before any rank starts) passed it."""
-    path, _ = _fsdp2_checkpoint(tmp_path)
+    path, _, _ = _fsdp2_checkpoint(tmp_path)
     data = sorted((path / "dcp").glob("*.distcp"))
     assert len(data) == 1
     if damage == "truncate":

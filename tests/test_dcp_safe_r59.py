@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import os
 import pickle
-import warnings
 from collections import OrderedDict
 from pathlib import Path
 
 import pytest
 import torch
+from test_checkpoint_r11 import _fsdp2_checkpoint
+from test_checkpoint_r11 import _load_fsdp2 as _load
 
 from draftforge.errors import InputError
 from draftforge.train import checkpoint as ckpt
@@ -41,37 +42,23 @@ class _Payload:
 _NOT_METADATA = {"None": (None, "NoneType"), "OrderedDict": (OrderedDict(w=1), "OrderedDict")}
 
 
-def _fsdp2_checkpoint(run_dir: Path) -> tuple[Path, torch.nn.Module, torch.optim.Optimizer]:
-    """An fsdp2-layout checkpoint of a small AdamW-trained module (one process, no group)."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 3)
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, 4)).sum().backward()
-    optimizer.step()
-    state = {"step": 2, "skipped_steps": 0, "strategy": "fsdp2", "consumed_ids": [["a"]]}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DCP: "assuming the intent is to save in a single process"
-        path = ckpt.save_checkpoint(run_dir=run_dir, step=2, strategy="fsdp2", model=model,
-                                    optimizer=optimizer, engine=None, state=state, group=None,
-                                    keep_last=2)
-    return path, model, optimizer
-
-
-def _load(path: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = torch.nn.Linear(4, 3)
-    optimizer = torch.optim.AdamW(model.parameters())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ckpt.load_checkpoint(path=path, strategy="fsdp2", model=model, optimizer=optimizer,
-                             engine=None, group=None)
-    return model, optimizer
-
-
 def _plant(folder: Path, stand_in, marker: Path) -> None:
     """The reviewer's folder: a ``.metadata`` the allowlist admits but that is not DCP's
     Metadata, and a rank's ``__0.metadata`` whose unpickling runs the payload."""
     (folder / ".metadata").write_bytes(pickle.dumps(stand_in))
     (folder / "__0.metadata").write_bytes(pickle.dumps(_Payload(marker)))
+
+
+def _refused_unread(path: Path, marker: Path, type_name: str):
+    """Loading ``path`` is refused naming its ``.metadata`` and what it holds, and the planted
+    rank's file never ran; the refusal's ``pytest.raises`` info."""
+    with pytest.raises(ckpt.CheckpointError) as info:
+        _load(path)
+    assert not marker.exists(), "DCP unpickled __0.metadata: the payload ran"
+    assert str(info.value).startswith(
+        f"checkpoint file {path / 'dcp' / '.metadata'} is not DCP metadata: it holds {type_name}, "
+        "not DCP's Metadata; refusing to unpickle it (it could run code). Delete the folder")
+    return info
 
 
 @pytest.mark.parametrize("kind", sorted(_NOT_METADATA))
@@ -80,12 +67,7 @@ def test_a_metadata_that_is_not_dcps_is_refused_and_the_rank_file_never_read(tmp
     path, _, _ = _fsdp2_checkpoint(tmp_path / "run")
     marker = tmp_path / "PWNED"
     _plant(path / "dcp", stand_in, marker)
-    with pytest.raises(ckpt.CheckpointError) as info:
-        _load(path)
-    assert not marker.exists(), "DCP unpickled __0.metadata: the payload ran"
-    assert str(info.value).startswith(
-        f"checkpoint file {path / 'dcp' / '.metadata'} is not DCP metadata: it holds {type_name}, "
-        "not DCP's Metadata; refusing to unpickle it (it could run code). Delete the folder")
+    info = _refused_unread(path, marker, type_name)
     assert isinstance(info.value, InputError)
     # the rank's file is live: DCP's own unpickler would run it
     pickle.loads((path / "dcp" / "__0.metadata").read_bytes())
@@ -106,12 +88,7 @@ def test_a_metadata_swapped_after_the_check_is_refused_by_dcps_own_read(tmp_path
         _plant(folder / "dcp", stand_in, marker)
 
     monkeypatch.setattr(ckpt, "_check_dcp", check_then_swap)
-    with pytest.raises(ckpt.CheckpointError) as info:
-        _load(path)
-    assert not marker.exists(), "DCP unpickled __0.metadata: the payload ran"
-    assert str(info.value).startswith(
-        f"checkpoint file {path / 'dcp' / '.metadata'} is not DCP metadata: it holds {type_name}, "
-        "not DCP's Metadata; refusing to unpickle it (it could run code). Delete the folder")
+    _refused_unread(path, marker, type_name)
 
 
 def test_dcp_given_the_checked_reader_never_falls_back_to_a_ranks_metadata(tmp_path):
