@@ -195,3 +195,6 @@ def test_two_fsdp2_ranks_with_uneven_micro_batches_equal_one_batch(tmp_path):
 if __name__ == "__main__":
     torch.set_num_threads(1)
     _worker(sys.argv[1])
+    from trainer_helpers import leave_at_once
+
+    leave_at_once()

@@ -539,6 +539,8 @@ result = trainer.fit(pack(chain_samples(40), 90))
 print("RESULT", result.stopped_reason, result.skipped_steps, result.step,
       all(torch.isfinite(p).all().item() for p in trainer.model.parameters()))
 dist.destroy_process_group()
+from trainer_helpers import leave_at_once
+leave_at_once()
 """
 
 

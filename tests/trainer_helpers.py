@@ -94,6 +94,7 @@ def gather_strings_worker(rank: int, world: int, init: str, out: str) -> None:
             json.dump({"gathered": gathered, "told": told}, f)
     finally:
         dist.destroy_process_group()
+    leave_at_once()
 
 
 def full_state_worker(rank: int, world: int, init: str, out: str) -> None:
@@ -146,12 +147,9 @@ def full_state_worker(rank: int, world: int, init: str, out: str) -> None:
         }
         with open(f"{out}.{rank}", "w", encoding="utf-8") as f:
             json.dump(result, f)
-        # both ranks done before either tears gloo down: a rank destroying the group while the
-        # other still finished its last gather aborted it ("terminate called without an active
-        # exception", SIGABRT) once in a full suite on a loaded machine
-        dist.barrier()
     finally:
         dist.destroy_process_group()
+    leave_at_once()
 
 
 def fsdp2_layout_worker(rank: int, world: int, init: str, out: str) -> None:
@@ -181,9 +179,9 @@ def fsdp2_layout_worker(rank: int, world: int, init: str, out: str) -> None:
         with open(f"{out}.{rank}", "w", encoding="utf-8") as f:
             json.dump({"layout": layout, "frozen_equal": frozen_equal,
                        "full_dtypes": {k: str(v.dtype).removeprefix("torch.") for k, v in full.items()}}, f)
-        dist.barrier()  # both ranks done before either tears gloo down (as the worker above)
     finally:
         dist.destroy_process_group()
+    leave_at_once()
 
 
 def deepspeed_full_state_worker(rank: int, world: int, init: str, out: str) -> None:
@@ -254,6 +252,7 @@ def full_state_one_rank_worker(rank: int, world: int, init: str, out: str) -> No
             json.dump({"unchanged": all(torch.equal(state[k], before[k]) for k in before)}, f)
     finally:
         dist.destroy_process_group()
+    leave_at_once()
 
 
 def deepspeed_bf16_masters_worker(rank: int, world: int, init: str, out: str) -> None:
@@ -289,9 +288,11 @@ def deepspeed_bf16_masters_worker(rank: int, world: int, init: str, out: str) ->
 
 
 def leave_at_once() -> None:
-    """End a finished DeepSpeed rank the way ``python -m draftforge.train`` does, without C++
-    static destructors: over gloo they abort now and then ("terminate called without an
-    active exception") after every result is written, failing a rank that succeeded."""
+    """End a finished rank the way ``python -m draftforge.train`` does, without C++ static
+    destructors: over gloo they abort now and then ("terminate called without an active
+    exception", SIGABRT) after every result is written and the group is destroyed, failing a
+    rank that succeeded. Seen with DeepSpeed and with FSDP2 ranks, in full suites on a loaded
+    machine; a barrier before ``destroy_process_group`` did not prevent it."""
     from draftforge.train.__main__ import exit_now
 
     exit_now(0)
