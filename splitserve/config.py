@@ -266,8 +266,9 @@ class SplitConfig(Section):
         description="padded tokens per micro-batch: sequences x the longest one stay within it "
         "(a target rank gives each sample to the trainer, of those it feeds, whose micro-batches, "
         "packed so, are least advanced: every step takes train.grad_accum of them on every trainer; "
-        "where the data runs out, a last step not every trainer can fill is not trained, its "
-        "samples counted in summary.json's untrained_at_end)",
+        "where the data runs out, a trainer short of them fills its step with micro-batches that "
+        "supervise nothing, and a last step no trainer can fill is not trained, its samples "
+        "counted in summary.json's untrained_at_end)",
     )
     restart_target: bool = Field(
         default=False,

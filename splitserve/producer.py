@@ -107,9 +107,11 @@ class Topology:
     def producer_of(self, position: int) -> int:
         """The producer owning position ``position`` of an epoch's order.
 
-        Positions go round the trainers first, so every trainer gets the same share whatever
-        the numbers (trainers step in lockstep: a smaller share would end a finite run early
-        and leave the rest untrained); a trainer's share goes round its producers."""
+        Positions go round the trainers first, so every trainer gets the same share of
+        conversations whatever the numbers; a trainer's share goes round its producers. The
+        micro-batches those shares make can still differ (tests/test_balance_r60.py): at the
+        end of the data the trainers that run short fill their steps with micro-batches that
+        supervise nothing (``Trainer.fit``)."""
         num_r = len(self.trainers)
         sources = self.sources(self.trainers[position % num_r])
         return sources[(position // num_r) % len(sources)]

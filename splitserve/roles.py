@@ -945,7 +945,7 @@ def _run_trainer(ctx: RankContext, bench: dict | None) -> None:
         ctx.log(
             f"finished at step {result.step} ({result.stopped_reason}); checkpoint "
             f"{result.checkpoint}; {dropped} samples in transit dropped (not consumed)"
-            + (f", {result.untrained} taken for a last step not every trainer rank could fill not "
+            + (f", {result.untrained} taken for a last step no trainer rank could fill not "
                "trained (nor consumed: a rerun with a higher split.max_epochs trains them)" if result.untrained else "")
         )
         write_line(accounting.summary_text(), sys.stderr)  # one write: the target's last line comes now too

@@ -236,7 +236,7 @@ def test_samples_of_a_last_step_that_cannot_be_filled_are_counted(tmp_path, caps
     result = trainer.fit([[samples[0]], [samples[1]], [samples[2]]])
     assert (result.stopped_reason, result.steps_run, result.untrained) == ("data_exhausted", 1, 1)
     assert json.loads((run / "summary.json").read_text())["untrained_at_end"] == 1
-    assert ("stop: data_exhausted (1 samples taken for a last step that not every trainer rank could fill "
+    assert ("stop: data_exhausted (1 samples taken for a last step that no trainer rank could fill "
             "were not trained") in capsys.readouterr().out
     trained = [i for line in (run / "metrics.jsonl").read_text().splitlines() for i in json.loads(line)["sample_ids"]]
     assert trained == [samples[0].sample_id, samples[1].sample_id]

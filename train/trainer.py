@@ -94,8 +94,9 @@ class FitResult:
     # a signal stopped (Ctrl-C, SIGTERM: fit() raises, and returns no result)
     stopped_reason: str
     checkpoint: Path | None
-    # data_exhausted: samples the trainer ranks took for a last step that some rank could not fill
-    # (ranks run whole steps together); not trained, not consumed: a rerun with a higher
+    # data_exhausted: samples the trainer ranks took for a last step that no rank could fill
+    # (a rank short of micro-batches while another has a full step fills its own with ones
+    # that supervise nothing); not trained, not consumed: a rerun with a higher
     # split.max_epochs trains them
     untrained: int = 0
     losses: list[float] = field(default_factory=list)
@@ -464,9 +465,10 @@ class Trainer:
         D.all_reduce(total, group=self.group)
         return total.clamp(min=1e-6).to(self.device)
 
-    def _micro_step(self, prepared, micro: int, sums: torch.Tensor, denominator: torch.Tensor | None) -> None:
+    def _micro_step(self, prepared, micro: int, sums: torch.Tensor, denominator: torch.Tensor | None,
+                    *, counted: bool = True) -> None:
         """Forward + backward of one micro-batch; adds its metrics (a non-finite loss as a
-        flag) to ``sums``.
+        flag) to ``sums``; its tokens only where ``counted`` (not a filler's).
 
         Nothing here waits for the device: the non-finite flag stays a device tensor
         until the optimizer step reads ``sums``.
@@ -497,7 +499,8 @@ class Trainer:
         # float64: the counts (tokens, slots) of a large step are exact past float32's 2^24
         parts = torch.cat([
             torch.stack([loss.detach(), out.ce, out.tv, out.bce, tau_sum.float(), blocks.sum().float(),
-                         torch.tensor(float(batch.num_tokens), device=loss.device, dtype=torch.float64), valid.sum(),
+                         torch.tensor(float(batch.num_tokens if counted else 0), device=loss.device,
+                                      dtype=torch.float64), valid.sum(),
                          nonfinite, out.kl if out.kl is not None else torch.zeros_like(out.ce)]).double(),
             (out.c_star * valid).sum(0).double(), valid.sum(0).double(),
         ]).to(sums.device)
@@ -570,8 +573,21 @@ class Trainer:
         self._zero_grad()
         return norm, True
 
-    def train_step(self, micro_batches: list[list[Sample]], *, wait_s: float = 0.0) -> dict:
-        """One optimizer step over ``grad_accum`` micro-batches (collective); returns its record."""
+    def _filler_sample(self) -> Sample:
+        """A sample that supervises nothing (loss mask all False, zero features): what a rank
+        short of micro-batches at the end of the data forwards and backwards so that it joins
+        its step's collectives, adding nothing to the loss, the gradient or the counts."""
+        cfg = self.model_config
+        length = cfg.block_size + 1
+        return Sample("(filler)", torch.zeros(length, dtype=torch.long, device=self.device),
+                      torch.zeros(length, dtype=torch.bool, device=self.device),
+                      torch.zeros(length, cfg.num_context_features, dtype=torch.bfloat16, device=self.device),
+                      torch.zeros(length, cfg.target_hidden_size, dtype=torch.bfloat16, device=self.device))
+
+    def train_step(self, micro_batches: list[list[Sample]], *, wait_s: float = 0.0, fillers: int = 0) -> dict:
+        """One optimizer step over ``grad_accum`` micro-batches (collective); returns its record.
+        The last ``fillers`` micro-batches are :meth:`_filler_sample` ones: not consumed, not
+        counted."""
         for micro, samples in enumerate(micro_batches):  # before any collective of the step
             empty = next((s.sample_id for s in samples if s.num_tokens == 0), None)
             if empty is not None:  # it trained, then resume refused every checkpoint as corrupt
@@ -586,10 +602,12 @@ class Trainer:
         sums = torch.zeros(STEP_SCALARS + 2 * gamma, dtype=torch.float64, device=comm)
         prepared = [self._prepare(samples, micro) for micro, samples in enumerate(micro_batches)]
         denominator = self._step_denominator(prepared)
+        real = len(micro_batches) - fillers
         for micro, batch in enumerate(prepared):
-            self._micro_step(batch, micro, sums, denominator)
+            self._micro_step(batch, micro, sums, denominator, counted=micro < real)
         D.all_reduce(sums, group=self.group)
         norm, applied = self._optimizer_step(sums)
+        micro_batches = micro_batches[:real]
         step_ids = [s.sample_id for samples in micro_batches for s in samples]
         gathered = D.all_gather_strings(step_ids, group=self.group, device=comm)
         self.consumed_ids.extend(step_ids)
@@ -696,10 +714,14 @@ class Trainer:
                         micro_batches.append(next(iterator))
                     except StopIteration:
                         break
-                # Every rank must have a full step, or none runs it (no collective mismatch).
-                have = torch.tensor([1.0 if len(micro_batches) == train.grad_accum else 0.0], device=comm)
-                D.all_reduce(have, group=self.group, op=dist.ReduceOp.MIN)
-                full = have.item() >= 1
+                # A step runs where some rank has a full one; ranks short of micro-batches at the
+                # end of the data fill theirs with micro-batches that supervise nothing (every
+                # rank joins every collective). Several target ranks can feed the trainers
+                # unevenly (each producer balances only its own samples), and a step only where
+                # every rank was full left the excess of the better-fed trainers untrained.
+                have = torch.tensor([float(len(micro_batches))], device=comm)
+                D.all_reduce(have, group=self.group, op=dist.ReduceOp.MAX)
+                full = have.item() >= train.grad_accum
                 # waiting here for another trainer's data is waiting for data too: counted as
                 # neither busy nor idle, it left several trainers' idle shares short
                 wait_s = time.perf_counter() - wait_start
@@ -709,7 +731,9 @@ class Trainer:
                     D.all_reduce(left, group=self.group)  # every rank is here: none had a full step
                     result.untrained = int(left.item())
                     break
-                record = self.train_step(micro_batches, wait_s=wait_s)
+                fillers = train.grad_accum - len(micro_batches)
+                micro_batches += [[self._filler_sample()] for _ in range(fillers)]
+                record = self.train_step(micro_batches, wait_s=wait_s, fillers=fillers)
                 elapsed = time.perf_counter() - started
                 compute_s = record["compute_s"]
                 applied = not record["skipped"]

@@ -1,0 +1,132 @@
+"""Trainer ranks fed unevenly at the end of the data: a rank short of micro-batches joins the
+step with micro-batches that supervise nothing, so the better-fed ranks' samples still train.
+
+Several target ranks feed the trainers unevenly (each producer balances only its own samples:
+tests/test_balance_r60.py measures it); a step only where every trainer rank was full left the
+excess of the better-fed ranks untrained. Run as a script, this file is one rank of the
+two-rank tests below (gloo).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from splitserve_helpers import free_port
+from test_train_r22 import ALL_ANCHORS, CLIP, _assert_same_records, _assert_same_weights, _trainer
+from trainer_helpers import chain_samples, target_embeddings, tiny_model_config, train_config
+
+from draftforge.train.trainer import Trainer
+
+# Micro-batch sizes (samples) each rank receives, in order, at grad_accum 2: rank 1 runs dry
+# after the first step, rank 0 has a second full step and one micro-batch left over.
+RANK_STREAMS = ((1, 2, 1, 2, 1), (2, 1))
+
+
+def _streams() -> list[list[list[str]]]:
+    ids = iter(s.sample_id for s in chain_samples(sum(map(sum, RANK_STREAMS))))
+    return [[[next(ids) for _ in range(size)] for size in sizes] for sizes in RANK_STREAMS]
+
+
+def _worker(job_path: str) -> None:
+    import torch.distributed as dist
+
+    job = json.loads(Path(job_path).read_text())
+    if job["train"]["strategy"] == "deepspeed":
+        os.environ["LOCAL_RANK"] = os.environ["RANK"]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    by_id = {s.sample_id: s for s in chain_samples(sum(map(sum, RANK_STREAMS)))}
+    trainer = Trainer(model_config=tiny_model_config(), train=train_config(**job["train"]),
+                      embeddings=target_embeddings(), run_dir=Path(job["run_dir"]), group=dist.group.WORLD)
+    records: list[dict] = []
+    result = trainer.fit([[by_id[i] for i in micro] for micro in _streams()[rank]], on_step=records.append)
+    state = trainer.full_state_dict()
+    Path(f"{job['out']}.{rank}").write_text(json.dumps({
+        "records": records, "stopped": result.stopped_reason, "untrained": result.untrained,
+        "consumed": trainer.consumed_ids}))
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in state.items()}, job["out"] + ".safetensors")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", ["fsdp2", "deepspeed"])
+def test_a_rank_that_ran_dry_fills_the_step_and_the_others_samples_train(tmp_path, strategy):
+    """Rank 0 has two full steps, rank 1 one: both steps run (the second equal to one process's
+    batch of rank 0's two micro-batches, every logged figure and the weights, the clip active),
+    rank 1's filler adds no sample, token or supervised slot, and only the micro-batch that no
+    rank could complete a step with is left untrained."""
+    if strategy == "deepspeed":
+        pytest.importorskip("deepspeed")
+    from safetensors.torch import load_file
+
+    train = dict(strategy=strategy, dtype="float32", steps=10, num_anchors=ALL_ANCHORS, grad_accum=2,
+                 max_grad_norm=CLIP, checkpoint_interval=100)
+    out = tmp_path / "multi"
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"train": train, "run_dir": str(tmp_path / "multi"), "out": str(out)}))
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, __file__, str(job)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                       RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                                       OMP_NUM_THREADS="1"))
+             for rank in range(2)]
+    try:
+        logs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    ranks = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
+    streams = _streams()
+    for got in ranks:
+        assert got["stopped"] == "data_exhausted" and got["untrained"] == 1, got
+        assert len(got["records"]) == 2
+    # each rank consumed what it trained: rank 0 four micro-batches, rank 1 its two; no filler
+    assert ranks[0]["consumed"] == [i for micro in streams[0][:4] for i in micro]
+    assert ranks[1]["consumed"] == [i for micro in streams[1] for i in micro]
+
+    by_id = {s.sample_id: s for s in chain_samples(sum(map(sum, RANK_STREAMS)))}
+    whole = [streams[0][0] + streams[0][1] + streams[1][0] + streams[1][1], streams[0][2] + streams[0][3]]
+    records: list[dict] = []
+    one = _trainer(tmp_path / "one", **dict(train, strategy="single", grad_accum=1))
+    one.fit([[by_id[i] for i in step] for step in whole], on_step=records.append)
+    assert all(r["grad_norm"] > 10 * CLIP for r in records)  # clipping did act
+    _assert_same_records(ranks[0]["records"], records)
+    _assert_same_weights(load_file(str(out) + ".safetensors"), one.full_state_dict())
+
+
+def test_a_single_rank_still_stops_at_a_step_it_cannot_fill(tmp_path):
+    """With one rank nothing is filled: a last partial step stays untrained, as before."""
+    samples = chain_samples(5)
+    trainer = _trainer(tmp_path, steps=10, grad_accum=2)
+    result = trainer.fit([samples[0:2], samples[2:3], samples[3:5]])
+    assert (result.steps_run, result.stopped_reason, result.untrained) == (1, "data_exhausted", 2)
+
+
+def test_the_filler_supervises_nothing():
+    trainer = Trainer(model_config=tiny_model_config(), train=train_config(), embeddings=target_embeddings(),
+                      run_dir="unused")
+    filler = trainer._filler_sample()
+    assert not filler.loss_mask.any() and filler.num_tokens == tiny_model_config().block_size + 1
+    assert filler.aux.shape[1] == tiny_model_config().num_context_features
+    assert not filler.aux.any() and not filler.final.any()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    _worker(sys.argv[1])
+    from trainer_helpers import leave_at_once
+
+    leave_at_once()
