@@ -10,7 +10,7 @@ from pathlib import Path
 from trainer_helpers import chain_samples, target_embeddings, tiny_model_config, train_config
 
 from draftforge.train import checkpoint as ckpt
-from draftforge.train.export_cli import _saved_recipe
+from draftforge.train.export_cli import saved_recipe
 from draftforge.train.sample import pack
 from draftforge.train.trainer import Trainer
 
@@ -29,14 +29,14 @@ def test_a_rerun_that_trains_nothing_leaves_the_checkpoints_recipe_for_the_card(
     _fit(run, "name: first\n# steps: 4\n", steps=4)
     newest = run / "checkpoints" / "step_00000004"
     assert (newest / ckpt.RECIPE_FILE).read_text() == "name: first\n# steps: 4\n"
-    assert _saved_recipe(run) == newest / ckpt.RECIPE_FILE
-    assert _saved_recipe(newest) == newest / ckpt.RECIPE_FILE  # a checkpoint named directly
+    assert saved_recipe(run) == newest / ckpt.RECIPE_FILE
+    assert saved_recipe(newest) == newest / ckpt.RECIPE_FILE  # a checkpoint named directly
     ckpt.release_run_dir(run)
 
     rerun = _fit(run, "name: second\n# steps: 2\n", steps=2)  # already past step 2: trains nothing
     assert rerun.step == 4
     assert (run / "config.yaml").read_text() == "name: second\n# steps: 2\n"  # the newest segment's
-    assert _saved_recipe(run) == newest / ckpt.RECIPE_FILE  # the card still shows the first
+    assert saved_recipe(run) == newest / ckpt.RECIPE_FILE  # the card still shows the first
     assert (newest / ckpt.RECIPE_FILE).read_text() == "name: first\n# steps: 4\n"
     ckpt.release_run_dir(run)
 
@@ -46,4 +46,4 @@ def test_a_checkpoint_saved_before_recipes_were_kept_falls_back_to_config_yaml(t
     _fit(run, "name: first\n", steps=2)
     ckpt.release_run_dir(run)
     (run / "checkpoints" / "step_00000002" / ckpt.RECIPE_FILE).unlink()
-    assert _saved_recipe(run) == run / "config.yaml"
+    assert saved_recipe(run) == run / "config.yaml"

@@ -141,7 +141,7 @@ def _card_and_weights(args, source: Path, run_dir: Path | None):
         load_training_checkpoint,
     )
 
-    recipe_path = Path(args.recipe) if args.recipe else _saved_recipe(source)
+    recipe_path = Path(args.recipe) if args.recipe else saved_recipe(source)
     export_cfg, card = ExportConfig(), ModelCard()
     output_dir = None
     if recipe_path is not None:
@@ -400,7 +400,7 @@ def _digest_of(report: Path) -> str | None:
         return None
 
 
-def _saved_recipe(source: Path) -> Path | None:
+def saved_recipe(source: Path) -> Path | None:
     """The recipe saved with what ``source`` names: the checkpoint's own ``recipe.yaml`` (the run
     segment that wrote it; a run folder's newest checkpoint's), else the run folder's
     ``config.yaml``, the newest segment's, which may be a later rerun's that trained nothing."""

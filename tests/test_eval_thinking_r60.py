@@ -1,0 +1,207 @@
+"""`draftforge eval DRAFT --target T` without --recipe renders the workloads with the default
+target.generation (thinking off, the tokenizer's own template), whatever the draft was trained
+with: a draft trained against a Qwen3-style target with enable_thinking true was measured on
+prompts unlike its training's, silently (review round 60). The draft's saved training recipe
+(a checkpoint's recipe.yaml, its run's config.yaml, an export's model card) is now compared,
+and the thinking mode used is said and recorded."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from eval_helpers import LAYER_IDS, SHAPE, random_prompts, tiny_eval_draft, tiny_target
+
+from draftforge.config import load_recipe
+from draftforge.splitserve.hf_backend import HFTarget
+from draftforge.splitserve.random_target import random_llama
+from draftforge.train.export import ModelCard, export_draft
+
+TINY_DEBUG = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
+
+
+@pytest.fixture
+def recipe_path(tmp_path):
+    """tiny-debug with the eval helpers' 512-token vocabulary."""
+    path = tmp_path / "tiny-debug-512.yaml"
+    path.write_text(re.sub(r"vocab_size: 49152.*", "vocab_size: 512", TINY_DEBUG.read_text()))
+    return path
+
+
+@pytest.fixture
+def target_dir(tmp_path):
+    """A local target folder of the helpers' shape: its config.json is all eval reads before loading it."""
+    folder = tmp_path / "target"
+    random_llama(SHAPE, seed=0).config.save_pretrained(folder)
+    return folder
+
+
+class TargetLoaded(Exception):
+    """Raised where the target would load: the checks before it all passed."""
+
+
+@pytest.fixture
+def no_target(monkeypatch):
+    def stop(*args, **kwargs):
+        raise TargetLoaded
+
+    monkeypatch.setattr("draftforge.splitserve.target.build_target", stop)
+
+
+def _recipe_yaml(recipe_path: Path, *, thinking: bool, template: str | None = None) -> str:
+    """The resolved recipe a run saves, with target.generation's thinking mode and template set."""
+    recipe = load_recipe(recipe_path)
+    generation = recipe.target.generation.model_copy(update={"enable_thinking": thinking,
+                                                             "chat_template": template})
+    return recipe.model_copy(update={"target": recipe.target.model_copy(update={"generation": generation})}).to_yaml()
+
+
+def _checkpoint(folder: Path, recipe_yaml: str | None = None) -> Path:
+    """A training checkpoint's draft files (as tests/test_eval_cli.py writes one), with the run
+    segment's recipe.yaml when given."""
+    from safetensors.torch import save_file
+
+    draft = tiny_eval_draft(tiny_target())
+    folder.mkdir(parents=True)
+    state = {k: v.contiguous() for k, v in draft.state_dict().items()
+             if k not in ("embed_tokens.weight", "lm_head.weight")}
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "draft_config.json").write_text(json.dumps(asdict(draft.config)))
+    if recipe_yaml is not None:
+        (folder / "recipe.yaml").write_text(recipe_yaml)
+    return folder
+
+
+def _export(folder: Path, recipe_yaml: str | None) -> Path:
+    """An export whose model card holds ``recipe_yaml`` (as draftforge export writes it), or none."""
+    return export_draft(tiny_eval_draft(tiny_target()), folder, card=ModelCard(recipe=recipe_yaml),
+                        progress=lambda _: None)
+
+
+def _eval(draft: Path, target_dir: Path, tmp_path: Path, *extra: str) -> int:
+    from draftforge.cli import main
+
+    return main(["eval", str(draft), "--target", str(target_dir), "--workloads", "gsm8k",
+                 "--num-prompts", "1", "--max-new-tokens", "4", "--out", str(tmp_path / "r"), *extra])
+
+
+@pytest.mark.parametrize("saved", ["recipe.yaml", "run config.yaml", "run directory"])
+def test_a_checkpoint_trained_with_thinking_is_refused_without_recipe(
+        recipe_path, target_dir, tmp_path, no_target, capsys, saved):
+    """Its recipe.yaml (or, without one, its run's config.yaml; for a run directory, its newest
+    complete checkpoint's) says enable_thinking true: refused before the target loads, naming
+    both values, the file and the fix."""
+    text = _recipe_yaml(recipe_path, thinking=True)
+    run = tmp_path / "run"
+    if saved == "recipe.yaml":
+        draft = _checkpoint(run / "checkpoints" / "step_00000008", text)
+        record = draft / "recipe.yaml"
+    elif saved == "run config.yaml":
+        draft = _checkpoint(run / "checkpoints" / "step_00000008")
+        record = run / "config.yaml"
+        record.write_text(text)
+    else:  # an older segment trained without thinking; the newest checkpoint is evaluated
+        for step, recipe_yaml in ((4, _recipe_yaml(recipe_path, thinking=False)), (8, text)):
+            ckpt = _checkpoint(run / "checkpoints" / f"step_{step:08d}", recipe_yaml)
+            (ckpt / "COMPLETE").write_text("")
+            (ckpt / "trainer_state.json").write_text("{}")
+        draft, record = run, ckpt / "recipe.yaml"
+    assert _eval(draft, target_dir, tmp_path) == 2
+    err = capsys.readouterr().err
+    assert f"{draft}: trained with target.generation.enable_thinking true (against 'random', as {record} records)" in err
+    assert "rendered with enable_thinking false (the default)" in err
+    assert f"pass --recipe {record} (the recipe it was trained with)" in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_an_export_trained_with_thinking_is_refused_without_recipe(recipe_path, target_dir, tmp_path, no_target,
+                                                                   capsys):
+    """An export records its training recipe in its model card (README.md's Recipe section)."""
+    export = _export(tmp_path / "export", _recipe_yaml(recipe_path, thinking=True))
+    assert _eval(export, target_dir, tmp_path) == 2
+    err = capsys.readouterr().err
+    card = export / "README.md"
+    assert f"trained with target.generation.enable_thinking true (against 'random', as {card} (its Recipe section)" in err
+    assert "rendered with enable_thinking false (the default)" in err
+    assert f"pass --recipe with the recipe it was trained with (the YAML of {card}'s Recipe section" in err
+
+
+def test_a_draft_trained_without_thinking_is_evaluated_as_before_and_says_so(
+        recipe_path, target_dir, tmp_path, no_target, capsys):
+    export = _export(tmp_path / "export", _recipe_yaml(recipe_path, thinking=False))
+    with pytest.raises(TargetLoaded):
+        _eval(export, target_dir, tmp_path)
+    out = capsys.readouterr().out
+    assert (f"eval: workload prompts rendered with thinking off (the default without --recipe, as "
+            f"{export / 'README.md'} (its Recipe section) records its training) and the target "
+            "tokenizer's chat template") in out
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "export"])
+def test_a_draft_recording_no_recipe_keeps_the_default_and_says_which(target_dir, tmp_path, no_target, capsys,
+                                                                       kind):
+    """Another tool's export, or a checkpoint copied without its recipe: evaluated as before,
+    with a line saying the thinking mode used and what to do if it was trained otherwise."""
+    draft = _checkpoint(tmp_path / "ckpt") if kind == "checkpoint" else _export(tmp_path / "export", None)
+    with pytest.raises(TargetLoaded):
+        _eval(draft, target_dir, tmp_path)
+    out = capsys.readouterr().out
+    assert "eval: workload prompts rendered with thinking off (the default without --recipe)" in out
+    assert "the draft records no training recipe" in out
+    assert "pass the recipe it was trained with as --recipe" in out
+
+
+def test_with_recipe_its_generation_settings_are_used_as_given(recipe_path, target_dir, tmp_path, no_target, capsys):
+    """--recipe: its target.generation renders the workloads, as before; the draft's record is not read."""
+    ckpt = _checkpoint(tmp_path / "ckpt", _recipe_yaml(recipe_path, thinking=True))
+    with pytest.raises(TargetLoaded):
+        _eval(ckpt, target_dir, tmp_path, "--recipe", str(recipe_path))
+    assert ("eval: workload prompts rendered with thinking off (the recipe's "
+            "target.generation.enable_thinking)") in capsys.readouterr().out
+
+
+def test_token_id_prompts_are_not_rendered_so_not_checked(recipe_path, target_dir, tmp_path, no_target, capsys):
+    ckpt = _checkpoint(tmp_path / "ckpt", _recipe_yaml(recipe_path, thinking=True))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"workload": "w", "input_ids": random_prompts(1)[0]}))
+    from draftforge.cli import main
+
+    with pytest.raises(TargetLoaded):
+        main(["eval", str(ckpt), "--target", str(target_dir), "--prompts-file", str(prompts),
+              "--max-new-tokens", "4", "--out", str(tmp_path / "r")])
+    assert "workload prompts rendered" not in capsys.readouterr().out
+
+
+def test_a_draft_trained_with_another_chat_template_is_refused_without_recipe(
+        recipe_path, target_dir, tmp_path, monkeypatch, capsys):
+    """The template is compared once the target's tokenizer is loaded, before any prompt renders."""
+    template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+    ckpt = _checkpoint(tmp_path / "ckpt", _recipe_yaml(recipe_path, thinking=False, template=template))
+
+    class Tokenizer:
+        chat_template = "{{ messages[0]['content'] }}"
+
+        def apply_chat_template(self, *args, **kwargs):
+            raise AssertionError("a prompt was rendered")
+
+    target = HFTarget(tiny_target().model, Tokenizer(), LAYER_IDS, name=str(target_dir))
+    monkeypatch.setattr("draftforge.splitserve.target.build_target", lambda *args, **kwargs: target)
+    assert _eval(ckpt, target_dir, tmp_path) == 2
+    err = capsys.readouterr().err
+    assert f"trained with target.generation.chat_template {template[:37] + '...'!r} ({len(template)} characters" in err
+    assert f"as {ckpt / 'recipe.yaml'} records), but without --recipe" in err
+    assert "the target tokenizer's own template, which differs" in err
+    assert f"pass --recipe {ckpt / 'recipe.yaml'}" in err
+
+
+def test_the_same_template_as_the_tokenizers_is_accepted():
+    from draftforge.eval.prompt_rendering import check_training_template
+
+    recorded = {"chat_template": "{{ x }}", "where": "r.yaml", "fix": "pass --recipe r.yaml"}
+    check_training_template(recorded, SimpleNamespace(tokenizer=SimpleNamespace(chat_template="{{ x }}")), "d")
+    check_training_template({**recorded, "chat_template": None},
+                             SimpleNamespace(tokenizer=SimpleNamespace(chat_template="{{ y }}")), "d")
