@@ -87,12 +87,14 @@ def test_a_run_folder_that_also_holds_an_evaluation_report_still_trains(tmp_path
     from splitserve_helpers import tiny_recipe
 
     from draftforge.config import load_recipe
-    from draftforge.splitserve.launch import preflight
+    from draftforge.splitserve.launch import Preflight, preflight
 
     cfg = load_recipe(tiny_recipe(tmp_path, steps=4))
     run = Path(cfg.train.output_dir)
     run.mkdir()
     (run / "report.json").write_text("{}")
     (run / "config.yaml").write_text(cfg.to_yaml())
-    preflight(cfg)  # no refusal: a run is there
+    # no refusal (a run is there): the data is read from its file, no checkpoint to resume yet
+    assert preflight(cfg) == Preflight(regenerate=False, resume_from=None, resume_step=None)
+    assert (run / "report.json").read_text() == "{}"  # the report is left as it was
 

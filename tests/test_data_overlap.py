@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import unicodedata
 
 import pytest
 
@@ -83,17 +84,56 @@ def test_load_time_check_refuses_overlapping_training_file(tmp_path):
     )
 
 
+def reference_normalize(text: str) -> str:
+    """The documented normalisation, re-derived character by character: NFKC, case-folded,
+    every run of characters that are not letters or digits one space, no space at the ends."""
+    out: list[str] = []
+    for char in unicodedata.normalize("NFKC", text).casefold():
+        if char.isalnum():
+            out.append(char)
+        elif out and out[-1] != " ":
+            out.append(" ")
+    return "".join(out).rstrip(" ")
+
+
+def reference_shingles(text: str, n: int = 5) -> set[str]:
+    """Every run of ``n`` consecutive characters; a shorter non-empty text is its own shingle."""
+    if not text:
+        return set()
+    if len(text) <= n:
+        return {text}
+    grams = set()
+    start = 0
+    while start + n <= len(text):
+        grams.add(text[start : start + n])
+        start += 1
+    return grams
+
+
 def brute_force(train: list[str], refs: list[str], threshold: float) -> dict[int, float]:
     best = {}
     for i, text in enumerate(train):
-        a = shingles(normalize(text))
+        a = reference_shingles(reference_normalize(text))
         for ref in refs:
-            b = shingles(normalize(ref))
+            b = reference_shingles(reference_normalize(ref))
             shared = len(a & b)
             score = max(shared / len(a | b), shared / len(b))
             if score >= threshold:
                 best[i] = max(best.get(i, 0.0), score)
     return best
+
+
+def test_normalize_and_shingles_give_the_documented_values():
+    assert normalize("  Hello,  WORLD!! 42_x--") == "hello world 42 x"
+    assert normalize("Ｆｕｌｌ－ｗｉｄｔｈ") == "full width"  # NFKC before case-folding
+    assert normalize("Straße") == "strasse"  # case-folded, not just lower-cased
+    assert normalize("...") == ""
+    assert shingles("abcdefg") == frozenset({"abcde", "bcdef", "cdefg"})
+    assert shingles("abcde") == frozenset({"abcde"})
+    assert shingles("ab c") == frozenset({"ab c"})
+    assert shingles("") == frozenset()
+    assert shingles("aaaaaaa") == frozenset({"aaaaa"})
+    assert shingles("abcd", n=2) == frozenset({"ab", "bc", "cd"})
 
 
 def test_index_finds_exactly_what_brute_force_finds():

@@ -236,8 +236,10 @@ def test_engine_returning_wrong_count_is_an_error(tmp_path):
 
 def test_check_answers_accepts_this_runs_file_and_a_larger_one(tmp_path):
     out, _ = run(tmp_path, "r.jsonl", prompts=make_prompts(11))
-    check_answers(out, make_prompts(11), SETTINGS, "fake-target")
-    check_answers(out, make_prompts(6), SETTINGS, "fake-target")  # rows of other ids ignored
+    written = out.read_bytes()
+    assert check_answers(out, make_prompts(11), SETTINGS, "fake-target") is None
+    assert check_answers(out, make_prompts(6), SETTINGS, "fake-target") is None  # rows of other ids ignored
+    assert out.read_bytes() == written  # checked only: the file is left as it was
 
 
 def test_check_answers_refuses_a_stale_file(tmp_path):

@@ -13,17 +13,24 @@ RECIPE = ROOT / "recipes" / "smollm2-cpu.yaml"
 
 @pytest.mark.parametrize("override", ["train.max_bad_steps=50", "train.log_interval=5",
                                       "train.checkpoint_interval=20", "name=my-cpu",
-                                      "split.peer_timeout_s=900"])
-def test_settings_that_do_not_change_the_training_keep_a_finished_run(tmp_path, monkeypatch, override):
+                                      "split.peer_timeout_s=600"])
+def test_settings_that_do_not_change_the_training_keep_a_finished_run(tmp_path, monkeypatch, capsys,
+                                                                     override):
     """The trainer resumes across these without a note (NOT_TRAINED); the demo refused the run
     and told the user to delete it with --force."""
     from draftforge.config import load_recipe
     from draftforge.eval import demo_state
     from draftforge.train import checkpoint as ckpt
+    from draftforge.train.recipe_changes import recipe_changes
 
     monkeypatch.setattr(ckpt, "complete_checkpoints", lambda run_dir: [run_dir / "step"])
-    (tmp_path / "config.yaml").write_text(load_recipe(RECIPE).to_yaml())
-    demo_state.check_same_recipe(tmp_path, load_recipe(RECIPE, [override]).to_yaml(), "DSpark")
+    saved, changed = load_recipe(RECIPE).to_yaml(), load_recipe(RECIPE, [override]).to_yaml()
+    assert changed != saved  # the override is in the recipe the demo compares
+    (tmp_path / "config.yaml").write_text(saved)
+    assert recipe_changes(saved, changed) == []  # the trainer's resume has no note to print
+    assert demo_state.check_same_recipe(tmp_path, changed, "DSpark") is None  # kept, not refused
+    assert capsys.readouterr() == ("", "")  # and nothing said about it
+    assert (tmp_path / "config.yaml").read_text() == saved
 
 
 def test_a_setting_that_changes_the_training_is_still_another_recipe(tmp_path, monkeypatch):

@@ -112,7 +112,14 @@ def test_eval_settings_refuse_what_the_recipe_section_refuses(field, value):
 def test_eval_settings_take_the_bounds_themselves():
     from draftforge.eval.harness import EvalSettings
 
-    EvalSettings()
-    EvalSettings(max_new_tokens=2, temperature=0.0, top_k=0, top_p=1.0, verify="threshold", threshold=0.0,
-                 ngram_match="earliest", ngram_max=1, tie_tolerance=0.0, estimate_anchors=1)
-    EvalSettings(temperature=1, top_p=1e-6, threshold=1, draft_sampling="sample")
+    defaults = EvalSettings()
+    assert (defaults.max_new_tokens, defaults.temperature, defaults.top_k, defaults.top_p, defaults.verify,
+            defaults.threshold, defaults.draft_sampling) == (256, 0.0, 0, 1.0, "full", 0.5, "greedy")
+    lows = {"max_new_tokens": 2, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "verify": "threshold",
+            "threshold": 0.0, "ngram_match": "earliest", "ngram_max": 1, "tie_tolerance": 0.0,
+            "estimate_anchors": 1}
+    settings = EvalSettings(**lows)
+    assert {field: getattr(settings, field) for field in lows} == lows
+    highs = {"temperature": 1, "top_p": 1e-6, "threshold": 1, "draft_sampling": "sample"}
+    settings = EvalSettings(**highs)
+    assert {field: getattr(settings, field) for field in highs} == highs

@@ -4,6 +4,7 @@ hand-made reports."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -176,8 +177,14 @@ def test_eval_compare_refuses_what_it_cannot_pair(tmp_path, capsys):
 
 
 def test_prompt_digest_tells_prompts_apart():
-    assert prompt_digest([[1, 2], [3]]) == prompt_digest([[1, 2], [3]])
+    # the first 16 hex digits of the SHA-256 of the prompts' compact JSON, written out by hand
+    assert prompt_digest([[1, 2], [3]]) == hashlib.sha256(b"[[1,2],[3]]").hexdigest()[:16]
+    assert prompt_digest([[1, 2, 3]]) == hashlib.sha256(b"[[1,2,3]]").hexdigest()[:16]
     assert prompt_digest([[1, 2], [3]]) != prompt_digest([[1, 2, 3]])
+    assert prompt_digest([[1, 2], [3]]) != prompt_digest([[3], [1, 2]])  # the order counts
+    # the same ids held as tuples or numpy arrays (as the harness holds them) digest the same
+    assert prompt_digest(((1, 2), (3,))) == prompt_digest([[1, 2], [3]])
+    assert prompt_digest([np.array([1, 2], dtype=np.int64), np.array([3])]) == prompt_digest([[1, 2], [3]])
 
 
 def test_t_quantiles_match_the_printed_tables():

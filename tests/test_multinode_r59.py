@@ -5,6 +5,7 @@ node needs no data files; the plan and the advice of a node without trainers say
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ import pytest
 from splitserve_helpers import free_port, tiny_recipe
 
 from draftforge.config import load_recipe
+from draftforge.data.formats import DataFormatError
 from draftforge.errors import InputError
 from draftforge.splitserve import launch
 from draftforge.splitserve.multinode import (
@@ -168,6 +170,11 @@ def _without_data(tmp_path, **overrides) -> Path:
     return recipe
 
 
+def _missing_data(tmp_path) -> str:
+    """The pattern of data.loading's own refusal of the deleted data file (not a raw traceback)."""
+    return "^" + re.escape(f"data file not found: {tmp_path / 'convs.jsonl'}; check data.train_files") + "$"
+
+
 def test_a_trainers_only_node_starts_without_the_data_files(tmp_path, monkeypatch):
     recipe = _without_data(tmp_path)
     calls: list = []
@@ -180,7 +187,7 @@ def test_the_target_node_still_checks_the_data_files(tmp_path, monkeypatch):
     recipe = _without_data(tmp_path)
     calls: list = []
     _fake_torchrun(monkeypatch, [0], calls)
-    with pytest.raises(Exception, match="convs.jsonl"):
+    with pytest.raises(DataFormatError, match=_missing_data(tmp_path)):
         launch.main([str(recipe), "--node-rank", "0", "--master-addr", "10.0.0.5",
                      "--master-port", str(free_port())])
     assert not calls
@@ -191,7 +198,7 @@ def test_a_trainers_only_node_reads_the_data_for_a_bigram_init(tmp_path, monkeyp
     recipe = _without_data(tmp_path, **{"train.markov_init": "bigram"})
     calls: list = []
     _fake_torchrun(monkeypatch, [0], calls)
-    with pytest.raises(Exception, match="convs.jsonl"):
+    with pytest.raises(DataFormatError, match=_missing_data(tmp_path)):
         launch.main([str(recipe), *NODE1])
     assert not calls
 

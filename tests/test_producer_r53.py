@@ -6,10 +6,13 @@ themselves (a review: the launcher read a pin left in its own environment)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from splitserve_helpers import tiny_recipe
 
 from draftforge.config import load_recipe
+from draftforge.data.regenerate import RegenerationError
 from draftforge.errors import InputError
 from draftforge.splitserve.launch import ANSWERS_SOURCE_ENV
 from draftforge.splitserve.producer import launch_pin, load_source_conversations
@@ -24,7 +27,7 @@ def test_a_file_that_appears_after_the_launch_is_not_taken_by_the_jobs_ranks(tmp
     cfg, answers = _recipe(tmp_path)
     answers.parent.mkdir(parents=True)
     answers.write_text('{"id": "x", "messages": "not answers"}\n')  # a rank unpinned reads (and refuses) it
-    with pytest.raises(Exception, match=str(answers)):
+    with pytest.raises(RegenerationError, match="^" + re.escape(f"{answers}, line 1: not a regenerated row (")):
         load_source_conversations(cfg)
     conversations, regenerate = load_source_conversations(cfg, pinned="inline")
     assert regenerate and len(conversations) == 48

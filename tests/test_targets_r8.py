@@ -15,6 +15,7 @@ import pytest
 from draftforge.config import load_recipe
 from draftforge.errors import InputError
 from draftforge.splitserve import placement, smollm2
+from draftforge.splitserve import target as target_module
 from draftforge.splitserve.config import TargetConfig, TargetShape
 from draftforge.splitserve.random_target import random_llama
 from draftforge.splitserve.registry import resolve_target_shape, rope_theta_problem
@@ -170,9 +171,16 @@ def test_a_target_folder_given_with_a_tilde_is_read_like_its_full_path(tmp_path,
     cfg = load_recipe(RECIPE, ["target.model=~/final", "target.shape=null"])
     assert rope_theta_problem(cfg) is None
     assert cfg.draft.rope_theta == 10000.0
-    with pytest.raises(Exception) as caught:  # the folder is found: its (empty) tokenizer is what fails
-        load_tokenizer(TargetConfig(model="~/final"))
-    assert "neither a registered name" not in str(caught.value)
+    # the tokenizer is read from the expanded folder, not from a literal "~" one
+    read = []
+
+    def tokenizer_from(where, _cfg):
+        read.append(where)
+        return "the tokenizer"
+
+    monkeypatch.setattr(target_module, "folder_tokenizer", tokenizer_from)
+    assert load_tokenizer(TargetConfig(model="~/final")) == "the tokenizer"
+    assert [str(where) for where in read] == [str(folder)]
 
     # a target split over GPUs: the placement plan reads the config from the expanded folder
     planned = []

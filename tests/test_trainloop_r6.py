@@ -33,9 +33,18 @@ def _write(folder, payload: bytes):
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_genuine_dcp_metadata_still_passes(tmp_path):
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
     dcp.save({"w": torch.arange(4.0), "opt": {"lr": 0.1, "step": 3}}, checkpoint_id=str(tmp_path / "dcp"))
-    check_metadata(tmp_path / "dcp")
+    written = (tmp_path / "dcp" / ".metadata").read_bytes()
+    checked = check_metadata(tmp_path / "dcp")
+    assert isinstance(checked, Metadata)  # returned as DCP's own reader reads it
+    expected = dcp.FileSystemReader(str(tmp_path / "dcp")).read_metadata()
+    assert checked.state_dict_metadata.keys() == expected.state_dict_metadata.keys() == {"w", "opt.lr", "opt.step"}
+    w = checked.state_dict_metadata["w"]
+    assert isinstance(w, TensorStorageMetadata) and tuple(w.size) == (4,)
+    assert checked.state_dict_metadata == expected.state_dict_metadata
+    assert (tmp_path / "dcp" / ".metadata").read_bytes() == written  # read only
 
 
 def test_metadata_reaching_the_os_module_is_refused_before_it_changes_it(tmp_path):
