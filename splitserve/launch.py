@@ -222,17 +222,18 @@ def preflight(cfg, *, check_overlap: bool = False, reads_data: bool = True) -> P
             f"{len(producers)} target ranks, and each needs one at least; add data "
             "(data.num_samples) or use fewer target ranks"
         )
-    # every trainer takes part in every step, with train.grad_accum micro-batches of its own
-    # samples: with fewer samples than that in all, no step can run (the job would end at step
-    # 0, "data_exhausted", with status 0)
+    # a step of every trainer takes train.grad_accum micro-batches of its own samples: with
+    # fewer samples than that in all, some trainer has none to train on (it only joins steps
+    # with micro-batches that supervise nothing), or no step runs at all (the job would end at
+    # step 0, "data_exhausted", with status 0)
     epochs, trainers = cfg.split.max_epochs, len(cfg.split.trainer_ranks)
     needed = trainers * cfg.train.grad_accum
     if epochs is not None and len(conversations) * epochs < needed:
         raise DataFormatError(
             f"data.train_files {list(cfg.data.train_files)}: {len(conversations)} conversations x "
             f"split.max_epochs={epochs} give at most {len(conversations) * epochs} samples, and one "
-            f"step needs {needed} at least ({trainers} trainer ranks x train.grad_accum="
-            f"{cfg.train.grad_accum}, every trainer taking part in every step); add data "
+            f"step of every trainer needs {needed} at least ({trainers} trainer ranks x "
+            f"train.grad_accum={cfg.train.grad_accum}); add data "
             "(data.num_samples), raise split.max_epochs or use fewer trainer ranks"
         )
     return Preflight(regenerate=regenerate, resume_from=None if found is None else Path(found), resume_step=step)

@@ -15,7 +15,7 @@ still trains (it was left untrained: 24 of those 152 samples).
 
 The streams here are the producers' own (:class:`SampleSource`, a fake engine, no processes);
 what each trainer receives (its sources in strict rotation, as ``SampleReceiver``), the
-micro-batches it packs and the steps the lockstep runs are an independent, slow reference
+micro-batches it packs are an independent, slow reference
 (not ``stream_pack`` nor ``PackedBalance``).
 """
 

@@ -137,8 +137,9 @@ def test_a_full_link_does_not_stall_the_other_trainer(tmp_path):
 def test_uneven_trainers_finish_finite_data_without_waiting_on_each_other(tmp_path):
     """split.max_epochs=1, one target, two trainers: 15 short answers (two a micro-batch) and
     a long one (alone in its micro-batch), so the micro-batch balance gives one trainer 8 short
-    samples (4 micro-batches) and the other 7 and the long one (5): training stops when one
-    runs out (every trainer takes part in every step). The producer used to send END only once every
+    samples (4 micro-batches) and the other 7 and the long one (5): the first fills the fifth
+    step with a micro-batch that supervises nothing, and every sample trains. The producer used
+    to send END only once every
     link's samples were out, in rank order: the trainer out of samples waited for its END to
     train its last step, the other, its link full, waited for it in a collective, and the
     producer waited for that full link's credit, until the peer timeout failed the job."""
@@ -160,9 +161,10 @@ def test_uneven_trainers_finish_finite_data_without_waiting_on_each_other(tmp_pa
     first, second = json.loads((final / "trainer_state.json").read_text())["consumed_ids"]
     assert not set(first) & set(second) and set(first + second) <= {f"c{i}" for i in range(16)}
     # the trainer given 4 micro-batches trained them all (8 samples, its last one closed by
-    # END); the other stopped with it, 7 of its 8 samples trained and the fifth micro-batch left
-    assert sorted((len(first), len(second))) == [7, 8]
-    assert "stop: data_exhausted" in read_logs(tmp_path / "logs", 3)[1]
+    # END); the other trained its fifth micro-batch too, the first filling that step
+    assert sorted((len(first), len(second))) == [8, 8]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["step"], summary["stopped_reason"], summary["untrained_at_end"]) == (5, "data_exhausted", 0)
     # what waited on the target for one trainer beyond its link: at most a chunk of 4 samples
     # of at most data.max_length (96) tokens beside what the balance keeps back
     waiting = re.search(r"and (\d+) tokens waiting here for one trainer", read_logs(tmp_path / "logs", 3)[0])

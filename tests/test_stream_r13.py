@@ -83,8 +83,8 @@ def test_finite_data_too_small_for_one_step_of_every_trainer_is_refused_before_a
         preflight(recipe("small", 3, 1))
     assert str(caught.value) == (
         f"data.train_files ['{tmp_path / 'small' / 'convs.jsonl'}']: 3 conversations x "
-        "split.max_epochs=1 give at most 3 samples, and one step needs 4 at least (2 trainer ranks "
-        "x train.grad_accum=2, every trainer taking part in every step); add data "
+        "split.max_epochs=1 give at most 3 samples, and one step of every trainer needs 4 at least "
+        "(2 trainer ranks x train.grad_accum=2); add data "
         "(data.num_samples), raise split.max_epochs or use fewer trainer ranks")
     preflight(recipe("two_epochs", 3, 2))  # 6 samples: enough for a step
     preflight(recipe("enough", 4, 1))

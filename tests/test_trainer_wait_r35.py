@@ -1,4 +1,4 @@
-"""A trainer's wait for data includes the lockstep check that every trainer has a full step:
+"""A trainer's wait for data includes the lockstep check that some trainer has a full step:
 time spent there waiting for another trainer's data counted as neither busy nor idle, so
 with several trainers the reporting rank's idle share was short (review round 35)."""
 
@@ -21,7 +21,7 @@ def test_the_wait_for_other_trainers_data_counts_as_waiting(tmp_path, monkeypatc
     real = trainer_mod.D.all_reduce
 
     def lockstep(tensor, *args, **kwargs):
-        if tensor.numel() == 1 and kwargs.get("op") is trainer_mod.dist.ReduceOp.MIN:
+        if tensor.numel() == 1 and kwargs.get("op") is trainer_mod.dist.ReduceOp.MAX:
             time.sleep(lag)  # the have-a-full-step check, held up by the slower trainer
         return real(tensor, *args, **kwargs)
 
