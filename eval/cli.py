@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "target.generation renders the workload prompts (thinking mode, chat template). "
                         "Without it they are rendered with thinking off and the target tokenizer's "
                         "template, and a draft whose saved training recipe (a checkpoint's recipe.yaml, "
-                        "a run's config.yaml, an export's model card) rendered them otherwise is refused")
+                        "a run's config.yaml, an export's model card) rendered them otherwise is refused; with it, "
+                        "such a draft gets a note")
     parser.add_argument("--workloads", type=_names_once(WORKLOAD_NAMES),
                         help="comma-separated subset of humaneval,mtbench,gsm8k (default: the "
                         "recipe's eval.workloads, else all three)")

@@ -5,6 +5,7 @@ draft whose saved training recipe says otherwise is refused."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from draftforge.errors import InputError
@@ -17,7 +18,8 @@ from draftforge.train.export_cli import saved_recipe
 def prompt_rendering(draft: str, recipe: str | None, generation) -> tuple[dict, dict | None]:
     """How the workloads' prompts are rendered (report.json's ``prompt_rendering``), said in one
     line, and what the draft records it was trained with (None with ``--recipe``, whose
-    ``target.generation`` is used as given, or where it records nothing).
+    ``target.generation`` is used as given, with a note where the draft records other
+    settings, or where it records nothing).
 
     Without ``--recipe`` the prompts are rendered with the default ``target.generation``
     (thinking off, the tokenizer's own template): a draft whose saved training recipe has
@@ -33,6 +35,16 @@ def prompt_rendering(draft: str, recipe: str | None, generation) -> tuple[dict, 
     recorded = None
     if recipe:
         said = f"{thinking} (the recipe's target.generation.enable_thinking) and {template}"
+        trained, where = _training_generation(draft)
+        differs = [] if trained is None else [
+            f"{key} {_shown(trained[key])} where --recipe has {_shown(getattr(generation, key))}"
+            for key in ("enable_thinking", "chat_template") if trained[key] != getattr(generation, key)]
+        if trained is not None:
+            rendering["training_recipe"] = where
+        if differs:  # the recipe given is the user's choice: said, not refused
+            print(f"eval: note: {draft} was trained with target.generation {' and '.join(differs)} "
+                  f"(as {where} records): its acceptance length is measured on prompts rendered "
+                  "otherwise than its training's", file=sys.stderr, flush=True)
     else:
         recorded, where = _training_generation(draft)
         if recorded is None:
@@ -53,6 +65,15 @@ def prompt_rendering(draft: str, recipe: str | None, generation) -> tuple[dict, 
             said = f"{thinking} (the default without --recipe, as {where} records its training) and {template}"
     print(f"eval: workload prompts rendered with {said}", flush=True)
     return rendering, recorded
+
+
+def _shown(value: object) -> str:
+    """A recorded setting in a note: booleans as YAML writes them, a template by its length."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return f"a template of {len(value)} characters"
+    return "none (the tokenizer's template)"
 
 
 def _training_generation(draft: str) -> tuple[dict | None, str]:

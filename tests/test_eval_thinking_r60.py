@@ -156,12 +156,31 @@ def test_a_draft_recording_no_recipe_keeps_the_default_and_says_which(target_dir
 
 
 def test_with_recipe_its_generation_settings_are_used_as_given(recipe_path, target_dir, tmp_path, no_target, capsys):
-    """--recipe: its target.generation renders the workloads, as before; the draft's record is not read."""
+    """--recipe: its target.generation renders the workloads, as before, with a note where the
+    draft's record says its training rendered them otherwise (the recipe is the user's choice)."""
     ckpt = _checkpoint(tmp_path / "ckpt", _recipe_yaml(recipe_path, thinking=True))
     with pytest.raises(TargetLoaded):
         _eval(ckpt, target_dir, tmp_path, "--recipe", str(recipe_path))
+    out, err = capsys.readouterr()
     assert ("eval: workload prompts rendered with thinking off (the recipe's "
-            "target.generation.enable_thinking)") in capsys.readouterr().out
+            "target.generation.enable_thinking)") in out
+    assert (f"eval: note: {ckpt} was trained with target.generation enable_thinking true where --recipe "
+            f"has false (as {ckpt / 'recipe.yaml'} records): its acceptance length is measured on prompts "
+            "rendered otherwise than its training's") in err
+
+
+def test_with_the_training_recipe_there_is_no_note(recipe_path, target_dir, tmp_path, no_target, capsys):
+    ckpt = _checkpoint(tmp_path / "ckpt", _recipe_yaml(recipe_path, thinking=False))
+    with pytest.raises(TargetLoaded):
+        _eval(ckpt, target_dir, tmp_path, "--recipe", str(recipe_path))
+    assert "note:" not in capsys.readouterr().err
+
+
+def test_a_template_in_a_note_is_given_by_its_length():
+    from draftforge.eval.prompt_rendering import _shown
+
+    assert (_shown(True), _shown(False), _shown("{{ x }}"), _shown(None)) == (
+        "true", "false", "a template of 7 characters", "none (the tokenizer's template)")
 
 
 def test_token_id_prompts_are_not_rendered_so_not_checked(recipe_path, target_dir, tmp_path, no_target, capsys):
