@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import torch
 
 from draftforge.splitserve.config import TargetShape
@@ -83,3 +86,13 @@ def smollm2_draft(target: HFTarget, layer_ids: list[int], seed: int = 0) -> DSpa
 def random_prompts(count: int, length: int = 10, seed: int = 3) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(10, SHAPE.vocab_size, (length,), generator=gen).tolist() for _ in range(count)]
+
+
+TINY_DEBUG = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
+
+
+def tiny_debug_recipe(folder: Path, vocab_size: int = 512) -> Path:
+    """``recipes/tiny-debug.yaml`` with these helpers' vocabulary, written into ``folder``."""
+    path = folder / f"tiny-debug-{vocab_size}.yaml"
+    path.write_text(re.sub(r"vocab_size: 49152.*", f"vocab_size: {vocab_size}", TINY_DEBUG.read_text()))
+    return path

@@ -8,28 +8,30 @@ and the thinking mode used is said and recorded."""
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from eval_helpers import LAYER_IDS, SHAPE, random_prompts, tiny_eval_draft, tiny_target
+from eval_helpers import (
+    LAYER_IDS,
+    SHAPE,
+    random_prompts,
+    tiny_debug_recipe,
+    tiny_eval_draft,
+    tiny_target,
+)
 
 from draftforge.config import load_recipe
 from draftforge.splitserve.hf_backend import HFTarget
 from draftforge.splitserve.random_target import random_llama
 from draftforge.train.export import ModelCard, export_draft
 
-TINY_DEBUG = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
-
 
 @pytest.fixture
 def recipe_path(tmp_path):
     """tiny-debug with the eval helpers' 512-token vocabulary."""
-    path = tmp_path / "tiny-debug-512.yaml"
-    path.write_text(re.sub(r"vocab_size: 49152.*", "vocab_size: 512", TINY_DEBUG.read_text()))
-    return path
+    return tiny_debug_recipe(tmp_path)
 
 
 @pytest.fixture

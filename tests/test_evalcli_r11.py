@@ -9,22 +9,19 @@ import re
 from pathlib import Path
 
 import pytest
-from eval_helpers import random_prompts, tiny_eval_draft
+from eval_helpers import random_prompts, tiny_debug_recipe, tiny_eval_draft
 
 from draftforge.config import load_recipe
 from draftforge.splitserve.target import build_target
 from draftforge.train.export import export_draft
 
-TINY_DEBUG = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
 BLOCK = 4  # eval_helpers' draft
 
 
 @pytest.fixture
 def recipe_path(tmp_path):
     """tiny-debug with the eval helpers' 512-token vocabulary (prompts come as token ids)."""
-    path = tmp_path / "tiny-debug-512.yaml"
-    path.write_text(re.sub(r"vocab_size: 49152.*", "vocab_size: 512", TINY_DEBUG.read_text()))
-    return path
+    return tiny_debug_recipe(tmp_path)
 
 
 @pytest.fixture

@@ -9,22 +9,18 @@ import re
 from pathlib import Path
 
 import pytest
-from eval_helpers import random_prompts, tiny_eval_draft
+from eval_helpers import random_prompts, tiny_debug_recipe, tiny_eval_draft
 
 from draftforge.config import load_recipe
 from draftforge.errors import InputError
 from draftforge.splitserve.target import build_target
 from draftforge.train.export import export_draft
 
-TINY_DEBUG = Path(__file__).resolve().parents[1] / "recipes" / "tiny-debug.yaml"
-
 
 @pytest.fixture
 def recipe_path(tmp_path):
     """tiny-debug with the eval helpers' 512-token vocabulary (prompts come as token ids)."""
-    path = tmp_path / "tiny-debug-512.yaml"
-    path.write_text(re.sub(r"vocab_size: 49152.*", "vocab_size: 512", TINY_DEBUG.read_text()))
-    return path
+    return tiny_debug_recipe(tmp_path)
 
 
 def _with_eval(recipe_path: Path, tmp_path: Path, **keys) -> Path:
@@ -142,8 +138,7 @@ def test_workloads_on_a_target_without_a_tokenizer_are_refused(tmp_path, capsys)
     traceback, status 1."""
     from draftforge.cli import main
 
-    recipe_path = tmp_path / "tiny-debug-128.yaml"
-    recipe_path.write_text(re.sub(r"vocab_size: 49152.*", "vocab_size: 128", TINY_DEBUG.read_text()))
+    recipe_path = tiny_debug_recipe(tmp_path, vocab_size=128)
     recipe = load_recipe(recipe_path)
     target = build_target(recipe.target, recipe.draft.target_layer_ids)
     export_dir = export_draft(tiny_eval_draft(target, vocab_size=128), tmp_path / "export",

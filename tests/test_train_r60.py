@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from splitserve_helpers import free_port
 from test_train_r22 import ALL_ANCHORS, CLIP, _assert_same_records, _assert_same_weights, _trainer
-from trainer_helpers import chain_samples, target_embeddings, tiny_model_config, train_config
+from trainer_helpers import (
+    chain_samples,
+    run_script_ranks,
+    target_embeddings,
+    tiny_model_config,
+    train_config,
+)
 
 from draftforge.train.trainer import Trainer
 
@@ -74,20 +78,7 @@ def test_a_rank_that_ran_dry_fills_the_step_and_the_others_samples_train(tmp_pat
     out = tmp_path / "multi"
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"train": train, "run_dir": str(tmp_path / "multi"), "out": str(out)}))
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, __file__, str(job)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                                       RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                                       OMP_NUM_THREADS="1"))
-             for rank in range(2)]
-    try:
-        logs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    run_script_ranks(__file__, job)
     ranks = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
     streams = _streams()
     for got in ranks:

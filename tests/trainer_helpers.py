@@ -75,6 +75,31 @@ def train_config(tmp_output: str = "runs/test", **overrides) -> TrainConfig:
     return TrainConfig(**fields)
 
 
+def run_script_ranks(script: str, job: os.PathLike[str], *, world: int = 2, timeout: float = 240) -> list[str]:
+    """Run ``python script job`` as ``world`` gloo ranks on loopback (one thread each); their
+    outputs, after asserting that every rank exited 0."""
+    import subprocess
+    import sys
+
+    from splitserve_helpers import free_port
+
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, script, str(job)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                       RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                                       OMP_NUM_THREADS="1"))
+             for rank in range(world)]
+    try:
+        logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0] * world, "\n".join(log[-3000:] for log in logs)
+    return logs
+
+
 def gather_strings_worker(rank: int, world: int, init: str, out: str) -> None:
     """A rank of test_train_r45's gather test (here, not in the test module: spawned processes
     unpickle it by module name, and pytest's importlib mode names test modules unimportably)."""
