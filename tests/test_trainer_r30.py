@@ -12,16 +12,18 @@ clip active, must equal one process stepping on the union of their batches.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from splitserve_helpers import free_port
-from trainer_helpers import chain_samples, target_embeddings, tiny_model_config, train_config
+from trainer_helpers import (
+    chain_samples,
+    run_script_ranks,
+    target_embeddings,
+    tiny_model_config,
+    train_config,
+)
 
 from draftforge.train.sample import pack
 from draftforge.train.trainer import Trainer
@@ -37,20 +39,7 @@ def _launch(tmp_path: Path, *, world: int, trainer_ranks: list[int], train: dict
     job = tmp_path / "job.json"
     job.write_text(json.dumps(dict(trainer_ranks=trainer_ranks, train=train, run_dir=str(tmp_path / "multi"),
                                    num_samples=NUM_SAMPLES, token_budget=BUDGET, out=str(out))))
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(job)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                                       RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                                       OMP_NUM_THREADS="1"))
-             for rank in range(world)]
-    try:
-        logs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [0] * world, "\n".join(log[-3000:] for log in logs)
+    run_script_ranks(str(WORKER), job, world=world)
     result = json.loads(out.read_text())
     result["state"] = load_file(str(out) + ".safetensors")
     return result
