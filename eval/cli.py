@@ -6,9 +6,9 @@ checkpoint (run directory, checkpoint folder, or ``model.safetensors`` beside
 in the DSpark format and is evaluated from its checkpoint.
 
 The workloads' prompts are rendered with the recipe's ``target.generation`` (thinking mode,
-chat template); without ``--recipe``, with thinking off and the target tokenizer's own
-template, and a draft whose saved training recipe (a checkpoint's ``recipe.yaml``, a run's
-``config.yaml``, an export's model card) rendered its training prompts otherwise is refused.
+chat template); without ``--recipe``, with those the draft's saved training recipe records (a
+checkpoint's ``recipe.yaml``, a run's ``config.yaml``, an export's model card), and where it
+records none, with thinking off and the target tokenizer's own template.
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("draft", help="export folder, run directory or training checkpoint")
     parser.add_argument("--target", help="registered target name, 'random' (needs --recipe) or local HF folder")
     parser.add_argument("--recipe", help="take the target section (and eval defaults) from this recipe; its "
-                        "target.generation renders the workload prompts (thinking mode, chat template). "
-                        "Without it they are rendered with thinking off and the target tokenizer's "
-                        "template, and a draft whose saved training recipe (a checkpoint's recipe.yaml, "
-                        "a run's config.yaml, an export's model card) rendered them otherwise is refused; with it, "
-                        "such a draft gets a note")
+                        "target.generation renders the workload prompts (thinking mode, chat template), and a "
+                        "draft whose saved training recipe rendered them otherwise gets a note. Without it "
+                        "they are rendered as that saved recipe (a checkpoint's recipe.yaml, a run's "
+                        "config.yaml, an export's model card) records, else with thinking off and the "
+                        "target tokenizer's template")
     parser.add_argument("--workloads", type=_names_once(WORKLOAD_NAMES),
                         help="comma-separated subset of humaneval,mtbench,gsm8k (default: the "
                         "recipe's eval.workloads, else all three)")
@@ -305,11 +305,13 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
             remove_stale_temporaries(out / name)
     draft_cfg, load_draft, fingerprint = _draft_loader(args.draft)
     _check_fit(draft_cfg, target_cfg, args.draft)
-    # the workloads rendered as the draft's training rendered its prompts: refused before the target loads
-    from draftforge.eval.prompt_rendering import check_training_template, prompt_rendering
+    # the workloads rendered as the draft's training rendered its prompts (without --recipe)
+    from draftforge.eval.prompt_rendering import prompt_rendering
 
-    rendering, recorded = ((None, None) if file_prompts is not None
-                           else prompt_rendering(args.draft, args.recipe, target_cfg.generation))
+    rendering = None
+    if file_prompts is None:
+        rendering, generation = prompt_rendering(args.draft, args.recipe, target_cfg.generation)
+        target_cfg = target_cfg.model_copy(update={"generation": generation})
     _warn_replacing(out)  # where write_report writes, once the draft is known to load
     if file_prompts is not None:  # before the target loads; the workloads' once tokenized
         _check_lengths(file_prompts, max_new_tokens, draft_cfg.max_position_embeddings,
@@ -364,8 +366,6 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
         _check_vocabulary(args.prompts_file, file_prompts, file_lines, target.model.get_input_embeddings().num_embeddings)
         workloads = file_prompts
     else:
-        if recorded is not None:  # the template, once the target's tokenizer is at hand
-            check_training_template(recorded, target, args.draft)
         names = args.workloads or _listed_once(eval_cfg.workloads, "eval.workloads")
         workloads = {name: _workload_prompts(name, target, target_cfg, num_prompts) for name in names}
         _check_lengths(workloads, max_new_tokens, draft_cfg.max_position_embeddings,

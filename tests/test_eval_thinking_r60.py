@@ -1,16 +1,17 @@
-"""`draftforge eval DRAFT --target T` without --recipe renders the workloads with the default
+"""`draftforge eval DRAFT --target T` without --recipe rendered the workloads with the default
 target.generation (thinking off, the tokenizer's own template), whatever the draft was trained
 with: a draft trained against a Qwen3-style target with enable_thinking true was measured on
-prompts unlike its training's, silently (review round 60). The draft's saved training recipe
-(a checkpoint's recipe.yaml, its run's config.yaml, an export's model card) is now compared,
-and the thinking mode used is said and recorded."""
+prompts unlike its training's, silently (review round 60). Round 60 refused such a draft; that
+also refused drafts whose template ignores the setting (SmolLM2's) and tokenizers holding a
+dict of named templates, and an export had no recipe file to pass. Now the settings the
+draft's saved training recipe records (a checkpoint's recipe.yaml, its run's config.yaml, an
+export's model card) render the workloads, and which were used is said and recorded."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from eval_helpers import (
@@ -54,6 +55,27 @@ def no_target(monkeypatch):
     monkeypatch.setattr("draftforge.splitserve.target.build_target", stop)
 
 
+class Rendered(Exception):
+    """Raised by :class:`Tokenizer` at the first prompt rendered, with the arguments it got."""
+
+
+class Tokenizer:
+    """A tokenizer whose chat template is a dict of named templates (as some models ship), and
+    which stops the evaluation at the first prompt it is asked to render."""
+
+    chat_template = {"default": "{{ messages[0]['content'] }}", "tool_use": "{{ tools }}"}
+
+    def apply_chat_template(self, messages, **kwargs):
+        raise Rendered(kwargs)
+
+
+@pytest.fixture
+def rendering_target(monkeypatch, target_dir):
+    """The evaluation runs up to the first prompt rendered, which raises :class:`Rendered`."""
+    target = HFTarget(tiny_target().model, Tokenizer(), LAYER_IDS, name=str(target_dir))
+    monkeypatch.setattr("draftforge.splitserve.target.build_target", lambda *args, **kwargs: target)
+
+
 def _recipe_yaml(recipe_path: Path, *, thinking: bool, template: str | None = None) -> str:
     """The resolved recipe a run saves, with target.generation's thinking mode and template set."""
     recipe = load_recipe(recipe_path)
@@ -92,11 +114,11 @@ def _eval(draft: Path, target_dir: Path, tmp_path: Path, *extra: str) -> int:
 
 
 @pytest.mark.parametrize("saved", ["recipe.yaml", "run config.yaml", "run directory"])
-def test_a_checkpoint_trained_with_thinking_is_refused_without_recipe(
-        recipe_path, target_dir, tmp_path, no_target, capsys, saved):
+def test_a_checkpoint_trained_with_thinking_is_evaluated_with_thinking_without_recipe(
+        recipe_path, target_dir, tmp_path, rendering_target, capsys, saved):
     """Its recipe.yaml (or, without one, its run's config.yaml; for a run directory, its newest
-    complete checkpoint's) says enable_thinking true: refused before the target loads, naming
-    both values, the file and the fix."""
+    complete checkpoint's) says enable_thinking true: the workloads are rendered so, and the
+    line says where that came from."""
     text = _recipe_yaml(recipe_path, thinking=True)
     run = tmp_path / "run"
     if saved == "recipe.yaml":
@@ -112,60 +134,96 @@ def test_a_checkpoint_trained_with_thinking_is_refused_without_recipe(
             (ckpt / "COMPLETE").write_text("")
             (ckpt / "trainer_state.json").write_text("{}")
         draft, record = run, ckpt / "recipe.yaml"
-    assert _eval(draft, target_dir, tmp_path) == 2
-    err = capsys.readouterr().err
-    assert f"{draft}: trained with target.generation.enable_thinking true (against 'random', as {record} records)" in err
-    assert "rendered with enable_thinking false (the default)" in err
-    assert f"pass --recipe {record} (the recipe it was trained with)" in err
-    assert not (tmp_path / "r").exists()
+    with pytest.raises(Rendered) as rendered:
+        _eval(draft, target_dir, tmp_path)
+    assert rendered.value.args[0]["enable_thinking"] is True
+    assert rendered.value.args[0]["chat_template"] is None
+    assert (f"eval: workload prompts rendered with thinking on and the target tokenizer's chat "
+            f"template (as {record} records its training)") in capsys.readouterr().out
 
 
-def test_an_export_trained_with_thinking_is_refused_without_recipe(recipe_path, target_dir, tmp_path, no_target,
-                                                                   capsys):
+def test_an_export_trained_with_thinking_is_evaluated_with_thinking_without_recipe(
+        recipe_path, target_dir, tmp_path, rendering_target, capsys):
     """An export records its training recipe in its model card (README.md's Recipe section)."""
     export = _export(tmp_path / "export", _recipe_yaml(recipe_path, thinking=True))
-    assert _eval(export, target_dir, tmp_path) == 2
-    err = capsys.readouterr().err
-    card = export / "README.md"
-    assert f"trained with target.generation.enable_thinking true (against 'random', as {card} (its Recipe section)" in err
-    assert "rendered with enable_thinking false (the default)" in err
-    assert f"pass --recipe with the recipe it was trained with (the YAML of {card}'s Recipe section" in err
+    with pytest.raises(Rendered) as rendered:
+        _eval(export, target_dir, tmp_path)
+    assert rendered.value.args[0]["enable_thinking"] is True
+    assert (f"rendered with thinking on and the target tokenizer's chat template (as "
+            f"{export / 'README.md'} (its Recipe section) records its training)") in capsys.readouterr().out
+
+
+def test_a_draft_trained_with_its_own_chat_template_is_evaluated_with_it(
+        recipe_path, target_dir, tmp_path, rendering_target, capsys):
+    """The recorded template renders the workloads, whatever the tokenizer holds (here a dict of
+    named templates, which round 60's comparison refused)."""
+    template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+    ckpt = _checkpoint(tmp_path / "ckpt", _recipe_yaml(recipe_path, thinking=False, template=template))
+    with pytest.raises(Rendered) as rendered:
+        _eval(ckpt, target_dir, tmp_path)
+    assert rendered.value.args[0] == {"tokenize": False, "add_generation_prompt": True,
+                                      "chat_template": template, "enable_thinking": False}
+    assert (f"rendered with thinking off and a chat template of {len(template)} characters from "
+            f"target.generation (as {ckpt / 'recipe.yaml'} records its training)") in capsys.readouterr().out
+
+
+def test_the_rendering_used_is_recorded_in_the_report(recipe_path, target_dir, tmp_path, monkeypatch, capsys):
+    """A whole evaluation, without --recipe, of a checkpoint recording thinking on: report.json
+    says which rendering and which record. The target folder stands for the recipe's random
+    target of the same shape, whose tokenizer renders the workloads."""
+    from draftforge.splitserve import target as target_module
+
+    build, random_target = target_module.build_target, load_recipe(recipe_path).target
+    monkeypatch.setattr(target_module, "build_target",
+                        lambda cfg, *args, **kwargs: build(random_target.model_copy(
+                            update={"generation": cfg.generation, "dtype": cfg.dtype}), *args, **kwargs))
+    ckpt = _checkpoint(tmp_path / "ckpt", _recipe_yaml(recipe_path, thinking=True))
+    from draftforge.cli import main
+
+    assert main(["eval", str(ckpt), "--target", str(target_dir), "--workloads", "gsm8k",
+                 "--num-prompts", "1", "--max-new-tokens", "4", "--baselines", "none", "--no-estimate",
+                 "--out", str(tmp_path / "r")]) == 0
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert report["prompt_rendering"] == {"training_recipe": str(ckpt / "recipe.yaml"), "enable_thinking": True,
+                                          "chat_template": "tokenizer"}
 
 
 def test_a_draft_trained_without_thinking_is_evaluated_as_before_and_says_so(
-        recipe_path, target_dir, tmp_path, no_target, capsys):
+        recipe_path, target_dir, tmp_path, rendering_target, capsys):
     export = _export(tmp_path / "export", _recipe_yaml(recipe_path, thinking=False))
-    with pytest.raises(TargetLoaded):
+    with pytest.raises(Rendered) as rendered:
         _eval(export, target_dir, tmp_path)
+    assert rendered.value.args[0]["enable_thinking"] is False
     out = capsys.readouterr().out
-    assert (f"eval: workload prompts rendered with thinking off (the default without --recipe, as "
-            f"{export / 'README.md'} (its Recipe section) records its training) and the target "
-            "tokenizer's chat template") in out
+    assert (f"eval: workload prompts rendered with thinking off and the target tokenizer's chat template "
+            f"(as {export / 'README.md'} (its Recipe section) records its training)") in out
 
 
 @pytest.mark.parametrize("kind", ["checkpoint", "export"])
-def test_a_draft_recording_no_recipe_keeps_the_default_and_says_which(target_dir, tmp_path, no_target, capsys,
-                                                                       kind):
+def test_a_draft_recording_no_recipe_keeps_the_default_and_says_which(target_dir, tmp_path, rendering_target,
+                                                                       capsys, kind):
     """Another tool's export, or a checkpoint copied without its recipe: evaluated as before,
     with a line saying the thinking mode used and what to do if it was trained otherwise."""
     draft = _checkpoint(tmp_path / "ckpt") if kind == "checkpoint" else _export(tmp_path / "export", None)
-    with pytest.raises(TargetLoaded):
+    with pytest.raises(Rendered) as rendered:
         _eval(draft, target_dir, tmp_path)
+    assert rendered.value.args[0]["enable_thinking"] is False
+    assert rendered.value.args[0]["chat_template"] is None
     out = capsys.readouterr().out
-    assert "eval: workload prompts rendered with thinking off (the default without --recipe)" in out
-    assert "the draft records no training recipe" in out
+    assert ("eval: workload prompts rendered with thinking off and the target tokenizer's chat template "
+            "(the default without --recipe; the draft records no training recipe") in out
     assert "pass the recipe it was trained with as --recipe" in out
 
 
 def test_with_recipe_its_generation_settings_are_used_as_given(recipe_path, target_dir, tmp_path, no_target, capsys):
-    """--recipe: its target.generation renders the workloads, as before, with a note where the
-    draft's record says its training rendered them otherwise (the recipe is the user's choice)."""
+    """--recipe: its target.generation renders the workloads, with a note where the draft's
+    record says its training rendered them otherwise (the recipe is the user's choice)."""
     ckpt = _checkpoint(tmp_path / "ckpt", _recipe_yaml(recipe_path, thinking=True))
     with pytest.raises(TargetLoaded):
         _eval(ckpt, target_dir, tmp_path, "--recipe", str(recipe_path))
     out, err = capsys.readouterr()
-    assert ("eval: workload prompts rendered with thinking off (the recipe's "
-            "target.generation.enable_thinking)") in out
+    assert ("eval: workload prompts rendered with thinking off and the target tokenizer's chat template "
+            "(the recipe's target.generation)") in out
     assert (f"eval: note: {ckpt} was trained with target.generation enable_thinking true where --recipe "
             f"has false (as {ckpt / 'recipe.yaml'} records): its acceptance length is measured on prompts "
             "rendered otherwise than its training's") in err
@@ -195,34 +253,3 @@ def test_token_id_prompts_are_not_rendered_so_not_checked(recipe_path, target_di
         main(["eval", str(ckpt), "--target", str(target_dir), "--prompts-file", str(prompts),
               "--max-new-tokens", "4", "--out", str(tmp_path / "r")])
     assert "workload prompts rendered" not in capsys.readouterr().out
-
-
-def test_a_draft_trained_with_another_chat_template_is_refused_without_recipe(
-        recipe_path, target_dir, tmp_path, monkeypatch, capsys):
-    """The template is compared once the target's tokenizer is loaded, before any prompt renders."""
-    template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
-    ckpt = _checkpoint(tmp_path / "ckpt", _recipe_yaml(recipe_path, thinking=False, template=template))
-
-    class Tokenizer:
-        chat_template = "{{ messages[0]['content'] }}"
-
-        def apply_chat_template(self, *args, **kwargs):
-            raise AssertionError("a prompt was rendered")
-
-    target = HFTarget(tiny_target().model, Tokenizer(), LAYER_IDS, name=str(target_dir))
-    monkeypatch.setattr("draftforge.splitserve.target.build_target", lambda *args, **kwargs: target)
-    assert _eval(ckpt, target_dir, tmp_path) == 2
-    err = capsys.readouterr().err
-    assert f"trained with target.generation.chat_template {template[:37] + '...'!r} ({len(template)} characters" in err
-    assert f"as {ckpt / 'recipe.yaml'} records), but without --recipe" in err
-    assert "the target tokenizer's own template, which differs" in err
-    assert f"pass --recipe {ckpt / 'recipe.yaml'}" in err
-
-
-def test_the_same_template_as_the_tokenizers_is_accepted():
-    from draftforge.eval.prompt_rendering import check_training_template
-
-    recorded = {"chat_template": "{{ x }}", "where": "r.yaml", "fix": "pass --recipe r.yaml"}
-    check_training_template(recorded, SimpleNamespace(tokenizer=SimpleNamespace(chat_template="{{ x }}")), "d")
-    check_training_template({**recorded, "chat_template": None},
-                             SimpleNamespace(tokenizer=SimpleNamespace(chat_template="{{ y }}")), "d")
