@@ -25,6 +25,8 @@ from trainer_helpers import (
     train_config,
 )
 
+from draftforge.errors import InputError
+from draftforge.train.sample import Sample
 from draftforge.train.trainer import Trainer
 
 # Micro-batch sizes (samples) each rank receives, in order, at grad_accum 2: rank 1 runs dry
@@ -49,7 +51,18 @@ def _worker(job_path: str) -> None:
     trainer = Trainer(model_config=tiny_model_config(), train=train_config(**job["train"]),
                       embeddings=target_embeddings(), run_dir=Path(job["run_dir"]), group=dist.group.WORLD)
     records: list[dict] = []
-    result = trainer.fit([[by_id[i] for i in micro] for micro in _streams()[rank]], on_step=records.append)
+    stream = [[by_id[i] for i in micro] for micro in _streams()[rank]]
+    if job.get("empty_on") == rank:  # a sample without tokens in this rank's first micro-batch
+        first = stream[0][0]
+        stream[0][0] = Sample("empty", first.input_ids[:0], first.loss_mask[:0], first.aux[:0], first.final[:0])
+    if "empty_on" in job:
+        try:
+            trainer.fit(stream, on_step=records.append)
+        except InputError as err:
+            Path(f"{job['out']}.{rank}").write_text(json.dumps({"refused": str(err), "records": records}))
+        dist.destroy_process_group()
+        return
+    result = trainer.fit(stream, on_step=records.append)
     state = trainer.full_state_dict()
     Path(f"{job['out']}.{rank}").write_text(json.dumps({
         "records": records, "stopped": result.stopped_reason, "untrained": result.untrained,
@@ -96,6 +109,24 @@ def test_a_rank_that_ran_dry_fills_the_step_and_the_others_samples_train(tmp_pat
     assert all(r["grad_norm"] > 10 * CLIP for r in records)  # clipping did act
     _assert_same_records(ranks[0]["records"], records)
     _assert_same_weights(load_file(str(out) + ".safetensors"), one.full_state_dict())
+
+
+@pytest.mark.distributed
+def test_a_sample_without_tokens_on_one_rank_is_refused_on_every_rank(tmp_path):
+    """Refused before the step's collectives on every rank: the rank holding it names it, the
+    others say another rank holds one (only the holder raising left the others waiting in the
+    step's reductions, found by review round 61)."""
+    train = dict(strategy="fsdp2", dtype="float32", steps=10, num_anchors=ALL_ANCHORS, grad_accum=2,
+                 checkpoint_interval=100)
+    out = tmp_path / "multi"
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"train": train, "run_dir": str(out), "out": str(out), "empty_on": 1}))
+    run_script_ranks(__file__, job, timeout=120)
+    ranks = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
+    assert [r["records"] for r in ranks] == [[], []]
+    assert ranks[1]["refused"].startswith("sample 'empty' (micro-batch 0 of step 1) has no tokens")
+    assert ranks[0]["refused"] == ("step 1: another trainer rank holds a sample without tokens, which "
+                                   "cannot be trained (that rank names it)")
 
 
 def test_a_single_rank_still_stops_at_a_step_it_cannot_fill(tmp_path):

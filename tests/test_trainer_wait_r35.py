@@ -21,7 +21,7 @@ def test_the_wait_for_other_trainers_data_counts_as_waiting(tmp_path, monkeypatc
     real = trainer_mod.D.all_reduce
 
     def lockstep(tensor, *args, **kwargs):
-        if tensor.numel() == 1 and kwargs.get("op") is trainer_mod.dist.ReduceOp.MAX:
+        if kwargs.get("op") is trainer_mod.dist.ReduceOp.MAX and tensor.numel() == 2:
             time.sleep(lag)  # the have-a-full-step check, held up by the slower trainer
         return real(tensor, *args, **kwargs)
 

@@ -584,17 +584,23 @@ class Trainer:
                       torch.zeros(length, cfg.num_context_features, dtype=torch.bfloat16, device=self.device),
                       torch.zeros(length, cfg.target_hidden_size, dtype=torch.bfloat16, device=self.device))
 
+    def _empty_sample(self, micro_batches: list[list[Sample]]) -> str | None:
+        """Why the step's micro-batches cannot train (a sample without tokens), or None."""
+        for micro, samples in enumerate(micro_batches):
+            empty = next((s.sample_id for s in samples if s.num_tokens == 0), None)
+            if empty is not None:
+                return (f"sample {empty!r} (micro-batch {micro} of step {self.step + 1}) has no tokens: "
+                        "nothing in it can be trained, and a checkpoint records each consumed sample "
+                        "with its positive token count; leave empty samples out of the batches")
+        return None
+
     def train_step(self, micro_batches: list[list[Sample]], *, wait_s: float = 0.0, fillers: int = 0) -> dict:
         """One optimizer step over ``grad_accum`` micro-batches (collective); returns its record.
         The last ``fillers`` micro-batches are :meth:`_filler_sample` ones: not consumed, not
         counted."""
-        for micro, samples in enumerate(micro_batches):  # before any collective of the step
-            empty = next((s.sample_id for s in samples if s.num_tokens == 0), None)
-            if empty is not None:  # it trained, then resume refused every checkpoint as corrupt
-                raise InputError(
-                    f"sample {empty!r} (micro-batch {micro} of step {self.step + 1}) has no tokens: "
-                    "nothing in it can be trained, and a checkpoint records each consumed sample "
-                    "with its positive token count; leave empty samples out of the batches")
+        problem = self._empty_sample(micro_batches)  # before any collective of the step
+        if problem is not None:  # it trained, then resume refused every checkpoint as corrupt
+            raise InputError(problem)
         gamma = self.model_config.block_size
         comm = self._comm_device()
         compute_start = time.perf_counter()
@@ -719,9 +725,15 @@ class Trainer:
                 # rank joins every collective). Several target ranks can feed the trainers
                 # unevenly (each producer balances only its own samples), and a step only where
                 # every rank was full left the excess of the better-fed trainers untrained.
-                have = torch.tensor([float(len(micro_batches))], device=comm)
+                # with a flag for a sample that cannot train: refused on every rank alike, where
+                # the rank holding it alone would leave the others waiting in the step's collectives
+                problem = self._empty_sample(micro_batches)
+                have = torch.tensor([float(len(micro_batches)), float(problem is not None)], device=comm)
                 D.all_reduce(have, group=self.group, op=dist.ReduceOp.MAX)
-                full = have.item() >= train.grad_accum
+                if have[1].item():
+                    raise InputError(problem or f"step {self.step + 1}: another trainer rank holds a sample "
+                                     "without tokens, which cannot be trained (that rank names it)")
+                full = have[0].item() >= train.grad_accum
                 # waiting here for another trainer's data is waiting for data too: counted as
                 # neither busy nor idle, it left several trainers' idle shares short
                 wait_s = time.perf_counter() - wait_start
