@@ -376,15 +376,18 @@ class SampleSource:
             for epoch, chunk_index, rotation in visits:
                 chunk = [self.conversations[i] for i in chunks[chunk_index]]
                 ids = [epoch_id(c.id, epoch) for c in chunk]
+                last_visit = max_epochs is not None and epoch == max_epochs - 1
                 if all(i in self.consumed for i in ids):
                     self._assign(ids, {}, rotation)  # replayed from the recorded lengths
                     self.skipped_consumed += len(ids)
                     produced += len(ids)
+                    if last_visit:  # answers an earlier visit regenerated after a resume
+                        self._answers.pop(chunk_index, None)
                     continue
                 if self.should_stop():
                     return
                 samples, consumed_rows = self._chunk_samples(chunk_index, chunk, epoch, rotation)
-                if max_epochs is not None and epoch == max_epochs - 1:
+                if last_visit:
                     # the chunk's last visit: no later epoch reads its answers (a single-pass
                     # run held every regenerated conversation until the stream ended)
                     self._answers.pop(chunk_index, None)
@@ -400,6 +403,9 @@ class SampleSource:
                     yield sample
                     if self.should_stop():
                         return
+                # the visit's samples are sent: not held (features and all) while the next
+                # chunk is answered and computed
+                samples = sample = None
             if produced == 0:
                 cut = (f"; {self.truncated} were cut to data.max_length={self.cfg.data.max_length} "
                        "tokens, which leaves no room for a reply after a prompt that long: raise "
