@@ -289,6 +289,14 @@ def _check_draft(cfg: RecipeConfig, shape: TargetShape | None) -> list[Problem]:
                 "draft.enable_confidence_head: false for the DFlash ablation",
             )
         )
+    if cfg.train.markov_init == "bigram" and cfg.train.init_from is not None:
+        problems.append(
+            (
+                ("train", "markov_init"),
+                "bigram would replace the Markov head that train.init_from loads; set "
+                "train.markov_init: random to keep the export's, or leave train.init_from out",
+            )
+        )
     if cfg.train.markov_init == "bigram" and not draft.has_markov_table:
         problems.append(
             (

@@ -210,6 +210,11 @@ def run_demo(args: argparse.Namespace, *, command: str) -> int:
 
     recipe = args.recipe
     base = load_recipe(recipe, reread="the demo reads it again for each stage")
+    if base.train.init_from is not None:
+        raise DemoError(f"{recipe}: train.init_from {base.train.init_from}: the demo compares DSpark with "
+                        "the DFlash ablation trained from scratch on the same budget, which a draft started "
+                        "from an export would not be; leave train.init_from out of the demo's recipe (and "
+                        "run 'draftforge train' and 'draftforge eval' for further training)", exit_status=2)
     paths = demo_paths(base)
     # a second demo on these runs is refused at once; held: the runs' training locks (--skip-train)
     with demo_held(paths.run_dir), contextlib.ExitStack() as held:

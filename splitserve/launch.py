@@ -194,6 +194,10 @@ def preflight(cfg, *, check_overlap: bool = False, reads_data: bool = True) -> P
         step = int(ckpt.read_checked_state(found, model_config=model_config, strategy=cfg.train.strategy,
                                            trainer_ranks=len(cfg.split.trainer_ranks),
                                            zero_stage=cfg.train.zero_stage, dtype=cfg.train.dtype)["step"])
+    if found is None and cfg.train.init_from is not None:  # its config now, its weights at the start
+        from draftforge.train.init_from import preflight_fit
+
+        preflight_fit(cfg)
     if not reads_data and not (cfg.train.markov_init == "bigram" and found is None):
         # a trainers-only node: its ranks take their samples from the target ranks' nodes,
         # which check the data files there (the files need not be on this node)

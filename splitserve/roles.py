@@ -829,6 +829,11 @@ def build_trainer(ctx: RankContext, embeddings):
 
         def init_draft(model):
             return init_markov_bigram(model, *markov_init_samples(cfg))
+    elif cfg.train.init_from is not None and not resuming:  # (the recipe checks refuse both)
+        from draftforge.train.init_from import init_from_export
+
+        def init_draft(model):
+            return init_from_export(model, cfg.train.init_from)
 
     return Trainer(
         model_config=model_config, train=cfg.train, embeddings=embeddings,

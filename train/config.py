@@ -147,6 +147,12 @@ class TrainConfig(Section):
         description="bigram: start the Markov head as a rank-r bigram of the training samples "
         "(needs the answers before training: data regenerated ahead, or data.regenerate false)",
     )
+    init_from: str | None = Field(
+        default=None,
+        description="an exported DSpark folder (draftforge export's, or another in the same format) "
+        "whose weights start the draft, for further training: the draft section must describe the "
+        "same draft; the optimiser and schedule start afresh. A resumed run loads its checkpoint instead",
+    )
     loss: LossConfig = Field(default_factory=LossConfig)
     output_dir: str = Field(
         default="runs/default", description="run directory: checkpoints, metrics, records (a "
@@ -179,6 +185,15 @@ class TrainConfig(Section):
         if not value.strip():
             raise ValueError(f"is empty: {_EMPTY_ADVICE[info.field_name]}")
         return value
+
+    @field_validator("init_from")
+    @classmethod
+    def _a_folder(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not value.strip():
+            raise ValueError("is empty: give an exported draft's folder, or leave it out")
+        return os.path.expanduser(value)
 
     @field_validator("output_dir", "resume")
     @classmethod

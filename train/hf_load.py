@@ -438,6 +438,26 @@ def _tensor_names(path: Path) -> list[str]:
         return list(weights.keys())
 
 
+def read_checked_export(folder: Path) -> tuple[dict, DSparkConfig, dict[str, torch.Tensor]]:
+    """An export's ``config.json`` as read, the draft config it describes and its tensors, all
+    checked (dtypes, finite values, the key table); each of ``embed_tokens.weight`` and
+    ``lm_head.weight`` is optional (contract section 4). Raises :class:`ExportError`."""
+    raw = read_serving_config(folder)
+    cfg = config_from_serving(raw, where=str(folder / CONFIG_FILE))
+    state = read_safetensors_folder(folder)
+    _check_dtypes(state, folder)
+    _check_finite(state, folder)
+    if "enable_confidence_head" not in raw and not any(name.startswith("confidence_head.") for name in state):
+        raise ExportError(
+            f"{folder / CONFIG_FILE} has no enable_confidence_head, which SGLang takes as true (and "
+            "then needs confidence_head.proj.*), and the folder holds no confidence head: add "
+            '"enable_confidence_head": false to it (SGLang then serves it in static verify mode only)'
+        )
+    check_tensors(state, cfg, with_embeddings=any(name in state for name in EMBEDDING_KEYS),
+                  optional=EMBEDDING_KEYS, where=str(folder))
+    return raw, cfg, state
+
+
 def load_exported_draft(
     folder: str | os.PathLike[str],
     *,
@@ -457,20 +477,8 @@ def load_exported_draft(
     export's.
     """
     folder = Path(folder).expanduser()
-    raw = read_serving_config(folder)
-    cfg = config_from_serving(raw, where=str(folder / CONFIG_FILE))
-    state = read_safetensors_folder(folder)
-    _check_dtypes(state, folder)
-    _check_finite(state, folder)
-    # each copy is optional (contract section 4): the folder's own is used where it holds one
+    raw, cfg, state = read_checked_export(folder)
     held = [name for name in EMBEDDING_KEYS if name in state]
-    if "enable_confidence_head" not in raw and not any(name.startswith("confidence_head.") for name in state):
-        raise ExportError(
-            f"{folder / CONFIG_FILE} has no enable_confidence_head, which SGLang takes as true (and "
-            "then needs confidence_head.proj.*), and the folder holds no confidence head: add "
-            '"enable_confidence_head": false to it (SGLang then serves it in static verify mode only)'
-        )
-    check_tensors(state, cfg, with_embeddings=bool(held), optional=EMBEDDING_KEYS, where=str(folder))
     if target is not None:
         embed_tokens, lm_head = target.embed_tokens_weight(), target.lm_head_weight()
     for name, matrix in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):

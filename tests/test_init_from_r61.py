@@ -1,0 +1,119 @@
+"""`train.init_from`: a run's draft starts from an exported folder's weights, for further
+training. Issue 5 asks that an export load back "for evaluation and further training", and the
+README said draftforge's loader served "further training from an export"; no recipe could ask
+for it (review round 61)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from trainer_helpers import chain_samples, target_embeddings, tiny_model_config, train_config
+
+from draftforge.config import load_recipe
+from draftforge.errors import InputError
+from draftforge.recipe_errors import RecipeError
+from draftforge.train.export import EMBEDDING_KEYS, export_draft
+from draftforge.train.init_from import init_from_export
+from draftforge.train.model import DSparkDraft
+from draftforge.train.trainer import Trainer
+
+
+def _export(folder: Path, *, seed: int = 11, **config) -> Path:
+    """A draft of the trainer helpers' shapes (``config`` overriding them), its weights drawn
+    with ``seed`` (not the trainer helpers' 3), exported as ``draftforge export`` writes it."""
+    draft = DSparkDraft(tiny_model_config(**config))
+    draft.init_weights(seed=seed)
+    draft.load_target_embeddings(*target_embeddings())
+    return export_draft(draft, folder, progress=lambda _: None)
+
+
+def _trainer(run: Path, export: Path | None = None, **model) -> Trainer:
+    init = None if export is None else (lambda m: init_from_export(m, str(export)))
+    return Trainer(model_config=tiny_model_config(**model), train=train_config(str(run), steps=1, dtype="float32"),
+                   embeddings=target_embeddings(), run_dir=run, init_draft=init)
+
+
+def test_the_draft_starts_as_the_export_and_trains_from_there(tmp_path):
+    export = _export(tmp_path / "export")
+    written = load_file(str(export / "model.safetensors"))  # read independently of the loader
+    assert not set(written) & set(EMBEDDING_KEYS)  # exported without them: the target's are used
+    trainer = _trainer(tmp_path / "run", export)
+    state = trainer.full_state_dict()
+    fresh = _trainer(tmp_path / "fresh").full_state_dict()
+    assert set(written) == set(state) - set(EMBEDDING_KEYS)
+    for name, tensor in written.items():
+        assert torch.equal(state[name], tensor.to(state[name].dtype)), name
+    assert any(not torch.equal(fresh[name], state[name]) for name in written)  # not the seed's start
+    embed, lm_head = target_embeddings()
+    assert torch.equal(state["embed_tokens.weight"], embed) and torch.equal(state["lm_head.weight"], lm_head)
+    trainer.fit([[sample] for sample in chain_samples(2)])
+    assert trainer.step == 1
+    moved = trainer.full_state_dict()
+    assert any(not torch.equal(moved[name], state[name]) for name in written)
+
+
+def test_an_export_of_another_draft_is_refused_naming_what_differs(tmp_path):
+    export = _export(tmp_path / "export", num_hidden_layers=1, block_size=6)
+    with pytest.raises(InputError) as err:
+        _trainer(tmp_path / "run", export)
+    assert str(err.value) == (
+        f"train.init_from {export} holds another draft than the recipe's draft section builds: "
+        "num_hidden_layers 1 (the recipe's draft: 2); block_size 6 (the recipe's draft: 4). Set the draft "
+        "section to the export's values (its config.json), or start from another export")
+
+
+def test_a_folder_that_is_not_an_export_is_refused(tmp_path):
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "model.safetensors").write_bytes(b"")
+    with pytest.raises(InputError, match=r"train.init_from .*/checkpoint: no config.json there, so it is not an "
+                       r"exported draft; .*continued with train.resume"):
+        _trainer(tmp_path / "run", checkpoint)
+
+
+def test_a_damaged_export_is_refused_as_eval_refuses_it(tmp_path):
+    export = _export(tmp_path / "export")
+    tensors = load_file(str(export / "model.safetensors"))
+    name = next(n for n in sorted(tensors) if n.startswith("layers.") and n.endswith("proj.weight"))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, str(export / "model.safetensors"))
+    with pytest.raises(InputError, match=rf"^train.init_from {export}: {export}: {name} holds NaN or infinite"):
+        _trainer(tmp_path / "run", export)
+
+
+def test_a_bigram_start_with_an_export_is_refused_by_the_recipe_checks():
+    with pytest.raises(RecipeError, match="bigram would replace the Markov head that train.init_from loads"):
+        load_recipe("recipes/smollm2-cpu.yaml", ["train.init_from=/somewhere/export", "train.markov_init=bigram"])
+    assert load_recipe("recipes/smollm2-cpu.yaml", ["train.init_from=~/export"]).train.init_from == str(
+        Path.home() / "export")
+
+
+def test_draftforge_train_continues_an_exported_draft(tmp_path):
+    """The whole path: train, export, then a second run started from the export (it says so);
+    one whose draft section differs is refused with exit status 2 before any rank starts."""
+    from splitserve_helpers import tiny_recipe
+
+    recipe = tiny_recipe(tmp_path, steps=2)
+
+    def draftforge(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "draftforge", *args], capture_output=True, text=True,
+                              timeout=600)
+
+    first = draftforge("train", str(recipe))
+    assert first.returncode == 0, first.stderr[-3000:]
+    export = tmp_path / "export"
+    done = draftforge("export", str(tmp_path / "run"), "--out", str(export))
+    assert done.returncode == 0, done.stderr[-3000:]
+    again = draftforge("train", str(recipe), f"train.init_from={export}", f"train.output_dir={tmp_path / 'again'}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"[trainer] draft weights from {export} (" in again.stdout + again.stderr
+    other = draftforge("train", str(recipe), f"train.init_from={export}", "draft.num_hidden_layers=2",
+                       f"train.output_dir={tmp_path / 'other'}")
+    assert other.returncode == 2, other.stderr[-3000:]
+    assert "num_hidden_layers 1 (the recipe's draft: 2)" in other.stderr
+    assert "[rank" not in other.stdout + other.stderr
