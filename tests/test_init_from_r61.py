@@ -117,3 +117,16 @@ def test_draftforge_train_continues_an_exported_draft(tmp_path):
     assert other.returncode == 2, other.stderr[-3000:]
     assert "num_hidden_layers 1 (the recipe's draft: 2)" in other.stderr
     assert "[rank" not in other.stdout + other.stderr
+
+
+def test_the_demo_refuses_a_recipe_that_starts_from_an_export(tmp_path, capsys):
+    from splitserve_helpers import tiny_recipe
+
+    from draftforge.cli import main
+
+    recipe = tiny_recipe(tmp_path, overrides={"train.init_from": str(tmp_path / "export")})
+    assert main(["demo", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert (f"{recipe}: train.init_from {tmp_path / 'export'}: the demo compares DSpark with the DFlash "
+            "ablation trained from scratch on the same budget") in err
+    assert not (tmp_path / "run").exists()
