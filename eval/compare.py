@@ -130,6 +130,7 @@ def paired_totals(
             raise InputError(
                 f"workload {name!r}: {pa} and {pb} were measured on different prompts "
                 f"({ea.get('num_prompts')} prompts, digest {da} against {eb.get('num_prompts')}, {db})"
+                + _rendering_differs(ra, rb)
             )
         pair = []
         for path, entry, method in ((pa, ea, a_method), (pb, eb, b_method)):
@@ -358,3 +359,16 @@ def _dropped_notes(diffs: dict[str, Interval]) -> list[str]:
         for name, diff in diffs.items()
         if diff.dropped
     ]
+
+
+def _rendering_differs(ra: dict, rb: dict) -> str:
+    """Why two reports' prompts may differ where they rendered them otherwise (``prompt_rendering``:
+    thinking mode and template, which eval takes from each draft's training recipe without
+    --recipe); empty where they agree or a report does not say."""
+    a, b = ra.get("prompt_rendering"), rb.get("prompt_rendering")
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return ""
+    differ = [f"{key} {a.get(key)!r} against {b.get(key)!r}" for key in ("enable_thinking", "chat_template")
+              if a.get(key) != b.get(key)]
+    return (f"; they rendered the workloads otherwise ({', '.join(differ)}: without --recipe each draft is "
+            "evaluated as its training recipe records; pass the same --recipe to both)") if differ else ""

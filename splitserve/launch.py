@@ -137,7 +137,7 @@ class Preflight:
     resume_step: int | None = None  # that checkpoint's step
 
 
-def preflight(cfg, *, check_overlap: bool = False, reads_data: bool = True) -> Preflight:
+def preflight(cfg, *, check_overlap: bool = False, reads_data: bool = True, loads_draft: bool = True) -> Preflight:
     """Checks of the user's files that need no process group, before torchrun starts.
 
     No other run may be training in ``train.output_dir``; the checkpoint ``train.resume``
@@ -147,7 +147,8 @@ def preflight(cfg, *, check_overlap: bool = False, reads_data: bool = True) -> P
     turns on (``train.wandb``, ``train.tensorboard``) must be installed. Without
     ``reads_data`` (a node of several that runs no target rank) the data is not read: the
     trainer ranks never open it, except ``train.markov_init: bigram`` without a checkpoint to
-    resume, which counts the answers' bigrams, so then it is read still. Raises
+    resume, which counts the answers' bigrams, so then it is read still. Without
+    ``loads_draft`` (a node that runs no trainer rank) ``train.init_from`` is not read. Raises
     :class:`~draftforge.errors.InputError` (exit status 2) naming the file or key. Returns
     what it found (:class:`Preflight`).
     """
@@ -194,7 +195,7 @@ def preflight(cfg, *, check_overlap: bool = False, reads_data: bool = True) -> P
         step = int(ckpt.read_checked_state(found, model_config=model_config, strategy=cfg.train.strategy,
                                            trainer_ranks=len(cfg.split.trainer_ranks),
                                            zero_stage=cfg.train.zero_stage, dtype=cfg.train.dtype)["step"])
-    if found is None and cfg.train.init_from is not None:  # its config now, its weights at the start
+    if found is None and cfg.train.init_from is not None and loads_draft:  # config now, weights at the start
         from draftforge.train.init_from import preflight_fit
 
         preflight_fit(cfg)
@@ -487,7 +488,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )])
     # a real run's target ranks check the overlap; a dry run plans every node, so reads the data
     checked = preflight(cfg, check_overlap=args.dry_run,
-                        reads_data=args.dry_run or _runs_targets(cfg, layout, args.node_rank))
+                        reads_data=args.dry_run or _runs_targets(cfg, layout, args.node_rank),
+                        loads_draft=args.dry_run or _runs_trainers(cfg, layout, args.node_rank))
     if _runs_trainers(cfg, layout, args.node_rank):  # trainer rank 0 writes the run there
         _check_output_dir_writable(cfg)
     finished = _finished_at(cfg, checked) if isinstance(checked, Preflight) else None  # None: tests stub it

@@ -253,3 +253,25 @@ def test_token_id_prompts_are_not_rendered_so_not_checked(recipe_path, target_di
         main(["eval", str(ckpt), "--target", str(target_dir), "--prompts-file", str(prompts),
               "--max-new-tokens", "4", "--out", str(tmp_path / "r")])
     assert "workload prompts rendered" not in capsys.readouterr().out
+
+
+def test_compare_says_when_two_reports_rendered_the_workloads_otherwise(tmp_path, capsys):
+    """Two drafts evaluated without --recipe, each as its training recipe records: their prompts
+    differ, and compare names the rendering as the likely cause."""
+    from draftforge.cli import main
+
+    def report(name: str, thinking: bool, digest: str) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        workload = {"num_prompts": 1, "prompt_digest": digest,
+                    "methods": {"dspark": {"prompt_rounds": [2], "prompt_al_sum": [3.0]}}}
+        (folder / "report.json").write_text(json.dumps({
+            "workloads": {"gsm8k": workload},
+            "prompt_rendering": {"training_recipe": "r.yaml", "enable_thinking": thinking,
+                                 "chat_template": "tokenizer"}}))
+        return folder / "report.json"
+
+    assert main(["eval", "compare", str(report("a", False, "abc")), str(report("b", True, "xyz"))]) == 2
+    assert ("were measured on different prompts (1 prompts, digest abc against 1, xyz); they rendered the "
+            "workloads otherwise (enable_thinking False against True: without --recipe each draft is "
+            "evaluated as its training recipe records; pass the same --recipe to both)") in capsys.readouterr().err

@@ -5,6 +5,7 @@ for it (review round 61)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,44 @@ def test_the_draft_starts_as_the_export_and_trains_from_there(tmp_path):
     assert trainer.step == 1
     moved = trainer.full_state_dict()
     assert any(not torch.equal(moved[name], state[name]) for name in written)
+
+
+def test_a_draft_without_a_confidence_head_continues_from_its_export(tmp_path):
+    """The recipe's confidence_head_with_markov (default true) means nothing without a head, and
+    the export writes it false: not a difference (review round 61)."""
+    export = _export(tmp_path / "export", enable_confidence_head=False, confidence_head_with_markov=True)
+    assert json.loads((export / "config.json").read_text())["confidence_head_with_markov"] is False
+    written = load_file(str(export / "model.safetensors"))
+    state = _trainer(tmp_path / "run", export, enable_confidence_head=False,
+                     confidence_head_with_markov=True).full_state_dict()
+    assert all(torch.equal(state[name], tensor) for name, tensor in written.items())
+
+
+def test_target_layers_listed_out_of_order_load_back_in_the_recipes_order(tmp_path):
+    """The export lists the layers ascending with fc's column blocks permuted to match; loading
+    into the recipe's order puts them back: the draft's fc is the exported draft's own."""
+    draft = DSparkDraft(tiny_model_config(target_layer_ids=[4, 0, 2]))
+    draft.init_weights(seed=11)
+    draft.load_target_embeddings(*target_embeddings())
+    export = export_draft(draft, tmp_path / "export", progress=lambda _: None)
+    assert json.loads((export / "config.json").read_text())["target_layer_ids"] == [0, 2, 4]
+    written = load_file(str(export / "model.safetensors"))
+    assert not torch.equal(written["fc.weight"], draft.fc.weight.detach())  # permuted on the way out
+    state = _trainer(tmp_path / "run", export, target_layer_ids=[4, 0, 2]).full_state_dict()
+    for name, tensor in draft.state_dict().items():
+        assert torch.equal(state[name], tensor), name
+
+
+def test_a_config_without_the_confidence_flag_is_judged_by_its_weights(tmp_path):
+    """Another tool's export whose config.json leaves out enable_confidence_head (SGLang takes
+    it as true) and holds no head: eval's clear refusal, not a field comparison that would
+    advise turning the recipe's head on."""
+    export = _export(tmp_path / "export", enable_confidence_head=False)
+    config = json.loads((export / "config.json").read_text())
+    del config["enable_confidence_head"]
+    (export / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match=r"has no enable_confidence_head, which SGLang takes as true"):
+        _trainer(tmp_path / "run", export, enable_confidence_head=False)
 
 
 def test_an_export_of_another_draft_is_refused_naming_what_differs(tmp_path):
@@ -130,3 +169,16 @@ def test_the_demo_refuses_a_recipe_that_starts_from_an_export(tmp_path, capsys):
     assert (f"{recipe}: train.init_from {tmp_path / 'export'}: the demo compares DSpark with the DFlash "
             "ablation trained from scratch on the same budget") in err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_node_running_no_trainer_rank_does_not_read_the_export(tmp_path):
+    """Target ranks never load the draft: a target-only node of a multi-node job need not hold
+    the export (its trainers' node checks it)."""
+    from splitserve_helpers import tiny_recipe
+
+    from draftforge.splitserve.launch import preflight
+
+    cfg = load_recipe(tiny_recipe(tmp_path, overrides={"train.init_from": str(tmp_path / "elsewhere")}))
+    preflight(cfg, loads_draft=False)
+    with pytest.raises(InputError, match="no config.json there"):
+        preflight(cfg)

@@ -129,6 +129,17 @@ def test_a_sample_without_tokens_on_one_rank_is_refused_on_every_rank(tmp_path):
                                    "cannot be trained (that rank names it)")
 
 
+def test_an_empty_sample_in_a_last_step_no_rank_can_fill_stops_as_data_exhausted(tmp_path):
+    """That step trains nothing, so it refuses nothing either: the run ends as before, its last
+    full step checkpointed."""
+    samples = chain_samples(3)
+    first = samples[0]
+    empty = Sample("empty", first.input_ids[:0], first.loss_mask[:0], first.aux[:0], first.final[:0])
+    trainer = _trainer(tmp_path, steps=10, grad_accum=2)
+    result = trainer.fit([samples[0:1], samples[1:2], [empty]])
+    assert (result.steps_run, result.stopped_reason, result.untrained) == (1, "data_exhausted", 1)
+
+
 def test_a_single_rank_still_stops_at_a_step_it_cannot_fill(tmp_path):
     """With one rank nothing is filled: a last partial step stays untrained, as before."""
     samples = chain_samples(5)

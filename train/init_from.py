@@ -34,24 +34,57 @@ def check_fits(folder: str, model_config: dict | None) -> None:
     ``config.json`` describes another draft than ``model_config`` (the recipe's, as a dict of
     the fields known; None where it is not known yet, and only the folder is checked): read
     before anything starts (:func:`preflight_fit`), and again where the weights load."""
-    path = Path(folder)
-    key = f"train.init_from {folder}"
-    if not (path / CONFIG_FILE).is_file():
-        raise InputError(f"{key}: no {CONFIG_FILE} there, so it is not an exported draft; give the folder "
-                         "draftforge export wrote (a training checkpoint is continued with train.resume)")
+    path, key = _export_folder(folder)
     try:
-        cfg = config_from_serving(read_serving_config(path), where=str(path / CONFIG_FILE))
+        raw = read_serving_config(path)
+        cfg = config_from_serving(raw, where=str(path / CONFIG_FILE))
     except ExportError as err:
         raise InputError(f"{key}: {err}") from None
     if model_config is None:
         return
-    ours, theirs = model_config, asdict(cfg)
+    ours, theirs = _as_weights_read_it(model_config), _as_weights_read_it(asdict(cfg))
+    if "enable_confidence_head" not in raw:  # SGLang's default; the weights say (read_checked_export)
+        for name in ("enable_confidence_head", "confidence_head_with_markov"):
+            ours.pop(name, None)
     differ = [f"{name} {theirs[name]!r} (the recipe's draft: {ours[name]!r})"
               for name in COMPARED if name in ours and theirs[name] != ours[name]]
     if differ:
         raise InputError(f"{key} holds another draft than the recipe's draft section builds: "
                          f"{'; '.join(differ)}. Set the draft section to the export's values "
                          f"(its {CONFIG_FILE}), or start from another export")
+
+
+def _export_folder(folder: str) -> tuple[Path, str]:
+    """The folder and ``train.init_from``'s words for it; refused unless it holds a config.json."""
+    path, key = Path(folder), f"train.init_from {folder}"
+    if not (path / CONFIG_FILE).is_file():
+        raise InputError(f"{key}: no {CONFIG_FILE} there, so it is not an exported draft; give the folder "
+                         "draftforge export wrote (a training checkpoint is continued with train.resume)")
+    return path, key
+
+
+def _as_weights_read_it(config: dict) -> dict:
+    """The compared fields of a draft config, as its weights mean them: the confidence head
+    reads the Markov embedding only where there is a head (an export writes the flag so), and
+    the target layers as a set, an export listing them ascending with ``fc``'s columns
+    permuted to match (:func:`_in_recipe_order` puts them back)."""
+    known = {name: config[name] for name in COMPARED if name in config}
+    if "confidence_head_with_markov" in known:
+        known["confidence_head_with_markov"] = bool(config.get("enable_confidence_head", True)
+                                                    and config["confidence_head_with_markov"])
+    if "target_layer_ids" in known:
+        known["target_layer_ids"] = sorted(known["target_layer_ids"])
+    return known
+
+
+def _in_recipe_order(fc: torch.Tensor, exported: list[int], recipe: list[int], width: int) -> torch.Tensor:
+    """``fc.weight`` of an export whose target layers are listed as ``exported`` (ascending),
+    its column blocks (one per layer, ``width`` wide) reordered for the recipe's ``recipe``
+    order of the same layers, which training concatenates the features in."""
+    if exported == recipe:
+        return fc
+    blocks = {layer: fc[:, i * width : (i + 1) * width] for i, layer in enumerate(exported)}
+    return torch.cat([blocks[layer] for layer in recipe], dim=1)
 
 
 def preflight_fit(cfg) -> None:
@@ -76,17 +109,20 @@ def init_from_export(model, folder: str) -> str:
     """Load the export at ``folder`` into ``model`` (a freshly built ``DSparkDraft`` holding the
     target's embeddings); returns a line for the log. Refuses, naming ``train.init_from``, a
     folder that is not an export, a damaged one, or one of another draft than ``model``'s."""
-    check_fits(folder, asdict(model.config))
-    path = Path(folder)
-    key = f"train.init_from {folder}"
-    try:
-        _, _, state = read_checked_export(path)
+    path, key = _export_folder(folder)
+    try:  # the weights first: a config.json without enable_confidence_head is judged by them
+        _, exported, state = read_checked_export(path)
     except ExportError as err:
         raise InputError(f"{key}: {err}") from None
+    check_fits(folder, asdict(model.config))
+    state = {**state, "fc.weight": _in_recipe_order(state["fc.weight"], list(exported.target_layer_ids),
+                                                    list(model.config.target_layer_ids),
+                                                    model.config.target_hidden_size)}
     params = model.state_dict()
     wanted = set(params) - set(EMBEDDING_KEYS)
     if wanted != set(state) - set(EMBEDDING_KEYS):  # check_tensors agreed with the same config
-        raise InputError(f"{key}: its tensors are not this draft's ({sorted(wanted ^ (set(state) - set(EMBEDDING_KEYS)))[:5]})")
+        odd = sorted(wanted ^ (set(state) - set(EMBEDDING_KEYS)))
+        raise InputError(f"{key}: its tensors are not this draft's ({', '.join(odd[:5])})")
     stale = [name for name in EMBEDDING_KEYS if name in state
              and not torch.equal(state[name], params[name].to(state[name].dtype))]
     if stale:

@@ -727,13 +727,14 @@ class Trainer:
                 # every rank was full left the excess of the better-fed trainers untrained.
                 # with a flag for a sample that cannot train: refused on every rank alike, where
                 # the rank holding it alone would leave the others waiting in the step's collectives
+                # (a last step no rank can fill trains nothing, so it refuses nothing either)
                 problem = self._empty_sample(micro_batches)
                 have = torch.tensor([float(len(micro_batches)), float(problem is not None)], device=comm)
                 D.all_reduce(have, group=self.group, op=dist.ReduceOp.MAX)
-                if have[1].item():
+                full = have[0].item() >= train.grad_accum
+                if full and have[1].item():
                     raise InputError(problem or f"step {self.step + 1}: another trainer rank holds a sample "
                                      "without tokens, which cannot be trained (that rank names it)")
-                full = have[0].item() >= train.grad_accum
                 # waiting here for another trainer's data is waiting for data too: counted as
                 # neither busy nor idle, it left several trainers' idle shares short
                 wait_s = time.perf_counter() - wait_start
