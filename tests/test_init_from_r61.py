@@ -151,6 +151,17 @@ def test_draftforge_train_continues_an_exported_draft(tmp_path):
     again = draftforge("train", str(recipe), f"train.init_from={export}", f"train.output_dir={tmp_path / 'again'}")
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"[trainer] draft weights from {export} (" in again.stdout + again.stderr
+    # two FSDP2 trainer ranks, one step at a negligible rate: the run's weights are the export's
+    fsdp = draftforge("train", str(recipe), f"train.init_from={export}", f"train.output_dir={tmp_path / 'fsdp'}",
+                      "train.strategy=fsdp2", "split.trainer_ranks=[1,2]", "train.steps=1", "train.lr=1e-9",
+                      "split.max_epochs=null")
+    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    done = draftforge("export", str(tmp_path / "fsdp"), "--out", str(tmp_path / "fsdp-export"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    source, trained = (load_file(str(folder / "model.safetensors")) for folder in (export, tmp_path / "fsdp-export"))
+    assert set(source) == set(trained)
+    for name, tensor in source.items():
+        assert torch.allclose(trained[name].float(), tensor.float(), rtol=1e-2, atol=1e-4), name
     other = draftforge("train", str(recipe), f"train.init_from={export}", "draft.num_hidden_layers=2",
                        f"train.output_dir={tmp_path / 'other'}")
     assert other.returncode == 2, other.stderr[-3000:]
