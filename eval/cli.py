@@ -1,4 +1,7 @@
-"""``draftforge eval DRAFT --target NAME_OR_DIR``: real speculative decoding against the baselines.
+"""``draftforge eval DRAFT [--target NAME_OR_DIR]``: real speculative decoding against the baselines.
+
+The target is ``--target``'s, else ``--recipe``'s, else the one the draft's saved training
+recipe names.
 
 DRAFT is an export folder (``config.json`` + safetensors) or a training
 checkpoint (run directory, checkpoint folder, or ``model.safetensors`` beside
@@ -40,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
         "greedy lossless check failed (an output differs from plain greedy decoding).",
     )
     parser.add_argument("draft", help="export folder, run directory or training checkpoint")
-    parser.add_argument("--target", help="registered target name, 'random' (needs --recipe) or local HF folder")
+    parser.add_argument("--target", help="registered target name, 'random' (needs --recipe) or local HF folder; "
+                        "without it and --recipe, the target the draft's saved training recipe names")
     parser.add_argument("--recipe", help="take the target section (and eval defaults) from this recipe; its "
                         "target.generation renders the workload prompts (thinking mode, chat template), and a "
                         "draft whose saved training recipe rendered them otherwise gets a note. Without it "
@@ -228,8 +232,10 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
                 f"--target {args.target}: {reasons}; describe such a target in a recipe and pass "
                 "--recipe RECIPE instead"
             ) from None
-    else:
-        raise InputError("give --target NAME_OR_DIR (or --recipe RECIPE)")
+    else:  # the target the draft's saved training recipe names
+        from draftforge.eval.prompt_rendering import recorded_target
+
+        target_cfg = recorded_target(args.draft, args.dtype)
     if args.prompts_file and args.workloads:  # the file's rows name their own workloads
         raise InputError(
             f"--workloads {','.join(args.workloads)} and --prompts-file "

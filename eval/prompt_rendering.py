@@ -26,7 +26,7 @@ def prompt_rendering(draft: str, recipe: str | None, generation) -> tuple[dict, 
     was trained otherwise."""
     rendering = {"training_recipe": None}
     if recipe:
-        trained, where = _training_generation(draft)
+        trained, where = training_record(draft)
         differs = [] if trained is None else [
             f"{key} {_shown(trained[key])} where --recipe has {_shown(getattr(generation, key))}"
             for key in ("enable_thinking", "chat_template") if trained[key] != getattr(generation, key)]
@@ -38,7 +38,7 @@ def prompt_rendering(draft: str, recipe: str | None, generation) -> tuple[dict, 
                   "otherwise than its training's", file=sys.stderr, flush=True)
         source = "the recipe's target.generation"
     else:
-        recorded, where = _training_generation(draft)
+        recorded, where = training_record(draft)
         if recorded is None:
             source = (f"the default without --recipe; {where}: if it was trained with other "
                       "target.generation settings (enable_thinking, chat_template), pass the recipe it "
@@ -66,9 +66,10 @@ def _shown(value: object) -> str:
     return "none (the tokenizer's template)"
 
 
-def _training_generation(draft: str) -> tuple[dict | None, str]:
-    """``({"enable_thinking", "chat_template"}, where)``: the ``target.generation``
-    settings of the recipe the draft was trained with, as it records it, and the file read: a
+def training_record(draft: str) -> tuple[dict | None, str]:
+    """``({"enable_thinking", "chat_template", "model", "trust_remote_code"}, where)``: the
+    ``target.generation`` settings and the target of the recipe the draft was trained with, as
+    it records it (``model`` None where it records none readably), and the file read: a
     checkpoint's ``recipe.yaml`` (a run folder's newest checkpoint's), else its run's
     ``config.yaml``; an export's model card (README.md's Recipe section, which ``draftforge
     export`` writes). ``(None, why)`` where it records none, or not readably."""
@@ -108,4 +109,37 @@ def _training_generation(draft: str) -> tuple[dict | None, str]:
     template = generation.get("chat_template") if isinstance(generation, dict) else None
     if not isinstance(target, dict) or not isinstance(thinking, bool) or not isinstance(template, (str, type(None))):
         return None, f"the draft's training recipe {where} gives no readable target.generation"
-    return {"enable_thinking": thinking, "chat_template": template}, where
+    model = target.get("model")
+    return {"enable_thinking": thinking, "chat_template": template,
+            "model": model if isinstance(model, str) and model.strip() else None,
+            "trust_remote_code": target.get("trust_remote_code") is True}, where
+
+
+def recorded_target(draft: str, dtype: str | None = None):
+    """Without ``--target`` or ``--recipe``: the target the draft's saved training recipe names,
+    as eval's ``TargetConfig`` (in ``dtype``, else float32, as eval's default), said in one line. Refused (the
+    message names the record) where it records none, a random target (built from its recipe's
+    shape) or one whose recipe turns on ``trust_remote_code`` (only a recipe turns it on)."""
+    from pydantic import ValidationError
+
+    from draftforge.errors import InputError
+    from draftforge.splitserve.config import TargetConfig
+
+    ask = "give --target NAME_OR_DIR (or --recipe RECIPE)"
+    recorded, where = training_record(draft)
+    if recorded is None or recorded["model"] is None:
+        raise InputError(f"{ask}: {where if recorded is None else f'{where} names no target.model'}")
+    model = recorded["model"]
+    if model == "random":
+        raise InputError(f"{ask}: {where} records the random target, which is built from its recipe's "
+                         "target.shape: pass that recipe as --recipe")
+    if recorded["trust_remote_code"]:
+        raise InputError(f"{ask}: {where} records target {model!r} with target.trust_remote_code true, which "
+                         "eval turns on only from a recipe: pass that recipe as --recipe")
+    try:
+        target = TargetConfig(model=model, dtype=dtype or "float32")
+    except ValidationError as err:
+        reasons = "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
+        raise InputError(f"{ask}: {where} records target {model!r}: {reasons}") from None
+    print(f"eval: target {model!r}, as {where} records its training (--target chooses another)", flush=True)
+    return target

@@ -386,7 +386,8 @@ def test_eval_names_a_missing_prompts_file_or_target(tmp_path, capsys):
                  str(tmp_path / "p.jsonl")]) == 2
     assert f"--prompts-file {tmp_path / 'p.jsonl'}: no such file" in capsys.readouterr().err
     assert main(["eval", str(tmp_path)]) == 2
-    assert "give --target NAME_OR_DIR (or --recipe RECIPE)" in capsys.readouterr().err
+    assert (f"give --target NAME_OR_DIR (or --recipe RECIPE): the draft records no training recipe (no "
+            f"recipe.yaml or config.yaml with {tmp_path})") in capsys.readouterr().err
 
 
 def test_eval_cli_fails_loudly_when_greedy_is_not_lossless(recipe_path, tmp_path, capsys, monkeypatch):

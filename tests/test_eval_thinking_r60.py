@@ -275,3 +275,47 @@ def test_compare_says_when_two_reports_rendered_the_workloads_otherwise(tmp_path
     assert ("were measured on different prompts (1 prompts, digest abc against 1, xyz); they rendered the "
             "workloads otherwise (enable_thinking False against True: without --recipe each draft is "
             "evaluated as its training recipe records; pass the same --recipe to both)") in capsys.readouterr().err
+
+
+def _recording_target(recipe_path: Path, model: str, **target) -> str:
+    """A saved training recipe whose target is ``model`` (with ``target`` settings)."""
+    recipe = load_recipe(recipe_path)
+    return recipe.model_copy(update={"target": recipe.target.model_copy(update={"model": model, **target})}).to_yaml()
+
+
+def test_without_target_the_recorded_target_is_evaluated(recipe_path, target_dir, tmp_path, monkeypatch, capsys):
+    """`draftforge eval DRAFT` alone: the target the draft's training recipe names (review round 61)."""
+    from draftforge.cli import main
+
+    built = []
+
+    def stop(cfg, *args, **kwargs):
+        built.append(cfg)
+        raise TargetLoaded
+
+    monkeypatch.setattr("draftforge.splitserve.target.build_target", stop)
+    ckpt = _checkpoint(tmp_path / "ckpt", _recording_target(recipe_path, str(target_dir)))
+    with pytest.raises(TargetLoaded):
+        main(["eval", str(ckpt), "--workloads", "gsm8k", "--num-prompts", "1", "--max-new-tokens", "4",
+              "--out", str(tmp_path / "r"), "--dtype", "bfloat16"])
+    assert [(cfg.model, cfg.dtype) for cfg in built] == [(str(target_dir), "bfloat16")]
+    assert (f"eval: target {str(target_dir)!r}, as {ckpt / 'recipe.yaml'} records its training (--target "
+            "chooses another)") in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("model", "target", "named"), [
+    ("random", {}, "records the random target, which is built from its recipe's target.shape: pass that "
+                   "recipe as --recipe"),
+    ("TARGET", {"trust_remote_code": True}, "with target.trust_remote_code true, which eval turns on only "
+                                            "from a recipe: pass that recipe as --recipe"),
+])
+def test_without_target_a_recorded_target_that_needs_its_recipe_is_refused(
+        recipe_path, target_dir, tmp_path, no_target, capsys, model, target, named):
+    from draftforge.cli import main
+
+    model = str(target_dir) if model == "TARGET" else model
+    ckpt = _checkpoint(tmp_path / "ckpt", _recording_target(recipe_path, model, **target))
+    assert main(["eval", str(ckpt), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert f"give --target NAME_OR_DIR (or --recipe RECIPE): {ckpt / 'recipe.yaml'} records" in err
+    assert named in err

@@ -72,4 +72,5 @@ def test_eval_refusals_name_the_command_once(tmp_path, capsys):
     export.mkdir()
     assert main(["eval", str(export)]) == 2
     assert capsys.readouterr().err.strip() == (
-        "draftforge eval: error: give --target NAME_OR_DIR (or --recipe RECIPE)")
+        "draftforge eval: error: give --target NAME_OR_DIR (or --recipe RECIPE): the draft records no "
+        f"training recipe (no recipe.yaml or config.yaml with {export})")
