@@ -233,7 +233,7 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
                 "--recipe RECIPE instead"
             ) from None
     else:  # the target the draft's saved training recipe names
-        from draftforge.eval.prompt_rendering import recorded_target
+        from draftforge.eval.training_record import recorded_target
 
         target_cfg = recorded_target(args.draft, args.dtype)
     if args.prompts_file and args.workloads:  # the file's rows name their own workloads
@@ -312,7 +312,7 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
     draft_cfg, load_draft, fingerprint = _draft_loader(args.draft)
     _check_fit(draft_cfg, target_cfg, args.draft)
     # the workloads rendered as the draft's training rendered its prompts (without --recipe)
-    from draftforge.eval.prompt_rendering import prompt_rendering
+    from draftforge.eval.training_record import prompt_rendering
 
     rendering = None
     if file_prompts is None:

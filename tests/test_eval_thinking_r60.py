@@ -237,7 +237,7 @@ def test_with_the_training_recipe_there_is_no_note(recipe_path, target_dir, tmp_
 
 
 def test_a_template_in_a_note_is_given_by_its_length():
-    from draftforge.eval.prompt_rendering import _shown
+    from draftforge.eval.training_record import _shown
 
     assert (_shown(True), _shown(False), _shown("{{ x }}"), _shown(None)) == (
         "true", "false", "a template of 7 characters", "none (the tokenizer's template)")

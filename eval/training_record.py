@@ -1,7 +1,8 @@
-"""How ``draftforge eval`` renders the workloads' prompts: with ``--recipe``, with its
-``target.generation``; without it, as the draft's saved training recipe records its training
-rendered them (thinking mode and chat template), so that a draft is not measured on prompts
-unlike its training's."""
+"""What ``draftforge eval`` takes from the recipe a draft was trained with, as the draft records
+it (a checkpoint's ``recipe.yaml``, its run's ``config.yaml``, an export's model card): without
+``--recipe``, how the workloads' prompts are rendered (thinking mode and chat template, so that a
+draft is not measured on prompts unlike its training's), and without ``--target`` either, the
+target it was trained against. With ``--recipe``, its ``target.generation`` renders them."""
 
 from __future__ import annotations
 
