@@ -137,10 +137,19 @@ def recorded_target(draft: str, dtype: str | None = None):
     if recorded["trust_remote_code"]:
         raise InputError(f"{ask}: {where} records target {model!r} with target.trust_remote_code true, which "
                          "eval turns on only from a recipe: pass that recipe as --recipe")
+    from draftforge.splitserve import smollm2
+
+    if model != smollm2.NAME and not Path(model).expanduser().is_dir():  # not on this machine
+        relative = (", a path relative to where the training ran" if not Path(model).expanduser().is_absolute()
+                    else "")
+        raise InputError(f"{ask}: {where} records target {model!r}{relative}, which is neither a registered "
+                         f"name ({smollm2.NAME}) nor a folder here: give this machine's copy as --target")
     try:
         target = TargetConfig(model=model, dtype=dtype or "float32")
     except ValidationError as err:
         reasons = "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
         raise InputError(f"{ask}: {where} records target {model!r}: {reasons}") from None
-    print(f"eval: target {model!r}, as {where} records its training (--target chooses another)", flush=True)
+    here = "" if model == smollm2.NAME or Path(model).expanduser().is_absolute() else \
+        f" (a relative path, found here as {Path(model).resolve()})"
+    print(f"eval: target {model!r}{here}, as {where} records its training (--target chooses another)", flush=True)
     return target

@@ -301,11 +301,24 @@ def test_without_target_the_recorded_target_is_evaluated(recipe_path, target_dir
     assert [(cfg.model, cfg.dtype) for cfg in built] == [(str(target_dir), "bfloat16")]
     assert (f"eval: target {str(target_dir)!r}, as {ckpt / 'recipe.yaml'} records its training (--target "
             "chooses another)") in capsys.readouterr().out
+    # a relative path that exists where eval runs is taken, and said to be
+    relative = _checkpoint(tmp_path / "relative", _recording_target(recipe_path, target_dir.name))
+    monkeypatch.chdir(target_dir.parent)
+    with pytest.raises(TargetLoaded):
+        main(["eval", str(relative), "--workloads", "gsm8k", "--num-prompts", "1", "--max-new-tokens", "4",
+              "--out", str(tmp_path / "r2")])
+    assert built[-1].model == target_dir.name
+    assert (f"eval: target {target_dir.name!r} (a relative path, found here as {target_dir.resolve()}), as "
+            f"{relative / 'recipe.yaml'} records its training") in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("model", "target", "named"), [
     ("random", {}, "records the random target, which is built from its recipe's target.shape: pass that "
                    "recipe as --recipe"),
+    ("models/target", {}, "records target 'models/target', a path relative to where the training ran, which is "
+                          "neither a registered name (smollm2-135m-instruct) nor a folder here: give this "
+                          "machine's copy as --target"),
+    ("/elsewhere/target", {}, "records target '/elsewhere/target', which is neither a registered name"),
     ("TARGET", {"trust_remote_code": True}, "with target.trust_remote_code true, which eval turns on only "
                                             "from a recipe: pass that recipe as --recipe"),
 ])
