@@ -54,7 +54,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
@@ -276,14 +276,27 @@ def ascending_target_layers(
     expected = (cfg.hidden_size, cfg.num_context_features)
     if order == list(range(len(ids))) or fc is None or tuple(fc.shape) != expected:
         return dict(state), cfg
-    blocks = [fc[:, i * width : (i + 1) * width] for i in order]
     ascending = [ids[i] for i in order]
     progress(f"target_layer_ids {ids} written ascending as {ascending}, with fc.weight's column "
              "blocks permuted to match (SGLang captures the layers in ascending order); fc then sums "
              "its terms in another order, so the export's logits can differ from the checkpoint's in "
              "their last bits (about 1e-7 in float32): list the ids ascending in the recipe for a "
              "bit-identical round trip")
-    return {**state, "fc.weight": torch.cat(blocks, dim=1)}, replace(cfg, target_layer_ids=ascending)
+    return ({**state, "fc.weight": fc_in_layer_order(fc, ids, ascending, width)},
+            replace(cfg, target_layer_ids=ascending))
+
+
+def fc_in_layer_order(fc: torch.Tensor, listed: Sequence[int], wanted: Sequence[int], width: int) -> torch.Tensor:
+    """``fc.weight`` whose column blocks (one per target layer, ``width`` wide) follow the layers
+    as ``listed``, with its blocks reordered to follow them as ``wanted`` (the same layers; a
+    layer listed twice keeps its blocks' order)."""
+    if list(listed) == list(wanted):
+        return fc
+    places: dict[int, list[int]] = {}
+    for i, layer in enumerate(listed):
+        places.setdefault(layer, []).append(i)
+    starts = [places[layer].pop(0) * width for layer in wanted]
+    return torch.cat([fc[:, start : start + width] for start in starts], dim=1)
 
 
 def llamacpp_blockers(config: Mapping) -> list[str]:

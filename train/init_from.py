@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from draftforge.errors import InputError
-from draftforge.train.export import CONFIG_FILE, EMBEDDING_KEYS, ExportError
+from draftforge.train.export import CONFIG_FILE, EMBEDDING_KEYS, ExportError, fc_in_layer_order
 from draftforge.train.hf_load import config_from_serving, read_checked_export, read_serving_config
 
 # what must agree between the export and the recipe's draft: every field that shapes a weight
@@ -32,16 +32,22 @@ COMPARED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_hea
 def check_fits(folder: str, model_config: dict | None) -> None:
     """Refuse, naming ``train.init_from``, a folder that is not an export or whose
     ``config.json`` describes another draft than ``model_config`` (the recipe's, as a dict of
-    the fields known; None where it is not known yet, and only the folder is checked): read
-    before anything starts (:func:`preflight_fit`), and again where the weights load."""
+    the fields known; None where it is not known yet, and only the folder is checked), before
+    anything starts (:func:`preflight_fit`); :func:`init_from_export` compares alike where the
+    weights load."""
     path, key = _export_folder(folder)
     try:
         raw = read_serving_config(path)
         cfg = config_from_serving(raw, where=str(path / CONFIG_FILE))
     except ExportError as err:
         raise InputError(f"{key}: {err}") from None
-    if model_config is None:
-        return
+    if model_config is not None:
+        _refuse_another_draft(key, raw, cfg, model_config)
+
+
+def _refuse_another_draft(key: str, raw: dict, cfg, model_config: dict) -> None:
+    """Refuse an export (its ``config.json`` as read, ``raw``, and the draft config it describes)
+    of another draft than ``model_config``, naming each field that differs."""
     ours, theirs = _as_weights_read_it(model_config), _as_weights_read_it(asdict(cfg))
     if "enable_confidence_head" not in raw:  # SGLang's default; the weights say (read_checked_export)
         for name in ("enable_confidence_head", "confidence_head_with_markov"):
@@ -67,7 +73,7 @@ def _as_weights_read_it(config: dict) -> dict:
     """The compared fields of a draft config, as its weights mean them: the confidence head
     reads the Markov embedding only where there is a head (an export writes the flag so), and
     the target layers as a set, an export listing them ascending with ``fc``'s columns
-    permuted to match (:func:`_in_recipe_order` puts them back)."""
+    permuted to match (:func:`init_from_export` puts them back in the recipe's order)."""
     known = {name: config[name] for name in COMPARED if name in config}
     if "confidence_head_with_markov" in known:
         known["confidence_head_with_markov"] = bool(config.get("enable_confidence_head", True)
@@ -75,16 +81,6 @@ def _as_weights_read_it(config: dict) -> dict:
     if "target_layer_ids" in known:
         known["target_layer_ids"] = sorted(known["target_layer_ids"])
     return known
-
-
-def _in_recipe_order(fc: torch.Tensor, exported: list[int], recipe: list[int], width: int) -> torch.Tensor:
-    """``fc.weight`` of an export whose target layers are listed as ``exported`` (ascending),
-    its column blocks (one per layer, ``width`` wide) reordered for the recipe's ``recipe``
-    order of the same layers, which training concatenates the features in."""
-    if exported == recipe:
-        return fc
-    blocks = {layer: fc[:, i * width : (i + 1) * width] for i, layer in enumerate(exported)}
-    return torch.cat([blocks[layer] for layer in recipe], dim=1)
 
 
 def preflight_fit(cfg) -> None:
@@ -111,13 +107,13 @@ def init_from_export(model, folder: str) -> str:
     folder that is not an export, a damaged one, or one of another draft than ``model``'s."""
     path, key = _export_folder(folder)
     try:  # the weights first: a config.json without enable_confidence_head is judged by them
-        _, exported, state = read_checked_export(path)
+        raw, exported, state = read_checked_export(path)
     except ExportError as err:
         raise InputError(f"{key}: {err}") from None
-    check_fits(folder, asdict(model.config))
-    state = {**state, "fc.weight": _in_recipe_order(state["fc.weight"], list(exported.target_layer_ids),
-                                                    list(model.config.target_layer_ids),
-                                                    model.config.target_hidden_size)}
+    _refuse_another_draft(key, raw, exported, asdict(model.config))
+    state = {**state, "fc.weight": fc_in_layer_order(state["fc.weight"], exported.target_layer_ids,
+                                                     model.config.target_layer_ids,
+                                                     model.config.target_hidden_size)}
     params = model.state_dict()
     wanted = set(params) - set(EMBEDDING_KEYS)
     if wanted != set(state) - set(EMBEDDING_KEYS):  # check_tensors agreed with the same config
