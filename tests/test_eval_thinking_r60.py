@@ -142,15 +142,18 @@ def test_a_checkpoint_trained_with_thinking_is_evaluated_with_thinking_without_r
             f"template (as {record} records its training)") in capsys.readouterr().out
 
 
-def test_an_export_trained_with_thinking_is_evaluated_with_thinking_without_recipe(
-        recipe_path, target_dir, tmp_path, rendering_target, capsys):
-    """An export records its training recipe in its model card (README.md's Recipe section)."""
-    export = _export(tmp_path / "export", _recipe_yaml(recipe_path, thinking=True))
+@pytest.mark.parametrize("thinking", [True, False])
+def test_an_export_is_evaluated_with_the_thinking_mode_it_records_without_recipe(
+        recipe_path, target_dir, tmp_path, rendering_target, capsys, thinking):
+    """An export records its training recipe in its model card (README.md's Recipe section); one
+    trained without thinking is evaluated as before, and says so."""
+    export = _export(tmp_path / "export", _recipe_yaml(recipe_path, thinking=thinking))
     with pytest.raises(Rendered) as rendered:
         _eval(export, target_dir, tmp_path)
-    assert rendered.value.args[0]["enable_thinking"] is True
-    assert (f"rendered with thinking on and the target tokenizer's chat template (as "
-            f"{export / 'README.md'} (its Recipe section) records its training)") in capsys.readouterr().out
+    assert rendered.value.args[0]["enable_thinking"] is thinking
+    assert (f"eval: workload prompts rendered with thinking {'on' if thinking else 'off'} and the target "
+            f"tokenizer's chat template (as {export / 'README.md'} (its Recipe section) records its "
+            "training)") in capsys.readouterr().out
 
 
 def test_a_draft_trained_with_its_own_chat_template_is_evaluated_with_it(
@@ -186,17 +189,6 @@ def test_the_rendering_used_is_recorded_in_the_report(recipe_path, target_dir, t
     report = json.loads((tmp_path / "r" / "report.json").read_text())
     assert report["prompt_rendering"] == {"training_recipe": str(ckpt / "recipe.yaml"), "enable_thinking": True,
                                           "chat_template": "tokenizer"}
-
-
-def test_a_draft_trained_without_thinking_is_evaluated_as_before_and_says_so(
-        recipe_path, target_dir, tmp_path, rendering_target, capsys):
-    export = _export(tmp_path / "export", _recipe_yaml(recipe_path, thinking=False))
-    with pytest.raises(Rendered) as rendered:
-        _eval(export, target_dir, tmp_path)
-    assert rendered.value.args[0]["enable_thinking"] is False
-    out = capsys.readouterr().out
-    assert (f"eval: workload prompts rendered with thinking off and the target tokenizer's chat template "
-            f"(as {export / 'README.md'} (its Recipe section) records its training)") in out
 
 
 @pytest.mark.parametrize("kind", ["checkpoint", "export"])
