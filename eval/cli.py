@@ -192,6 +192,7 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
     from draftforge.eval.harness import EvalSettings, macro, run_workload, target_context
     from draftforge.eval.report import REPORT_FILES, draft_kind, write_report
     from draftforge.eval.speculative import LosslessCheckError
+    from draftforge.eval.training_record import prompt_rendering, recorded_target, training_record
     from draftforge.splitserve.config import TargetConfig
     from draftforge.splitserve.placement import (
         describe_placement,
@@ -203,6 +204,7 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
     from draftforge.train.metrics import git_revision
 
     eval_cfg, target_cfg, target_gpus = EvalConfig(), None, None
+    record = None  # what the draft records of its training, read once where needed
     if args.recipe:
         from draftforge.config import load_recipe
 
@@ -233,9 +235,8 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
                 "--recipe RECIPE instead"
             ) from None
     else:  # the target the draft's saved training recipe names
-        from draftforge.eval.training_record import recorded_target
-
-        target_cfg = recorded_target(args.draft, args.dtype)
+        record = training_record(args.draft)
+        target_cfg = recorded_target(record, args.dtype)
     if args.prompts_file and args.workloads:  # the file's rows name their own workloads
         raise InputError(
             f"--workloads {','.join(args.workloads)} and --prompts-file "
@@ -312,11 +313,10 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
     draft_cfg, load_draft, fingerprint = _draft_loader(args.draft)
     _check_fit(draft_cfg, target_cfg, args.draft)
     # the workloads rendered as the draft's training rendered its prompts (without --recipe)
-    from draftforge.eval.training_record import prompt_rendering
-
     rendering = None
     if file_prompts is None:
-        rendering, generation = prompt_rendering(args.draft, args.recipe, target_cfg.generation)
+        record = record or training_record(args.draft)
+        rendering, generation = prompt_rendering(args.draft, record, args.recipe, target_cfg.generation)
         target_cfg = target_cfg.model_copy(update={"generation": generation})
     _warn_replacing(out)  # where write_report writes, once the draft is known to load
     if file_prompts is not None:  # before the target loads; the workloads' once tokenized

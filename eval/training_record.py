@@ -15,9 +15,11 @@ from draftforge.train.export import CARD_FILE, CONFIG_FILE
 from draftforge.train.export_cli import saved_recipe
 
 
-def prompt_rendering(draft: str, recipe: str | None, generation) -> tuple[dict, object]:
+def prompt_rendering(draft: str, record: tuple[dict | None, str], recipe: str | None,
+                     generation) -> tuple[dict, object]:
     """How the workloads' prompts are rendered (report.json's ``prompt_rendering``) and the
-    ``target.generation`` that renders them, said in one line.
+    ``target.generation`` that renders them, said in one line. ``record`` is
+    ``training_record(draft)``'s answer, read once by eval for this and ``recorded_target``.
 
     With ``--recipe`` its ``target.generation`` is used as given, with a note where the draft's
     saved training recipe records other settings. Without it, the thinking mode and chat
@@ -27,7 +29,7 @@ def prompt_rendering(draft: str, recipe: str | None, generation) -> tuple[dict, 
     was trained otherwise."""
     rendering = {"training_recipe": None}
     if recipe:
-        trained, where = training_record(draft)
+        trained, where = record
         differs = [] if trained is None else [
             f"{key} {_shown(trained[key])} where --recipe has {_shown(getattr(generation, key))}"
             for key in ("enable_thinking", "chat_template") if trained[key] != getattr(generation, key)]
@@ -39,7 +41,7 @@ def prompt_rendering(draft: str, recipe: str | None, generation) -> tuple[dict, 
                   "otherwise than its training's", file=sys.stderr, flush=True)
         source = "the recipe's target.generation"
     else:
-        recorded, where = training_record(draft)
+        recorded, where = record
         if recorded is None:
             source = (f"the default without --recipe; {where}: if it was trained with other "
                       "target.generation settings (enable_thinking, chat_template), pass the recipe it "
@@ -70,7 +72,7 @@ def _shown(value: object) -> str:
 def training_record(draft: str) -> tuple[dict | None, str]:
     """``({"enable_thinking", "chat_template", "model", "trust_remote_code"}, where)``: the
     ``target.generation`` settings and the target of the recipe the draft was trained with, as
-    it records it (``model`` None where it records none readably), and the file read: a
+    it records it (``model`` as written, None where it records none), and the file read: a
     checkpoint's ``recipe.yaml`` (a run folder's newest checkpoint's), else its run's
     ``config.yaml``; an export's model card (README.md's Recipe section, which ``draftforge
     export`` writes). ``(None, why)`` where it records none, or not readably."""
@@ -103,21 +105,27 @@ def training_record(draft: str) -> tuple[dict | None, str]:
         data = read_yaml(text, where)
     except RecipeError:
         return None, f"the draft's training recipe {where} could not be read as YAML"
-    target = data.get("target") if isinstance(data, dict) else None
-    generation = target.get("generation") if isinstance(target, dict) else None
+    if not isinstance(data, dict):
+        return None, f"the draft's training recipe {where} is not a YAML mapping of sections"
+    target = data.get("target")
+    if not isinstance(target, dict):
+        return None, (f"the draft's training recipe {where} has no target section" if target is None else
+                      f"the draft's training recipe {where} has a target that is not a section of keys")
+    generation = target.get("generation")
     generation = {} if generation is None else generation  # a section left out: its defaults
     thinking = generation.get("enable_thinking", False) if isinstance(generation, dict) else None
     template = generation.get("chat_template") if isinstance(generation, dict) else None
-    if not isinstance(target, dict) or not isinstance(thinking, bool) or not isinstance(template, (str, type(None))):
+    if not isinstance(thinking, bool) or not isinstance(template, (str, type(None))):
         return None, f"the draft's training recipe {where} gives no readable target.generation"
     model = target.get("model")
     return {"enable_thinking": thinking, "chat_template": template,
-            "model": model if isinstance(model, str) and model.strip() else None,
+            "model": None if isinstance(model, str) and not model.strip() else model,
             "trust_remote_code": target.get("trust_remote_code") is True}, where
 
 
-def recorded_target(draft: str, dtype: str | None = None):
-    """Without ``--target`` or ``--recipe``: the target the draft's saved training recipe names,
+def recorded_target(record: tuple[dict | None, str], dtype: str | None = None):
+    """Without ``--target`` or ``--recipe``: the target the draft's saved training recipe names
+    (``record``: ``training_record``'s answer),
     as eval's ``TargetConfig`` (in ``dtype``, else float32, as eval's default), said in one line. Refused (the
     message names the record) where it records none, a random target (built from its recipe's
     shape) or one whose recipe turns on ``trust_remote_code`` (only a recipe turns it on)."""
@@ -127,10 +135,13 @@ def recorded_target(draft: str, dtype: str | None = None):
     from draftforge.splitserve.config import TargetConfig
 
     ask = "give --target NAME_OR_DIR (or --recipe RECIPE)"
-    recorded, where = training_record(draft)
+    recorded, where = record
     if recorded is None or recorded["model"] is None:
         raise InputError(f"{ask}: {where if recorded is None else f'{where} names no target.model'}")
     model = recorded["model"]
+    if not isinstance(model, str):  # a hand-edited record: a number, a list
+        raise InputError(f"{ask}: {where} records target.model {model!r} ({type(model).__name__}), "
+                         "which is neither a name nor a folder")
     if model == "random":
         raise InputError(f"{ask}: {where} records the random target, which is built from its recipe's "
                          "target.shape: pass that recipe as --recipe")

@@ -324,3 +324,46 @@ def test_without_target_a_recorded_target_that_needs_its_recipe_is_refused(
     err = capsys.readouterr().err
     assert f"give --target NAME_OR_DIR (or --recipe RECIPE): {ckpt / 'recipe.yaml'} records" in err
     assert named in err
+
+
+@pytest.mark.parametrize(("recipe_yaml", "named"), [
+    ("target:\n  model: 123\n", "{path} records target.model 123 (int), which is neither a name nor a folder"),
+    ("target:\n  model: [a, b]\n", "{path} records target.model ['a', 'b'] (list), which is neither a name "
+                                    "nor a folder"),
+    ("- target\n- draft\n", "the draft's training recipe {path} is not a YAML mapping of sections"),
+    ("target: smollm2\n", "the draft's training recipe {path} has a target that is not a section of keys"),
+    ("draft:\n  block_size: 4\n", "the draft's training recipe {path} has no target section"),
+])
+def test_without_target_a_hand_edited_record_is_refused_for_what_it_is(tmp_path, no_target, capsys,
+                                                                       recipe_yaml, named):
+    """A record whose target.model is not a string was reported as naming none, and a record
+    that is not a mapping was blamed on its target.generation (review round 61)."""
+    from draftforge.cli import main
+
+    ckpt = _checkpoint(tmp_path / "ckpt", recipe_yaml)
+    assert main(["eval", str(ckpt), "--out", str(tmp_path / "r")]) == 2
+    expected = "give --target NAME_OR_DIR (or --recipe RECIPE): " + named.format(path=ckpt / "recipe.yaml")
+    assert expected in capsys.readouterr().err
+
+
+def test_eval_reads_the_training_record_once(recipe_path, target_dir, tmp_path, monkeypatch):
+    """Without --target, the record names the target and renders the prompts: one reading for
+    both, so the two cannot disagree about a file changed between them (review round 61)."""
+    import draftforge.eval.training_record as training_record_module
+    from draftforge.cli import main
+
+    reads = []
+    original = training_record_module.training_record
+
+    def counting(draft):
+        reads.append(draft)
+        return original(draft)
+
+    monkeypatch.setattr(training_record_module, "training_record", counting)
+    ckpt = _checkpoint(tmp_path / "ckpt", _recording_target(recipe_path, str(target_dir)))
+    monkeypatch.setattr("draftforge.splitserve.target.build_target",
+                        lambda *args, **kwargs: (_ for _ in ()).throw(TargetLoaded()))
+    with pytest.raises(TargetLoaded):
+        main(["eval", str(ckpt), "--workloads", "gsm8k", "--num-prompts", "1", "--max-new-tokens", "4",
+              "--out", str(tmp_path / "r")])
+    assert reads == [str(ckpt)]
