@@ -36,7 +36,9 @@ skipped, so an interrupted demo continues where it stopped (training resumes fro
 its newest checkpoint). An existing regenerated file is used only if it answers the
 recipe's prompts with its target and generation settings; otherwise the demo stops and
 says what differs; a missing one is not regenerated where both trainings are finished and
-record the answers they trained on. ``--force`` starts over; ``--skip-train`` uses the runs as
+record the answers they trained on. A run of another recipe (its training part) or trained on
+other answers is refused; ``--retrain`` trains such a run again from scratch, keeping the answers
+and the other run. ``--force`` starts over; ``--skip-train`` uses the runs as
 they are (refused while a training holds either run, whose lock it then holds itself), and
 evaluates the checkpoints it names (the final one, else the newest): a report of other weights
 (``draft_fingerprint``) is never labelled with them.
@@ -93,12 +95,15 @@ from draftforge.eval.demo_state import (
     force_deletes,
     measured_other_weights,
     model_card_is_current,
+    other_recipe,
     recorded_answers,
     remove_output,
+    remove_training,
     reported_export_files,
     runs_as_they_are,
     stamp_answers,
     stamped_files,
+    trained_on_other_answers,
     trainings_held,
     writers_held,
 )
@@ -151,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
         "regenerated answers' bigram table, where the draft's head allows it; random = the "
         "recipe's own train.markov_init",
     )
+    parser.add_argument("--retrain", action="store_true",
+                        help="train again from scratch each run whose recipe (its training part) or "
+                        "answers differ from this demo's, which the demo otherwise refuses: deletes "
+                        "only that run's training (checkpoints, metrics, config), keeping the "
+                        "regenerated answers and the other run; the export and evaluations are redone "
+                        "where they depend on it")
     parser.add_argument("--force", action="store_true",
                         help="redo every stage: deletes the demo's two runs (train.output_dir and "
                         "its -dflash twin), the regenerated answers (data.regenerated_file, wherever "
@@ -162,7 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``draftforge demo``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)  # a wrong option: argparse's usage error, status 2
+    parser = build_parser()
+    args = parser.parse_args(argv)  # a wrong option: argparse's usage error, status 2
+    if args.retrain and (args.force or args.skip_train):
+        parser.error("--retrain trains again the runs that are not this demo's, keeping the rest; "
+                     f"{'--force deletes every output and starts over' if args.force else '--skip-train trains nothing'}: "
+                     "give one of them")
     # SIGTERM unwinds like Ctrl-C, so the running stage (a whole training job) is stopped too
     def hint() -> str:  # --force's deletions done or not: a rerun without it would keep the rest
         if getattr(args, "forced", False):
@@ -293,8 +309,12 @@ def _run_stages(args: argparse.Namespace, *, command: str, recipe: str, base, pa
         check_answers_file(cfg)
     # stage 4 would refuse it after the hour of stages before it
     check_export_destination(paths.export_dir, "the export stage would replace")
+    retrain = set()  # --retrain: the runs of another recipe, trained again (their answers: at the stage)
     if not args.skip_train:  # both runs now: the DFlash one not after the hour of stages before it
         for what, run_dir, run_cfg, _ in trainings:
+            if args.retrain and other_recipe(run_dir, run_cfg.to_yaml()) is not None:
+                retrain.add(what)
+                continue
             check_same_recipe(run_dir, run_cfg.to_yaml(), what, other_option=other_options.get(what),
                               force_does=force_deletes(paths))
     # 1. data
@@ -305,7 +325,8 @@ def _run_stages(args: argparse.Namespace, *, command: str, recipe: str, base, pa
         stages.skip("data.regenerate is false: training uses data.train_files as they are", done_earlier=False)
     elif paths.data_file.is_file():
         stages.skip(f"{paths.data_file} already answers the recipe's prompts")
-    elif (all(final_checkpoint(run_dir, run_cfg.train.steps) is not None for _, run_dir, run_cfg, _ in trainings)
+    elif (not retrain
+          and all(final_checkpoint(run_dir, run_cfg.train.steps) is not None for _, run_dir, run_cfg, _ in trainings)
           and len(recorded := {recorded_answers(run_dir) for _, run_dir, _, _ in trainings}) == 1
           and None not in recorded):
         # answers regenerated now could differ from those both trained on (bf16 on other threads),
@@ -334,6 +355,11 @@ def _run_stages(args: argparse.Namespace, *, command: str, recipe: str, base, pa
             else:
                 stages.skip(f"--skip-train: using the unfinished run's newest checkpoint {done}")
             continue
+        if what in retrain or (args.retrain and trained_on_other_answers(run_dir, answers)):
+            why = "of another recipe" if what in retrain else "trained on other answers than the data holds now"
+            print(f"    --retrain: {run_dir} holds a {what} run {why}; it is trained again from scratch",
+                  flush=True)
+            remove_training(run_dir)
         done = final_checkpoint(run_dir, run_cfg.train.steps)
         if done is not None:
             check_trained_on(run_dir, answers, what, regenerated=regenerated)

@@ -86,7 +86,8 @@ def _training_part(recipe_yaml: str) -> str:
     return yaml.safe_dump(data, sort_keys=False)
 
 
-SKIP_TRAIN_FIX = "--skip-train uses the runs as they are: undo the edit, or drop --skip-train and pass --force"
+SKIP_TRAIN_FIX = ("--skip-train uses the runs as they are: undo the edit, or drop --skip-train and pass --retrain "
+                  "(or --force to start over)")
 
 
 def check_same_recipe(run_dir: Path, expected_yaml: str, what: str, *, skip_train: bool = False,
@@ -96,34 +97,47 @@ def check_same_recipe(run_dir: Path, expected_yaml: str, what: str, *, skip_trai
     (which then keeps the runs) is no fix. ``other_option``: a demo option and the recipe it
     would train (``--markov-init``), named as the fix when the run is that recipe's.
     ``force_does``: what --force deletes and redoes (:func:`force_deletes`), said with it."""
+    texts = other_recipe(run_dir, expected_yaml)
+    if texts is None:
+        return
+    old_text, new_text = texts
+    saved = run_dir / "config.yaml"
+    retrain = "--retrain to train it again on the same answers, or " if not skip_train else ""
+    if other_option is not None and old_text == _training_part(other_option[1]):
+        raise DemoError(
+            f"{run_dir} holds the {what} run of this recipe trained with {other_option[0]}: pass "
+            f"{other_option[0]} to use it"
+            + ("" if skip_train else f", or {retrain}--force to train again from scratch"
+               f"{force_does or ' (it deletes that run)'}"),
+            exit_status=2,
+        )
+    old = old_text.splitlines()
+    new = new_text.splitlines()
+    first = next(
+        (i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b),
+        min(len(old), len(new)),
+    )
+    line = lambda lines: lines[first].strip() if first < len(lines) else "(end of file)"  # noqa: E731
+    raise DemoError(
+        f"{run_dir} holds a {what} run of a different recipe ({saved} resolved, line {first + 1}: "
+        f"{line(old)!r}; this demo: {line(new)!r}). "
+        + (f"{SKIP_TRAIN_FIX}." if skip_train else f"Rerun with {retrain}--force to train again from "
+           f"scratch{force_does or ' (it deletes that run)'}, or move the folder away."),
+        exit_status=2,
+    )
+
+
+def other_recipe(run_dir: Path, expected_yaml: str) -> tuple[str, str] | None:
+    """``(saved, expected)``, the training parts of the recipe a run in ``run_dir`` was trained
+    with (resolved by this version) and of ``expected_yaml``, where the run has complete
+    checkpoints and they differ; None otherwise (no run there, or this recipe's)."""
     from draftforge.train import checkpoint as ckpt
 
     saved = run_dir / "config.yaml"
     if not ckpt.complete_checkpoints(run_dir) or not saved.is_file():
-        return
+        return None
     old_text, new_text = _training_part(_resolved_again(saved)), _training_part(expected_yaml)
-    if other_option is not None and old_text != new_text and old_text == _training_part(other_option[1]):
-        raise DemoError(
-            f"{run_dir} holds the {what} run of this recipe trained with {other_option[0]}: pass "
-            f"{other_option[0]} to use it"
-            + ("" if skip_train else f", or --force to train again from scratch{force_does or ' (it deletes that run)'}"),
-            exit_status=2,
-        )
-    if old_text != new_text:
-        old = old_text.splitlines()
-        new = new_text.splitlines()
-        first = next(
-            (i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b),
-            min(len(old), len(new)),
-        )
-        line = lambda lines: lines[first].strip() if first < len(lines) else "(end of file)"  # noqa: E731
-        raise DemoError(
-            f"{run_dir} holds a {what} run of a different recipe ({saved} resolved, line {first + 1}: "
-            f"{line(old)!r}; this demo: {line(new)!r}). "
-            + (f"{SKIP_TRAIN_FIX}." if skip_train else "Rerun with --force to train again from scratch"
-               f"{force_does or ' (it deletes that run)'}, or move the folder away."),
-            exit_status=2,
-        )
+    return None if old_text == new_text else (old_text, new_text)
 
 
 def force_deletes(paths: DemoPaths) -> str:
@@ -196,6 +210,45 @@ def stamp_answers(run_dir: Path, answers: str, what: str, *, regenerated: bool =
     write_atomic(run_dir / ANSWERS_STAMP, json.dumps({"sha256": answers}))
 
 
+def trained_on_other_answers(run_dir: Path, answers: str | None) -> bool:
+    """Whether a run with complete checkpoints records other answers than ``answers`` (a run
+    that records none is not judged: :func:`check_trained_on` says so)."""
+    from draftforge.train.checkpoint import complete_checkpoints
+
+    recorded = recorded_answers(run_dir)
+    return answers is not None and recorded is not None and recorded != answers and bool(
+        complete_checkpoints(run_dir))
+
+
+#: what a training writes in its run folder, and the demo's record of the answers it trained on:
+#: what ``--retrain`` deletes, the checkpoints first
+TRAINING_ENTRIES = ("checkpoints", ANSWERS_STAMP, metrics.SUMMARY_FILE, metrics.PLOT_FILE, metrics.METRICS_FILE,
+                    "accounting.jsonl", "tensorboard", "wandb", metrics.WANDB_ID_FILE, metrics.RUN_FILE,
+                    metrics.CONFIG_FILE)
+
+
+def remove_training(run_dir: Path) -> None:
+    """``--retrain``: delete the training ``run_dir`` holds (:data:`TRAINING_ENTRIES` and the
+    recipes it set aside, ``config.N.yaml``), under its training lock, so that the stage trains
+    it again from scratch; what else lies there (the answers, the export, the evaluations, the
+    stages' logs) is kept, and the stages after the training redo what depends on it. The
+    checkpoints go first: a stop midway leaves a folder a training starts afresh in."""
+    import re
+
+    from draftforge.train.checkpoint import CheckpointError, claim_run_dir, release_run_dir
+
+    try:
+        claim_run_dir(run_dir)
+    except CheckpointError as err:
+        raise DemoError(f"--retrain would delete a run that is training: {err}", exit_status=2) from None
+    try:
+        rotated = sorted(entry.name for entry in run_dir.iterdir() if re.fullmatch(r"config\.\d+\.yaml", entry.name))
+        for name in (*TRAINING_ENTRIES, *rotated):
+            remove_output(run_dir / name, (), verb="--retrain")
+    finally:
+        release_run_dir(run_dir)
+
+
 def recorded_answers(run_dir: Path) -> str | None:
     """The digest of the answers a run records it trained on (:func:`stamp_answers`), or None."""
     try:
@@ -227,9 +280,9 @@ def check_trained_on(run_dir: Path, answers: str | None, what: str, *, skip_trai
                if regenerated else
                "other conversations than data.train_files hold now (a file was edited or the list "
                "changed since); ")
-            + ("--skip-train uses the runs as they are: drop --skip-train and pass --force to "
-               "train on these answers" if skip_train else
-               "rerun the demo with --force to train on these answers"),
+            + ("--skip-train uses the runs as they are: drop --skip-train and pass --retrain to "
+               "train it on these answers (or --force to start over)" if skip_train else
+               "rerun the demo with --retrain to train it on these answers (or --force to start over)"),
             exit_status=2,
         )
 
@@ -486,12 +539,13 @@ def _check_keeps(path: Path, keep: Sequence[Path]) -> None:
             raise DemoError(f"--force would delete {path}, which holds {other}; refusing", exit_status=2)
 
 
-def remove_output(path: Path, keep: Sequence[Path]) -> None:
-    """Delete a demo output (file or folder), refusing folders that hold what must stay."""
+def remove_output(path: Path, keep: Sequence[Path], *, verb: str = "--force") -> None:
+    """Delete a demo output (file or folder), refusing folders that hold what must stay;
+    ``verb``: the option deleting it, as said."""
     if not path.exists():
         return
     _check_keeps(path, keep)
-    print(f"    --force: removing {path}")
+    print(f"    {verb}: removing {path}")
     if path.is_dir() and not path.is_symlink():
         # renamed aside first: a stop in the middle of the deletion leaves no half-deleted run
         # (a checkpoint whose COMPLETE marker outlived its weights) where a rerun would take it

@@ -281,7 +281,8 @@ def test_another_recipes_run_names_everything_force_deletes(tmp_path, monkeypatc
     capsys.readouterr()
     assert demo.main([str(recipe)]) == 2
     err = capsys.readouterr().err
-    assert (f"Rerun with --force to train again from scratch (it deletes both runs, DSpark's {paths.run_dir} "
+    assert (f"Rerun with --retrain to train it again on the same answers, or --force to train again from "
+            f"scratch (it deletes both runs, DSpark's {paths.run_dir} "
             f"and DFlash's {paths.dflash_dir}, the regenerated answers {paths.data_file}, the export "
             f"{paths.export_dir} and the evaluations, then regenerates the answers and trains both drafts "
             "again), or move the folder away.") in err, err

@@ -40,7 +40,8 @@ def test_a_run_trained_with_the_other_markov_init_names_that_option(tmp_path, ca
     expected = load_recipe(recipe, demo.dspark_overrides(cfg, paths, "random" if trained_with == "bigram"
                                                          else "bigram")[0]).to_yaml()
     other = (fix, load_recipe(recipe, demo.dspark_overrides(cfg, paths, trained_with)[0]).to_yaml())
-    with pytest.raises(demo.DemoError, match=f"trained with {fix}: pass {fix} to use it, or --force") as info:
+    with pytest.raises(demo.DemoError, match=f"trained with {fix}: pass {fix} to use it, or --retrain to "
+                                             "train it again on the same answers, or --force") as info:
         demo_state.check_same_recipe(paths.run_dir, expected, "DSpark", other_option=other)
     assert info.value.exit_status == 2
     # a run of another recipe is still called one, the option or not

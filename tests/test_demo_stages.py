@@ -103,12 +103,13 @@ def test_skip_train_force_refuses_another_recipes_run_before_deleting_anything(t
     err = capsys.readouterr().err
     assert "holds a DSpark run of a different recipe" in err and "'lr: 0.001'" in err
     assert ("--skip-train uses the runs as they are: undo the edit, or drop --skip-train and pass "
-            "--force.") in err
-    assert "Rerun with --force" not in err
+            "--retrain (or --force to start over).") in err
+    assert "Rerun with" not in err
     for folder in ("export", "eval", "eval-dflash"):
         assert (tmp_path / "run" / folder / "keep.txt").is_file(), folder
-    # without --skip-train, --force is the fix it names (it deletes the run)
-    with pytest.raises(demo.DemoError, match="Rerun with --force to train again from scratch"):
+    # without --skip-train, --retrain and --force are the fixes it names (--force deletes the run)
+    with pytest.raises(demo.DemoError, match="Rerun with --retrain to train it again on the same answers, or "
+                                             "--force to train again from scratch"):
         demo_state.check_same_recipe(tmp_path / "run", load_recipe(recipe).to_yaml(), "DSpark")
 
 
@@ -121,8 +122,9 @@ def test_skip_train_force_refuses_a_run_trained_on_other_answers_before_deleting
     assert demo.main([str(recipe), "--skip-train", "--force"]) == 2
     err = capsys.readouterr().err
     assert "the DSpark draft was trained on other answers" in err
-    assert "--skip-train uses the runs as they are: drop --skip-train and pass --force" in err
-    assert "rerun the demo with --force" not in err
+    assert ("--skip-train uses the runs as they are: drop --skip-train and pass --retrain to train it on these "
+            "answers (or --force to start over)") in err
+    assert "rerun the demo with" not in err
     for folder in ("export", "eval", "eval-dflash"):
         assert (run / folder / "keep.txt").is_file(), folder
 
