@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import glob
 import os
 import shutil
 import tempfile
@@ -158,10 +157,11 @@ def write_atomic_all(items: Sequence[tuple[Path, bytes | str]]) -> None:
 def remove_stale_temporaries(path: Path) -> list[Path]:
     """Remove the temporary files that :func:`write_atomic` of ``path`` leaves only when killed
     outright (SIGKILL, out of memory) between writing and renaming one: ``.NAME.*.tmp`` beside
-    it. Call it only while holding the lock that keeps every other writer of ``path`` away.
+    it (not a sibling's: ``.NAME.bak.*.tmp``). Call it only while holding the lock that keeps every
+    other writer of ``path`` away.
     Returns those removed."""
     path = Path(path)
-    stale = [p for p in path.parent.glob(f".{glob.escape(path.name)}.*.tmp") if p.is_file()]
+    stale = [p for p in _made_by_tempfile(path.parent, f".{path.name}.", ".tmp") if p.is_file()]
     for p in stale:
         p.unlink(missing_ok=True)
     return stale
@@ -235,6 +235,25 @@ def replace_dir(staging: Path, out: Path) -> None:
     shutil.rmtree(retired, ignore_errors=True)
 
 
+def temporaries_of(out: Path, kind: str) -> list[Path]:
+    """The folders ``tempfile.mkdtemp(prefix=f".{out.name}.{kind}-", dir=out.parent)`` made for
+    ``out`` (``kind``: ``tmp``, a staging folder; ``old``, :func:`replace_dir`'s aside), sorted:
+    not those of a sibling whose name starts the same (``.NAME.old-v1.tmp-*``, an export into
+    ``NAME.old-v1`` writing now)."""
+    return _made_by_tempfile(out.parent, f".{out.name}.{kind}-", "")
+
+
+def _made_by_tempfile(folder: Path, prefix: str, suffix: str) -> list[Path]:
+    """The entries of ``folder`` named as ``tempfile`` names those it makes with ``prefix`` and
+    ``suffix``: 8 of its random characters between them, exactly, sorted."""
+    import re
+
+    pattern = re.compile(re.escape(prefix) + "[a-z0-9_]{8}" + re.escape(suffix))
+    if not folder.is_dir():
+        return []
+    return sorted(entry for entry in folder.iterdir() if pattern.fullmatch(entry.name))
+
+
 def put_back_aside(out: Path, usable: Callable[[Path], bool] | None = None) -> bool:
     """Move back the folder that :func:`replace_dir` had moved aside into ``.NAME.old-*/NAME``
     beside ``out`` where a kill between its two renames left it the only copy: ``out`` does not
@@ -245,8 +264,7 @@ def put_back_aside(out: Path, usable: Callable[[Path], bool] | None = None) -> b
     out = Path(out)
     if out.exists():
         return False
-    aside = out.parent.glob(f".{glob.escape(out.name)}.old-*")
-    retired = sorted((p / out.name for p in aside
+    retired = sorted((p / out.name for p in temporaries_of(out, "old")
                       if (p / out.name).is_dir() and (usable is None or usable(p / out.name))),
                      key=lambda p: p.stat().st_mtime)
     if not retired:

@@ -42,10 +42,10 @@ def _write_checkpoint(folder: Path, model, rename=lambda name: name) -> None:
 def _kill_between_renames(out: Path) -> Path:
     """What files.replace_dir leaves when the process dies between its two renames: the earlier
     export moved aside into .NAME.old-*/NAME and nothing at NAME (plus a killed staging folder)."""
-    retired = out.parent / f".{out.name}.old-killed"
+    retired = out.parent / f".{out.name}.old-killed00"
     retired.mkdir()
     os.replace(out, retired / out.name)
-    staging = out.parent / f".{out.name}.tmp-killed"
+    staging = out.parent / f".{out.name}.tmp-killed00"
     staging.mkdir()
     (staging / "model.safetensors").write_bytes(b"partial")
     return retired / out.name

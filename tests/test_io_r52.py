@@ -438,7 +438,7 @@ def test_a_killed_writers_temporaries_are_removed_by_the_next_run_holding_the_lo
     export_dir, prompts = _tiny_export_and_prompts(recipe_path, tmp_path)
     out = tmp_path / "r"
     out.mkdir()
-    stale = [out / ".report.json.k2j3.tmp", out / ".acceptance_length.png.x9.tmp"]
+    stale = [out / ".report.json.k2j3k2j3.tmp", out / ".acceptance_length.png.x9x9x9x9.tmp"]
     kept = out / ".notes.tmp"  # not a temporary of the report's files
     for path in [*stale, kept]:
         path.write_text("left by a killed run")
@@ -448,7 +448,7 @@ def test_a_killed_writers_temporaries_are_removed_by_the_next_run_holding_the_lo
     assert json.loads((out / "report.json").read_text())["settings"]["max_new_tokens"] == 6
 
     answers = tmp_path / "ans.jsonl"
-    leftovers = [tmp_path / ".ans.jsonl.a1.tmp", tmp_path / ".ans.jsonl.partial.b2.tmp"]
+    leftovers = [tmp_path / ".ans.jsonl.a1a1a1a1.tmp", tmp_path / ".ans.jsonl.partial.b2b2b2b2.tmp"]
     for path in leftovers:
         path.write_text("x" * 100)
     from draftforge.data import regenerate

@@ -32,7 +32,7 @@ def _complete(run: Path, step: int, tag: str) -> Path:
 def _killed_between_renames(folder: Path) -> Path:
     """What files.replace_dir leaves when killed after moving ``folder`` aside and before
     renaming the new one in: ``.NAME.old-*/NAME`` and nothing at NAME."""
-    aside = folder.parent / f".{folder.name}.old-k1ll3d"
+    aside = folder.parent / f".{folder.name}.old-k1ll3d00"
     aside.mkdir()
     os.replace(folder, aside / folder.name)
     return aside

@@ -46,7 +46,6 @@ system without ``flock`` it writes unlocked and tidies nothing: :func:`export_lo
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import math
 import numbers
@@ -67,6 +66,7 @@ from draftforge.files import (
     put_back_aside,
     replace_dir,
     shareable,
+    temporaries_of,
 )
 from draftforge.train.model import DSparkConfig, DSparkDraft
 
@@ -434,17 +434,20 @@ def _tidy_leftovers(out: Path, progress) -> None:
     draft) are removed, and the earlier export that ``replace_dir`` had moved aside into
     ``.NAME.old-*`` is put back where it is the only one left (killed between its two
     renames), so that this export, should it fail too, leaves it in place; older copies go."""
-    name = glob.escape(out.name)
-    stale = sorted(out.parent.glob(f".{name}.tmp-*"))
-    aside = sorted(out.parent.glob(f".{name}.old-*"))
+    stale = temporaries_of(out, "tmp")  # exactly its own: a sibling export may be writing its own
     if put_back_aside(out):
         progress(f"export: put back the earlier export at {out}, which an export killed while "
                  "replacing it had left moved aside")
+    aside = temporaries_of(out, "old")  # what is left of them once one is put back
+    copies = [folder for folder in aside if (folder / out.name).exists()]
     for leftover in [*stale, *aside]:
         shutil.rmtree(leftover, ignore_errors=True)
     if stale:
         progress(f"export: removed {len(stale)} partial folder(s) an export killed while writing left "
                  f"beside {out}")
+    if copies:
+        progress(f"export: removed {len(copies)} older export(s) that exports killed while replacing "
+                 f"{out} had moved aside beside it")
 
 
 MEGABYTE = 10**6  # huggingface_hub's "MB" (serialization.parse_size_to_int), as transformers' too
