@@ -174,6 +174,9 @@ def _read_jsonl(path: Path, suffix: str) -> Iterator[RawRow]:
                 except RecursionError:
                     yield RawRow(where, error=NESTED_TOO_DEEPLY)
                     continue
+                except ValueError as exc:  # an integer of more digits than Python converts
+                    yield RawRow(where, error=f"invalid JSON: {exc}")
+                    continue
                 yield RawRow(where, value)
     except (OSError, EOFError, zlib.error) as exc:  # zlib.error: a corrupt .gz stream
         # a .gz cut short or damaged part-way fails after its good lines: say where
@@ -207,6 +210,8 @@ def _read_json(path: Path, suffix: str) -> Iterator[RawRow]:
         ) from None
     except RecursionError:
         raise DataFormatError(f"{path}: {NESTED_TOO_DEEPLY}") from None
+    except ValueError as exc:  # an integer of more digits than Python converts
+        raise DataFormatError(f"{path}: invalid JSON: {exc}") from None
     if isinstance(data, dict) and detect_format(data) is not None and "\n" not in text.strip():
         # one row object on one line: JSON Lines of one row, as datasets reads it (and as a
         # .json file of two or more such lines is read above); another object ({"data": [...]})
@@ -226,7 +231,7 @@ def _object_line(line: str) -> bool:
     """Whether ``line`` is a whole JSON object by itself."""
     try:
         return isinstance(json.loads(line), dict)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # ValueError: JSONDecodeError, or too long an integer
         return False
 
 

@@ -266,7 +266,7 @@ def _read_rows(
                 continue
             try:
                 row = json.loads(line)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
                 bad = (number, exc)
                 continue
             # valid JSON is never a torn write (a cut object does not parse), wherever it is
@@ -288,7 +288,7 @@ def _check_cut_first_row(path: Path, number: int, line: bytes) -> None:
     is written as ``{"id": ...``), which would be taken for a cut write and replaced."""
     try:
         row = json.loads(line)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
         if not line.lstrip().startswith(b'{"id": '):
             raise _not_a_row(path, number, exc) from None
         return
@@ -391,7 +391,7 @@ def _threads_of(path: Path, arithmetic: dict[str, Any]) -> tuple[Path, int] | No
         for line in lines:
             try:
                 written = json.loads(line).get("arithmetic")
-            except (ValueError, AttributeError):  # a cut or blank line: _regenerate's to judge
+            except (ValueError, RecursionError, AttributeError):  # a cut or blank line: _regenerate's to judge
                 continue
             if isinstance(written, dict):
                 threads = written.get("threads")

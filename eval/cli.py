@@ -762,6 +762,8 @@ def _prompts_from_file(
             raise InputError(f"{path}:{line_no}: not JSON ({err}); {expected}") from None
         except RecursionError:  # arrays or objects nested thousands deep
             raise InputError(f"{path}:{line_no}: not a prompt row (JSON nested too deeply); {expected}") from None
+        except ValueError as err:  # an integer of more digits than Python converts
+            raise InputError(f"{path}:{line_no}: not a prompt row ({err}); {expected}") from None
         if not isinstance(row, dict):  # a list, a string: "input_ids ... got null" misnamed it
             kind = {list: "an array", str: "a string"}.get(type(row), f"a JSON {json.dumps(row)[:40]}")
             raise InputError(f"{path}:{line_no}: not a prompt row ({kind}, not an object); {expected}")

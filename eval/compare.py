@@ -83,6 +83,9 @@ def load_report(path: str) -> tuple[Path, dict]:
         # e.g. the report.md beside it: name the file this takes
         raise InputError(f"{p}: not valid JSON (line {err.lineno}, column {err.colno}): {err.msg}; give "
                          "the report's report.json or the folder holding it") from None
+    except (ValueError, RecursionError) as err:  # too long an integer; nested too deeply
+        raise InputError(f"{p}: not a readable report ({err or 'JSON nested too deeply'}); give the report's "
+                         "report.json or the folder holding it") from None
     if not isinstance(report, dict) or not isinstance(report.get("workloads"), dict):
         raise InputError(f"{p}: not a draftforge eval report (no 'workloads' table)")
     if not report["workloads"]:
