@@ -192,6 +192,13 @@ def run_workload(
     if target_limit is not None:
         check_prompt_lengths(prompts, settings.max_new_tokens, target_limit,
                              lambda index: f"workload {name!r}, prompt {index}", whose="target's")
+    # an id the target's embedding has no row for fails inside its forward with a bare
+    # "index out of range" (a device-side assert on a GPU), naming no prompt
+    from draftforge.splitserve.target import check_token_ids
+
+    rows = target.model.get_input_embeddings().num_embeddings
+    for index, ids in enumerate(prompts):
+        check_token_ids(torch.as_tensor([list(ids)]), rows, f"workload {name!r}, prompt {index}")
     if settings.estimate:  # before minutes of decoding, not after
         check_target_layers(draft, target)
     decode = DecodeSettings(

@@ -44,6 +44,19 @@ def _workload(rounds: list[int], *, num_prompts: int | None = None) -> dict:
     return entry
 
 
+@pytest.mark.parametrize(("bad", "why"), [(600, "outside the"), (-1, "token ids are never negative")])
+def test_a_token_id_the_target_has_no_embedding_for_is_refused_naming_it(target, draft, bad, why):
+    """Such an id failed inside the target's forward with a bare "index out of range in self"
+    (a device-side assert on a GPU), naming no prompt (review round 62; the CLI refuses it
+    earlier, a library caller of run_workload did not)."""
+    prompts = random_prompts(2)
+    prompts[1] = prompts[1][:3] + [bad] + prompts[1][4:]
+    with pytest.raises(InputError, match=r"^workload 'w', prompt 1: ") as refused:
+        run_workload("w", prompts, draft, target, EvalSettings(max_new_tokens=4, estimate=False), **QUIET)
+    assert "position 3" in str(refused.value) and str(bad) in str(refused.value)
+    assert why in str(refused.value), str(refused.value)
+
+
 def test_an_empty_prompt_is_refused_naming_it(target, draft):
     """An empty prompt reached the target's prefill and failed inside attention ("cannot
     reshape tensor of 0 elements"), naming neither the workload nor the prompt."""
