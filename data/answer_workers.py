@@ -91,8 +91,7 @@ def _work(build: Callable[[], Any], settings: GenerationConfig, conn: Connection
         _send(conn, ("ready", engine.name))
         while (task := _receive(conn)) is not None:
             batch, prompts = task
-            conversations, unfinished = answer_batch(prompts, engine, settings)
-            _send(conn, ("done", batch, conversations, unfinished))
+            _send(conn, ("done", batch, *answer_batch(prompts, engine, settings)))
     except SystemExit:
         raise
     except _ParentGone:
@@ -141,7 +140,8 @@ class WorkerPool:
 
     def answer_batches(self, pending: Sequence[Pending], settings: GenerationConfig
                        ) -> Iterator[tuple[int, list[list[dict[str, str]]], list[list[int]]]]:
-        """Yield ``(batch index, conversations, unfinished turns)`` as the batches finish."""
+        """Yield ``(batch index, conversations, unfinished turns, generated ids)`` (``regenerate.
+        answer_batch``'s) as the batches finish."""
         if not pending:
             return
         context = multiprocessing.get_context("spawn")
@@ -178,7 +178,7 @@ class WorkerPool:
                                           f"expected {self.name!r}")
                     if kind == "done":
                         remaining -= 1
-                        yield message[1], message[2], message[3]
+                        yield message[1], message[2], message[3], message[4]
                     if queue:
                         try:
                             conn.send(queue.pop())  # its next batch

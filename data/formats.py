@@ -23,7 +23,8 @@ entries whatever their role (a top-level ``system`` key is not one): ``message 4
 in a ``messages`` row, ``turn 4 (assistant)`` or ``turn 4 (gpt)`` in a ``conversations`` one;
 so do tokenisation's (:mod:`draftforge.data.tokenize`). ``user turn 2`` or ``assistant turn 2``
 (the held-out check, regeneration) counts the turns of that role only. ``unfinished_turns``
-holds 0-based indices into the row's own list.
+holds 0-based indices into the row's own list; ``reply_token_ids`` (written by ``data
+regenerate``) is a list beside it.
 
 A conversation is an optional leading system message, then user and assistant turns
 alternating, starting with a user turn. Every malformed row raises
@@ -405,9 +406,13 @@ def parse_row(
         # indices into the row's own list, which a top-level 'system' key does not shift
         own = _unfinished_turns(extra["unfinished_turns"], messages[len(system):], where)
         extra["unfinished_turns"] = [i + len(system) for i in own]
+    if "reply_token_ids" in extra:  # written by 'data regenerate': the replies' ids as generated
+        extra["reply_token_ids"] = [None] * len(system) + _reply_token_ids(
+            extra["reply_token_ids"], messages[len(system):], where)
     if expect == "prompt":  # the target writes new replies: the old ones go, and which were cut
         messages = [m for m in messages if m["role"] != "assistant"]
         extra.pop("unfinished_turns", None)
+        extra.pop("reply_token_ids", None)
     return Conversation(id=ident, messages=messages, source=str(where), extra=extra, entry=noun)
 
 
@@ -464,6 +469,23 @@ def _refuse_reasoning(
                 "(Qwen3: '<think>\\n...\\n</think>\\n\\n' before the reply), or remove the key "
                 "to train on the reply alone",
             )
+
+
+def _reply_token_ids(value: Any, messages: list[dict[str, str]], where: str) -> list[list[int] | None]:
+    """The replies' generated token ids, a list beside the row's messages (null for the others);
+    null (a parquet column other rows fill) is none. Anything else is refused."""
+    if value is None:
+        return [None] * len(messages)
+    ok = isinstance(value, list) and len(value) == len(messages) and all(
+        ids is None or (message["role"] == "assistant" and isinstance(ids, list) and all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids))
+        for ids, message in zip(value, messages, strict=False))
+    if not ok:
+        raise DataFormatError(
+            f"{where}: reply_token_ids must be a list beside the {len(messages)} messages holding each "
+            f"assistant reply's generated token ids (non-negative integers) or null, got "
+            f"{json.dumps(value)[:80]}")
+    return value
 
 
 def _unfinished_turns(value: Any, messages: list[dict[str, str]], where: str) -> list[int]:

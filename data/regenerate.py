@@ -4,12 +4,18 @@
 (``data.train_files``), answers them with the recipe's target and sampling settings
 (``target.generation``) and writes one jsonl row per prompt::
 
-    {"id": ..., "messages": [...], "unfinished_turns": [...], "generation": {settings},
-     "target": "<name>", "target_fingerprint": "...",
+    {"id": ..., "messages": [...], "unfinished_turns": [...], "reply_token_ids": [...],
+     "generation": {settings}, "target": "<name>", "target_fingerprint": "...",
      "arithmetic": {"device": ..., "backend": ..., "dtype": ..., "threads": ...}}
 
 ``unfinished_turns`` lists the message indices of replies the target did not end
 itself (cut at ``max_new_tokens``); their end-of-turn marker is not supervised.
+``reply_token_ids`` lies beside ``messages``: each reply's token ids as the target generated
+them (its end-of-turn token left out), null for the other messages. Training supervises
+these ids, not the reply's text tokenised again, where they spell that text; a byte-level
+BPE tokenises some text otherwise than the target generated it (SmolLM2 writes ``ĊĊ``
+before a list item, which ``"\n\n1."`` tokenises as ``Ċ``, ``Ċ``, ``1``). A row without the
+key (an engine that reports no ids, an earlier draftforge) is tokenised from its text.
 ``target_fingerprint`` tells apart targets of one name (``splitserve.target.target_name``:
 two local folders both called ``final``); it is absent for a registered target.
 
@@ -146,21 +152,25 @@ def batch_seed(base_seed: int, ids: Sequence[str], turn: int) -> int:
 
 def answer_batch(
     prompts: Sequence[Conversation], engine: ReplyEngine, settings: GenerationConfig
-) -> tuple[list[list[dict[str, str]]], list[list[int]]]:
+) -> tuple[list[list[dict[str, str]]], list[list[int]], list[list[list[int] | None]]]:
     """Regenerated conversations for a batch of prompts, answered turn by turn.
 
     Also returns, per conversation, the message indices of assistant turns the
     target did not finish (cut at ``max_new_tokens``; replies without a
-    ``finished`` attribute count as finished).
+    ``finished`` attribute count as finished), and a list beside its messages holding each
+    reply's generated token ids (``Reply.token_ids``; None for the other messages and where
+    the engine reports none).
     """
     histories = [[m for m in p.messages if m["role"] == "system"] for p in prompts]
     turns = [p.user_turns for p in prompts]
     ids = [p.id for p in prompts]
     unfinished: list[list[int]] = [[] for _ in prompts]
+    generated: list[list[list[int] | None]] = [[None] * len(h) for h in histories]
     for turn in range(max(len(t) for t in turns)):
         active = [i for i, t in enumerate(turns) if turn < len(t)]
         for i in active:
             histories[i].append({"role": "user", "content": turns[i][turn]})
+            generated[i].append(None)
         call_settings = settings.model_copy(update={"seed": batch_seed(settings.seed, ids, turn)})
         try:
             replies = engine.generate([list(histories[i]) for i in active], call_settings)
@@ -187,20 +197,22 @@ def answer_batch(
             if not getattr(reply, "finished", True):
                 unfinished[i].append(len(histories[i]))
             histories[i].append({"role": "assistant", "content": str(reply)})
-    return histories, unfinished
+            token_ids = getattr(reply, "token_ids", None)
+            generated[i].append(None if token_ids is None else list(token_ids))
+    return histories, unfinished, generated
 
 
 def answered_batches(pending: Sequence[tuple[int, list[Conversation]]], engine: ReplyEngine,
                      settings: GenerationConfig):
-    """``(batch index, conversations, unfinished)`` for every pending batch: in order from
+    """``(batch index, conversations, unfinished, generated ids)`` (:func:`answer_batch`'s) for
+    every pending batch: in order from
     ``engine`` itself, or in the order they finish from an engine that answers batches
     itself (``answer_workers.WorkerPool``)."""
     if hasattr(engine, "answer_batches"):
         yield from engine.answer_batches(pending, settings)
         return
     for b, todo in pending:
-        conversations, unfinished = answer_batch(todo, engine, settings)
-        yield b, conversations, unfinished
+        yield b, *answer_batch(todo, engine, settings)
 
 
 def _row_line(row: dict[str, Any]) -> bytes:
@@ -689,7 +701,7 @@ def _regenerate(
         pending = [(b, [p for p in batch if p.id not in done]) for b, batch in enumerate(batches)]
         pending = [(b, todo) for b, todo in pending if todo]
         todo_of = dict(pending)
-        for b, conversations, unfinished in answered_batches(pending, engine, settings):
+        for b, conversations, unfinished, token_ids in answered_batches(pending, engine, settings):
             todo = todo_of[b]
             payload = b"".join(
                 _row_line(
@@ -697,13 +709,16 @@ def _regenerate(
                         "id": p.id,
                         "messages": msgs,
                         "unfinished_turns": cut,
+                        # the replies' ids as generated, which training supervises (engines that
+                        # report none: the replies' text, tokenised again)
+                        **({"reply_token_ids": ids} if any(i is not None for i in ids) else {}),
                         "generation": settings_json,
                         "target": engine.name,
                         **({"target_fingerprint": fingerprint} if fingerprint is not None else {}),
                         **({"arithmetic": arithmetic} if arithmetic is not None else {}),
                     }
                 )
-                for p, msgs, cut in zip(todo, conversations, unfinished, strict=True)
+                for p, msgs, cut, ids in zip(todo, conversations, unfinished, token_ids, strict=True)
             )
             if seed is not None:  # a .partial beside a finished file always extends it
                 write_atomic(partial, seed + payload)

@@ -24,10 +24,10 @@ from draftforge.splitserve.target import (
     check_layer_ids,
     check_token_ids,
     folder_tokenizer,
+    generated_reply,
     merge_eos_ids,
     remote_code_error,
     render_prompt,
-    reply_text,
 )
 
 if TYPE_CHECKING:
@@ -210,15 +210,12 @@ class HFTarget:
         same settings gives the same replies. Temperature 0 means greedy.
         Replies are decoded without special tokens; ``Reply.finished`` is False
         for a reply cut at ``max_new_tokens``, whose text ends with its last whole
-        character (``target.reply_text``: a cut inside an emoji drops its tokens).
+        character (``target.generated_reply``: a cut inside an emoji drops its tokens), and
+        ``Reply.token_ids`` holds the ids generated for that text.
         """
         replies = self.generate_token_ids(conversations, settings)
-        eos = set(self.eos_token_ids())
-        finished = [bool(ids) and ids[-1] in eos for ids in replies]
-        return [
-            Reply(reply_text(self.tokenizer, ids, done), finished=done)
-            for ids, done in zip(replies, finished, strict=True)
-        ]
+        eos = self.eos_token_ids()
+        return [generated_reply(self.tokenizer, ids, bool(ids) and ids[-1] in eos, eos) for ids in replies]
 
     @torch.no_grad()
     def generate_token_ids(

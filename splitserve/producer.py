@@ -469,14 +469,15 @@ class SampleSource:
 
                 try:  # every trainer stopped: no reply more (a chunk's take tens of seconds on a CPU)
                     with self.meter.busy("generate"), stopping_when(self.should_stop):
-                        messages, unfinished = answer_batch(chunk, self.engine, settings)
+                        messages, unfinished, generated = answer_batch(chunk, self.engine, settings)
                 except DecodingStopped:
                     return [], 0
-                # replies cut at max_new_tokens: their end-of-turn marker is not supervised
+                # replies cut at max_new_tokens: their end-of-turn marker is not supervised; the
+                # replies' ids as generated are supervised, not their text tokenised again
                 self._answers[chunk_index] = [
                     Conversation(id=c.id, messages=m, source=c.source,
-                                 extra={"unfinished_turns": cut})
-                    for c, m, cut in zip(chunk, messages, unfinished, strict=True)
+                                 extra={"unfinished_turns": cut, "reply_token_ids": ids})
+                    for c, m, cut, ids in zip(chunk, messages, unfinished, generated, strict=True)
                 ]
             chunk = self._answers[chunk_index]
         with self.meter.busy("tokenize"):

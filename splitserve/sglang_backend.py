@@ -54,9 +54,9 @@ from draftforge.splitserve.target import (
     check_token_ids,
     folder_eos_ids,
     folder_tokenizer,
+    generated_reply,
     remote_code_error,
     render_prompt,
-    reply_text,
     sglang_layer_ids,
 )
 
@@ -708,8 +708,8 @@ class SGLangTarget:
         replies = []
         for output in outputs:
             ids, finished = reply_ids(output, eos)
-            # a reply cut inside a character ends at its last whole one (target.reply_text)
-            replies.append(Reply(reply_text(self._tokenizer, ids, finished), finished=finished))
+            # a reply cut inside a character ends at its last whole one (target.generated_reply)
+            replies.append(generated_reply(self._tokenizer, ids, finished, eos))
         return replies
 
     @torch.no_grad()

@@ -48,36 +48,44 @@ class Reply(str):
 
     ``finished`` is False when generation stopped at ``max_new_tokens``; the data
     pipeline then leaves the chat template's end-of-turn marker unsupervised
-    instead of teaching the draft to stop mid-sentence.
+    instead of teaching the draft to stop mid-sentence. ``token_ids``: the ids the target
+    generated for the text (its end-of-turn token left out), where the engine reports them
+    (None otherwise): training supervises these, not the text tokenised again, which a
+    byte-level BPE can split otherwise (SmolLM2 writes ``ĊĊ`` before a list item, and
+    ``"\n\n1."`` tokenises as ``Ċ``, ``Ċ``, ``1``).
     """
 
     finished: bool
+    token_ids: tuple[int, ...] | None
 
-    def __new__(cls, text: str, finished: bool = True) -> Reply:
+    def __new__(cls, text: str, finished: bool = True, token_ids: Sequence[int] | None = None) -> Reply:
         reply = super().__new__(cls, text)
         reply.finished = finished
+        reply.token_ids = None if token_ids is None else tuple(int(i) for i in token_ids)
         return reply
 
 
-def reply_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], finished: bool) -> str:
-    """A reply's text from its token ids, without special tokens.
+def generated_reply(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], finished: bool,
+                    eos_token_ids: Sequence[int]) -> Reply:
+    """A reply from its generated token ids: its text without special tokens, and the ids of
+    that text (:attr:`Reply.token_ids`: a last end-of-turn token left out).
 
     A reply cut at ``max_new_tokens`` (``finished`` False) may end inside a character:
     byte-level BPE spells an emoji or a CJK character over several tokens, and the cut
-    ones decode to U+FFFD. Training re-tokenises the text, which would then end in tokens
-    the target never generated (those of "\ufffd"), so the trailing tokens of an unfinished
-    character are dropped: the text ends with the last whole character, and re-tokenises as
-    the target wrote it. (A U+FFFD the target wrote itself at the very end of a cut reply
-    goes too: one character fewer supervised, never a wrong one.) A finished reply is
-    decoded as it is."""
+    ones decode to U+FFFD, which training would supervise as tokens the target never
+    generated (those of "\ufffd"), so the trailing tokens of an unfinished character are
+    dropped: the text ends with the last whole character. (A U+FFFD the target wrote itself
+    at the very end of a cut reply goes too: one character fewer supervised, never a wrong
+    one.) A finished reply is decoded as it is."""
     ids = list(ids)
-    text = tokenizer.decode(ids, skip_special_tokens=True)
-    if finished:
-        return text
-    while ids and text.endswith("\ufffd"):
+    if ids and ids[-1] in set(eos_token_ids):
         ids.pop()
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-    return text
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    if not finished:
+        while ids and text.endswith("\ufffd"):
+            ids.pop()
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+    return Reply(text, finished=finished, token_ids=ids)
 
 
 @runtime_checkable

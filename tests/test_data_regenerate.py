@@ -513,7 +513,9 @@ def test_replies_cut_at_the_limit_are_recorded(tmp_path):
             return [Reply(t, finished=i != 0) for i, t in enumerate(texts)]
 
     prompts = make_prompts(3)
-    histories, unfinished = answer_batch(prompts, CuttingEngine(), GenerationConfig())
+    histories, unfinished, token_ids = answer_batch(prompts, CuttingEngine(), GenerationConfig())
+    assert [len(ids) for ids in token_ids] == [len(h) for h in histories]
+    assert all(ids is None for row in token_ids for ids in row)  # the engine reports none
     assert unfinished[1:] == [[], []]
     assistant_positions = [i for i, m in enumerate(histories[0]) if m["role"] == "assistant"]
     assert unfinished[0] == assistant_positions and assistant_positions

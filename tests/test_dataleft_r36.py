@@ -56,14 +56,18 @@ def test_a_reply_cut_inside_a_character_ends_with_its_last_whole_character(smoll
 
 @pytest.mark.integration
 def test_an_ascii_reply_decodes_as_before(smollm2_tokenizer):
-    from draftforge.splitserve.target import reply_text
+    from draftforge.splitserve.target import generated_reply
 
     tok = smollm2_tokenizer
     text = "Urban heat islands refer to areas that are warmer.\n\n1. Trees"
     ids = tok(text, add_special_tokens=False)["input_ids"]
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
     for n in range(len(ids) + 1):
         for finished in (True, False):
-            assert reply_text(tok, ids[:n], finished) == tok.batch_decode([ids[:n]], skip_special_tokens=True)[0]
+            generated = ids[:n] + ([eos] if finished else [])
+            reply = generated_reply(tok, generated, finished, [eos])
+            assert reply == tok.batch_decode([generated], skip_special_tokens=True)[0]
+            assert reply.token_ids == tuple(ids[:n])  # the end-of-turn token left out
 
 
 # -- 3. a row that is not a JSON object names its JSON kind ------------------------------------

@@ -697,6 +697,7 @@ def test_sglang_target_generate_renders_and_decodes(fake_target):
     assert seen["params"]["stop_token_ids"] == [eos] and seen["params"]["top_k"] == 1
     assert [str(r) for r in replies] == ["w5", "w5 w5"]
     assert [r.finished for r in replies] == [True, False]
+    assert [r.token_ids for r in replies] == [(w5,), (w5, w5)]  # the end-of-turn token left out
 
 
 # ---------------------------------------------------------------- the real SGLang
@@ -790,6 +791,7 @@ def check_greedy_generation_matches(hf, sgl):
     got, want = sgl.generate(conversations, settings), hf.generate(conversations, settings)
     assert [str(r) for r in got] == [str(r) for r in want]
     assert [r.finished for r in got] == [r.finished for r in want]
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
 
 
 @gpu_sglang

@@ -30,7 +30,7 @@ def regenerating_rank(recipe: str, calls: str, dropped: str, *overrides: str) ->
             reply = "ok" if p.id == dropped else " ".join(p.user_turns[0].split()[1:4] * 4)
             histories.append([{"role": "user", "content": p.user_turns[0]},
                               {"role": "assistant", "content": reply}])
-        return histories, [[] for _ in prompts]
+        return histories, [[] for _ in prompts], [[None, None] for _ in prompts]
 
     regenerate.answer_batch = answer_batch  # the producer looks it up at each chunk
     from draftforge.train.__main__ import main
