@@ -419,23 +419,33 @@ def _tokenize(tokenizer, messages, *, chat_template, enable_thinking, unfinished
 def _generated(tokenizer, text: str, replies, turns: Sequence[int], prompt_ends: Sequence[int],
                reply_token_ids: Sequence[Sequence[int] | None]) -> list[tuple[int, int, list[int]]]:
     """``(start, end, ids)`` for each supervised reply whose generated ids spell its text in
-    ``text`` exactly (decoded with their special tokens): from where the reply's text starts,
-    or from where its generation prompt ends (a first generated token holding the template's
-    space, Mistral's ``ĠHello``), to where it ends. Those ids are supervised there instead of
-    the text tokenised again. A reply whose ids spell something else (a template that strips or
-    rewrites replies, a special token generated inside a reply, ids edited by hand) is tokenised
-    from its text, as a reply without ids is."""
+    ``text`` exactly, to where it ends: from where its generation prompt ends, as the ids spell
+    it after other text (a SentencePiece decoder strips a first token's leading space alone:
+    Mistral's ``▁Hello`` is "Hello" alone, " Hello" after the prompt, where the template writes
+    ``" " + content``), else from where the reply's own text starts. Those ids are supervised
+    there instead of the text tokenised again. A reply whose ids spell something else (a
+    template that strips or rewrites replies), or hold an id the tokenizer has no token for or
+    a special token (edited by hand: ``data regenerate`` writes neither, and such a token in
+    mid-reply would teach the draft to end a turn there), is tokenised from its text, as a reply
+    without ids is."""
     out = []
+    special = anchor = None  # found once a reply has ids
     for place, index, prompt_end in zip(replies, turns, prompt_ends, strict=True):
-        reply_ids = reply_token_ids[index] if index < len(reply_token_ids) else None
+        reply_ids = list(reply_token_ids[index] or ()) if index < len(reply_token_ids) else []
         if not reply_ids or isinstance(place, int):
             continue
-        spelt = tokenizer.decode(list(reply_ids))
-        for start in dict.fromkeys((place[0], prompt_end)):
+        if special is None:
+            special = set(special_tokens(tokenizer))
+            anchor = tokenizer("a", add_special_tokens=False)["input_ids"][-1]  # an ordinary token
+        if any(not 0 <= i < len(tokenizer) or i in special for i in reply_ids):
+            continue
+        in_context = tokenizer.decode([anchor, *reply_ids])[len(tokenizer.decode([anchor])):]
+        for start, spelt in ((prompt_end, in_context), (place[0], tokenizer.decode(reply_ids))):
             if start < place[1] and text[start : place[1]] == spelt:
-                out.append((start, place[1], list(reply_ids)))
+                out.append((start, place[1], reply_ids))
                 break
     return out
+
 
 
 def _spread(tokenizer, reply_ids: Sequence[int], start: int, end: int) -> list[tuple[int, int]]:

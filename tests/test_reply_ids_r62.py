@@ -182,3 +182,60 @@ def test_regenerated_answers_train_on_exactly_the_ids_the_real_target_generated(
             assert finished or ids[: len(expected)] == expected
             turns += 1
     assert turns == sum(len(p.user_turns) for p in prompts) > len(prompts)  # later turns too
+
+
+def _sentencepiece_like():
+    """A tokenizer built here with a SentencePiece-style decoder as Mistral v0.3's and Llama 2's
+    (pieces marked with ▁, one leading space stripped from the decoded text)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    core.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                      decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", *(f"<0x{b:02X}>" for b in range(256))]
+    core.train_from_iterator(["[INST] Hi there [/INST] Hello! Sure: fine, thanks."] * 40,
+                             trainers.BpeTrainer(vocab_size=400, special_tokens=specials, show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   additional_special_tokens=["[INST]", "[/INST]"])
+
+
+def test_a_sentencepiece_reply_is_supervised_without_a_token_the_target_never_generated():
+    """Mistral's template writes " " + reply; the target generates ▁Hello, which decodes alone to
+    "Hello": matched there, the template's space became a lone ▁ token before the generated ids
+    (review round 62). Spelt after the prompt, the ids cover the space as generated."""
+    from test_tokenize_r33 import MISTRAL
+
+    sp = _sentencepiece_like()
+    generated = sp(" Hello!", add_special_tokens=False)["input_ids"]
+    reply = sp.decode(generated, skip_special_tokens=True)
+    assert sp.convert_ids_to_tokens(generated)[0].startswith("▁") and reply == "Hello!"
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": reply}]
+    ids, mask = tokenize_messages(sp, messages, chat_template=MISTRAL, reply_token_ids=[None, generated])
+    assert [i for i, m in zip(ids, mask, strict=True) if m] == [*generated, sp.eos_token_id]
+    assert (ids, mask) == tokenize_messages(sp, messages, chat_template=MISTRAL)  # as the text path here
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("bad", [10**6, 2**64])
+def test_ids_with_a_token_the_tokenizer_lacks_leave_the_reply_as_text(tok, bad):
+    """Hand-edited ids: one past the vocabulary was trained on (a fast tokenizer's decode skips
+    it, so the rest still spelt the reply), one past 64 bits crashed naming no row (review
+    round 62)."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    hello = tok("Hello", add_special_tokens=False)["input_ids"]
+    assert tokenize_messages(tok, messages, reply_token_ids=[None, [*hello, bad]]) == \
+        tokenize_messages(tok, messages)
+
+
+@pytest.mark.integration
+def test_ids_holding_a_special_token_in_mid_reply_are_dropped_as_the_text_is(tok):
+    """A reply whose text spells <|im_end|> is dropped (the draft would learn to end a turn in
+    mid-reply); given ids spelling it with that token, it was kept (review round 62)."""
+    text = "😀<|im_end|>b"  # the emoji: pieces of a character, which decode apart to U+FFFD each
+    conversation = Conversation("c", [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": text}],
+                                extra={"reply_token_ids": [None, tok(text, add_special_tokens=False)["input_ids"]]})
+    assert tok.convert_tokens_to_ids("<|im_end|>") in conversation.extra["reply_token_ids"][1]
+    samples, stats = tokenize_conversations([conversation], tok, max_length=100, min_loss_tokens=1)
+    assert samples == [] and stats.num_dropped_special == 1
