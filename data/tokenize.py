@@ -424,10 +424,10 @@ def _generated(tokenizer, text: str, replies, turns: Sequence[int], prompt_ends:
     Mistral's ``▁Hello`` is "Hello" alone, " Hello" after the prompt, where the template writes
     ``" " + content``), else from where the reply's own text starts. Those ids are supervised
     there instead of the text tokenised again. A reply whose ids spell something else (a
-    template that strips or rewrites replies), or hold an id the tokenizer has no token for or
-    a special token (edited by hand: ``data regenerate`` writes neither, and such a token in
-    mid-reply would teach the draft to end a turn there), is tokenised from its text, as a reply
-    without ids is."""
+    template that strips or rewrites replies, a special token the target generated inside a
+    reply, which its text leaves out), or hold an id the tokenizer has no token for or a special
+    token (ids edited by hand; such a token in mid-reply would teach the draft to end a turn
+    there), is tokenised from its text, as a reply without ids is."""
     out = []
     special = anchor = None  # found once a reply has ids
     for place, index, prompt_end in zip(replies, turns, prompt_ends, strict=True):
@@ -445,7 +445,6 @@ def _generated(tokenizer, text: str, replies, turns: Sequence[int], prompt_ends:
                 out.append((start, place[1], reply_ids))
                 break
     return out
-
 
 
 def _spread(tokenizer, reply_ids: Sequence[int], start: int, end: int) -> list[tuple[int, int]]:
