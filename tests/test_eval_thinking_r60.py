@@ -337,7 +337,7 @@ def test_without_target_a_recorded_target_that_needs_its_recipe_is_refused(
 def test_without_target_a_hand_edited_record_is_refused_for_what_it_is(tmp_path, no_target, capsys,
                                                                        recipe_yaml, named):
     """A record whose target.model is not a string was reported as naming none, and a record
-    that is not a mapping was blamed on its target.generation (review round 61)."""
+    that is not a mapping was blamed on its target.generation (review round 62)."""
     from draftforge.cli import main
 
     ckpt = _checkpoint(tmp_path / "ckpt", recipe_yaml)
@@ -346,9 +346,9 @@ def test_without_target_a_hand_edited_record_is_refused_for_what_it_is(tmp_path,
     assert expected in capsys.readouterr().err
 
 
-def test_eval_reads_the_training_record_once(recipe_path, target_dir, tmp_path, monkeypatch):
+def test_eval_reads_the_training_record_once(recipe_path, target_dir, tmp_path, monkeypatch, no_target):
     """Without --target, the record names the target and renders the prompts: one reading for
-    both, so the two cannot disagree about a file changed between them (review round 61)."""
+    both, so the two cannot disagree about a file changed between them (review round 62)."""
     import draftforge.eval.training_record as training_record_module
     from draftforge.cli import main
 
@@ -361,8 +361,6 @@ def test_eval_reads_the_training_record_once(recipe_path, target_dir, tmp_path, 
 
     monkeypatch.setattr(training_record_module, "training_record", counting)
     ckpt = _checkpoint(tmp_path / "ckpt", _recording_target(recipe_path, str(target_dir)))
-    monkeypatch.setattr("draftforge.splitserve.target.build_target",
-                        lambda *args, **kwargs: (_ for _ in ()).throw(TargetLoaded()))
     with pytest.raises(TargetLoaded):
         main(["eval", str(ckpt), "--workloads", "gsm8k", "--num-prompts", "1", "--max-new-tokens", "4",
               "--out", str(tmp_path / "r")])
