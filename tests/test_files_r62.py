@@ -20,14 +20,16 @@ def test_an_export_leaves_a_sibling_exports_staging_and_moved_aside_copy(tmp_pat
     sibling = tmp_path / "draft.old-v1"  # a versioned export beside it
     # the sibling's export writing now, and its earlier export left moved aside by a kill
     staging = tempfile.mkdtemp(prefix=f".{sibling.name}.tmp-", dir=tmp_path)
-    (tempfile_path := os.path.join(staging, "model.safetensors")) and open(tempfile_path, "wb").write(b"w")
+    written = os.path.join(staging, "model.safetensors")  # what that export has written so far
+    with open(written, "wb") as handle:
+        handle.write(b"w")
     aside = tempfile.mkdtemp(prefix=f".{sibling.name}.old-", dir=tmp_path)
     os.mkdir(os.path.join(aside, sibling.name))
     # this export's own leftovers, as a killed export into it leaves them
     own_staging = tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=tmp_path)
     lines: list[str] = []
     export_draft(tiny_draft(seed=1), out, progress=lines.append)
-    assert os.path.isfile(tempfile_path) and os.path.isdir(os.path.join(aside, sibling.name))
+    assert os.path.isfile(written) and os.path.isdir(os.path.join(aside, sibling.name))
     assert not os.path.exists(own_staging)
     assert any("removed 1 partial folder(s)" in line for line in lines), lines
     assert temporaries_of(out, "tmp") == [] and temporaries_of(out, "old") == []
