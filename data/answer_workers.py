@@ -139,7 +139,8 @@ class WorkerPool:
         self.build, self.workers, self.name, self.quiet = build, workers, name, quiet
 
     def answer_batches(self, pending: Sequence[Pending], settings: GenerationConfig
-                       ) -> Iterator[tuple[int, list[list[dict[str, str]]], list[list[int]]]]:
+                       ) -> Iterator[tuple[int, list[list[dict[str, str]]], list[list[int]],
+                                           list[list[list[int] | None]]]]:
         """Yield ``(batch index, conversations, unfinished turns, generated ids)`` (``regenerate.
         answer_batch``'s) as the batches finish."""
         if not pending:
