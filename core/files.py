@@ -294,8 +294,8 @@ def waiting_lock(path: Path, waiting: str) -> Iterator[None]:
 
 
 class Locked(Exception):
-    """Another process holds the lock; ``holder`` is the process id it wrote there, or ``None``
-    when it has not written it yet."""
+    """Another process holds the lock; ``holder`` is its process id (:func:`flock_holder`, else
+    what it wrote in the file), or ``None`` when neither tells."""
 
     def __init__(self, holder: str | None) -> None:
         super().__init__(holder)
@@ -326,6 +326,24 @@ def lock_or_refuse(path: Path, refused: Callable[[str], Exception]) -> Iterator[
         yield locked
 
 
+def flock_holder(stat: os.stat_result, locks: Path = Path("/proc/locks")) -> str | None:
+    """The process id holding a ``flock`` on the file ``stat`` describes, as Linux lists it in
+    ``/proc/locks``; None where that is not known (another system, no such line). It names the
+    holder where the lock file's text cannot: a stale file of another user's killed run, held
+    as it is in a sticky folder, still reads that run's process id."""
+    device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
+    try:
+        lines = locks.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:5678 0 EOF"; a waiter's line has "->" after "1:"
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == device and fields[4].isdigit():
+            return fields[4]
+    return None
+
+
 @contextlib.contextmanager
 def exclusive_lock(path: Path) -> Iterator[None]:
     """Hold an exclusive lock file at ``path`` (``flock``, so a process that dies releases it)
@@ -348,7 +366,7 @@ def exclusive_lock(path: Path) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors="replace").strip() or None
+            holder = flock_holder(os.fstat(fd)) or os.read(fd, 32).decode(errors="replace").strip() or None
             os.close(fd)
             raise Locked(holder) from None
         except BaseException:  # no flock on this file system (ENOLCK, ...): the caller decides
