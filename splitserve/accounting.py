@@ -376,10 +376,7 @@ class ConsumerAccounting:
             # send): not their whole serving (roles' "done (serving, to the trainers' stop)"
             # line, on the target's rank), which adds the samples made after that one and the
             # wait for the trainers' stop, so the two lines' figures differ
-            f"  target  (per producer, as of the last sample taken: {p['wall_s']:.0f} s, against the "
-            f"trainer's {c['wall_s']:.0f} s): busy {p['busy_share']:.1%}  "
-            f"idle {p['idle_share']:.1%}  "
-            f"{p['tokens']} tokens  {p['rate_tok_s']:.0f} tok/s  capacity {p['capacity_tok_s']:.0f} tok/s",
+            self._target_line(p, c),
             f"  trainer (this rank{f' of {self.trainer_ranks}' if self.trainer_ranks > 1 else ''}): "
             f"busy {c['busy_share']:.1%}  idle {c['idle_share']:.1%}{_other(c, '.1%')}  "
             f"{c['tokens']} tokens  {c['rate_tok_s']:.0f} tok/s  capacity {c['capacity_tok_s']:.0f} tok/s",
@@ -388,6 +385,16 @@ class ConsumerAccounting:
             f"  {self._verdict(p, c, rec)}",
             *filter(None, [self.credit_advice(s)]),
         ])
+
+    @staticmethod
+    def _target_line(p: dict, c: dict) -> str:
+        """The summary's target line; a rank no sample reached has no report, not zeros."""
+        if p["wall_s"] <= 0:
+            return "  target  (per producer): no report (no sample reached this trainer rank)"
+        return (f"  target  (per producer, as of the last sample taken: {p['wall_s']:.0f} s, against the "
+                f"trainer's {c['wall_s']:.0f} s): busy {p['busy_share']:.1%}  "
+                f"idle {p['idle_share']:.1%}  "
+                f"{p['tokens']} tokens  {p['rate_tok_s']:.0f} tok/s  capacity {p['capacity_tok_s']:.0f} tok/s")
 
     def _all_trainers(self, trainers: dict) -> str | None:
         """With several trainer ranks, the line of all of theirs: the training summary's tokens
@@ -416,8 +423,13 @@ class ConsumerAccounting:
         step, a target not heard from): advice from nothing misleads."""
         current = f"{self.num_target} target + {self.world - self.num_target} trainer"
         if c["capacity_tok_s"] <= 0 or p["capacity_tok_s"] <= 0:
-            missing = "training step" if c["capacity_tok_s"] <= 0 else "target report"
-            return f"slower side: not measured (no {missing}), no split recommended (now {current})"
+            if self.steps == 0:
+                missing = "no training step"
+            elif c["capacity_tok_s"] <= 0:  # its steps were fillers: another rank held every sample
+                missing = "this rank trained no sample of its own"
+            else:
+                missing = "no target report"
+            return f"slower side: not measured ({missing}), no split recommended (now {current})"
         # the groups' capacities, not one rank's: 1 target at 100 tok/s feeds 3 trainers at 50 slower
         num_trainers = self.world - self.num_target
         producers = self.num_target // self.tensor_parallel

@@ -191,6 +191,12 @@ class ProducedSample:
         return int(self.input_ids.shape[0])
 
 
+def _producers_named(split: SplitConfig) -> str:
+    """What the producers are called in a message: target ranks, or tensor-parallel target groups."""
+    tp = split.target_tensor_parallel
+    return "target ranks" if tp == 1 else f"target groups ({tp} tensor-parallel ranks each)"
+
+
 def launch_pin() -> str | None:
     """In a rank, what its launch found (``launch.ANSWERS_SOURCE_ENV``); None where it was not
     started by ``draftforge train`` on one node (each rank looks then)."""
@@ -360,7 +366,7 @@ class SampleSource:
             raise InputError(
                 f"target rank {self.producer} has no conversations to serve: "
                 f"{len(self.conversations)} conversations for {len(self.topology.producers)} "
-                "target ranks; add data (data.num_samples) or use fewer target ranks"
+                f"{_producers_named(self.cfg.split)}; add data (data.num_samples) or use fewer target ranks"
             )
         try:
             yield from self._rounds(chunks, max_epochs)
@@ -412,11 +418,17 @@ class SampleSource:
                        "data.max_length") if self.truncated else ""
                 short = (f"fewer than data.min_loss_tokens={self.cfg.data.min_loss_tokens} "
                          f"supervised tokens{cut}")
+                several = len(self.topology.producers) > 1
+                # one rank's share: the others' may hold samples, and more data or fewer ranks helps
+                whose = (f" of its share ({sum(map(len, chunks))} of the {len(self.conversations)} "
+                         f"conversations, split among {len(self.topology.producers)} "
+                         f"{_producers_named(self.cfg.split)})" if several else "")
                 if self.dropped_special or self.dropped_rewritten:
-                    why = f"every conversation was dropped: {self.dropped_short} had {short}{other_drops(self)}"
+                    why = f"every conversation{whose} was dropped: {self.dropped_short} had {short}{other_drops(self)}"
                 else:
-                    why = f"every conversation had {short}"
-                raise InputError(f"target rank {self.producer}: epoch {visits[0][0]} produced no sample ({why})")
+                    why = f"every conversation{whose} had {short}"
+                hint = "; more data (data.num_samples) or fewer target ranks gives each rank samples" if several else ""
+                raise InputError(f"target rank {self.producer}: epoch {visits[0][0]} produced no sample ({why}){hint}")
 
     def _assign(self, ids: Sequence[str], fresh: Mapping[str, int], rotation: int) -> dict[str, int]:
         """Give the samples of a chunk (``ids``: its sample ids, in chunk order) to the trainers;

@@ -104,11 +104,14 @@ def recipe_split_problems(cfg: RecipeConfig) -> list[str]:
                 "(SmolLM2's tokenizer cut to that size is borrowed) or use a real target"
             )
     topology = build_topology(split)
-    per_link = split.max_in_flight // max(len(topology.sources(r)) for r in topology.trainers)
-    if per_link < 1:
+    feeding = max(len(topology.sources(r)) for r in topology.trainers)
+    if split.max_in_flight < feeding:
+        groups = (f" (one per {split.target_tensor_parallel} tensor-parallel target ranks)"
+                  if split.target_tensor_parallel > 1 else "")
         problems.append(
-            f"split.max_in_flight: {split.max_in_flight} is less than the number of target ranks "
-            "feeding one trainer; every link needs at least one credit"
+            f"split.max_in_flight: {split.max_in_flight} is less than the {feeding} target "
+            f"{'groups' if groups else 'ranks'}{groups} feeding one trainer; every link needs at "
+            f"least one credit: set it to at least {feeding}"
         )
     return problems
 
