@@ -15,13 +15,14 @@ printed without a traceback and exits with status 2; a recipe's
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import re
 import select
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from draftforge import __version__
@@ -212,6 +213,53 @@ def write_output(text: str) -> None:
         raise OutputError(f"standard output: {failed.strerror or failed}") from None
 
 
+class _GuardedStdout:
+    """Standard output while a command runs: a write or flush that fails (a full disk) is an
+    :class:`OutputError` naming it, wherever the command prints (``print`` included), not an
+    ``OSError`` that a flush afterwards cannot tell from the command's own (the failed write
+    drops its buffer, so that flush succeeds). A reader gone still raises BrokenPipeError."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def _guarded(self, call, *args):
+        try:
+            return call(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            _discard_stdout()
+            raise OutputError(f"standard output: {exc.strerror or exc}") from None
+
+    def write(self, text: str) -> int:
+        return self._guarded(self._stream.write, text)
+
+    def writelines(self, lines) -> None:
+        self._guarded(self._stream.writelines, lines)
+
+    def flush(self) -> None:
+        self._guarded(self._stream.flush)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _guarded_stdout() -> Iterator[None]:
+    """:class:`_GuardedStdout` in place of ``sys.stdout`` while the block runs (nothing where
+    there is no standard output, or it is guarded already)."""
+    stream = sys.stdout
+    if stream is None or isinstance(stream, _GuardedStdout):
+        yield
+        return
+    sys.stdout = _GuardedStdout(stream)
+    try:
+        yield
+    finally:
+        if isinstance(sys.stdout, _GuardedStdout) and sys.stdout._stream is stream:
+            sys.stdout = stream
+
+
 def _overview(commands: Sequence[Command]) -> str:
     width = max(len(f"{c.name} {c.usage}".strip()) for c in commands)
     rows = [f"  {f'{c.name} {c.usage}'.strip():<{width}}  {c.summary}" for c in commands]
@@ -316,7 +364,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from draftforge.splitserve.packed_linear import packing_enabled
 
             packing_enabled()
-        status = _load(command.handler)(argv[len(command.words) :])
+        with _guarded_stdout():
+            status = _load(command.handler)(argv[len(command.words) :])
         # a reader gone (`| head`) or a full disk is found here, not at interpreter exit
         write_output("")
     except SystemExit as stop:
@@ -352,15 +401,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if config is not None and isinstance(exc, config.RecipeError):
             sys.stderr.write(f"draftforge {command.name}: invalid recipe:\n{exc}\n{_override_first(command, exc)}")
             return 2
-        if isinstance(exc, OSError) and exc.filename is None:
-            # a print of the command's own (a table) to a full output: the same error flushing it
-            # again; else the command's own error, reported below as it is
-            try:
-                failed = _stdout_error()
-            except BrokenPipeError:
-                failed = None
-            if failed is not None and failed.errno == exc.errno:
-                exc = OutputError(f"standard output: {exc.strerror or exc}")
         if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
             # a full disk, a read-only or missing folder: the path and the cause, no traceback
             sys.stderr.write(f"draftforge {command.name}: error: {exc.filename}: {exc.strerror}\n")
