@@ -306,14 +306,36 @@ NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # flock
 
 
 @contextlib.contextmanager
+def made_folder(folder: Path) -> Iterator[None]:
+    """``folder`` made, with its missing parents, while the block runs; on leaving, those this
+    made are removed again where they are still empty, so that a command refused before it
+    wrote anything leaves no empty folders behind."""
+    missing = []
+    at = Path(folder).absolute()
+    while not at.exists() and at != at.parent:
+        missing.append(at)  # the deepest first
+        at = at.parent
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    finally:
+        for made in missing:
+            try:
+                made.rmdir()
+            except OSError:  # something was written there (or someone else's now): kept
+                break
+
+
+@contextlib.contextmanager
 def lock_or_refuse(path: Path, refused: Callable[[str], Exception]) -> Iterator[bool]:
-    """Hold :func:`exclusive_lock` at ``path`` (its folder made) while the block runs; when
-    another process holds it, raise ``refused(holder)`` at once (``holder``: "process N"). On a
+    """Hold :func:`exclusive_lock` at ``path`` (its folder made, :func:`made_folder`) while the
+    block runs; when another process holds it, raise ``refused(holder)`` at once (``holder``:
+    "process N"). On a
     file system without ``flock`` (some network ones) the block runs unlocked. Yields whether
     the lock is held."""
     with contextlib.ExitStack() as stack:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            stack.enter_context(made_folder(path.parent))  # removed again if the block writes nothing
             stack.enter_context(exclusive_lock(path))
             locked = True
         except Locked as busy:

@@ -86,12 +86,13 @@ the record existed are continued without the check.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -104,6 +105,7 @@ from draftforge.files import (
     Locked,
     exclusive_lock,
     fsync_dir,
+    made_folder,
     remove_stale_temporaries,
     write_atomic,
 )
@@ -555,19 +557,49 @@ def regenerate(
     already on disk with other arithmetic are refused instead of continued. A second run on the
     same file while one writes it is refused at once (``<out>.lock``), not at its end."""
     out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    with answers_held(out):
+        for leftover in (out, out.with_name(out.name + ".partial")):  # a killed writer's, only
+            remove_stale_temporaries(leftover)
+        return _regenerate(prompts, engine, settings, out, progress=progress, arithmetic=arithmetic)
+
+
+_HELD: set[Path] = set()  # the answers files whose lock this process holds (answers_held)
+
+
+@contextlib.contextmanager
+def answers_held(out: Path) -> Iterator[None]:
+    """Hold ``<out>.lock`` while the block runs, its folder made (and removed again where the
+    block leaves it empty: :func:`~draftforge.files.made_folder`); a second writer of ``out`` is
+    refused at once, naming its process, and so is a folder where the lock cannot be made.
+    Held already by this process (the command takes it before the target loads, then
+    :func:`regenerate`), it is held on."""
+    out = Path(out).absolute()
+    if out in _HELD:
+        yield
+        return
     lock = out.with_name(out.name + ".lock")
-    try:
-        with exclusive_lock(lock):
-            for leftover in (out, out.with_name(out.name + ".partial")):  # a killed writer's, only
-                remove_stale_temporaries(leftover)
-            return _regenerate(prompts, engine, settings, out, progress=progress, arithmetic=arithmetic)
-    except Locked as busy:
-        raise RegenerationError(
-            f"{out}: another draftforge data regenerate"
-            + (f" (process {busy.holder})" if busy.holder else "")
-            + f" is writing it ({lock} is held); wait for it to finish or stop it, then rerun"
-        ) from None
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(made_folder(out.parent))
+        except OSError as err:
+            raise RegenerationError(f"data.regenerated_file {out}: its folder cannot be made "
+                                    f"({err.strerror or err})") from None
+        try:
+            stack.enter_context(exclusive_lock(lock))
+        except Locked as busy:
+            raise RegenerationError(
+                f"{out}: another draftforge data regenerate"
+                + (f" (process {busy.holder})" if busy.holder else "")
+                + f" is writing it ({lock} is held); wait for it to finish or stop it, then rerun"
+            ) from None
+        except OSError as err:
+            raise RegenerationError(f"data.regenerated_file {out}: cannot make its lock file "
+                                    f"{lock.name} there ({err.strerror or err})") from None
+        _HELD.add(out)
+        try:
+            yield
+        finally:
+            _HELD.discard(out)
 
 
 def _regenerate(
@@ -875,13 +907,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             problem = answers_path_problem(out)
             if problem:
                 raise RegenerationError(problem)
-            try:
-                out.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as err:
-                raise RegenerationError(f"data.regenerated_file {out}: its folder cannot be made "
-                                        f"({err.strerror})") from None
-            print(f"draftforge data regenerate: {len(prompts)} prompts -> {out}", file=sys.stderr)
+            if cfg.target.backend == "sglang":  # said before any folder or load, as training says it
+                from draftforge.splitserve.sglang_backend import require_sglang
 
+                require_sglang()
             from draftforge.splitserve.target import build_target, target_name
 
             num_batches = -(-len(prompts) // cfg.target.generation.batch_size)
@@ -902,26 +931,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"draftforge data regenerate: --workers {args.workers}: {workers} started, one per "
                       f"batch of {cfg.target.generation.batch_size} prompts (target.generation.batch_size)",
                       file=sys.stderr)
-            where = f"{device}" + (f" (tensor parallel {tensor_parallel})" if tensor_parallel > 1 else "")
-            print(f"draftforge data regenerate: target on {where}, "
-                  + (f"{workers} workers of {threads} thread(s) each" if workers > 1
-                     else f"{threads} thread(s)"), file=sys.stderr)
-            target = cfg.target.model_copy(update={"num_threads": threads, "dtype": dtype})
-            if workers > 1:
-                from draftforge.data.answer_workers import WorkerPool
+            # the folder and the lock before the target loads (minutes for a large one): a second
+            # writer of the file, or a folder that refuses it, is told now
+            with answers_held(out):
+                print(f"draftforge data regenerate: {len(prompts)} prompts -> {out}", file=sys.stderr)
+                where = f"{device}" + (f" (tensor parallel {tensor_parallel})" if tensor_parallel > 1 else "")
+                print(f"draftforge data regenerate: target on {where}, "
+                      + (f"{workers} workers of {threads} thread(s) each" if workers > 1
+                         else f"{threads} thread(s)"), file=sys.stderr)
+                target = cfg.target.model_copy(update={"num_threads": threads, "dtype": dtype})
+                if workers > 1:
+                    from draftforge.data.answer_workers import WorkerPool
 
-                build = functools.partial(build_target, target, list(cfg.draft.target_layer_ids))
-                engine = WorkerPool(build, workers, name=target_name(target), quiet=args.no_progress)
-            else:
-                if args.no_progress:
-                    quiet_loading()
-                engine = build_target(target, cfg.draft.target_layer_ids, device=device,
-                                      tensor_parallel=tensor_parallel)
-            arithmetic = arithmetic_record(device=device, backend=cfg.target.backend,
-                                           dtype=target.dtype, threads=threads,
-                                           tensor_parallel=tensor_parallel)
-            regenerate(prompts, engine, cfg.target.generation, out, progress=not args.no_progress,
-                       arithmetic=arithmetic)
+                    build = functools.partial(build_target, target, list(cfg.draft.target_layer_ids))
+                    engine = WorkerPool(build, workers, name=target_name(target), quiet=args.no_progress)
+                else:
+                    if args.no_progress:
+                        quiet_loading()
+                    engine = build_target(target, cfg.draft.target_layer_ids, device=device,
+                                          tensor_parallel=tensor_parallel)
+                arithmetic = arithmetic_record(device=device, backend=cfg.target.backend,
+                                               dtype=target.dtype, threads=threads,
+                                               tensor_parallel=tensor_parallel)
+                regenerate(prompts, engine, cfg.target.generation, out, progress=not args.no_progress,
+                           arithmetic=arithmetic)
         except (DataFormatError, OverlapError, RegenerationError, WorkloadUnavailableError) as exc:
             print(f"draftforge data regenerate: {exc}", file=sys.stderr)
             return 2

@@ -509,6 +509,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  master_port=args.master_port, max_restarts=args.max_restarts) + "\n")
         return 0
 
+    if cfg.target.backend == "sglang" and _runs_targets(cfg, layout, args.node_rank):
+        # a missing or other SGLang is said once, here, not by every target rank after the start
+        # (whose restarts would meet it again); a dry run plans for the machine the recipe names
+        from draftforge.splitserve.sglang_backend import require_sglang
+
+        require_sglang()
     env = launch_env(args.master_addr, cpu=not torch_cuda_visible())  # [0] is one GPU: any() said none
     if isinstance(checked, Preflight) and cfg.data.regenerate and cfg.split.num_nodes == 1:  # one finding for every rank
         env[ANSWERS_SOURCE_ENV] = "inline" if checked.regenerate else "file"

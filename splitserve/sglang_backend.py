@@ -123,16 +123,18 @@ class GpuMemory(NamedTuple):
 
 
 def require_sglang() -> str:
-    """Check that the pinned SGLang release is installed (without importing it); returns its version."""
+    """Check that the pinned SGLang release is installed (without importing it); returns its
+    version. Refused with an :class:`~draftforge.errors.InputError` (exit status 2): an install
+    to fix, which a restart of the job would meet again."""
     try:
         version = importlib.metadata.version("sglang")
     except importlib.metadata.PackageNotFoundError as exc:
-        raise RuntimeError(
+        raise InputError(
             f"target.backend 'sglang' needs the sglang package (version {SGLANG_VERSION}): "
             f"{INSTALL_COMMAND}, or use target.backend: hf"
         ) from exc
     if version != SGLANG_VERSION:
-        raise RuntimeError(
+        raise InputError(
             f"target.backend 'sglang' is pinned to sglang=={SGLANG_VERSION}, but sglang {version} "
             f"is installed: its feature capture uses SGLang internals that change between "
             f"releases. Install the pinned version with {INSTALL_COMMAND}, or use target.backend: hf"

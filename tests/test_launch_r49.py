@@ -22,6 +22,9 @@ def test_an_sglang_target_gets_time_to_close_its_runner_before_sigkill(tmp_path,
 
     monkeypatch.setattr(launch, "run_ranks", job)
     monkeypatch.setattr(launch, "preflight", lambda cfg, **kwargs: None)  # the target is not loaded here
+    from draftforge.splitserve import sglang_backend
+
+    monkeypatch.setattr(sglang_backend, "require_sglang", lambda: sglang_backend.SGLANG_VERSION)  # not installed here
     # a target folder SGLang could load (a random target is refused with the recipe); its
     # config.json has the tiny random target's shape, and nothing is loaded here
     import json

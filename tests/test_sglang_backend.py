@@ -31,6 +31,7 @@ import pytest
 import torch
 from test_target_capture import SHAPE, tiny_tokenizer
 
+from draftforge.errors import InputError
 from draftforge.splitserve import sglang_backend
 from draftforge.splitserve.config import GenerationConfig, TargetConfig
 from draftforge.splitserve.hf_backend import HFTarget
@@ -562,15 +563,15 @@ def test_tensor_parallel_needs_the_sglang_backend(folder):
 @pytest.mark.skipif(not SGLANG_MISSING, reason="sglang is installed")
 def test_missing_sglang_names_the_install_command():
     assert INSTALL_COMMAND == "pip install 'draftforge[sglang]'"
-    with pytest.raises(RuntimeError, match=r"pip install 'draftforge\[sglang\]'"):
+    with pytest.raises(InputError, match=r"pip install 'draftforge\[sglang\]'"):
         require_sglang()
-    with pytest.raises(RuntimeError, match=r"pip install 'draftforge\[sglang\]'"):
+    with pytest.raises(InputError, match=r"pip install 'draftforge\[sglang\]'"):
         build_target(TargetConfig(model="smollm2-135m-instruct", backend="sglang"), [0])
 
 
 def test_wrong_sglang_version_refused(monkeypatch):
     monkeypatch.setattr(sglang_backend.importlib.metadata, "version", lambda name: "0.5.14")
-    with pytest.raises(RuntimeError, match=rf"pinned to sglang=={SGLANG_VERSION}.*0\.5\.14"):
+    with pytest.raises(InputError, match=rf"pinned to sglang=={SGLANG_VERSION}.*0\.5\.14"):
         require_sglang()
     monkeypatch.setattr(sglang_backend.importlib.metadata, "version", lambda name: SGLANG_VERSION)
     assert require_sglang() == SGLANG_VERSION

@@ -221,7 +221,9 @@ def test_sglang_backend_without_package_names_install_command():
 
     if importlib.util.find_spec("sglang") is not None:
         pytest.skip("sglang is installed; the missing-package message cannot be checked")
-    with pytest.raises(RuntimeError, match=r"pip install 'draftforge\[sglang\]'"):
+    from draftforge.errors import InputError
+
+    with pytest.raises(InputError, match=r"pip install 'draftforge\[sglang\]'"):
         build_target(random_cfg(backend="sglang"), [0])
 
 

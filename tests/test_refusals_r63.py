@@ -1,0 +1,120 @@
+"""Session 63: refusals come before the target loads, and leave no empty folder.
+
+A review found a second run on a file being written, and a folder where the lock cannot be
+made, refused only once every worker had loaded the target (seconds for SmolLM2, minutes for
+a large one); ``target.backend: sglang`` without SGLang a traceback (a RuntimeError, which
+``draftforge train`` restarted as a failure); and refusals leaving the folders they made.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from draftforge import cli
+from draftforge.files import made_folder
+from draftforge.splitserve import target as target_module
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "recipes" / "tiny-debug.yaml")
+SMOLLM2 = str(ROOT / "recipes" / "smollm2-cpu.yaml")
+
+_HOLD = """
+import sys, time
+from pathlib import Path
+from draftforge.files import exclusive_lock
+with exclusive_lock(Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+@pytest.fixture
+def no_target_load(monkeypatch):
+    """build_target counted, never run: a refusal must come before it."""
+    loads = []
+
+    def build_target(*args, **kwargs):
+        loads.append(args)
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr(target_module, "build_target", build_target)
+    return loads
+
+
+def test_a_file_another_run_writes_is_refused_before_the_target_loads(tmp_path, capsys, no_target_load):
+    out = tmp_path / "answers.jsonl"
+    child = subprocess.Popen([sys.executable, "-c", _HOLD, str(out) + ".lock"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "held\n"
+        code = cli.main(["data", "regenerate", TINY, f"data.regenerated_file={out}", "data.num_samples=4",
+                         "--workers", "1", "--no-progress"])
+    finally:
+        child.kill()
+        child.wait()
+    err = capsys.readouterr().err
+    assert code == 2 and no_target_load == []
+    assert f"{out}: another draftforge data regenerate (process {child.pid}) is writing it" in err
+
+
+def test_a_folder_that_refuses_the_lock_names_the_key_before_the_target_loads(tmp_path, capsys, no_target_load):
+    folder = tmp_path / "answers-folder"
+    folder.mkdir()
+    (folder / "answers.jsonl.lock").mkdir()  # the lock cannot be made there: a folder holds its name
+    out = folder / "answers.jsonl"
+    code = cli.main(["data", "regenerate", TINY, f"data.regenerated_file={out}", "data.num_samples=4",
+                     "--workers", "1", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and no_target_load == []
+    assert f"data.regenerated_file {out}: cannot make its lock file answers.jsonl.lock there" in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed")
+def test_sglang_missing_is_an_input_error_before_any_folder(tmp_path, capsys, no_target_load):
+    run = tmp_path / "run"
+    code = cli.main(["data", "regenerate", SMOLLM2, "target.backend=sglang", f"train.output_dir={run}",
+                     "data.num_samples=2", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and no_target_load == []
+    assert "draftforge data regenerate: error: target.backend 'sglang' needs the sglang package" in err
+    assert "Traceback" not in err and not run.exists()
+
+
+def test_made_folders_go_again_when_nothing_was_written(tmp_path):
+    deep = tmp_path / "a" / "b" / "c"
+    with made_folder(deep):
+        assert deep.is_dir()
+    assert not (tmp_path / "a").exists()  # all three were made here, and left empty
+    (tmp_path / "a").mkdir()
+    with made_folder(deep):
+        (deep.parent / "kept.txt").write_text("x")
+    assert not deep.exists() and (tmp_path / "a" / "b" / "kept.txt").exists()  # b holds a file: kept
+    with pytest.raises(RuntimeError), made_folder(tmp_path / "x" / "y"):
+        raise RuntimeError("refused")
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed")
+def test_train_refuses_a_missing_sglang_before_any_rank_starts(tmp_path, capsys, monkeypatch):
+    """Every target rank raised it after the start, and split.restart_target restarted the job
+    three times to meet it again."""
+    from draftforge.splitserve import launch
+
+    started = []
+    monkeypatch.setattr(launch, "_supervise", lambda *args, **kwargs: started.append(args) or 0)
+    code = cli.main(["train", SMOLLM2, "target.backend=sglang", f"train.output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert (code, started) == (2, [])
+    assert "draftforge train: error: target.backend 'sglang' needs the sglang package" in err
+
+
+def test_a_refused_demo_leaves_no_folder(tmp_path, capsys, monkeypatch):
+    """The demo's lock made train.output_dir's parent (runs/) before the options were checked."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["demo", TINY, "--max-new-tokens", "1"]) == 2
+    assert "--max-new-tokens 1: the first new token comes from the prompt's prefill" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
