@@ -493,6 +493,16 @@ def _evaluate(args, argv: Sequence[str] | None, held: contextlib.ExitStack) -> i
     return 0
 
 
+def _refuse_inside_checkpoints(path: Path, option: str, given: str, instead: str) -> None:
+    """Refuse an output path inside a training run's checkpoints, which the run prunes."""
+    from draftforge.train.checkpoint import checkpoints_holding
+
+    if (held := checkpoints_holding(path)) is not None:
+        raise InputError(f"{option} {given}: lies inside the training run's checkpoints ({held}), whose "
+                         "folders the run deletes when it prunes old checkpoints (train.keep_last); "
+                         f"give a path of its own, e.g. {held.parent / instead}")
+
+
 def _check_output_paths(out: str, calibrate: str | None) -> None:
     """Refuse an ``--out`` folder or a ``--calibrate`` file that cannot be written, or a
     ``--calibrate`` file the report would overwrite, naming the option, the path and what is
@@ -512,6 +522,7 @@ def _check_output_paths(out: str, calibrate: str | None) -> None:
         raise InputError(f"--out {out}: is a training run's folder; give a folder of its own for the "
                          f"report, e.g. {out_path / 'eval'} (where the demo writes a run's report and "
                          "draftforge export looks for one; eval's own default is runs/eval)")
+    _refuse_inside_checkpoints(out_path, "--out", out, "eval")
     check_folder_writable(out_path, "--out", out)
     if calibrate is not None:
         cal_path = Path(calibrate).expanduser()
@@ -526,6 +537,7 @@ def _check_output_paths(out: str, calibrate: str | None) -> None:
             raise InputError(f"--calibrate {calibrate}: is the report's {cal_path.name} in --out {out}, "
                              "which the report would write over the calibration; give another path, "
                              f"e.g. {out_path / 'calibration.json'}")
+        _refuse_inside_checkpoints(cal_path, "--calibrate", calibrate, "eval/calibration.json")
         check_folder_writable(cal_path.parent, "--calibrate", calibrate)
 
 

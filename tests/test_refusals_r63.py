@@ -118,3 +118,46 @@ def test_a_refused_demo_leaves_no_folder(tmp_path, capsys, monkeypatch):
     assert cli.main(["demo", TINY, "--max-new-tokens", "1"]) == 2
     assert "--max-new-tokens 1: the first new token comes from the prompt's prefill" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def _run_with_checkpoint(run: Path, *, run_json: bool = True) -> Path:
+    from draftforge.train.checkpoint import COMPLETE, STATE_FILE, checkpoint_path
+
+    step = checkpoint_path(run, 6)
+    step.mkdir(parents=True)
+    (step / COMPLETE).write_text("")
+    (step / STATE_FILE).write_text("{}")
+    if run_json:
+        (run / "run.json").write_text("{}")
+    return step
+
+
+def test_outputs_inside_a_runs_checkpoints_are_refused(tmp_path):
+    """A review wrote an eval report into step_00000006 and exports into step folders; the
+    next training segment pruned them away without a word."""
+    from draftforge.errors import InputError
+    from draftforge.eval.cli import _check_output_paths
+    from draftforge.train.checkpoint import checkpoints_holding
+    from draftforge.train.export_cli import _check_out_apart
+
+    run = tmp_path / "r1"
+    step = _run_with_checkpoint(run)
+    checkpoints = run / "checkpoints"
+    for inside in (checkpoints, step, step / "eval", step / "a" / "b"):
+        assert checkpoints_holding(inside) == checkpoints
+    for outside in (run, run / "eval", run / "export", tmp_path):
+        assert checkpoints_holding(outside) is None
+    old = tmp_path / "old"  # a run folder without run.json: its complete checkpoints tell it
+    assert checkpoints_holding(_run_with_checkpoint(old, run_json=False) / "x") == old / "checkpoints"
+
+    with pytest.raises(InputError, match=rf"^--out {step}: lies inside the training run's checkpoints "
+                       rf"\({checkpoints}\), .*e\.g\. {run / 'eval'}$"):
+        _check_output_paths(str(step), None)
+    with pytest.raises(InputError, match=rf"^--calibrate {step / 'cal.json'}: lies inside"):
+        _check_output_paths(str(tmp_path / "report"), str(step / "cal.json"))
+    other = tmp_path / "other" / "checkpoints" / "step_00000002"  # exporting another run's checkpoint
+    with pytest.raises(InputError, match=rf"^--out {step / 'exp'} lies inside a training run's checkpoints "
+                       rf"\({checkpoints}\), .*e\.g\. {run / 'export'}\)$"):
+        _check_out_apart(step / "exp", other, None)
+    _check_output_paths(str(run / "eval"), str(run / "eval" / "cal.json"))  # the run's own places
+    _check_out_apart(run / "export", step, run)

@@ -80,12 +80,28 @@ RUN_LOCK = ".train.lock"  # in the run directory: held by the trainer rank 0 tra
 _claimed: dict[Path, contextlib.ExitStack] = {}  # run directories whose lock this process holds
 
 
+CHECKPOINTS_DIR = "checkpoints"  # a run folder's checkpoints, one step_N folder each
+
+
 def checkpoints_root(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+    return Path(run_dir) / CHECKPOINTS_DIR
 
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:
     return checkpoints_root(run_dir) / f"step_{step:08d}"
+
+
+def checkpoints_holding(path: Path) -> Path | None:
+    """The ``checkpoints/`` folder of a training run that ``path`` is or lies inside (a run's
+    folder holds ``run.json``), or None. Output written there is not the run's own: pruning
+    (``train.keep_last``) deletes a checkpoint folder whole, without a word."""
+    path = Path(path).expanduser().absolute()
+    for folder in (path, *path.parents):
+        if folder.name == CHECKPOINTS_DIR and (folder.parent / "run.json").is_file():
+            return folder
+        if folder.parent.name == CHECKPOINTS_DIR and is_complete(folder):  # a run folder without run.json
+            return folder.parent
+    return None
 
 
 def is_complete(path: Path) -> bool:
