@@ -36,6 +36,7 @@ from draftforge.splitserve.multinode import (
     check_node_args,
     is_loopback,
     launch_plan,
+    master_addr_problems,
     multinode_torchrun_command,
     node_layout,
     node_rank_problem,
@@ -436,7 +437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"restarts of the whole job after it fails, each from the newest "
                         f"checkpoint (train.resume: auto); default {DEFAULT_RESTARTS} with "
                         "split.restart_target: true, else 0")
-    parser.add_argument("--master-addr", default=LOOPBACK, type=_bare_address,
+    parser.add_argument("--master-addr", default=None, type=_bare_address,
                         help="address the ranks reach rank 0 at (default 127.0.0.1, loopback "
                         "only); give this machine's address only to open the job deliberately. "
                         "Several nodes (split.num_nodes > 1): node 0's address on the cluster "
@@ -449,6 +450,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"node 0's rendezvous port when split.num_nodes > 1 (default "
                         f"{DEFAULT_MASTER_PORT})")
     args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
+    given_addr = args.master_addr  # None: the default, which a multi-node dry run leaves as a placeholder
+    args.master_addr = args.master_addr or LOOPBACK
 
     from draftforge.config import RecipeError, load_recipe
     from draftforge.errors import InputError
@@ -462,6 +465,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         problem = node_rank_problem(layout, args.node_rank, needed=False)
         if problem is not None:  # the advice a start gives, an option's error as there
             raise InputError(problem)
+        if layout.num_nodes > 1 and given_addr is not None:  # one a start would refuse, refused now
+            problems = master_addr_problems(layout, given_addr)
+            if problems:
+                raise InputError("\n".join(problems))
     else:
         layout = check_node_args(cfg, node_rank=args.node_rank, master_addr=args.master_addr)
         if layout.num_nodes > 1 and args.node_rank == 0:  # node 0's torchrun hosts the rendezvous
@@ -507,6 +514,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_output(f"{dry_run(cfg)}\n\n")
         write_output(launch_plan(cfg, args.recipe, args.overrides, master_addr=args.master_addr,
                                  master_port=args.master_port, max_restarts=args.max_restarts) + "\n")
+        if not Path(args.recipe).is_file():  # a pipe such as <(...): read once here, but not by a start
+            write_output(f"note: {args.recipe} is not a regular file: a start refuses it, since every "
+                         "rank of the job reads the recipe again; save it to a file and start with that\n")
         return 0
 
     if cfg.target.backend == "sglang" and _runs_targets(cfg, layout, args.node_rank):

@@ -356,18 +356,22 @@ def check_node_args(cfg, *, node_rank: int | None, master_addr: str) -> NodeLayo
         if problem is not None:
             raise InputError(problem)
         return layout
-    problems = [] if problem is None else [problem]
-    if is_unspecified(master_addr):
-        problems.append(
-            f"--master-addr: {master_addr} is the wildcard address, which other nodes cannot "
-            "reach; pass node 0's address on the cluster network (the same on every node)"
-        )
-    elif is_loopback(master_addr):
-        problems.append(
-            f"--master-addr: split.num_nodes is {layout.num_nodes}, so the other nodes must reach "
-            f"node 0's rendezvous, which {master_addr} (loopback) cannot offer; pass node 0's "
-            "address on the cluster network (the same on every node)"
-        )
+    problems = ([] if problem is None else [problem]) + master_addr_problems(layout, master_addr)
     if problems:
         raise InputError("\n".join(problems))
     return layout
+
+
+def master_addr_problems(layout: NodeLayout, master_addr: str) -> list[str]:
+    """Why ``--master-addr`` cannot be node 0's address for the other nodes of a multi-node
+    layout (the wildcard, a loopback address); nothing on one node."""
+    if layout.num_nodes == 1:
+        return []
+    if is_unspecified(master_addr):
+        return [f"--master-addr: {master_addr} is the wildcard address, which other nodes cannot "
+                "reach; pass node 0's address on the cluster network (the same on every node)"]
+    if is_loopback(master_addr):
+        return [f"--master-addr: split.num_nodes is {layout.num_nodes}, so the other nodes must reach "
+                f"node 0's rendezvous, which {master_addr} (loopback) cannot offer; pass node 0's "
+                "address on the cluster network (the same on every node)"]
+    return []

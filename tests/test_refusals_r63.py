@@ -161,3 +161,33 @@ def test_outputs_inside_a_runs_checkpoints_are_refused(tmp_path):
         _check_out_apart(step / "exp", other, None)
     _check_output_paths(str(run / "eval"), str(run / "eval" / "cal.json"))  # the run's own places
     _check_out_apart(run / "export", step, run)
+
+
+@pytest.mark.parametrize("addr", ["0.0.0.0", "127.0.0.1", "localhost"])
+def test_a_multinode_dry_run_refuses_a_master_addr_a_start_refuses(addr, capsys):
+    """The dry run printed the NODE0_ADDR placeholder in its place, exit 0."""
+    recipe = str(ROOT / "recipes" / "ling3-flash-2node.yaml")
+    assert cli.main(["train", recipe, "--dry-run", "--node-rank", "0", "--master-addr", addr]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("draftforge train: error: --master-addr: ") and f"{addr} " in err
+    assert "cluster network" in err and err.count("\n") == 1
+
+
+def test_a_multinode_dry_run_keeps_its_placeholder_without_an_address_and_shows_one_given(capsys):
+    recipe = str(ROOT / "recipes" / "ling3-flash-2node.yaml")
+    assert cli.main(["train", recipe, "--dry-run"]) == 0
+    assert "torchrun static rendezvous at NODE0_ADDR:29500 (node 0)" in capsys.readouterr().out
+    assert cli.main(["train", recipe, "--dry-run", "--master-addr", "10.0.0.5"]) == 0
+    assert "torchrun static rendezvous at 10.0.0.5:29500 (node 0)" in capsys.readouterr().out
+
+
+def test_a_dry_run_of_a_piped_recipe_says_a_start_refuses_it(tmp_path):
+    pipe = subprocess.run(["bash", "-c", f"{sys.executable} -m draftforge train <(cat {TINY}) --dry-run"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+    assert pipe.returncode == 0, pipe.stderr
+    assert pipe.stdout.rstrip().splitlines()[-1].endswith(
+        "is not a regular file: a start refuses it, since every rank of the job reads the recipe again; "
+        "save it to a file and start with that")
+    plain = subprocess.run([sys.executable, "-m", "draftforge", "train", TINY, "--dry-run"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+    assert plain.returncode == 0 and "not a regular file" not in plain.stdout
