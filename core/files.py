@@ -330,9 +330,8 @@ def made_folder(folder: Path) -> Iterator[None]:
 def lock_or_refuse(path: Path, refused: Callable[[str], Exception]) -> Iterator[bool]:
     """Hold :func:`exclusive_lock` at ``path`` (its folder made, :func:`made_folder`) while the
     block runs; when another process holds it, raise ``refused(holder)`` at once (``holder``:
-    "process N"). On a
-    file system without ``flock`` (some network ones) the block runs unlocked. Yields whether
-    the lock is held."""
+    "process N"). On a file system without ``flock`` (some network ones) the block runs
+    unlocked. Yields whether the lock is held."""
     with contextlib.ExitStack() as stack:
         try:
             stack.enter_context(made_folder(path.parent))  # removed again if the block writes nothing
