@@ -208,13 +208,6 @@ def _check_out_apart(out: Path, source: Path, run_dir: Path | None) -> None:
     folder = (source if source.is_dir() else source.parent).resolve()
     run = run_dir or (folder.parent.parent if folder.parent.name == "checkpoints" else None)
     where = out.expanduser().resolve()
-    from draftforge.train.checkpoint import checkpoints_holding
-
-    if (held := checkpoints_holding(where)) is not None:  # another run's, or this one's
-        raise InputError(
-            f"--out {out} lies inside a training run's checkpoints ({held}), whose folders the run "
-            "deletes when it prunes old checkpoints (train.keep_last); choose a folder outside them "
-            f"(e.g. {held.parent / 'export'})")
     for what, path in (("the run", run), ("the checkpoint", folder)):
         if path is None:
             continue
@@ -224,6 +217,13 @@ def _check_out_apart(out: Path, source: Path, run_dir: Path | None) -> None:
             raise InputError(
                 f"--out {out} {relation} {what} being exported ({path}); an export replaces its "
                 f"folder whole, so choose a folder outside it (by default {run or folder}/export)")
+    from draftforge.train.checkpoint import checkpoints_holding
+
+    if (held := checkpoints_holding(where)) is not None:  # inside another run's, or this one's
+        raise InputError(
+            f"--out {out} lies inside a training run's checkpoints ({held}), whose folders the run "
+            "deletes when it prunes old checkpoints (train.keep_last); choose a folder outside them "
+            f"(e.g. {held.parent / 'export'})")
 
 
 def _check_repo_id(repo_id: str) -> None:
