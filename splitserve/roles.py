@@ -896,7 +896,7 @@ def _run_trainer(ctx: RankContext, bench: dict | None) -> None:
     mine = len(info.consumed_ids) if info is not None else 0
     if info is not None:
         ctx.log(f"resumed from {info.path} at step {info.step} ({mine} samples consumed here)")
-        if info.schedule_change:
+        if info.schedule_change and ctx.rank == cfg.split.trainer_ranks[0]:  # the same on every rank: said once
             ctx.log(f"note: {info.schedule_change}")
     acks.hello(consumed)
     credits = max(1, cfg.split.max_in_flight // len(sources))

@@ -56,18 +56,23 @@ def test_extending_a_finished_run_notes_that_its_schedule_had_ended(tmp_path):
     assert end == 0.0  # the cosine's end (min_lr_ratio 0)
     new = train_config(steps=8)  # warmup_ratio 0.1: 1 warmup step
     note = _trainer(run, steps=8, resume="auto").resume().schedule_change
+    # steps counted from 1: step n trains at lr_at(n - 1), so a run's last step trains above the
+    # cosine's end (a review found the note giving the end value as the rate of steps 4 and 8)
     assert note == (
-        f"the checkpointed run had finished its learning-rate schedule (train.steps 4): its rate had "
-        f"decayed to its end value, {end:.3e}; under this recipe's schedule (train.lr 0.003, steps 8, "
-        f"warmup_ratio 0.1, min_lr_ratio 0) step 5 trains at {lr_at(4, train=new):.3e}, with no warmup "
-        "again (its warmup ended at step 1), and the rate follows the cosine down to 0.000e+00 at step 8")
+        f"the checkpointed run had finished its learning-rate schedule (train.steps 4): its last step "
+        f"trained at {lr_at(3, train=old):.3e}, its cosine ending at {end:.3e}; under this recipe's "
+        f"schedule (train.lr 0.003, steps 8, warmup_ratio 0.1, min_lr_ratio 0) step 5 trains at "
+        f"{lr_at(4, train=new):.3e}, with no warmup again (its warmup ended at step 1), and the rate "
+        f"follows the cosine down to {lr_at(7, train=new):.3e} at step 8, its last (the cosine ends at "
+        "0.000e+00)")
+    assert lr_at(3, train=old) > 0 and lr_at(7, train=new) > 0
     # a warmup longer than the finished run goes on from the resumed step, it does not restart
     new = train_config(steps=40, warmup_ratio=0.25)  # 10 warmup steps
     note = _trainer(run, steps=40, warmup_ratio=0.25, resume="auto").resume().schedule_change
     assert lr_at(4, train=new) == 5 / 10 * new.lr
     assert (f"step 5 trains at {lr_at(4, train=new):.3e}, within its warmup: the rate rises to "
             f"{new.lr:.3e} at step 10 (the warmup goes on from step 5, it does not start again), then "
-            "follows the cosine down to 0.000e+00 at step 40") in note
+            f"follows the cosine down to {lr_at(39, train=new):.3e} at step 40, its last") in note
     assert "would have been" not in note
 
 

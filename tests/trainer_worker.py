@@ -105,7 +105,7 @@ def _run(job: dict, group, trainer_rank: int, num_trainers: int, built: list) ->
         os.chdir(run_dir / f"node{trainer_rank}")
         run_dir = Path("run")
     trainer = Trainer(model_config=tiny_model_config(**model_overrides), train=train,
-                      embeddings=target_embeddings(), run_dir=run_dir, group=group,
+                      embeddings=target_embeddings(job.get("embeddings_seed", 7)), run_dir=run_dir, group=group,
                       recipe_yaml="job: test\n")
     built.append(trainer)
     if job.get("fail_save_rank") == trainer_rank:

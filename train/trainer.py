@@ -265,9 +265,16 @@ class Trainer:
         path = self._find_resume(self.train.resume)
         if path is None:
             return None
+        # the target's embedding and lm_head as its rank sent them for this segment: a checkpoint
+        # holds the earlier segment's (another revision of the target, another dtype)
+        with self._frozen_gathered(modifier=False):
+            sent = {name: p.detach().to("cpu", copy=True) for name, p in self._frozen()}
         state = ckpt.load_checkpoint(path=Path(path), strategy=self.train.strategy, model=self.model,
                                      optimizer=self.optimizer, engine=self.engine, group=self.group,
                                      model_config=self.model_config.to_dict())
+        with self._frozen_gathered(modifier=True), torch.no_grad():
+            for name, p in self._frozen():
+                p.copy_(sent.pop(name))
         self.step = int(state["step"])
         self.skipped_steps = int(state["skipped_steps"])
         per_rank = state["consumed_ids"]
@@ -409,10 +416,15 @@ class Trainer:
             else:
                 ended = f"its warmup ended at step {warmup}" if warmup else "it has none"
                 then = f"with no warmup again ({ended}), and the rate follows the cosine"
+            # steps are counted from 1 here, and step n trains at lr_at(n - 1): the cosine's end value
+            # comes after the last step, which trains just above it
+            finished = train.model_copy(update={key: old[key] for key in ("lr", "steps", "warmup_ratio",
+                                                                        "min_lr_ratio") if key in old})
             return (f"the checkpointed run had finished its learning-rate schedule (train.steps "
-                    f"{old['steps']}): its rate had decayed to its end value, {before:.3e}; under "
-                    f"{schedule} step {step} trains at {now:.3e}, {then} down to {end:.3e} at step "
-                    f"{train.steps}")
+                    f"{old['steps']}): its last step trained at {lr_at(old['steps'] - 1, train=finished):.3e}, "
+                    f"its cosine ending at {before:.3e}; under {schedule} step {step} trains at {now:.3e}, "
+                    f"{then} down to {lr_at(train.steps - 1, train=train):.3e} at step {train.steps}, its "
+                    f"last (the cosine ends at {end:.3e})")
         if before is not None and not math.isclose(before, now, rel_tol=1e-9, abs_tol=0.0):
             return (f"the learning rate of step {step} is {now:.3e} under {schedule}, where the "
                     f"checkpointed run's would have been {before:.3e}; training continues on the new schedule")
@@ -913,6 +925,20 @@ class Trainer:
         if self.engine is not None:
             return self._deepspeed_full_state(on_cpu)
         return on_cpu(self.model.state_dict())
+
+    def _frozen(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The frozen parameters (the target's embedding and lm_head), by name."""
+        return [(name, p) for name, p in self.model.named_parameters() if not p.requires_grad]
+
+    def _frozen_gathered(self, *, modifier: bool):
+        """A context in which the frozen parameters are whole: under ZeRO-3 gathered (and, with
+        ``modifier``, what rank 0 writes into them partitioned again); elsewhere they are."""
+        if self.engine is None or self.train.zero_stage != 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters([p for _, p in self._frozen()],
+                                                 modifier_rank=0 if modifier else None)
 
     def _deepspeed_full_state(self, on_cpu) -> dict[str, torch.Tensor]:
         """The frozen weights as the module holds them, the trainable ones from the optimizer's
