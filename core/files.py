@@ -360,8 +360,9 @@ def flock_holder(stat: os.stat_result, locks: Path = Path("/proc/locks")) -> str
     for line in lines:
         fields = line.split()
         # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:5678 0 EOF"; a waiter's line has "->" after "1:"
+        # pid 0: a holder this process cannot see (another pid namespace), so not known here
         if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == device and fields[4].isdigit():
-            return fields[4]
+            return fields[4] if int(fields[4]) else None
     return None
 
 
@@ -372,10 +373,19 @@ def exclusive_lock(path: Path) -> Iterator[None]:
     holds the holder's process id and is removed on leaving, by the holder, while it holds the
     lock; a process that opened it just before is told by the inode check and locks the new one."""
     path = Path(path)
+    remade = 0
     while True:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
             writable = True
+        except FileNotFoundError:
+            # its folder was just removed: another process that made it and was refused left it
+            # empty (made_folder); made again, a few times at most
+            if remade >= 3:
+                raise
+            remade += 1
+            path.parent.mkdir(parents=True, exist_ok=True)
+            continue
         except PermissionError as refused:
             # a lock file a killed run of another user left, in its umask's mode: flock works
             # on a read-only descriptor too, and tells a held lock from a stale file

@@ -33,6 +33,9 @@ def test_the_holder_is_read_from_the_lock_table(tmp_path):
     assert flock_holder(st, table) == "44"
     table.write_text("1: FLOCK  ADVISORY  WRITE 22 00:00:1 0 EOF\n")
     assert flock_holder(st, table) is None
+    # pid 0: a holder in another pid namespace, not known here (the file's text is used then)
+    table.write_text(f"1: FLOCK  ADVISORY  WRITE 0 {device} 0 EOF\n")
+    assert flock_holder(st, table) is None
     assert flock_holder(st, tmp_path / "missing") is None
 
 
@@ -72,3 +75,28 @@ def test_a_refusal_names_the_holder_not_the_files_text(tmp_path):
         except Locked:
             assert time.monotonic() < deadline
             time.sleep(0.05)
+
+
+def test_a_lock_whose_folder_goes_just_before_it_is_opened_makes_it_again(tmp_path, monkeypatch):
+    """Another command made the folder, was refused and removed it (made_folder) between this
+    one's mkdir and its open of the lock file: "No such file or directory" (a review replayed it)."""
+    import shutil
+
+    from draftforge import files
+
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    lock = folder / ".eval.lock"
+    real_open = os.open
+    removed = []
+
+    def open_after_removal(file, flags, *args, **kwargs):
+        if os.fspath(file) == str(lock) and not removed:
+            shutil.rmtree(folder)  # the other command leaves, taking the empty folder with it
+            removed.append(True)
+        return real_open(file, flags, *args, **kwargs)
+
+    monkeypatch.setattr(files.os, "open", open_after_removal)
+    with files.lock_or_refuse(lock, lambda holder: RuntimeError(holder)) as held:
+        assert held and lock.is_file()
+    assert removed == [True]

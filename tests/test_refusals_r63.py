@@ -127,8 +127,9 @@ def _run_with_checkpoint(run: Path, *, run_json: bool = True) -> Path:
     step.mkdir(parents=True)
     (step / COMPLETE).write_text("")
     (step / STATE_FILE).write_text("{}")
+    (run / "config.yaml").write_text("train: {}\n")  # every run folder records its resolved config
     if run_json:
-        (run / "run.json").write_text("{}")
+        (run / "run.json").write_text('{"segments": []}')
     return step
 
 
@@ -149,6 +150,16 @@ def test_outputs_inside_a_runs_checkpoints_are_refused(tmp_path):
         assert checkpoints_holding(outside) is None
     old = tmp_path / "old"  # a run folder without run.json: its complete checkpoints tell it
     assert checkpoints_holding(_run_with_checkpoint(old, run_json=False) / "x") == old / "checkpoints"
+    # folders merely named so are not a run's (the review of this change found both taken for one):
+    # another tool's run.json beside a checkpoints/ folder, and an archive of checkpoints
+    other = tmp_path / "proj"
+    (other / "checkpoints" / "eval").mkdir(parents=True)
+    (other / "run.json").write_text('{"tool": "mlflow-like"}')
+    assert checkpoints_holding(other / "checkpoints" / "eval") is None
+    archive = tmp_path / "archive"
+    _run_with_checkpoint(archive, run_json=False)
+    (archive / "config.yaml").unlink()
+    assert checkpoints_holding(archive / "checkpoints" / "step_00000006" / "eval") is None
 
     with pytest.raises(InputError, match=rf"^--out {step}: lies inside the training run's checkpoints "
                        rf"\({checkpoints}\), .*e\.g\. {run / 'eval'}$"):

@@ -92,15 +92,17 @@ def checkpoint_path(run_dir: Path, step: int) -> Path:
 
 
 def checkpoints_holding(path: Path) -> Path | None:
-    """The ``checkpoints/`` folder of a training run that ``path`` is or lies inside (a run's
-    folder holds ``run.json``), or None. Output written there is not the run's own: pruning
-    (``train.keep_last``) deletes a checkpoint folder whole, without a word."""
+    """The ``checkpoints/`` folder of a training run that ``path`` is or lies inside, or None.
+    A run's folder holds its ``config.yaml`` beside ``checkpoints/``, and ``run.json`` or a
+    complete checkpoint (a run of an earlier draftforge); a folder that is merely named so is
+    not one. Output written there is not the run's own: pruning (``train.keep_last``) deletes a
+    checkpoint folder whole, without a word."""
     path = Path(path).expanduser().absolute()
     for folder in (path, *path.parents):
-        if folder.name == CHECKPOINTS_DIR and (folder.parent / "run.json").is_file():
+        if folder.name != CHECKPOINTS_DIR or not (folder.parent / "config.yaml").is_file():
+            continue
+        if (folder.parent / "run.json").is_file() or any(is_complete(c) for c in folder.iterdir()):
             return folder
-        if folder.parent.name == CHECKPOINTS_DIR and is_complete(folder):  # a run folder without run.json
-            return folder.parent
     return None
 
 
