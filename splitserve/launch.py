@@ -465,10 +465,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         problem = node_rank_problem(layout, args.node_rank, needed=False)
         if problem is not None:  # the advice a start gives, an option's error as there
             raise InputError(problem)
-        if layout.num_nodes > 1 and given_addr is not None:  # one a start would refuse, refused now
-            problems = master_addr_problems(layout, given_addr)
-            if problems:
-                raise InputError("\n".join(problems))
+        problems = [] if given_addr is None else master_addr_problems(layout, given_addr)
+        if problems:  # an address a multi-node start would refuse, refused now
+            raise InputError("\n".join(problems))
     else:
         layout = check_node_args(cfg, node_rank=args.node_rank, master_addr=args.master_addr)
         if layout.num_nodes > 1 and args.node_rank == 0:  # node 0's torchrun hosts the rendezvous

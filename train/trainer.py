@@ -946,7 +946,6 @@ class Trainer:
         per trainable parameter, in the same order on every rank (ZeRO-2 and ZeRO-3); each
         gathered master (a full fp32 tensor on the trainer's device) goes to the CPU, or is
         dropped on a rank that keeps nothing, before the next is gathered."""
-        import deepspeed
         from deepspeed.utils import safe_get_full_fp32_param
 
         masters: dict[str, torch.Tensor | None] = {}
@@ -961,11 +960,7 @@ class Trainer:
                 by_id[id(param)] = on_cpu({name: full}, fresh=True).get(name)
                 del full
             masters[name] = by_id[id(param)]
-        if self.train.zero_stage == 3:  # the frozen weights are partitioned too
-            frozen = [p for p in self.model.parameters() if not p.requires_grad]
-            with deepspeed.zero.GatheredParameters(frozen, modifier_rank=None):
-                state = on_cpu({k: v for k, v in self.model.state_dict().items() if k not in masters})
-        else:
+        with self._frozen_gathered(modifier=False):  # under ZeRO-3 the frozen weights are partitioned too
             state = on_cpu({k: v for k, v in self.model.state_dict().items() if k not in masters})
         state.update((name, master) for name, master in masters.items() if master is not None)
         return state
